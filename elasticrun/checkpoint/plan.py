@@ -1,0 +1,167 @@
+"""Who writes what: the global save plan computed identically on every rank.
+
+Every rank contributes the names, dtypes, local shapes and placements of its tensors
+(one small ``all_gather``). From that, each rank derives the same plan:
+
+* ``Shard(dim)`` tensors: each rank writes its own slice; global shape and offsets come
+  from the gathered local shapes (slices may be uneven).
+* ``Replicate`` tensors: written once. Large ones (>= ``SPLIT_BYTES`` with at least as
+  many rows as ranks) are split along dim 0 so rank ``i`` writes rows part ``i``
+  (``torch.tensor_split`` boundaries); the rest go whole to the least-loaded rank,
+  largest first, so every rank writes about 1/N of the bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from elasticrun.checkpoint.format import DTYPES, Chunk, Placement, Replicate, Shard, TensorEntry, shard_file_name
+from elasticrun.errors import CheckpointError
+
+SPLIT_BYTES = 4 << 20
+
+# (name, dtype code, local shape, placement) as gathered from one rank
+LocalInfo = Tuple[str, str, Tuple[int, ...], Placement]
+
+
+@dataclass(frozen=True)
+class WriteItem:
+    """One chunk a rank writes: ``rows`` is a dim-0 range of its local tensor, or None for all of it."""
+
+    name: str
+    chunk: Chunk
+    rows: Optional[Tuple[int, int]]
+
+
+@dataclass
+class SavePlan:
+    tensors: Dict[str, TensorEntry]
+    writes: List[List[WriteItem]]  # per rank, in file order
+
+    def bytes_per_rank(self) -> List[int]:
+        out = []
+        for items in self.writes:
+            out.append(sum(_numel(i.chunk.shape) * DTYPES[self.tensors[i.name].dtype][1] for i in items))
+        return out
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def split_bounds(n: int, parts: int) -> List[Tuple[int, int]]:
+    """``torch.tensor_split`` boundaries: the first ``n % parts`` pieces get one extra row."""
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        stop = start + base + (1 if i < extra else 0)
+        out.append((start, stop))
+        start = stop
+    return out
+
+
+def _check_consistent(per_rank: Sequence[Sequence[LocalInfo]]) -> Dict[str, List[LocalInfo]]:
+    """Index gathered infos by name; every rank must hold the same tensors with the same dtype/placement."""
+    by_name: Dict[str, List[LocalInfo]] = {}
+    names0 = [i[0] for i in per_rank[0]]
+    for rank, infos in enumerate(per_rank):
+        names = [i[0] for i in infos]
+        if sorted(names) != sorted(names0):
+            missing = sorted(set(names0) - set(names))[:3]
+            extra = sorted(set(names) - set(names0))[:3]
+            raise CheckpointError(
+                f"rank {rank} saves different tensors than rank 0 (missing {missing}, extra {extra}): every rank "
+                "must pass a state dict with the same keys"
+            )
+        for info in infos:
+            by_name.setdefault(info[0], []).append(info)
+    for name, infos in by_name.items():
+        if name == "__metadata__":
+            raise CheckpointError("'__metadata__' is reserved by safetensors: rename that state dict key")
+        first = infos[0]
+        for rank, info in enumerate(infos):
+            if info[1] != first[1] or info[3] != first[3]:
+                raise CheckpointError(
+                    f"tensor {name!r} differs between ranks: rank 0 has {first[1]} {first[3]}, rank {rank} has "
+                    f"{info[1]} {info[3]}"
+                )
+    return by_name
+
+
+def _shard_entry(name: str, infos: List[LocalInfo], dim: int, writes: List[List[WriteItem]],
+                 loads: List[int]) -> TensorEntry:
+    shapes = [i[2] for i in infos]
+    ndim = len(shapes[0])
+    if not 0 <= dim < ndim:
+        raise CheckpointError(f"tensor {name!r} is Shard({dim}) but has {ndim} dimensions")
+    for rank, s in enumerate(shapes):
+        if len(s) != ndim or any(s[d] != shapes[0][d] for d in range(ndim) if d != dim):
+            raise CheckpointError(
+                f"tensor {name!r} is Shard({dim}) but rank {rank}'s slice {tuple(s)} does not match rank 0's "
+                f"{tuple(shapes[0])} outside dim {dim}"
+            )
+    chunks = []
+    offset = 0
+    itemsize = DTYPES[infos[0][1]][1]
+    for rank, s in enumerate(shapes):
+        offsets = tuple(offset if d == dim else 0 for d in range(ndim))
+        chunk = Chunk(shard_file_name(rank, len(infos)), name, offsets, tuple(s))
+        chunks.append(chunk)
+        writes[rank].append(WriteItem(name, chunk, None))
+        loads[rank] += _numel(s) * itemsize
+        offset += s[dim]
+    global_shape = tuple(offset if d == dim else shapes[0][d] for d in range(ndim))
+    return TensorEntry(name, infos[0][1], global_shape, Shard(dim), tuple(chunks))
+
+
+def make_plan(per_rank: Sequence[Sequence[LocalInfo]]) -> SavePlan:
+    """The global plan from every rank's local infos (deterministic: same input, same plan)."""
+    world = len(per_rank)
+    by_name = _check_consistent(per_rank)
+    writes: List[List[WriteItem]] = [[] for _ in range(world)]
+    loads = [0] * world
+    tensors: Dict[str, TensorEntry] = {}
+    replicated: List[Tuple[int, str]] = []
+    for name, infos in by_name.items():
+        placement = infos[0][3]
+        if isinstance(placement, Shard):
+            tensors[name] = _shard_entry(name, infos, placement.dim, writes, loads)
+            continue
+        shape = infos[0][2]
+        for rank, info in enumerate(infos):
+            if info[2] != shape:
+                raise CheckpointError(
+                    f"tensor {name!r} is replicated but rank {rank} has shape {tuple(info[2])} and rank 0 "
+                    f"{tuple(shape)}: declare it Shard(dim) in placements if each rank holds a slice"
+                )
+        replicated.append((_numel(shape) * DTYPES[infos[0][1]][1], name))
+
+    small: List[Tuple[int, str]] = []
+    for nbytes, name in replicated:
+        shape = by_name[name][0][2]
+        dtype = by_name[name][0][1]
+        if world > 1 and nbytes >= SPLIT_BYTES and len(shape) >= 1 and shape[0] >= world:
+            chunks = []
+            for rank, (a, b) in enumerate(split_bounds(shape[0], world)):
+                chunk = Chunk(shard_file_name(rank, world), name, (a,) + (0,) * (len(shape) - 1), (b - a,) + shape[1:])
+                chunks.append(chunk)
+                writes[rank].append(WriteItem(name, chunk, (a, b)))
+                loads[rank] += nbytes * (b - a) // shape[0]
+            tensors[name] = TensorEntry(name, dtype, shape, Replicate(), tuple(chunks))
+        else:
+            small.append((nbytes, name))
+    for nbytes, name in sorted(small, key=lambda x: (-x[0], x[1])):
+        rank = min(range(world), key=lambda r: (loads[r], r))
+        shape = by_name[name][0][2]
+        chunk = Chunk(shard_file_name(rank, world), name, (0,) * len(shape), shape)
+        writes[rank].append(WriteItem(name, chunk, None))
+        loads[rank] += nbytes
+        tensors[name] = TensorEntry(name, by_name[name][0][1], shape, Replicate(), (chunk,))
+    # Write in name order within each file: stable, readable, and deterministic.
+    for items in writes:
+        items.sort(key=lambda i: i.name)
+    return SavePlan(tensors, writes)

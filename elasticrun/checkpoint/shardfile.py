@@ -1,0 +1,166 @@
+"""One safetensors shard file: written with large sequential writes straight from tensor
+memory (no serialisation copy) while a second thread hashes the same bytes, and read back
+by byte ranges into preallocated tensors.
+
+The files are plain safetensors (8-byte little-endian header length, JSON header,
+raw little-endian data), so ``safetensors.safe_open`` reads any of them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import IO, Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from elasticrun.checkpoint.format import DTYPES
+from elasticrun.errors import CheckpointError
+
+PIECE = 64 << 20  # bytes per write() call; also the hashing granularity
+MAX_HEADER = 256 << 20
+_DTYPE_CODE = {getattr(torch, tname): code for code, (tname, _) in DTYPES.items() if hasattr(torch, tname)}
+
+
+def dtype_code(dtype: torch.dtype, name: str) -> str:
+    """safetensors code of a torch dtype, or CheckpointError naming the tensor."""
+    try:
+        return _DTYPE_CODE[dtype]
+    except KeyError:
+        raise CheckpointError(f"tensor {name!r} has dtype {dtype}, which safetensors cannot store") from None
+
+
+def torch_dtype(code: str) -> torch.dtype:
+    return getattr(torch, DTYPES[code][0])
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without copying."""
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def build_header(items: Sequence[Tuple[str, str, Sequence[int], int]], metadata: Dict[str, str]) -> bytes:
+    """The header bytes (length prefix + JSON, space-padded to 8 bytes) for ``(key, dtype, shape, nbytes)``."""
+    header: Dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for key, code, shape, nbytes in items:
+        header[key] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(len(raw) + 8) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _write_all(f: IO[bytes], view: memoryview) -> None:
+    while len(view):
+        n = f.write(view)
+        if n is None:  # a non-blocking raw file could not take anything; treat as transient
+            raise BlockingIOError(11, "write would block")
+        view = view[n:]
+
+
+class Hasher:
+    """sha256 of a byte stream, computed on a helper thread (hashlib releases the GIL)."""
+
+    def __init__(self, pool: Optional[ThreadPoolExecutor]) -> None:
+        self._h = hashlib.sha256()
+        self._pool = pool
+        self._pending: List[Future] = []
+
+    def update(self, data: memoryview) -> None:
+        if self._pool is None or len(data) < (1 << 20):
+            self._h.update(data)
+            return
+        self._pending = [f for f in self._pending if not f.done()]
+        self._pending.append(self._pool.submit(self._h.update, data))
+
+    def hexdigest(self) -> str:
+        for f in self._pending:
+            f.result()
+        self._pending = []
+        return self._h.hexdigest()
+
+
+def write_shard(
+    f: IO[bytes],
+    tensors: Sequence[Tuple[str, torch.Tensor]],
+    metadata: Dict[str, str],
+    pool: Optional[ThreadPoolExecutor],
+    on_piece: Optional[Callable[[int], None]] = None,
+) -> Tuple[int, str]:
+    """Write a safetensors file to ``f`` from contiguous CPU tensors; returns ``(size, sha256)``.
+
+    The hash runs on ``pool`` while the next piece is written, so checksumming is almost
+    free on a machine with a spare core. ``on_piece(bytes_written)`` is a test hook.
+    """
+    items = [(k, dtype_code(t.dtype, k), tuple(t.shape), t.numel() * t.element_size()) for k, t in tensors]
+    header = build_header(items, metadata)
+    hasher = Hasher(pool)
+    hasher.update(memoryview(header))
+    _write_all(f, memoryview(header))
+    written = len(header)
+    for _, t in tensors:
+        view = byte_view(t)
+        for start in range(0, len(view), PIECE):
+            piece = view[start:start + PIECE]
+            hasher.update(piece)
+            _write_all(f, piece)
+            written += len(piece)
+            if on_piece is not None:
+                on_piece(written)
+    return written, hasher.hexdigest()
+
+
+def read_header(f: IO[bytes], where: str, file_size: Optional[int] = None) -> Tuple[Dict[str, Any], int]:
+    """Parse a safetensors header: ``(header dict, offset of the data section)``."""
+    f.seek(0)
+    prefix = f.read(8)
+    if len(prefix) != 8:
+        raise CheckpointError(f"{where} is truncated ({len(prefix)} bytes): not a safetensors file")
+    (n,) = struct.unpack("<Q", prefix)
+    if n > MAX_HEADER or (file_size is not None and n + 8 > file_size):
+        raise CheckpointError(f"{where} is not a valid safetensors file (header length {n} is impossible)")
+    raw = f.read(n)
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError("header is not an object")
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{where} is not a valid safetensors file (bad header: {err})") from None
+    return header, 8 + n
+
+
+def readinto_exact(f: IO[bytes], offset: int, view: memoryview, where: str) -> None:
+    """Fill ``view`` with the bytes at ``offset`` of ``f``; a short file is a CheckpointError."""
+    if len(view) == 0:
+        return
+    fileno = _fileno(f)
+    got = 0
+    if fileno is not None:
+        while got < len(view):
+            n = os.preadv(fileno, [view[got:]], offset + got)
+            if n <= 0:
+                break
+            got += n
+    else:
+        f.seek(offset)
+        while got < len(view):
+            n = f.readinto(view[got:])
+            if not n:
+                break
+            got += n
+    if got != len(view):
+        raise CheckpointError(f"{where} is truncated: wanted {len(view)} bytes at offset {offset}, got {got}")
+
+
+def _fileno(f: IO[bytes]) -> Optional[int]:
+    try:
+        return f.fileno() if hasattr(os, "preadv") else None
+    except (OSError, AttributeError, ValueError, NotImplementedError):
+        return None

@@ -1,0 +1,252 @@
+"""Where checkpoint bytes live: a local/shared filesystem, or anything fsspec can reach.
+
+Both backends offer the same small set of operations (used by the writer, reader,
+commit, listing and retention) so the format never changes with the storage. Transient
+errors (timeouts, resets, EAGAIN, ...) are retried with exponential backoff by
+:func:`retry`; anything else surfaces at once as a one-line CheckpointError.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import shutil
+import time
+from typing import IO, Any, Callable, Dict, List, Optional, Tuple, TypeVar
+
+from elasticrun.errors import CheckpointError
+
+T = TypeVar("T")
+
+_TRANSIENT_ERRNOS = {
+    errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.ETIMEDOUT, errno.ECONNRESET,
+    errno.ECONNREFUSED, errno.ECONNABORTED, errno.ESTALE, errno.ENETUNREACH,
+}
+RETRY_ATTEMPTS = int(os.environ.get("ELASTICRUN_CKPT_RETRIES", "5"))
+RETRY_BASE_DELAY = 0.05
+
+
+def is_transient(err: BaseException) -> bool:
+    """Whether an I/O error is worth retrying (network blips, busy/locked resources)."""
+    if isinstance(err, (TimeoutError, ConnectionError)):
+        return True
+    if isinstance(err, OSError) and err.errno in _TRANSIENT_ERRNOS:
+        return True
+    return bool(getattr(err, "transient", False))
+
+
+def describe(err: BaseException) -> str:
+    """A short human description of an I/O error (no traceback)."""
+    if isinstance(err, OSError) and err.strerror:
+        return f"{err.strerror} ({errno.errorcode.get(err.errno or 0, err.errno)})"
+    return f"{err.__class__.__name__}: {err}"
+
+
+def retry(fn: Callable[[], T], what: str, attempts: Optional[int] = None) -> T:
+    """Call ``fn``; retry transient errors with jittered exponential backoff; wrap the final one."""
+    attempts = RETRY_ATTEMPTS if attempts is None else attempts
+    delay = RETRY_BASE_DELAY
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn()
+        except CheckpointError:
+            raise
+        except Exception as err:  # noqa: BLE001 - classified below
+            if not is_transient(err) or attempt == attempts:
+                extra = f" after {attempt} attempts" if attempt > 1 else ""
+                raise CheckpointError(f"cannot {what}{extra}: {describe(err)}") from err
+        time.sleep(delay * (0.5 + random.random()))
+        delay = min(delay * 2, 2.0)
+    raise AssertionError("unreachable")
+
+
+class Storage:
+    """Operations on paths below a checkpoint root. Paths are strings joined with '/'."""
+
+    #: True when a directory rename is atomic (local/POSIX), so the commit is a rename.
+    atomic_rename: bool = True
+    root: str
+
+    def join(self, *parts: str) -> str:
+        return "/".join([self.root.rstrip("/"), *parts]) if self.root else "/".join(parts)
+
+    def display(self, path: str) -> str:
+        return path
+
+    # The methods below are implemented by the backends.
+    def exists(self, path: str) -> bool: ...
+    def isdir(self, path: str) -> bool: ...
+    def listdir(self, path: str) -> List[str]: ...
+    def size(self, path: str) -> int: ...
+    def mkdirs(self, path: str) -> None: ...
+    def open_read(self, path: str) -> IO[bytes]: ...
+    def open_write(self, path: str) -> IO[bytes]: ...
+    def finish_write(self, f: IO[bytes]) -> None: ...
+    def remove_tree(self, path: str) -> None: ...
+    def rename_dir(self, src: str, dst: str) -> None: ...
+    def move_file(self, src: str, dst: str) -> None: ...
+    def sync_dir(self, path: str) -> None: ...
+
+    def read_bytes(self, path: str) -> bytes:
+        def op() -> bytes:
+            with self.open_read(path) as f:
+                return f.read()
+
+        return retry(op, f"read {self.display(path)}")
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        """Write a small file durably (fsync where the backend has it)."""
+
+        def op() -> None:
+            f = self.open_write(path)
+            try:
+                f.write(data)
+                self.finish_write(f)
+            finally:
+                f.close()
+
+        retry(op, f"write {self.display(path)}")
+
+
+class LocalStorage(Storage):
+    """A local or shared POSIX filesystem: fsync'd files and directories, atomic rename."""
+
+    atomic_rename = True
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(os.path.expanduser(root))
+
+    def join(self, *parts: str) -> str:
+        return os.path.join(self.root, *parts)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def isdir(self, path: str) -> bool:
+        return os.path.isdir(path)
+
+    def listdir(self, path: str) -> List[str]:
+        return sorted(os.listdir(path))
+
+    def size(self, path: str) -> int:
+        return os.path.getsize(path)
+
+    def mkdirs(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+    def open_read(self, path: str) -> IO[bytes]:
+        return open(path, "rb", buffering=0)
+
+    def open_write(self, path: str) -> IO[bytes]:
+        return open(path, "wb", buffering=0)
+
+    def finish_write(self, f: IO[bytes]) -> None:
+        f.flush()
+        os.fsync(f.fileno())
+
+    def remove_tree(self, path: str) -> None:
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
+
+    def rename_dir(self, src: str, dst: str) -> None:
+        # os.rename would silently replace an empty dst; refuse any existing one.
+        if os.path.exists(dst):
+            raise FileExistsError(errno.EEXIST, "destination exists", dst)
+        os.rename(src, dst)
+
+    def move_file(self, src: str, dst: str) -> None:
+        os.replace(src, dst)
+
+    def sync_dir(self, path: str) -> None:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class FsspecStorage(Storage):
+    """Any fsspec filesystem (s3://, gs://, memory://, ...). No atomic rename: the commit
+    moves the shards into place first and writes ``metadata.json`` last, so a directory
+    without it is incomplete exactly as on a local disk."""
+
+    atomic_rename = False
+
+    def __init__(self, fs: Any, root: str, url: str) -> None:
+        self.fs = fs
+        self.root = root.rstrip("/")
+        self.url = url
+        self._protocol = fs.protocol[0] if isinstance(fs.protocol, (tuple, list)) else fs.protocol
+
+    def display(self, path: str) -> str:
+        return f"{self._protocol}://{path.lstrip('/')}" if "://" not in path else path
+
+    def exists(self, path: str) -> bool:
+        return bool(self.fs.exists(path))
+
+    def isdir(self, path: str) -> bool:
+        return bool(self.fs.isdir(path))
+
+    def listdir(self, path: str) -> List[str]:
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(path, detail=False))
+
+    def size(self, path: str) -> int:
+        return int(self.fs.size(path))
+
+    def mkdirs(self, path: str) -> None:
+        self.fs.makedirs(path, exist_ok=True)
+
+    def open_read(self, path: str) -> IO[bytes]:
+        return self.fs.open(path, "rb")
+
+    def open_write(self, path: str) -> IO[bytes]:
+        return self.fs.open(path, "wb")
+
+    def finish_write(self, f: IO[bytes]) -> None:
+        f.flush()
+
+    def remove_tree(self, path: str) -> None:
+        if self.fs.exists(path):
+            self.fs.rm(path, recursive=True)
+
+    def rename_dir(self, src: str, dst: str) -> None:
+        self.fs.mv(src, dst, recursive=True)
+
+    def move_file(self, src: str, dst: str) -> None:
+        self.fs.mv(src, dst)
+
+    def sync_dir(self, path: str) -> None:
+        return None
+
+
+_CACHE: Dict[Tuple[str, str], Storage] = {}
+
+
+def get_storage(root: str, storage_options: Optional[Dict[str, Any]] = None) -> Storage:
+    """The backend for ``root``: plain paths and ``file://`` are local; other URLs go through fsspec."""
+    if not isinstance(root, (str, os.PathLike)):
+        raise CheckpointError(f"checkpoint root must be a path or URL, got {type(root).__name__}")
+    root = os.fspath(root)
+    if not root:
+        raise CheckpointError("checkpoint root is empty: pass a directory or URL")
+    if "://" not in root:
+        return LocalStorage(root)
+    if root.startswith("file://") and not storage_options:
+        return LocalStorage(root[len("file://"):])
+    try:
+        import fsspec
+        from fsspec.core import url_to_fs
+    except ImportError:  # pragma: no cover - fsspec is a dependency
+        raise CheckpointError(f"{root}: remote checkpoint roots need `pip install fsspec`") from None
+    del fsspec
+    key = (root, repr(sorted((storage_options or {}).items())))
+    if key not in _CACHE:
+        try:
+            fs, path = url_to_fs(root, **(storage_options or {}))
+        except (ImportError, ValueError) as err:
+            raise CheckpointError(f"cannot open checkpoint root {root}: {err}") from None
+        _CACHE[key] = FsspecStorage(fs, path, root)
+    return _CACHE[key]

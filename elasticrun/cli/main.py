@@ -1,0 +1,67 @@
+"""The ``elasticrun`` command: ``elasticrun [run] script.py`` plus ``ckpt``, ``status``, ``etcd``.
+
+``run`` is the default sub-command, so ``elasticrun --nproc-per-node 2 train.py`` works
+exactly like ``torchrun``. Errors that are the user's to fix print one line, no traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import List, Optional
+
+import typer
+
+from elasticrun import __version__
+from elasticrun.cli.console import fail
+from elasticrun.errors import ElasticrunError
+
+app = typer.Typer(
+    name="elasticrun",
+    help="Elastic distributed PyTorch launcher (torchrun-compatible) with an etcd v3 rendezvous.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+
+_SUBCOMMANDS = {"run", "ckpt", "status", "etcd"}
+
+
+def _register() -> None:
+    from elasticrun.cli import ckpt, etcd, run, status
+
+    app.command(
+        "run",
+        context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
+        help=run.HELP,
+    )(run.run)
+    app.add_typer(ckpt.app, name="ckpt")
+    app.command("status", help=status.HELP)(status.status)
+    app.command("etcd", help=etcd.HELP)(etcd.etcd)
+
+
+def _with_default_command(argv: List[str]) -> List[str]:
+    """Insert ``run`` unless the first word is a sub-command or a top-level flag."""
+    if not argv:
+        return argv
+    first = argv[0]
+    if first in _SUBCOMMANDS or first in ("--help", "-h", "--version"):
+        return argv
+    return ["run", *argv]
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """Entry point of the ``elasticrun`` console script."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "--version":
+        print(f"elasticrun {__version__}")
+        return
+    if args and args[0] == "-h":
+        args[0] = "--help"
+    _register()
+    try:
+        app(args=_with_default_command(args), prog_name="elasticrun")
+    except ElasticrunError as err:
+        fail(str(err), err.exit_code)
+    except KeyboardInterrupt:
+        fail("interrupted", 130)

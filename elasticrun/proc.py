@@ -1,0 +1,92 @@
+"""Child-process helpers shared by the etcd server and the worker group.
+
+gRPC threads and ``fork`` do not mix, so children are started with
+``subprocess.Popen(start_new_session=True)`` and no ``preexec_fn``. To make sure a
+child never outlives us (even after SIGKILL of this process), the command is wrapped
+in a tiny exec shim that sets a parent-death signal (Linux ``PR_SET_PDEATHSIG``) and
+then ``exec``s the real program.
+
+Note: the parent-death signal fires when the *thread* that spawned the child exits,
+so spawn long-lived children from a thread that lives as long as they should.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from typing import List, Sequence
+
+import psutil
+
+_SHIM = (
+    "import ctypes,os,signal,sys\n"
+    "try:\n"
+    "    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)\n"
+    "except Exception:\n"
+    "    pass\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    os._exit(137)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def with_parent_death_signal(cmd: Sequence[str]) -> List[str]:
+    """Wrap ``cmd`` so that it is SIGKILLed when this process dies (Linux only; no-op elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return list(cmd)
+    return [sys.executable, "-S", "-I", "-c", _SHIM, str(os.getpid()), *cmd]
+
+
+def kill_process_group(pid: int, sig: int) -> None:
+    """Send ``sig`` to the process group led by ``pid`` (children started with a new session)."""
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def terminate_tree(pids: Sequence[int], grace: float) -> None:
+    """SIGTERM each process group, wait up to ``grace`` seconds, then SIGKILL what is left.
+
+    Descendants that escaped the group (their own session) are found via psutil and killed too.
+    """
+    procs = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            procs.append(p)
+            procs.extend(p.children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+    for pid in pids:
+        kill_process_group(pid, signal.SIGTERM)
+    _, alive = psutil.wait_procs(procs, timeout=max(0.0, grace))
+    if alive:
+        for pid in pids:
+            kill_process_group(pid, signal.SIGKILL)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=5)
+
+
+def wait_gone(pids: Sequence[int], timeout: float) -> bool:
+    """True once none of ``pids`` exists (zombies count as gone)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)

@@ -1,0 +1,1 @@
+"""rendezvous layer."""

@@ -1,0 +1,427 @@
+"""Thin etcd v3 client: the only module that imports the etcd library.
+
+It wraps ``pyetcd`` (the maintained fork of ``etcd3``, same API) with what elasticrun
+needs and the library lacks: retries with backoff across endpoints, fast reconnects,
+JSON helpers, compare-and-swap by revision, watches with a resync hook, and one-line
+errors (:class:`~elasticrun.errors.StoreError`) instead of raw gRPC exceptions.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, List, Optional, Tuple, TypeVar
+
+import grpc
+import pyetcd
+import pyetcd.exceptions as etcd_exc
+import pyetcd.utils
+from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
+from pyetcd.events import DeleteEvent
+
+from elasticrun.errors import StoreError
+
+T = TypeVar("T")
+
+# gRPC reconnects slowly by default (up to 120 s backoff); an etcd restart must not stall us.
+_GRPC_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.enable_http_proxy", 0),
+]
+_TRANSIENT = (etcd_exc.ConnectionFailedError, etcd_exc.ConnectionTimeoutError, etcd_exc.NoServerAvailableError)
+_START_HINT = "start one with `elasticrun etcd`, or run with --standalone"
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    """One key as read from etcd."""
+
+    key: str
+    value: bytes
+    mod_revision: int
+    create_revision: int
+    lease: int
+
+    def json(self) -> Any:
+        return json.loads(self.value)
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """A change under a watched prefix; ``value`` is empty for deletes."""
+
+    key: str
+    value: bytes
+    deleted: bool
+    mod_revision: int
+    lease: int = 0
+
+
+def parse_endpoints(endpoints: str) -> List[Tuple[str, int]]:
+    """``"a:2379,http://b:2379"`` → ``[("a", 2379), ("b", 2379)]``; raises StoreError when malformed."""
+    result = []
+    for raw in endpoints.split(","):
+        item = raw.strip()
+        for scheme in ("http://", "https://"):
+            if item.startswith(scheme):
+                item = item[len(scheme):]
+        item = item.rstrip("/")
+        if not item:
+            continue
+        host, sep, port = item.rpartition(":")
+        if not sep:
+            host, port = item, "2379"
+        host = host.strip("[]")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise StoreError(f"bad etcd endpoint {raw.strip()!r}: expected host:port, e.g. 127.0.0.1:2379")
+        result.append((host, int(port)))
+    if not result:
+        raise StoreError("no etcd endpoint given: pass --rdzv-endpoint host:port[,host:port...]")
+    return result
+
+
+def _read(path: Optional[str], what: str) -> Optional[bytes]:
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as err:
+        raise StoreError(f"cannot read etcd {what} {path!r}: {err.strerror}") from None
+
+
+class EtcdStore:
+    """A connection to one etcd cluster (one or more endpoints, with failover).
+
+    Every call retries transient failures (endpoint down, leader election) with
+    exponential backoff for up to ``retry_timeout`` seconds, then raises StoreError.
+    """
+
+    def __init__(
+        self,
+        endpoints: str,
+        *,
+        timeout: float = 5.0,
+        retry_timeout: float = 10.0,
+        user: Optional[str] = None,
+        password: Optional[str] = None,
+        ca_cert: Optional[str] = None,
+        cert_key: Optional[str] = None,
+        cert_cert: Optional[str] = None,
+    ) -> None:
+        self.endpoints = endpoints
+        self.timeout = timeout
+        self.retry_timeout = retry_timeout
+        self._hosts = parse_endpoints(endpoints)
+        creds = None
+        if ca_cert or cert_cert or cert_key:
+            if bool(cert_key) != bool(cert_cert):
+                raise StoreError("TLS client auth needs both --etcd-cert and --etcd-key")
+            creds = grpc.ssl_channel_credentials(
+                _read(ca_cert, "CA certificate"), _read(cert_key, "key"), _read(cert_cert, "certificate")
+            )
+        eps = [
+            Endpoint(h, p, secure=creds is not None, creds=creds, time_retry=0.5, opts=_GRPC_OPTIONS)
+            for h, p in self._hosts
+        ]
+        self._client_args = dict(endpoints=eps, timeout=timeout, failover=True)
+        self._auth = (user, password)
+        self._lock = threading.Lock()
+        self._client = self._retry(self._new_client, "connect")
+
+    # -- plumbing -----------------------------------------------------------------
+
+    def _new_client(self) -> MultiEndpointEtcd3Client:
+        user, password = self._auth
+        if (user is None) != (password is None):
+            raise StoreError("etcd authentication needs both --etcd-user and --etcd-password")
+        return MultiEndpointEtcd3Client(**self._client_args, user=user, password=password)
+
+    def _explain(self, err: BaseException) -> str:
+        if isinstance(err, grpc.RpcError) and hasattr(err, "code"):
+            code, details = err.code(), (err.details() or "")
+            if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED) or (
+                "user name is empty" in details or "authentication" in details.lower()
+            ):
+                return (
+                    f"etcd at {self.endpoints} requires authentication ({details}): pass --etcd-user and "
+                    "--etcd-password (and --etcd-cacert for TLS)"
+                )
+            return f"etcd at {self.endpoints} refused the request: {code.name}: {details}"
+        if isinstance(err, _TRANSIENT):
+            return f"cannot reach etcd at {self.endpoints} ({err.__class__.__name__}); {_START_HINT}"
+        return f"etcd at {self.endpoints} failed: {err!r}"
+
+    def _retry(self, fn: Callable[[], T], what: str) -> T:
+        deadline = time.monotonic() + self.retry_timeout
+        delay = 0.05
+        while True:
+            try:
+                return fn()
+            except _TRANSIENT as err:
+                if time.monotonic() + delay > deadline:
+                    raise StoreError(self._explain(err)) from None
+            except grpc.RpcError as err:
+                code = err.code() if hasattr(err, "code") else None
+                if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise StoreError(self._explain(err)) from None
+                if time.monotonic() + delay > deadline:
+                    raise StoreError(self._explain(err)) from None
+            except ValueError as err:  # pyetcd: "Trying to use a failed node"
+                if time.monotonic() + delay > deadline:
+                    raise StoreError(f"cannot reach etcd at {self.endpoints} ({err}); {_START_HINT}") from None
+            time.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, 1.0)
+
+    def _call(self, what: str, fn: Callable[[MultiEndpointEtcd3Client], T]) -> T:
+        return self._retry(lambda: fn(self._client), what)
+
+    # -- key/value ------------------------------------------------------------------
+
+    def get(self, key: str) -> Optional[KeyValue]:
+        """The key, or None when absent."""
+
+        def op(c: MultiEndpointEtcd3Client) -> Optional[KeyValue]:
+            resp = c.get_response(key)
+            if resp.count < 1:
+                return None
+            return _kv(resp.kvs[0])
+
+        return self._call("get", op)
+
+    def get_json(self, key: str) -> Any:
+        """The key's JSON value, or None when absent."""
+        kv = self.get(key)
+        return None if kv is None else kv.json()
+
+    def get_prefix(self, prefix: str) -> Tuple[List[KeyValue], int]:
+        """All keys under ``prefix`` (sorted by key) and the store revision they were read at."""
+
+        def op(c: MultiEndpointEtcd3Client) -> Tuple[List[KeyValue], int]:
+            resp = c.get_prefix_response(prefix, sort_order="ascend", sort_target="key")
+            return [_kv(kv) for kv in resp.kvs], int(resp.header.revision)
+
+        return self._call("get_prefix", op)
+
+    def put(self, key: str, value: bytes | str, lease: Optional[int] = None) -> int:
+        """Write ``key``; returns the new revision."""
+        return self._call("put", lambda c: int(c.put(key, value, lease=lease).header.revision))
+
+    def put_json(self, key: str, value: Any, lease: Optional[int] = None) -> int:
+        return self.put(key, _dumps(value), lease=lease)
+
+    def create(self, key: str, value: bytes | str, lease: Optional[int] = None) -> bool:
+        """Write ``key`` only if it does not exist; True when written."""
+        return self.cas(key, value, 0, lease=lease)
+
+    def cas(self, key: str, value: bytes | str, mod_revision: int, lease: Optional[int] = None) -> bool:
+        """Write ``key`` only if its mod revision is still ``mod_revision`` (0: absent)."""
+
+        def op(c: MultiEndpointEtcd3Client) -> bool:
+            cmp = c.transactions.create(key) == 0 if mod_revision == 0 else c.transactions.mod(key) == mod_revision
+            ok, _ = c.transaction(compare=[cmp], success=[c.transactions.put(key, value, lease=lease)], failure=[])
+            return bool(ok)
+
+        return self._call("cas", op)
+
+    def txn_put_many(self, guard: Tuple[str, int], puts: Iterable[Tuple[str, bytes | str, Optional[int]]]) -> bool:
+        """Atomically write several keys if ``guard`` = (key, mod_revision) still holds (0: absent)."""
+        puts = list(puts)
+        key, rev = guard
+
+        def op(c: MultiEndpointEtcd3Client) -> bool:
+            cmp = c.transactions.create(key) == 0 if rev == 0 else c.transactions.mod(key) == rev
+            ops = [c.transactions.put(k, v, lease=lease) for k, v, lease in puts]
+            ok, _ = c.transaction(compare=[cmp], success=ops, failure=[])
+            return bool(ok)
+
+        return self._call("txn", op)
+
+    def txn_delete_prefix_if(self, prefix: str, guard: Tuple[str, int]) -> bool:
+        """Atomically delete every key under ``prefix`` if ``guard`` = (key, mod_revision) still holds."""
+        key, rev = guard
+        end = pyetcd.utils.prefix_range_end(prefix.encode())
+
+        def op(c: MultiEndpointEtcd3Client) -> bool:
+            cmp = c.transactions.create(key) == 0 if rev == 0 else c.transactions.mod(key) == rev
+            ok, _ = c.transaction(compare=[cmp], success=[c.transactions.delete(prefix, range_end=end)], failure=[])
+            return bool(ok)
+
+        return self._call("txn", op)
+
+    def delete(self, key: str) -> bool:
+        """Delete ``key``; True if it existed."""
+        return self._call("delete", lambda c: bool(c.delete(key)))
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every key under ``prefix``; returns how many."""
+        return self._call("delete_prefix", lambda c: int(c.delete_prefix(prefix).deleted))
+
+    # -- leases ---------------------------------------------------------------------
+
+    def grant_lease(self, ttl: int) -> int:
+        """A new lease of ``ttl`` seconds (etcd's minimum is about 2 s); returns its id."""
+        return self._call("lease", lambda c: int(c.lease(int(ttl)).id))
+
+    def refresh_lease(self, lease_id: int) -> int:
+        """One keep-alive; returns the remaining TTL (<= 0: the lease is gone). Does not retry."""
+        try:
+            for resp in self._client.refresh_lease(lease_id):
+                return int(resp.TTL)
+        except (grpc.RpcError, ValueError, *_TRANSIENT) as err:
+            raise StoreError(self._explain(err)) from None
+        return 0
+
+    def revoke_lease(self, lease_id: int) -> None:
+        """Revoke a lease (its keys vanish at once); a lease already gone is fine."""
+
+        def op(c: MultiEndpointEtcd3Client) -> None:
+            try:
+                c.revoke_lease(lease_id)
+            except grpc.RpcError as err:
+                if "not found" not in (err.details() or ""):
+                    raise
+
+        self._call("revoke", op)
+
+    # -- watches --------------------------------------------------------------------
+
+    def watch_prefix(
+        self,
+        prefix: str,
+        on_events: Callable[[List[WatchEvent]], None],
+        on_error: Callable[[BaseException], None],
+        start_revision: Optional[int] = None,
+    ) -> Callable[[], None]:
+        """Call ``on_events`` for every batch of changes under ``prefix``; returns a cancel function.
+
+        ``on_error`` is called once if the watch dies (etcd restarted, revision compacted):
+        the caller re-reads and watches again from the new revision.
+        """
+
+        def callback(resp: Any) -> None:
+            if isinstance(resp, BaseException):
+                on_error(resp)
+                return
+            batch = [
+                WatchEvent(
+                    key=_s(ev.key),
+                    value=b"" if isinstance(ev, DeleteEvent) else bytes(ev.value),
+                    deleted=isinstance(ev, DeleteEvent),
+                    mod_revision=int(ev.mod_revision),
+                    lease=0 if isinstance(ev, DeleteEvent) else int(ev.lease),
+                )
+                for ev in resp.events
+            ]
+            if batch:
+                on_events(batch)
+
+        kwargs = {} if start_revision is None else {"start_revision": start_revision}
+        watch_id = self._call("watch", lambda c: c.add_watch_prefix_callback(prefix, callback, **kwargs))
+
+        def cancel() -> None:
+            try:
+                self._client.cancel_watch(watch_id)
+            except Exception:  # noqa: BLE001 - cancelling a dead watch is fine
+                pass
+
+        return cancel
+
+    def wait_for(
+        self, key: str, predicate: Callable[[Optional[KeyValue]], bool], timeout: float
+    ) -> Optional[KeyValue]:
+        """Block until ``predicate(get(key))`` holds (watch-driven), or raise TimeoutError."""
+        changed = threading.Event()
+        cancel = self.watch_prefix(key, lambda _ev: changed.set(), lambda _err: changed.set())
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                changed.clear()
+                kv = self.get(key)
+                if predicate(kv):
+                    return kv
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(key)
+                changed.wait(min(left, 1.0))
+        finally:
+            cancel()
+
+    # -- misc -----------------------------------------------------------------------
+
+    def ping(self) -> None:
+        """Raise StoreError unless some endpoint answers."""
+        self._call("status", lambda c: c.status())
+
+    def close(self) -> None:
+        with self._lock:
+            try:
+                self._client.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+    def __enter__(self) -> EtcdStore:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def connect(
+    endpoints: str,
+    *,
+    timeout: float = 5.0,
+    retry_timeout: float = 10.0,
+    user: Optional[str] = None,
+    password: Optional[str] = None,
+    ca_cert: Optional[str] = None,
+    cert_key: Optional[str] = None,
+    cert_cert: Optional[str] = None,
+    check: bool = True,
+) -> EtcdStore:
+    """Open an :class:`EtcdStore` and (by default) check that etcd answers within ``retry_timeout``."""
+    store = EtcdStore(
+        endpoints,
+        timeout=timeout,
+        retry_timeout=retry_timeout,
+        user=user,
+        password=password,
+        ca_cert=ca_cert,
+        cert_key=cert_key,
+        cert_cert=cert_cert,
+    )
+    if check:
+        try:
+            store.ping()
+            # A read proves we are allowed in (status is open even on secured clusters).
+            store.get("/elasticrun/.ping")
+        except BaseException:
+            store.close()
+            raise
+    return store
+
+
+def _s(b: bytes | str) -> str:
+    return b.decode() if isinstance(b, (bytes, bytearray)) else b
+
+
+def _kv(kv: Any) -> KeyValue:
+    return KeyValue(
+        key=_s(kv.key),
+        value=bytes(kv.value),
+        mod_revision=int(kv.mod_revision),
+        create_revision=int(kv.create_revision),
+        lease=int(kv.lease),
+    )
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+
+
+__all__ = ["EtcdStore", "KeyValue", "WatchEvent", "connect", "parse_endpoints", "pyetcd"]

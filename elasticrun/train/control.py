@@ -1,0 +1,317 @@
+"""Requests to a running job (``elasticrun ckpt save``), and agreeing on them across ranks.
+
+etcd contract (keys under ``/elasticrun/<job>/``)::
+
+    control/checkpoint/<request_id>       = {"request_id": ..., "requested_at": ...}   written by the CLI
+    control/checkpoint-done/<request_id>  = {"name": ..., "root": ..., "step": ...}     written by rank 0
+                                          | {"error": "..."}
+
+Rank 0 watches ``control/checkpoint/`` on a background thread with its own client. A
+request without a ``checkpoint-done`` answer is pending; one left by an earlier round
+(the job restarted before answering) is picked up again.
+
+Only rank 0 hears about requests and only the worker that got SIGTERM knows it did, but
+a checkpoint is a collective: every rank must decide the same thing at the same step.
+:meth:`CheckpointRequests.poll` is that agreement: one tiny ``all_reduce(MAX)`` of
+``[stop, pending requests]`` every ``every`` steps (plus, only when there are requests,
+a broadcast of their ids). Measured on 2 CPU cores with gloo, 2 ranks: see docs/training.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from elasticrun.errors import ElasticrunError
+from elasticrun.train.env import ElasticState
+from elasticrun.train.etcdlink import EtcdLink
+
+log = logging.getLogger(__name__)
+
+REQUEST_DIR = "control/checkpoint/"
+DONE_DIR = "control/checkpoint-done/"
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    """What every rank agreed on at a step boundary."""
+
+    stop: bool = False
+    request_ids: Tuple[str, ...] = ()
+    checked: bool = False  # False on steps where no agreement ran (not a multiple of ``every``)
+
+    @property
+    def checkpoint(self) -> bool:
+        """True when a checkpoint must be saved now (requested, or before stopping)."""
+        return self.stop or bool(self.request_ids)
+
+
+@dataclass
+class _Inbox:
+    pending: Dict[str, float] = field(default_factory=dict)  # request id -> requested_at
+    in_flight: set = field(default_factory=set)  # handed to the loop, not answered yet
+    answered: set = field(default_factory=set)
+    outbox: List[Tuple[str, Dict[str, Any]]] = field(default_factory=list)
+
+
+class CheckpointRequests:
+    """Checkpoint requests + graceful stop, agreed by all ranks at step boundaries.
+
+    Typical loop::
+
+        requests = CheckpointRequests(ctx, every=1)
+        for step in ...:
+            train_step()
+            decision = requests.poll(step, stop=ctx.should_stop)
+            if decision.checkpoint or step % ckpt_every == 0:
+                name = save(...)
+                for rid in decision.request_ids:
+                    requests.done(rid, name, root, step)
+            if decision.stop:
+                break
+        requests.close()
+
+    Without ``ELASTICRUN_RDZV_ENDPOINT`` there are never requests, but ``poll`` still
+    agrees on ``stop``. ``done``/``fail`` are no-ops on ranks other than 0.
+    """
+
+    def __init__(
+        self,
+        state: Optional[ElasticState] = None,
+        *,
+        every: int = 1,
+        endpoint: Optional[str] = None,
+        job_id: Optional[str] = None,
+        rank: Optional[int] = None,
+        device: Optional[torch.device] = None,
+        group: Optional[Any] = None,
+        resync_interval: float = 30.0,
+    ) -> None:
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        if state is not None and hasattr(state, "state"):  # an ElasticContext
+            device = device or state.device
+            state = state.state
+        state = state or ElasticState.from_env()
+        self.every = every
+        self.rank = state.rank if rank is None else rank
+        self.device = device or torch.device("cpu")
+        self.group = group
+        self.resync_interval = resync_interval
+        self.link = EtcdLink(
+            state.rdzv_endpoint if endpoint is None else endpoint,
+            state.rdzv_id if job_id is None else job_id,
+            "checkpoint requests",
+        )
+        self._inbox = _Inbox()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = threading.Event()
+        self._resync = threading.Event()
+        self.agreements = 0
+        self.agreement_seconds = 0.0
+        self._thread: Optional[threading.Thread] = None
+        if self.rank == 0 and self.link.enabled:
+            self._resync.set()
+            self._thread = threading.Thread(target=self._run, name="elasticrun-ckpt-requests", daemon=True)
+            self._thread.start()
+
+    # -- the training loop's side -----------------------------------------------------
+
+    def local_pending(self) -> List[str]:
+        """Request ids rank 0 has seen and not yet handed to the loop (no collective)."""
+        with self._lock:
+            return sorted(self._inbox.pending, key=self._inbox.pending.__getitem__)
+
+    def poll(self, step: int, stop: bool = False) -> StepDecision:
+        """Collective (every rank must call it at the same steps): agree on ``stop`` and on the
+        pending request ids. Runs only when ``step % every == 0``; otherwise returns a
+        decision with ``checked=False`` and nothing in it."""
+        if step % self.every != 0:
+            return StepDecision(stop=False, checked=False)
+        ids = self.local_pending() if self.rank == 0 else []
+        t0 = time.perf_counter()
+        if _distributed(self.group):
+            flags = torch.tensor([1 if stop else 0, len(ids)], dtype=torch.int64, device=self.device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+            agreed_stop, count = bool(flags[0].item()), int(flags[1].item())
+            if count:
+                box: List[Any] = [ids]
+                dist.broadcast_object_list(box, src=_global_src(self.group), group=self.group,
+                                           device=self.device if self.device.type != "cpu" else None)
+                ids = list(box[0])
+        else:
+            agreed_stop = stop
+        self.agreements += 1
+        self.agreement_seconds += time.perf_counter() - t0
+        if ids:
+            with self._lock:
+                for rid in ids:
+                    self._inbox.pending.pop(rid, None)
+                    self._inbox.in_flight.add(rid)
+        return StepDecision(stop=agreed_stop, request_ids=tuple(ids), checked=True)
+
+    def pending(self, step: int) -> List[str]:
+        """``poll(step).request_ids`` (collective; use :meth:`poll` to also agree on stopping)."""
+        return list(self.poll(step).request_ids)
+
+    def done(self, request_id: str, name: str, root: str, step: int) -> None:
+        """Answer a request with the checkpoint that satisfied it (rank 0; others: no-op)."""
+        self._answer(request_id, {"name": name, "root": str(root), "step": int(step)})
+
+    def fail(self, request_id: str, error: str) -> None:
+        """Answer a request with an error (rank 0; others: no-op)."""
+        self._answer(request_id, {"error": str(error)})
+
+    def close(self, timeout: float = 3.0) -> None:
+        """Send the answers still queued (waiting at most ``timeout`` s) and stop the watcher."""
+        self._closed.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.link.close()
+
+    def __enter__(self) -> CheckpointRequests:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def mean_agreement_ms(self) -> float:
+        return 1000.0 * self.agreement_seconds / self.agreements if self.agreements else 0.0
+
+    # -- rank 0's background thread ---------------------------------------------------
+
+    def _answer(self, request_id: str, value: Dict[str, Any]) -> None:
+        if self.rank != 0:
+            return
+        with self._lock:
+            self._inbox.in_flight.discard(request_id)
+            self._inbox.pending.pop(request_id, None)
+            self._inbox.answered.add(request_id)
+            if self.link.enabled:
+                self._inbox.outbox.append((request_id, value))
+        self._wake.set()
+
+    def _offer(self, request_id: str, requested_at: float) -> None:
+        with self._lock:
+            box = self._inbox
+            if request_id in box.answered or request_id in box.in_flight:
+                return
+            box.pending.setdefault(request_id, requested_at)
+
+    def _withdraw(self, request_id: str) -> None:
+        with self._lock:
+            self._inbox.pending.pop(request_id, None)
+
+    def _run(self) -> None:
+        cancel = None
+        backoff = 0.5
+        last_sync = 0.0
+        while True:
+            closing = self._closed.is_set()
+            if not closing and (self._resync.is_set() or time.monotonic() - last_sync > self.resync_interval):
+                if cancel is not None:
+                    cancel()
+                    cancel = None
+                cancel = self._sync_and_watch()
+                if cancel is None:
+                    self._wake.wait(backoff)
+                    self._wake.clear()
+                    backoff = min(backoff * 2, 5.0)
+                    continue
+                backoff, last_sync = 0.5, time.monotonic()
+            self._flush()
+            if closing:
+                break
+            self._wake.wait(1.0)
+            self._wake.clear()
+        if cancel is not None:
+            cancel()
+
+    def _sync_and_watch(self) -> Any:
+        store = self.link.store()
+        if store is None:
+            return None
+        try:
+            self._resync.clear()
+            reqs, rev = store.get_prefix(self.link.key(REQUEST_DIR))
+            done, _ = store.get_prefix(self.link.key(DONE_DIR))
+            answered = {kv.key.rsplit("/", 1)[-1] for kv in done}
+            with self._lock:
+                self._inbox.answered |= answered
+            for kv in reqs:
+                rid, at = _parse_request(kv.key, kv.value)
+                if rid:
+                    self._offer(rid, at)
+            return store.watch_prefix(
+                self.link.key(REQUEST_DIR), self._on_events, self._on_watch_error, start_revision=rev + 1
+            )
+        except ElasticrunError as err:
+            self._resync.set()
+            self.link.failed(err)
+            return None
+
+    def _on_events(self, events: List[Any]) -> None:
+        for ev in events:
+            if ev.deleted:
+                self._withdraw(ev.key.rsplit("/", 1)[-1])
+                continue
+            rid, at = _parse_request(ev.key, ev.value)
+            if rid:
+                log.info("elasticrun: checkpoint request %s received", rid)
+                self._offer(rid, at)
+
+    def _on_watch_error(self, err: BaseException) -> None:
+        if not self._closed.is_set():
+            log.debug("checkpoint-request watch ended (%s); re-watching", err)
+            self._resync.set()
+            self._wake.set()
+
+    def _flush(self) -> None:
+        with self._lock:
+            todo = list(self._inbox.outbox)
+        if not todo:
+            return
+        store = self.link.store()
+        if store is None:
+            return
+        for rid, value in todo:
+            try:
+                store.put_json(self.link.key(DONE_DIR + rid), value)
+            except ElasticrunError as err:
+                self.link.failed(err)
+                return
+            with self._lock:
+                self._inbox.outbox.remove((rid, value))
+
+
+def _parse_request(key: str, value: bytes) -> Tuple[str, float]:
+    rid = key.rsplit("/", 1)[-1]  # the key names the request; the answer goes to the same id
+    at = time.time()
+    try:
+        body = json.loads(value)
+        if isinstance(body, dict):
+            at = float(body.get("requested_at", at))
+    except (ValueError, TypeError):
+        log.warning("elasticrun: checkpoint request %s has a malformed body; treating it as a request", key)
+    return rid, at
+
+
+def _distributed(group: Optional[Any]) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def _global_src(group: Optional[Any]) -> int:
+    return 0 if group is None else dist.get_global_rank(group, 0)
+
+
+__all__ = ["CheckpointRequests", "DONE_DIR", "REQUEST_DIR", "StepDecision"]

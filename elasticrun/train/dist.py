@@ -1,0 +1,163 @@
+"""``init()``: join the job's process group from the launcher's environment.
+
+Works under ``elasticrun``, plain ``torchrun`` and a plain ``python train.py``: without
+a launcher it creates a one-process group (so ``DistributedDataParallel`` and collectives
+still work) unless told not to.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import signal
+from dataclasses import dataclass, field, replace
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from elasticrun.errors import ConfigError
+from elasticrun.models import RescaleType
+from elasticrun.train.env import ElasticState
+from elasticrun.train.signals import GracefulStop
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclass
+class ElasticContext:
+    """What :func:`init` returns: who this worker is, on which device, and whether to stop."""
+
+    state: ElasticState
+    device: torch.device
+    backend: Optional[str]
+    stop: GracefulStop = field(default_factory=GracefulStop)
+    owns_group: bool = False  # init() created the process group (and close() destroys it)
+
+    @property
+    def rank(self) -> int:
+        return self.state.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.state.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.state.local_rank
+
+    @property
+    def local_world_size(self) -> int:
+        return self.state.local_world_size
+
+    @property
+    def round(self) -> int:
+        return self.state.round
+
+    @property
+    def rescale_type(self) -> RescaleType:
+        return self.state.rescale_type
+
+    @property
+    def prev_world_size(self) -> int:
+        return self.state.prev_world_size
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.state.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        """True when a process group is initialised (collectives can be called)."""
+        return dist.is_available() and dist.is_initialized()
+
+    @property
+    def should_stop(self) -> bool:
+        """True once this process got SIGTERM. Local only: agree on it before acting (see
+        :class:`~elasticrun.train.control.CheckpointRequests`), or ranks will diverge."""
+        return self.stop.requested
+
+    def barrier(self) -> None:
+        if self.distributed and dist.get_world_size() > 1:
+            dist.barrier()
+
+    def close(self) -> None:
+        """Destroy the process group if :func:`init` created it and restore signal handlers."""
+        self.stop.uninstall()
+        if self.owns_group and self.distributed:
+            dist.destroy_process_group()
+            self.owns_group = False
+
+    def __enter__(self) -> ElasticContext:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def default_backend() -> str:
+    """``nccl`` when CUDA is usable, else ``gloo``."""
+    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+def init(
+    backend: Optional[str] = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    *,
+    single_process_group: bool = True,
+    stop_signals: Sequence[int] = (signal.SIGTERM,),
+) -> ElasticContext:
+    """Join the process group described by the environment and install the SIGTERM flag.
+
+    - ``backend``: ``None`` picks nccl on CUDA (and binds the worker to GPU ``LOCAL_RANK``),
+      gloo otherwise.
+    - ``timeout``: collective timeout in seconds.
+    - ``single_process_group``: when not launched by elasticrun/torchrun, still create a
+      world-1 group (in-memory store) so DDP works unchanged; ``False`` creates none.
+    - ``stop_signals``: signals that set ``ctx.should_stop`` instead of killing the process
+      (empty: leave signal handling alone).
+
+    Calling it when a process group already exists reuses that group.
+    """
+    state = ElasticState.from_env()
+    backend = backend or default_backend()
+    if "nccl" in backend:
+        if not torch.cuda.is_available():
+            raise ConfigError("backend nccl needs CUDA, but torch.cuda.is_available() is False: use gloo")
+        ndev = torch.cuda.device_count()
+        if state.local_rank >= ndev:
+            raise ConfigError(
+                f"LOCAL_RANK {state.local_rank} has no GPU (this node has {ndev}): lower --nproc-per-node"
+            )
+        torch.cuda.set_device(state.local_rank)
+        device = torch.device("cuda", state.local_rank)
+    else:
+        device = torch.device("cpu")
+    owns = False
+    td = datetime.timedelta(seconds=timeout)
+    if not dist.is_initialized():
+        if state.launched:
+            dist.init_process_group(backend=backend, init_method="env://", timeout=td)
+            owns = True
+        elif single_process_group:
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=td)
+            owns = True
+    else:
+        backend = dist.get_backend()
+    if dist.is_initialized() and (dist.get_rank() != state.rank or dist.get_world_size() != state.world_size):
+        # An existing group wins over the environment (e.g. a test created one by hand).
+        state = replace(state, rank=dist.get_rank(), world_size=dist.get_world_size())
+    stop = GracefulStop(stop_signals)
+    if stop_signals:
+        stop.install()
+    ctx = ElasticContext(
+        state=state, device=device, backend=backend if dist.is_initialized() else None, stop=stop, owns_group=owns
+    )
+    if state.elastic and state.rank == 0:
+        log.info("elasticrun: %s", state.describe())
+    return ctx
+
+
+__all__ = ["DEFAULT_TIMEOUT_S", "ElasticContext", "default_backend", "init"]

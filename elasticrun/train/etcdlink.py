@@ -1,0 +1,89 @@
+"""A worker's own, best-effort connection to the job's etcd.
+
+Training must never stall or crash because etcd is slow or gone, so everything that
+talks to etcd from a worker runs on a background thread through an :class:`EtcdLink`:
+it connects lazily with short timeouts, logs *one* warning when etcd is unreachable
+(and one line when it is back), and drops the client after an error so the next call
+reconnects. Each process makes its own client (gRPC channels must not cross ``fork``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING, Optional
+
+from elasticrun.errors import ElasticrunError
+
+if TYPE_CHECKING:
+    from elasticrun.store.client import EtcdStore
+
+log = logging.getLogger(__name__)
+
+JOB_PREFIX = "/elasticrun/{job}/"
+
+
+def job_prefix(job_id: str) -> str:
+    return JOB_PREFIX.format(job=job_id)
+
+
+class EtcdLink:
+    """Lazily connected :class:`~elasticrun.store.client.EtcdStore` for one purpose (``what``)."""
+
+    def __init__(self, endpoint: str, job_id: str, what: str, *, timeout: float = 2.0) -> None:
+        self.endpoint = endpoint
+        self.job_id = job_id
+        self.what = what
+        self.timeout = timeout
+        self.prefix = job_prefix(job_id)
+        self._store: Optional[EtcdStore] = None
+        self._warned = False
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.endpoint and self.job_id)
+
+    def key(self, *parts: str) -> str:
+        return self.prefix + "/".join(parts)
+
+    def store(self) -> Optional[EtcdStore]:
+        """The client, connecting if needed; None (after one warning) when etcd is unreachable."""
+        if not self.enabled:
+            return None
+        with self._lock:
+            if self._store is not None:
+                return self._store
+            try:
+                from elasticrun.store.client import connect
+
+                self._store = connect(self.endpoint, timeout=self.timeout, retry_timeout=self.timeout)
+            except (ElasticrunError, ImportError, OSError) as err:
+                self._warn(err)
+                return None
+            if self._warned:
+                log.warning("elasticrun %s: etcd at %s reachable again", self.what, self.endpoint)
+                self._warned = False
+            return self._store
+
+    def failed(self, err: BaseException) -> None:
+        """Report an error from a call on :meth:`store`'s client; the next call reconnects."""
+        self._warn(err)
+        with self._lock:
+            store, self._store = self._store, None
+        if store is not None:
+            store.close()
+
+    def _warn(self, err: BaseException) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("elasticrun %s disabled while etcd is unreachable (%s); training goes on", self.what, err)
+
+    def close(self) -> None:
+        with self._lock:
+            store, self._store = self._store, None
+        if store is not None:
+            store.close()
+
+
+__all__ = ["EtcdLink", "job_prefix"]

@@ -1,0 +1,141 @@
+"""Training progress in etcd, for ``elasticrun status``.
+
+The node's local rank 0 writes ``/elasticrun/<job>/progress/<node-id>`` =
+``{"step", "loss", "samples_per_s", "rank", "round", "world_size", "time"}`` under its
+own short lease (refreshed with every write), at most once per ``interval`` seconds.
+When the worker stops reporting (it exited, hung or died) the key vanishes after the
+lease TTL. :meth:`ProgressReporter.report` never blocks on etcd: a background thread
+does the writing, and an unreachable etcd only costs one warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from typing import Any, Dict, Optional
+
+from elasticrun.errors import ElasticrunError
+from elasticrun.train.env import ElasticState
+from elasticrun.train.etcdlink import EtcdLink
+
+log = logging.getLogger(__name__)
+
+PROGRESS_DIR = "progress/"
+
+
+class ProgressReporter:
+    """Throttled, lease-attached progress reports from a node's local rank 0."""
+
+    def __init__(
+        self,
+        state: Optional[ElasticState] = None,
+        *,
+        interval: float = 1.0,
+        ttl: int = 10,
+        endpoint: Optional[str] = None,
+        job_id: Optional[str] = None,
+    ) -> None:
+        if state is not None and hasattr(state, "state"):  # an ElasticContext
+            state = state.state
+        self.state = state or ElasticState.from_env()
+        self.interval = interval
+        self.ttl = max(2, int(ttl))
+        self.link = EtcdLink(
+            self.state.rdzv_endpoint if endpoint is None else endpoint,
+            self.state.rdzv_id if job_id is None else job_id,
+            "progress reports",
+        )
+        self.key = self.link.key(PROGRESS_DIR + self.state.progress_id)
+        self.active = self.link.enabled and self.state.local_rank == 0
+        self.puts = 0
+        self._latest: Optional[Dict[str, Any]] = None
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = threading.Event()
+        self._lease: Optional[int] = None
+        self._last_rate: Optional[tuple] = None  # (time, samples)
+        self._thread: Optional[threading.Thread] = None
+        if self.active:
+            self._thread = threading.Thread(target=self._run, name="elasticrun-progress", daemon=True)
+            self._thread.start()
+
+    def report(
+        self, step: int, loss: Optional[float] = None, samples_per_s: Optional[float] = None, *,
+        samples: Optional[int] = None,
+    ) -> None:
+        """Record the latest progress (never blocks). ``samples`` (a running global count) lets
+        the reporter compute ``samples_per_s`` itself."""
+        if not self.active:
+            return
+        now = time.time()
+        if samples_per_s is None and samples is not None:
+            if self._last_rate is not None and now > self._last_rate[0]:
+                samples_per_s = (samples - self._last_rate[1]) / (now - self._last_rate[0])
+            if self._last_rate is None or now - self._last_rate[0] >= self.interval:
+                self._last_rate = (now, samples)
+        value = {
+            "step": int(step),
+            "loss": None if loss is None or not math.isfinite(float(loss)) else float(loss),
+            "samples_per_s": None if samples_per_s is None else round(float(samples_per_s), 3),
+            "rank": self.state.rank,
+            "round": self.state.round,
+            "world_size": self.state.world_size,
+            "time": now,
+        }
+        with self._lock:
+            self._latest = value
+        self._wake.set()
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Write the last report (best effort, at most ``timeout`` s) and stop. The key then
+        expires with its lease."""
+        self._closed.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.link.close()
+
+    def __enter__(self) -> ProgressReporter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _run(self) -> None:
+        last_put = 0.0
+        while True:
+            self._wake.wait()
+            closing = self._closed.is_set()
+            wait = self.interval - (time.monotonic() - last_put)
+            if wait > 0 and not closing:
+                self._closed.wait(wait)  # throttle; a close cuts the wait short
+                closing = self._closed.is_set()
+            self._wake.clear()
+            with self._lock:
+                value, self._latest = self._latest, None
+            if value is not None:
+                self._put(value)
+                last_put = time.monotonic()
+            if closing:
+                return
+
+    def _put(self, value: Dict[str, Any]) -> None:
+        store = self.link.store()
+        if store is None:
+            self._lease = None
+            return
+        try:
+            if self._lease is not None and store.refresh_lease(self._lease) <= 0:
+                self._lease = None
+            if self._lease is None:
+                self._lease = store.grant_lease(self.ttl)
+            store.put_json(self.key, value, lease=self._lease)
+            self.puts += 1
+        except ElasticrunError as err:
+            self._lease = None
+            self.link.failed(err)
+
+
+__all__ = ["PROGRESS_DIR", "ProgressReporter"]
