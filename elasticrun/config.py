@@ -103,6 +103,7 @@ class LaunchConfig:
     etcd_cert: Optional[str] = None
     etcd_key: Optional[str] = None
     etcd_binary: Optional[str] = None
+    etcd_timeout: float = 10.0  # seconds to keep retrying an unreachable etcd
     quiet: bool = False
 
     def validate(self) -> LaunchConfig:
@@ -125,6 +126,8 @@ class LaunchConfig:
             raise ConfigError(
                 f"--heartbeat-timeout {self.heartbeat_timeout}: etcd leases need at least 2 seconds"
             )
+        if self.etcd_timeout <= 0:
+            raise ConfigError(f"--etcd-timeout {self.etcd_timeout}: must be more than 0 seconds")
         for name in ("stability_window", "rescale_timeout", "join_timeout", "shutdown_timeout"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must not be negative")

@@ -114,6 +114,10 @@ def run(
     etcd_binary: Optional[str] = typer.Option(
         None, "--etcd-binary", help="etcd executable for --standalone.", rich_help_panel=_ETCD
     ),
+    etcd_timeout: float = typer.Option(
+        10.0, "--etcd-timeout", envvar="ELASTICRUN_ETCD_TIMEOUT",
+        help="Seconds to keep retrying an unreachable etcd before giving up.", rich_help_panel=_ETCD,
+    ),
 ) -> None:
     from elasticrun.launch.agent import run_agent
 
@@ -154,6 +158,7 @@ def run(
         etcd_cert=etcd_cert,
         etcd_key=etcd_key,
         etcd_binary=etcd_binary,
+        etcd_timeout=etcd_timeout,
         quiet=quiet,
     )
     raise typer.Exit(run_agent(cfg))

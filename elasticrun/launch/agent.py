@@ -106,6 +106,7 @@ class Agent:
                 ca_cert=cfg.etcd_cacert,
                 cert_key=cfg.etcd_key,
                 cert_cert=cfg.etcd_cert,
+                retry_timeout=cfg.etcd_timeout,
             )
             use_gpu = cfg.device_kind == "gpu" or (cfg.device_kind == "auto" and gpu_available())
             host, port = parse_endpoints(cfg.rdzv_endpoint)[0]
@@ -123,7 +124,8 @@ class Agent:
             rdzv.register()
             log_dir = cfg.log_dir
             if log_dir is None and (cfg.redirects != "0" or cfg.tee != "0"):
-                log_dir = os.path.join(files_dir, "logs")
+                # Not under files_dir: that one is removed at exit, and these logs must outlive us.
+                log_dir = tempfile.mkdtemp(prefix=f"elasticrun-logs-{cfg.rdzv_id}-")
                 self.say(f"worker logs in {log_dir}")
             workers = WorkerGroup(cfg, self.label, files_dir, log_dir, use_gpu, on_exit=lambda: self._wake())
             self.say(

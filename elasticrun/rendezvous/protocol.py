@@ -181,7 +181,8 @@ class Rendezvous:
         first = topo is None
         timeout = self.settings.join_timeout if first else self.settings.rescale_timeout
         port = self._host_store()
-        status = WorkerStatus.JOINING if first else WorkerStatus.RESCALING
+        was_member = topo is not None and topo.member(self.node_id) is not None
+        status = WorkerStatus.RESCALING if was_member else WorkerStatus.JOINING  # newcomers are Joining
         self.publish(waiting_for=target, store_port=port, status=status)
         started = time.monotonic()
         last_waiting: List[str] = []
@@ -250,13 +251,17 @@ class Rendezvous:
         if prev is None and len(waiting) < s.max_nodes and settle > 0:
             return f"{len(waiting)} node(s) joined; waiting {s.stability_window:.1f}s for more (max {s.max_nodes})"
         failed = prev is not None and self.view.get(self.keys.failed(prev.round)) is not None
-        restarts = 0 if prev is None else prev.restart_count + (1 if failed else 0)
-        if failed and prev is not None and prev.restart_count >= s.max_restarts:
+        members, spares = plan_members(prev, waiting, s.max_nodes)
+        kind = classify(prev, members, failed)
+        # A worker failure that comes with a lost node is the node's loss (its peers' collectives
+        # broke), a membership change: it does not use up a restart.
+        counts = failed and kind in (RescaleType.RESTART, RescaleType.SCALE_UP)
+        restarts = 0 if prev is None else prev.restart_count + (1 if counts else 0)
+        if counts and prev is not None and prev.restart_count >= s.max_restarts:
             self._end_job(
                 "failed", f"workers failed and all {s.max_restarts} restart(s) are used up", prev, prev_rev
             )
             return "job failed"
-        members, spares = plan_members(prev, waiting, s.max_nodes)
         leader_info = nodes[members[0].node_id][0]
         topo = Topology(
             round=target,
@@ -265,7 +270,6 @@ class Rendezvous:
             master_port=leader_info.store_port,
             restart_count=restarts,
         )
-        kind = classify(prev, members, failed)
         if failed and kind in (RescaleType.SCALE_DOWN, RescaleType.SCALE_UP, RescaleType.REPLACE):
             reason = f"worker failure in round {prev.round if prev else '?'} and membership change"
         elif failed:

@@ -13,7 +13,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, TypeVar
 
 import grpc
 import pyetcd
@@ -125,6 +125,12 @@ class EtcdStore:
             creds = grpc.ssl_channel_credentials(
                 _read(ca_cert, "CA certificate"), _read(cert_key, "key"), _read(cert_cert, "certificate")
             )
+        if user is not None and creds is None:
+            # gRPC sends call credentials only over TLS: fail here, not with a cryptic gRPC error later.
+            raise StoreError(
+                f"etcd user/password authentication needs TLS: also pass --etcd-cacert (etcd at {endpoints} "
+                "must serve https)"
+            )
         eps = [
             Endpoint(h, p, secure=creds is not None, creds=creds, time_retry=0.5, opts=_GRPC_OPTIONS)
             for h, p in self._hosts
@@ -145,6 +151,8 @@ class EtcdStore:
     def _explain(self, err: BaseException) -> str:
         if isinstance(err, grpc.RpcError) and hasattr(err, "code"):
             code, details = err.code(), (err.details() or "")
+            if self._auth[0] is not None and "authentication failed" in details:
+                return f"etcd at {self.endpoints} rejected user {self._auth[0]!r}: wrong user name or password"
             if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED) or (
                 "user name is empty" in details or "authentication" in details.lower()
             ):
@@ -277,6 +285,17 @@ class EtcdStore:
             raise StoreError(self._explain(err)) from None
         return 0
 
+    def lease_ttl(self, lease_id: int) -> Optional[Dict[str, int]]:
+        """``{"ttl": seconds left, "granted_ttl": seconds}`` of a lease, or None when it is gone."""
+
+        def op(c: MultiEndpointEtcd3Client) -> Optional[Dict[str, int]]:
+            resp = c.get_lease_info(lease_id)
+            if int(resp.TTL) < 0:
+                return None
+            return {"ttl": int(resp.TTL), "granted_ttl": int(resp.grantedTTL)}
+
+        return self._call("lease_ttl", op)
+
     def revoke_lease(self, lease_id: int) -> None:
         """Revoke a lease (its keys vanish at once); a lease already gone is fine."""
 
@@ -357,6 +376,15 @@ class EtcdStore:
     def ping(self) -> None:
         """Raise StoreError unless some endpoint answers."""
         self._call("status", lambda c: c.status())
+
+    def leader(self) -> Optional[str]:
+        """Name of the etcd cluster's current leader member (None if unknown)."""
+
+        def op(c: MultiEndpointEtcd3Client) -> Optional[str]:
+            lead = c.status().leader
+            return None if lead is None else str(lead.name)
+
+        return self._call("status", op)
 
     def close(self) -> None:
         with self._lock:

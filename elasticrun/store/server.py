@@ -102,13 +102,20 @@ class EtcdServer:
             "--initial-advertise-peer-urls", self.peer_url,
             "--initial-cluster", self.initial_cluster or f"{self.name}={self.peer_url}",
             "--initial-cluster-state", "new",
-            "--initial-cluster-token", f"elasticrun-{self.name}-{self.client_port}",
+            "--initial-cluster-token", self._cluster_token(),
             "--logger=zap",
             "--log-level=error",
             "--heartbeat-interval=10",
             "--election-timeout=100",
             *self.extra_args,
         ]
+
+    def _cluster_token(self) -> str:
+        """Same for every member of one cluster, different across clusters."""
+        import hashlib
+
+        initial = self.initial_cluster or f"{self.name}={self.peer_url}"
+        return "elasticrun-" + hashlib.sha1(initial.encode()).hexdigest()[:12]
 
     def start(self, timeout: float = 20.0, wait_healthy: bool = True) -> EtcdServer:
         """Start the process; with ``wait_healthy`` block until it serves requests."""

@@ -1,0 +1,285 @@
+"""Read-only snapshots of jobs in etcd, for ``elasticrun status`` (no CLI, no printing).
+
+:func:`job_status` reads one job's prefix in a single range read (plus one cheap
+``LeaseTimeToLive`` per registered node) and returns a plain, JSON-ready ``dict`` with
+stable keys; :func:`list_jobs` summarises every job under ``/elasticrun/``. The pure
+builders (:func:`build_job_status`, :func:`summarise_jobs`) take the key/values
+themselves, so they can be fed from a watch or a test.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Callable, Dict, Iterable, List, Optional
+
+from elasticrun.errors import ElasticrunError
+from elasticrun.models import NodeInfo, RescaleEvent, Topology
+from elasticrun.rendezvous.keys import ROOT, JobKeys, job_of
+from elasticrun.store.client import EtcdStore, KeyValue
+
+EVENTS_SHOWN = 10  # newest rescale events in a status document
+LOST = "Lost"  # status of a round member whose node record is gone (it left, or its lease expired)
+
+LeaseInfo = Callable[[int], Optional[Dict[str, int]]]
+
+
+class JobNotFoundError(ElasticrunError):
+    """No key of the requested job exists in etcd."""
+
+    exit_code = 2
+
+
+def _loads(kv: Optional[KeyValue]) -> Any:
+    if kv is None:
+        return None
+    try:
+        return json.loads(kv.value)
+    except ValueError:
+        return None
+
+
+def _event_row(d: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    try:
+        ev = RescaleEvent.from_dict(d)
+    except (KeyError, TypeError, ValueError):
+        return None
+    return {
+        "type": ev.type.value,
+        "round": ev.round,
+        "old_world_size": ev.old_world_size,
+        "new_world_size": ev.new_world_size,
+        "old_members": list(ev.old_members),
+        "new_members": list(ev.new_members),
+        "added": ev.added,
+        "removed": ev.removed,
+        "reason": ev.reason,
+        "restart_count": ev.restart_count,
+        "time": ev.time,
+    }
+
+
+def _node_row(info: NodeInfo, lease: int, lease_info: Optional[LeaseInfo]) -> Dict[str, Any]:
+    ttl = lease_info(lease) if (lease_info is not None and lease) else None
+    return {
+        "node_id": info.node_id,
+        "host": info.host,
+        "addr": info.addr,
+        "pid": info.pid,
+        "nproc": info.nproc,
+        "accelerators": list(info.accelerators),
+        "status": info.status.value,
+        "waiting_for": info.waiting_for,
+        "registered": True,
+        "registered_at": info.registered_at,
+        "heartbeat_at": info.heartbeat_at,
+        "lease_id": lease,
+        "lease_ttl": None if ttl is None else ttl.get("ttl"),
+        "lease_granted_ttl": None if ttl is None else ttl.get("granted_ttl"),
+    }
+
+
+def build_job_status(
+    job: str,
+    kvs: Iterable[KeyValue],
+    revision: int = 0,
+    lease_info: Optional[LeaseInfo] = None,
+    events: int = EVENTS_SHOWN,
+) -> Dict[str, Any]:
+    """The status document of ``job`` from its keys (``kvs``: everything under its prefix).
+
+    Stable top-level keys: job, exists, revision, time, config, nnodes, max_restarts, state,
+    round, world_size, restart_count, master_addr, master_port, round_created_at, round_end,
+    members, spares, events. ``lease_info(lease_id)`` may return ``{"ttl", "granted_ttl"}``.
+    """
+    keys = JobKeys(job)
+    data = {kv.key: kv for kv in kvs if kv.key.startswith(keys.prefix)}
+    config = _loads(data.get(keys.config)) or {}
+    state = _loads(data.get(keys.state))
+    topo_d = _loads(data.get(keys.topology))
+    topo: Optional[Topology] = None
+    if topo_d:
+        try:
+            topo = Topology.from_dict(topo_d)
+        except (KeyError, TypeError, ValueError):
+            topo = None
+
+    nodes: Dict[str, Dict[str, Any]] = {}
+    for key, kv in data.items():
+        if not key.startswith(keys.nodes):
+            continue
+        d = _loads(kv)
+        if not isinstance(d, dict):
+            continue
+        try:
+            info = NodeInfo.from_dict(d)
+        except (KeyError, TypeError, ValueError):
+            continue
+        nodes[key[len(keys.nodes):]] = _node_row(info, kv.lease, lease_info)
+
+    progress: Dict[str, Any] = {}
+    for key, kv in data.items():
+        if key.startswith(keys.progress):
+            value = _loads(kv)
+            if isinstance(value, dict):
+                progress[key[len(keys.progress):]] = value
+
+    members: List[Dict[str, Any]] = []
+    round_end: Dict[str, Any] = {"failed": None, "end": None, "done": []}
+    if topo is not None:
+        round_end["failed"] = _loads(data.get(keys.failed(topo.round)))
+        round_end["end"] = _loads(data.get(keys.end(topo.round)))
+        dones = keys.dones(topo.round)
+        round_end["done"] = sorted(k[len(dones):] for k in data if k.startswith(dones))
+        for m in topo.members:
+            node = nodes.get(m.node_id)
+            same = node is not None and (not m.lease or node["lease_id"] == m.lease)
+            failures = _loads(data.get(keys.failure(topo.round, m.node_id)))
+            row: Dict[str, Any] = dict(node) if same and node is not None else {
+                "node_id": m.node_id,
+                "host": m.host,
+                "addr": m.addr,
+                "pid": None,
+                "nproc": m.nproc,
+                "accelerators": [],
+                "status": LOST,
+                "waiting_for": None,
+                "registered": False,
+                "registered_at": None,
+                "heartbeat_at": None,
+                "lease_id": m.lease,
+                "lease_ttl": None,
+                "lease_granted_ttl": None,
+            }
+            if failures and row["status"] == "Active":
+                row["status"] = "Failed"
+            row.update(
+                group_rank=m.group_rank,
+                rank_offset=m.rank_offset,
+                ranks=list(m.ranks),
+                nproc=m.nproc,
+                failed_workers=failures or [],
+                progress=progress.get(m.node_id),
+            )
+            members.append(row)
+    member_keys = {(r["node_id"], r["lease_id"]) for r in members if r["registered"]}
+    spares = []
+    for node_id in sorted(nodes, key=lambda n: (nodes[n]["registered_at"] or 0, n)):
+        row = nodes[node_id]
+        if (node_id, row["lease_id"]) not in member_keys:
+            spares.append(dict(row, progress=progress.get(node_id)))
+
+    event_rows = []
+    for key in sorted((k for k in data if k.startswith(keys.events)), reverse=True)[: max(0, events)]:
+        d = _loads(data[key])
+        row = _event_row(d) if isinstance(d, dict) else None
+        if row is not None:
+            event_rows.append(row)
+
+    max_restarts = config.get("max_restarts")
+    return {
+        "job": job,
+        "exists": bool(data),
+        "revision": revision,
+        "time": time.time(),
+        "config": config or None,
+        "nnodes": config.get("nnodes"),
+        "max_restarts": max_restarts,
+        "state": state,
+        "round": None if topo is None else topo.round,
+        "world_size": 0 if topo is None else topo.world_size,
+        "restart_count": 0 if topo is None else topo.restart_count,
+        "master_addr": None if topo is None else topo.master_addr,
+        "master_port": None if topo is None else topo.master_port,
+        "round_created_at": None if topo is None else topo.created_at,
+        "round_end": round_end,
+        "members": members,
+        "spares": spares,
+        "events": event_rows,
+    }
+
+
+def job_phase(doc: Dict[str, Any]) -> str:
+    """One word for a job: succeeded/failed (terminal), forming, ending, running."""
+    state = doc.get("state")
+    if isinstance(state, dict) and state.get("state"):
+        return str(state["state"])
+    if doc.get("round") is None:
+        return "forming"
+    end = doc.get("round_end") or {}
+    if end.get("failed") or end.get("end"):
+        return "rescaling"
+    if any(m["status"] in (LOST, "Rescaling", "Failed") for m in doc.get("members", [])):
+        return "rescaling"
+    return "running"
+
+
+def _lease_info(store: EtcdStore) -> LeaseInfo:
+    def get(lease_id: int) -> Optional[Dict[str, int]]:
+        try:
+            return store.lease_ttl(lease_id)
+        except ElasticrunError:
+            return None
+
+    return get
+
+
+def job_status(
+    store: EtcdStore, job: str, *, events: int = EVENTS_SHOWN, leases: bool = True
+) -> Dict[str, Any]:
+    """The status document of ``job`` (see :func:`build_job_status`); JobNotFoundError if it has no keys."""
+    kvs, revision = store.get_prefix(JobKeys(job).prefix)
+    if not kvs:
+        known = [j["job"] for j in list_jobs(store)]
+        hint = f"jobs there: {', '.join(known[:10])}" if known else "there are no jobs there"
+        raise JobNotFoundError(
+            f"no job {job!r} in etcd at {store.endpoints} ({hint}); check --rdzv-id and --rdzv-endpoint"
+        )
+    doc = build_job_status(job, kvs, revision, _lease_info(store) if leases else None, events)
+    doc["phase"] = job_phase(doc)
+    return doc
+
+
+def summarise_jobs(kvs: Iterable[KeyValue]) -> List[Dict[str, Any]]:
+    """One row per job found under ``/elasticrun/``: job, phase, round, world_size, nodes, restart_count."""
+    by_job: Dict[str, List[KeyValue]] = {}
+    for kv in kvs:
+        job = job_of(kv.key)
+        if job and not job.startswith("."):
+            by_job.setdefault(job, []).append(kv)
+    rows = []
+    for job in sorted(by_job):
+        doc = build_job_status(job, by_job[job], events=0)
+        rows.append(
+            {
+                "job": job,
+                "phase": job_phase(doc),
+                "state": doc["state"],
+                "round": doc["round"],
+                "world_size": doc["world_size"],
+                "members": len(doc["members"]),
+                "nodes": len(doc["spares"]) + sum(1 for m in doc["members"] if m["registered"]),
+                "restart_count": doc["restart_count"],
+                "max_restarts": doc["max_restarts"],
+                "nnodes": doc["nnodes"],
+            }
+        )
+    return rows
+
+
+def list_jobs(store: EtcdStore) -> List[Dict[str, Any]]:
+    """Every job in this etcd (see :func:`summarise_jobs`)."""
+    kvs, _ = store.get_prefix(ROOT)
+    return summarise_jobs(kvs)
+
+
+__all__ = [
+    "EVENTS_SHOWN",
+    "LOST",
+    "JobNotFoundError",
+    "build_job_status",
+    "job_phase",
+    "job_status",
+    "list_jobs",
+    "summarise_jobs",
+]
