@@ -105,6 +105,7 @@ class LaunchConfig:
     etcd_binary: Optional[str] = None
     etcd_timeout: float = 10.0  # seconds to keep retrying an unreachable etcd
     quiet: bool = False
+    prewarm: bool = True  # start worker interpreters (import torch) while the rendezvous settles
 
     def validate(self) -> LaunchConfig:
         """Raise ConfigError with a clear message when something cannot work; return self."""

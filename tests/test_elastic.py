@@ -15,8 +15,8 @@ from typing import List
 
 import psutil
 import pytest
-
 from conftest import SCRIPTS, Agent, wait_until
+
 from elasticrun.rendezvous.keys import JobKeys
 
 HB = 3  # heartbeat timeout (lease TTL) used by these tests
@@ -39,7 +39,9 @@ def first_step(out: Path, world: int) -> float:
     return rows[0]["time"] if rows else 0.0
 
 
-def agent_args(endpoint: str, job: str, node: str, nnodes: str, out: Path, total: int, extra: List[str] = ()) -> List[str]:
+def agent_args(
+    endpoint: str, job: str, node: str, nnodes: str, out: Path, total: int, extra: List[str] = ()
+) -> List[str]:
     return [
         "--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "--rdzv-id", job,
         "--node-id", node, "--heartbeat-timeout", str(HB), "--stability-window", "0.5", "--shutdown-timeout", "2",

@@ -28,8 +28,12 @@ _ETCD = "etcd connection"
 
 
 def run(
-    script: str = typer.Argument(..., metavar="SCRIPT", help="Training script (or module with -m, command with --no-python)."),
-    script_args: Optional[List[str]] = typer.Argument(None, metavar="[ARGS]...", help="Passed to the script unchanged."),
+    script: str = typer.Argument(
+        ..., metavar="SCRIPT", help="Training script (or module with -m, command with --no-python)."
+    ),
+    script_args: Optional[List[str]] = typer.Argument(
+        None, metavar="[ARGS]...", help="Passed to the script unchanged."
+    ),
     nnodes: str = typer.Option("1", "--nnodes", help="Number of nodes: N or MIN:MAX.", rich_help_panel=_RDZV),
     nproc_per_node: str = typer.Option(
         "1", "--nproc-per-node", "--nproc_per_node", help="Workers per node: N, gpu, cpu or auto.",
@@ -53,7 +57,9 @@ def run(
         None, "--local-addr", "--local_addr", help="Address other nodes reach this one at [default: route to etcd].",
         rich_help_panel=_RDZV,
     ),
-    module: bool = typer.Option(False, "-m", "--module", help="Run SCRIPT as a Python module.", rich_help_panel=_WORKERS),
+    module: bool = typer.Option(
+        False, "-m", "--module", help="Run SCRIPT as a Python module.", rich_help_panel=_WORKERS
+    ),
     no_python: bool = typer.Option(
         False, "--no-python", "--no_python", help="Run SCRIPT as a command, not with python.", rich_help_panel=_WORKERS
     ),
@@ -65,7 +71,8 @@ def run(
         rich_help_panel=_WORKERS,
     ),
     max_restarts: int = typer.Option(
-        3, "--max-restarts", "--max_restarts", help="Worker-failure restarts for the whole job.", rich_help_panel=_ELASTIC
+        3, "--max-restarts", "--max_restarts", help="Worker-failure restarts for the whole job.",
+        rich_help_panel=_ELASTIC,
     ),
     heartbeat_timeout: float = typer.Option(
         5.0, "--heartbeat-timeout", help="Seconds without heartbeat before a node counts as dead (etcd lease TTL).",
@@ -104,12 +111,20 @@ def run(
         "0", "-t", "--tee", help="Streams copied to files as well as the console (same syntax).", rich_help_panel=_LOGS
     ),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="No agent progress lines.", rich_help_panel=_LOGS),
+    prewarm: bool = typer.Option(
+        True, "--prewarm/--no-prewarm", help="Pre-start worker interpreters (torch imported) during the rendezvous.",
+        rich_help_panel=_WORKERS,
+    ),
     etcd_user: Optional[str] = typer.Option(None, "--etcd-user", envvar="ELASTICRUN_ETCD_USER", rich_help_panel=_ETCD),
     etcd_password: Optional[str] = typer.Option(
         None, "--etcd-password", envvar="ELASTICRUN_ETCD_PASSWORD", rich_help_panel=_ETCD
     ),
-    etcd_cacert: Optional[str] = typer.Option(None, "--etcd-cacert", help="CA certificate for TLS.", rich_help_panel=_ETCD),
-    etcd_cert: Optional[str] = typer.Option(None, "--etcd-cert", help="Client certificate for TLS.", rich_help_panel=_ETCD),
+    etcd_cacert: Optional[str] = typer.Option(
+        None, "--etcd-cacert", help="CA certificate for TLS.", rich_help_panel=_ETCD
+    ),
+    etcd_cert: Optional[str] = typer.Option(
+        None, "--etcd-cert", help="Client certificate for TLS.", rich_help_panel=_ETCD
+    ),
     etcd_key: Optional[str] = typer.Option(None, "--etcd-key", help="Client key for TLS.", rich_help_panel=_ETCD),
     etcd_binary: Optional[str] = typer.Option(
         None, "--etcd-binary", help="etcd executable for --standalone.", rich_help_panel=_ETCD
@@ -160,5 +175,6 @@ def run(
         etcd_binary=etcd_binary,
         etcd_timeout=etcd_timeout,
         quiet=quiet,
+        prewarm=prewarm,
     )
     raise typer.Exit(run_agent(cfg))

@@ -148,6 +148,7 @@ class Agent:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             if workers is not None:
                 workers.stop(cfg.shutdown_timeout)
+                workers.discard_warm()
             round_store.close()
             if rdzv is not None:
                 rdzv.leave()
@@ -174,6 +175,7 @@ class Agent:
 
     def _loop(self, rdzv: Rendezvous, workers: WorkerGroup) -> int:
         while True:
+            workers.prewarm()
             try:
                 topo = rdzv.next_round()
             except LeaseLost as lost:

@@ -48,7 +48,8 @@ class LinePump:
             for line in iter(self._pipe.readline, b""):
                 if self._console is not None:
                     with _console_lock:
-                        self._console.write(self._prefix + line if line.endswith(b"\n") else self._prefix + line + b"\n")
+                        tail = b"" if line.endswith(b"\n") else b"\n"
+                        self._console.write(self._prefix + line + tail)
                         self._console.flush()
                 if self._file is not None:
                     self._file.write(line)

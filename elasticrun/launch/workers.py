@@ -51,6 +51,7 @@ class WorkerGroup:
         self._on_exit = on_exit
         self._workers: List[_Worker] = []
         self._pumps: List[LinePump] = []
+        self._warm: List[subprocess.Popen] = []
         self._redirects, self._tee = cfg.std_streams()
 
     def command(self) -> List[str]:
@@ -60,6 +61,62 @@ class WorkerGroup:
         if cfg.module:
             return [sys.executable, "-u", "-m", cfg.entrypoint, *cfg.args]
         return [sys.executable, "-u", cfg.entrypoint, *cfg.args]
+
+    def prewarm(self) -> None:
+        """Start idle interpreters that import torch now, to become workers when the round forms."""
+        if not self.cfg.prewarm or self.cfg.no_python:
+            return
+        self._warm = [p for p in self._warm if p.poll() is None]
+        env = dict(os.environ)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        if self.cfg.nproc_per_node > 1:
+            env.setdefault("OMP_NUM_THREADS", "1")
+        cmd = with_parent_death_signal([sys.executable, "-u", "-m", "elasticrun.launch.warm"])
+        while len(self._warm) < self.cfg.nproc_per_node:
+            self._warm.append(
+                subprocess.Popen(
+                    cmd,
+                    env=env,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                )
+            )
+
+    def _spawn(self, env: Dict[str, str]) -> subprocess.Popen:
+        """A worker process for ``env``: a pre-warmed one when available, else a fresh one."""
+        while self._warm:
+            proc = self._warm.pop(0)
+            if proc.poll() is not None or proc.stdin is None:
+                continue
+            order = {"env": env, "argv": [self.cfg.entrypoint, *self.cfg.args], "module": self.cfg.module,
+                     "cwd": os.getcwd()}
+            try:
+                proc.stdin.write((json.dumps(order) + "\n").encode())
+                proc.stdin.close()
+                return proc
+            except (BrokenPipeError, OSError):
+                continue
+        return subprocess.Popen(
+            with_parent_death_signal(self.command()),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+
+    def discard_warm(self) -> None:
+        """Stop the idle pre-warmed interpreters."""
+        warm, self._warm = self._warm, []
+        for proc in warm:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            for pipe in (proc.stdin, proc.stdout, proc.stderr):
+                if pipe is not None:
+                    pipe.close()
 
     @property
     def pids(self) -> List[int]:
@@ -73,7 +130,6 @@ class WorkerGroup:
         event_file = os.path.join(round_dir, "rescale_event.json")
         with open(event_file, "w") as f:
             json.dump(event.to_dict() if event else {}, f)
-        cmd = with_parent_death_signal(self.command())
         for local_rank in range(member.nproc):
             rank = member.rank_offset + local_rank
             rank_dir = os.path.join(round_dir, f"rank_{rank}")
@@ -95,14 +151,7 @@ class WorkerGroup:
                     "ELASTICRUN_REDISTRIBUTION": self.cfg.redistribution.value,
                 },
             )
-            proc = subprocess.Popen(
-                cmd,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-            )
+            proc = self._spawn(env)
             self._workers.append(_Worker(spec, proc))
             self._pump(proc, topo.round, rank, local_rank)
             threading.Thread(target=self._wait, args=(proc,), daemon=True).start()
