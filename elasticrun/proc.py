@@ -47,8 +47,8 @@ def kill_process_group(pid: int, sig: int) -> None:
         pass
 
 
-def terminate_tree(pids: Sequence[int], grace: float) -> None:
-    """SIGTERM each process group, wait up to ``grace`` seconds, then SIGKILL what is left.
+def terminate_tree(pids: Sequence[int], grace: float, sig: int = signal.SIGTERM) -> None:
+    """Send ``sig`` to each process group, wait up to ``grace`` seconds, then SIGKILL what is left.
 
     Descendants that escaped the group (their own session) are found via psutil and killed too.
     """
@@ -61,7 +61,7 @@ def terminate_tree(pids: Sequence[int], grace: float) -> None:
         except psutil.NoSuchProcess:
             pass
     for pid in pids:
-        kill_process_group(pid, signal.SIGTERM)
+        kill_process_group(pid, sig)
     _, alive = psutil.wait_procs(procs, timeout=max(0.0, grace))
     if alive:
         for pid in pids:

@@ -190,21 +190,11 @@ class WorkerGroup:
                 out.append(make_failure(m.node_id, m.host, w.spec.rank, w.spec.local_rank, code, w.spec.error_file))
         return sorted(out, key=lambda f: f.timestamp)
 
-    def send_signal(self, sig: int) -> None:
-        for w in self._workers:
-            if w.proc.poll() is None:
-                try:
-                    os.killpg(w.proc.pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
-
     def stop(self, grace: float, sig: int = signal.SIGTERM) -> None:
         """Signal every worker's process group, SIGKILL after ``grace`` s, and reap them all."""
         if not self._workers:
             return
-        if sig != signal.SIGTERM:
-            self.send_signal(sig)
-        terminate_tree(self.pids, grace)
+        terminate_tree(self.pids, grace, sig)
         for w in self._workers:
             try:
                 w.proc.wait(5)
