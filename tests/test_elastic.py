@@ -15,9 +15,10 @@ from typing import List
 
 import psutil
 import pytest
-from conftest import SCRIPTS, Agent, wait_until
 
 from elasticrun.rendezvous.keys import JobKeys
+
+from conftest import SCRIPTS, Agent, wait_until
 
 HB = 3  # heartbeat timeout (lease TTL) used by these tests
 

@@ -7,11 +7,12 @@ import time
 
 import pytest
 
-from conftest import wait_until
 from elasticrun.errors import StoreError
 from elasticrun.store.client import connect, parse_endpoints
 from elasticrun.store.lease import KeepAlive
 from elasticrun.store.server import EtcdServer, find_etcd_binary
+
+from conftest import wait_until
 
 
 def test_parse_endpoints():
