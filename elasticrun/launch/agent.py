@@ -225,8 +225,8 @@ class Agent:
                 failures = workers.failures()
                 first = failures[0]
                 self.say(f"worker rank {first.rank} failed ({first.signal or first.exitcode}): stopping this round")
+                rdzv.report_failure(topo, [f.to_dict() for f in failures])  # first, so peers stop in parallel
                 workers.stop(self.cfg.shutdown_timeout)
-                rdzv.report_failure(topo, [f.to_dict() for f in failures])
                 return "next"
             if state == "succeeded" and not done_reported:
                 rdzv.report_done(topo)

@@ -76,6 +76,8 @@ def _node_row(info: NodeInfo, lease: int, lease_info: Optional[LeaseInfo]) -> Di
         "lease_id": lease,
         "lease_ttl": None if ttl is None else ttl.get("ttl"),
         "lease_granted_ttl": None if ttl is None else ttl.get("granted_ttl"),
+        # etcd resets a lease's TTL on every keep-alive: granted - left = seconds since the last one
+        "lease_heartbeat_age": None if ttl is None else max(0, ttl["granted_ttl"] - ttl["ttl"]),
     }
 
 
@@ -150,6 +152,7 @@ def build_job_status(
                 "lease_id": m.lease,
                 "lease_ttl": None,
                 "lease_granted_ttl": None,
+                "lease_heartbeat_age": None,
             }
             if failures and row["status"] == "Active":
                 row["status"] = "Failed"

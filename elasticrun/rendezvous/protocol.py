@@ -206,6 +206,9 @@ class Rendezvous:
                 continue
             nodes = self.view.nodes()
             waiting = sorted(n for n, (info, _) in nodes.items() if info.waiting_for == target)
+            if self.node_id not in waiting:  # the view has not caught up with our own record yet
+                version = self.view.wait_change(version, 0.25)
+                continue
             if waiting != last_waiting:
                 last_waiting, changed_at = waiting, time.monotonic()
             wait_msg = self._try_form(target, topo, rev, nodes, changed_at)
