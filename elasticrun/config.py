@@ -132,12 +132,12 @@ class LaunchConfig:
         for name in ("stability_window", "rescale_timeout", "join_timeout", "shutdown_timeout"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must not be negative")
+        self._check_entrypoint()
         if not self.standalone and not self.rdzv_endpoint:
             raise ConfigError(
                 "no rendezvous: pass --rdzv-endpoint host:port (an etcd server; start one with "
                 "`elasticrun etcd`) or --standalone for a single node"
             )
-        self._check_entrypoint()
         for name in ("redirects", "tee"):
             _parse_std_streams(getattr(self, name), f"--{name}")
         return self

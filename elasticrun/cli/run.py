@@ -48,7 +48,8 @@ def run(
         rich_help_panel=_RDZV,
     ),
     standalone: bool = typer.Option(
-        False, "--standalone", help="Single node: start a private etcd for this run.", rich_help_panel=_RDZV
+        False, "--standalone", help="Single node: start a private etcd for this run (implied by --nnodes 1 "
+        "without --rdzv-endpoint).", rich_help_panel=_RDZV
     ),
     node_id: Optional[str] = typer.Option(
         None, "--node-id", help="Stable id of this node [default: random@host:pid].", rich_help_panel=_RDZV
@@ -138,6 +139,8 @@ def run(
 
     nmin, nmax = parse_nnodes(nnodes)
     nproc, kind = parse_nproc(nproc_per_node)
+    if not rdzv_endpoint and nmax == 1:
+        standalone = True  # like torchrun: one node needs no external rendezvous
     if standalone and rdzv_id is None:
         rdzv_id = f"standalone-{uuid.uuid4().hex[:8]}"
     cfg = LaunchConfig(
