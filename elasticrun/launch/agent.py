@@ -95,6 +95,13 @@ class Agent:
         files_dir = tempfile.mkdtemp(prefix=f"elasticrun-{cfg.rdzv_id}-")
         round_store = RoundStore()
         try:
+            log_dir = cfg.log_dir
+            if log_dir is None and (cfg.redirects != "0" or cfg.tee != "0"):
+                # Not under files_dir: that one is removed at exit, and these logs must outlive us.
+                log_dir = tempfile.mkdtemp(prefix=f"elasticrun-logs-{cfg.rdzv_id}-")
+                self.say(f"worker logs in {log_dir}")
+            workers = WorkerGroup(cfg, self.label, files_dir, log_dir, False, on_exit=lambda: self._wake())
+            workers.prewarm()  # worker interpreters import torch while we meet the other nodes
             if cfg.standalone and not cfg.rdzv_endpoint:
                 etcd = EtcdServer(binary=cfg.etcd_binary).start()
                 cfg.rdzv_endpoint = etcd.endpoint
@@ -122,12 +129,7 @@ class Agent:
             self._wake = rdzv.view.poke
             rdzv.ensure_config(cfg.job_settings())
             rdzv.register()
-            log_dir = cfg.log_dir
-            if log_dir is None and (cfg.redirects != "0" or cfg.tee != "0"):
-                # Not under files_dir: that one is removed at exit, and these logs must outlive us.
-                log_dir = tempfile.mkdtemp(prefix=f"elasticrun-logs-{cfg.rdzv_id}-")
-                self.say(f"worker logs in {log_dir}")
-            workers = WorkerGroup(cfg, self.label, files_dir, log_dir, use_gpu, on_exit=lambda: self._wake())
+            workers.use_gpu = use_gpu
             self.say(
                 f"joined job {cfg.rdzv_id!r} at {cfg.rdzv_endpoint} as {cfg.node_id} "
                 f"(nnodes {cfg.nnodes_min}:{cfg.nnodes_max}, {cfg.nproc_per_node} workers)"
