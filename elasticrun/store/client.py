@@ -33,7 +33,13 @@ _GRPC_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
     ("grpc.enable_http_proxy", 0),
 ]
-_TRANSIENT = (etcd_exc.ConnectionFailedError, etcd_exc.ConnectionTimeoutError, etcd_exc.NoServerAvailableError)
+# WatchTimedOut: a watch was not confirmed within `timeout` (etcd or our watch thread busy): retry.
+_TRANSIENT = (
+    etcd_exc.ConnectionFailedError,
+    etcd_exc.ConnectionTimeoutError,
+    etcd_exc.NoServerAvailableError,
+    etcd_exc.WatchTimedOut,
+)
 _START_HINT = "start one with `elasticrun etcd`, or run with --standalone"
 
 
@@ -400,29 +406,10 @@ class EtcdStore:
         self.close()
 
 
-def connect(
-    endpoints: str,
-    *,
-    timeout: float = 5.0,
-    retry_timeout: float = 10.0,
-    user: Optional[str] = None,
-    password: Optional[str] = None,
-    ca_cert: Optional[str] = None,
-    cert_key: Optional[str] = None,
-    cert_cert: Optional[str] = None,
-    check: bool = True,
-) -> EtcdStore:
-    """Open an :class:`EtcdStore` and (by default) check that etcd answers within ``retry_timeout``."""
-    store = EtcdStore(
-        endpoints,
-        timeout=timeout,
-        retry_timeout=retry_timeout,
-        user=user,
-        password=password,
-        ca_cert=ca_cert,
-        cert_key=cert_key,
-        cert_cert=cert_cert,
-    )
+def connect(endpoints: str, *, check: bool = True, **options: Any) -> EtcdStore:
+    """Open an :class:`EtcdStore` (``options`` as for its constructor) and, by default, check that
+    etcd answers — and lets us in — within ``retry_timeout``."""
+    store = EtcdStore(endpoints, **options)
     if check:
         try:
             store.ping()
