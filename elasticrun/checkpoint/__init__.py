@@ -1,1 +1,59 @@
-"""checkpoint layer."""
+"""Sharded safetensors checkpoints: atomic commit, resharding on load, async save, retention.
+
+    from elasticrun.checkpoint import save, load, Shard
+    name = save(state, "ckpts", training_state=ts, placements={"emb.weight": Shard(0)}, keep_last=3)
+    ckpt = load("ckpts", "latest", state_dict=state)   # any world size
+
+The names that need torch (save/load/async) are imported lazily, so listing and
+verifying checkpoints (the CLI's read commands) start without importing torch.
+See docs/checkpoints.md for the format.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from elasticrun.checkpoint.format import LATEST, CheckpointMeta, Replicate, Shard
+from elasticrun.checkpoint.retention import delete
+from elasticrun.checkpoint.validate import CheckpointInfo, VerifyResult, list_checkpoints, verify
+from elasticrun.errors import CheckpointError
+
+_LAZY = {
+    "save": "elasticrun.checkpoint.writer",
+    "load": "elasticrun.checkpoint.reader",
+    "LoadedCheckpoint": "elasticrun.checkpoint.reader",
+    "async_save": "elasticrun.checkpoint.background",
+    "AsyncCheckpointer": "elasticrun.checkpoint.background",
+    "AsyncSaveHandle": "elasticrun.checkpoint.background",
+    "wait_async_saves": "elasticrun.checkpoint.background",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "LATEST",
+    "AsyncCheckpointer",
+    "AsyncSaveHandle",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointMeta",
+    "LoadedCheckpoint",
+    "Replicate",
+    "Shard",
+    "VerifyResult",
+    "async_save",
+    "delete",
+    "list_checkpoints",
+    "load",
+    "save",
+    "verify",
+    "wait_async_saves",
+]

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any, List, Optional
 
+from elasticrun.errors import CheckpointError
+
 
 class Comm:
     """A thin view of a process group (or of a single process)."""
@@ -40,7 +42,13 @@ class Comm:
         import torch.distributed as dist
 
         out: List[Optional[Any]] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        try:
+            dist.all_gather_object(out, obj, group=self.group)
+        except RuntimeError as err:  # gloo: a peer died or the group was torn down
+            first = (str(err).strip().splitlines() or [err.__class__.__name__])[0][:200]
+            raise CheckpointError(
+                f"lost contact with the other ranks during a checkpoint operation ({first}); nothing was committed"
+            ) from None
         return out
 
     def broadcast(self, obj: Any) -> Any:

@@ -120,7 +120,8 @@ class Chunk:
 
     @classmethod
     def from_json(cls, d: Dict[str, Any]) -> Chunk:
-        return cls(str(d["file"]), str(d["key"]), tuple(int(x) for x in d["offsets"]), tuple(int(x) for x in d["shape"]))
+        offsets = tuple(int(x) for x in d["offsets"])
+        return cls(str(d["file"]), str(d["key"]), offsets, tuple(int(x) for x in d["shape"]))
 
 
 @dataclass(frozen=True)
@@ -253,7 +254,8 @@ class CheckpointMeta:
                 version=version,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as err:
-            raise CheckpointError(f"{where} is malformed ({err.__class__.__name__}: {err}): the checkpoint is corrupt") from None
+            problem = f"{err.__class__.__name__}: {err}"
+            raise CheckpointError(f"{where} is malformed ({problem}): the checkpoint is corrupt") from None
         for t in tensors.values():
             for c in t.chunks:
                 if c.file not in files:

@@ -164,4 +164,4 @@ def make_plan(per_rank: Sequence[Sequence[LocalInfo]]) -> SavePlan:
     # Write in name order within each file: stable, readable, and deterministic.
     for items in writes:
         items.sort(key=lambda i: i.name)
-    return SavePlan(tensors, writes)
+    return SavePlan({n: tensors[n] for n in by_name}, writes)

@@ -74,10 +74,10 @@ class Hasher:
         self._pending: List[Future] = []
 
     def update(self, data: memoryview) -> None:
-        if self._pool is None or len(data) < (1 << 20):
-            self._h.update(data)
-            return
         self._pending = [f for f in self._pending if not f.done()]
+        if self._pool is None or (len(data) < (1 << 20) and not self._pending):
+            self._h.update(data)  # small and nothing queued: in order, right here
+            return
         self._pending.append(self._pool.submit(self._h.update, data))
 
     def hexdigest(self) -> str:

@@ -200,7 +200,7 @@ class FsspecStorage(Storage):
         self.fs.makedirs(path, exist_ok=True)
 
     def open_read(self, path: str) -> IO[bytes]:
-        return self.fs.open(path, "rb")
+        return RangeReader(self.fs, path)  # type: ignore[return-value]
 
     def open_write(self, path: str) -> IO[bytes]:
         return self.fs.open(path, "wb")
@@ -220,6 +220,43 @@ class FsspecStorage(Storage):
 
     def sync_dir(self, path: str) -> None:
         return None
+
+
+class RangeReader:
+    """A read-only file over fsspec's stateless ranged reads (``cat_file``): one request per
+    ``readinto``, safe to use from several threads at once (each has its own position)."""
+
+    def __init__(self, fs: Any, path: str) -> None:
+        self.fs, self.path, self.pos = fs, path, 0
+        if not fs.isfile(path):
+            raise FileNotFoundError(errno.ENOENT, "No such file or directory", path)
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = pos if whence == 0 else self.pos + pos if whence == 1 else int(self.fs.size(self.path)) + pos
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def read(self, n: int = -1) -> bytes:
+        end = None if n is None or n < 0 else self.pos + n
+        data = bytes(self.fs.cat_file(self.path, start=self.pos, end=end))
+        self.pos += len(data)
+        return data
+
+    def readinto(self, view: Any) -> int:
+        data = self.read(len(memoryview(view).cast("B")))
+        memoryview(view).cast("B")[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        return None
+
+    def __enter__(self) -> RangeReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 _CACHE: Dict[Tuple[str, str], Storage] = {}

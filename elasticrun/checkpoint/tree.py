@@ -43,7 +43,8 @@ def flatten(state: Any) -> Tuple[Dict[str, torch.Tensor], Any]:
             items = []
             for k, v in obj.items():
                 if not isinstance(k, _SCALARS):
-                    raise CheckpointError(f"state dict key {k!r} at {'.'.join(path) or '<root>'} must be str/int/float/bool")
+                    where = ".".join(path) or "<root>"
+                    raise CheckpointError(f"state dict key {k!r} at {where} must be str/int/float/bool")
                 items.append([k, walk(v, [*path, str(k)])])
             return {ITEMS: items}
         if isinstance(obj, tuple):
@@ -95,8 +96,9 @@ def fill_in_place(target: Any, loaded: Any, path: str = "") -> Any:
                 f"tensor {path!r}: the checkpoint gives this rank shape {tuple(loaded.shape)} but the state dict "
                 f"has {tuple(target.shape)}: check the model config and the placements"
             )
-        with torch.no_grad():
-            target.copy_(loaded)
+        if loaded is not target:
+            with torch.no_grad():
+                target.copy_(loaded)
         return target
     if isinstance(target, dict):
         if not isinstance(loaded, dict):

@@ -1,7 +1,320 @@
-"""``elasticrun ckpt``: manage sharded safetensors checkpoints (filled in by the checkpoint work)."""
+"""``elasticrun ckpt``: list, inspect, verify, delete, load (consolidate/reshard) and save checkpoints.
+
+Read commands (list, inspect, verify) take ``--json`` and never import torch. Errors are
+CheckpointErrors, printed by ``elasticrun.cli.main`` as one line (exit code 5).
+"""
 
 from __future__ import annotations
 
-import typer
+import datetime
+import sys
+import time
+import uuid
+from typing import Any, Dict, List, Optional
 
-app = typer.Typer(help="Manage sharded safetensors checkpoints.", no_args_is_help=True)
+import typer
+from rich.markup import escape
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+
+from elasticrun.checkpoint.format import LATEST, Shard
+from elasticrun.checkpoint.retention import delete as delete_checkpoints
+from elasticrun.checkpoint.retention import plan_keep_last
+from elasticrun.checkpoint.storage import get_storage
+from elasticrun.checkpoint.validate import COMPLETE, INCOMPLETE, read_meta, resolve_name, scan, verify
+from elasticrun.cli.console import console, err_console, fail, print_json
+
+app = typer.Typer(help="Manage sharded safetensors checkpoints.", no_args_is_help=True, add_completion=False)
+
+_STATUS_STYLE = {COMPLETE: "green", INCOMPLETE: "yellow", "corrupt": "bold red"}
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _when(t: Optional[float]) -> str:
+    return "-" if not t else datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _progress(total: int, what: str) -> Progress:
+    p = Progress(TextColumn(what), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+                 console=err_console, transient=True, disable=not err_console.is_terminal)
+    p.add_task(what, total=total)
+    return p
+
+
+def _existing_root(root: str) -> Any:
+    storage = get_storage(root)
+    if not storage.exists(storage.root):
+        fail(f"checkpoint root {root} does not exist: check the path", 5)
+    return storage
+
+
+@app.command("list")
+def list_cmd(
+    root: str = typer.Argument(..., help="Checkpoint root directory or URL."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """List checkpoints: step, epoch, world size, size, created, status; the newest complete is marked."""
+    infos = scan(_existing_root(root))
+    if as_json:
+        print_json([i.to_json() for i in infos])
+        return
+    if not infos:
+        console.print(f"no checkpoints in {escape(root)}")
+        return
+    table = Table(title=f"checkpoints in {escape(root)}", title_justify="left")
+    for col, kw in (("name", {}), ("step", {"justify": "right"}), ("epoch", {"justify": "right"}),
+                    ("world", {"justify": "right"}), ("size", {"justify": "right"}), ("created", {}),
+                    ("status", {})):
+        table.add_column(col, **kw)
+    for i in infos:
+        m = i.meta
+        status = f"[{_STATUS_STYLE.get(i.status, '')}]{i.status}[/]"
+        if i.problem and i.status != COMPLETE:
+            status += f" [dim]({escape(i.problem[:80])})[/]"
+        name = escape(i.name) + (" [bold cyan]← latest[/]" if i.latest else "")
+        if i.temporary:
+            name += " [dim](tmp)[/]"
+        table.add_row(name, "-" if m is None or m.step is None else str(m.step),
+                      "-" if m is None or m.epoch is None else str(m.epoch),
+                      "-" if m is None else str(m.world_size), human_bytes(i.size), _when(i.created), status)
+    console.print(table)
+
+
+def _split_desc(entry: Any) -> str:
+    n = len(entry.chunks)
+    if isinstance(entry.placement, Shard):
+        return f"Shard({entry.placement.dim}) over {n} rank{'s' * (n != 1)}"
+    return "replicated" + (f", written as {n} row blocks" if n > 1 else f" ({entry.chunks[0].file})" if n else "")
+
+
+@app.command("inspect")
+def inspect_cmd(
+    root: str = typer.Argument(..., help="Checkpoint root directory or URL."),
+    name: str = typer.Argument(LATEST, help="Checkpoint name (default: latest)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+) -> None:
+    """Show a checkpoint's tensors (global shape, dtype, bytes, split), training state and metadata."""
+    storage = _existing_root(root)
+    name = resolve_name(storage, name)
+    meta = read_meta(storage, name)
+    if as_json:
+        doc = meta.to_json()
+        doc.pop("tree", None)
+        for n, t in meta.tensors.items():
+            doc["tensors"][n]["bytes"] = t.nbytes
+        print_json(doc)
+        return
+    console.print(f"[bold]{escape(name)}[/] — written by {meta.world_size} rank(s) at {_when(meta.created)}, "
+                  f"{len(meta.tensors)} tensors, {human_bytes(meta.total_bytes)} in {len(meta.files)} file(s)")
+    table = Table(title="tensors", title_justify="left")
+    for col in ("name", "dtype", "shape", "bytes", "split"):
+        table.add_column(col, justify="right" if col == "bytes" else "left")
+    for t in meta.tensors.values():
+        table.add_row(escape(t.name), t.dtype, str(list(t.shape)), human_bytes(t.nbytes), _split_desc(t))
+    console.print(table)
+    for title, data in (("training state", meta.training_state), ("user metadata", meta.user_metadata)):
+        if data:
+            kv = Table(title=title, title_justify="left", show_header=False)
+            kv.add_column("key")
+            kv.add_column("value")
+            for k, v in data.items():
+                kv.add_row(escape(str(k)), escape(str(v)))
+            console.print(kv)
+
+
+@app.command("verify")
+def verify_cmd(
+    root: str = typer.Argument(..., help="Checkpoint root directory or URL."),
+    name: str = typer.Argument(LATEST, help="Checkpoint name (default: latest)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Re-hash every file against metadata.json; exit 5 on any mismatch or missing file."""
+    storage = _existing_root(root)
+    name = resolve_name(storage, name)
+    total = read_meta(storage, name).total_bytes
+    with _progress(total, f"verifying {name}") as progress:
+        result = verify(root, name, progress=lambda n: progress.advance(progress.task_ids[0], n))
+    if as_json:
+        print_json(result.to_json())
+    elif result.ok:
+        console.print(f"[green]ok[/] {escape(name)}: {result.files_checked} file(s), "
+                      f"{human_bytes(result.bytes_checked)} match their sha256")
+    if not result.ok:
+        if not as_json:
+            for p in result.problems[1:]:
+                err_console.print(f"  {escape(p)}", highlight=False)
+        fail(f"{result.problems[0]}" + (f" (and {len(result.problems) - 1} more problems)"
+                                        if len(result.problems) > 1 else ""), 5)
+
+
+def _confirm(what: List[str], yes: bool) -> None:
+    if yes:
+        return
+    if not sys.stdin.isatty():
+        fail(f"about to delete {', '.join(what)}: pass --yes to confirm when not running interactively", 2)
+    if not typer.confirm(f"delete {', '.join(what)}?", default=False):
+        fail("nothing deleted", 1)
+
+
+@app.command("delete")
+def delete_cmd(
+    root: str = typer.Argument(..., help="Checkpoint root directory or URL."),
+    names: Optional[List[str]] = typer.Argument(None, help="Checkpoint names to delete."),
+    keep_last: Optional[int] = typer.Option(None, "--keep-last", help="Delete all but the newest K complete ones."),
+    incomplete: bool = typer.Option(False, "--incomplete", help="Delete incomplete/corrupt entries (make sure no "
+                                    "save is running)."),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
+    force: bool = typer.Option(False, "--force", help="Allow deleting the last complete checkpoint."),
+) -> None:
+    """Delete checkpoints by name, by retention (--keep-last K) or the incomplete ones."""
+    modes = sum([bool(names), keep_last is not None, incomplete])
+    if modes != 1:
+        fail("give checkpoint NAMES, --keep-last K or --incomplete (exactly one of them)", 2)
+    storage = _existing_root(root)
+    infos = scan(storage)
+    if keep_last is not None:
+        if keep_last < 1:
+            fail(f"--keep-last must be at least 1 (got {keep_last}): the newest checkpoint is always kept", 2)
+        targets = plan_keep_last(infos, keep_last)
+    elif incomplete:
+        targets = [i.dirname for i in infos if i.status != COMPLETE]
+    else:
+        targets = list(dict.fromkeys(names or []))
+    if not targets:
+        console.print("nothing to delete")
+        return
+    # Validate (names that escape ROOT, unknown names, the last complete one) before asking.
+    from elasticrun.checkpoint.format import validate_name
+
+    temp_dirs = {i.dirname for i in infos if i.temporary}
+    for t in targets:
+        if t not in temp_dirs:
+            validate_name(t)
+    known = {i.dirname for i in infos}
+    unknown = [t for t in targets if t not in known]
+    if unknown:
+        fail(f"no checkpoint {unknown[0]!r} in {root}: nothing deleted (see `elasticrun ckpt list {root}`)", 5)
+    _confirm(targets, yes)
+    deleted = delete_checkpoints(root, targets, force=force)
+    for d in deleted:
+        console.print(f"deleted {escape(d)}")
+
+
+@app.command("load")
+def load_cmd(
+    root: str = typer.Argument(..., help="Checkpoint root directory or URL."),
+    name: str = typer.Argument(LATEST, help="Checkpoint name (default: latest)."),
+    out: str = typer.Option(..., "--out", "-o", help="Output .safetensors file, or directory with --world-size."),
+    only: Optional[str] = typer.Option(None, "--only", help="Keep tensors whose name starts with this prefix."),
+    strip_prefix: bool = typer.Option(False, "--strip-prefix", help="Remove the --only prefix from tensor names."),
+    world_size: Optional[int] = typer.Option(None, "--world-size", help="Reshard into a checkpoint for M ranks."),
+    out_name: Optional[str] = typer.Option(None, "--name", help="Name of the resharded checkpoint [default: same]."),
+    no_verify: bool = typer.Option(False, "--no-verify", help="Skip the sha256 check of the source."),
+) -> None:
+    """Consolidate a checkpoint into one safetensors file, or reshard it for another world size."""
+    from elasticrun.checkpoint.consolidate import consolidate, reshard
+
+    storage = _existing_root(root)
+    name = resolve_name(storage, name)
+    total = read_meta(storage, name).total_bytes
+    if world_size is not None:
+        if only or strip_prefix:
+            fail("--only/--strip-prefix apply to consolidation, not to --world-size resharding", 2)
+        with _progress(total, f"resharding {name}") as p:
+            new = reshard(root, name, world_size, out, out_name, verify=not no_verify,
+                          progress=lambda n: p.advance(p.task_ids[0], n))
+        console.print(f"wrote checkpoint {escape(new)} for {world_size} rank(s) in {escape(out)}")
+        return
+    if not out.endswith(".safetensors"):
+        fail(f"--out {out}: give a .safetensors file name (or --world-size M with a directory)", 2)
+    with _progress(total, f"consolidating {name}") as p:
+        keys = consolidate(root, name, out, only=only, strip_prefix=strip_prefix, verify=not no_verify,
+                           progress=lambda n: p.advance(p.task_ids[0], n))
+    console.print(f"wrote {len(keys)} tensors of {escape(name)} to {escape(out)}")
+
+
+@app.command("save")
+def save_cmd(
+    root: Optional[str] = typer.Argument(None, help="With --from: checkpoint root to import into."),
+    name: Optional[str] = typer.Argument(None, help="With --from: name of the new checkpoint."),
+    from_file: Optional[str] = typer.Option(None, "--from", help="Import a .pt or .safetensors state dict file."),
+    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="etcd endpoint(s) of a running job."),
+    rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", help="The running job's id."),
+    timeout: float = typer.Option(600.0, "--timeout", help="Seconds to wait for the job's checkpoint."),
+    as_json: bool = typer.Option(False, "--json", help="Print the job's answer as JSON."),
+) -> None:
+    """Ask a running job to checkpoint now (--rdzv-endpoint/--rdzv-id), or import a file (--from)."""
+    if from_file is not None:
+        if rdzv_endpoint or rdzv_id:
+            fail("use either --from FILE ROOT NAME or --rdzv-endpoint/--rdzv-id, not both", 2)
+        if not root or not name:
+            fail("--from FILE needs ROOT and NAME: elasticrun ckpt save --from model.pt ./ckpts imported", 2)
+        from elasticrun.checkpoint.consolidate import import_file
+
+        console.print(f"imported {escape(from_file)} as checkpoint {escape(import_file(from_file, root, name))}")
+        return
+    if not rdzv_endpoint or not rdzv_id:
+        fail("give --rdzv-endpoint HOST:PORT and --rdzv-id JOB (ask a running job), or --from FILE ROOT NAME", 2)
+    if root or name:
+        fail("ROOT/NAME are only for --from; the job decides where its checkpoint goes", 2)
+    if timeout <= 0:
+        fail(f"--timeout must be positive (got {timeout})", 2)
+    answer = request_job_checkpoint(rdzv_endpoint, rdzv_id, timeout)
+    if as_json:
+        print_json(answer)
+    else:
+        console.print(f"checkpoint [bold]{escape(str(answer.get('name')))}[/] committed in "
+                      f"{escape(str(answer.get('root')))} at step {answer.get('step')}")
+
+
+def request_job_checkpoint(endpoint: str, job: str, timeout: float) -> Dict[str, Any]:
+    """Put a checkpoint request for ``job`` in etcd and wait (watch) for rank 0's answer."""
+    from elasticrun.rendezvous.keys import JobKeys
+    from elasticrun.store.client import connect
+
+    keys = JobKeys(job)
+    rid = uuid.uuid4().hex[:16]
+    req_key = f"{keys.control}checkpoint/{rid}"
+    done_key = f"{keys.control}checkpoint-done/{rid}"
+    with connect(endpoint) as store:
+        if store.get(keys.config) is None and not store.get_prefix(keys.prefix)[0]:
+            fail(f"no job {job!r} in etcd at {endpoint}: check --rdzv-id (see `elasticrun status "
+                 f"--rdzv-endpoint {endpoint}`)", 4)
+        store.put_json(req_key, {"request_id": rid, "requested_at": time.time()})
+        with _spinner(f"waiting for job {job} to checkpoint (request {rid})"):
+            try:
+                kv = store.wait_for(done_key, lambda kv: kv is not None, timeout)
+            except TimeoutError:
+                store.delete(req_key)
+                fail(f"job {job!r} did not checkpoint within {timeout:g}s (request withdrawn): is it running and "
+                     "calling the elasticrun checkpoint hook? see `elasticrun status`", 5)
+        try:
+            answer = kv.json() if kv is not None else {}
+        except ValueError:
+            fail(f"job {job!r} answered with something that is not JSON: {kv.value[:100]!r}", 5)
+        if not isinstance(answer, dict):
+            fail(f"job {job!r} answered with an unexpected value: {answer!r}", 5)
+        if answer.get("error"):
+            fail(f"job {job!r} could not checkpoint: {answer['error']}", 5)
+        return answer
+
+
+class _spinner:
+    def __init__(self, what: str) -> None:
+        self._status = err_console.status(what) if err_console.is_terminal else None
+
+    def __enter__(self) -> _spinner:
+        if self._status is not None:
+            self._status.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._status is not None:
+            self._status.__exit__(*exc)

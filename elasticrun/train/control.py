@@ -13,8 +13,12 @@ request without a ``checkpoint-done`` answer is pending; one left by an earlier 
 Only rank 0 hears about requests and only the worker that got SIGTERM knows it did, but
 a checkpoint is a collective: every rank must decide the same thing at the same step.
 :meth:`CheckpointRequests.poll` is that agreement: one tiny ``all_reduce(MAX)`` of
-``[stop, pending requests]`` every ``every`` steps (plus, only when there are requests,
-a broadcast of their ids). Measured on 2 CPU cores with gloo, 2 ranks: see docs/training.md.
+``[stop, pending requests, next interval]`` (plus, only when there are requests, a
+broadcast of their ids). It costs about as much as one small collective (0.1-2 ms with
+gloo on loopback, see docs/training.md), so by default (``every="auto"``) rank 0 picks
+how many steps to wait before the next agreement so that one happens about every
+``period`` seconds (0.2 s): negligible overhead, and a SIGTERM is acted on well within
+the agent's grace period. ``every=k`` agrees every k steps instead.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -45,7 +49,7 @@ class StepDecision:
 
     stop: bool = False
     request_ids: Tuple[str, ...] = ()
-    checked: bool = False  # False on steps where no agreement ran (not a multiple of ``every``)
+    checked: bool = False  # False on steps where no agreement ran
 
     @property
     def checkpoint(self) -> bool:
@@ -66,7 +70,7 @@ class CheckpointRequests:
 
     Typical loop::
 
-        requests = CheckpointRequests(ctx, every=1)
+        requests = CheckpointRequests(ctx)
         for step in ...:
             train_step()
             decision = requests.poll(step, stop=ctx.should_stop)
@@ -86,7 +90,9 @@ class CheckpointRequests:
         self,
         state: Optional[ElasticState] = None,
         *,
-        every: int = 1,
+        every: Union[int, str] = "auto",
+        period: float = 0.2,
+        max_every: int = 1000,
         endpoint: Optional[str] = None,
         job_id: Optional[str] = None,
         rank: Optional[int] = None,
@@ -94,13 +100,20 @@ class CheckpointRequests:
         group: Optional[Any] = None,
         resync_interval: float = 30.0,
     ) -> None:
-        if every < 1:
-            raise ValueError(f"every must be >= 1, got {every}")
+        if every != "auto" and (not isinstance(every, int) or every < 1):
+            raise ValueError(f"every must be an int >= 1 or 'auto', got {every!r}")
         if state is not None and hasattr(state, "state"):  # an ElasticContext
-            device = device or state.device
+            if group is None and getattr(state, "cpu_group", None) is not None:
+                group = state.cpu_group  # agree over gloo on CPU: no GPU sync in the step
+            elif group is None:
+                device = device or state.device
             state = state.state
         state = state or ElasticState.from_env()
         self.every = every
+        self.period = period
+        self.max_every = max_every
+        self._next_check = 0  # auto: the step of the next agreement (the same on every rank)
+        self._last_check: Optional[Tuple[int, float]] = None  # auto, rank 0: (step, time)
         self.rank = state.rank if rank is None else rank
         self.device = device or torch.device("cpu")
         self.group = group
@@ -132,16 +145,18 @@ class CheckpointRequests:
 
     def poll(self, step: int, stop: bool = False) -> StepDecision:
         """Collective (every rank must call it at the same steps): agree on ``stop`` and on the
-        pending request ids. Runs only when ``step % every == 0``; otherwise returns a
-        decision with ``checked=False`` and nothing in it."""
-        if step % self.every != 0:
+        pending request ids. ``step`` must be the same on every rank. Runs only on agreement
+        steps (``step % every == 0``, or as agreed in auto mode); otherwise returns at once
+        with ``checked=False`` and nothing in it."""
+        if not self._due(step):
             return StepDecision(stop=False, checked=False)
         ids = self.local_pending() if self.rank == 0 else []
         t0 = time.perf_counter()
+        interval = self._choose_interval(step, t0) if self.every == "auto" and self.rank == 0 else 0
         if _distributed(self.group):
-            flags = torch.tensor([1 if stop else 0, len(ids)], dtype=torch.int64, device=self.device)
+            flags = torch.tensor([1 if stop else 0, len(ids), interval], dtype=torch.int64, device=self.device)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-            agreed_stop, count = bool(flags[0].item()), int(flags[1].item())
+            agreed_stop, count, interval = bool(flags[0].item()), int(flags[1].item()), int(flags[2].item())
             if count:
                 box: List[Any] = [ids]
                 dist.broadcast_object_list(box, src=_global_src(self.group), group=self.group,
@@ -151,12 +166,29 @@ class CheckpointRequests:
             agreed_stop = stop
         self.agreements += 1
         self.agreement_seconds += time.perf_counter() - t0
+        if self.every == "auto":
+            self._next_check = step + max(1, interval)
         if ids:
             with self._lock:
                 for rid in ids:
                     self._inbox.pending.pop(rid, None)
                     self._inbox.in_flight.add(rid)
         return StepDecision(stop=agreed_stop, request_ids=tuple(ids), checked=True)
+
+    def _due(self, step: int) -> bool:
+        if self.every == "auto":
+            return step >= self._next_check
+        return step % int(self.every) == 0
+
+    def _choose_interval(self, step: int, now: float) -> int:
+        """Rank 0 (auto mode): agree again after about ``period`` seconds of steps."""
+        last, self._last_check = self._last_check, (step, now)
+        if last is None or step <= last[0]:
+            return 1
+        step_time = (now - last[1]) / (step - last[0])
+        if step_time <= 0:
+            return self.max_every
+        return max(1, min(self.max_every, int(self.period / step_time)))
 
     def pending(self, step: int) -> List[str]:
         """``poll(step).request_ids`` (collective; use :meth:`poll` to also agree on stopping)."""

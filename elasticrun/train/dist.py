@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import signal
 from dataclasses import dataclass, field, replace
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ from elasticrun.train.signals import GracefulStop
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 300.0
+ENV_BACKEND = "ELASTICRUN_BACKEND"
 
 
 @dataclass
@@ -35,6 +37,13 @@ class ElasticContext:
     backend: Optional[str]
     stop: GracefulStop = field(default_factory=GracefulStop)
     owns_group: bool = False  # init() created the process group (and close() destroys it)
+    cpu_group: Optional[Any] = None  # gloo group for CPU-side collectives when the default one is nccl
+
+    @property
+    def cpu_process_group(self) -> Optional[Any]:
+        """Group for collectives on CPU objects (checkpoint save/load, the stop/request
+        agreement): a gloo group when the backend is nccl, else None (= the default group)."""
+        return self.cpu_group
 
     @property
     def rank(self) -> int:
@@ -111,8 +120,8 @@ def init(
 ) -> ElasticContext:
     """Join the process group described by the environment and install the SIGTERM flag.
 
-    - ``backend``: ``None`` picks nccl on CUDA (and binds the worker to GPU ``LOCAL_RANK``),
-      gloo otherwise.
+    - ``backend``: ``None`` takes the launcher's ``ELASTICRUN_BACKEND`` if set, else nccl on
+      CUDA (binding the worker to GPU ``LOCAL_RANK``), else gloo.
     - ``timeout``: collective timeout in seconds.
     - ``single_process_group``: when not launched by elasticrun/torchrun, still create a
       world-1 group (in-memory store) so DDP works unchanged; ``False`` creates none.
@@ -122,7 +131,7 @@ def init(
     Calling it when a process group already exists reuses that group.
     """
     state = ElasticState.from_env()
-    backend = backend or default_backend()
+    backend = backend or os.environ.get(ENV_BACKEND, "").strip() or default_backend()
     if "nccl" in backend:
         if not torch.cuda.is_available():
             raise ConfigError("backend nccl needs CUDA, but torch.cuda.is_available() is False: use gloo")
@@ -149,11 +158,15 @@ def init(
     if dist.is_initialized() and (dist.get_rank() != state.rank or dist.get_world_size() != state.world_size):
         # An existing group wins over the environment (e.g. a test created one by hand).
         state = replace(state, rank=dist.get_rank(), world_size=dist.get_world_size())
+    cpu_group = None
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()):
+        cpu_group = dist.new_group(backend="gloo")  # collective: every rank creates it here
     stop = GracefulStop(stop_signals)
     if stop_signals:
         stop.install()
     ctx = ElasticContext(
-        state=state, device=device, backend=backend if dist.is_initialized() else None, stop=stop, owns_group=owns
+        state=state, device=device, backend=backend if dist.is_initialized() else None, stop=stop, owns_group=owns,
+        cpu_group=cpu_group,
     )
     if state.elastic and state.rank == 0:
         log.info("elasticrun: %s", state.describe())

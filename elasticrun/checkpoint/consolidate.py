@@ -1,0 +1,177 @@
+"""Offline conversions: one consolidated safetensors file, a resharded copy for another
+world size, and importing a single-file state dict (``.pt`` / ``.safetensors``).
+
+These run in one process and stream tensor by tensor (consolidate) or rank by rank
+(reshard), so peak memory is one tensor, resp. about 1/M of the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from elasticrun.checkpoint.comm import Comm
+from elasticrun.checkpoint.commit import commit, new_token, rollback
+from elasticrun.checkpoint.format import CheckpointMeta, FileEntry, Shard, validate_name
+from elasticrun.checkpoint.plan import make_plan
+from elasticrun.checkpoint.reader import ShardFiles, read_region, region_for
+from elasticrun.checkpoint.shardfile import build_header, byte_view, torch_dtype
+from elasticrun.checkpoint.storage import describe, get_storage
+from elasticrun.checkpoint.validate import read_meta, resolve_name, verify_files
+from elasticrun.checkpoint.writer import SaveJob, _check_free, save
+from elasticrun.errors import CheckpointError
+
+
+def _open_checked(root: str, name: str, verify: bool, storage_options: Optional[Dict[str, Any]]):
+    storage = get_storage(root, storage_options)
+    name = resolve_name(storage, name)
+    meta = read_meta(storage, name)
+    if verify:
+        problems = verify_files(storage, name, list(meta.files.values()))
+        if problems:
+            raise CheckpointError(problems[0])
+    return storage, name, meta
+
+
+def consolidate(
+    root: str,
+    name: str,
+    out: str,
+    *,
+    only: Optional[str] = None,
+    strip_prefix: bool = False,
+    verify: bool = True,
+    storage_options: Optional[Dict[str, Any]] = None,
+    progress: Optional[Callable[[int], None]] = None,
+) -> List[str]:
+    """Write checkpoint ``name`` as one plain safetensors file ``out`` (full tensors).
+
+    ``only`` keeps tensors whose name starts with that prefix (``strip_prefix`` removes
+    it from the keys). The training state and user metadata go into ``__metadata__``.
+    Returns the tensor names written.
+    """
+    storage, name, meta = _open_checked(root, name, verify, storage_options)
+    names = [n for n in meta.tensors if only is None or n.startswith(only)]
+    if not names:
+        raise CheckpointError(f"checkpoint {name!r} has no tensor starting with {only!r}")
+    keys = [n[len(only):] if strip_prefix and only else n for n in names]
+    if any(not k for k in keys):
+        raise CheckpointError(f"--only {only!r} with --strip-prefix leaves an empty tensor name")
+    items = [(k, meta.tensors[n].dtype, meta.tensors[n].shape, meta.tensors[n].nbytes) for k, n in zip(keys, names)]
+    file_meta = {"elasticrun.checkpoint": name, "elasticrun.training_state": json.dumps(meta.training_state),
+                 "elasticrun.user_metadata": json.dumps(meta.user_metadata)}
+    tmp = f"{out}.tmp-{new_token()}"
+    files = ShardFiles(storage, name, meta)
+    try:
+        with open(tmp, "wb", buffering=0) as f:
+            f.write(build_header(items, file_meta))
+            for n in names:
+                entry = meta.tensors[n]
+                t = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
+                read_region(files, entry, [0] * len(entry.shape), t)
+                view = byte_view(t)
+                while len(view):
+                    view = view[f.write(view):]
+                if progress is not None:
+                    progress(entry.nbytes)
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except OSError as err:
+        raise CheckpointError(f"cannot write {out}: {describe(err)}") from None
+    finally:
+        files.close()
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return keys
+
+
+def reshard(
+    root: str,
+    name: str,
+    world_size: int,
+    out_root: str,
+    out_name: Optional[str] = None,
+    *,
+    verify: bool = True,
+    storage_options: Optional[Dict[str, Any]] = None,
+    progress: Optional[Callable[[int], None]] = None,
+) -> str:
+    """Rewrite checkpoint ``name`` as a checkpoint for ``world_size`` ranks (in ``out_root``).
+
+    Sharded tensors are split evenly (``torch.tensor_split``) along their dim; replicated
+    ones are re-split so each new rank's file holds about 1/M. Returns the new name.
+    """
+    if world_size < 1:
+        raise CheckpointError(f"--world-size must be at least 1 (got {world_size})")
+    storage, name, meta = _open_checked(root, name, verify, storage_options)
+    out_storage = get_storage(out_root, storage_options)
+    out_name = validate_name(out_name or name)
+    _check_free(out_storage, out_name)
+    infos = []
+    for r in range(world_size):
+        rank_infos = []
+        for t in meta.tensors.values():
+            _, shape = region_for(t, t.placement, r, world_size)
+            rank_infos.append((t.name, t.dtype, tuple(shape), t.placement))
+        infos.append(rank_infos)
+    plan = make_plan(infos)
+    token = new_token()
+    files = ShardFiles(storage, name, meta)
+    results: Dict[str, FileEntry] = {}
+    job = None
+    try:
+        for r in range(world_size):
+            job = SaveJob(storage=out_storage, name=out_name, token=token, comm=Comm.local(r, world_size), plan=plan,
+                          sources=[], tree=meta.tree, training_state=meta.training_state,
+                          user_metadata=meta.user_metadata, created=time.time())
+            for item in plan.writes[r]:
+                entry = meta.tensors[item.name]
+                t = torch.empty(item.chunk.shape, dtype=torch_dtype(entry.dtype))
+                read_region(files, entry, item.chunk.offsets, t)
+                job.sources.append((item.chunk.key, t))
+            fname, size, sha = job.write_own_file()
+            results[fname] = FileEntry(fname, r, size, sha)
+            if progress is not None:
+                progress(size)
+            job.sources = []
+        assert job is not None
+        new_meta = CheckpointMeta(name=out_name, world_size=world_size, created=time.time(), tensors=plan.tensors,
+                                  files=results, tree=meta.tree, training_state=meta.training_state,
+                                  user_metadata=meta.user_metadata)
+        commit(out_storage, job.tmp, job.final, new_meta.dumps(), 0)
+    except BaseException as err:
+        note = rollback(out_storage, out_storage.join(f".{out_name}.tmp-{token}"))
+        if isinstance(err, CheckpointError):
+            raise CheckpointError(f"{err}; {note}") from None
+        raise
+    finally:
+        files.close()
+    return out_name
+
+
+def import_file(path: str, root: str, name: str, *, storage_options: Optional[Dict[str, Any]] = None) -> str:
+    """Save a single-file state dict (``torch.save`` file loaded with ``weights_only=True``, or a
+    ``.safetensors`` file) as checkpoint ``<root>/<name>``."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"--from {path}: no such file")
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            state: Any = load_file(path)
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any parse failure is the file's fault
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(f"cannot read {path} as a state dict ({err.__class__.__name__}: {first})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} holds a {type(state).__name__}, not a state dict")
+    return save(state, root, name, user_metadata={"imported_from": os.path.basename(path)},
+                storage_options=storage_options)
+
+
+__all__ = ["Shard", "consolidate", "import_file", "reshard"]

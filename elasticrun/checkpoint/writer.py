@@ -1,0 +1,292 @@
+"""``save()``: every rank writes its part of the checkpoint, rank 0 commits it.
+
+A save is two steps so that :mod:`async_save` can run the second one on a thread:
+
+1. :func:`prepare` (collective, cheap): flatten the state dict, gather every rank's
+   tensor shapes, agree on the name and the plan (who writes which bytes).
+2. :meth:`SaveJob.run` (collective, the I/O): write + fsync this rank's shard, gather the
+   results (the barrier), then rank 0 writes ``metadata.json`` and commits atomically;
+   any failure on any rank rolls the whole save back and raises the same CheckpointError
+   on every rank. Errors are always exchanged before raising, so no rank hangs in a
+   collective because another one failed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import torch
+
+from elasticrun.checkpoint.comm import Comm
+from elasticrun.checkpoint.commit import commit, crash_point, new_token, rollback
+from elasticrun.checkpoint.format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    METADATA_FILE,
+    CheckpointMeta,
+    FileEntry,
+    Placement,
+    Replicate,
+    Shard,
+    shard_file_name,
+    tmp_dir_name,
+    validate_name,
+)
+from elasticrun.checkpoint.plan import LocalInfo, SavePlan, WriteItem, make_plan
+from elasticrun.checkpoint.shardfile import dtype_code, write_shard
+from elasticrun.checkpoint.storage import Storage, describe, get_storage, retry
+from elasticrun.checkpoint.tree import flatten
+from elasticrun.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+
+def training_state_dict(training_state: Any) -> Optional[Dict[str, Any]]:
+    """A TrainingState (or any object with ``to_dict``), a dict, or None -> JSON-able dict."""
+    if training_state is None:
+        return None
+    if hasattr(training_state, "to_dict"):
+        return dict(training_state.to_dict())
+    if isinstance(training_state, Mapping):
+        return dict(training_state)
+    raise CheckpointError(f"training_state must be a TrainingState or a dict, got {type(training_state).__name__}")
+
+
+def default_name(ts: Optional[Dict[str, Any]], created: float) -> str:
+    """``step-00001200`` when the step is known, else a UTC timestamp."""
+    if ts is not None and isinstance(ts.get("step"), int):
+        return f"step-{ts['step']:08d}"
+    return time.strftime("ckpt-%Y%m%d-%H%M%S", time.gmtime(created)) + f"-{int(created * 1000) % 1000:03d}"
+
+
+def _placements(placements: Optional[Mapping[str, Placement]], names: Mapping[str, Any]) -> Dict[str, Placement]:
+    out: Dict[str, Placement] = {}
+    for key, p in (placements or {}).items():
+        if key not in names:
+            raise CheckpointError(f"placements names {key!r}, which is not a tensor in the state dict")
+        if not isinstance(p, (Shard, Replicate)):
+            raise CheckpointError(f"placement of {key!r} must be Shard(dim) or Replicate(), got {p!r}")
+        out[key] = p
+    return out
+
+
+def source_tensor(t: torch.Tensor, item: WriteItem) -> torch.Tensor:
+    """The CPU, contiguous bytes a write item covers (a view when possible, no copy)."""
+    t = t.detach()
+    if item.rows is not None:
+        t = t[item.rows[0]:item.rows[1]]
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t if t.is_contiguous() else t.contiguous()
+
+
+@dataclass
+class SaveJob:
+    """Everything one rank needs to write and commit its part of a planned save."""
+
+    storage: Storage
+    name: str
+    token: str
+    comm: Comm
+    plan: SavePlan
+    sources: List[Tuple[str, torch.Tensor]]
+    tree: Any
+    training_state: Optional[Dict[str, Any]]
+    user_metadata: Dict[str, Any]
+    created: float
+    keep_last: Optional[int] = None
+    error: Optional[str] = None  # a local failure before run(), reported collectively by run()
+
+    @property
+    def tmp(self) -> str:
+        return self.storage.join(tmp_dir_name(self.name, self.token))
+
+    @property
+    def final(self) -> str:
+        return self.storage.join(self.name)
+
+    def write_own_file(self) -> Tuple[str, int, str]:
+        rank, world = self.comm.rank, self.comm.world_size
+        fname = shard_file_name(rank, world)
+        path = f"{self.tmp}/{fname}"
+        slices = {i.chunk.key: {"offsets": list(i.chunk.offsets), "global_shape": list(self.plan.tensors[i.name].shape)}
+                  for i in self.plan.writes[rank]}
+        file_meta = {
+            "format": f"{FORMAT_NAME}/{FORMAT_VERSION}",
+            "checkpoint": self.name,
+            "rank": str(rank),
+            "world_size": str(world),
+            "slices": json.dumps(slices, separators=(",", ":")),
+        }
+
+        def op() -> Tuple[int, str]:
+            f = self.storage.open_write(path)
+            try:
+                with ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash") as pool:
+                    size, sha = write_shard(f, self.sources, file_meta, pool,
+                                            on_piece=lambda _n: crash_point("shard-write", rank))
+                self.storage.finish_write(f)
+            finally:
+                f.close()
+            return size, sha
+
+        retry(lambda: self.storage.mkdirs(self.tmp), f"create {self.storage.display(self.tmp)}")
+        size, sha = retry(op, f"write {self.storage.display(path)}")
+        return fname, size, sha
+
+    def run(self) -> str:
+        """Write this rank's shard, then commit (rank 0). Collective; returns the checkpoint name."""
+        rank = self.comm.rank
+        try:
+            crash_point("start", rank)
+            if self.error:
+                raise CheckpointError(self.error)
+            result: Dict[str, Any] = {"file": self.write_own_file()}
+            crash_point("after-shards", rank)
+        except CheckpointError as err:
+            result = {"error": str(err)}
+        except Exception as err:  # noqa: BLE001 - reported to every rank below
+            result = {"error": describe(err)}
+        results = self.comm.all_gather(result)
+        failed = [(r, res["error"]) for r, res in enumerate(results) if "error" in res]
+        if failed:
+            note = rollback(self.storage, self.tmp) if rank == 0 else "it was rolled back"
+            r, msg = failed[0]
+            where = f" on rank {r}" if self.comm.world_size > 1 else ""
+            raise CheckpointError(f"saving checkpoint {self.name!r} failed{where}: {msg}; {note}")
+
+        status: Dict[str, Any] = {}
+        if rank == 0:
+            files = {f: FileEntry(f, r, size, sha) for r, (f, size, sha) in enumerate(res["file"] for res in results)}
+            meta = CheckpointMeta(
+                name=self.name, world_size=self.comm.world_size, created=self.created, tensors=self.plan.tensors,
+                files=files, tree=self.tree, training_state=self.training_state, user_metadata=self.user_metadata,
+            )
+            try:
+                commit(self.storage, self.tmp, self.final, meta.dumps(), rank)
+            except Exception as err:  # noqa: BLE001 - reported to every rank below
+                status = {"error": f"{err if isinstance(err, CheckpointError) else describe(err)}; "
+                                   f"{rollback(self.storage, self.tmp)}"}
+        status = self.comm.broadcast(status)
+        if "error" in status:
+            raise CheckpointError(f"committing checkpoint {self.name!r} failed: {status['error']}")
+        if rank == 0 and self.keep_last is not None:
+            from elasticrun.checkpoint.retention import apply_keep_last
+
+            try:
+                apply_keep_last(self.storage, self.keep_last, protect=self.name)
+            except CheckpointError as err:
+                log.warning("checkpoint retention failed (the new checkpoint is safe): %s", err)
+        return self.name
+
+
+def prepare(
+    state_dict: Mapping[str, Any],
+    root: str,
+    name: Optional[str],
+    comm: Comm,
+    *,
+    training_state: Any = None,
+    user_metadata: Optional[Dict[str, Any]] = None,
+    placements: Optional[Mapping[str, Placement]] = None,
+    keep_last: Optional[int] = None,
+    storage_options: Optional[Dict[str, Any]] = None,
+) -> Tuple[SaveJob, Dict[str, torch.Tensor]]:
+    """Collective: agree on name and plan. Returns the job (no sources yet) and the local tensors."""
+    error: Optional[str] = None
+    infos: List[LocalInfo] = []
+    head: Optional[Dict[str, Any]] = None
+    tensors: Dict[str, torch.Tensor] = {}
+    tree: Any = None
+    ts: Optional[Dict[str, Any]] = None
+    storage: Optional[Storage] = None
+    try:
+        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+            raise CheckpointError(f"keep_last must be a positive integer (got {keep_last!r})")
+        storage = get_storage(root, storage_options)
+        tensors, tree = flatten(state_dict)
+        pl = _placements(placements, tensors)
+        infos = [(n, dtype_code(t.dtype, n), tuple(t.shape), pl.get(n, Replicate())) for n, t in tensors.items()]
+        ts = training_state_dict(training_state)
+        try:
+            json.dumps([ts, user_metadata, tree], allow_nan=True)
+        except (TypeError, ValueError) as err:
+            raise CheckpointError(f"training_state/user_metadata must be JSON-serialisable: {err}") from None
+        if comm.rank == 0:
+            created = time.time()
+            final_name = validate_name(name if name is not None else default_name(ts, created))
+            _check_free(storage, final_name)
+            head = {"name": final_name, "token": new_token(), "created": created}
+    except CheckpointError as err:
+        error = str(err)
+    gathered = comm.all_gather({"infos": infos, "error": error, "head": head})
+    errors = [(r, g["error"]) for r, g in enumerate(gathered) if g["error"]]
+    if errors:
+        r, msg = errors[0]
+        raise CheckpointError(msg if comm.world_size == 1 else f"rank {r}: {msg}")
+    assert storage is not None
+    head = gathered[0]["head"]
+    plan = make_plan([g["infos"] for g in gathered])
+    job = SaveJob(
+        storage=storage, name=head["name"], token=head["token"], comm=comm, plan=plan, sources=[], tree=tree,
+        training_state=ts, user_metadata=dict(user_metadata or {}), created=head["created"], keep_last=keep_last,
+    )
+    return job, tensors
+
+
+def _check_free(storage: Storage, name: str) -> None:
+    final = storage.join(name)
+    if not retry(lambda: storage.exists(final), f"check {storage.display(final)}"):
+        return
+    if retry(lambda: storage.exists(f"{final}/{METADATA_FILE}"), f"check {storage.display(final)}"):
+        raise CheckpointError(
+            f"checkpoint {name!r} already exists in {storage.display(storage.root)}: pass another name or delete "
+            f"it first (elasticrun ckpt delete {storage.display(storage.root)} {name})"
+        )
+    if storage.atomic_rename:
+        raise CheckpointError(
+            f"{storage.display(final)} exists but is not a checkpoint: move it away or pick another name"
+        )
+    # Object stores: a half-moved directory from a crashed commit; it was never complete.
+    retry(lambda: storage.remove_tree(final), f"remove incomplete {storage.display(final)}")
+
+
+def save(
+    state_dict: Mapping[str, Any],
+    root: str,
+    name: Optional[str] = None,
+    *,
+    training_state: Any = None,
+    user_metadata: Optional[Dict[str, Any]] = None,
+    placements: Optional[Mapping[str, Placement]] = None,
+    process_group: Any = None,
+    keep_last: Optional[int] = None,
+    storage_options: Optional[Dict[str, Any]] = None,
+) -> str:
+    """Save ``state_dict`` as checkpoint ``<root>/<name>``; every rank of the group calls it.
+
+    ``state_dict`` is a nested dict of tensors and JSON values (non-tensor leaves go into
+    ``metadata.json``; nothing is pickled). Tensors are replicated (identical on every
+    rank, written once with each rank writing ~1/N) unless ``placements`` marks them
+    ``Shard(dim)`` (each rank holds a slice along ``dim``; slices may be uneven).
+    ``name`` defaults to ``step-<step:08d>`` from ``training_state``. With ``keep_last=K``
+    rank 0 deletes the oldest complete checkpoints beyond K after the commit.
+    ``storage_options`` go to fsspec for URL roots (``s3://...``).
+    Returns the name; raises CheckpointError (on every rank) if the save failed and was
+    rolled back.
+    """
+    comm = Comm(process_group)
+    job, tensors = prepare(
+        state_dict, root, name, comm, training_state=training_state, user_metadata=user_metadata,
+        placements=placements, keep_last=keep_last, storage_options=storage_options,
+    )
+    try:
+        job.sources = [(i.chunk.key, source_tensor(tensors[i.name], i)) for i in job.plan.writes[comm.rank]]
+    except Exception as err:  # noqa: BLE001 - must still take part in the collectives
+        job.sources, job.error = [], f"cannot read the tensors to save: {describe(err)}"
+    return job.run()

@@ -1,0 +1,207 @@
+"""A small but real elastic training job: an MLP fit to synthetic data with DDP.
+
+Run it any of these ways (CPU/gloo; a GPU node uses nccl)::
+
+    python examples/train.py --epochs 2                                   # one process
+    torchrun --nproc-per-node 2 examples/train.py --epochs 2              # plain torchrun
+    elasticrun --standalone --nproc-per-node 2 examples/train.py --epochs 2
+
+What makes it elastic (see docs/training.md):
+
+- it resumes from the newest checkpoint under ``--ckpt-dir`` at whatever world size it
+  now has: model, optimizer, step, and the sampler's position in the epoch (no sample of
+  the epoch is lost or repeated across a rescale);
+- the learning rate follows the world size (``--lr-strategy``), or the global batch is
+  kept constant with gradient accumulation (``--global-batch``);
+- on SIGTERM (the agent stopping workers for a rescale) every rank agrees to stop at the
+  same step, saves a checkpoint and exits (code 143, "terminated");
+- it answers ``elasticrun ckpt save`` requests and reports progress for ``elasticrun status``.
+
+Rank 0 prints one ``step N loss X world W`` line per step and ends with
+``done: steps=N world=W final_loss=X``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import elasticrun.train as et
+from elasticrun.errors import ElasticrunError
+
+EXIT_STOPPED = 143  # like a process terminated by SIGTERM: the job is not finished
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--steps", type=int, default=0, help="stop after this many global steps (0: no limit)")
+    p.add_argument("--dataset-size", type=int, default=2048)
+    p.add_argument("--batch-size", type=int, default=32, help="per-worker micro batch")
+    p.add_argument("--global-batch", type=int, default=0,
+                   help="keep this global batch at any world size via gradient accumulation (LR then stays put)")
+    p.add_argument("--lr", type=float, default=0.05, help="learning rate at --base-world-size workers")
+    p.add_argument("--base-world-size", type=int, default=1)
+    p.add_argument("--lr-strategy", default="linear", choices=["linear", "sqrt", "none"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ckpt-dir", default=os.environ.get(et.env.ENV_CHECKPOINT_DIR) or "./ckpts")
+    p.add_argument("--ckpt-every", type=int, default=50, help="checkpoint every N steps (0: only on stop/request/end)")
+    p.add_argument("--keep-last", type=int, default=3)
+    p.add_argument("--no-checkpoint", action="store_true", help="never save or load checkpoints")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="sleep this long every step (seconds)")
+    p.add_argument("--agree-every", default="auto",
+                   help="steps between the ranks' stop/checkpoint-request agreement, or 'auto' (about every 0.2 s)")
+    p.add_argument("--backend", default=None, help="process group backend (default: nccl on GPU, else gloo)")
+    return p.parse_args(argv)
+
+
+def make_data(n: int, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic regression data: y = tanh(x . w) + noise, identical on every rank."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    x = torch.randn(n, 16, generator=g)
+    w = torch.randn(16, 1, generator=g)
+    y = torch.tanh(x @ w) + 0.05 * torch.randn(n, 1, generator=g)
+    return x, y
+
+
+def log0(ctx: et.ElasticContext, msg: str) -> None:
+    if ctx.is_rank0:
+        print(msg, flush=True)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    ctx = et.init(backend=args.backend)
+    world = ctx.world_size
+    torch.manual_seed(args.seed)
+    x_all, y_all = make_data(args.dataset_size, args.seed)
+    x_all, y_all = x_all.to(ctx.device), y_all.to(ctx.device)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1)).to(ctx.device)
+
+    if args.global_batch:
+        accum = et.accumulation_steps(args.global_batch, args.batch_size, world)
+        lr = args.lr  # constant global batch: constant learning rate
+    else:
+        accum = 1
+        lr = et.scale_lr(args.lr, args.base_world_size, world, args.lr_strategy)
+    global_batch = args.batch_size * world * accum
+    optim = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    sampler = et.ElasticDistributedSampler(args.dataset_size, world, ctx.rank, seed=args.seed)
+
+    step, resumed, loss_value = 0, "nothing", float("nan")
+    if not args.no_checkpoint:
+        ckpt = et.load_latest(args.ckpt_dir, process_group=ctx.cpu_process_group)
+        if ckpt is not None:
+            model.load_state_dict(ckpt.state_dict["model"])
+            optim.load_state_dict(ckpt.state_dict["optim"])
+            sampler.load_state_dict(ckpt.state_dict["sampler"])
+            step = ckpt.training_state.step if ckpt.training_state else 0
+            loss_value = float(ckpt.state_dict.get("loss", float("nan")))
+            resumed = f"{ckpt.name} (saved at world {ckpt.world_size})"
+    for group in optim.param_groups:
+        group["lr"] = lr  # the saved LR was scaled for the old world size
+    log0(ctx, f"start: {ctx.state.describe()} resumed {resumed} step {step} epoch {sampler.epoch} "
+              f"lr {lr:.4g} global_batch {global_batch} accumulation {accum}")
+
+    ddp = DDP(model) if ctx.distributed else model
+    every = args.agree_every if args.agree_every == "auto" else int(args.agree_every)
+    requests = et.CheckpointRequests(ctx, every=every)
+    progress = et.ProgressReporter(ctx)
+    last_saved = step if resumed != "nothing" else -1
+    samples_seen = 0
+
+    def save(reason: str) -> Optional[str]:
+        nonlocal last_saved
+        if args.no_checkpoint:
+            return None
+        from elasticrun.checkpoint import save as ckpt_save
+
+        ts = et.TrainingState(epoch=sampler.epoch, step=step, samples_consumed=sampler.samples_consumed,
+                              learning_rate=lr, global_batch_size=global_batch, world_size=world)
+        state: Dict[str, Any] = {"model": model.state_dict(), "optim": optim.state_dict(),
+                                 "sampler": sampler.state_dict(), "loss": loss_value}
+        t0 = time.perf_counter()
+        name = ckpt_save(state, args.ckpt_dir, training_state=ts, keep_last=args.keep_last or None,
+                         user_metadata={"example": "train.py", "reason": reason},
+                         process_group=ctx.cpu_process_group)
+        last_saved = step
+        log0(ctx, f"checkpoint {name} saved in {time.perf_counter() - t0:.2f}s ({reason})")
+        return name
+
+    stopped = finished = False
+    t_start = time.perf_counter()
+    try:
+        for epoch in range(sampler.epoch, args.epochs):
+            sampler.set_epoch(epoch)
+            mine = sampler.indices()
+            per_step = args.batch_size * accum
+            for start in range(0, len(mine), per_step):
+                if args.steps and step >= args.steps:
+                    finished = True
+                    break
+                chunk = mine[start : start + per_step]
+                micro = [chunk[i : i + args.batch_size] for i in range(0, len(chunk), args.batch_size)]
+                optim.zero_grad(set_to_none=True)
+                total = 0.0
+                for j, mb in enumerate(micro):
+                    sync = j == len(micro) - 1 or not isinstance(ddp, DDP)
+                    with contextlib.nullcontext() if sync else ddp.no_sync():
+                        loss = F.mse_loss(ddp(x_all[mb]), y_all[mb]) / len(micro)
+                        loss.backward()
+                    total += float(loss.detach())
+                optim.step()
+                step += 1
+                sampler.advance(len(chunk))
+                samples_seen += len(chunk) * world
+                loss_value = total
+                if args.step_sleep:
+                    time.sleep(args.step_sleep)
+                log0(ctx, f"step {step} loss {loss_value:.6f} world {world}")
+                progress.report(step, loss_value, samples=samples_seen)
+                decision = requests.poll(step, stop=ctx.should_stop)
+                if decision.checkpoint or (args.ckpt_every and step % args.ckpt_every == 0):
+                    reason = "stop" if decision.stop else "request" if decision.request_ids else "periodic"
+                    try:
+                        name = save(reason)
+                    except ElasticrunError as err:
+                        log0(ctx, f"checkpoint failed: {err}")
+                        for rid in decision.request_ids:
+                            requests.fail(rid, str(err))
+                    else:
+                        for rid in decision.request_ids:
+                            if name is None:
+                                requests.fail(rid, "checkpointing is disabled (--no-checkpoint)")
+                            else:
+                                requests.done(rid, name, os.path.abspath(args.ckpt_dir), step)
+                if decision.stop:
+                    stopped = True
+                    break
+            if stopped or finished:
+                break
+        if stopped:
+            log0(ctx, f"stopped: {ctx.stop.signal_name or 'stop'} at step {step} world {world}")
+            return EXIT_STOPPED
+        if last_saved != step:
+            save("final")
+        log0(ctx, f"done: steps={step} world={world} final_loss={loss_value:.6f}")
+        if os.environ.get("ELASTICRUN_EXAMPLE_TIMING"):
+            log0(ctx, f"timing: {time.perf_counter() - t_start:.3f}s agreements={requests.agreements} "
+                      f"agreement_ms={requests.mean_agreement_ms:.3f}")
+        return 0
+    finally:
+        requests.close()
+        progress.close()
+        ctx.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

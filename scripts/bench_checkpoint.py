@@ -1,0 +1,254 @@
+#!/usr/bin/env python
+"""Checkpoint I/O benchmark: elasticrun vs torch.save/load, safetensors, torch.distributed.checkpoint.
+
+    python scripts/bench_checkpoint.py --size-gib 1 --dir /var/tmp/ckbench          # 1 process + 2 ranks
+
+Every save is *durable* (fsynced before the clock stops). Before every load the files are
+evicted from the page cache (``/proc/sys/vm/drop_caches`` when permitted, otherwise
+``posix_fadvise(DONTNEED)`` per file, which works for clean pages without privileges), so
+loads are cold reads. Loads allocate fresh tensors (first-touch page faults included),
+except the "into state_dict" rows, which fill preallocated tensors in place. The disk's own
+bandwidth (dd-style large sequential writes + fsync, and a cold sequential read) is the ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Dict, List, Tuple
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+GB = 1e9
+
+
+def make_state(size_bytes: int, n: int = 16) -> Dict[str, torch.Tensor]:
+    per = size_bytes // 4 // n
+    rows = 1024
+    state = {}
+    for i in range(n):
+        t = torch.empty(rows, per // rows)
+        t.fill_(float(i))  # touch every page now, outside any timed region
+        state[f"layer{i:02d}.weight"] = t
+    return state
+
+
+def nbytes(state: Dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def evict(path: str) -> str:
+    """Drop ``path`` from the page cache; returns how."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "drop_caches"
+    except OSError:
+        pass
+    files = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+    for p in files:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return "fadvise"
+
+
+def fsync_tree(path: str) -> None:
+    files = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+    for p in files:
+        fd = os.open(p, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+
+def timed(fn: Callable[[], Any]) -> Tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def disk_ceiling(d: str, size: int) -> Tuple[float, float]:
+    path = os.path.join(d, "dd.bin")
+    block = torch.ones(64 << 20, dtype=torch.uint8).numpy()
+    t0 = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        left = size
+        while left > 0:
+            left -= f.write(memoryview(block)[: min(left, len(block))])
+        os.fsync(f.fileno())
+    w = time.perf_counter() - t0
+    evict(path)
+    buf = bytearray(64 << 20)
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+    r = time.perf_counter() - t0
+    os.remove(path)
+    return w, r
+
+
+def single_process(d: str, state: Dict[str, torch.Tensor], dcp: bool) -> List[Tuple[str, float]]:
+    from safetensors.torch import load_file, save_file
+
+    from elasticrun.checkpoint import AsyncCheckpointer, load, save
+
+    rows: List[Tuple[str, float]] = []
+
+    def run_pair(label: str, do_save: Callable[[str], None], do_load: Callable[[str], Any], path: str) -> None:
+        t, _ = timed(lambda: do_save(path))
+        rows.append((f"{label} save", t))
+        evict(path)
+        t, _ = timed(lambda: do_load(path))
+        rows.append((f"{label} load", t))
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+    def torch_save(p: str) -> None:
+        with open(p, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    run_pair("torch.save / torch.load", torch_save, lambda p: torch.load(p, weights_only=True), f"{d}/t.pt")
+
+    def st_save(p: str) -> None:
+        save_file(state, p)
+        fsync_tree(p)
+
+    run_pair("safetensors save_file / load_file", st_save, load_file, f"{d}/s.safetensors")
+    run_pair("elasticrun save / load", lambda p: save(state, p, "c"), lambda p: load(p, "c"), f"{d}/e")
+    # load into preallocated tensors (what a resuming trainer does): no first-touch cost
+    target = {k: torch.empty_like(v) for k, v in state.items()}
+    for t in target.values():
+        t.fill_(0)
+    save(state, f"{d}/e2", "c")
+    evict(f"{d}/e2")
+    t, _ = timed(lambda: load(f"{d}/e2", "c", state_dict=target))
+    rows.append(("elasticrun load into state_dict", t))
+    evict(f"{d}/e2")
+    t, _ = timed(lambda: load(f"{d}/e2", "c", state_dict=target, verify=False))
+    rows.append(("elasticrun load into state_dict, verify=False", t))
+    shutil.rmtree(f"{d}/e2")
+
+    ckpt = AsyncCheckpointer()
+    for i in range(2):
+        stall, h = timed(lambda i=i: ckpt.save(state, f"{d}/a", f"c{i}"))
+        total, _ = timed(h.result)
+        rows.append((f"elasticrun async_save #{i + 1}: training stall", stall))
+        rows.append((f"elasticrun async_save #{i + 1}: stall + background write", stall + total))
+    ckpt.close()
+    shutil.rmtree(f"{d}/a")
+
+    if dcp:
+        import torch.distributed.checkpoint as DCP
+        from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+        def dcp_save(p: str) -> None:
+            DCP.save(state, storage_writer=FileSystemWriter(p, thread_count=2, sync_files=True))
+
+        def dcp_load(p: str) -> None:
+            tgt = {k: torch.empty_like(v) for k, v in state.items()}
+            DCP.load(tgt, storage_reader=FileSystemReader(p))
+
+        run_pair("DCP save (2 threads) / load", dcp_save, dcp_load, f"{d}/dcp")
+        try:
+            stall, fut = timed(lambda: DCP.async_save(state, storage_writer=FileSystemWriter(
+                f"{d}/dcpa", thread_count=2, sync_files=True)))
+            total, _ = timed(fut.result)
+            rows.append(("DCP async_save: training stall", stall))
+            rows.append(("DCP async_save: stall + background write", stall + total))
+        except Exception as err:  # noqa: BLE001 - report and go on
+            rows.append((f"DCP async_save failed: {err.__class__.__name__}", float("nan")))
+        shutil.rmtree(f"{d}/dcpa", ignore_errors=True)
+    return rows
+
+
+def _rank_main(rank: int, world: int, d: str, size: int, dcp: bool, out: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch.distributed as dist
+
+    from elasticrun.checkpoint import load, save
+
+    dist.init_process_group("gloo", init_method=f"file://{d}/init", rank=rank, world_size=world)
+    state = make_state(size)
+    rows = []
+
+    def bracket(label: str, fn: Callable[[], Any]) -> None:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier()
+        rows.append((label, time.perf_counter() - t0))
+
+    bracket("elasticrun save, replicated over 2 ranks", lambda: save(state, f"{d}/e", "c"))
+    if rank == 0:
+        evict(f"{d}/e")
+    bracket("elasticrun load, 2 ranks (each gets all)", lambda: load(f"{d}/e", "c"))
+    if dcp:
+        import torch.distributed.checkpoint as DCP
+        from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+        bracket("DCP save, replicated over 2 ranks", lambda: DCP.save(
+            state, storage_writer=FileSystemWriter(f"{d}/dcp", thread_count=1, sync_files=True)))
+        if rank == 0:
+            evict(f"{d}/dcp")
+        tgt = {k: torch.empty_like(v) for k, v in state.items()}
+        bracket("DCP load, 2 ranks (each gets all)", lambda: DCP.load(tgt, storage_reader=FileSystemReader(f"{d}/dcp")))
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(rows, f)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-gib", type=float, default=1.0)
+    ap.add_argument("--dir", default=None, help="Directory on the disk to measure [default: a temp dir].")
+    ap.add_argument("--no-dcp", action="store_true", help="Skip torch.distributed.checkpoint.")
+    ap.add_argument("--no-ranks", action="store_true", help="Skip the 2-rank replicated case.")
+    ap.add_argument("--json", default=None, help="Also write the results to this JSON file.")
+    args = ap.parse_args()
+    size = int(args.size_gib * (1 << 30))
+    base = tempfile.mkdtemp(prefix="ckbench-", dir=args.dir)
+    try:
+        how = evict(base)
+        results: List[Tuple[str, float]] = []
+        w, r = disk_ceiling(base, size)
+        results += [("disk: sequential write + fsync (ceiling)", w), ("disk: cold sequential read (ceiling)", r)]
+        state = make_state(size)
+        results += single_process(base, state, not args.no_dcp)
+        del state
+        if not args.no_ranks:
+            import torch.multiprocessing as mp
+
+            out = os.path.join(base, "ranks.json")
+            d = os.path.join(base, "ranks")
+            os.makedirs(d)
+            mp.spawn(_rank_main, args=(2, d, size, not args.no_dcp, out), nprocs=2, join=True)
+            with open(out) as f:
+                results += [tuple(x) for x in json.load(f)]
+        print(f"\nstate: {size / GB:.2f} GB float32 in 16 tensors; cache eviction before loads: {how}; "
+              f"torch {torch.__version__}, {os.cpu_count()} CPUs\n")
+        print("| operation | seconds | GB/s |\n|---|---:|---:|")
+        for label, t in results:
+            print(f"| {label} | {t:.2f} | {size / GB / t:.2f} |")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"size_bytes": size, "eviction": how, "rows": results}, f, indent=1)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,18 @@
+"""Save a small checkpoint in a fresh process (used with ELASTICRUN_CKPT_CRASH_AT by the crash tests).
+
+Usage: python ckpt_save_child.py ROOT NAME STEP
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from elasticrun.checkpoint import save
+
+if __name__ == "__main__":
+    root, name, step = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    # > 64 MiB so that the shard is written in several pieces and "shard-write" dies mid-file.
+    state = {"w": torch.full((17 << 20,), float(step)), "step": step}
+    save(state, root, name, training_state={"step": step})
