@@ -79,3 +79,23 @@ def test_missing_shard(root):
     assert info.status == "corrupt" and "missing" in info.problem
     with pytest.raises(CheckpointError, match=f"{SHARD} of checkpoint 'new' is missing"):
         load(root, "new")
+
+
+def test_stale_round_cannot_commit(etcd, job_id, tmp_path, monkeypatch):
+    """Fencing: a worker whose round is no longer the job's current one gets no checkpoint."""
+    import torch
+
+    from elasticrun.checkpoint import list_checkpoints, save
+    from elasticrun.errors import CheckpointError
+    from elasticrun.rendezvous.keys import JobKeys
+
+    etcd.put_json(JobKeys(job_id).topology, {"round": 3})
+    monkeypatch.setenv("ELASTICRUN_RDZV_ENDPOINT", etcd.endpoints)
+    monkeypatch.setenv("ELASTICRUN_RDZV_ID", job_id)
+    monkeypatch.setenv("ELASTICRUN_ROUND", "2")
+    with pytest.raises(CheckpointError, match="stale round"):
+        save({"w": torch.ones(3)}, str(tmp_path), "stale")
+    assert not (tmp_path / "stale").exists()
+    assert [c.name for c in list_checkpoints(str(tmp_path))] == []
+    monkeypatch.setenv("ELASTICRUN_ROUND", "3")
+    assert save({"w": torch.ones(3)}, str(tmp_path), "current") == "current"

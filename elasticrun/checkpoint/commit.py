@@ -16,6 +16,7 @@ import os
 import signal
 import uuid
 
+from elasticrun.checkpoint.fence import check_round_is_current
 from elasticrun.checkpoint.format import METADATA_FILE
 from elasticrun.checkpoint.storage import Storage, describe, retry
 
@@ -39,7 +40,11 @@ def new_token() -> str:
 
 
 def commit(storage: Storage, tmp: str, final: str, metadata: bytes, rank: int) -> None:
-    """Publish ``tmp`` as ``final`` with ``metadata.json`` as the commit marker (rank 0 only)."""
+    """Publish ``tmp`` as ``final`` with ``metadata.json`` as the commit marker (rank 0 only).
+
+    Under elasticrun, first checks that this worker's round is still current (fencing).
+    """
+    check_round_is_current()
     if storage.atomic_rename:
         retry(lambda: storage.sync_dir(tmp), f"fsync {storage.display(tmp)}")
         crash_point("before-metadata", rank)

@@ -215,7 +215,7 @@ def load_cmd(
     only: Optional[str] = typer.Option(None, "--only", help="Keep tensors whose name starts with this prefix."),
     strip_prefix: bool = typer.Option(False, "--strip-prefix", help="Remove the --only prefix from tensor names."),
     world_size: Optional[int] = typer.Option(None, "--world-size", help="Reshard into a checkpoint for M ranks."),
-    out_name: Optional[str] = typer.Option(None, "--name", help="Name of the resharded checkpoint [default: same]."),
+    out_name: Optional[str] = typer.Option(None, "--name", help="Name of the resharded checkpoint \\[default: same]."),
     no_verify: bool = typer.Option(False, "--no-verify", help="Skip the sha256 check of the source."),
 ) -> None:
     """Consolidate a checkpoint into one safetensors file, or reshard it for another world size."""

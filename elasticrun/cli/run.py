@@ -44,7 +44,7 @@ def run(
         help="etcd endpoints host:port[,host:port...].", rich_help_panel=_RDZV,
     ),
     rdzv_id: Optional[str] = typer.Option(
-        None, "--rdzv-id", "--rdzv_id", "--run-id", help="Job id shared by all nodes [default: 'default'].",
+        None, "--rdzv-id", "--rdzv_id", "--run-id", help="Job id shared by all nodes \\[default: 'default'].",
         rich_help_panel=_RDZV,
     ),
     standalone: bool = typer.Option(
@@ -52,10 +52,10 @@ def run(
         "without --rdzv-endpoint).", rich_help_panel=_RDZV
     ),
     node_id: Optional[str] = typer.Option(
-        None, "--node-id", help="Stable id of this node [default: random@host:pid].", rich_help_panel=_RDZV
+        None, "--node-id", help="Stable id of this node \\[default: random@host:pid].", rich_help_panel=_RDZV
     ),
     local_addr: Optional[str] = typer.Option(
-        None, "--local-addr", "--local_addr", help="Address other nodes reach this one at [default: route to etcd].",
+        None, "--local-addr", "--local_addr", help="Address other nodes reach this one at \\[default: route to etcd].",
         rich_help_panel=_RDZV,
     ),
     module: bool = typer.Option(
@@ -68,7 +68,7 @@ def run(
         False, "--heterogeneous", help="Allow nodes with different --nproc-per-node.", rich_help_panel=_WORKERS
     ),
     backend: Optional[str] = typer.Option(
-        None, "--backend", help="Backend hint for workers (ELASTICRUN_BACKEND) [default: nccl on GPU, else gloo].",
+        None, "--backend", help="Backend hint for workers (ELASTICRUN_BACKEND) \\[default: nccl on GPU, else gloo].",
         rich_help_panel=_WORKERS,
     ),
     max_restarts: int = typer.Option(

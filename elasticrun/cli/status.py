@@ -91,6 +91,13 @@ def _accelerators(accs: List[Dict[str, Any]]) -> str:
     return ", ".join(parts) or "-"
 
 
+def _heartbeat(row: Dict[str, Any], now: float) -> str:
+    """Last keep-alive (from the lease, 1 s resolution), else the node record's last update."""
+    if row.get("lease_heartbeat_age") is not None:
+        return f"~{row['lease_heartbeat_age']}s ago"
+    return _ago(row.get("heartbeat_at"), now)
+
+
 def _lease(row: Dict[str, Any]) -> str:
     if row.get("lease_ttl") is None:
         return "-" if row.get("registered") else "gone"
@@ -163,7 +170,7 @@ def render_job(doc: Dict[str, Any], endpoint: str = "", error: str = "") -> Rend
             t.add_row(
                 str(m["group_rank"]), escape(m["node_id"]), escape(str(m.get("host") or "-")),
                 escape(str(m.get("addr") or "-")), _status(m["status"]), _ranks(m["ranks"]),
-                _accelerators(m.get("accelerators") or []), _ago(m.get("heartbeat_at"), now), _lease(m),
+                _accelerators(m.get("accelerators") or []), _heartbeat(m, now), _lease(m),
                 _progress(m.get("progress"), now),
             )
         lines.append(t)
@@ -309,7 +316,7 @@ def _json_line(data: Any, _error: str) -> None:
 
 def status(
     rdzv_id: Optional[str] = typer.Option(
-        None, "--rdzv-id", "--rdzv_id", "--run-id", help="Job to show [default: list every job]."
+        None, "--rdzv-id", "--rdzv_id", "--run-id", help="Job to show \\[default: list every job]."
     ),
     rdzv_endpoint: str = typer.Option(
         "", "--rdzv-endpoint", "--rdzv_endpoint", envvar="ELASTICRUN_RDZV_ENDPOINT",

@@ -71,7 +71,9 @@ class WorkerGroup:
         env.setdefault("PYTHONUNBUFFERED", "1")
         if self.cfg.nproc_per_node > 1:
             env.setdefault("OMP_NUM_THREADS", "1")
-        cmd = with_parent_death_signal([sys.executable, "-u", "-m", "elasticrun.launch.warm"])
+        # The script and its arguments only label the process (ps, pgrep); the real ones come on stdin.
+        label = ["--", self.cfg.entrypoint, *self.cfg.args]
+        cmd = with_parent_death_signal([sys.executable, "-u", "-m", "elasticrun.launch.warm", *label])
         while len(self._warm) < self.cfg.nproc_per_node:
             self._warm.append(
                 subprocess.Popen(

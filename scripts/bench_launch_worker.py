@@ -1,0 +1,45 @@
+"""Worker for scripts/bench_launch.py: a tiny DDP model on gloo that logs every step, and crashes once on demand.
+
+Rank 0 prints ``bench-step <n> t=<unix time> restart=<TORCHELASTIC_RESTART_COUNT> world=<WORLD_SIZE>`` after
+every optimizer step. With BENCH_CRASH_STEP=k, global rank BENCH_CRASH_RANK (default: the last rank) prints
+``bench-crash t=<unix time>`` and exits 1 at step k of the first attempt (restart count 0) only.
+BENCH_STEPS (default 5) steps are run per attempt, BENCH_STEP_S (default 0.2) seconds apart.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def main() -> None:
+    dist.init_process_group("gloo", init_method="env://")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    crash_step = int(os.environ.get("BENCH_CRASH_STEP", "0"))
+    crash_rank = int(os.environ.get("BENCH_CRASH_RANK", str(world - 1)))
+    steps = int(os.environ.get("BENCH_STEPS", "5"))
+    pause = float(os.environ.get("BENCH_STEP_S", "0.2"))
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(64, 64))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(1, steps + 1):
+        if crash_step and restart == 0 and step == crash_step and rank == crash_rank:
+            print(f"bench-crash t={time.time():.4f}", flush=True)
+            os._exit(1)
+        loss = model(torch.randn(8, 64)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if rank == 0:
+            print(f"bench-step {step} t={time.time():.4f} restart={restart} world={world}", flush=True)
+        time.sleep(pause)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
