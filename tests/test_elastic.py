@@ -51,7 +51,13 @@ def agent_args(
 
 
 def worker_pids(agent: Agent) -> List[int]:
-    return [p.pid for p in agent.descendants() if "train_loop.py" in " ".join(p.cmdline())]
+    """The agent's running workers (not the idle pre-warmed interpreters kept for the next round)."""
+    pids = []
+    for p in agent.descendants():
+        cmd = " ".join(p.cmdline())
+        if "train_loop.py" in cmd and "elasticrun.launch.warm" not in cmd:
+            pids.append(p.pid)
+    return pids
 
 
 def all_gone(pids: List[int]) -> bool:

@@ -14,6 +14,7 @@ import signal
 import socket
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
 
@@ -29,6 +30,8 @@ from elasticrun.models import NodeInfo, Topology, WorkerStatus
 from elasticrun.rendezvous.protocol import JobEnded, LeaseLost, Rendezvous, RendezvousSettings
 from elasticrun.store.client import EtcdStore, connect, parse_endpoints
 from elasticrun.store.server import EtcdServer
+
+STANDBY_DELAY_S = 5.0  # after a round starts, when to pre-warm the next round's workers
 
 
 class AgentSignal(Exception):
@@ -215,8 +218,14 @@ class Agent:
         workers.start(topo, me, event)
         rdzv.publish(status=WorkerStatus.ACTIVE, waiting_for=-1)
         done_reported = False
+        standby_at = time.monotonic() + STANDBY_DELAY_S
         version = rdzv.view.version
         while True:
+            if standby_at and time.monotonic() >= standby_at:
+                # A standby set of pre-warmed interpreters for the next round, started once this
+                # round's workers are past their own start-up: a restart then skips the imports.
+                workers.prewarm()
+                standby_at = 0.0
             if not rdzv.lease_valid():
                 workers.stop(0.0, sig=signal.SIGKILL)  # fence first, talk later
                 self.say("lost our etcd lease: stopped our workers (fencing); rejoining")
