@@ -18,7 +18,7 @@ import pytest
 
 from elasticrun.rendezvous.keys import JobKeys
 
-from conftest import SCRIPTS, Agent, wait_until
+from conftest import SCRIPTS, wait_until
 
 HB = 3  # heartbeat timeout (lease TTL) used by these tests
 
@@ -50,14 +50,9 @@ def agent_args(
     ]
 
 
-def worker_pids(agent: Agent) -> List[int]:
-    """The agent's running workers (not the idle pre-warmed interpreters kept for the next round)."""
-    pids = []
-    for p in agent.descendants():
-        cmd = " ".join(p.cmdline())
-        if "train_loop.py" in cmd and "elasticrun.launch.warm" not in cmd:
-            pids.append(p.pid)
-    return pids
+def worker_pids(out: Path, node: str) -> List[int]:
+    """Pids of every worker that ran on ``node`` (train_loop.py records them)."""
+    return [int(p.name.rsplit("-", 1)[1]) for p in (out / "pids").glob(f"{node}-*")]
 
 
 def all_gone(pids: List[int]) -> bool:
@@ -70,7 +65,7 @@ def test_sigkill_of_one_node_reforms_at_world_2(etcd_server, etcd, job_id, agent
     a = {n: agents(agent_args(etcd_server.endpoint, job_id, n, "2:3", out, 80), name=n) for n in "ABC"}
     wait_until(lambda: first_step(out, 3), 60, "training at world size 3")
     victim = a["B"]
-    pids = worker_pids(victim)
+    pids = worker_pids(out, "B")
     assert pids, "node B should run a worker"
     killed_at = time.time()
     victim.proc.kill()
@@ -154,7 +149,7 @@ def test_frozen_agent_fences_itself_and_rejoins(etcd_server, etcd, job_id, agent
     a = {n: agents(agent_args(etcd_server.endpoint, job_id, n, "1:2", out, 150), name=n) for n in "AB"}
     wait_until(lambda: first_step(out, 2), 60, "training at world size 2")
     frozen = a["B"]
-    old_workers = worker_pids(frozen)
+    old_workers = worker_pids(out, "B")
     frozen.signal(signal.SIGSTOP)
     try:
         wait_until(lambda: etcd.get(keys.node("B")) is None, HB + 10, "B's lease to expire")

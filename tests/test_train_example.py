@@ -86,6 +86,7 @@ def test_two_ranks_request_progress_sigterm_and_resume(tmp_path: Path, server: E
                "--dataset-size", "256"]
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path))
     store = connect(server.endpoint)
+    store.put_json(f"/elasticrun/{job}/topology", {"round": 1})  # the round these workers belong to (fencing)
     try:
         text = lambda r=0: (tmp_path / f"rank{r}.log").read_text()  # noqa: E731
         wait_for(lambda: re.search(r"^step 5 ", text(), re.M), 60, "rank 0 to train 5 steps")

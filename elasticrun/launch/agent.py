@@ -224,7 +224,7 @@ class Agent:
             if standby_at and time.monotonic() >= standby_at:
                 # A standby set of pre-warmed interpreters for the next round, started once this
                 # round's workers are past their own start-up: a restart then skips the imports.
-                workers.prewarm()
+                workers.prewarm(deep=True)
                 standby_at = 0.0
             if not rdzv.lease_valid():
                 workers.stop(0.0, sig=signal.SIGKILL)  # fence first, talk later

@@ -62,8 +62,12 @@ class WorkerGroup:
             return [sys.executable, "-u", "-m", cfg.entrypoint, *cfg.args]
         return [sys.executable, "-u", cfg.entrypoint, *cfg.args]
 
-    def prewarm(self) -> None:
-        """Start idle interpreters that import torch now, to become workers when the round forms."""
+    def prewarm(self, deep: bool = False) -> None:
+        """Start idle interpreters that import torch now, to become workers when the round forms.
+
+        ``deep`` also imports what DDP loads on first use (torch._dynamo, ~1.5 s CPU): worth it for a
+        standby set started while a round trains, not on the critical path of a starting round.
+        """
         if not self.cfg.prewarm or self.cfg.no_python:
             return
         self._warm = [p for p in self._warm if p.poll() is None]
@@ -73,7 +77,8 @@ class WorkerGroup:
             env.setdefault("OMP_NUM_THREADS", "1")
         # The script and its arguments only label the process (ps, pgrep); the real ones come on stdin.
         label = ["--", self.cfg.entrypoint, *self.cfg.args]
-        cmd = with_parent_death_signal([sys.executable, "-u", "-m", "elasticrun.launch.warm", *label])
+        flags = ["--deep"] if deep else []
+        cmd = with_parent_death_signal([sys.executable, "-u", "-m", "elasticrun.launch.warm", *flags, *label])
         while len(self._warm) < self.cfg.nproc_per_node:
             self._warm.append(
                 subprocess.Popen(

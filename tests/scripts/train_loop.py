@@ -22,6 +22,10 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     rnd = os.environ["ELASTICRUN_ROUND"]
+    pids = os.path.join(out_dir, "pids")
+    os.makedirs(pids, exist_ok=True)
+    with open(os.path.join(pids, f"{os.environ['ELASTICRUN_NODE_ID']}-{os.getpid()}"), "w") as f:
+        f.write(rnd)
     progress = os.path.join(out_dir, "progress.json")
     step = 0
     if os.path.exists(progress):
