@@ -253,8 +253,11 @@ class Agent:
                 workers.stop(self.cfg.shutdown_timeout)
                 return "next"
             if not done_reported:
-                rdzv.maybe_scale_up(topo)
-            version = rdzv.view.wait_change(version, 0.5)
+                due = rdzv.maybe_scale_up(topo)
+                timeout = 0.5 if due is None else min(0.5, max(0.01, due))
+            else:
+                timeout = 0.5
+            version = rdzv.view.wait_change(version, timeout)
 
 
 def run_agent(cfg: LaunchConfig) -> int:

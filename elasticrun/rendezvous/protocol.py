@@ -385,19 +385,22 @@ class Rendezvous:
             return "succeeded"
         return None
 
-    def maybe_scale_up(self, topo: Topology) -> None:
-        """End the round for newcomers once they waited a stability window (below max only)."""
+    def maybe_scale_up(self, topo: Topology) -> Optional[float]:
+        """End the round for newcomers once they waited a stability window (below max only).
+
+        Returns the seconds until the window closes (to wake up in time), or None.
+        """
         s = self.settings
         if len(topo.members) >= s.max_nodes or self.view.under(self.keys.dones(topo.round)):
             self._newcomers_since = None
-            return
+            return None
         members = {m.node_id for m in topo.members}
         newcomers = [
             n for n, (info, _) in self.view.nodes().items() if n not in members and info.waiting_for > topo.round
         ]
         if not newcomers:
             self._newcomers_since = None
-            return
+            return None
         now = time.monotonic()
         if self._newcomers_since is None:
             self._newcomers_since = now
@@ -405,6 +408,8 @@ class Rendezvous:
         if now - self._newcomers_since >= s.stability_window:
             reason = f"scale-up: {len(newcomers)} node(s) joined ({', '.join(sorted(newcomers))})"
             self.store.create(self.keys.end(topo.round), json.dumps({"reason": reason, "by": self.node_id}))
+            return None
+        return s.stability_window - (now - self._newcomers_since)
 
     def report_failure(self, topo: Topology, failures: List[Dict[str, Any]]) -> None:
         """Record our failed workers and flag the round failed (first flag wins)."""
