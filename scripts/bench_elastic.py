@@ -391,6 +391,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def _interrupt(signum: int, frame: object) -> None:
+    """Turn SIGINT/SIGTERM/SIGHUP into KeyboardInterrupt so the cleanup runs."""
     raise KeyboardInterrupt(f"signal {signum}")
 
 

@@ -135,12 +135,14 @@ def _kill_all(procs: List[subprocess.Popen]) -> None:
         p.wait()
 
 
-def run_once(launcher: str, scenario: str, nodes: int, procs: int, timeout: float, endpoint: str) -> Run:
+def run_once(
+    launcher: str, scenario: str, nodes: int, procs: int, timeout: float, endpoint: str, crash_step: int = 3
+) -> Run:
     """Start the launcher(s), wait for the step the scenario measures, then stop everything."""
     extra = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if launcher == "torchrun-best" else {}
     if scenario == "restart":
-        extra["BENCH_CRASH_STEP"] = "3"
-        extra["BENCH_STEPS"] = "6"
+        extra["BENCH_CRASH_STEP"] = str(crash_step)
+        extra["BENCH_STEPS"] = str(crash_step + 3)
     if nodes == 1:
         endpoint = ""  # --standalone for every launcher
     elif launcher.startswith("torchrun"):
@@ -219,6 +221,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--scenarios", default="launch,restart")
     ap.add_argument("--launchers", default=",".join(LAUNCHERS))
     ap.add_argument("--json", help="also write every run here")
+    ap.add_argument(
+        "--crash-step", type=int, default=3,
+        help="restart scenario: the step at which the last rank crashes (a later crash lets elasticrun's "
+        "standby workers get ready)",
+    )
     args = ap.parse_args(argv)
     sys.path.insert(0, str(HERE.parent))
     from elasticrun.store.server import EtcdServer
@@ -231,7 +238,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 for launcher in args.launchers.split(","):  # interleaved: load changes hit every launcher alike
                     nodes = 1 if scenario == "launch" else args.nodes
                     endpoint = etcd.endpoint if etcd is not None else ""
-                    r = run_once(launcher, scenario, nodes, args.procs, args.timeout, endpoint)
+                    r = run_once(launcher, scenario, nodes, args.procs, args.timeout, endpoint, args.crash_step)
                     runs.append(r)
                     print(f"{scenario:8s} run {i + 1}/{args.runs} {launcher:17s} {r.outcome:5s} "
                           f"{'' if r.seconds is None else f'{r.seconds:.2f}s'} {r.note[:160]}", flush=True)

@@ -31,7 +31,7 @@ from elasticrun.rendezvous.protocol import JobEnded, LeaseLost, Rendezvous, Rend
 from elasticrun.store.client import EtcdStore, connect, parse_endpoints
 from elasticrun.store.server import EtcdServer
 
-STANDBY_DELAY_S = 5.0  # after a round starts, when to pre-warm the next round's workers
+STANDBY_DELAY_S = 2.0  # after a round starts, when to pre-warm the next round's workers
 
 
 class AgentSignal(Exception):
