@@ -7,6 +7,7 @@ from typing import List, Optional
 
 import typer
 
+from elasticrun.cli.etcd_options import ETCD_CACERT, ETCD_CERT, ETCD_KEY, ETCD_PASSWORD, ETCD_USER, PANEL
 from elasticrun.config import LaunchConfig, default_node_id, parse_nnodes, parse_nproc
 from elasticrun.models import AdaptationStrategy, RedistributionType
 
@@ -24,7 +25,7 @@ _RDZV = "Rendezvous"
 _WORKERS = "Workers"
 _ELASTIC = "Elasticity"
 _LOGS = "Logs"
-_ETCD = "etcd connection"
+_ETCD = PANEL
 
 
 def run(
@@ -116,17 +117,11 @@ def run(
         True, "--prewarm/--no-prewarm", help="Pre-start worker interpreters (torch imported) during the rendezvous.",
         rich_help_panel=_WORKERS,
     ),
-    etcd_user: Optional[str] = typer.Option(None, "--etcd-user", envvar="ELASTICRUN_ETCD_USER", rich_help_panel=_ETCD),
-    etcd_password: Optional[str] = typer.Option(
-        None, "--etcd-password", envvar="ELASTICRUN_ETCD_PASSWORD", rich_help_panel=_ETCD
-    ),
-    etcd_cacert: Optional[str] = typer.Option(
-        None, "--etcd-cacert", help="CA certificate for TLS.", rich_help_panel=_ETCD
-    ),
-    etcd_cert: Optional[str] = typer.Option(
-        None, "--etcd-cert", help="Client certificate for TLS.", rich_help_panel=_ETCD
-    ),
-    etcd_key: Optional[str] = typer.Option(None, "--etcd-key", help="Client key for TLS.", rich_help_panel=_ETCD),
+    etcd_user: Optional[str] = ETCD_USER,
+    etcd_password: Optional[str] = ETCD_PASSWORD,
+    etcd_cacert: Optional[str] = ETCD_CACERT,
+    etcd_cert: Optional[str] = ETCD_CERT,
+    etcd_key: Optional[str] = ETCD_KEY,
     etcd_binary: Optional[str] = typer.Option(
         None, "--etcd-binary", help="etcd executable for --standalone.", rich_help_panel=_ETCD
     ),

@@ -21,6 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from elasticrun.cli.console import console, err_console, print_json
+from elasticrun.cli.etcd_options import ETCD_CACERT, ETCD_CERT, ETCD_KEY, ETCD_PASSWORD, ETCD_USER
 from elasticrun.errors import ElasticrunError
 from elasticrun.rendezvous.inspect import (
     EVENTS_SHOWN,
@@ -43,7 +44,6 @@ HELP = """Show a job's round, members, ranks and recent rescale events (or list 
 With --watch --json, one JSON document per line is printed each time the job's keys change.
 """
 
-_ETCD = "etcd connection"
 _MIN_REDRAW = 0.25  # seconds between redraws while watch events keep coming
 _TICK = 1.0  # redraw of the rich view without events (ages, lease TTLs)
 
@@ -326,17 +326,11 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document (with --watch: one per line)."),
     events: int = typer.Option(EVENTS_SHOWN, "--events", help="How many recent rescale events to show."),
     timeout: float = typer.Option(5.0, "--timeout", help="Seconds to keep trying an unreachable etcd."),
-    etcd_user: Optional[str] = typer.Option(None, "--etcd-user", envvar="ELASTICRUN_ETCD_USER", rich_help_panel=_ETCD),
-    etcd_password: Optional[str] = typer.Option(
-        None, "--etcd-password", envvar="ELASTICRUN_ETCD_PASSWORD", rich_help_panel=_ETCD
-    ),
-    etcd_cacert: Optional[str] = typer.Option(
-        None, "--etcd-cacert", help="CA certificate for TLS.", rich_help_panel=_ETCD
-    ),
-    etcd_cert: Optional[str] = typer.Option(
-        None, "--etcd-cert", help="Client certificate for TLS.", rich_help_panel=_ETCD
-    ),
-    etcd_key: Optional[str] = typer.Option(None, "--etcd-key", help="Client key for TLS.", rich_help_panel=_ETCD),
+    etcd_user: Optional[str] = ETCD_USER,
+    etcd_password: Optional[str] = ETCD_PASSWORD,
+    etcd_cacert: Optional[str] = ETCD_CACERT,
+    etcd_cert: Optional[str] = ETCD_CERT,
+    etcd_key: Optional[str] = ETCD_KEY,
 ) -> None:
     store = connect(
         rdzv_endpoint,
