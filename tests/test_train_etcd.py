@@ -6,40 +6,26 @@ import json
 import logging
 import time
 import uuid
-from typing import Callable, Iterator, TypeVar
 
 import pytest
 
-from elasticrun.store.client import EtcdStore, connect
+from elasticrun.store.client import EtcdStore
 from elasticrun.store.server import EtcdServer, free_port
 from elasticrun.train import CheckpointRequests, ElasticState, ProgressReporter
 
-T = TypeVar("T")
-
-
-def wait_for(predicate: Callable[[], T], timeout: float, what: str) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[EtcdServer]:
-    s = EtcdServer().start()
-    yield s
-    s.stop()
+from conftest import wait_until as wait_for
 
 
 @pytest.fixture
-def store(server: EtcdServer) -> Iterator[EtcdStore]:
-    st = connect(server.endpoint)
-    yield st
-    st.close()
+def server(etcd_server: EtcdServer) -> EtcdServer:
+    """The session's real etcd (conftest)."""
+    return etcd_server
+
+
+@pytest.fixture
+def store(etcd: EtcdStore) -> EtcdStore:
+    """A client of the session's etcd (conftest)."""
+    return etcd
 
 
 def state(endpoint: str, job: str, **kw) -> ElasticState:

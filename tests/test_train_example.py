@@ -9,29 +9,18 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
-from typing import Callable, Dict, List, TypeVar
+from typing import Dict, List
 
 import pytest
 
 from elasticrun.store.client import connect
 from elasticrun.store.server import EtcdServer, free_port
 
-T = TypeVar("T")
+from conftest import wait_until as wait_for
+
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train.py"
-
-
-def wait_for(predicate: Callable[[], T], timeout: float, what: str) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 def base_env(**extra: str) -> Dict[str, str]:
@@ -63,10 +52,9 @@ def test_single_process_trains_and_checkpoints(tmp_path: Path):
 
 
 @pytest.fixture
-def server():
-    s = EtcdServer().start()
-    yield s
-    s.stop()
+def server(etcd_server: EtcdServer) -> EtcdServer:
+    """The session's real etcd (conftest)."""
+    return etcd_server
 
 
 def test_two_ranks_request_progress_sigterm_and_resume(tmp_path: Path, server: EtcdServer):
