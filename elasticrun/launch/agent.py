@@ -118,7 +118,6 @@ class Agent:
                 cert_cert=cfg.etcd_cert,
                 retry_timeout=cfg.etcd_timeout,
             )
-            use_gpu = cfg.device_kind == "gpu" or (cfg.device_kind == "auto" and gpu_available())
             host, port = parse_endpoints(cfg.rdzv_endpoint)[0]
             node = NodeInfo(
                 node_id=cfg.node_id,
@@ -126,13 +125,14 @@ class Agent:
                 addr=cfg.local_addr or local_address(host, port),
                 nproc=cfg.nproc_per_node,
                 pid=os.getpid(),
-                accelerators=accelerators(use_gpu),
             )
             rdzv = Rendezvous(store, self._settings(), node, round_store.fresh, on_progress=self.say)
             self._wake = rdzv.view.poke
             rdzv.ensure_config(cfg.job_settings())
-            rdzv.register()
+            rdzv.register()  # before importing torch: a running job starts its stability window now
+            use_gpu = cfg.device_kind == "gpu" or (cfg.device_kind == "auto" and gpu_available())
             workers.use_gpu = use_gpu
+            rdzv.publish(accelerators=accelerators(use_gpu))
             self.say(
                 f"joined job {cfg.rdzv_id!r} at {cfg.rdzv_endpoint} as {cfg.node_id} "
                 f"(nnodes {cfg.nnodes_min}:{cfg.nnodes_max}, {cfg.nproc_per_node} workers)"

@@ -395,21 +395,24 @@ class Rendezvous:
             self._newcomers_since = None
             return None
         members = {m.node_id for m in topo.members}
-        newcomers = [
-            n for n, (info, _) in self.view.nodes().items() if n not in members and info.waiting_for > topo.round
-        ]
+        # The window opens when a newcomer registers (so it overlaps the newcomer's own start-up);
+        # the round ends once it has closed and at least one newcomer is ready (waiting for a round).
+        newcomers = {n: info for n, (info, _) in self.view.nodes().items() if n not in members}
         if not newcomers:
             self._newcomers_since = None
             return None
         now = time.monotonic()
         if self._newcomers_since is None:
             self._newcomers_since = now
-            self._say(f"{len(newcomers)} node(s) waiting to join; scaling up in {s.stability_window:.1f}s")
-        if now - self._newcomers_since >= s.stability_window:
+            self._say(f"{len(newcomers)} node(s) joining; scaling up in {s.stability_window:.1f}s")
+        ready = sorted(n for n, info in newcomers.items() if info.waiting_for > topo.round)
+        if now - self._newcomers_since >= s.stability_window and ready:
+            newcomers = {n: newcomers[n] for n in ready}
             reason = f"scale-up: {len(newcomers)} node(s) joined ({', '.join(sorted(newcomers))})"
             self.store.create(self.keys.end(topo.round), json.dumps({"reason": reason, "by": self.node_id}))
             return None
-        return s.stability_window - (now - self._newcomers_since)
+        left = s.stability_window - (now - self._newcomers_since)
+        return left if left > 0 else None  # closed: the newcomer's "ready" record will wake us
 
     def report_failure(self, topo: Topology, failures: List[Dict[str, Any]]) -> None:
         """Record our failed workers and flag the round failed (first flag wins)."""
