@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 from typing import List, Sequence
 
 import psutil
@@ -73,20 +72,3 @@ def terminate_tree(pids: Sequence[int], grace: float, sig: int = signal.SIGTERM)
                 pass
         psutil.wait_procs(alive, timeout=5)
 
-
-def wait_gone(pids: Sequence[int], timeout: float) -> bool:
-    """True once none of ``pids`` exists (zombies count as gone)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = []
-        for pid in pids:
-            try:
-                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                    alive.append(pid)
-            except psutil.NoSuchProcess:
-                pass
-        if not alive:
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)

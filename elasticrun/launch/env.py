@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional
 
@@ -77,6 +76,3 @@ def worker_env(
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
-
-def current_env() -> Dict[str, str]:
-    return dict(os.environ)

@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Optional
 from elasticrun.config import LaunchConfig
 from elasticrun.launch.env import WorkerSpec, worker_env
 from elasticrun.launch.failures import WorkerFailure, make_failure
-from elasticrun.launch.logs import LinePump, attempt_dir, console_stream, join_all, stream_selected
+from elasticrun.launch.logs import STREAMS, LinePump, attempt_dir, console_stream, join_all, stream_selected
 from elasticrun.models import Member, RescaleEvent, Topology
 from elasticrun.proc import terminate_tree, with_parent_death_signal
 
@@ -168,7 +168,7 @@ class WorkerGroup:
         for stream, pipe in ((1, proc.stdout), (2, proc.stderr)):
             path = None
             if self.log_dir is not None:
-                path = os.path.join(attempt_dir(self.log_dir, self.cfg.rdzv_id, round_, rank), f"{_NAMES[stream]}.log")
+                path = os.path.join(attempt_dir(self.log_dir, self.cfg.rdzv_id, round_, rank), f"{STREAMS[stream]}.log")
             console = None if stream_selected(self._redirects, local_rank, stream) else console_stream(stream)
             self._pumps.append(LinePump(pipe, prefix, console, path))
 
@@ -211,5 +211,3 @@ class WorkerGroup:
         join_all(self._pumps)
         self._workers, self._pumps = [], []
 
-
-_NAMES: Dict[int, str] = {1: "stdout", 2: "stderr"}
