@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -37,6 +38,16 @@ def make_state(size_bytes: int, n: int = 16) -> Dict[str, torch.Tensor]:
         t = torch.empty(rows, per // rows)
         t.fill_(float(i))  # touch every page now, outside any timed region
         state[f"layer{i:02d}.weight"] = t
+    return state
+
+
+def touch(state: Any) -> Any:
+    """Read one byte of every page of every loaded tensor, so lazily mapped loads (safetensors'
+    ``load_file`` returns tensors backed by an mmap) pay for their reads like the others."""
+    tensors = state.values() if isinstance(state, dict) else state.state_dict.values()
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.numel():
+            int(t.reshape(-1).view(torch.uint8)[::4096].sum())
     return state
 
 
@@ -110,7 +121,7 @@ def single_process(d: str, state: Dict[str, torch.Tensor], dcp: bool) -> List[Tu
         t, _ = timed(lambda: do_save(path))
         rows.append((f"{label} save", t))
         evict(path)
-        t, _ = timed(lambda: do_load(path))
+        t, _ = timed(lambda: touch(do_load(path)))
         rows.append((f"{label} load", t))
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
@@ -128,6 +139,9 @@ def single_process(d: str, state: Dict[str, torch.Tensor], dcp: bool) -> List[Tu
 
     run_pair("safetensors save_file / load_file", st_save, load_file, f"{d}/s.safetensors")
     run_pair("elasticrun save / load", lambda p: save(state, p, "c"), lambda p: load(p, "c"), f"{d}/e")
+    t, _ = timed(lambda: save(state, f"{d}/e1", "c", io_threads=1))
+    rows.append(("elasticrun save, io_threads=1 (one file, one hashing thread)", t))
+    shutil.rmtree(f"{d}/e1")
     # load into preallocated tensors (what a resuming trainer does): no first-touch cost
     target = {k: torch.empty_like(v) for k, v in state.items()}
     for t in target.values():
@@ -157,9 +171,10 @@ def single_process(d: str, state: Dict[str, torch.Tensor], dcp: bool) -> List[Tu
         def dcp_save(p: str) -> None:
             DCP.save(state, storage_writer=FileSystemWriter(p, thread_count=2, sync_files=True))
 
-        def dcp_load(p: str) -> None:
+        def dcp_load(p: str) -> Dict[str, torch.Tensor]:
             tgt = {k: torch.empty_like(v) for k, v in state.items()}
             DCP.load(tgt, storage_reader=FileSystemReader(p))
+            return tgt
 
         run_pair("DCP save (2 threads) / load", dcp_save, dcp_load, f"{d}/dcp")
         try:
@@ -174,7 +189,7 @@ def single_process(d: str, state: Dict[str, torch.Tensor], dcp: bool) -> List[Tu
     return rows
 
 
-def _rank_main(rank: int, world: int, d: str, size: int, dcp: bool, out: str) -> None:
+def _rank_main(rank: int, world: int, d: str, size: int, dcp: bool, out: str, repeat: int) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch.distributed as dist
 
@@ -191,20 +206,26 @@ def _rank_main(rank: int, world: int, d: str, size: int, dcp: bool, out: str) ->
         dist.barrier()
         rows.append((label, time.perf_counter() - t0))
 
-    bracket("elasticrun save, replicated over 2 ranks", lambda: save(state, f"{d}/e", "c"))
-    if rank == 0:
-        evict(f"{d}/e")
-    bracket("elasticrun load, 2 ranks (each gets all)", lambda: load(f"{d}/e", "c"))
-    if dcp:
-        import torch.distributed.checkpoint as DCP
-        from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-
-        bracket("DCP save, replicated over 2 ranks", lambda: DCP.save(
-            state, storage_writer=FileSystemWriter(f"{d}/dcp", thread_count=1, sync_files=True)))
+    for _ in range(repeat):
+        bracket("elasticrun save, replicated over 2 ranks", lambda: save(state, f"{d}/e", "c"))
         if rank == 0:
-            evict(f"{d}/dcp")
-        tgt = {k: torch.empty_like(v) for k, v in state.items()}
-        bracket("DCP load, 2 ranks (each gets all)", lambda: DCP.load(tgt, storage_reader=FileSystemReader(f"{d}/dcp")))
+            evict(f"{d}/e")
+        bracket("elasticrun load, 2 ranks (each gets all)", lambda: touch(load(f"{d}/e", "c")))
+        if rank == 0:
+            shutil.rmtree(f"{d}/e")
+        if dcp:
+            import torch.distributed.checkpoint as DCP
+            from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+            bracket("DCP save, replicated over 2 ranks", lambda: DCP.save(
+                state, storage_writer=FileSystemWriter(f"{d}/dcp", thread_count=1, sync_files=True)))
+            if rank == 0:
+                evict(f"{d}/dcp")
+            tgt = {k: torch.empty_like(v) for k, v in state.items()}
+            bracket("DCP load, 2 ranks (each gets all)",
+                    lambda tgt=tgt: touch(DCP.load(tgt, storage_reader=FileSystemReader(f"{d}/dcp")) or tgt))
+            if rank == 0:
+                shutil.rmtree(f"{d}/dcp")
     if rank == 0:
         with open(out, "w") as f:
             json.dump(rows, f)
@@ -217,6 +238,7 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="Directory on the disk to measure [default: a temp dir].")
     ap.add_argument("--no-dcp", action="store_true", help="Skip torch.distributed.checkpoint.")
     ap.add_argument("--no-ranks", action="store_true", help="Skip the 2-rank replicated case.")
+    ap.add_argument("--repeat", type=int, default=3, help="Runs of everything; the table shows medians [3].")
     ap.add_argument("--json", default=None, help="Also write the results to this JSON file.")
     args = ap.parse_args()
     size = int(args.size_gib * (1 << 30))
@@ -227,7 +249,8 @@ def main() -> None:
         w, r = disk_ceiling(base, size)
         results += [("disk: sequential write + fsync (ceiling)", w), ("disk: cold sequential read (ceiling)", r)]
         state = make_state(size)
-        results += single_process(base, state, not args.no_dcp)
+        for _ in range(args.repeat):
+            results += single_process(base, state, not args.no_dcp)
         del state
         if not args.no_ranks:
             import torch.multiprocessing as mp
@@ -235,17 +258,23 @@ def main() -> None:
             out = os.path.join(base, "ranks.json")
             d = os.path.join(base, "ranks")
             os.makedirs(d)
-            mp.spawn(_rank_main, args=(2, d, size, not args.no_dcp, out), nprocs=2, join=True)
+            mp.spawn(_rank_main, args=(2, d, size, not args.no_dcp, out, args.repeat), nprocs=2, join=True)
             with open(out) as f:
                 results += [tuple(x) for x in json.load(f)]
         print(f"\nstate: {size / GB:.2f} GB float32 in 16 tensors; cache eviction before loads: {how}; "
               f"torch {torch.__version__}, {os.cpu_count()} CPUs\n")
-        print("| operation | seconds | GB/s |\n|---|---:|---:|")
+        runs: Dict[str, List[float]] = {}
         for label, t in results:
-            print(f"| {label} | {t:.2f} | {size / GB / t:.2f} |")
+            runs.setdefault(label, []).append(t)
+        print(f"median of {args.repeat} runs (min–max in brackets)\n")
+        print("| operation | seconds | GB/s |\n|---|---:|---:|")
+        for label, ts in runs.items():
+            med = statistics.median(ts)
+            spread = f" ({min(ts):.2f}–{max(ts):.2f})" if len(ts) > 1 else ""
+            print(f"| {label} | {med:.2f}{spread} | {size / GB / med:.2f} |")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"size_bytes": size, "eviction": how, "rows": results}, f, indent=1)
+                json.dump({"size_bytes": size, "eviction": how, "runs": runs}, f, indent=1)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

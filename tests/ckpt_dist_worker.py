@@ -14,7 +14,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from safetensors import safe_open  # noqa: E402
 
+import elasticrun.checkpoint.plan as plan  # noqa: E402
 from elasticrun.checkpoint import AsyncCheckpointer, Shard, list_checkpoints, load, save  # noqa: E402
 from elasticrun.models import TrainingState  # noqa: E402
 
@@ -70,15 +72,22 @@ def check_loaded(sd: dict, rank: int, world: int) -> None:
     assert sd["extra"]["note"] == "hello" and sd["extra"]["lr"] == [0.1, 0.2]
 
 
-def scenario_reshard(rank: int, world: int, root: str) -> None:
+def scenario_reshard(rank: int, world: int, root: str, parts: bool = False) -> None:
     ts = TrainingState(step=100, epoch=2, world_size=world)
-    name = save(local_state(rank, world), root, training_state=ts, placements=PLACEMENTS)
+    name = save(local_state(rank, world), root, training_state=ts, placements=PLACEMENTS,
+                io_threads=rank + 1 if parts else 1)
     assert name == "step-00000100", name
-    # Every rank wrote ~1/4 of the replicated bytes: shard files of similar size.
     if rank == 0:
-        sizes = [os.path.getsize(os.path.join(root, name, f)) for f in sorted(os.listdir(os.path.join(root, name)))
-                 if f.endswith(".safetensors")]
-        assert len(sizes) == 4 and max(sizes) < 1.5 * min(sizes), sizes
+        files = sorted(f for f in os.listdir(os.path.join(root, name)) if f.endswith(".safetensors"))
+        sizes = [os.path.getsize(os.path.join(root, name, f)) for f in files]
+        if parts:  # rank r wrote up to r + 1 files in parallel, each a plain safetensors file
+            per_rank = [sum(f.startswith(f"shard-{r:05d}-") for f in files) for r in range(world)]
+            assert per_rank[0] == 1 and per_rank[3] >= 3 and len(files) > world, files
+            for f in files:
+                with safe_open(os.path.join(root, name, f), "pt") as st:
+                    assert st.keys(), f
+        else:  # every rank wrote ~1/4 of the replicated bytes: shard files of similar size
+            assert len(sizes) == 4 and max(sizes) < 1.5 * min(sizes), sizes
     # Same world size, then 3, 2 and 1 ranks: real subgroups of the same processes.
     for sub in (4, 3, 2, 1):
         group = dist.new_group(list(range(sub)), backend="gloo")
@@ -95,6 +104,11 @@ def scenario_reshard(rank: int, world: int, root: str) -> None:
             assert target["model"]["R"] is ident and torch.equal(ident, g["R"])
             assert torch.equal(target["model"]["W"], torch.tensor_split(g["W"], sub, 0)[rank])
         dist.barrier()
+
+
+def scenario_reshard_parts(rank: int, world: int, root: str) -> None:
+    plan.MIN_PART_BYTES = 1 << 18  # so these small ranks already write several files each
+    scenario_reshard(rank, world, root, parts=True)
 
 
 def scenario_async(rank: int, world: int, root: str) -> None:

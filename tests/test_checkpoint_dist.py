@@ -16,5 +16,9 @@ def test_save_4_load_4_3_2_1(tmp_path):
     _check(run_group("reshard", 4, tmp_path / "root", tmp_path))
 
 
+def test_ranks_writing_several_files_each_load_at_4_3_2_1(tmp_path):
+    _check(run_group("reshard_parts", 4, tmp_path / "root", tmp_path))
+
+
 def test_async_saves_with_retention_under_gloo(tmp_path):
     _check(run_group("async", 2, tmp_path / "root", tmp_path))

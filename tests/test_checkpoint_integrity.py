@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -99,3 +101,18 @@ def test_stale_round_cannot_commit(etcd, job_id, tmp_path, monkeypatch):
     assert [c.name for c in list_checkpoints(str(tmp_path))] == []
     monkeypatch.setenv("ELASTICRUN_ROUND", "3")
     assert save({"w": torch.ones(3)}, str(tmp_path), "current") == "current"
+
+
+def test_file_names_in_metadata_cannot_leave_the_checkpoint(root):
+    meta_path = root / "new" / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    (root / "outside.safetensors").write_bytes((root / "new" / SHARD).read_bytes())
+    meta["files"] = {"../outside.safetensors": meta["files"][SHARD]}
+    for t in meta["tensors"].values():
+        for c in t["chunks"]:
+            c["file"] = "../outside.safetensors"
+    meta_path.write_text(json.dumps(meta))
+    for call in (lambda: load(root, "new", verify=False), lambda: verify(root, "new")):
+        with pytest.raises(CheckpointError, match="'../outside.safetensors', which is not a plain file name"):
+            call()
+    assert {i.name: i.status for i in list_checkpoints(root)}["new"] == "corrupt"

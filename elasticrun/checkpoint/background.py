@@ -75,6 +75,7 @@ class AsyncCheckpointer:
         placements: Optional[Mapping[str, Placement]] = None,
         keep_last: Optional[int] = None,
         storage_options: Optional[Dict[str, Any]] = None,
+        io_threads: Optional[int] = None,
     ) -> AsyncSaveHandle:
         """Snapshot ``state_dict`` and save it in the background (same arguments as ``save``).
 
@@ -88,7 +89,7 @@ class AsyncCheckpointer:
         comm = Comm(self._group)
         job, tensors = prepare(
             state_dict, root, name, comm, training_state=training_state, user_metadata=user_metadata,
-            placements=placements, keep_last=keep_last, storage_options=storage_options,
+            placements=placements, keep_last=keep_last, storage_options=storage_options, io_threads=io_threads,
         )
         try:
             sources = []
@@ -96,8 +97,11 @@ class AsyncCheckpointer:
                 src = tensors[item.name]
                 if item.rows is not None:
                     src = src[item.rows[0]:item.rows[1]]
-                sources.append((item.chunk.key, self._snapshot(item.chunk.key, src)))
+                sources.append((item.chunk, self._snapshot(f"{item.name}@{item.rows}", src)))
             job.sources = sources
+            used = {f"{item.name}@{item.rows}" for item in job.plan.writes[comm.rank]}
+            for key in [k for k in self._buffers if k not in used]:  # e.g. after the world size changed
+                del self._buffers[key]
         except Exception as err:  # noqa: BLE001 - reported collectively by run()
             job.error = f"cannot snapshot the tensors to save: {err}"
         handle = AsyncSaveHandle(job.name, self._pool.submit(job.run))

@@ -132,11 +132,11 @@ def reshard(
                 entry = meta.tensors[item.name]
                 t = torch.empty(item.chunk.shape, dtype=torch_dtype(entry.dtype))
                 read_region(files, entry, item.chunk.offsets, t)
-                job.sources.append((item.chunk.key, t))
-            fname, size, sha = job.write_own_file()
-            results[fname] = FileEntry(fname, r, size, sha)
-            if progress is not None:
-                progress(size)
+                job.sources.append((item.chunk, t))
+            for fname, size, sha in job.write_own_files():
+                results[fname] = FileEntry(fname, r, size, sha)
+                if progress is not None:
+                    progress(size)
             job.sources = []
         assert job is not None
         new_meta = CheckpointMeta(name=out_name, world_size=world_size, created=time.time(), tensors=plan.tensors,

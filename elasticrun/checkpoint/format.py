@@ -44,9 +44,16 @@ DTYPES: Dict[str, Tuple[str, int]] = {
 }
 
 
-def shard_file_name(rank: int, world_size: int) -> str:
-    """``shard-00001-of-00004.safetensors``: the file written by ``rank``."""
-    return f"shard-{rank:05d}-of-{world_size:05d}.safetensors"
+def shard_file_name(rank: int, world_size: int, part: int = 0, parts: int = 1) -> str:
+    """``shard-00001-of-00004.safetensors``: the file written by ``rank`` — or, when a rank
+    writes several files in parallel, ``shard-00001-of-00004-part-2-of-3.safetensors``."""
+    base = f"shard-{rank:05d}-of-{world_size:05d}"
+    return f"{base}.safetensors" if parts == 1 else f"{base}-part-{part}-of-{parts}.safetensors"
+
+
+def is_safe_file_name(fname: str) -> bool:
+    """Whether a file name from ``metadata.json`` stays inside the checkpoint directory."""
+    return bool(_NAME_RE.match(fname)) and ".." not in fname and fname != METADATA_FILE
 
 
 def validate_name(name: str) -> str:
@@ -256,6 +263,10 @@ class CheckpointMeta:
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             problem = f"{err.__class__.__name__}: {err}"
             raise CheckpointError(f"{where} is malformed ({problem}): the checkpoint is corrupt") from None
+        for fname in files:
+            if not is_safe_file_name(fname):
+                raise CheckpointError(f"{where} names the file {fname!r}, which is not a plain file name: the "
+                                      "checkpoint is corrupt or was tampered with")
         for t in tensors.values():
             for c in t.chunks:
                 if c.file not in files:

@@ -9,17 +9,24 @@ Every rank contributes the names, dtypes, local shapes and placements of its ten
   many rows as ranks) are split along dim 0 so rank ``i`` writes rows part ``i``
   (``torch.tensor_split`` boundaries); the rest go whole to the least-loaded rank,
   largest first, so every rank writes about 1/N of the bytes.
+
+A rank with spare cores writes its bytes as several files at once (``parts``): its items,
+in name order, are cut into contiguous runs of about equal size (at row boundaries, so
+a large tensor may become a few chunks in different files) and every run is one file
+with its own sha256 — which is what lets hashing use more than one core.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from elasticrun.checkpoint.format import DTYPES, Chunk, Placement, Replicate, Shard, TensorEntry, shard_file_name
 from elasticrun.errors import CheckpointError
 
 SPLIT_BYTES = 4 << 20
+#: A rank writes one more file (in parallel) per this many bytes, up to its thread count.
+MIN_PART_BYTES = 64 << 20
 
 # (name, dtype code, local shape, placement) as gathered from one rank
 LocalInfo = Tuple[str, str, Tuple[int, ...], Placement]
@@ -39,11 +46,19 @@ class SavePlan:
     tensors: Dict[str, TensorEntry]
     writes: List[List[WriteItem]]  # per rank, in file order
 
+    def item_bytes(self, item: WriteItem) -> int:
+        return _numel(item.chunk.shape) * DTYPES[self.tensors[item.name].dtype][1]
+
     def bytes_per_rank(self) -> List[int]:
-        out = []
-        for items in self.writes:
-            out.append(sum(_numel(i.chunk.shape) * DTYPES[self.tensors[i.name].dtype][1] for i in items))
-        return out
+        return [sum(self.item_bytes(i) for i in items) for items in self.writes]
+
+    def files_of(self, rank: int) -> List[Tuple[str, List[WriteItem]]]:
+        """The files ``rank`` writes, each with its items in file order (a rank with nothing to
+        write still writes one empty file: every rank has at least one)."""
+        out: Dict[str, List[WriteItem]] = {}
+        for item in self.writes[rank]:
+            out.setdefault(item.chunk.file, []).append(item)
+        return list(out.items()) or [(shard_file_name(rank, len(self.writes)), [])]
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -118,8 +133,10 @@ def _shard_entry(name: str, infos: List[LocalInfo], dim: int, writes: List[List[
     return TensorEntry(name, infos[0][1], global_shape, Shard(dim), tuple(chunks))
 
 
-def make_plan(per_rank: Sequence[Sequence[LocalInfo]]) -> SavePlan:
-    """The global plan from every rank's local infos (deterministic: same input, same plan)."""
+def make_plan(per_rank: Sequence[Sequence[LocalInfo]], threads: Optional[Sequence[int]] = None) -> SavePlan:
+    """The global plan from every rank's local infos (deterministic: same input, same plan).
+
+    ``threads[r]`` is how many files rank ``r`` may write in parallel (default 1)."""
     world = len(per_rank)
     by_name = _check_consistent(per_rank)
     writes: List[List[WriteItem]] = [[] for _ in range(world)]
@@ -164,4 +181,61 @@ def make_plan(per_rank: Sequence[Sequence[LocalInfo]]) -> SavePlan:
     # Write in name order within each file: stable, readable, and deterministic.
     for items in writes:
         items.sort(key=lambda i: i.name)
-    return SavePlan({n: tensors[n] for n in by_name}, writes)
+    plan = SavePlan({n: tensors[n] for n in by_name}, writes)
+    if threads is not None and any(t > 1 for t in threads):
+        plan = _split_into_parts(plan, threads)
+    return plan
+
+
+def _split_into_parts(plan: SavePlan, threads: Sequence[int]) -> SavePlan:
+    """Spread each rank's items over up to ``threads[rank]`` files of about equal size."""
+    world = len(plan.writes)
+    writes: List[List[WriteItem]] = []
+    for rank, items in enumerate(plan.writes):
+        total = sum(plan.item_bytes(i) for i in items)
+        parts = max(1, min(threads[rank], total // MIN_PART_BYTES))
+        runs = _cut(plan, items, total, parts) if parts > 1 else [items]
+        runs = [run for run in runs if run]
+        writes.append([replace(i, chunk=replace(i.chunk, file=shard_file_name(rank, world, p, len(runs))))
+                       for p, run in enumerate(runs) for i in run])
+    chunks: Dict[str, List[Chunk]] = {}
+    for items in writes:
+        for i in items:
+            chunks.setdefault(i.name, []).append(i.chunk)
+    tensors = {n: replace(t, chunks=tuple(chunks[n])) for n, t in plan.tensors.items()}
+    return SavePlan(tensors, writes)
+
+
+def _cut(plan: SavePlan, items: Sequence[WriteItem], total: int, parts: int) -> List[List[WriteItem]]:
+    """Cut the byte stream of ``items`` into ``parts`` runs of about ``total / parts`` bytes.
+
+    A boundary inside a tensor splits it along dim 0 at the nearest row; a tensor with
+    fewer than two rows is not split and goes to the run holding most of its bytes."""
+    runs: List[List[WriteItem]] = [[] for _ in range(parts)]
+    bounds = [total * p // parts for p in range(1, parts)]
+    start, part = 0, 0
+    for item in items:
+        nbytes = plan.item_bytes(item)
+        rows = item.chunk.shape[0] if item.chunk.shape else 0
+        units = rows if rows >= 2 else 1  # what can be cut: rows, or the whole tensor
+        done = 0
+        while part < parts - 1 and bounds[part] < start + nbytes:
+            cut = min(units, max(done, round((bounds[part] - start) * units / nbytes)))
+            if cut > done:
+                runs[part].append(_units_of(item, done, cut, units))
+            done = cut
+            part += 1
+        if done < units:
+            runs[part].append(_units_of(item, done, units, units))
+        start += nbytes
+    return runs
+
+
+def _units_of(item: WriteItem, a: int, b: int, units: int) -> WriteItem:
+    """The part of ``item`` holding its chunk rows ``a:b`` (the item itself when that is all of it)."""
+    if (a, b) == (0, units):
+        return item
+    base = item.rows[0] if item.rows is not None else 0
+    c = item.chunk
+    chunk = replace(c, offsets=(c.offsets[0] + a,) + c.offsets[1:], shape=(b - a,) + c.shape[1:])
+    return WriteItem(item.name, chunk, (base + a, base + b))

@@ -11,19 +11,20 @@ in parallel with the reads, files split across ranks; a mismatch names the file.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import IO, Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import IO, Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from elasticrun.checkpoint.comm import Comm
-from elasticrun.checkpoint.format import DTYPES, LATEST, CheckpointMeta, Placement, Shard, TensorEntry, chunks_by_file
+from elasticrun.checkpoint.format import DTYPES, LATEST, CheckpointMeta, Chunk, Placement, Shard, TensorEntry
 from elasticrun.checkpoint.plan import split_bounds
-from elasticrun.checkpoint.shardfile import Hasher, byte_view, read_header, readinto_exact, torch_dtype
-from elasticrun.checkpoint.storage import Storage, get_storage, retry
+from elasticrun.checkpoint.shardfile import PIECE, Hasher, byte_view, read_header, readinto_exact, torch_dtype
+from elasticrun.checkpoint.storage import Storage, default_io_threads, get_storage, retry
 from elasticrun.checkpoint.tree import fill_in_place, flatten, unflatten
-from elasticrun.checkpoint.validate import meta_path, read_meta_bytes, resolve_name, verify_files
+from elasticrun.checkpoint.validate import meta_path, read_meta_bytes, resolve_name, verify_file
 from elasticrun.errors import CheckpointError
 from elasticrun.models import TrainingState
 
@@ -46,8 +47,18 @@ class ShardFiles:
     def __init__(self, storage: Storage, name: str, meta: CheckpointMeta) -> None:
         self.storage, self.name, self.meta = storage, name, meta
         self._open: Dict[str, Tuple[IO[bytes], Dict[str, Any], int]] = {}
+        self._lock = threading.Lock()
+
+    def where(self, fname: str) -> str:
+        """How to name ``fname`` in an error message."""
+        return self.storage.display(f"{self.storage.join(self.name)}/{fname}")
 
     def get(self, fname: str) -> Tuple[IO[bytes], Dict[str, Any], int]:
+        """The open file, its parsed header and the offset of its data section (thread-safe)."""
+        with self._lock:
+            return self._get(fname)
+
+    def _get(self, fname: str) -> Tuple[IO[bytes], Dict[str, Any], int]:
         if fname not in self._open:
             path = f"{self.storage.join(self.name)}/{fname}"
             where = self.storage.display(path)
@@ -74,48 +85,6 @@ def _strides(shape: Sequence[int]) -> List[int]:
     return out
 
 
-def read_region(files: ShardFiles, entry: TensorEntry, offsets: Sequence[int], out: torch.Tensor,
-                skip: Optional[Set[Tuple[str, str]]] = None) -> None:
-    """Fill ``out`` (shape = the region) with the box of ``entry`` starting at ``offsets``.
-
-    Chunks whose ``(file, key)`` is in ``skip`` were already read (by :func:`read_whole_files`)."""
-    shape = tuple(out.shape)
-    itemsize = DTYPES[entry.dtype][1]
-    covered = 0
-    for chunk in entry.chunks:
-        lo = [max(o, c) for o, c in zip(offsets, chunk.offsets)]
-        hi = [min(o + s, c + cs) for o, s, c, cs in zip(offsets, shape, chunk.offsets, chunk.shape)]
-        inter = [h - lo_ for lo_, h in zip(lo, hi)]
-        if any(n <= 0 for n in inter):
-            continue
-        if skip and (chunk.file, chunk.key) in skip:
-            covered += _numel(inter)
-            continue
-        f, header, data_start = files.get(chunk.file)
-        h = header.get(chunk.key)
-        where = files.storage.display(f"{files.storage.join(files.name)}/{chunk.file}")
-        if (not isinstance(h, dict) or h.get("dtype") != entry.dtype or tuple(h.get("shape", ())) != chunk.shape
-                or h["data_offsets"][1] - h["data_offsets"][0] != _numel(chunk.shape) * itemsize):
-            raise CheckpointError(f"{where}: tensor {chunk.key!r} does not match metadata.json: the file is corrupt")
-        strides = _strides(chunk.shape)
-        src = [lo_ - c for lo_, c in zip(lo, chunk.offsets)]
-        first = sum(s * st for s, st in zip(src, strides))
-        last = sum((s + n - 1) * st for s, n, st in zip(src, inter, strides))
-        span = last - first + 1
-        numel = _numel(inter)
-        dst = out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))]
-        file_off = data_start + h["data_offsets"][0] + first * itemsize
-        if span == numel and dst.is_contiguous():
-            readinto_exact(f, file_off, byte_view(dst), where)
-        else:
-            buf = torch.empty(span * itemsize, dtype=torch.uint8)
-            readinto_exact(f, file_off, byte_view(buf), where)
-            dst.copy_(buf.view(out.dtype).as_strided(inter, strides, 0))
-        covered += numel
-    if covered != out.numel():
-        raise CheckpointError(f"checkpoint {files.name!r}: the chunks of {entry.name!r} do not cover the tensor")
-
-
 def _numel(shape: Sequence[int]) -> int:
     n = 1
     for s in shape:
@@ -135,68 +104,135 @@ def region_for(entry: TensorEntry, placement: Placement, rank: int, world: int) 
     return offsets, shape
 
 
-def _whole_chunk_view(out: torch.Tensor, offsets: Sequence[int], chunk: Any) -> Optional[torch.Tensor]:
-    """The contiguous view of ``out`` that holds all of ``chunk``, or None if there is none."""
-    rel = [c - o for c, o in zip(chunk.offsets, offsets)]
-    if any(r < 0 or r + cs > s for r, cs, s in zip(rel, chunk.shape, out.shape)):
-        return None
-    view = out[tuple(slice(r, r + cs) for r, cs in zip(rel, chunk.shape))]
-    return view if view.is_contiguous() else None
+@dataclass
+class Piece:
+    """The part of one saved chunk that falls inside a wanted region, and where it goes."""
+
+    entry: TensorEntry
+    chunk: Chunk
+    lo: List[int]  # global coordinates of the intersection
+    hi: List[int]
+    dst: torch.Tensor  # the view of the destination tensor it fills
+
+    @property
+    def whole(self) -> bool:
+        """The whole chunk lands in one contiguous view (so its bytes are one plain read)."""
+        return list(self.dst.shape) == list(self.chunk.shape) and self.dst.is_contiguous()
 
 
-def read_whole_files(files: ShardFiles, fnames: Sequence[str], wanted: Mapping[str, Tuple[List[int], torch.Tensor]],
-                     problems: List[str], hashed: Set[str]) -> Set[Tuple[str, str]]:
-    """Read files this rank needs in full front to back, hashing the bytes as they land in the
-    destination tensors (one pass over the disk for data *and* checksum). Files it needs only
-    in part are left to :func:`read_region` and hashed separately. Returns the chunks read."""
-    by_file = chunks_by_file(files.meta)
-    done: Set[Tuple[str, str]] = set()
-    with ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash") as pool:
-        for fname in fnames:
-            views = []
-            for entry, chunk in by_file[fname]:
-                view = None if entry.name not in wanted else _whole_chunk_view(*reversed(wanted[entry.name]), chunk)
-                if view is None:
-                    break
-                views.append((chunk, view))
-            else:
-                f, header, start = files.get(fname)
-                where = files.storage.display(f"{files.storage.join(files.name)}/{fname}")
-                views.sort(key=lambda cv: header.get(cv[0].key, {}).get("data_offsets", [0])[0])
-                hasher = Hasher(pool)
-                head = bytearray(start)
-                readinto_exact(f, 0, memoryview(head), where)
-                hasher.update(memoryview(head))
-                pos = start
-                for chunk, view in views:
-                    h = header.get(chunk.key)
-                    if not isinstance(h, dict) or h.get("data_offsets", [None])[0] + start != pos:
-                        raise CheckpointError(f"{where}: tensor {chunk.key!r} is not where metadata.json expects it")
-                    data = byte_view(view)
-                    readinto_exact(f, pos, data, where)
-                    hasher.update(data)
-                    pos += len(data)
-                    done.add((fname, chunk.key))
-                expected = files.meta.files[fname]
-                hashed.add(fname)
-                if pos != expected.size:
-                    problems.append(f"file {fname} of checkpoint {files.name!r} has data beyond its tensors: corrupt")
-                elif hasher.hexdigest() != expected.sha256:
-                    problems.append(f"file {fname} of checkpoint {files.name!r} is corrupt: its sha256 does not "
-                                    "match metadata.json")
-    return done
+def region_pieces(entry: TensorEntry, offsets: Sequence[int], out: torch.Tensor) -> List[Piece]:
+    """The pieces that fill ``out`` (the box of ``entry`` at ``offsets``); a CheckpointError if the
+    saved chunks do not cover it."""
+    shape = tuple(out.shape)
+    pieces, covered = [], 0
+    for chunk in entry.chunks:
+        lo = [max(o, c) for o, c in zip(offsets, chunk.offsets)]
+        hi = [min(o + s, c + cs) for o, s, c, cs in zip(offsets, shape, chunk.offsets, chunk.shape)]
+        if any(h - lo_ <= 0 for lo_, h in zip(lo, hi)):
+            continue
+        dst = out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))]
+        pieces.append(Piece(entry, chunk, lo, hi, dst))
+        covered += dst.numel()
+    if covered != out.numel():
+        raise CheckpointError(f"the saved chunks of {entry.name!r} do not cover the tensor: the checkpoint is corrupt")
+    return pieces
+
+
+def _header_entry(files: ShardFiles, piece: Piece) -> Tuple[IO[bytes], int, str]:
+    """The open file, the absolute offset of the chunk's data, and a display name; checks the header."""
+    entry, chunk = piece.entry, piece.chunk
+    f, header, data_start = files.get(chunk.file)
+    h = header.get(chunk.key)
+    where = files.where(chunk.file)
+    if (not isinstance(h, dict) or h.get("dtype") != entry.dtype or tuple(h.get("shape", ())) != chunk.shape
+            or h["data_offsets"][1] - h["data_offsets"][0] != _numel(chunk.shape) * DTYPES[entry.dtype][1]):
+        raise CheckpointError(f"{where}: tensor {chunk.key!r} does not match metadata.json: the file is corrupt")
+    return f, data_start + h["data_offsets"][0], where
+
+
+def read_piece(files: ShardFiles, piece: Piece) -> None:
+    """Fill ``piece.dst`` from its chunk: straight into it when the bytes are contiguous,
+    otherwise one spanning read plus a strided copy."""
+    f, chunk_off, where = _header_entry(files, piece)
+    chunk = piece.chunk
+    itemsize = DTYPES[piece.entry.dtype][1]
+    strides = _strides(chunk.shape)
+    inter = [h - lo for lo, h in zip(piece.lo, piece.hi)]
+    src = [lo - c for lo, c in zip(piece.lo, chunk.offsets)]
+    first = sum(s * st for s, st in zip(src, strides))
+    last = sum((s + n - 1) * st for s, n, st in zip(src, inter, strides))
+    span = last - first + 1
+    if span == piece.dst.numel() and piece.dst.is_contiguous():
+        readinto_exact(f, chunk_off + first * itemsize, byte_view(piece.dst), where)
+    else:
+        buf = torch.empty(span * itemsize, dtype=torch.uint8)
+        readinto_exact(f, chunk_off + first * itemsize, byte_view(buf), where)
+        piece.dst.copy_(buf.view(piece.dst.dtype).as_strided(inter, strides, 0))
+
+
+def read_region(files: ShardFiles, entry: TensorEntry, offsets: Sequence[int], out: torch.Tensor) -> None:
+    """Fill ``out`` (shape = the region) with the box of ``entry`` starting at ``offsets``."""
+    for piece in region_pieces(entry, offsets, out):
+        read_piece(files, piece)
+
+
+def _read_and_hash(files: ShardFiles, fname: str, pieces: List[Piece], pool: ThreadPoolExecutor) -> Optional[str]:
+    """Read a file this rank needs in full front to back, hashing the bytes as they land in the
+    destination tensors (one pass over the disk for data and checksum); the problem or None."""
+    f, header, start = files.get(fname)
+    where = files.where(fname)
+    hasher = Hasher(pool)
+    head = bytearray(start)
+    readinto_exact(f, 0, memoryview(head), where)
+    hasher.update(memoryview(head))
+    pos = start
+    for piece in sorted(pieces, key=lambda p: header.get(p.chunk.key, {}).get("data_offsets", [0])[0]):
+        _, off, _ = _header_entry(files, piece)
+        if off != pos:
+            raise CheckpointError(f"{where}: tensor {piece.chunk.key!r} is not where metadata.json expects it")
+        data = byte_view(piece.dst)
+        for a in range(0, len(data), PIECE):  # piece by piece, so hashing overlaps the next read
+            readinto_exact(f, pos + a, data[a:a + PIECE], where)
+            hasher.update(data[a:a + PIECE])
+        pos += len(data)
+    expected = files.meta.files[fname]
+    if pos != expected.size:
+        return f"file {fname} of checkpoint {files.name!r} has data beyond its tensors: corrupt"
+    if hasher.hexdigest() != expected.sha256:
+        return f"file {fname} of checkpoint {files.name!r} is corrupt: its sha256 does not match metadata.json"
+    return None
+
+
+def _file_task(files: ShardFiles, fname: str, pieces: List[Piece], verify: bool) -> Optional[str]:
+    """Everything this rank does with one file: read its pieces, check its sha256 if asked."""
+    n_chunks = sum(1 for t in files.meta.tensors.values() for c in t.chunks if c.file == fname)
+    try:
+        if verify and pieces and len(pieces) == n_chunks and all(p.whole for p in pieces):
+            with ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash") as pool:
+                return _read_and_hash(files, fname, pieces, pool)
+        for piece in pieces:
+            read_piece(files, piece)
+    except CheckpointError:
+        # A file that cannot be parsed: if its checksum is wrong too, say that (the clearer cause).
+        problem = verify_file(files.storage, files.name, files.meta.files[fname]) if verify else None
+        if problem:
+            return problem
+        raise
+    if verify:  # read in part (or not at all): hash it separately, from the page cache usually
+        return verify_file(files.storage, files.name, files.meta.files[fname])
+    return None
 
 
 def load_tensors(files: ShardFiles, names: Sequence[str], rank: int, world: int,
                  placements: Mapping[str, Placement], targets: Mapping[str, torch.Tensor],
-                 verify: Sequence[str] = (), problems: Optional[List[str]] = None,
-                 hashed: Optional[Set[str]] = None) -> Dict[str, torch.Tensor]:
+                 verify: Sequence[str] = (), threads: int = 1) -> Tuple[Dict[str, torch.Tensor], List[str]]:
     """Read this rank's region of every named tensor, into ``targets`` where they fit exactly.
 
-    Files in ``verify`` that this rank reads completely are hashed on the fly: mismatches
-    are appended to ``problems`` and the file names added to ``hashed``."""
+    Files are handled by up to ``threads`` threads, one file each; the files in ``verify`` get
+    their sha256 checked (while reading them, when this rank needs them whole).
+    Returns the tensors and the checksum problems found."""
     out: Dict[str, torch.Tensor] = {}
-    wanted: Dict[str, Tuple[List[int], torch.Tensor]] = {}
+    by_file: Dict[str, List[Piece]] = {}
     for name in names:
         entry = files.meta.tensors[name]
         offsets, shape = region_for(entry, placements.get(name, entry.placement), rank, world)
@@ -206,13 +242,21 @@ def load_tensors(files: ShardFiles, names: Sequence[str], rank: int, world: int,
                 and t.is_contiguous()):
             t = torch.empty(shape, dtype=dtype)
         out[name] = t
-        wanted[name] = (offsets, t.detach())
+        for piece in region_pieces(entry, offsets, t.detach()):
+            by_file.setdefault(piece.chunk.file, []).append(piece)
+    # Start where this rank's share of the files starts, so ranks read different files first
+    # (each cold file comes off the disk once; the others find it in the page cache).
+    every = sorted(files.meta.files)
+    k = rank * len(every) // world
+    checked = set(verify)
+    order = [f for f in every[k:] + every[:k] if f in by_file or f in checked]
     with torch.no_grad():
-        done = read_whole_files(files, verify, wanted, problems if problems is not None else [],
-                                hashed if hashed is not None else set())
-        for name, (offsets, t) in wanted.items():
-            read_region(files, files.meta.tensors[name], offsets, t, skip=done)
-    return out
+        if threads <= 1 or len(order) <= 1:
+            problems = [_file_task(files, f, by_file.get(f, []), f in checked) for f in order]
+        else:
+            with ThreadPoolExecutor(min(threads, len(order)), thread_name_prefix="ckpt-read") as pool:
+                problems = list(pool.map(lambda f: _file_task(files, f, by_file.get(f, []), f in checked), order))
+    return out, [p for p in problems if p]
 
 
 def load(
@@ -224,6 +268,7 @@ def load(
     process_group: Any = None,
     verify: bool = True,
     storage_options: Optional[Dict[str, Any]] = None,
+    io_threads: Optional[int] = None,
 ) -> LoadedCheckpoint:
     """Load checkpoint ``name`` (default: the newest complete one) at this process's world size.
 
@@ -232,6 +277,7 @@ def load(
     (``torch.tensor_split`` boundaries); others come back whole. With ``state_dict`` the
     tensors are loaded into it in place (only the keys it has are read) and it is
     returned as ``.state_dict``. ``verify=False`` skips the sha256 check of the files.
+    ``io_threads`` files are read (and hashed) at once (default: this rank's share of the CPUs).
     """
     comm = Comm(process_group)
     storage = get_storage(root, storage_options)
@@ -263,18 +309,17 @@ def load(
     problems: List[str] = []
     error: Optional[str] = None
     tensors: Dict[str, torch.Tensor] = {}
-    # Each rank checks the sha256 of about 1/N of the files: while reading them if it reads them
-    # whole (one pass), otherwise afterwards (from the page cache, usually).
-    mine = [f for i, f in enumerate(sorted(meta.files)) if i % comm.world_size == comm.rank] if verify else []
-    hashed: Set[str] = set()
+    # Each rank checks the sha256 of its 1/N block of the files: while reading them if it reads
+    # them whole (one pass), otherwise separately (from the page cache, usually).
+    every, world = sorted(meta.files), comm.world_size
+    mine = every[comm.rank * len(every) // world:(comm.rank + 1) * len(every) // world] if verify else []
     try:
-        tensors = load_tensors(files, names, comm.rank, comm.world_size, placements or {}, targets, mine, problems,
-                               hashed)
+        tensors, problems = load_tensors(files, names, comm.rank, world, placements or {}, targets, mine,
+                                         io_threads or default_io_threads())
     except CheckpointError as err:
         error = str(err)
     finally:
         files.close()
-    problems += verify_files(storage, name, [meta.files[f] for f in mine if f not in hashed])
     # Exchange problems so every rank fails the same way (and none waits in a later collective).
     everything = comm.all_gather({"problems": problems, "error": error})
     for res in everything:

@@ -61,6 +61,19 @@ def retry(fn: Callable[[], T], what: str, attempts: Optional[int] = None) -> T:
     raise AssertionError("unreachable")
 
 
+def default_io_threads() -> int:
+    """Files a rank writes (and hashes) in parallel: its share of this machine's CPUs, 1 to 4."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return max(1, min(4, cpus // local))
+
+
 class Storage:
     """Operations on paths below a checkpoint root. Paths are strings joined with '/'."""
 

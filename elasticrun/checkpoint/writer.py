@@ -29,17 +29,17 @@ from elasticrun.checkpoint.format import (
     FORMAT_VERSION,
     METADATA_FILE,
     CheckpointMeta,
+    Chunk,
     FileEntry,
     Placement,
     Replicate,
     Shard,
-    shard_file_name,
     tmp_dir_name,
     validate_name,
 )
 from elasticrun.checkpoint.plan import LocalInfo, SavePlan, WriteItem, make_plan
 from elasticrun.checkpoint.shardfile import dtype_code, write_shard
-from elasticrun.checkpoint.storage import Storage, describe, get_storage, retry
+from elasticrun.checkpoint.storage import Storage, default_io_threads, describe, get_storage, retry
 from elasticrun.checkpoint.tree import flatten
 from elasticrun.errors import CheckpointError
 
@@ -94,7 +94,7 @@ class SaveJob:
     token: str
     comm: Comm
     plan: SavePlan
-    sources: List[Tuple[str, torch.Tensor]]
+    sources: List[Tuple[Chunk, torch.Tensor]]  # this rank's bytes, one CPU tensor per chunk it writes
     tree: Any
     training_state: Optional[Dict[str, Any]]
     user_metadata: Dict[str, Any]
@@ -110,12 +110,22 @@ class SaveJob:
     def final(self) -> str:
         return self.storage.join(self.name)
 
-    def write_own_file(self) -> Tuple[str, int, str]:
+    def write_own_files(self) -> List[Tuple[str, int, str]]:
+        """Write (and fsync) this rank's shard files, in parallel; ``[(file, size, sha256)]``."""
+        rank = self.comm.rank
+        sources = dict(self.sources)
+        files = self.plan.files_of(rank)
+        retry(lambda: self.storage.mkdirs(self.tmp), f"create {self.storage.display(self.tmp)}")
+        if len(files) == 1:
+            return [self._write_file(files[0][0], files[0][1], sources)]
+        with ThreadPoolExecutor(len(files), thread_name_prefix="ckpt-write") as pool:
+            return list(pool.map(lambda f: self._write_file(f[0], f[1], sources), files))
+
+    def _write_file(self, fname: str, items: List[WriteItem], sources: Dict[Any, torch.Tensor]) -> Tuple[str, int, str]:
         rank, world = self.comm.rank, self.comm.world_size
-        fname = shard_file_name(rank, world)
         path = f"{self.tmp}/{fname}"
         slices = {i.chunk.key: {"offsets": list(i.chunk.offsets), "global_shape": list(self.plan.tensors[i.name].shape)}
-                  for i in self.plan.writes[rank]}
+                  for i in items}
         file_meta = {
             "format": f"{FORMAT_NAME}/{FORMAT_VERSION}",
             "checkpoint": self.name,
@@ -123,19 +133,19 @@ class SaveJob:
             "world_size": str(world),
             "slices": json.dumps(slices, separators=(",", ":")),
         }
+        tensors = [(i.chunk.key, sources[i.chunk]) for i in items]
 
         def op() -> Tuple[int, str]:
             f = self.storage.open_write(path)
             try:
                 with ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash") as pool:
-                    size, sha = write_shard(f, self.sources, file_meta, pool,
+                    size, sha = write_shard(f, tensors, file_meta, pool,
                                             on_piece=lambda _n: crash_point("shard-write", rank))
                 self.storage.finish_write(f)
             finally:
                 f.close()
             return size, sha
 
-        retry(lambda: self.storage.mkdirs(self.tmp), f"create {self.storage.display(self.tmp)}")
         size, sha = retry(op, f"write {self.storage.display(path)}")
         return fname, size, sha
 
@@ -146,7 +156,7 @@ class SaveJob:
             crash_point("start", rank)
             if self.error:
                 raise CheckpointError(self.error)
-            result: Dict[str, Any] = {"file": self.write_own_file()}
+            result: Dict[str, Any] = {"files": self.write_own_files()}
             crash_point("after-shards", rank)
         except CheckpointError as err:
             result = {"error": str(err)}
@@ -162,7 +172,7 @@ class SaveJob:
 
         status: Dict[str, Any] = {}
         if rank == 0:
-            files = {f: FileEntry(f, r, size, sha) for r, (f, size, sha) in enumerate(res["file"] for res in results)}
+            files = {f: FileEntry(f, r, size, sha) for r, res in enumerate(results) for f, size, sha in res["files"]}
             meta = CheckpointMeta(
                 name=self.name, world_size=self.comm.world_size, created=self.created, tensors=self.plan.tensors,
                 files=files, tree=self.tree, training_state=self.training_state, user_metadata=self.user_metadata,
@@ -196,6 +206,7 @@ def prepare(
     placements: Optional[Mapping[str, Placement]] = None,
     keep_last: Optional[int] = None,
     storage_options: Optional[Dict[str, Any]] = None,
+    io_threads: Optional[int] = None,
 ) -> Tuple[SaveJob, Dict[str, torch.Tensor]]:
     """Collective: agree on name and plan. Returns the job (no sources yet) and the local tensors."""
     error: Optional[str] = None
@@ -208,6 +219,8 @@ def prepare(
     try:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise CheckpointError(f"keep_last must be a positive integer (got {keep_last!r})")
+        if io_threads is not None and (not isinstance(io_threads, int) or io_threads < 1):
+            raise CheckpointError(f"io_threads must be a positive integer (got {io_threads!r})")
         storage = get_storage(root, storage_options)
         tensors, tree = flatten(state_dict)
         pl = _placements(placements, tensors)
@@ -224,14 +237,15 @@ def prepare(
             head = {"name": final_name, "token": new_token(), "created": created}
     except CheckpointError as err:
         error = str(err)
-    gathered = comm.all_gather({"infos": infos, "error": error, "head": head})
+    threads = io_threads or default_io_threads()
+    gathered = comm.all_gather({"infos": infos, "error": error, "head": head, "threads": threads})
     errors = [(r, g["error"]) for r, g in enumerate(gathered) if g["error"]]
     if errors:
         r, msg = errors[0]
         raise CheckpointError(msg if comm.world_size == 1 else f"rank {r}: {msg}")
     assert storage is not None
     head = gathered[0]["head"]
-    plan = make_plan([g["infos"] for g in gathered])
+    plan = make_plan([g["infos"] for g in gathered], [g["threads"] for g in gathered])
     job = SaveJob(
         storage=storage, name=head["name"], token=head["token"], comm=comm, plan=plan, sources=[], tree=tree,
         training_state=ts, user_metadata=dict(user_metadata or {}), created=head["created"], keep_last=keep_last,
@@ -267,6 +281,7 @@ def save(
     process_group: Any = None,
     keep_last: Optional[int] = None,
     storage_options: Optional[Dict[str, Any]] = None,
+    io_threads: Optional[int] = None,
 ) -> str:
     """Save ``state_dict`` as checkpoint ``<root>/<name>``; every rank of the group calls it.
 
@@ -276,17 +291,19 @@ def save(
     ``Shard(dim)`` (each rank holds a slice along ``dim``; slices may be uneven).
     ``name`` defaults to ``step-<step:08d>`` from ``training_state``. With ``keep_last=K``
     rank 0 deletes the oldest complete checkpoints beyond K after the commit.
-    ``storage_options`` go to fsspec for URL roots (``s3://...``).
+    ``storage_options`` go to fsspec for URL roots (``s3://...``). ``io_threads`` is how
+    many files this rank writes and hashes in parallel (default: its share of the CPUs,
+    at most 4; large ranks only — one file per 64 MiB at most).
     Returns the name; raises CheckpointError (on every rank) if the save failed and was
     rolled back.
     """
     comm = Comm(process_group)
     job, tensors = prepare(
         state_dict, root, name, comm, training_state=training_state, user_metadata=user_metadata,
-        placements=placements, keep_last=keep_last, storage_options=storage_options,
+        placements=placements, keep_last=keep_last, storage_options=storage_options, io_threads=io_threads,
     )
     try:
-        job.sources = [(i.chunk.key, source_tensor(tensors[i.name], i)) for i in job.plan.writes[comm.rank]]
+        job.sources = [(i.chunk, source_tensor(tensors[i.name], i)) for i in job.plan.writes[comm.rank]]
     except Exception as err:  # noqa: BLE001 - must still take part in the collectives
         job.sources, job.error = [], f"cannot read the tensors to save: {describe(err)}"
     return job.run()
