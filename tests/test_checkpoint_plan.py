@@ -85,3 +85,15 @@ def test_small_ranks_and_single_threads_keep_one_file_per_rank():
         assert files == ["shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"]
         assert [len(items) for _, items in plan.files_of(1)] == [0]  # the whole tensor went to rank 0
     assert DTYPES["F32"][1] * 100 < plan_mod.MIN_PART_BYTES
+
+
+def test_tensors_stay_whole_when_that_balances_so_loads_can_map_them():
+    mib16 = (1024, 4096)  # float32: 16 MiB
+    infos = [[(f"layer{i:02d}", "F32", mib16, Replicate()) for i in range(16)] for _ in range(2)]
+    plan = make_plan(infos, [2, 2])
+    assert all(len(t.chunks) == 1 for t in plan.tensors.values())  # no tensor split
+    assert plan.bytes_per_rank() == [8 << 24, 8 << 24]
+    assert [len(plan.files_of(r)) for r in range(2)] == [2, 2]  # 128 MiB per rank: two files in parallel
+    # One huge tensor can only be balanced by splitting it: rows across ranks, then across files.
+    plan = make_plan([[("emb", "F32", (1 << 16, 1024), Replicate())]] * 2, [2, 2])
+    assert len(plan.tensors["emb"].chunks) == 4 and plan.bytes_per_rank() == [1 << 27, 1 << 27]

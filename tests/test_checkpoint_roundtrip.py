@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from elasticrun.checkpoint import CheckpointError, Replicate, Shard, list_checkpoints, load, save
+from elasticrun.checkpoint import CheckpointError, Replicate, Shard, list_checkpoints, load, save, verify
 from elasticrun.models import TrainingState
 
 
@@ -169,3 +169,27 @@ def test_file_hash_is_that_of_the_bytes_on_disk_with_mixed_sizes(tmp_path):
     index = json.loads((tmp_path / "h" / "metadata.json").read_text())
     for fname, entry in index["files"].items():
         assert hashlib.sha256((tmp_path / "h" / fname).read_bytes()).hexdigest() == entry["sha256"]
+
+
+def _mapped_files() -> set:
+    with open("/proc/self/maps") as f:
+        return {line.split(None, 5)[-1].strip() for line in f if ".safetensors" in line}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc (Linux)")
+def test_fresh_loads_map_the_files_copy_on_write(tmp_path):
+    state = {"w": torch.randn(64, 64), "odd": torch.arange(3, dtype=torch.float16), "after": torch.ones(5)}
+    save(state, tmp_path, "c")
+    shard = str(tmp_path / "c" / "shard-00000-of-00001.safetensors")
+    loaded = load(tmp_path, "c").state_dict
+    assert shard in _mapped_files()  # zero-copy: the tensors are views of the file's pages
+    _assert_equal(state, loaded)  # "after" follows 6 bytes of float16: unaligned, so copied instead
+    loaded["w"].fill_(7.0)  # private mapping: writing never reaches the file
+    assert verify(tmp_path, "c").ok and torch.equal(load(tmp_path, "c", mmap=False).state_dict["w"], state["w"])
+    del loaded
+    import gc
+
+    gc.collect()
+    copied = load(tmp_path, "c", mmap=False).state_dict
+    assert shard not in _mapped_files()
+    _assert_equal(state, copied)

@@ -5,15 +5,18 @@ Every rank contributes the names, dtypes, local shapes and placements of its ten
 
 * ``Shard(dim)`` tensors: each rank writes its own slice; global shape and offsets come
   from the gathered local shapes (slices may be uneven).
-* ``Replicate`` tensors: written once. Large ones (>= ``SPLIT_BYTES`` with at least as
-  many rows as ranks) are split along dim 0 so rank ``i`` writes rows part ``i``
-  (``torch.tensor_split`` boundaries); the rest go whole to the least-loaded rank,
-  largest first, so every rank writes about 1/N of the bytes.
+* ``Replicate`` tensors: written once, every rank writing about 1/N of the bytes. If
+  assigning them whole (largest first, to the least-loaded rank) balances the ranks within
+  ``BALANCE``, that is the plan: a whole tensor is one chunk, which a loader can map
+  straight from the file. Otherwise large ones (>= ``SPLIT_BYTES`` with at least as many
+  rows as ranks) are split along dim 0 so rank ``i`` writes rows part ``i``
+  (``torch.tensor_split`` boundaries) and the rest go whole, largest first.
 
-A rank with spare cores writes its bytes as several files at once (``parts``): its items,
-in name order, are cut into contiguous runs of about equal size (at row boundaries, so
-a large tensor may become a few chunks in different files) and every run is one file
-with its own sha256 — which is what lets hashing use more than one core.
+A rank with spare cores writes its bytes as several files at once (``parts``), each with
+its own sha256 — which is what lets hashing use more than one core. Its items go whole
+into the files when that balances them within ``BALANCE``; otherwise the items, in name
+order, are cut into contiguous runs of about equal size at row boundaries (so a large
+tensor may become a few chunks in different files).
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ from elasticrun.errors import CheckpointError
 SPLIT_BYTES = 4 << 20
 #: A rank writes one more file (in parallel) per this many bytes, up to its thread count.
 MIN_PART_BYTES = 64 << 20
+#: Whole-tensor assignment is kept when the fullest rank/file holds at most this much more
+#: than an even share (or less than ``BALANCE_SLACK`` bytes more, for small states).
+BALANCE = 1.125
+BALANCE_SLACK = 1 << 20
 
 # (name, dtype code, local shape, placement) as gathered from one rank
 LocalInfo = Tuple[str, str, Tuple[int, ...], Placement]
@@ -157,11 +164,12 @@ def make_plan(per_rank: Sequence[Sequence[LocalInfo]], threads: Optional[Sequenc
                 )
         replicated.append((_numel(shape) * DTYPES[infos[0][1]][1], name))
 
+    whole = _balanced_whole([n for n, _ in sorted(replicated, key=lambda x: (-x[0], x[1]))], loads)
     small: List[Tuple[int, str]] = []
     for nbytes, name in replicated:
         shape = by_name[name][0][2]
         dtype = by_name[name][0][1]
-        if world > 1 and nbytes >= SPLIT_BYTES and len(shape) >= 1 and shape[0] >= world:
+        if whole is None and world > 1 and nbytes >= SPLIT_BYTES and len(shape) >= 1 and shape[0] >= world:
             chunks = []
             for rank, (a, b) in enumerate(split_bounds(shape[0], world)):
                 chunk = Chunk(shard_file_name(rank, world), name, (a,) + (0,) * (len(shape) - 1), (b - a,) + shape[1:])
@@ -187,6 +195,20 @@ def make_plan(per_rank: Sequence[Sequence[LocalInfo]], threads: Optional[Sequenc
     return plan
 
 
+def _balanced_whole(sizes: Sequence[int], loads: Sequence[int], slack: int = BALANCE_SLACK) -> Optional[List[int]]:
+    """Bins (largest first, least-loaded first) for items of ``sizes`` on top of ``loads``, or
+    None when the fullest bin would exceed an even share by more than ``BALANCE`` and ``slack``."""
+    bins = list(loads)
+    where = []
+    for size in sizes:
+        b = min(range(len(bins)), key=lambda i: (bins[i], i))
+        bins[b] += size
+        where.append(b)
+    ideal = sum(bins) / len(bins)
+    worst = max(bins)
+    return where if worst <= ideal * BALANCE or worst - ideal <= slack else None
+
+
 def _split_into_parts(plan: SavePlan, threads: Sequence[int]) -> SavePlan:
     """Spread each rank's items over up to ``threads[rank]`` files of about equal size."""
     world = len(plan.writes)
@@ -194,7 +216,7 @@ def _split_into_parts(plan: SavePlan, threads: Sequence[int]) -> SavePlan:
     for rank, items in enumerate(plan.writes):
         total = sum(plan.item_bytes(i) for i in items)
         parts = max(1, min(threads[rank], total // MIN_PART_BYTES))
-        runs = _cut(plan, items, total, parts) if parts > 1 else [items]
+        runs = _runs(plan, items, total, parts) if parts > 1 else [items]
         runs = [run for run in runs if run]
         writes.append([replace(i, chunk=replace(i.chunk, file=shard_file_name(rank, world, p, len(runs))))
                        for p, run in enumerate(runs) for i in run])
@@ -204,6 +226,18 @@ def _split_into_parts(plan: SavePlan, threads: Sequence[int]) -> SavePlan:
             chunks.setdefault(i.name, []).append(i.chunk)
     tensors = {n: replace(t, chunks=tuple(chunks[n])) for n, t in plan.tensors.items()}
     return SavePlan(tensors, writes)
+
+
+def _runs(plan: SavePlan, items: Sequence[WriteItem], total: int, parts: int) -> List[List[WriteItem]]:
+    """``parts`` groups of whole items if they balance, else :func:`_cut`; name order inside each."""
+    order = sorted(items, key=lambda i: (-plan.item_bytes(i), i.name))
+    where = _balanced_whole([plan.item_bytes(i) for i in order], [0] * parts, slack=0)
+    if where is None:
+        return _cut(plan, items, total, parts)
+    runs: List[List[WriteItem]] = [[] for _ in range(parts)]
+    for item, b in zip(order, where):
+        runs[b].append(item)
+    return [sorted(run, key=lambda i: i.name) for run in runs]
 
 
 def _cut(plan: SavePlan, items: Sequence[WriteItem], total: int, parts: int) -> List[List[WriteItem]]:

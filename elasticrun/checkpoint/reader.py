@@ -11,6 +11,8 @@ in parallel with the reads, files split across ranks; a mismatch names the file.
 
 from __future__ import annotations
 
+import hashlib
+import mmap
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,7 +24,7 @@ from elasticrun.checkpoint.comm import Comm
 from elasticrun.checkpoint.format import DTYPES, LATEST, CheckpointMeta, Chunk, Placement, Shard, TensorEntry
 from elasticrun.checkpoint.plan import split_bounds
 from elasticrun.checkpoint.shardfile import PIECE, Hasher, byte_view, read_header, readinto_exact, torch_dtype
-from elasticrun.checkpoint.storage import Storage, default_io_threads, get_storage, retry
+from elasticrun.checkpoint.storage import Storage, default_io_threads, describe, get_storage, retry
 from elasticrun.checkpoint.tree import fill_in_place, flatten, unflatten
 from elasticrun.checkpoint.validate import meta_path, read_meta_bytes, resolve_name, verify_file
 from elasticrun.errors import CheckpointError
@@ -70,6 +72,14 @@ class ShardFiles:
                 raise
             self._open[fname] = (f, header, start)
         return self._open[fname]
+
+    def mapping(self, fname: str) -> mmap.mmap:
+        """A private (copy-on-write) memory map of the whole file; tensors made from it keep it alive."""
+        f, _, _ = self.get(fname)
+        mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        if hasattr(mmap, "MADV_WILLNEED"):
+            mm.madvise(mmap.MADV_WILLNEED)  # start reading it all in now, in the background
+        return mm
 
     def close(self) -> None:
         for f, _, _ in self._open.values():
@@ -138,9 +148,8 @@ def region_pieces(entry: TensorEntry, offsets: Sequence[int], out: torch.Tensor)
     return pieces
 
 
-def _header_entry(files: ShardFiles, piece: Piece) -> Tuple[IO[bytes], int, str]:
+def _header_entry(files: ShardFiles, entry: TensorEntry, chunk: Chunk) -> Tuple[IO[bytes], int, str]:
     """The open file, the absolute offset of the chunk's data, and a display name; checks the header."""
-    entry, chunk = piece.entry, piece.chunk
     f, header, data_start = files.get(chunk.file)
     h = header.get(chunk.key)
     where = files.where(chunk.file)
@@ -153,7 +162,7 @@ def _header_entry(files: ShardFiles, piece: Piece) -> Tuple[IO[bytes], int, str]
 def read_piece(files: ShardFiles, piece: Piece) -> None:
     """Fill ``piece.dst`` from its chunk: straight into it when the bytes are contiguous,
     otherwise one spanning read plus a strided copy."""
-    f, chunk_off, where = _header_entry(files, piece)
+    f, chunk_off, where = _header_entry(files, piece.entry, piece.chunk)
     chunk = piece.chunk
     itemsize = DTYPES[piece.entry.dtype][1]
     strides = _strides(chunk.shape)
@@ -187,7 +196,7 @@ def _read_and_hash(files: ShardFiles, fname: str, pieces: List[Piece], pool: Thr
     hasher.update(memoryview(head))
     pos = start
     for piece in sorted(pieces, key=lambda p: header.get(p.chunk.key, {}).get("data_offsets", [0])[0]):
-        _, off, _ = _header_entry(files, piece)
+        _, off, _ = _header_entry(files, piece.entry, piece.chunk)
         if off != pos:
             raise CheckpointError(f"{where}: tensor {piece.chunk.key!r} is not where metadata.json expects it")
         data = byte_view(piece.dst)
@@ -203,36 +212,84 @@ def _read_and_hash(files: ShardFiles, fname: str, pieces: List[Piece], pool: Thr
     return None
 
 
-def _file_task(files: ShardFiles, fname: str, pieces: List[Piece], verify: bool) -> Optional[str]:
-    """Everything this rank does with one file: read its pieces, check its sha256 if asked."""
+def _map_tensor(files: ShardFiles, mm: mmap.mmap, entry: TensorEntry, chunk: Chunk) -> Optional[torch.Tensor]:
+    """``chunk`` (the whole tensor) as a view of the file's memory map, or None when its bytes
+    are not aligned for its dtype (safetensors packs tensors without padding)."""
+    f, off, where = _header_entry(files, entry, chunk)
+    itemsize = DTYPES[entry.dtype][1]
+    numel = _numel(chunk.shape)
+    if numel == 0 or off % itemsize:
+        return None
+    if off + numel * itemsize > len(mm):
+        raise CheckpointError(f"{where} is truncated: tensor {chunk.key!r} runs past its end")
+    flat = torch.frombuffer(mm, dtype=torch.uint8, count=numel * itemsize, offset=off)
+    return flat.view(torch_dtype(entry.dtype)).view(chunk.shape)
+
+
+def _hash_mapping(mm: mmap.mmap) -> str:
+    h = hashlib.sha256()
+    with memoryview(mm) as view:
+        for a in range(0, len(view), PIECE):
+            h.update(view[a:a + PIECE])
+    return h.hexdigest()
+
+
+def _file_task(files: ShardFiles, fname: str, pieces: List[Piece], mapped: List[Tuple[TensorEntry, Chunk]],
+               verify: bool) -> Tuple[Optional[str], Dict[str, torch.Tensor]]:
+    """Everything this rank does with one file: map or read its pieces, check its sha256 if asked.
+    Returns the problem (or None) and the tensors it made (mapped ones, or copies where unaligned)."""
+    made: Dict[str, torch.Tensor] = {}
     n_chunks = sum(1 for t in files.meta.tensors.values() for c in t.chunks if c.file == fname)
     try:
+        if mapped:
+            mm = files.mapping(fname)
+            for entry, chunk in mapped:
+                t = _map_tensor(files, mm, entry, chunk)
+                if t is None:
+                    t = torch.empty(chunk.shape, dtype=torch_dtype(entry.dtype))
+                    pieces = pieces + region_pieces(entry, chunk.offsets, t)
+                made[entry.name] = t
+            for piece in pieces:
+                read_piece(files, piece)
+            if verify:
+                expected = files.meta.files[fname]
+                if len(mm) != expected.size:
+                    return (f"file {fname} of checkpoint {files.name!r} has {len(mm)} bytes, metadata says "
+                            f"{expected.size} (truncated?)"), made
+                if _hash_mapping(mm) != expected.sha256:
+                    return (f"file {fname} of checkpoint {files.name!r} is corrupt: its sha256 does not match "
+                            "metadata.json"), made
+            return None, made
         if verify and pieces and len(pieces) == n_chunks and all(p.whole for p in pieces):
             with ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash") as pool:
-                return _read_and_hash(files, fname, pieces, pool)
+                return _read_and_hash(files, fname, pieces, pool), made
         for piece in pieces:
             read_piece(files, piece)
     except CheckpointError:
         # A file that cannot be parsed: if its checksum is wrong too, say that (the clearer cause).
         problem = verify_file(files.storage, files.name, files.meta.files[fname]) if verify else None
         if problem:
-            return problem
+            return problem, made
         raise
     if verify:  # read in part (or not at all): hash it separately, from the page cache usually
-        return verify_file(files.storage, files.name, files.meta.files[fname])
-    return None
+        return verify_file(files.storage, files.name, files.meta.files[fname]), made
+    return None, made
 
 
 def load_tensors(files: ShardFiles, names: Sequence[str], rank: int, world: int,
                  placements: Mapping[str, Placement], targets: Mapping[str, torch.Tensor],
-                 verify: Sequence[str] = (), threads: int = 1) -> Tuple[Dict[str, torch.Tensor], List[str]]:
+                 verify: Sequence[str] = (), threads: int = 1,
+                 use_mmap: bool = False) -> Tuple[Dict[str, torch.Tensor], List[str]]:
     """Read this rank's region of every named tensor, into ``targets`` where they fit exactly.
 
     Files are handled by up to ``threads`` threads, one file each; the files in ``verify`` get
-    their sha256 checked (while reading them, when this rank needs them whole).
+    their sha256 checked (while reading them, when this rank needs them whole). With
+    ``use_mmap``, a tensor without a target that is exactly one saved chunk becomes a
+    copy-on-write view of the file's memory map instead of a copy.
     Returns the tensors and the checksum problems found."""
     out: Dict[str, torch.Tensor] = {}
     by_file: Dict[str, List[Piece]] = {}
+    mapped: Dict[str, List[Tuple[TensorEntry, Chunk]]] = {}
     for name in names:
         entry = files.meta.tensors[name]
         offsets, shape = region_for(entry, placements.get(name, entry.placement), rank, world)
@@ -240,6 +297,10 @@ def load_tensors(files: ShardFiles, names: Sequence[str], rank: int, world: int,
         t = targets.get(name)
         if not (t is not None and t.device.type == "cpu" and t.dtype == dtype and list(t.shape) == shape
                 and t.is_contiguous()):
+            whole = [c for c in entry.chunks if list(c.offsets) == offsets and list(c.shape) == shape]
+            if use_mmap and whole:  # one saved chunk is exactly what we want: map it (no copy)
+                mapped.setdefault(whole[0].file, []).append((entry, whole[0]))
+                continue
             t = torch.empty(shape, dtype=dtype)
         out[name] = t
         for piece in region_pieces(entry, offsets, t.detach()):
@@ -249,14 +310,20 @@ def load_tensors(files: ShardFiles, names: Sequence[str], rank: int, world: int,
     every = sorted(files.meta.files)
     k = rank * len(every) // world
     checked = set(verify)
-    order = [f for f in every[k:] + every[:k] if f in by_file or f in checked]
+    order = [f for f in every[k:] + every[:k] if f in by_file or f in mapped or f in checked]
+
+    def task(f: str) -> Tuple[Optional[str], Dict[str, torch.Tensor]]:
+        return _file_task(files, f, by_file.get(f, []), mapped.get(f, []), f in checked)
+
     with torch.no_grad():
         if threads <= 1 or len(order) <= 1:
-            problems = [_file_task(files, f, by_file.get(f, []), f in checked) for f in order]
+            results = [task(f) for f in order]
         else:
             with ThreadPoolExecutor(min(threads, len(order)), thread_name_prefix="ckpt-read") as pool:
-                problems = list(pool.map(lambda f: _file_task(files, f, by_file.get(f, []), f in checked), order))
-    return out, [p for p in problems if p]
+                results = list(pool.map(task, order))
+    for _, made in results:
+        out.update(made)
+    return out, [p for p, _ in results if p]
 
 
 def load(
@@ -269,6 +336,7 @@ def load(
     verify: bool = True,
     storage_options: Optional[Dict[str, Any]] = None,
     io_threads: Optional[int] = None,
+    mmap: bool = True,
 ) -> LoadedCheckpoint:
     """Load checkpoint ``name`` (default: the newest complete one) at this process's world size.
 
@@ -278,6 +346,11 @@ def load(
     tensors are loaded into it in place (only the keys it has are read) and it is
     returned as ``.state_dict``. ``verify=False`` skips the sha256 check of the files.
     ``io_threads`` files are read (and hashed) at once (default: this rank's share of the CPUs).
+
+    Tensors loaded fresh (not into ``state_dict``) that were saved whole are, on a local
+    filesystem, private copy-on-write memory maps of their files — like
+    ``safetensors.load_file`` or ``torch.load(mmap=True)``: no copy, pages shared by every
+    rank on the node until written. ``mmap=False`` gives ordinary private memory.
     """
     comm = Comm(process_group)
     storage = get_storage(root, storage_options)
@@ -315,9 +388,11 @@ def load(
     mine = every[comm.rank * len(every) // world:(comm.rank + 1) * len(every) // world] if verify else []
     try:
         tensors, problems = load_tensors(files, names, comm.rank, world, placements or {}, targets, mine,
-                                         io_threads or default_io_threads())
+                                         io_threads or default_io_threads(), use_mmap=mmap and storage.mappable)
     except CheckpointError as err:
         error = str(err)
+    except Exception as err:  # noqa: BLE001 - an I/O error on one rank must not leave the others waiting
+        error = f"cannot read checkpoint {name!r}: {describe(err)}"
     finally:
         files.close()
     # Exchange problems so every rank fails the same way (and none waits in a later collective).
