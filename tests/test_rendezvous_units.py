@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from elasticrun.config import LaunchConfig, describe_mismatch, parse_nnodes, parse_nproc
@@ -102,3 +104,9 @@ def test_job_settings_mismatch_is_described():
     assert describe_mismatch(a, dict(a)) is None
     het = LaunchConfig(entrypoint="t.py", nproc_per_node=3, heterogeneous=True).job_settings()
     assert "nproc_per_node" not in het
+
+
+def test_member_to_dict_has_every_field_and_round_trips():
+    m = Member("node-a", "host", "10.0.0.1", 4, 2, 8, lease=77)
+    assert m.to_dict() == dataclasses.asdict(m)  # a new field must be added to to_dict too
+    assert Member.from_dict(m.to_dict()) == m

@@ -61,8 +61,8 @@ def retry(fn: Callable[[], T], what: str, attempts: Optional[int] = None) -> T:
     raise AssertionError("unreachable")
 
 
-def default_io_threads() -> int:
-    """Files a rank writes (and hashes) in parallel: its share of this machine's CPUs, 1 to 4."""
+def cpu_share() -> int:
+    """This process's share of the machine's CPUs: usable CPUs // LOCAL_WORLD_SIZE (at least 1)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -71,7 +71,12 @@ def default_io_threads() -> int:
         local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:
         local = 1
-    return max(1, min(4, cpus // local))
+    return max(1, cpus // local)
+
+
+def default_io_threads() -> int:
+    """Files a rank writes (and hashes) in parallel by default: its CPU share, at most 4."""
+    return min(4, cpu_share())
 
 
 class Storage:
