@@ -263,6 +263,53 @@ def _rank_main(rank: int, world: int, d: str, size: int, dcp: bool, out: str, re
     dist.destroy_process_group()
 
 
+def save_ab(d: str, state: Dict[str, torch.Tensor], runs: int) -> None:
+    """Durable single-process saves only, interleaved run by run with no pause, with the CPU
+    time each one used: shows what the sha256 of every file costs on this machine."""
+    import torch.distributed.checkpoint as DCP
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from elasticrun.checkpoint import save
+
+    def st(p: str) -> None:
+        save_file(state, p)
+        fsync_tree(p)
+
+    def ts(p: str) -> None:
+        with open(p, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    savers = {
+        "elasticrun save (sha256 of every file)": lambda p: save(state, p, "c"),
+        "safetensors save_file": st,
+        "DCP save, 2 threads": lambda p: DCP.save(state, storage_writer=FileSystemWriter(
+            p, thread_count=2, sync_files=True)),
+        "torch.save": ts,
+    }
+    wall: Dict[str, List[float]] = {k: [] for k in savers}
+    cpu: Dict[str, List[float]] = {k: [] for k in savers}
+    for i in range(runs + 1):  # run 0 is a dropped warm-up
+        for label, fn in savers.items():
+            path = os.path.join(d, "ab")
+            c0, t0 = sum(os.times()[:2]), time.perf_counter()
+            fn(path)
+            t1, c1 = time.perf_counter(), sum(os.times()[:2])
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            if i:
+                wall[label].append(t1 - t0)
+                cpu[label].append(c1 - c0)
+    size = nbytes(state)
+    print(f"\ndurable saves of {size / GB:.2f} GB, interleaved, median of {runs} (min–max); CPU = user+sys of this "
+          f"process\n\n| save | seconds | GB/s | CPU seconds |\n|---|---:|---:|---:|")
+    for label in savers:
+        med = statistics.median(wall[label])
+        print(f"| {label} | {med:.2f} ({min(wall[label]):.2f}–{max(wall[label]):.2f}) | {size / GB / med:.2f} "
+              f"| {statistics.median(cpu[label]):.2f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gib", type=float, default=1.0)
@@ -273,6 +320,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="Runs of everything; the table shows medians [3].")
     ap.add_argument("--settle", type=float, default=1.0,
                     help="Seconds of quiet (after a sync) before every timed operation [1.0].")
+    ap.add_argument("--save-ab", type=int, default=0, metavar="N",
+                    help="Only compare durable single-process saves: N interleaved runs each, with CPU time.")
     ap.add_argument("--json", default=None, help="Also write the results to this JSON file.")
     args = ap.parse_args()
     global SETTLE_S
@@ -281,6 +330,9 @@ def main() -> None:
     base = tempfile.mkdtemp(prefix="ckbench-", dir=args.dir)
     try:
         how = evict(base)
+        if args.save_ab:
+            save_ab(base, make_state(size), args.save_ab)
+            return
         results: List[Tuple[str, float]] = []
         w, r = disk_ceiling(base, size)
         results += [("disk: sequential write + fsync (ceiling)", w), ("disk: cold sequential read (ceiling)", r)]

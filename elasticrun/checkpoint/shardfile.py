@@ -130,17 +130,20 @@ def write_shard(
     hasher.update(memoryview(header))
     _write_all(f, memoryview(header))
     written = len(header)
-    for _, t in tensors:
-        view = byte_view(t)
-        for start in range(0, len(view), PIECE):
-            piece = view[start:start + PIECE]
-            hasher.update(piece)
-            _write_all(f, piece)
-            if fd is not None:
-                start_writeback(fd, written, len(piece))
-            written += len(piece)
-            if on_piece is not None:
-                on_piece(written)
+    # Submitting writeback can block while the disk's queue is full: a flusher thread does it,
+    # so the writing thread goes on hashing and writing the next piece meanwhile.
+    with ThreadPoolExecutor(1, thread_name_prefix="ckpt-flush") as flusher:
+        for _, t in tensors:
+            view = byte_view(t)
+            for start in range(0, len(view), PIECE):
+                piece = view[start:start + PIECE]
+                hasher.update(piece)
+                _write_all(f, piece)
+                if fd is not None:
+                    flusher.submit(start_writeback, fd, written, len(piece))
+                written += len(piece)
+                if on_piece is not None:
+                    on_piece(written)
     return written, hasher.hexdigest()
 
 
