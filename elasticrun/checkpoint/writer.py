@@ -39,7 +39,7 @@ from elasticrun.checkpoint.format import (
 )
 from elasticrun.checkpoint.plan import LocalInfo, SavePlan, WriteItem, make_plan
 from elasticrun.checkpoint.shardfile import dtype_code, write_shard
-from elasticrun.checkpoint.storage import Storage, default_io_threads, describe, get_storage, retry
+from elasticrun.checkpoint.storage import Storage, cpu_share, default_io_threads, describe, get_storage, retry
 from elasticrun.checkpoint.tree import flatten
 from elasticrun.errors import CheckpointError
 
@@ -116,10 +116,10 @@ class SaveJob:
         sources = dict(self.sources)
         files = self.plan.files_of(rank)
         retry(lambda: self.storage.mkdirs(self.tmp), f"create {self.storage.display(self.tmp)}")
-        # One file: hash on a helper thread, overlapping the writes. Several files (one thread
-        # each, already one per spare core): each writing thread hashes its own pieces, which
-        # measured steadier than twice as many busy threads as cores.
-        helper = len(files) == 1
+        # A single file with a spare core: hash on a helper thread, overlapping the writes. Otherwise
+        # (several files, one thread each, or no spare core) each writing thread hashes its own
+        # pieces: measured steadier than more busy threads than cores.
+        helper = len(files) == 1 and cpu_share() >= 2
         if len(files) == 1:
             return [self._write_file(files[0][0], files[0][1], sources, helper)]
         with ThreadPoolExecutor(len(files), thread_name_prefix="ckpt-write") as pool:
