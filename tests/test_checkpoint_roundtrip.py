@@ -193,3 +193,17 @@ def test_fresh_loads_map_the_files_copy_on_write(tmp_path):
     copied = load(tmp_path, "c", mmap=False).state_dict
     assert shard not in _mapped_files()
     _assert_equal(state, copied)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc (Linux)")
+def test_files_on_network_filesystems_are_read_not_mapped(tmp_path, monkeypatch):
+    from elasticrun.checkpoint import storage
+
+    assert storage.filesystem_type("/proc/self") == "proc"
+    assert not storage.LocalStorage("/proc/elasticrun-nothing").mappable
+    state = {"w": torch.randn(32, 32)}
+    save(state, tmp_path, "c")
+    monkeypatch.setattr(storage, "LOCAL_FILESYSTEMS", set())  # as if tmp_path were NFS: never map
+    loaded = load(tmp_path, "c").state_dict
+    assert str(tmp_path / "c" / "shard-00000-of-00001.safetensors") not in _mapped_files()
+    assert torch.equal(loaded["w"], state["w"])

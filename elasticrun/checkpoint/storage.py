@@ -130,14 +130,38 @@ class Storage:
         retry(op, f"write {self.display(path)}")
 
 
+#: Filesystems whose files are safe to memory-map for a long time: on network and FUSE
+#: filesystems a file deleted by another node can turn a mapped page into SIGBUS.
+LOCAL_FILESYSTEMS = {"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "overlay", "zfs", "f2fs", "bcachefs", "ramfs"}
+
+
+def filesystem_type(path: str) -> Optional[str]:
+    """The type of the filesystem holding ``path`` (from /proc/self/mounts), or None if unknown."""
+    try:
+        with open("/proc/self/mounts") as f:
+            mounts = [line.split()[1:3] for line in f if len(line.split()) > 2]
+    except OSError:
+        return None
+    path = os.path.realpath(path)
+    best, fstype = "", None
+    for mountpoint, kind in mounts:
+        mountpoint = mountpoint.replace("\\040", " ")
+        if (path == mountpoint or path.startswith(mountpoint.rstrip("/") + "/")) and len(mountpoint) >= len(best):
+            best, fstype = mountpoint, kind
+    return fstype
+
+
 class LocalStorage(Storage):
     """A local or shared POSIX filesystem: fsync'd files and directories, atomic rename."""
 
     atomic_rename = True
-    mappable = True
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(os.path.expanduser(root))
+        probe = self.root
+        while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+            probe = os.path.dirname(probe)
+        self.mappable = filesystem_type(probe) in LOCAL_FILESYSTEMS
 
     def join(self, *parts: str) -> str:
         return os.path.join(self.root, *parts)
