@@ -51,6 +51,7 @@ def test_crash_at_each_phase(good_root, tmp_path, phase):
     expect = 2.0 if committed else 1.0
     assert res.name == ("new" if committed else "good")
     assert torch.all(res.state_dict["w"] == expect) and res.state_dict["step"] == int(expect)
+    assert torch.all(res.state_dict["v"] == -expect) and len(res.meta.files) == 2  # two files, written in parallel
     if not committed:
         with pytest.raises(Exception, match="no checkpoint 'new'"):
             load(root, "new")
