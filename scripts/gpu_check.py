@@ -34,14 +34,18 @@ def main() -> None:
     if "--fail-once" in sys.argv and restart == 0 and ctx.rank == 0:
         raise RuntimeError("planned failure on the GPU path")
     gen = torch.Generator(device="cuda").manual_seed(1234)
-    state = {"w": torch.randn(256, 256, device=ctx.device, generator=gen), "b": torch.arange(7, device=ctx.device)}
+    state = {"w": torch.randn(256, 256, device=ctx.device, generator=gen), "b": torch.arange(7, device=ctx.device),
+             "big": torch.randn(80 << 10, 1024, device=ctx.device, generator=gen)}  # 320 MiB: several files
     name = save(state, root, f"gpu-r{restart}", process_group=ctx.cpu_process_group)
-    into = {"w": torch.zeros(256, 256, device=ctx.device), "b": torch.zeros(7, dtype=torch.long, device=ctx.device)}
-    load(root, name, state_dict=into, process_group=ctx.cpu_process_group)
-    assert torch.equal(into["w"], state["w"]) and torch.equal(into["b"], state["b"])
+    into = {k: torch.zeros_like(v) for k, v in state.items()}
+    res = load(root, name, state_dict=into, process_group=ctx.cpu_process_group)
+    assert all(torch.equal(into[k], state[k]) for k in state)
+    fresh = load(root, name, process_group=ctx.cpu_process_group).state_dict  # CPU, memory-mapped
+    assert all(torch.equal(fresh[k], state[k].cpu()) for k in state)
+    files = len(res.meta.files)
     print(
         f"GPU_CHECK_OK rank={ctx.rank} world={ctx.world_size} device={torch.cuda.get_device_name(local_rank)} "
-        f"backend={ctx.backend} restart={restart} ckpt={name}",
+        f"backend={ctx.backend} restart={restart} ckpt={name} files={files}",
         flush=True,
     )
     dist.barrier()
