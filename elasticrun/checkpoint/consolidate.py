@@ -18,7 +18,7 @@ from elasticrun.checkpoint.comm import Comm
 from elasticrun.checkpoint.commit import commit, new_token, rollback
 from elasticrun.checkpoint.format import CheckpointMeta, FileEntry, Shard, validate_name
 from elasticrun.checkpoint.plan import make_plan
-from elasticrun.checkpoint.reader import ShardFiles, read_region, region_for
+from elasticrun.checkpoint.regions import ShardFiles, read_region, region_for
 from elasticrun.checkpoint.shardfile import build_header, byte_view, torch_dtype
 from elasticrun.checkpoint.storage import describe, get_storage
 from elasticrun.checkpoint.validate import read_meta, resolve_name, verify_files

@@ -54,7 +54,7 @@ class SavePlan:
     writes: List[List[WriteItem]]  # per rank, in file order
 
     def item_bytes(self, item: WriteItem) -> int:
-        return _numel(item.chunk.shape) * DTYPES[self.tensors[item.name].dtype][1]
+        return numel(item.chunk.shape) * DTYPES[self.tensors[item.name].dtype][1]
 
     def bytes_per_rank(self) -> List[int]:
         return [sum(self.item_bytes(i) for i in items) for items in self.writes]
@@ -68,7 +68,8 @@ class SavePlan:
         return list(out.items()) or [(shard_file_name(rank, len(self.writes)), [])]
 
 
-def _numel(shape: Sequence[int]) -> int:
+def numel(shape: Sequence[int]) -> int:
+    """Number of elements of a tensor of ``shape`` (1 for a 0-d tensor)."""
     n = 1
     for s in shape:
         n *= s
@@ -134,7 +135,7 @@ def _shard_entry(name: str, infos: List[LocalInfo], dim: int, writes: List[List[
         chunk = Chunk(shard_file_name(rank, len(infos)), name, offsets, tuple(s))
         chunks.append(chunk)
         writes[rank].append(WriteItem(name, chunk, None))
-        loads[rank] += _numel(s) * itemsize
+        loads[rank] += numel(s) * itemsize
         offset += s[dim]
     global_shape = tuple(offset if d == dim else shapes[0][d] for d in range(ndim))
     return TensorEntry(name, infos[0][1], global_shape, Shard(dim), tuple(chunks))
@@ -162,7 +163,7 @@ def make_plan(per_rank: Sequence[Sequence[LocalInfo]], threads: Optional[Sequenc
                     f"tensor {name!r} is replicated but rank {rank} has shape {tuple(info[2])} and rank 0 "
                     f"{tuple(shape)}: declare it Shard(dim) in placements if each rank holds a slice"
                 )
-        replicated.append((_numel(shape) * DTYPES[infos[0][1]][1], name))
+        replicated.append((numel(shape) * DTYPES[infos[0][1]][1], name))
 
     whole = _balanced_whole([n for n, _ in sorted(replicated, key=lambda x: (-x[0], x[1]))], loads)
     small: List[Tuple[int, str]] = []

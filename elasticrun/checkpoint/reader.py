@@ -1,32 +1,38 @@
 """``load()`` at any world size: each rank reads only the byte ranges it needs.
 
-For every tensor the rank wants a *region* (a box of the global tensor): the whole
-tensor if replicated, or its even part along ``dim`` if sharded — ``torch.tensor_split``
-semantics, so with ``n`` rows over ``M`` ranks the first ``n % M`` ranks get one extra
-row. :func:`read_region` intersects the region with the saved chunks and reads each
-intersection with ``pread`` straight into the destination tensor when the bytes are
-contiguous (one spanning read plus a strided copy otherwise). File checksums are checked
-in parallel with the reads, files split across ranks; a mismatch names the file.
+Every rank works out its region of each tensor and the pieces of saved chunks that fill
+it (:mod:`elasticrun.checkpoint.regions`), then handles the files in parallel, one thread
+per file: a tensor that is exactly one saved chunk becomes a copy-on-write view of the
+file's memory map (local filesystems), everything else is read into place. Each rank
+checks the sha256 of its 1/N of the files — while reading a file it needs whole, through
+the mapping, or separately — and the problems are exchanged so every rank fails alike.
 """
 
 from __future__ import annotations
 
 import hashlib
 import mmap
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import IO, Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from elasticrun.checkpoint.comm import Comm
-from elasticrun.checkpoint.format import DTYPES, LATEST, CheckpointMeta, Chunk, Placement, Shard, TensorEntry
-from elasticrun.checkpoint.plan import split_bounds
-from elasticrun.checkpoint.shardfile import PIECE, Hasher, byte_view, read_header, readinto_exact, torch_dtype
-from elasticrun.checkpoint.storage import Storage, default_io_threads, describe, get_storage, retry
+from elasticrun.checkpoint.format import DTYPES, LATEST, CheckpointMeta, Chunk, Placement, TensorEntry
+from elasticrun.checkpoint.plan import numel
+from elasticrun.checkpoint.regions import (
+    Piece,
+    ShardFiles,
+    header_entry,
+    read_piece,
+    region_for,
+    region_pieces,
+)
+from elasticrun.checkpoint.shardfile import PIECE, Hasher, byte_view, readinto_exact, torch_dtype
+from elasticrun.checkpoint.storage import default_io_threads, describe, get_storage
 from elasticrun.checkpoint.tree import fill_in_place, flatten, unflatten
-from elasticrun.checkpoint.validate import meta_path, read_meta_bytes, resolve_name, verify_file
+from elasticrun.checkpoint.validate import meta_path, read_meta_bytes, resolve_name, size_problem, verify_file
 from elasticrun.errors import CheckpointError
 from elasticrun.models import TrainingState
 
@@ -43,148 +49,6 @@ class LoadedCheckpoint:
     meta: CheckpointMeta
 
 
-class ShardFiles:
-    """Open shard files of one checkpoint, with their parsed safetensors headers."""
-
-    def __init__(self, storage: Storage, name: str, meta: CheckpointMeta) -> None:
-        self.storage, self.name, self.meta = storage, name, meta
-        self._open: Dict[str, Tuple[IO[bytes], Dict[str, Any], int]] = {}
-        self._lock = threading.Lock()
-
-    def where(self, fname: str) -> str:
-        """How to name ``fname`` in an error message."""
-        return self.storage.display(f"{self.storage.join(self.name)}/{fname}")
-
-    def get(self, fname: str) -> Tuple[IO[bytes], Dict[str, Any], int]:
-        """The open file, its parsed header and the offset of its data section (thread-safe)."""
-        with self._lock:
-            return self._get(fname)
-
-    def _get(self, fname: str) -> Tuple[IO[bytes], Dict[str, Any], int]:
-        if fname not in self._open:
-            path = f"{self.storage.join(self.name)}/{fname}"
-            where = self.storage.display(path)
-            f = retry(lambda: self.storage.open_read(path), f"open {where}")
-            try:
-                header, start = read_header(f, where, self.meta.files[fname].size)
-            except BaseException:
-                f.close()
-                raise
-            self._open[fname] = (f, header, start)
-        return self._open[fname]
-
-    def mapping(self, fname: str) -> mmap.mmap:
-        """A private (copy-on-write) memory map of the whole file; tensors made from it keep it alive."""
-        f, _, _ = self.get(fname)
-        mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        if hasattr(mmap, "MADV_WILLNEED"):
-            mm.madvise(mmap.MADV_WILLNEED)  # start reading it all in now, in the background
-        return mm
-
-    def close(self) -> None:
-        for f, _, _ in self._open.values():
-            f.close()
-        self._open.clear()
-
-
-def _strides(shape: Sequence[int]) -> List[int]:
-    out, acc = [0] * len(shape), 1
-    for i in range(len(shape) - 1, -1, -1):
-        out[i] = acc
-        acc *= shape[i]
-    return out
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def region_for(entry: TensorEntry, placement: Placement, rank: int, world: int) -> Tuple[List[int], List[int]]:
-    """``(offsets, shape)`` of the part of ``entry`` that ``rank`` of ``world`` gets."""
-    shape = list(entry.shape)
-    offsets = [0] * len(shape)
-    if isinstance(placement, Shard) and world > 1:
-        if not 0 <= placement.dim < len(shape):
-            raise CheckpointError(f"cannot shard {entry.name!r} along dim {placement.dim}: it has {len(shape)} dims")
-        a, b = split_bounds(shape[placement.dim], world)[rank]
-        offsets[placement.dim], shape[placement.dim] = a, b - a
-    return offsets, shape
-
-
-@dataclass
-class Piece:
-    """The part of one saved chunk that falls inside a wanted region, and where it goes."""
-
-    entry: TensorEntry
-    chunk: Chunk
-    lo: List[int]  # global coordinates of the intersection
-    hi: List[int]
-    dst: torch.Tensor  # the view of the destination tensor it fills
-
-    @property
-    def whole(self) -> bool:
-        """The whole chunk lands in one contiguous view (so its bytes are one plain read)."""
-        return list(self.dst.shape) == list(self.chunk.shape) and self.dst.is_contiguous()
-
-
-def region_pieces(entry: TensorEntry, offsets: Sequence[int], out: torch.Tensor) -> List[Piece]:
-    """The pieces that fill ``out`` (the box of ``entry`` at ``offsets``); a CheckpointError if the
-    saved chunks do not cover it."""
-    shape = tuple(out.shape)
-    pieces, covered = [], 0
-    for chunk in entry.chunks:
-        lo = [max(o, c) for o, c in zip(offsets, chunk.offsets)]
-        hi = [min(o + s, c + cs) for o, s, c, cs in zip(offsets, shape, chunk.offsets, chunk.shape)]
-        if any(h - lo_ <= 0 for lo_, h in zip(lo, hi)):
-            continue
-        dst = out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))]
-        pieces.append(Piece(entry, chunk, lo, hi, dst))
-        covered += dst.numel()
-    if covered != out.numel():
-        raise CheckpointError(f"the saved chunks of {entry.name!r} do not cover the tensor: the checkpoint is corrupt")
-    return pieces
-
-
-def _header_entry(files: ShardFiles, entry: TensorEntry, chunk: Chunk) -> Tuple[IO[bytes], int, str]:
-    """The open file, the absolute offset of the chunk's data, and a display name; checks the header."""
-    f, header, data_start = files.get(chunk.file)
-    h = header.get(chunk.key)
-    where = files.where(chunk.file)
-    if (not isinstance(h, dict) or h.get("dtype") != entry.dtype or tuple(h.get("shape", ())) != chunk.shape
-            or h["data_offsets"][1] - h["data_offsets"][0] != _numel(chunk.shape) * DTYPES[entry.dtype][1]):
-        raise CheckpointError(f"{where}: tensor {chunk.key!r} does not match metadata.json: the file is corrupt")
-    return f, data_start + h["data_offsets"][0], where
-
-
-def read_piece(files: ShardFiles, piece: Piece) -> None:
-    """Fill ``piece.dst`` from its chunk: straight into it when the bytes are contiguous,
-    otherwise one spanning read plus a strided copy."""
-    f, chunk_off, where = _header_entry(files, piece.entry, piece.chunk)
-    chunk = piece.chunk
-    itemsize = DTYPES[piece.entry.dtype][1]
-    strides = _strides(chunk.shape)
-    inter = [h - lo for lo, h in zip(piece.lo, piece.hi)]
-    src = [lo - c for lo, c in zip(piece.lo, chunk.offsets)]
-    first = sum(s * st for s, st in zip(src, strides))
-    last = sum((s + n - 1) * st for s, n, st in zip(src, inter, strides))
-    span = last - first + 1
-    if span == piece.dst.numel() and piece.dst.is_contiguous():
-        readinto_exact(f, chunk_off + first * itemsize, byte_view(piece.dst), where)
-    else:
-        buf = torch.empty(span * itemsize, dtype=torch.uint8)
-        readinto_exact(f, chunk_off + first * itemsize, byte_view(buf), where)
-        piece.dst.copy_(buf.view(piece.dst.dtype).as_strided(inter, strides, 0))
-
-
-def read_region(files: ShardFiles, entry: TensorEntry, offsets: Sequence[int], out: torch.Tensor) -> None:
-    """Fill ``out`` (shape = the region) with the box of ``entry`` starting at ``offsets``."""
-    for piece in region_pieces(entry, offsets, out):
-        read_piece(files, piece)
-
-
 def _read_and_hash(files: ShardFiles, fname: str, pieces: List[Piece], pool: ThreadPoolExecutor) -> Optional[str]:
     """Read a file this rank needs in full front to back, hashing the bytes as they land in the
     destination tensors (one pass over the disk for data and checksum); the problem or None."""
@@ -196,7 +60,7 @@ def _read_and_hash(files: ShardFiles, fname: str, pieces: List[Piece], pool: Thr
     hasher.update(memoryview(head))
     pos = start
     for piece in sorted(pieces, key=lambda p: header.get(p.chunk.key, {}).get("data_offsets", [0])[0]):
-        _, off, _ = _header_entry(files, piece.entry, piece.chunk)
+        _, off, _ = header_entry(files, piece.entry, piece.chunk)
         if off != pos:
             raise CheckpointError(f"{where}: tensor {piece.chunk.key!r} is not where metadata.json expects it")
         data = byte_view(piece.dst)
@@ -207,22 +71,24 @@ def _read_and_hash(files: ShardFiles, fname: str, pieces: List[Piece], pool: Thr
     expected = files.meta.files[fname]
     if pos != expected.size:
         return f"file {fname} of checkpoint {files.name!r} has data beyond its tensors: corrupt"
-    if hasher.hexdigest() != expected.sha256:
-        return f"file {fname} of checkpoint {files.name!r} is corrupt: its sha256 does not match metadata.json"
-    return None
+    return None if hasher.hexdigest() == expected.sha256 else _mismatch(files, fname)
+
+
+def _mismatch(files: ShardFiles, fname: str) -> str:
+    return f"file {fname} of checkpoint {files.name!r} is corrupt: its sha256 does not match metadata.json"
 
 
 def _map_tensor(files: ShardFiles, mm: mmap.mmap, entry: TensorEntry, chunk: Chunk) -> Optional[torch.Tensor]:
     """``chunk`` (the whole tensor) as a view of the file's memory map, or None when its bytes
     are not aligned for its dtype (safetensors packs tensors without padding)."""
-    f, off, where = _header_entry(files, entry, chunk)
+    _, off, where = header_entry(files, entry, chunk)
     itemsize = DTYPES[entry.dtype][1]
-    numel = _numel(chunk.shape)
-    if numel == 0 or off % itemsize:
+    nbytes = numel(chunk.shape) * itemsize
+    if nbytes == 0 or off % itemsize:
         return None
-    if off + numel * itemsize > len(mm):
+    if off + nbytes > len(mm):
         raise CheckpointError(f"{where} is truncated: tensor {chunk.key!r} runs past its end")
-    flat = torch.frombuffer(mm, dtype=torch.uint8, count=numel * itemsize, offset=off)
+    flat = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=off)
     return flat.view(torch_dtype(entry.dtype)).view(chunk.shape)
 
 
@@ -253,12 +119,10 @@ def _file_task(files: ShardFiles, fname: str, pieces: List[Piece], mapped: List[
                 read_piece(files, piece)
             if verify:
                 expected = files.meta.files[fname]
-                if len(mm) != expected.size:
-                    return (f"file {fname} of checkpoint {files.name!r} has {len(mm)} bytes, metadata says "
-                            f"{expected.size} (truncated?)"), made
-                if _hash_mapping(mm) != expected.sha256:
-                    return (f"file {fname} of checkpoint {files.name!r} is corrupt: its sha256 does not match "
-                            "metadata.json"), made
+                problem = size_problem(files.storage, files.name, expected)
+                if problem is None and _hash_mapping(mm) != expected.sha256:
+                    problem = _mismatch(files, fname)
+                return problem, made
             return None, made
         if verify and pieces and len(pieces) == n_chunks and all(p.whole for p in pieces):
             with ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash") as pool:
