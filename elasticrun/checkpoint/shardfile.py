@@ -1,8 +1,8 @@
 """One safetensors shard file: written with large sequential writes straight from tensor
-memory (no serialisation copy) while a second thread hashes the same bytes, and read back
-by byte ranges into preallocated tensors. On Linux the kernel is asked to start writing
-each piece to disk as soon as it is written (``sync_file_range``), so the final fsync
-only waits for the tail instead of the whole file.
+memory (no serialisation copy), hashing the same bytes piece by piece (on a helper thread
+when the caller has a core to spare), and read back by byte ranges into preallocated
+tensors. On Linux the kernel is asked to start writing each piece to disk as soon as it is
+written (``sync_file_range``), so the final fsync only waits for the tail.
 
 The files are plain safetensors (8-byte little-endian header length, JSON header,
 raw little-endian data), so ``safetensors.safe_open`` reads any of them.
@@ -120,8 +120,9 @@ def write_shard(
 ) -> Tuple[int, str]:
     """Write a safetensors file to ``f`` from contiguous CPU tensors; returns ``(size, sha256)``.
 
-    The hash runs on ``pool`` while the next piece is written, so checksumming is almost
-    free on a machine with a spare core. ``on_piece(bytes_written)`` is a test hook.
+    With a ``pool`` the hash runs there while the next piece is written (almost free with a
+    spare core); without one each piece is hashed here before it is written.
+    ``on_piece(bytes_written)`` is a test hook.
     """
     fd = _fileno(f)
     items = [(k, dtype_code(t.dtype, k), tuple(t.shape), t.numel() * t.element_size()) for k, t in tensors]

@@ -17,6 +17,7 @@ import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -143,8 +144,8 @@ class SaveJob:
         def op() -> Tuple[int, str]:
             f = self.storage.open_write(path)
             try:
-                with ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash") as pool:
-                    size, sha = write_shard(f, tensors, file_meta, pool if hash_helper else None,
+                with ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash") if hash_helper else nullcontext() as pool:
+                    size, sha = write_shard(f, tensors, file_meta, pool,
                                             on_piece=lambda _n: crash_point("shard-write", rank))
                 self.storage.finish_write(f)
             finally:
