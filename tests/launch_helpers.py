@@ -118,3 +118,11 @@ def wait_agents(started: Sequence, timeout: float) -> List[int]:
                 )
             raise AssertionError(f"agent {a.name} still running after {timeout:.0f}s\n" + "\n".join(report)) from None
     return codes
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as dead; so does one that exits while we look)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

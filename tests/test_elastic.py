@@ -13,12 +13,12 @@ import time
 from pathlib import Path
 from typing import List
 
-import psutil
 import pytest
 
 from elasticrun.rendezvous.keys import JobKeys
 
 from conftest import SCRIPTS, wait_until
+from launch_helpers import alive
 
 HB = 3  # heartbeat timeout (lease TTL) used by these tests
 
@@ -56,7 +56,7 @@ def worker_pids(out: Path, node: str) -> List[int]:
 
 
 def all_gone(pids: List[int]) -> bool:
-    return not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+    return not any(alive(p) for p in pids)
 
 
 def test_sigkill_of_one_node_reforms_at_world_2(etcd_server, etcd, job_id, agents, tmp_path):

@@ -8,14 +8,13 @@ import time
 from pathlib import Path
 from typing import Callable, List, Tuple
 
-import psutil
 import pytest
 
 from elasticrun.store.client import EtcdStore
 from elasticrun.store.server import EtcdServer
 
 from conftest import Agent, wait_until
-from launch_helpers import ECHO, node_ids
+from launch_helpers import ECHO, alive, node_ids
 
 
 def _sleeping_job(
@@ -39,13 +38,13 @@ def test_signal_stops_workers_and_leaves_etcd(
     job_id: str,
 ) -> None:
     agent, workers = _sleeping_job(agents, etcd_server.endpoint, job_id, tmp_path / "pids")
-    assert all(_alive(pid) for pid in workers)
+    assert all(alive(pid) for pid in workers)
     assert node_ids(etcd, job_id) == ["sig0"]
     family = [p.pid for p in agent.descendants()]  # workers, pre-warmed interpreters, shims
     agent.signal(sig)
     code = agent.wait(30)
     assert code == 128 + sig, agent.output()
-    left = [pid for pid in family if _alive(pid)]
+    left = [pid for pid in family if alive(pid)]
     assert not left, f"processes left behind by the agent: {left}"
     assert node_ids(etcd, job_id) == [], "the agent must revoke its lease (node key gone at once)"
     assert f"received {sig.name}" in agent.stderr()
@@ -58,16 +57,9 @@ def test_sigkill_of_the_agent_takes_its_workers_down(
     family = [p.pid for p in agent.descendants()]
     agent.signal(signal.SIGKILL)
     assert agent.wait(10) == -signal.SIGKILL
-    wait_until(lambda: not any(_alive(pid) for pid in family), 10, "workers to die with their agent")
+    wait_until(lambda: not any(alive(pid) for pid in family), 10, "workers to die with their agent")
     # Nobody revoked the lease: the node key goes when it expires (TTL 2 s).
     started = time.monotonic()
     wait_until(lambda: node_ids(etcd, job_id) == [], 10, "the node's lease to expire")
     assert time.monotonic() - started < 8
 
-
-def _alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie counts as dead)."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
