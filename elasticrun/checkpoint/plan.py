@@ -165,12 +165,13 @@ def make_plan(per_rank: Sequence[Sequence[LocalInfo]], threads: Optional[Sequenc
                 )
         replicated.append((numel(shape) * DTYPES[infos[0][1]][1], name))
 
-    whole = _balanced_whole([n for n, _ in sorted(replicated, key=lambda x: (-x[0], x[1]))], loads)
+    # Whole tensors (assigned below, largest first) if that balances the ranks; else split the large ones.
+    whole = _balanced_whole([n for n, _ in sorted(replicated, key=lambda x: (-x[0], x[1]))], loads) is not None
     small: List[Tuple[int, str]] = []
     for nbytes, name in replicated:
         shape = by_name[name][0][2]
         dtype = by_name[name][0][1]
-        if whole is None and world > 1 and nbytes >= SPLIT_BYTES and len(shape) >= 1 and shape[0] >= world:
+        if not whole and world > 1 and nbytes >= SPLIT_BYTES and len(shape) >= 1 and shape[0] >= world:
             chunks = []
             for rank, (a, b) in enumerate(split_bounds(shape[0], world)):
                 chunk = Chunk(shard_file_name(rank, world), name, (a,) + (0,) * (len(shape) - 1), (b - a,) + shape[1:])

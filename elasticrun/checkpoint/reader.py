@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from elasticrun.checkpoint.comm import Comm
-from elasticrun.checkpoint.format import DTYPES, LATEST, CheckpointMeta, Chunk, Placement, TensorEntry
+from elasticrun.checkpoint.format import DTYPES, LATEST, CheckpointMeta, Chunk, Placement, TensorEntry, chunks_by_file
 from elasticrun.checkpoint.plan import numel
 from elasticrun.checkpoint.regions import (
     Piece,
@@ -100,12 +100,11 @@ def _hash_mapping(mm: mmap.mmap) -> str:
     return h.hexdigest()
 
 
-def _file_task(files: ShardFiles, fname: str, pieces: List[Piece], mapped: List[Tuple[TensorEntry, Chunk]],
-               verify: bool) -> Tuple[Optional[str], Dict[str, torch.Tensor]]:
+def _file_task(files: ShardFiles, fname: str, n_chunks: int, pieces: List[Piece],
+               mapped: List[Tuple[TensorEntry, Chunk]], verify: bool) -> Tuple[Optional[str], Dict[str, torch.Tensor]]:
     """Everything this rank does with one file: map or read its pieces, check its sha256 if asked.
     Returns the problem (or None) and the tensors it made (mapped ones, or copies where unaligned)."""
     made: Dict[str, torch.Tensor] = {}
-    n_chunks = sum(1 for t in files.meta.tensors.values() for c in t.chunks if c.file == fname)
     try:
         if mapped:
             mm = files.mapping(fname)
@@ -176,8 +175,10 @@ def load_tensors(files: ShardFiles, names: Sequence[str], rank: int, world: int,
     checked = set(verify)
     order = [f for f in every[k:] + every[:k] if f in by_file or f in mapped or f in checked]
 
+    saved = chunks_by_file(files.meta)
+
     def task(f: str) -> Tuple[Optional[str], Dict[str, torch.Tensor]]:
-        return _file_task(files, f, by_file.get(f, []), mapped.get(f, []), f in checked)
+        return _file_task(files, f, len(saved[f]), by_file.get(f, []), mapped.get(f, []), f in checked)
 
     with torch.no_grad():
         if threads <= 1 or len(order) <= 1:
