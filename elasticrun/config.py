@@ -1,4 +1,4 @@
-"""Validated configuration shared by all layers (ElasticTrainingConfig in DESIGN.md).
+"""Validated configuration shared by all layers (the ElasticTrainingConfig of docs/design.md).
 
 :class:`LaunchConfig` is built by the CLI from flags and checked by :meth:`validate`,
 which raises :class:`~elasticrun.errors.ConfigError` with a one-line message naming the
@@ -7,18 +7,32 @@ flag and what to do. :meth:`job_settings` is what every node of a job must agree
 
 from __future__ import annotations
 
+import enum
+import math
 import os
 import re
 import shutil
+import signal
 import socket
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from elasticrun.errors import ConfigError
-from elasticrun.models import AdaptationStrategy, RedistributionType
+from elasticrun.job.hints import AdaptationStrategy, RedistributionType
 
 _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@:-]{0,200}$")
+
+
+class RdzvBackend(str, enum.Enum):
+    """Where the job's etcd comes from (``--rdzv-backend``)."""
+
+    ETCD = "etcd"  # an etcd server at --rdzv-endpoint (etcd, etcd-v2, etcd-v3)
+    C10D = "c10d"  # hosted by the agent whose address is the endpoint's host
+    STATIC = "static"  # hosted by node rank 0 at --master-addr:--master-port (or the endpoint)
+
+
+DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 
 def parse_nnodes(spec: str) -> Tuple[int, int]:
@@ -40,6 +54,8 @@ def parse_nnodes(spec: str) -> Tuple[int, int]:
 def parse_nproc(spec: str) -> Tuple[int, str]:
     """``--nproc-per-node`` like torchrun: N, ``gpu``, ``cpu`` or ``auto``. Returns (n, device kind)."""
     text = str(spec).strip().lower()
+    if text == "xpu":
+        raise ConfigError("--nproc-per-node xpu: elasticrun places workers on CUDA GPUs or CPUs; give a number")
     if text in ("gpu", "auto", "cpu"):
         import torch
 
@@ -81,29 +97,43 @@ class LaunchConfig:
     rdzv_endpoint: str = ""
     rdzv_id: str = "default"
     standalone: bool = False
+    rdzv_backend: RdzvBackend = RdzvBackend.ETCD
+    # c10d/static: whether this agent hosts the job's etcd at rdzv_endpoint; None = decide at start
+    # (c10d: the endpoint's host is an address of this machine; static: node rank 0).
+    rdzv_is_host: Optional[bool] = None
+    rdzv_close_timeout: float = 30.0  # hosting agent: wait this long for the others to leave at the end
+    node_rank: Optional[int] = None  # --node-rank: the group rank this node keeps; None = any
     node_id: str = field(default_factory=default_node_id)
     local_addr: Optional[str] = None
-    max_restarts: int = 3
+    max_restarts: int = 0  # torchrun's default
     heartbeat_timeout: float = 5.0
     stability_window: float = 1.0
     rescale_timeout: float = 60.0
     join_timeout: float = 600.0
-    shutdown_timeout: float = 5.0
-    monitor_interval: float = 0.05
+    shutdown_timeout: float = 30.0  # torchrun's default (TORCH_ELASTIC_SHUTDOWN_TIMEOUT)
+    monitor_interval: float = 0.1  # accepted like torchrun's; exits are noticed at once
+    start_method: str = "spawn"  # accepted like torchrun's; workers of a script are new processes
     log_dir: Optional[str] = None
     redirects: str = "0"
     tee: str = "0"
+    local_ranks_filter: Optional[List[int]] = None  # local ranks whose output the console shows; None = all
+    signals_to_handle: List[str] = field(default_factory=lambda: list(DEFAULT_SIGNALS))
+    event_log_handler: str = "null"
     role: str = "default"
     backend: Optional[str] = None
     lr_strategy: AdaptationStrategy = AdaptationStrategy.LINEAR
-    redistribution: RedistributionType = RedistributionType.FULL_RESHUFFLE
+    redistribution: RedistributionType = RedistributionType.INCREMENTAL
+    global_batch_size: int = 0  # --global-batch-size (ELASTICRUN_GLOBAL_BATCH_SIZE); 0 = none
+    restart_window: float = 0.0  # --restart-window in seconds; 0 = max_restarts counts over the whole job
     etcd_user: Optional[str] = None
-    etcd_password: Optional[str] = None
+    etcd_password: Optional[str] = field(default=None, repr=False)  # never shown
+    etcd_password_file: Optional[str] = None  # read by elasticrun.job.settings (never passed on)
     etcd_cacert: Optional[str] = None
     etcd_cert: Optional[str] = None
     etcd_key: Optional[str] = None
     etcd_binary: Optional[str] = None
     etcd_timeout: float = 10.0  # seconds to keep retrying an unreachable etcd
+    etcd_outage_grace: float = 60.0  # seconds workers keep training while etcd is unreachable
     quiet: bool = False
     prewarm: bool = True  # start worker interpreters (import torch) while the rendezvous settles
 
@@ -123,15 +153,27 @@ class LaunchConfig:
             raise ConfigError(f"--node-id {self.node_id!r}: use letters, digits and _ . @ : - only")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts {self.max_restarts}: must be 0 or more")
+        if self.restart_window < 0:
+            raise ConfigError(f"--restart-window {self.restart_window}: must not be negative (0: the whole job)")
+        if self.global_batch_size < 0:
+            raise ConfigError(f"--global-batch-size {self.global_batch_size}: must be 0 (none) or more")
+        for name, value in vars(self).items():  # nan/inf durations: a deadline that never comes
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"--{name.replace('_', '-')} {value}: must be a finite number of seconds")
+        if self.etcd_outage_grace < 0:
+            raise ConfigError(f"--etcd-outage-grace {self.etcd_outage_grace}: must not be negative")
         if self.heartbeat_timeout < 2:
             raise ConfigError(
                 f"--heartbeat-timeout {self.heartbeat_timeout}: etcd leases need at least 2 seconds"
             )
         if self.etcd_timeout <= 0:
             raise ConfigError(f"--etcd-timeout {self.etcd_timeout}: must be more than 0 seconds")
-        for name in ("stability_window", "rescale_timeout", "join_timeout", "shutdown_timeout"):
+        for name in ("stability_window", "rescale_timeout", "join_timeout", "shutdown_timeout", "monitor_interval"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must not be negative")
+        self._check_ranks()
+        for name in self.signals_to_handle:
+            signal_number(name)
         self._check_entrypoint()
         if not self.standalone and not self.rdzv_endpoint:
             raise ConfigError(
@@ -141,6 +183,16 @@ class LaunchConfig:
         for name in ("redirects", "tee"):
             _parse_std_streams(getattr(self, name), f"--{name}")
         return self
+
+    def _check_ranks(self) -> None:
+        if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes_max:
+            raise ConfigError(
+                f"--node-rank {self.node_rank}: must be 0 .. {self.nnodes_max - 1} with --nnodes "
+                f"{self.nnodes_min}:{self.nnodes_max} (give every node its own rank below the node count)"
+            )
+        for rank in self.local_ranks_filter or []:
+            if rank < 0:
+                raise ConfigError(f"--local-ranks-filter: local rank {rank} must not be negative")
 
     def _check_entrypoint(self) -> None:
         if not self.entrypoint:
@@ -168,6 +220,7 @@ class LaunchConfig:
             "no_python": self.no_python,
             "args": list(self.args),
             "max_restarts": self.max_restarts,
+            "restart_window": self.restart_window,
             "heterogeneous": self.heterogeneous,
         }
         if not self.heterogeneous:
@@ -177,6 +230,16 @@ class LaunchConfig:
     def std_streams(self) -> Tuple[Dict[int, str], Dict[int, str]]:
         """(redirects, tee) as {local_rank-or--1: "0"/"1"/"2"/"3"} maps; -1 = every rank."""
         return _parse_std_streams(self.redirects, "--redirects"), _parse_std_streams(self.tee, "--tee")
+
+
+def signal_number(name: str) -> int:
+    """``"SIGTERM"`` → 15; ConfigError for a name that is not a signal the agent can handle."""
+    sig = getattr(signal, str(name).strip().upper(), None)
+    if not str(name).strip().upper().startswith("SIG") or not isinstance(sig, signal.Signals):
+        raise ConfigError(f"--signals-to-handle: {name!r} is not a signal name (e.g. SIGTERM,SIGUSR1)")
+    if sig in (signal.SIGKILL, signal.SIGSTOP):
+        raise ConfigError(f"--signals-to-handle: {sig.name} cannot be handled; remove it")
+    return int(sig)
 
 
 def _parse_std_streams(spec: str, flag: str) -> Dict[int, str]:

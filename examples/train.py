@@ -11,20 +11,27 @@ What makes it elastic (see docs/training.md):
 - it resumes from the newest checkpoint under ``--ckpt-dir`` at whatever world size it
   now has: model, optimizer, step, and the sampler's position in the epoch (no sample of
   the epoch is lost or repeated across a rescale);
-- the learning rate follows the world size (``--lr-strategy``), or the global batch is
-  kept constant with gradient accumulation (``--global-batch``);
+- the learning rate follows the world size by the launcher's rule (``elasticrun
+  --lr-scaling``, optionally ramped over ``--warmup-steps`` after a scale-up), or the
+  global batch is kept constant with gradient accumulation (``elasticrun
+  --global-batch-size`` or ``--global-batch``), with the LR then left alone;
+- the checkpoint holds every rank's RNG state (torch, CUDA, ``random``, numpy), restored
+  by ``load_latest`` together with the sampler;
 - on SIGTERM (the agent stopping workers for a rescale) every rank agrees to stop at the
   same step, saves a checkpoint and exits (code 143, "terminated");
 - it answers ``elasticrun ckpt save`` requests and reports progress for ``elasticrun status``.
 
 Rank 0 prints one ``step N loss X world W`` line per step and ends with
-``done: steps=N world=W final_loss=X``.
+``done: steps=N world=W final_loss=X``. With ``--metrics-log FILE`` it also appends one
+JSON line per step (time, step, epoch, round, world size, lr, global batch, loss,
+samples/s) that ``scripts/plot_run.py`` draws.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
 import time
@@ -33,10 +40,11 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import elasticrun.train as et
-from elasticrun.errors import ElasticrunError
+from elasticrun.errors import ConfigError, ElasticrunError
 
 EXIT_STOPPED = 143  # like a process terminated by SIGTERM: the job is not finished
 
@@ -47,15 +55,23 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=0, help="stop after this many global steps (0: no limit)")
     p.add_argument("--dataset-size", type=int, default=2048)
     p.add_argument("--batch-size", type=int, default=32, help="per-worker micro batch")
-    p.add_argument("--global-batch", type=int, default=0,
-                   help="keep this global batch at any world size via gradient accumulation (LR then stays put)")
-    p.add_argument("--lr", type=float, default=0.05, help="learning rate at --base-world-size workers")
+    p.add_argument("--global-batch", type=int, default=et.default_global_batch(),
+                   help="keep this global batch at any world size via gradient accumulation (LR then stays put) "
+                        "[default: the launcher's --global-batch-size]")
+    p.add_argument("--lr", type=float, default=0.05, help="learning rate at --base-world-size workers "
+                   "(scaled by the launcher's --lr-scaling)")
     p.add_argument("--base-world-size", type=int, default=1)
-    p.add_argument("--lr-strategy", default="linear", choices=["linear", "sqrt", "none"])
+    p.add_argument("--warmup-steps", type=int, default=0, help="after a scale-up, ramp the LR up over this many steps")
+    p.add_argument("--metrics-log", default="", help="rank 0 appends one JSON line per step to this file")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ckpt-dir", default=os.environ.get(et.env.ENV_CHECKPOINT_DIR) or "./ckpts")
     p.add_argument("--ckpt-every", type=int, default=50, help="checkpoint every N steps (0: only on stop/request/end)")
     p.add_argument("--keep-last", type=int, default=3)
+    p.add_argument("--snapshot-every", type=int, default=0,
+                   help="memory snapshot every N steps into the agent's shared memory (0: off)")
+    p.add_argument("--persist-every", type=int, default=0,
+                   help="also copy every K-th memory snapshot to --ckpt-dir in the background (0: never)")
+    p.add_argument("--async-snapshots", action="store_true", help="write memory snapshots on a background thread")
     p.add_argument("--no-checkpoint", action="store_true", help="never save or load checkpoints")
     p.add_argument("--step-sleep", type=float, default=0.0, help="sleep this long every step (seconds)")
     p.add_argument("--agree-every", default="auto",
@@ -78,6 +94,7 @@ def log0(ctx: et.ElasticContext, msg: str) -> None:
         print(msg, flush=True)
 
 
+@record  # a failing rank's exception and traceback reach the launcher's root-cause table
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     ctx = et.init(backend=args.backend)
@@ -92,32 +109,73 @@ def main(argv: Optional[List[str]] = None) -> int:
         lr = args.lr  # constant global batch: constant learning rate
     else:
         accum = 1
-        lr = et.scale_lr(args.lr, args.base_world_size, world, args.lr_strategy)
+        lr = et.scale_lr(args.lr, args.base_world_size, world)  # the launcher's --lr-scaling
     global_batch = args.batch_size * world * accum
     optim = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     sampler = et.ElasticDistributedSampler(args.dataset_size, world, ctx.rank, seed=args.seed)
 
-    step, resumed, loss_value = 0, "nothing", float("nan")
+    step, resumed, loss_value, tier = 0, "nothing", float("nan"), "disk"
     if not args.no_checkpoint:
-        ckpt = et.load_latest(args.ckpt_dir, process_group=ctx.cpu_process_group)
+        # model/optimizer below; the sampler position and every rank's RNG state in the same call
+        ckpt = et.load_latest(args.ckpt_dir, process_group=ctx.cpu_process_group, sampler=sampler)
         if ckpt is not None:
             model.load_state_dict(ckpt.state_dict["model"])
             optim.load_state_dict(ckpt.state_dict["optim"])
-            sampler.load_state_dict(ckpt.state_dict["sampler"])
             step = ckpt.training_state.step if ckpt.training_state else 0
             loss_value = float(ckpt.state_dict.get("loss", float("nan")))
-            resumed = f"{ckpt.name} (saved at world {ckpt.world_size})"
+            tier = getattr(ckpt, "tier", "disk")  # "memory": a snapshot in the agent's shared memory
+            resumed = f"{ckpt.name} (saved at world {ckpt.world_size}) tier {tier}"
+    target_lr, resume_step = lr, step
+    prev_world = ctx.state.prev_world_size
+    prev_lr = (et.scale_lr(args.lr, args.base_world_size, prev_world) if prev_world and not args.global_batch
+               else lr)
+
+    def lr_at(step_now: int) -> float:
+        """The LR for the next step: ramped from the old world's LR after a scale-up (--warmup-steps)."""
+        return et.warmup_lr(target_lr, prev_lr, step_now - resume_step, args.warmup_steps)
+
+    lr = lr_at(step)
     for group in optim.param_groups:
         group["lr"] = lr  # the saved LR was scaled for the old world size
     log0(ctx, f"start: {ctx.state.describe()} resumed {resumed} step {step} epoch {sampler.epoch} "
-              f"lr {lr:.4g} global_batch {global_batch} accumulation {accum}")
+              f"lr {lr:.4g} global_batch {global_batch} accumulation {accum} "
+              f"redistribution {sampler.redistribution.value}")
+    metrics = open(args.metrics_log, "a", encoding="utf-8") if args.metrics_log and ctx.is_rank0 else None
 
     ddp = DDP(model) if ctx.distributed else model
     every = args.agree_every if args.agree_every == "auto" else int(args.agree_every)
     requests = et.CheckpointRequests(ctx, every=every)
     progress = et.ProgressReporter(ctx)
-    last_saved = step if resumed != "nothing" else -1
+    last_saved = step if resumed != "nothing" and tier == "disk" else -1  # memory dies with the job: save at the end
     samples_seen = 0
+
+    def state_now() -> Tuple[Any, Dict[str, Any]]:
+        ts = et.TrainingState(epoch=sampler.epoch, step=step, samples_consumed=sampler.samples_consumed,
+                              learning_rate=lr, global_batch_size=global_batch, world_size=world)
+        state: Dict[str, Any] = {"model": model.state_dict(), "optim": optim.state_dict(),
+                                 "sampler": sampler.state_dict(), "loss": loss_value,
+                                 "rng": et.capture_rng(args.seed, ctx.cpu_process_group)}
+        return ts, state
+
+    snaps = None
+    if args.snapshot_every and not args.no_checkpoint:
+        from elasticrun.checkpoint import Snapshotter
+
+        snaps = Snapshotter(ctx.cpu_process_group, persist_to=args.ckpt_dir, persist_every=args.persist_every,
+                            persist_keep_last=args.keep_last or None, async_snapshots=args.async_snapshots)
+
+    def snapshot() -> None:
+        nonlocal snaps
+        from elasticrun.checkpoint import SnapshotUnavailable
+
+        ts, state = state_now()
+        try:
+            snaps.snapshot(state, training_state=ts)
+        except SnapshotUnavailable as err:  # deterministic: say it once, go on with disk checkpoints only
+            log0(ctx, f"memory snapshots disabled: {err}")
+            snaps = None
+        except ElasticrunError as err:
+            log0(ctx, f"memory snapshot failed: {err}")
 
     def save(reason: str) -> Optional[str]:
         nonlocal last_saved
@@ -125,10 +183,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             return None
         from elasticrun.checkpoint import save as ckpt_save
 
-        ts = et.TrainingState(epoch=sampler.epoch, step=step, samples_consumed=sampler.samples_consumed,
-                              learning_rate=lr, global_batch_size=global_batch, world_size=world)
-        state: Dict[str, Any] = {"model": model.state_dict(), "optim": optim.state_dict(),
-                                 "sampler": sampler.state_dict(), "loss": loss_value}
+        ts, state = state_now()
         t0 = time.perf_counter()
         name = ckpt_save(state, args.ckpt_dir, training_state=ts, keep_last=args.keep_last or None,
                          user_metadata={"example": "train.py", "reason": reason},
@@ -138,7 +193,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return name
 
     stopped = finished = False
-    t_start = time.perf_counter()
+    t_start = t_last = time.perf_counter()
     try:
         for epoch in range(sampler.epoch, args.epochs):
             sampler.set_epoch(epoch)
@@ -149,6 +204,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                     finished = True
                     break
                 chunk = mine[start : start + per_step]
+                if args.warmup_steps and lr != target_lr:
+                    lr = lr_at(step)
+                    for group in optim.param_groups:
+                        group["lr"] = lr
                 micro = [chunk[i : i + args.batch_size] for i in range(0, len(chunk), args.batch_size)]
                 optim.zero_grad(set_to_none=True)
                 total = 0.0
@@ -166,7 +225,17 @@ def main(argv: Optional[List[str]] = None) -> int:
                 if args.step_sleep:
                     time.sleep(args.step_sleep)
                 log0(ctx, f"step {step} loss {loss_value:.6f} world {world}")
+                if metrics is not None:
+                    now = time.perf_counter()
+                    metrics.write(json.dumps({
+                        "time": time.time(), "step": step, "epoch": epoch, "round": ctx.state.round, "world": world,
+                        "lr": lr, "global_batch": global_batch, "loss": loss_value,
+                        "samples_per_s": len(chunk) * world / max(now - t_last, 1e-9)}) + "\n")
+                    metrics.flush()
+                    t_last = now
                 progress.report(step, loss_value, samples=samples_seen)
+                if snaps is not None and step % args.snapshot_every == 0:
+                    snapshot()
                 decision = requests.poll(step, stop=ctx.should_stop)
                 if decision.checkpoint or (args.ckpt_every and step % args.ckpt_every == 0):
                     reason = "stop" if decision.stop else "request" if decision.request_ids else "periodic"
@@ -198,10 +267,19 @@ def main(argv: Optional[List[str]] = None) -> int:
                       f"agreement_ms={requests.mean_agreement_ms:.3f}")
         return 0
     finally:
+        if snaps is not None:
+            with contextlib.suppress(ElasticrunError):
+                snaps.close()
+        if metrics is not None:
+            metrics.close()
         requests.close()
         progress.close()
         ctx.close()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except ConfigError as err:  # e.g. a global batch the world size does not divide: one line, no traceback
+        print(f"train.py: error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)

@@ -43,10 +43,10 @@ def child(endpoint: str, job: str, nodes: int, first: int, count: int, heartbeat
     process (each agent still has its own JobView, i.e. its own watch); "shared" also shares
     one JobView (one watch stream, one mirror) among the agents of a process.
     """
-    from elasticrun.models import NodeInfo
     from elasticrun.rendezvous import protocol
     from elasticrun.rendezvous.keys import JobKeys
     from elasticrun.rendezvous.protocol import Rendezvous, RendezvousSettings
+    from elasticrun.rendezvous.records import NodeInfo
     from elasticrun.rendezvous.view import JobView
     from elasticrun.store.client import EtcdStore, connect
 
@@ -73,7 +73,7 @@ def child(endpoint: str, job: str, nodes: int, first: int, count: int, heartbeat
         view = JobView(shared, JobKeys(job))
         protocol.JobView = lambda _store, _keys: view  # type: ignore[assignment,misc]
     settings = RendezvousSettings(
-        job=job, min_nodes=nodes, max_nodes=nodes, max_restarts=0, heartbeat_timeout=heartbeat,
+        job_id=job, min_nodes=nodes, max_nodes=nodes, max_restarts=0, heartbeat_timeout=heartbeat,
         stability_window=0.5, rescale_timeout=120, join_timeout=120,
     )
     results: Dict[int, Dict[str, float]] = {}

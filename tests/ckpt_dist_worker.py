@@ -18,7 +18,7 @@ from safetensors import safe_open  # noqa: E402
 
 import elasticrun.checkpoint.plan as plan  # noqa: E402
 from elasticrun.checkpoint import AsyncCheckpointer, Shard, list_checkpoints, load, save  # noqa: E402
-from elasticrun.models import TrainingState  # noqa: E402
+from elasticrun.checkpoint.state import TrainingState  # noqa: E402
 
 W_ROWS = [1, 2, 3, 4]  # uneven Shard(0) slices held by ranks 0..3
 E_COLS = [2, 2, 2, 1]  # uneven Shard(1) slices

@@ -1,37 +1,21 @@
-"""Shared fixtures: a real etcd server, agents as real processes, condition waits with deadlines."""
+"""Shared fixtures: a real etcd server, a job id, agents as real processes.
+
+The helpers (condition waits with deadlines, the Agent process wrapper, worker environments)
+live in tests/helpers/procs.py and are re-exported here: ``from conftest import wait_until``.
+"""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
+import signal  # noqa: F401 - re-exported (listed in __all__) for older tests
 import uuid
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional, TypeVar
+from typing import Callable, Iterator, List, Optional
 
-import psutil
 import pytest
+from helpers.procs import REPO, SCRIPTS, Agent, no_process_with_marker, wait_until, worker_env
 
 from elasticrun.store.client import EtcdStore, connect
 from elasticrun.store.server import EtcdServer
-
-T = TypeVar("T")
-SCRIPTS = Path(__file__).parent / "scripts"
-REPO = Path(__file__).parent.parent
-
-
-def wait_until(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
-    """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
 
 
 @pytest.fixture(scope="session")
@@ -53,79 +37,6 @@ def job_id() -> str:
     return f"t-{uuid.uuid4().hex[:10]}"
 
 
-def worker_env(extra: Optional[dict] = None) -> dict:
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra or {})
-    # A value of None removes the variable (e.g. to check what the launcher sets by itself).
-    return {k: v for k, v in env.items() if v is not None}
-
-
-class Agent:
-    """An ``elasticrun`` agent process with its output in files."""
-
-    def __init__(self, args: List[str], log_dir: Path, name: str, env: Optional[dict] = None) -> None:
-        self.name = name
-        self.out_path = log_dir / f"{name}.out"
-        self.err_path = log_dir / f"{name}.err"
-        self._out = open(self.out_path, "wb")
-        self._err = open(self.err_path, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "elasticrun", *args],
-            stdout=self._out,
-            stderr=self._err,
-            stdin=subprocess.DEVNULL,
-            env=worker_env(env),
-            cwd=str(REPO),
-        )
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def stdout(self) -> str:
-        return self.out_path.read_text(errors="replace")
-
-    def stderr(self) -> str:
-        return self.err_path.read_text(errors="replace")
-
-    def output(self) -> str:
-        return self.stdout() + self.stderr()
-
-    def descendants(self) -> List[psutil.Process]:
-        try:
-            return psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            return []
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(
-                f"agent {self.name} still running after {timeout:.0f}s\n--- stdout\n{self.stdout()[-3000:]}"
-                f"\n--- stderr\n{self.stderr()[-3000:]}"
-            ) from None
-
-    def signal(self, sig: int) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            kids = self.descendants()
-            self.proc.kill()
-            self.proc.wait(10)
-            for k in kids:
-                try:
-                    k.kill()
-                except psutil.NoSuchProcess:
-                    pass
-        self._out.close()
-        self._err.close()
-
-
 @pytest.fixture
 def agents(tmp_path: Path) -> Iterator[Callable[..., Agent]]:
     """Factory: ``agents(args, name=..., env=...)`` starts an agent; all are killed at teardown."""
@@ -141,17 +52,4 @@ def agents(tmp_path: Path) -> Iterator[Callable[..., Agent]]:
         a.close()
 
 
-def no_process_with_marker(marker: str) -> bool:
-    """True when no process has ``marker`` in its command line (e.g. a per-test output dir)."""
-    for p in psutil.process_iter(["cmdline", "status"]):
-        try:
-            if p.info["status"] == psutil.STATUS_ZOMBIE:
-                continue
-            if any(marker in part for part in (p.info["cmdline"] or [])):
-                return False
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return True
-
-
-__all__ = ["Agent", "SCRIPTS", "wait_until", "no_process_with_marker", "signal"]
+__all__ = ["Agent", "REPO", "SCRIPTS", "no_process_with_marker", "signal", "wait_until", "worker_env"]

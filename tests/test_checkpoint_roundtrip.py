@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from elasticrun.checkpoint import CheckpointError, Replicate, Shard, list_checkpoints, load, save, verify
-from elasticrun.models import TrainingState
+from elasticrun.checkpoint.state import TrainingState
 
 
 def _state():

@@ -79,7 +79,8 @@ def test_non_transient_failure_is_not_retried(tmp_path, monkeypatch):
     flaky = Flaky(monkeypatch, storage_mod.LocalStorage, 99, OSError(errno.ENOSPC, "No space left on device"))
     with pytest.raises(CheckpointError, match=r"No space left on device \(ENOSPC\)"):
         save({"a": torch.ones(3)}, tmp_path, "x")
-    assert flaky.calls == 1 and os.listdir(tmp_path) == []
+    # not the transient-retry loop: one attempt, then (a full disk) one retry after making room
+    assert flaky.calls == 2 and os.listdir(tmp_path) == []
 
 
 def test_commit_failure_rolls_back(tmp_path, monkeypatch):

@@ -103,6 +103,13 @@ def test_no_python_runs_a_command(tmp_path: Path) -> None:
     ], proc.stdout
 
 
+def _run_dir(logs: Path, job: str) -> Path:
+    """``<log_dir>/<run_id>_<random>``: the one directory an agent made under --log-dir."""
+    found = list(logs.glob(f"{job}_*"))
+    assert len(found) == 1, list(logs.iterdir())
+    return found[0]
+
+
 def test_log_dir_has_files_per_attempt_per_rank(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     proc = run_cli(
@@ -113,7 +120,7 @@ def test_log_dir_has_files_per_attempt_per_rank(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for attempt in (0, 1):
         for rank in (0, 1):
-            d = logs / "logjob" / f"attempt_{attempt}" / f"rank_{rank}"
+            d = _run_dir(logs, "logjob") / f"attempt_{attempt}" / str(rank)  # torchrun's layout
             assert (d / "stdout.log").read_text().startswith(f"echo-out rank={rank} restart={attempt} world=2")
             assert (d / "stderr.log").read_text() == f"echo-err rank={rank} restart={attempt}\n"
     # --log-dir alone does not take output off the console.
@@ -130,7 +137,7 @@ def test_redirects_keep_worker_output_off_the_console(tmp_path: Path) -> None:
     assert "echo-out" not in proc.stdout + proc.stderr
     assert "echo-err" not in proc.stdout + proc.stderr
     for rank in (0, 1):
-        d = logs / "redir" / "attempt_0" / f"rank_{rank}"
+        d = _run_dir(logs, "redir") / "attempt_0" / str(rank)
         assert "echo-out" in (d / "stdout.log").read_text()
         assert "echo-err" in (d / "stderr.log").read_text()
 
@@ -142,7 +149,7 @@ def test_redirects_without_log_dir_keep_the_files(tmp_path: Path) -> None:
     assert "echo-err rank=0" in proc.stderr  # ... stderr still on the console
     m = re.search(r"worker logs in (\S+)", proc.stderr)
     assert m, proc.stderr
-    log = Path(m.group(1)) / "redir2" / "attempt_0" / "rank_0" / "stdout.log"
+    log = _run_dir(Path(m.group(1)), "redir2") / "attempt_0" / "0" / "stdout.log"
     try:
         assert log.read_text().startswith("echo-out rank=0"), "redirected output must survive the agent"
     finally:

@@ -8,8 +8,8 @@ import pytest
 
 from elasticrun.config import LaunchConfig, describe_mismatch, parse_nnodes, parse_nproc
 from elasticrun.errors import ConfigError
-from elasticrun.models import Member, NodeInfo, RescaleType, Topology
 from elasticrun.rendezvous.ranks import assign_ranks, classify, plan_members
+from elasticrun.rendezvous.records import Member, NodeInfo, RescaleType, Topology
 
 
 def node(nid: str, nproc: int = 1, t: float = 0.0) -> NodeInfo:

@@ -23,10 +23,10 @@ import pytest
 
 from elasticrun.cli import console as console_mod
 from elasticrun.cli.main import main
-from elasticrun.models import NodeInfo, Topology, WorkerStatus
-from elasticrun.rendezvous.inspect import job_status, list_jobs
+from elasticrun.rendezvous.jobview import job_status, list_jobs
 from elasticrun.rendezvous.keys import JobKeys
 from elasticrun.rendezvous.protocol import LeaseLost, Rendezvous, RendezvousSettings
+from elasticrun.rendezvous.records import NodeInfo, Topology, WorkerStatus
 from elasticrun.store.client import EtcdStore
 from elasticrun.store.server import EtcdServer, free_port
 
@@ -54,7 +54,7 @@ def make_node(
     store: EtcdStore, job: str, node_id: str, port: int, min_nodes: int = 2, max_nodes: int = 2
 ) -> Rendezvous:
     settings = RendezvousSettings(
-        job=job, min_nodes=min_nodes, max_nodes=max_nodes, max_restarts=3, heartbeat_timeout=3,
+        job_id=job, min_nodes=min_nodes, max_nodes=max_nodes, max_restarts=3, heartbeat_timeout=3,
         stability_window=0.1, rescale_timeout=30, join_timeout=30,
     )
     info = NodeInfo(
@@ -282,7 +282,8 @@ def test_status_of_real_agents(
     out_dir.mkdir()
     common = [
         "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", job_id,
-        "--stability-window", "0.2", "--heartbeat-timeout", "3", "-q", str(SCRIPTS / "report_env.py"), str(out_dir),
+        "--stability-window", "0.2", "--heartbeat-timeout", "3", "--max-restarts", "3", "-q",
+        str(SCRIPTS / "report_env.py"), str(out_dir),
     ]
     for name in ("alpha", "beta"):
         agents(["--node-id", name, *common], name=name, env={"SLEEP_S": "60"})
@@ -310,3 +311,23 @@ def test_status_of_real_agents(
     leader = next(m for m in members.values() if m["group_rank"] == 0)
     assert doc["master_addr"] == leader["addr"] and doc["master_port"] > 0
     assert doc["events"][0]["type"] == "Start" and doc["spares"] == [] and doc["phase"] == "running"
+
+
+def test_hostile_records_of_another_job_do_not_break_status(
+    etcd: EtcdStore, job_id: str, capsys: pytest.CaptureFixture[str], etcd_server: EtcdServer
+) -> None:
+    """A deeply nested or malformed value written by someone else is skipped, never a traceback."""
+    keys = JobKeys(job_id)
+    deep = "[" * 100_000 + "]" * 100_000
+    etcd.put(keys.config, deep)
+    etcd.put(keys.topology, deep)
+    etcd.put(keys.node("evil"), '{"node_id": 7, "host": [1]}')
+    etcd.put(keys.state, "not json")
+    try:
+        code, out, err = cli(["status", "--rdzv-endpoint", etcd_server.endpoint, "--json"], capsys)
+        assert code == 0, err
+        assert job_id in {r["job"] for r in json.loads(out)["jobs"]}
+        code, out, err = cli(["status", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", job_id, "--json"], capsys)
+        assert "Traceback" not in err and "RecursionError" not in err + out
+    finally:
+        etcd.delete_prefix(keys.prefix)

@@ -8,7 +8,8 @@ import math
 import pytest
 
 from elasticrun.errors import ConfigError
-from elasticrun.models import AdaptationStrategy, RescaleEvent, RescaleType
+from elasticrun.job.hints import AdaptationStrategy
+from elasticrun.rendezvous.records import RescaleEvent, RescaleType
 from elasticrun.train import ElasticState, accumulation_steps, micro_batch_for, parse_strategy, scale_lr
 
 

@@ -27,6 +27,10 @@ _LAZY = {
     "AsyncCheckpointer": "elasticrun.checkpoint.background",
     "AsyncSaveHandle": "elasticrun.checkpoint.background",
     "wait_async_saves": "elasticrun.checkpoint.background",
+    "snapshot": "elasticrun.checkpoint.memory",
+    "Snapshotter": "elasticrun.checkpoint.memory",
+    "SnapshotMemoryError": "elasticrun.checkpoint.memory",
+    "SnapshotUnavailable": "elasticrun.checkpoint.memory",
 }
 
 
@@ -48,12 +52,16 @@ __all__ = [
     "LoadedCheckpoint",
     "Replicate",
     "Shard",
+    "SnapshotMemoryError",
+    "SnapshotUnavailable",
+    "Snapshotter",
     "VerifyResult",
     "async_save",
     "delete",
     "list_checkpoints",
     "load",
     "save",
+    "snapshot",
     "verify",
     "wait_async_saves",
 ]

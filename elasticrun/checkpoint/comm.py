@@ -5,9 +5,11 @@ group whose backend moves CPU objects (gloo; pass a gloo group when training wit
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional, TypeVar
 
 from elasticrun.errors import CheckpointError
+
+T = TypeVar("T")
 
 
 class Comm:
@@ -60,6 +62,29 @@ class Comm:
             import torch.distributed as dist
 
             dist.barrier(group=self.group)
+
+
+def on_rank0(fn: Callable[[], T], process_group: Any = None) -> T:
+    """``fn()`` computed on rank 0 only, handed to every rank (collective when a process group
+    exists). A CheckpointError raised on rank 0 is raised on every rank."""
+    import torch.distributed as dist
+
+    result: Any = None
+    error: Optional[str] = None
+    is_dist = dist.is_available() and dist.is_initialized()
+    if not is_dist or dist.get_rank(process_group) == 0:
+        try:
+            result = fn()
+        except CheckpointError as err:
+            error = str(err)
+    if is_dist and dist.get_world_size(process_group) > 1:
+        box: List[Any] = [(result, error)]
+        src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
+        dist.broadcast_object_list(box, src=src, group=process_group)
+        result, error = box[0]
+    if error is not None:
+        raise CheckpointError(error)
+    return result
 
 
 def private_group(process_group: Any = None) -> Any:

@@ -16,11 +16,13 @@ import os
 import signal
 import uuid
 
-from elasticrun.checkpoint.fence import check_round_is_current
 from elasticrun.checkpoint.format import METADATA_FILE
 from elasticrun.checkpoint.storage import Storage, describe, retry
+from elasticrun.checkpoint.temps import drop_marker
+from elasticrun.job import env as job_env
+from elasticrun.job.fence import check_round_is_current
 
-CRASH_ENV = "ELASTICRUN_CKPT_CRASH_AT"
+CRASH_ENV = job_env.CKPT_CRASH_AT
 #: Phases at which ``ELASTICRUN_CKPT_CRASH_AT=<phase>[:<rank>]`` SIGKILLs the process (tests only).
 PHASES = ("start", "shard-write", "after-shards", "before-metadata", "after-metadata", "after-commit")
 
@@ -53,6 +55,7 @@ def commit(storage: Storage, tmp: str, final: str, metadata: bytes, rank: int) -
         crash_point("after-metadata", rank)
         retry(lambda: storage.rename_dir(tmp, final), f"rename {storage.display(tmp)} to {storage.display(final)}")
         retry(lambda: storage.sync_dir(storage.root), f"fsync {storage.display(storage.root)}")
+        drop_marker(storage, final)
     else:
         retry(lambda: storage.mkdirs(final), f"create {storage.display(final)}")
         for fname in storage.listdir(tmp):
@@ -60,6 +63,7 @@ def commit(storage: Storage, tmp: str, final: str, metadata: bytes, rank: int) -
         crash_point("before-metadata", rank)
         storage.write_bytes(f"{final}/{METADATA_FILE}", metadata)
         crash_point("after-metadata", rank)
+        drop_marker(storage, final)
         try:
             storage.remove_tree(tmp)
         except Exception:  # noqa: BLE001 - an empty leftover prefix is harmless

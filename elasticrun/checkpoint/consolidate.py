@@ -1,5 +1,6 @@
-"""Offline conversions: one consolidated safetensors file, a resharded copy for another
-world size, and importing a single-file state dict (``.pt`` / ``.safetensors``).
+"""Offline conversions: consolidated safetensors (one file, or Hugging Face shards plus their
+index), a resharded copy for another world size, and importing a single-file state dict
+(``.pt`` / ``.safetensors``).
 
 These run in one process and stream tensor by tensor (consolidate) or rank by rank
 (reshard), so peak memory is one tensor, resp. about 1/M of the checkpoint.
@@ -10,17 +11,18 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from elasticrun.checkpoint import export
 from elasticrun.checkpoint.comm import Comm
 from elasticrun.checkpoint.commit import commit, new_token, rollback
 from elasticrun.checkpoint.format import CheckpointMeta, FileEntry, Shard, validate_name
 from elasticrun.checkpoint.plan import make_plan
 from elasticrun.checkpoint.regions import ShardFiles, read_region, region_for
 from elasticrun.checkpoint.shardfile import build_header, byte_view, torch_dtype
-from elasticrun.checkpoint.storage import describe, get_storage
+from elasticrun.checkpoint.storage import LocalStorage, describe, get_storage
 from elasticrun.checkpoint.validate import read_meta, resolve_name, verify_files
 from elasticrun.checkpoint.writer import SaveJob, _check_free, save
 from elasticrun.errors import CheckpointError
@@ -47,12 +49,19 @@ def consolidate(
     verify: bool = True,
     storage_options: Optional[Dict[str, Any]] = None,
     progress: Optional[Callable[[int], None]] = None,
+    max_shard_size: Optional[int] = None,
+    force: bool = False,
 ) -> List[str]:
-    """Write checkpoint ``name`` as one plain safetensors file ``out`` (full tensors).
+    """Write checkpoint ``name`` as plain safetensors with full tensors, loadable by Hugging Face.
 
-    ``only`` keeps tensors whose name starts with that prefix (``strip_prefix`` removes
-    it from the keys). The training state and user metadata go into ``__metadata__``.
-    Returns the tensor names written.
+    ``out`` ending in ``.safetensors`` (and no ``max_shard_size``): one file. Otherwise ``out`` is
+    a directory that gets ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` files plus
+    ``model.safetensors.index.json`` when the tensors exceed ``max_shard_size`` bytes (default 5 GB),
+    as ``transformers``' ``save_pretrained`` writes them. Nested state dicts have dotted names
+    (``model.fc.weight``); ``only`` keeps tensors whose name starts with that prefix
+    (``strip_prefix`` removes it). Every file's metadata has ``format: pt`` plus the training
+    state and user metadata. Existing files are kept unless ``force``; the checkpoint's own
+    files never are. Returns the tensor names written.
     """
     storage, name, meta = _open_checked(root, name, verify, storage_options)
     names = [n for n in meta.tensors if only is None or n.startswith(only)]
@@ -61,15 +70,69 @@ def consolidate(
     keys = [n[len(only):] if strip_prefix and only else n for n in names]
     if any(not k for k in keys):
         raise CheckpointError(f"--only {only!r} with --strip-prefix leaves an empty tensor name")
-    items = [(k, meta.tensors[n].dtype, meta.tensors[n].shape, meta.tensors[n].nbytes) for k, n in zip(keys, names)]
-    file_meta = {"elasticrun.checkpoint": name, "elasticrun.training_state": json.dumps(meta.training_state),
+    own_dir = storage.join(name) if isinstance(storage, LocalStorage) else None
+    file_meta = {**export.FORMAT_METADATA, "elasticrun.checkpoint": name,
+                 "elasticrun.training_state": json.dumps(meta.training_state),
                  "elasticrun.user_metadata": json.dumps(meta.user_metadata)}
+    single = out.endswith(".safetensors") and max_shard_size is None
+    if single:
+        export.check_target([out], force, own_dir)
+        plan = [(out, list(zip(keys, names)))]
+        index = None
+    else:
+        if out.endswith(".safetensors"):
+            raise CheckpointError(f"--out {out}: --max-shard-size writes a directory; give a directory name")
+        limit = max_shard_size or export.parse_size(export.DEFAULT_MAX_SHARD_SIZE)
+        groups = export.split_shards([(k, meta.tensors[n].nbytes) for k, n in zip(keys, names)], limit)
+        files = export.shard_file_names(len(groups))
+        by_key = dict(zip(keys, names))
+        plan = [(os.path.join(out, f), [(k, by_key[k]) for k in g]) for f, g in zip(files, groups)]
+        stale = [os.path.join(out, f) for f in export.existing_export_files(out)]
+        export.check_target([p for p, _ in plan] + [os.path.join(out, export.INDEX_FILE)] + stale, force, own_dir)
+        weight_map = {k: f for f, g in zip(files, groups) for k in g}
+        total = sum(meta.tensors[n].nbytes for n in names)
+        index = export.index_json(weight_map, total) if len(groups) > 1 else None
+        try:
+            os.makedirs(out, exist_ok=True)
+            for path in stale:  # a previous export's shards (--force): gone, so no mix of old and new
+                if path not in {p for p, _ in plan}:
+                    os.remove(path)
+        except OSError as err:
+            raise CheckpointError(f"cannot write {out}: {describe(err)}") from None
+    shard_files = ShardFiles(storage, name, meta)
+    written: List[str] = []
+    try:
+        for path, items in plan:
+            _write_file(path, items, meta, shard_files, file_meta, progress)
+            written.append(path)
+        if index is not None:
+            index_path = os.path.join(out, export.INDEX_FILE)
+            tmp = f"{index_path}.tmp-{new_token()}"
+            with open(tmp, "w") as f:
+                f.write(index)
+            os.replace(tmp, index_path)
+    except OSError as err:
+        raise CheckpointError(f"cannot write {out}: {describe(err)}") from None
+    finally:
+        shard_files.close()
+    return keys
+
+
+def _write_file(
+    out: str,
+    items: List[Tuple[str, str]],
+    meta: CheckpointMeta,
+    files: ShardFiles,
+    file_meta: Dict[str, str],
+    progress: Optional[Callable[[int], None]],
+) -> None:
+    """One safetensors file ``out`` with the full tensors ``items`` = [(key written, checkpoint name)]."""
+    header = [(k, meta.tensors[n].dtype, meta.tensors[n].shape, meta.tensors[n].nbytes) for k, n in items]
     tmp = f"{out}.tmp-{new_token()}"
-    files = ShardFiles(storage, name, meta)
     try:
         with open(tmp, "wb", buffering=0) as f:
-            f.write(build_header(items, file_meta))
-            for n in names:
+            f.write(build_header(header, file_meta))
+            for _, n in items:
                 entry = meta.tensors[n]
                 t = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
                 read_region(files, entry, [0] * len(entry.shape), t)
@@ -80,13 +143,9 @@ def consolidate(
                     progress(entry.nbytes)
             os.fsync(f.fileno())
         os.replace(tmp, out)
-    except OSError as err:
-        raise CheckpointError(f"cannot write {out}: {describe(err)}") from None
     finally:
-        files.close()
         if os.path.exists(tmp):
             os.remove(tmp)
-    return keys
 
 
 def reshard(

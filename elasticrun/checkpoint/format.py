@@ -19,6 +19,13 @@ FORMAT_NAME = "elasticrun-checkpoint"
 FORMAT_VERSION = 1
 METADATA_FILE = "metadata.json"
 TMP_MARKER = ".tmp-"
+#: Created by the writer in a save's temporary directory when it starts (removed after the
+#: commit): marks a directory as this format's in-progress/crashed save, and says who writes it.
+INCOMPLETE_MARKER = ".elasticrun-incomplete"
+#: metadata.json larger than this is refused (read with a bounded read, never whole).
+MAX_METADATA_BYTES = 256 << 20
+#: Deepest nesting of the state dict's structure ("tree") that metadata.json may hold.
+MAX_TREE_DEPTH = 200
 LATEST = "latest"
 # Checkpoint names become directory names: keep them boring and unable to escape the root.
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
@@ -103,8 +110,10 @@ Placement = Union[Shard, Replicate]
 
 
 def placement_from_json(d: Dict[str, Any]) -> Placement:
+    if not isinstance(d, dict):
+        raise ValueError(f"placement must be an object, got {type(d).__name__}")
     if d.get("type") == "shard":
-        return Shard(int(d["dim"]))
+        return Shard(_nonneg(d["dim"], "placement dim"))
     if d.get("type") == "replicate":
         return Replicate()
     raise ValueError(f"unknown placement {d!r}")
@@ -127,8 +136,10 @@ class Chunk:
 
     @classmethod
     def from_json(cls, d: Dict[str, Any]) -> Chunk:
-        offsets = tuple(int(x) for x in d["offsets"])
-        return cls(str(d["file"]), str(d["key"]), offsets, tuple(int(x) for x in d["shape"]))
+        if not isinstance(d, dict):
+            raise ValueError(f"chunk must be an object, got {type(d).__name__}")
+        return cls(_str(d["file"], "chunk file"), _str(d["key"], "chunk key"), _dims(d["offsets"], "chunk offsets"),
+                   _dims(d["shape"], "chunk shape"))
 
 
 @dataclass(frozen=True)
@@ -158,16 +169,23 @@ class TensorEntry:
 
     @classmethod
     def from_json(cls, name: str, d: Dict[str, Any]) -> TensorEntry:
-        dtype = str(d["dtype"])
-        if dtype not in DTYPES:
+        if not isinstance(d, dict):
+            raise ValueError(f"tensor {name!r} must be an object, got {type(d).__name__}")
+        dtype = d["dtype"]
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise ValueError(f"tensor {name!r} has unknown dtype {dtype!r}")
-        return cls(
-            name=name,
-            dtype=dtype,
-            shape=tuple(int(x) for x in d["shape"]),
-            placement=placement_from_json(d["placement"]),
-            chunks=tuple(Chunk.from_json(c) for c in d["chunks"]),
-        )
+        shape = _dims(d["shape"], f"shape of {name!r}")
+        chunks = d["chunks"]
+        if not isinstance(chunks, list):
+            raise ValueError(f"chunks of {name!r} must be a list")
+        entry = cls(name=name, dtype=dtype, shape=shape, placement=placement_from_json(d["placement"]),
+                    chunks=tuple(Chunk.from_json(c) for c in chunks))
+        for c in entry.chunks:
+            if len(c.offsets) != len(shape) or len(c.shape) != len(shape) or any(
+                    o + n > s for o, n, s in zip(c.offsets, c.shape, shape)):
+                raise ValueError(f"a chunk of {name!r} (offsets {list(c.offsets)}, shape {list(c.shape)}) lies "
+                                 f"outside the tensor's shape {list(shape)}")
+        return entry
 
 
 @dataclass(frozen=True)
@@ -196,6 +214,9 @@ class CheckpointMeta:
     training_state: Optional[Dict[str, Any]] = None
     user_metadata: Dict[str, Any] = field(default_factory=dict)
     version: int = FORMAT_VERSION
+    #: Commit sequence number: 1 + the highest one in the root when it was committed (None in
+    #: checkpoints written before it existed). Orders checkpoints of the same step.
+    seq: Optional[int] = None
 
     @property
     def total_bytes(self) -> int:
@@ -203,11 +224,21 @@ class CheckpointMeta:
 
     @property
     def step(self) -> Optional[int]:
-        return None if self.training_state is None else self.training_state.get("step")
+        return _opt_int(None if self.training_state is None else self.training_state.get("step"))
 
     @property
     def epoch(self) -> Optional[int]:
-        return None if self.training_state is None else self.training_state.get("epoch")
+        return _opt_int(None if self.training_state is None else self.training_state.get("epoch"))
+
+    def order_key(self) -> Tuple[int, int, float]:
+        """How checkpoints are ordered ("latest" is the greatest): training step, then commit
+        sequence — never a clock, except as the last tie-break between legacy checkpoints that
+        have no sequence number. Checkpoints without a step sort before those with one."""
+        step = -1 if self.step is None else self.step
+        if self.seq is not None:
+            return step, self.seq, 0.0
+        created = self.created if isinstance(self.created, float) and self.created == self.created else 0.0
+        return step, -1, created
 
     def to_json(self) -> Dict[str, Any]:
         return {
@@ -221,6 +252,7 @@ class CheckpointMeta:
             "files": {n: f.to_json() for n, f in sorted(self.files.items())},
             "tensors": {n: t.to_json() for n, t in self.tensors.items()},
             "tree": self.tree,
+            **({} if self.seq is None else {"seq": self.seq}),
         }
 
     def dumps(self) -> bytes:
@@ -231,47 +263,118 @@ class CheckpointMeta:
 
     @classmethod
     def loads(cls, data: bytes, where: str) -> CheckpointMeta:
-        """Parse ``metadata.json`` bytes; any problem is a CheckpointError naming ``where``."""
+        """Parse ``metadata.json`` bytes; any problem is a CheckpointError naming ``where``.
+
+        Everything is checked (types, ranges, chunks inside their tensors, file names that stay
+        inside the checkpoint), so later stages never meet a malformed value."""
+        if len(data) > MAX_METADATA_BYTES:
+            raise CheckpointError(f"{where} is larger than {MAX_METADATA_BYTES >> 20} MiB: refusing to parse it")
         try:
             d = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as err:
-            raise CheckpointError(f"{where} is not valid JSON ({err}): the checkpoint is corrupt") from None
+        except (ValueError, UnicodeDecodeError, RecursionError) as err:
+            reason = "nested too deeply" if isinstance(err, RecursionError) else str(err)
+            raise CheckpointError(f"{where} is not valid JSON ({reason}): the checkpoint is corrupt") from None
         if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
             raise CheckpointError(f"{where} is not an elasticrun checkpoint metadata file")
         version = d.get("version")
-        if not isinstance(version, int) or version > FORMAT_VERSION:
+        if not isinstance(version, int) or isinstance(version, bool) or version > FORMAT_VERSION:
             raise CheckpointError(
                 f"{where} has format version {version!r}; this elasticrun reads up to {FORMAT_VERSION}: upgrade it"
             )
         try:
-            files = {
-                str(n): FileEntry(str(n), int(f["rank"]), int(f["size"]), str(f["sha256"]))
-                for n, f in d["files"].items()
-            }
-            tensors = {str(n): TensorEntry.from_json(str(n), t) for n, t in d["tensors"].items()}
-            meta = cls(
-                name=str(d["name"]),
-                world_size=int(d["world_size"]),
-                created=float(d["created"]),
-                tensors=tensors,
-                files=files,
-                tree=d.get("tree"),
-                training_state=d.get("training_state"),
-                user_metadata=d.get("user_metadata") or {},
-                version=version,
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as err:
-            problem = f"{err.__class__.__name__}: {err}"
+            meta = cls._from_dict(d, version)
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError, RecursionError) as err:
+            problem = f"{err.__class__.__name__}: {err}"[:300]
             raise CheckpointError(f"{where} is malformed ({problem}): the checkpoint is corrupt") from None
-        for fname in files:
+        for fname in meta.files:
             if not is_safe_file_name(fname):
                 raise CheckpointError(f"{where} names the file {fname!r}, which is not a plain file name: the "
                                       "checkpoint is corrupt or was tampered with")
-        for t in tensors.values():
+        for t in meta.tensors.values():
             for c in t.chunks:
-                if c.file not in files:
+                if c.file not in meta.files:
                     raise CheckpointError(f"{where}: tensor {t.name!r} points to unknown file {c.file!r}")
         return meta
+
+    @classmethod
+    def _from_dict(cls, d: Dict[str, Any], version: int) -> CheckpointMeta:
+        files_raw, tensors_raw = _obj(d["files"], "files"), _obj(d["tensors"], "tensors")
+        files = {}
+        for n, f in files_raw.items():
+            f = _obj(f, f"file {n!r}")
+            sha = _str(f["sha256"], "sha256")
+            if not re.fullmatch(r"[0-9a-f]{64}", sha):
+                raise ValueError(f"file {n!r} has an invalid sha256 {sha[:80]!r}")
+            files[n] = FileEntry(n, _nonneg(f["rank"], "rank"), _nonneg(f["size"], "size"), sha)
+        tensors = {n: TensorEntry.from_json(n, t) for n, t in tensors_raw.items()}
+        world_size = _nonneg(d["world_size"], "world_size")
+        if world_size < 1:
+            raise ValueError("world_size must be at least 1")
+        created = d["created"]
+        if isinstance(created, bool) or not isinstance(created, (int, float)):
+            raise ValueError(f"created must be a number, got {type(created).__name__}")
+        ts = d.get("training_state")
+        if ts is not None:
+            ts = _obj(ts, "training_state")
+            for key in ("step", "epoch"):
+                if ts.get(key) is not None and _opt_int(ts[key]) is None:
+                    raise ValueError(f"training_state.{key} must be an integer, got {ts[key]!r}"[:200])
+        seq = d.get("seq")
+        tree = d.get("tree")
+        _check_depth(tree)
+        return cls(
+            name=_str(d["name"], "name"),
+            world_size=world_size,
+            created=float(created),
+            tensors=tensors,
+            files=files,
+            tree=tree,
+            training_state=ts,
+            user_metadata=_obj(d.get("user_metadata") or {}, "user_metadata"),
+            version=version,
+            seq=None if seq is None else _nonneg(seq, "seq"),
+        )
+
+
+def _opt_int(x: Any) -> Optional[int]:
+    return x if isinstance(x, int) and not isinstance(x, bool) else None
+
+
+def _nonneg(x: Any, what: str) -> int:
+    if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+        raise ValueError(f"{what} must be a non-negative integer, got {x!r}"[:200])
+    return x
+
+
+def _str(x: Any, what: str) -> str:
+    if not isinstance(x, str):
+        raise ValueError(f"{what} must be a string, got {type(x).__name__}")
+    return x
+
+
+def _obj(x: Any, what: str) -> Dict[str, Any]:
+    if not isinstance(x, dict):
+        raise ValueError(f"{what} must be an object, got {type(x).__name__}")
+    return x
+
+
+def _dims(x: Any, what: str) -> Tuple[int, ...]:
+    if not isinstance(x, list) or len(x) > 64:
+        raise ValueError(f"{what} must be a list of at most 64 integers")
+    return tuple(_nonneg(v, what) for v in x)
+
+
+def _check_depth(tree: Any) -> None:
+    """Refuse a structure nested deeper than MAX_TREE_DEPTH (iteratively: no recursion)."""
+    stack = [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_TREE_DEPTH:
+            raise ValueError(f"the state dict structure is nested deeper than {MAX_TREE_DEPTH} levels")
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
 
 
 def chunks_by_file(meta: CheckpointMeta) -> Dict[str, List[Tuple[TensorEntry, Chunk]]]:

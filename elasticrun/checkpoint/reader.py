@@ -30,11 +30,11 @@ from elasticrun.checkpoint.regions import (
     region_pieces,
 )
 from elasticrun.checkpoint.shardfile import PIECE, Hasher, byte_view, readinto_exact, torch_dtype
+from elasticrun.checkpoint.state import TrainingState
 from elasticrun.checkpoint.storage import default_io_threads, describe, get_storage
-from elasticrun.checkpoint.tree import fill_in_place, flatten, unflatten
+from elasticrun.checkpoint.tree import check_fits, fill_in_place, flatten, unflatten
 from elasticrun.checkpoint.validate import meta_path, read_meta_bytes, resolve_name, size_problem, verify_file
 from elasticrun.errors import CheckpointError
-from elasticrun.models import TrainingState
 
 
 @dataclass
@@ -252,8 +252,12 @@ def load(
     every, world = sorted(meta.files), comm.world_size
     mine = every[comm.rank * len(every) // world:(comm.rank + 1) * len(every) // world] if verify else []
     try:
-        tensors, problems = load_tensors(files, names, comm.rank, world, placements or {}, targets, mine,
-                                         io_threads or default_io_threads(), use_mmap=mmap and storage.mappable)
+        # Verify before write: everything is read into staging tensors (memory maps of the files
+        # where possible, so no extra copy), checked on every rank, and only then copied into
+        # the caller's tensors — a failed load leaves them untouched.
+        tensors, problems = load_tensors(files, names, comm.rank, world, placements or {}, {}, mine,
+                                         io_threads or default_io_threads(),
+                                         use_mmap=(mmap or state_dict is not None) and storage.mappable)
     except CheckpointError as err:
         error = str(err)
     except Exception as err:  # noqa: BLE001 - an I/O error on one rank must not leave the others waiting
@@ -269,8 +273,14 @@ def load(
         if res["error"]:
             raise CheckpointError(res["error"])
 
-    loaded = unflatten(meta.tree, lambda n: tensors.get(n))
-    if state_dict is not None:
-        loaded = fill_in_place(state_dict, loaded)
+    try:
+        loaded = unflatten(meta.tree, lambda n: tensors.get(n))
+        if state_dict is not None:
+            check_fits(state_dict, loaded)  # every shape and key first: all tensors are filled, or none
+            loaded = fill_in_place(state_dict, loaded)
+    except RecursionError:
+        raise CheckpointError(f"checkpoint {name!r}: its state dict structure is nested too deeply") from None
+    finally:
+        tensors.clear()  # drop the staging maps
     ts = TrainingState.from_dict(meta.training_state) if meta.training_state is not None else None
     return LoadedCheckpoint(name, loaded, ts, meta.user_metadata, meta.world_size, meta)

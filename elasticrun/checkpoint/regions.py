@@ -11,6 +11,7 @@ contiguous (one spanning read plus a strided copy otherwise).
 from __future__ import annotations
 
 import mmap
+import os
 import threading
 from dataclasses import dataclass
 from typing import IO, Any, Dict, List, Sequence, Tuple
@@ -20,7 +21,7 @@ import torch
 from elasticrun.checkpoint.format import DTYPES, CheckpointMeta, Chunk, Placement, Shard, TensorEntry
 from elasticrun.checkpoint.plan import numel, split_bounds
 from elasticrun.checkpoint.shardfile import byte_view, read_header, readinto_exact
-from elasticrun.checkpoint.storage import Storage, retry
+from elasticrun.checkpoint.storage import LocalStorage, Storage, retry
 from elasticrun.errors import CheckpointError
 
 
@@ -45,6 +46,8 @@ class ShardFiles:
         if fname not in self._open:
             path = f"{self.storage.join(self.name)}/{fname}"
             where = self.storage.display(path)
+            if isinstance(self.storage, LocalStorage) and not os.path.isfile(path) and os.path.exists(path):
+                raise CheckpointError(f"{where} is not a regular file: the checkpoint is corrupt")
             f = retry(lambda: self.storage.open_read(path), f"open {where}")
             try:
                 header, start = read_header(f, where, self.meta.files[fname].size)
@@ -127,6 +130,7 @@ def header_entry(files: ShardFiles, entry: TensorEntry, chunk: Chunk) -> Tuple[I
     f, header, data_start = files.get(chunk.file)
     h = header.get(chunk.key)
     where = files.where(chunk.file)
+    # read_header checked every entry (offsets inside the data section, matching its shape).
     if (not isinstance(h, dict) or h.get("dtype") != entry.dtype or tuple(h.get("shape", ())) != chunk.shape
             or h["data_offsets"][1] - h["data_offsets"][0] != numel(chunk.shape) * DTYPES[entry.dtype][1]):
         raise CheckpointError(f"{where}: tensor {chunk.key!r} does not match metadata.json: the file is corrupt")

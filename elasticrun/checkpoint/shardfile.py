@@ -149,7 +149,10 @@ def write_shard(
 
 
 def read_header(f: IO[bytes], where: str, file_size: Optional[int] = None) -> Tuple[Dict[str, Any], int]:
-    """Parse a safetensors header: ``(header dict, offset of the data section)``."""
+    """Parse a safetensors header: ``(header dict, offset of the data section)``.
+
+    Every tensor entry is checked (known dtype, non-negative shape, ``data_offsets`` inside
+    the data section and matching the shape), so callers can trust the offsets."""
     f.seek(0)
     prefix = f.read(8)
     if len(prefix) != 8:
@@ -158,13 +161,49 @@ def read_header(f: IO[bytes], where: str, file_size: Optional[int] = None) -> Tu
     if n > MAX_HEADER or (file_size is not None and n + 8 > file_size):
         raise CheckpointError(f"{where} is not a valid safetensors file (header length {n} is impossible)")
     raw = f.read(n)
+    if len(raw) != n:
+        raise CheckpointError(f"{where} is truncated: its header should have {n} bytes, got {len(raw)}")
     try:
         header = json.loads(raw)
         if not isinstance(header, dict):
             raise ValueError("header is not an object")
+    except RecursionError:
+        raise CheckpointError(f"{where} is not a valid safetensors file (bad header: nested too deeply)") from None
     except (ValueError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{where} is not a valid safetensors file (bad header: {err})") from None
+    data_len = None if file_size is None else file_size - 8 - n
+    for key, entry in header.items():
+        if key != "__metadata__":
+            problem = _entry_problem(entry, data_len)
+            if problem:
+                raise CheckpointError(f"{where} is not a valid safetensors file (tensor {key[:100]!r}: {problem})")
     return header, 8 + n
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _entry_problem(entry: Any, data_len: Optional[int]) -> Optional[str]:
+    """What is wrong with one tensor entry of a safetensors header, or None."""
+    if not isinstance(entry, dict):
+        return "entry is not an object"
+    dtype, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        return f"unknown dtype {str(dtype)[:40]!r}"
+    if not isinstance(shape, list) or len(shape) > 64 or not all(_is_int(s) and s >= 0 for s in shape):
+        return "shape is not a list of non-negative integers"
+    if not isinstance(offs, list) or len(offs) != 2 or not all(_is_int(o) for o in offs):
+        return "data_offsets is not a pair of integers"
+    begin, end = offs
+    if not 0 <= begin <= end or (data_len is not None and end > data_len):
+        return f"data_offsets {offs} lie outside the data section"
+    nbytes = DTYPES[dtype][1]
+    for s in shape:
+        nbytes *= s
+    if end - begin != nbytes:
+        return f"data_offsets {offs} hold {end - begin} bytes but shape {shape} needs {nbytes}"
+    return None
 
 
 def readinto_exact(f: IO[bytes], offset: int, view: memoryview, where: str) -> None:

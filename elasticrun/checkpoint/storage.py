@@ -8,14 +8,16 @@ errors (timeouts, resets, EAGAIN, ...) are retried with exponential backoff by
 
 from __future__ import annotations
 
+import abc
 import errno
 import os
 import random
 import shutil
 import time
-from typing import IO, Any, Callable, Dict, List, Optional, Tuple, TypeVar
+from typing import IO, Any, Callable, Dict, List, Optional, Tuple, TypeVar, Union
 
 from elasticrun.errors import CheckpointError
+from elasticrun.job import env as job_env
 
 T = TypeVar("T")
 
@@ -23,8 +25,19 @@ _TRANSIENT_ERRNOS = {
     errno.EAGAIN, errno.EINTR, errno.EBUSY, errno.ETIMEDOUT, errno.ECONNRESET,
     errno.ECONNREFUSED, errno.ECONNABORTED, errno.ESTALE, errno.ENETUNREACH,
 }
-RETRY_ATTEMPTS = int(os.environ.get("ELASTICRUN_CKPT_RETRIES", "5"))
+def _retries_from_env() -> int:
+    """``ELASTICRUN_CKPT_RETRIES``: attempts of a transient-failing operation (0 or 1: no retries)."""
+    raw = os.environ.get(job_env.CKPT_RETRIES, "5")
+    try:
+        return max(1, min(int(raw), 100))
+    except ValueError:
+        return 5
+
+
+RETRY_ATTEMPTS = _retries_from_env()
 RETRY_BASE_DELAY = 0.05
+
+_JITTER = random.Random()  # private: never draw from the global `random` a training script checkpoints
 
 
 def is_transient(err: BaseException) -> bool:
@@ -45,7 +58,7 @@ def describe(err: BaseException) -> str:
 
 def retry(fn: Callable[[], T], what: str, attempts: Optional[int] = None) -> T:
     """Call ``fn``; retry transient errors with jittered exponential backoff; wrap the final one."""
-    attempts = RETRY_ATTEMPTS if attempts is None else attempts
+    attempts = max(1, RETRY_ATTEMPTS if attempts is None else attempts)
     delay = RETRY_BASE_DELAY
     for attempt in range(1, attempts + 1):
         try:
@@ -56,7 +69,7 @@ def retry(fn: Callable[[], T], what: str, attempts: Optional[int] = None) -> T:
             if not is_transient(err) or attempt == attempts:
                 extra = f" after {attempt} attempts" if attempt > 1 else ""
                 raise CheckpointError(f"cannot {what}{extra}: {describe(err)}") from err
-        time.sleep(delay * (0.5 + random.random()))
+        time.sleep(delay * (0.5 + _JITTER.random()))
         delay = min(delay * 2, 2.0)
     raise AssertionError("unreachable")
 
@@ -79,11 +92,17 @@ def default_io_threads() -> int:
     return min(4, cpu_share())
 
 
-class Storage:
-    """Operations on paths below a checkpoint root. Paths are strings joined with '/'."""
+class Storage(abc.ABC):
+    """Operations on paths below a checkpoint root. Paths are strings joined with '/'.
+
+    A backend implements the abstract methods; :func:`register_storage` makes it the one used
+    for a URL scheme (``myfs://...``), and :func:`get_storage` also accepts a ready instance.
+    """
 
     #: True when a directory rename is atomic (local/POSIX), so the commit is a rename.
     atomic_rename: bool = True
+    #: True when files are local (POSIX) and can be memory-mapped.
+    mappable: bool = False
     root: str
 
     def join(self, *parts: str) -> str:
@@ -92,21 +111,29 @@ class Storage:
     def display(self, path: str) -> str:
         return path
 
-    # The methods below are implemented by the backends.
+    @abc.abstractmethod
     def exists(self, path: str) -> bool: ...
+    @abc.abstractmethod
     def isdir(self, path: str) -> bool: ...
+    @abc.abstractmethod
     def listdir(self, path: str) -> List[str]: ...
+    @abc.abstractmethod
     def size(self, path: str) -> int: ...
+    @abc.abstractmethod
     def mkdirs(self, path: str) -> None: ...
+    @abc.abstractmethod
     def open_read(self, path: str) -> IO[bytes]: ...
-
-    #: True when files are local (POSIX) and can be memory-mapped.
-    mappable: bool = False
+    @abc.abstractmethod
     def open_write(self, path: str) -> IO[bytes]: ...
+    @abc.abstractmethod
     def finish_write(self, f: IO[bytes]) -> None: ...
+    @abc.abstractmethod
     def remove_tree(self, path: str) -> None: ...
+    @abc.abstractmethod
     def rename_dir(self, src: str, dst: str) -> None: ...
+    @abc.abstractmethod
     def move_file(self, src: str, dst: str) -> None: ...
+    @abc.abstractmethod
     def sync_dir(self, path: str) -> None: ...
 
     def read_bytes(self, path: str) -> bytes:
@@ -306,10 +333,25 @@ class RangeReader:
 
 
 _CACHE: Dict[Tuple[str, str], Storage] = {}
+StorageFactory = Callable[[str, Dict[str, Any]], Storage]
+_REGISTRY: Dict[str, Union[StorageFactory, Storage]] = {}
 
 
-def get_storage(root: str, storage_options: Optional[Dict[str, Any]] = None) -> Storage:
-    """The backend for ``root``: plain paths and ``file://`` are local; other URLs go through fsspec."""
+def register_storage(scheme: str, backend: Union[StorageFactory, Storage]) -> None:
+    """Use ``backend`` for roots ``<scheme>://...``: a ready :class:`Storage` instance, or a factory
+    called with ``(root, storage_options)``. It takes precedence over fsspec for that scheme."""
+    if not isinstance(backend, Storage) and not callable(backend):
+        raise TypeError(f"register_storage({scheme!r}, ...): give a Storage instance or a factory")
+    _REGISTRY[scheme.rstrip(":/")] = backend
+
+
+def get_storage(
+    root: Union[str, os.PathLike, Storage], storage_options: Optional[Dict[str, Any]] = None
+) -> Storage:
+    """The backend for ``root``: a :class:`Storage` instance as is; plain paths and ``file://`` are
+    local; a scheme given to :func:`register_storage` uses its backend; other URLs go through fsspec."""
+    if isinstance(root, Storage):
+        return root
     if not isinstance(root, (str, os.PathLike)):
         raise CheckpointError(f"checkpoint root must be a path or URL, got {type(root).__name__}")
     root = os.fspath(root)
@@ -317,6 +359,9 @@ def get_storage(root: str, storage_options: Optional[Dict[str, Any]] = None) -> 
         raise CheckpointError("checkpoint root is empty: pass a directory or URL")
     if "://" not in root:
         return LocalStorage(root)
+    registered = _REGISTRY.get(root.split("://", 1)[0])
+    if registered is not None:
+        return registered if isinstance(registered, Storage) else registered(root, dict(storage_options or {}))
     if root.startswith("file://") and not storage_options:
         return LocalStorage(root[len("file://"):])
     try:

@@ -82,7 +82,24 @@ def unflatten(skeleton: Any, get_tensor: Callable[[str], Any]) -> Any:
     return skeleton
 
 
-def fill_in_place(target: Any, loaded: Any, path: str = "") -> Any:
+def check_fits(target: Any, loaded: Any, path: str = "") -> None:
+    """Raise the CheckpointError :func:`fill_in_place` would raise, without writing anything,
+    so an in-place load either fills every tensor or none."""
+    if isinstance(target, torch.Tensor):
+        fill_in_place(target, loaded, path, dry_run=True)
+    elif isinstance(target, dict):
+        if not isinstance(loaded, dict):
+            raise CheckpointError(f"{path or '<root>'!r} is a dict in the state dict but not in the checkpoint")
+        for k in target:
+            if k not in loaded:
+                raise CheckpointError(f"key {(path + '.' if path else '') + str(k)!r} is missing from the checkpoint")
+            check_fits(target[k], loaded[k], f"{path}.{k}" if path else str(k))
+    elif isinstance(target, list) and isinstance(loaded, list) and len(target) == len(loaded):
+        for i in range(len(target)):
+            check_fits(target[i], loaded[i], f"{path}.{i}")
+
+
+def fill_in_place(target: Any, loaded: Any, path: str = "", dry_run: bool = False) -> Any:
     """Copy ``loaded`` into ``target`` (DCP-style in-place load); returns the merged structure.
 
     Tensors in ``target`` are filled with ``copy_`` (so parameters keep their identity);
@@ -96,7 +113,7 @@ def fill_in_place(target: Any, loaded: Any, path: str = "") -> Any:
                 f"tensor {path!r}: the checkpoint gives this rank shape {tuple(loaded.shape)} but the state dict "
                 f"has {tuple(target.shape)}: check the model config and the placements"
             )
-        if loaded is not target:
+        if loaded is not target and not dry_run:
             with torch.no_grad():
                 target.copy_(loaded)
         return target

@@ -9,23 +9,30 @@ torch, so the CLI's read commands start fast.
 from __future__ import annotations
 
 import hashlib
+import os
+import re
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from elasticrun.checkpoint.format import (
+    INCOMPLETE_MARKER,
     LATEST,
+    MAX_METADATA_BYTES,
     METADATA_FILE,
     CheckpointMeta,
     FileEntry,
     parse_tmp_dir_name,
     validate_name,
 )
-from elasticrun.checkpoint.storage import Storage, default_io_threads, describe, get_storage, retry
+from elasticrun.checkpoint.storage import LocalStorage, Storage, default_io_threads, describe, get_storage, retry
 from elasticrun.errors import CheckpointError
 
 COMPLETE, INCOMPLETE, CORRUPT = "complete", "incomplete", "corrupt"
+ALIAS = "alias"  # a symlink in the root (see CheckpointInfo.alias_of)
 _BLOCK = 16 << 20
+_SHARD_RE = re.compile(r"^shard-\d{5}-of-\d{5}(-part-\d+-of-\d+)?\.safetensors$")
 
 
 @dataclass
@@ -40,10 +47,22 @@ class CheckpointInfo:
     problem: Optional[str] = None
     temporary: bool = False  # a ``.<name>.tmp-*`` directory: a save in progress or a crashed one
     latest: bool = False
+    #: For a symlink in the root (an alias such as ``best -> step-00001000``): the entry it points
+    #: to (a name in the root, or the link text when it points elsewhere). Aliases are never
+    #: "latest", never counted or deleted by retention, and deleting one removes only the link.
+    alias_of: Optional[str] = None
+    #: Whether the entry is recognisably this format's (a commit marker of this format, the
+    #: writer's temporary name or marker file, or shard files): only those are ever deleted by
+    #: ``--incomplete``.
+    ours: bool = True
 
     @property
     def created(self) -> Optional[float]:
         return None if self.meta is None else self.meta.created
+
+    def order_key(self) -> Any:
+        """Sort key: training step, then commit sequence (see CheckpointMeta.order_key), then name."""
+        return (self.meta.order_key() if self.meta is not None else (-1, -1, 0.0)), self.name
 
     def to_json(self) -> Dict[str, Any]:
         m = self.meta
@@ -59,6 +78,8 @@ class CheckpointInfo:
             "epoch": None if m is None else m.epoch,
             "world_size": None if m is None else m.world_size,
             "problem": self.problem,
+            "seq": None if m is None else m.seq,
+            "alias_of": self.alias_of,
         }
 
 
@@ -102,7 +123,41 @@ def read_meta_bytes(storage: Storage, name: str) -> bytes:
             f"checkpoint {name!r} in {storage.display(storage.root)} is incomplete (no {METADATA_FILE}: it was "
             "never committed) and cannot be loaded: load another one or delete it"
         )
-    return storage.read_bytes(path)
+    return read_small_file(storage, path, MAX_METADATA_BYTES)
+
+
+def read_small_file(storage: Storage, path: str, limit: int) -> bytes:
+    """The bytes of a small file, refusing anything but a regular file (a FIFO or a device
+    such as ``/dev/zero`` behind a symlink would hang or never end) and files over ``limit``."""
+    where = storage.display(path)
+    if not isinstance(storage, LocalStorage):
+        size = retry(lambda: storage.size(path), f"stat {where}")
+        if size > limit:
+            raise CheckpointError(f"{where} has {size} bytes, more than the {limit >> 20} MiB allowed: refusing it")
+        return storage.read_bytes(path)
+
+    def op() -> bytes:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{where} is not a regular file: refusing to read it (the checkpoint is corrupt)")
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped after the stat: still refuse
+                raise CheckpointError(f"{where} is not a regular file: refusing to read it")
+            chunks, total = [], 0
+            while total <= limit:
+                chunk = os.read(fd, min(1 << 20, limit + 1 - total))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                total += len(chunk)
+        finally:
+            os.close(fd)
+        if total > limit:
+            raise CheckpointError(f"{where} is larger than {limit >> 20} MiB: refusing to read it")
+        return b"".join(chunks)
+
+    return retry(op, f"read {where}")
 
 
 def _dir_size(storage: Storage, path: str) -> int:
@@ -117,8 +172,15 @@ def _dir_size(storage: Storage, path: str) -> int:
 
 def size_problem(storage: Storage, name: str, entry: FileEntry) -> Optional[str]:
     """Whether file ``entry`` of checkpoint ``name`` is missing or has the wrong size; the problem or None."""
+    path = f"{storage.join(name)}/{entry.name}"
     try:
-        size = storage.size(f"{storage.join(name)}/{entry.name}")
+        if isinstance(storage, LocalStorage):
+            st = os.stat(path)
+            if not stat.S_ISREG(st.st_mode):
+                return f"file {entry.name} of checkpoint {name!r} is not a regular file"
+            size = st.st_size
+        else:
+            size = storage.size(path)
     except (OSError, FileNotFoundError):
         return f"file {entry.name} of checkpoint {name!r} is missing"
     if size != entry.size:
@@ -135,28 +197,69 @@ def check_files(storage: Storage, name: str, meta: CheckpointMeta) -> Optional[s
     return None
 
 
+def _alias_target(storage: Storage, dirname: str) -> Optional[str]:
+    """For a symlink in a local root: the name it points to in the root, or the link text."""
+    if not isinstance(storage, LocalStorage):
+        return None
+    path = storage.join(dirname)
+    if not os.path.islink(path):
+        return None
+    target = os.path.realpath(path)
+    if os.path.dirname(target) == os.path.realpath(storage.root):
+        return os.path.basename(target)
+    return os.readlink(path)
+
+
+def _looks_ours(storage: Storage, path: str) -> bool:
+    """A directory without a commit marker that this format's writer made (marker file or shards)."""
+    try:
+        names = storage.listdir(path)
+    except (OSError, FileNotFoundError):
+        return False
+    return INCOMPLETE_MARKER in names or any(_SHARD_RE.match(n) for n in names)
+
+
 def inspect_entry(storage: Storage, dirname: str) -> Optional[CheckpointInfo]:
     """Classify one directory of the root; None if it is not a checkpoint at all."""
     path = storage.join(dirname)
     if not storage.isdir(path):
         return None
+    alias = _alias_target(storage, dirname)
+    info = _inspect_dir(storage, dirname, path)
+    if alias is not None:
+        if info.status != COMPLETE:
+            info.problem = f"points to a {info.status} checkpoint: {info.problem}"
+        info.alias_of, info.temporary, info.ours, info.status = alias, False, False, ALIAS
+    return info
+
+
+def _inspect_dir(storage: Storage, dirname: str, path: str) -> CheckpointInfo:
     tmp_of = parse_tmp_dir_name(dirname)
     if tmp_of is not None:
         return CheckpointInfo(tmp_of, dirname, INCOMPLETE, _dir_size(storage, path), temporary=True,
                               problem="save in progress or crashed before its commit")
     if not storage.exists(f"{path}/{METADATA_FILE}"):
-        return CheckpointInfo(dirname, dirname, INCOMPLETE, _dir_size(storage, path), problem=f"no {METADATA_FILE}")
+        return CheckpointInfo(dirname, dirname, INCOMPLETE, _dir_size(storage, path), problem=f"no {METADATA_FILE}",
+                              ours=_looks_ours(storage, path))
     try:
         meta = read_meta(storage, dirname)
     except CheckpointError as err:
-        return CheckpointInfo(dirname, dirname, CORRUPT, _dir_size(storage, path), problem=str(err))
+        foreign = "not an elasticrun checkpoint metadata file" in str(err)
+        return CheckpointInfo(dirname, dirname, CORRUPT, _dir_size(storage, path), problem=str(err),
+                              ours=not foreign or _looks_ours(storage, path))
     problem = check_files(storage, dirname, meta)
     status = CORRUPT if problem else COMPLETE
     return CheckpointInfo(dirname, dirname, status, _dir_size(storage, path), meta=meta, problem=problem)
 
 
+def is_ordered(info: CheckpointInfo) -> bool:
+    """Whether an entry takes part in ordering, "latest" and retention: complete (not an alias)."""
+    return info.status == COMPLETE and info.alias_of is None and not info.temporary
+
+
 def scan(storage: Storage) -> List[CheckpointInfo]:
-    """Every checkpoint-like entry of the root: complete ones oldest first, then the others."""
+    """Every checkpoint-like entry of the root: complete ones oldest first (by step, then commit
+    sequence: see CheckpointMeta.order_key), then aliases and the others."""
     if not retry(lambda: storage.exists(storage.root), f"check {storage.display(storage.root)}"):
         return []
     if not storage.isdir(storage.root):
@@ -167,15 +270,23 @@ def scan(storage: Storage) -> List[CheckpointInfo]:
             info = inspect_entry(storage, dirname)
         except (FileNotFoundError, NotADirectoryError):
             continue  # renamed or deleted while we looked (a commit or retention in progress)
-        except OSError as err:
-            info = CheckpointInfo(dirname, dirname, CORRUPT, problem=describe(err))
+        except CheckpointError as err:
+            info = CheckpointInfo(dirname, dirname, CORRUPT, problem=str(err))
+        except Exception as err:  # noqa: BLE001 - one hostile entry must never break listing the root
+            info = CheckpointInfo(dirname, dirname, CORRUPT, problem=describe(err)[:300])
         if info is not None:
             infos.append(info)
-    infos.sort(key=lambda i: (i.status != COMPLETE, i.created or 0.0, i.name))
-    complete = [i for i in infos if i.status == COMPLETE]
+    infos.sort(key=lambda i: (not is_ordered(i), i.alias_of is None, i.order_key()))
+    complete = [i for i in infos if is_ordered(i)]
     if complete:
         complete[-1].latest = True
     return infos
+
+
+def next_seq(storage: Storage) -> int:
+    """The commit sequence number for a new checkpoint: 1 + the highest one in the root."""
+    seqs = [i.meta.seq for i in scan(storage) if i.meta is not None and i.meta.seq is not None]
+    return max(seqs, default=0) + 1
 
 
 def list_checkpoints(root: str, storage_options: Optional[Dict[str, Any]] = None) -> List[CheckpointInfo]:

@@ -41,7 +41,9 @@ from elasticrun.checkpoint.format import (
 from elasticrun.checkpoint.plan import LocalInfo, SavePlan, WriteItem, make_plan
 from elasticrun.checkpoint.shardfile import dtype_code, write_shard
 from elasticrun.checkpoint.storage import Storage, cpu_share, default_io_threads, describe, get_storage, retry
+from elasticrun.checkpoint.temps import is_disk_full, reclaim_stale_temps, write_marker
 from elasticrun.checkpoint.tree import flatten
+from elasticrun.checkpoint.validate import next_seq
 from elasticrun.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -117,6 +119,8 @@ class SaveJob:
         sources = dict(self.sources)
         files = self.plan.files_of(rank)
         retry(lambda: self.storage.mkdirs(self.tmp), f"create {self.storage.display(self.tmp)}")
+        if rank == 0:
+            write_marker(self.storage, self.tmp)
         # A single file with a spare core: hash on a helper thread, overlapping the writes. Otherwise
         # (several files, one thread each, or no spare core) each writing thread hashes its own
         # pieces: measured steadier than more busy threads than cores.
@@ -155,22 +159,53 @@ class SaveJob:
         size, sha = retry(op, f"write {self.storage.display(path)}")
         return fname, size, sha
 
-    def run(self) -> str:
-        """Write this rank's shard, then commit (rank 0). Collective; returns the checkpoint name."""
+    def _write_phase(self) -> Dict[str, Any]:
+        """This rank's part of the I/O, as a result to gather (never raises)."""
         rank = self.comm.rank
         try:
-            crash_point("start", rank)
             if self.error:
                 raise CheckpointError(self.error)
             result: Dict[str, Any] = {"files": self.write_own_files()}
             crash_point("after-shards", rank)
         except CheckpointError as err:
-            result = {"error": str(err)}
+            result = {"error": str(err), "disk_full": is_disk_full(err)}
         except Exception as err:  # noqa: BLE001 - reported to every rank below
-            result = {"error": describe(err)}
-        results = self.comm.all_gather(result)
-        failed = [(r, res["error"]) for r, res in enumerate(results) if "error" in res]
-        if failed:
+            result = {"error": describe(err), "disk_full": is_disk_full(err)}
+        return result
+
+    def _make_room(self) -> None:
+        """Rank 0, after a full disk: remove the temporary directories of dead saves and apply
+        retention, so the one retry has a chance."""
+        reclaimed = reclaim_stale_temps(self.storage, exclude=tmp_dir_name(self.name, self.token))
+        deleted: List[str] = []
+        if self.keep_last is not None:
+            from elasticrun.checkpoint.retention import apply_keep_last
+
+            try:
+                deleted = apply_keep_last(self.storage, self.keep_last)
+            except CheckpointError as err:
+                log.warning("checkpoint retention failed while making room: %s", err)
+        log.warning("disk full while saving %s: removed %d stale temporary director%s and %d old checkpoint(s); "
+                    "retrying once", self.name, len(reclaimed), "y" if len(reclaimed) == 1 else "ies", len(deleted))
+
+    def run(self) -> str:
+        """Write this rank's shard, then commit (rank 0). Collective; returns the checkpoint name.
+
+        A full disk on any rank: rank 0 rolls the attempt back, reclaims the temporary
+        directories of dead saves and applies retention, then every rank retries once."""
+        rank = self.comm.rank
+        crash_point("start", rank)
+        for attempt in (1, 2):
+            results = self.comm.all_gather(self._write_phase())
+            failed = [(r, res["error"]) for r, res in enumerate(results) if "error" in res]
+            if not failed:
+                break
+            if attempt == 1 and any(res.get("disk_full") for res in results):
+                if rank == 0:
+                    rollback(self.storage, self.tmp)
+                    self._make_room()
+                self.comm.broadcast({})  # nobody rewrites before rank 0 made room
+                continue
             note = rollback(self.storage, self.tmp) if rank == 0 else "it was rolled back"
             r, msg = failed[0]
             where = f" on rank {r}" if self.comm.world_size > 1 else ""
@@ -179,11 +214,12 @@ class SaveJob:
         status: Dict[str, Any] = {}
         if rank == 0:
             files = {f: FileEntry(f, r, size, sha) for r, res in enumerate(results) for f, size, sha in res["files"]}
-            meta = CheckpointMeta(
-                name=self.name, world_size=self.comm.world_size, created=self.created, tensors=self.plan.tensors,
-                files=files, tree=self.tree, training_state=self.training_state, user_metadata=self.user_metadata,
-            )
             try:
+                meta = CheckpointMeta(
+                    name=self.name, world_size=self.comm.world_size, created=self.created, tensors=self.plan.tensors,
+                    files=files, tree=self.tree, training_state=self.training_state,
+                    user_metadata=self.user_metadata, seq=next_seq(self.storage),
+                )
                 commit(self.storage, self.tmp, self.final, meta.dumps(), rank)
             except Exception as err:  # noqa: BLE001 - reported to every rank below
                 status = {"error": f"{err if isinstance(err, CheckpointError) else describe(err)}; "

@@ -7,9 +7,8 @@ CheckpointErrors, printed by ``elasticrun.cli.main`` as one line (exit code 5).
 from __future__ import annotations
 
 import datetime
+import os
 import sys
-import time
-import uuid
 from typing import Any, Dict, List, Optional
 
 import typer
@@ -19,14 +18,23 @@ from rich.table import Table
 
 from elasticrun.checkpoint.format import LATEST, Shard
 from elasticrun.checkpoint.retention import delete as delete_checkpoints
-from elasticrun.checkpoint.retention import plan_keep_last
+from elasticrun.checkpoint.retention import incomplete_targets, plan_keep_last
 from elasticrun.checkpoint.storage import get_storage
 from elasticrun.checkpoint.validate import COMPLETE, INCOMPLETE, read_meta, resolve_name, scan, verify
 from elasticrun.cli.console import console, err_console, fail, print_json
+from elasticrun.cli.etcd_options import (
+    ETCD_CACERT,
+    ETCD_CERT,
+    ETCD_KEY,
+    ETCD_PASSWORD,
+    ETCD_PASSWORD_FILE,
+    ETCD_USER,
+    settings_from_flags,
+)
 
 app = typer.Typer(help="Manage sharded safetensors checkpoints.", no_args_is_help=True, add_completion=False)
 
-_STATUS_STYLE = {COMPLETE: "green", INCOMPLETE: "yellow", "corrupt": "bold red"}
+_STATUS_STYLE = {COMPLETE: "green", INCOMPLETE: "yellow", "corrupt": "bold red", "alias": "cyan"}
 
 
 def human_bytes(n: float) -> str:
@@ -81,6 +89,8 @@ def list_cmd(
         name = escape(i.name) + (" [bold cyan]← latest[/]" if i.latest else "")
         if i.temporary:
             name += " [dim](tmp)[/]"
+        if i.alias_of is not None:
+            name += f" [dim]→ {escape(i.alias_of)} (alias)[/]"
         table.add_row(name, "-" if m is None or m.step is None else str(m.step),
                       "-" if m is None or m.epoch is None else str(m.epoch),
                       "-" if m is None else str(m.world_size), human_bytes(i.size), _when(i.created), status)
@@ -184,7 +194,7 @@ def delete_cmd(
             fail(f"--keep-last must be at least 1 (got {keep_last}): the newest checkpoint is always kept", 2)
         targets = plan_keep_last(infos, keep_last)
     elif incomplete:
-        targets = [i.dirname for i in infos if i.status != COMPLETE]
+        targets = incomplete_targets(infos)
     else:
         targets = list(dict.fromkeys(names or []))
     if not targets:
@@ -211,33 +221,44 @@ def delete_cmd(
 def load_cmd(
     root: str = typer.Argument(..., help="Checkpoint root directory or URL."),
     name: str = typer.Argument(LATEST, help="Checkpoint name (default: latest)."),
-    out: str = typer.Option(..., "--out", "-o", help="Output .safetensors file, or directory with --world-size."),
+    out: str = typer.Option(..., "--out", "-o", help="Output .safetensors file; or a directory: Hugging Face "
+                            "shards (model-0000i-of-0000n.safetensors + index); with --world-size, a checkpoint."),
     only: Optional[str] = typer.Option(None, "--only", help="Keep tensors whose name starts with this prefix."),
     strip_prefix: bool = typer.Option(False, "--strip-prefix", help="Remove the --only prefix from tensor names."),
+    max_shard_size: Optional[str] = typer.Option(
+        None, "--max-shard-size", help="Split the export into files of at most this size (5GB, 500MB, 2GiB) in "
+        "the --out directory \\[default for a directory: 5GB]."),
+    force: bool = typer.Option(False, "--force", help="Overwrite existing output files."),
     world_size: Optional[int] = typer.Option(None, "--world-size", help="Reshard into a checkpoint for M ranks."),
     out_name: Optional[str] = typer.Option(None, "--name", help="Name of the resharded checkpoint \\[default: same]."),
     no_verify: bool = typer.Option(False, "--no-verify", help="Skip the sha256 check of the source."),
 ) -> None:
-    """Consolidate a checkpoint into one safetensors file, or reshard it for another world size."""
+    """Export a checkpoint as safetensors for Hugging Face (one file or shards), or reshard it for another
+    world size. Nested state dicts have dotted names (model.fc.weight): --only model. --strip-prefix gives
+    a model's own names."""
     from elasticrun.checkpoint.consolidate import consolidate, reshard
+    from elasticrun.checkpoint.export import parse_size
 
     storage = _existing_root(root)
     name = resolve_name(storage, name)
     total = read_meta(storage, name).total_bytes
     if world_size is not None:
-        if only or strip_prefix:
-            fail("--only/--strip-prefix apply to consolidation, not to --world-size resharding", 2)
+        if only or strip_prefix or max_shard_size:
+            fail("--only/--strip-prefix/--max-shard-size apply to exports, not to --world-size resharding", 2)
         with _progress(total, f"resharding {name}") as p:
             new = reshard(root, name, world_size, out, out_name, verify=not no_verify,
                           progress=lambda n: p.advance(p.task_ids[0], n))
         console.print(f"wrote checkpoint {escape(new)} for {world_size} rank(s) in {escape(out)}")
         return
-    if not out.endswith(".safetensors"):
-        fail(f"--out {out}: give a .safetensors file name (or --world-size M with a directory)", 2)
-    with _progress(total, f"consolidating {name}") as p:
+    directory = not out.endswith(".safetensors")
+    if directory and os.path.splitext(out.rstrip("/"))[1] and not os.path.isdir(out):
+        fail(f"--out {out}: give a .safetensors file name, or a directory for Hugging Face shards", 2)
+    limit = parse_size(max_shard_size) if max_shard_size is not None else None
+    with _progress(total, f"exporting {name}") as p:
         keys = consolidate(root, name, out, only=only, strip_prefix=strip_prefix, verify=not no_verify,
-                           progress=lambda n: p.advance(p.task_ids[0], n))
-    console.print(f"wrote {len(keys)} tensors of {escape(name)} to {escape(out)}")
+                           progress=lambda n: p.advance(p.task_ids[0], n), max_shard_size=limit, force=force)
+    where = f"{escape(out)} (Hugging Face layout)" if directory else escape(out)
+    console.print(f"wrote {len(keys)} tensors of {escape(name)} to {where}")
 
 
 @app.command("save")
@@ -249,6 +270,12 @@ def save_cmd(
     rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", help="The running job's id."),
     timeout: float = typer.Option(600.0, "--timeout", help="Seconds to wait for the job's checkpoint."),
     as_json: bool = typer.Option(False, "--json", help="Print the job's answer as JSON."),
+    etcd_user: Optional[str] = ETCD_USER,
+    etcd_password: Optional[str] = ETCD_PASSWORD,
+    etcd_password_file: Optional[str] = ETCD_PASSWORD_FILE,
+    etcd_cacert: Optional[str] = ETCD_CACERT,
+    etcd_cert: Optional[str] = ETCD_CERT,
+    etcd_key: Optional[str] = ETCD_KEY,
 ) -> None:
     """Ask a running job to checkpoint now (--rdzv-endpoint/--rdzv-id), or import a file (--from)."""
     if from_file is not None:
@@ -266,7 +293,11 @@ def save_cmd(
         fail("ROOT/NAME are only for --from; the job decides where its checkpoint goes", 2)
     if timeout <= 0:
         fail(f"--timeout must be positive (got {timeout})", 2)
-    answer = request_job_checkpoint(rdzv_endpoint, rdzv_id, timeout)
+    settings = settings_from_flags(
+        rdzv_endpoint, user=etcd_user, password=etcd_password, password_file=etcd_password_file,
+        cacert=etcd_cacert, cert=etcd_cert, key=etcd_key,
+    )
+    answer = request_job_checkpoint(settings, rdzv_id, timeout)
     if as_json:
         print_json(answer)
     else:
@@ -274,36 +305,19 @@ def save_cmd(
                       f"{escape(str(answer.get('root')))} at step {answer.get('step')}")
 
 
-def request_job_checkpoint(endpoint: str, job: str, timeout: float) -> Dict[str, Any]:
-    """Put a checkpoint request for ``job`` in etcd and wait (watch) for rank 0's answer."""
-    from elasticrun.rendezvous.keys import JobKeys
-    from elasticrun.store.client import connect
+def request_job_checkpoint(settings: Any, job: str, timeout: float) -> Dict[str, Any]:
+    """Put a checkpoint request for ``job`` in etcd and wait (watch) for rank 0's answer.
 
-    keys = JobKeys(job)
-    rid = uuid.uuid4().hex[:16]
-    req_key = f"{keys.control}checkpoint/{rid}"
-    done_key = f"{keys.control}checkpoint-done/{rid}"
-    with connect(endpoint) as store:
-        if store.get(keys.config) is None and not store.get_prefix(keys.prefix)[0]:
-            fail(f"no job {job!r} in etcd at {endpoint}: check --rdzv-id (see `elasticrun status "
-                 f"--rdzv-endpoint {endpoint}`)", 4)
-        store.put_json(req_key, {"request_id": rid, "requested_at": time.time()})
-        with _spinner(f"waiting for job {job} to checkpoint (request {rid})"):
-            try:
-                kv = store.wait_for(done_key, lambda kv: kv is not None, timeout)
-            except TimeoutError:
-                store.delete(req_key)
-                fail(f"job {job!r} did not checkpoint within {timeout:g}s (request withdrawn): is it running and "
-                     "calling the elasticrun checkpoint hook? see `elasticrun status`", 5)
-        try:
-            answer = kv.json() if kv is not None else {}
-        except ValueError:
-            fail(f"job {job!r} answered with something that is not JSON: {kv.value[:100]!r}", 5)
-        if not isinstance(answer, dict):
-            fail(f"job {job!r} answered with an unexpected value: {answer!r}", 5)
-        if answer.get("error"):
-            fail(f"job {job!r} could not checkpoint: {answer['error']}", 5)
-        return answer
+    ``settings``: an :class:`~elasticrun.job.settings.EtcdSettings` (or, as before, an endpoint string).
+    """
+    from elasticrun.job.requests import request_checkpoint
+    from elasticrun.job.settings import EtcdSettings
+
+    if isinstance(settings, str):
+        settings = EtcdSettings(settings)
+    with settings.connect(job) as store:
+        with _spinner(f"waiting for job {job} to checkpoint"):
+            return request_checkpoint(store, job, timeout, where=f" at {settings.endpoints}")
 
 
 class _spinner:

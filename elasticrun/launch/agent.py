@@ -15,23 +15,46 @@ import socket
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional
 
 from rich.markup import escape
 
-from elasticrun.config import LaunchConfig
+from elasticrun.config import LaunchConfig, signal_number
 from elasticrun.errors import ElasticrunError, JobFailedError
+from elasticrun.job import env as env_names
+from elasticrun.job.settings import drop_secrets_from_environment
+from elasticrun.job.settings import from_config as etcd_settings
 from elasticrun.launch.c10d import RoundStore
 from elasticrun.launch.failures import root_cause_table
+from elasticrun.launch.hosting import open_store, wait_others_left
 from elasticrun.launch.node import accelerators, gpu_available, local_address
+from elasticrun.launch.outage import STOP_SLACK_S, OutageGuard, stop_workers
+from elasticrun.launch.snapshots import SnapshotRoot
+from elasticrun.launch.states import GroupState, RoundOutcome
 from elasticrun.launch.workers import WorkerGroup
-from elasticrun.models import NodeInfo, Topology, WorkerStatus
 from elasticrun.rendezvous.protocol import JobEnded, LeaseLost, Rendezvous, RendezvousSettings
-from elasticrun.store.client import EtcdStore, connect, parse_endpoints
+from elasticrun.rendezvous.records import NodeInfo, Topology, WorkerStatus
+from elasticrun.store.client import EtcdStore, parse_endpoints
+from elasticrun.store.lease import LeaseHealth
 from elasticrun.store.server import EtcdServer
 
 STANDBY_DELAY_S = 2.0  # after a round starts, when to pre-warm the next round's workers
+
+
+def log_time() -> str:
+    """The time stamp of an agent line: UTC, ISO 8601, milliseconds (``2026-11-26T07:25:18.123Z``)."""
+    now = time.time()
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
+
+
+def worker_signal(signum: int) -> int:
+    """The signal workers get when ``signum`` stops the agent: SIGHUP and SIGQUIT become SIGTERM.
+
+    SIGHUP (terminal closed) and SIGQUIT are handled like SIGTERM: their default action would kill a
+    worker hard (SIGQUIT dumps core) without the chance to save that SIGTERM gives. Others go as received.
+    """
+    return int(signal.SIGTERM) if signum in (signal.SIGHUP, signal.SIGQUIT) else signum
 
 
 class AgentSignal(Exception):
@@ -48,7 +71,7 @@ class Reporter:
 
     label: str
     quiet: bool = False
-    console: Any = None
+    console: Any = field(default=None, init=False, repr=False)  # made in __post_init__
 
     def __post_init__(self) -> None:
         from rich.console import Console
@@ -57,9 +80,14 @@ class Reporter:
 
     def __call__(self, message: str) -> None:
         if not self.quiet:
-            self.console.print(f"[cyan]elasticrun\\[{escape(self.label)}][/]: {escape(message)}", soft_wrap=True)
+            stamp = log_time()
+            self.console.print(f"[dim]{stamp}[/] [cyan]elasticrun\\[{escape(self.label)}][/]: {escape(message)}",
+                               soft_wrap=True)
 
     def table(self, table: Any) -> None:
+        # Not a terminal (a log file, a pipe): no width to fit, so no wrapping into narrow columns.
+        if not self.console.is_terminal:
+            self.console.width = 1000
         self.console.print(table)
 
 
@@ -82,8 +110,13 @@ class Agent:
 
     def _install_signals(self) -> None:
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._on_signal)
-            signal.signal(signal.SIGINT, self._on_signal)
+            for number in self._handled_signals():
+                signal.signal(number, self._on_signal)
+
+    def _handled_signals(self) -> List[int]:
+        """--signals-to-handle (torchrun's default SIGTERM,SIGINT,SIGHUP,SIGQUIT); SIGTERM, SIGINT always."""
+        numbers = {signal_number(name) for name in self.cfg.signals_to_handle}
+        return sorted(numbers | {int(signal.SIGTERM), int(signal.SIGINT)})
 
     # -- main ---------------------------------------------------------------------------------
 
@@ -95,6 +128,7 @@ class Agent:
         store: Optional[EtcdStore] = None
         rdzv: Optional[Rendezvous] = None
         workers: Optional[WorkerGroup] = None
+        snapshots: Optional[SnapshotRoot] = None
         files_dir = tempfile.mkdtemp(prefix=f"elasticrun-{cfg.rdzv_id}-")
         round_store = RoundStore()
         try:
@@ -103,21 +137,15 @@ class Agent:
                 # Not under files_dir: that one is removed at exit, and these logs must outlive us.
                 log_dir = tempfile.mkdtemp(prefix=f"elasticrun-logs-{cfg.rdzv_id}-")
                 self.say(f"worker logs in {log_dir}")
+            drop_secrets_from_environment(cfg, self.say)  # before any child process starts
             workers = WorkerGroup(cfg, self.label, files_dir, log_dir, False, on_exit=lambda: self._wake())
+            snapshots = SnapshotRoot.create(cfg.rdzv_id, cfg.node_id, say=self.say)  # the memory tier, ours
+            if snapshots is not None:
+                workers.extra_env[env_names.SNAPSHOT_DIR] = snapshots.path
             workers.prewarm()  # worker interpreters import torch while we meet the other nodes
-            if cfg.standalone and not cfg.rdzv_endpoint:
-                etcd = EtcdServer(binary=cfg.etcd_binary).start()
-                cfg.rdzv_endpoint = etcd.endpoint
-                self.say(f"started a private etcd at {etcd.endpoint}")
-            store = connect(
-                cfg.rdzv_endpoint,
-                user=cfg.etcd_user,
-                password=cfg.etcd_password,
-                ca_cert=cfg.etcd_cacert,
-                cert_key=cfg.etcd_key,
-                cert_cert=cfg.etcd_cert,
-                retry_timeout=cfg.etcd_timeout,
-            )
+            etcd, store = open_store(cfg, self.say)  # standalone / c10d / static: may host the job's etcd
+            # Workers reach etcd (commit fence, progress, checkpoint requests) with the same settings.
+            workers.etcd_settings_file = etcd_settings(cfg).write(os.path.join(files_dir, "etcd-settings.json"))
             host, port = parse_endpoints(cfg.rdzv_endpoint)[0]
             node = NodeInfo(
                 node_id=cfg.node_id,
@@ -125,13 +153,19 @@ class Agent:
                 addr=cfg.local_addr or local_address(host, port),
                 nproc=cfg.nproc_per_node,
                 pid=os.getpid(),
+                node_rank=-1 if cfg.node_rank is None else cfg.node_rank,
             )
             rdzv = Rendezvous(store, self._settings(), node, round_store.fresh, on_progress=self.say)
             self._wake = rdzv.view.poke
             rdzv.ensure_config(cfg.job_settings())
             rdzv.register()  # before importing torch: a running job starts its stability window now
+            rdzv.beat(busy_for=120.0)  # importing torch (bounded): not a stalled loop
             use_gpu = cfg.device_kind == "gpu" or (cfg.device_kind == "auto" and gpu_available())
             workers.use_gpu = use_gpu
+            if rdzv.lease_health() is LeaseHealth.LOST:
+                # The import can hold the GIL long enough on a loaded machine for the lease to lapse.
+                self.say("our etcd lease lapsed while importing torch; registering again")
+                rdzv.reregister()
             rdzv.publish(accelerators=accelerators(use_gpu))
             self.say(
                 f"joined job {cfg.rdzv_id!r} at {cfg.rdzv_endpoint} as {cfg.node_id} "
@@ -141,7 +175,7 @@ class Agent:
         except AgentSignal as sig:
             self.say(f"received {sig}: stopping workers and leaving the job")
             if workers is not None:
-                workers.stop(cfg.shutdown_timeout, sig=sig.signum)
+                workers.stop(cfg.shutdown_timeout, sig=worker_signal(sig.signum))
             if rdzv is not None and rdzv.lease is not None:
                 try:
                     rdzv.publish(status=WorkerStatus.LEAVING)
@@ -149,48 +183,62 @@ class Agent:
                     pass
             return 128 + sig.signum
         finally:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            handled = self._handled_signals() if threading.current_thread() is threading.main_thread() else []
+            for number in handled:
+                signal.signal(number, signal.SIG_IGN)
             if workers is not None:
                 workers.stop(cfg.shutdown_timeout)
                 workers.discard_warm()
             round_store.close()
             if rdzv is not None:
                 rdzv.leave()
+            if etcd is not None and store is not None and rdzv is not None and self._signal is None:
+                wait_others_left(store, rdzv.keys.nodes, cfg.rdzv_close_timeout, self.say)
             if store is not None:
                 store.close()
             if etcd is not None:
                 etcd.stop()
             shutil.rmtree(files_dir, ignore_errors=True)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            if snapshots is not None:
+                snapshots.remove()
+            for number in handled:
+                signal.signal(number, signal.default_int_handler if number == signal.SIGINT else signal.SIG_DFL)
 
     def _settings(self) -> RendezvousSettings:
         c = self.cfg
         return RendezvousSettings(
-            job=c.rdzv_id,
+            job_id=c.rdzv_id,
             min_nodes=c.nnodes_min,
             max_nodes=c.nnodes_max,
             max_restarts=c.max_restarts,
+            restart_window=c.restart_window,
             heartbeat_timeout=c.heartbeat_timeout,
             stability_window=c.stability_window,
             rescale_timeout=c.rescale_timeout,
             join_timeout=c.join_timeout,
+            stall_after=max(2.0, c.heartbeat_timeout / 2),
+            busy_timeout=c.shutdown_timeout + c.heartbeat_timeout + STOP_SLACK_S,
         )
 
     def _loop(self, rdzv: Rendezvous, workers: WorkerGroup) -> int:
+        guard = OutageGuard(self.cfg, rdzv, workers, self.say)
         while True:
             workers.prewarm()
             try:
-                topo = rdzv.next_round()
+                topo = guard.call(rdzv.next_round, "forming a round")
             except LeaseLost as lost:
                 self.say(f"lost our etcd lease ({lost}); rejoining")
-                rdzv.reregister()
+                guard.call(rdzv.reregister, "rejoining")
                 continue
             except JobEnded as ended:
                 return self._ended(rdzv, ended)
-            outcome = self._run_round(rdzv, workers, topo)
-            if outcome == "succeeded":
+            try:
+                outcome = self._run_round(rdzv, workers, topo)
+            except LeaseLost as lost:  # etcd answered an operation of the round: our lease is gone
+                self.say(f"lost our etcd lease ({lost}): stopped our workers (fencing); rejoining")
+                guard.call(rdzv.reregister, "rejoining")
+                continue
+            if outcome is RoundOutcome.SUCCEEDED:
                 self.say("all workers of all nodes finished: job succeeded")
                 return 0
 
@@ -204,8 +252,8 @@ class Agent:
             self.say.table(root_cause_table(rows, f"job {self.cfg.rdzv_id!r} failed: {reason}"))
         raise JobFailedError(f"job {self.cfg.rdzv_id!r} failed: {reason}")
 
-    def _run_round(self, rdzv: Rendezvous, workers: WorkerGroup, topo: Topology) -> str:
-        """Run our workers for ``topo`` until the round ends; returns 'succeeded' or 'next'."""
+    def _run_round(self, rdzv: Rendezvous, workers: WorkerGroup, topo: Topology) -> RoundOutcome:
+        """Run our workers for ``topo`` until the round ends."""
         me = topo.member(self.cfg.node_id)
         assert me is not None
         event = rdzv.rescale_event(topo.round)
@@ -216,7 +264,8 @@ class Agent:
             f"group rank {me.group_rank}, ranks {ranks}, restarts {topo.restart_count}/{self.cfg.max_restarts}"
         )
         workers.start(topo, me, event)
-        rdzv.publish(status=WorkerStatus.ACTIVE, waiting_for=-1)
+        guard = OutageGuard(self.cfg, rdzv, workers, self.say)
+        guard.call(lambda: rdzv.publish(status=WorkerStatus.ACTIVE, waiting_for=-1), "starting a round")
         done_reported = False
         standby_at = time.monotonic() + STANDBY_DELAY_S
         version = rdzv.view.version
@@ -226,38 +275,52 @@ class Agent:
                 # round's workers are past their own start-up: a restart then skips the imports.
                 workers.prewarm(deep=True)
                 standby_at = 0.0
-            if not rdzv.lease_valid():
-                workers.stop(0.0, sig=signal.SIGKILL)  # fence first, talk later
-                self.say("lost our etcd lease: stopped our workers (fencing); rejoining")
-                rdzv.reregister()
-                return "next"
+            rdzv.beat()  # liveness: the lease is refreshed only while this loop turns
+            if _STALL and time.monotonic() >= _STALL[0]:
+                time.sleep(_STALL.pop())  # test hook, once: a stalled main loop (ELASTICRUN_TEST_STALL_LOOP)
+                _STALL.clear()
+            if guard.check(topo) is not None:  # lease in doubt: ride out an etcd outage, or fence
+                return RoundOutcome.NEXT
             state = workers.poll()
-            if state == "failed":
+            if state is GroupState.FAILED:
                 failures = workers.failures()
                 first = failures[0]
                 self.say(f"worker rank {first.rank} failed ({first.signal or first.exitcode}): stopping this round")
-                rdzv.report_failure(topo, [f.to_dict() for f in failures])  # first, so peers stop in parallel
-                workers.stop(self.cfg.shutdown_timeout)
-                return "next"
-            if state == "succeeded" and not done_reported:
-                rdzv.report_done(topo)
-                rdzv.publish(status=WorkerStatus.SUCCEEDED)
+                rows = [f.to_dict() for f in failures]
+                guard.call(lambda: rdzv.report_failure(topo, rows), "reporting a failure")  # noqa: B023 - called at once
+                stop_workers(rdzv, workers, self.cfg.shutdown_timeout)
+                return RoundOutcome.NEXT
+            if state is GroupState.SUCCEEDED and not done_reported:
+                guard.call(lambda: rdzv.report_done(topo), "reporting success")
+                guard.call(lambda: rdzv.publish(status=WorkerStatus.SUCCEEDED), "reporting success")
                 done_reported = True
             change = rdzv.round_change(topo)
-            if change == "succeeded":
-                rdzv.mark_succeeded(topo)
-                workers.stop(self.cfg.shutdown_timeout)
-                return "succeeded"
+            if change is RoundOutcome.SUCCEEDED:
+                guard.call(lambda: rdzv.mark_succeeded(topo), "finishing the job")
+                stop_workers(rdzv, workers, self.cfg.shutdown_timeout)
+                return RoundOutcome.SUCCEEDED
             if change is not None:
                 self.say(f"round {topo.round} ended: {change}; stopping workers")
-                workers.stop(self.cfg.shutdown_timeout)
-                return "next"
+                stop_workers(rdzv, workers, self.cfg.shutdown_timeout)
+                return RoundOutcome.NEXT
             if not done_reported:
                 due = rdzv.maybe_scale_up(topo)
                 timeout = 0.5 if due is None else min(0.5, max(0.01, due))
             else:
                 timeout = 0.5
             version = rdzv.view.wait_change(version, timeout)
+
+
+def _test_stall() -> List[float]:
+    """``ELASTICRUN_TEST_STALL_LOOP=AFTER:SECONDS``: stall the round loop once, AFTER s after start (tests only)."""
+    after, sep, seconds = os.environ.get(env_names.TEST_STALL_LOOP, "").partition(":")
+    try:
+        return [time.monotonic() + float(after), float(seconds)] if sep else []
+    except ValueError:
+        return []
+
+
+_STALL = _test_stall()  # [when, seconds] until used
 
 
 def run_agent(cfg: LaunchConfig) -> int:

@@ -1,20 +1,35 @@
-"""Worker output: prefix each line with ``[node/rank]`` on the console, copy to per-rank files.
+"""Worker output: pass each worker's stdout/stderr through live, optionally copied to files.
 
-Layout with ``--log-dir D``: ``D/<run-id>/attempt_<round>/rank_<rank>/{stdout,stderr}.log``
-plus the worker's ``error.json``. ``--redirects`` keeps a stream off the console (files only);
-``--tee`` and ``--log-dir`` write files while the console still shows the stream.
+Output is copied as the bytes arrive (not line by line), so a ``\\r``-updated progress bar
+(tqdm) shows as it updates. Each console line starts with a prefix, ``[node/rank]:`` by
+default; torchrun's ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` (``${role_name}``,
+``${local_rank}``, ``${rank}``, and here also ``${node}``) replaces it, and an empty
+template turns prefixes off. A ``\\r`` starts a line too, so a redrawn bar keeps its prefix.
+
+With ``--log-dir D`` (torchrun's layout) every worker's streams are also written to
+``D/<run-id>_<random>/attempt_<round>/<local_rank>/{stdout,stderr}.log`` next to its
+``error.json``, raw (no prefix). ``--redirects`` keeps a stream off the console (files
+only), ``--tee`` copies it to files as well, and ``--local-ranks-filter`` keeps the other
+local ranks off the console (their files are still written).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
+import tempfile
 import threading
-from typing import IO, BinaryIO, Dict, List, Optional
+from string import Template
+from typing import IO, BinaryIO, Dict, List, Optional, Sequence, Tuple
 
-_console_lock = threading.Lock()
+from elasticrun.job import env as names
 
 STREAMS = {1: "stdout", 2: "stderr"}
+DEFAULT_PREFIX = "[${node}/${rank}]:"
+TAIL_KEEP = 16 * 1024  # bytes of a worker's stderr kept for the failure summary
+_CHUNK = 64 * 1024
+_PIECES = re.compile(rb"[^\r\n]+|\r\n|\r|\n")
 
 
 def stream_selected(spec: Dict[int, str], local_rank: int, stream: int) -> bool:
@@ -23,20 +38,97 @@ def stream_selected(spec: Dict[int, str], local_rank: int, stream: int) -> bool:
     return value == "3" or value == str(stream)
 
 
-class LinePump:
-    """Copy one pipe to the console (prefixed) and/or a file, line by line, in a thread."""
+def on_console(local_rank: int, ranks_filter: Optional[Sequence[int]]) -> bool:
+    """``--local-ranks-filter``: does ``local_rank``'s output go to the console (None: every rank)?"""
+    return not ranks_filter or local_rank in ranks_filter
+
+
+def line_prefix(node: str, rank: int, local_rank: int, role: str, environ: Optional[Dict[str, str]] = None) -> str:
+    """The console prefix of one worker (see the module docstring)."""
+    env = os.environ if environ is None else environ
+    template = env.get(names.LOG_LINE_PREFIX_TEMPLATE, DEFAULT_PREFIX)
+    values = {"node": node, "rank": str(rank), "local_rank": str(local_rank), "role_name": role}
+    return Template(template).safe_substitute(values)
+
+
+def add_prefix(data: bytes, prefix: bytes, at_line_start: bool) -> Tuple[bytes, bool]:
+    """``data`` with ``prefix`` before every line's first byte (after ``\\n`` or ``\\r``).
+
+    ``at_line_start`` carries over from the previous chunk; returns (output, at_line_start).
+    """
+    if not prefix:
+        return data, data.endswith((b"\n", b"\r")) if data else at_line_start
+    out = bytearray()
+    for m in _PIECES.finditer(data):
+        piece = m.group()
+        if piece[0] in (10, 13):  # \n or \r
+            out += piece
+            at_line_start = True
+        else:
+            if at_line_start:
+                out += prefix
+            out += piece
+            at_line_start = False
+    return bytes(out), at_line_start
+
+
+class Console:
+    """One console stream (stdout or stderr) shared by every worker's pump.
+
+    Writes of one chunk are atomic. When a worker writes while another one's line is still
+    open (no newline yet), a newline goes first, so two workers' text never share a line.
+    """
+
+    def __init__(self, stream: BinaryIO) -> None:
+        self.stream = stream
+        self._lock = threading.Lock()
+        self._open_by: Optional[object] = None  # the pump whose line is unfinished
+
+    def write(self, owner: object, data: bytes, ends_line: bool) -> None:
+        """Write ``data`` for ``owner``; ``ends_line``: it ends with a newline."""
+        if not data:
+            return
+        with self._lock:
+            if self._open_by is not None and self._open_by is not owner:
+                data = b"\n" + data
+            self._open_by = None if ends_line else owner
+            try:
+                self.stream.write(data)
+                self.stream.flush()
+            except (OSError, ValueError):
+                pass
+
+
+_CONSOLES: Dict[int, Console] = {}
+_consoles_lock = threading.Lock()
+
+
+def console_for(stream: int) -> Console:
+    """The process-wide :class:`Console` for stream 1 (stdout) or 2 (stderr)."""
+    with _consoles_lock:
+        if stream not in _CONSOLES:
+            _CONSOLES[stream] = Console(sys.stdout.buffer if stream == 1 else sys.stderr.buffer)
+        return _CONSOLES[stream]
+
+
+class OutputPump:
+    """Copy one pipe to the console (prefixed) and/or a file as bytes arrive, in a thread."""
 
     def __init__(
         self,
         pipe: BinaryIO,
         prefix: str,
-        console: Optional[BinaryIO],
+        console: Optional[Console],
         file_path: Optional[str],
+        keep_tail: int = 0,
     ) -> None:
         self._pipe = pipe
         self._prefix = prefix.encode()
         self._console = console
         self._file: Optional[IO[bytes]] = None
+        self._keep = keep_tail
+        self._tail = bytearray()
+        self._tail_lock = threading.Lock()
         if file_path:
             os.makedirs(os.path.dirname(file_path), exist_ok=True)
             self._file = open(file_path, "ab")
@@ -44,19 +136,30 @@ class LinePump:
         self._thread.start()
 
     def _run(self) -> None:
+        at_start = True
+        line_open = False  # the console line we last wrote has no newline yet
         try:
-            for line in iter(self._pipe.readline, b""):
+            fd = self._pipe.fileno()
+            while True:
+                data = os.read(fd, _CHUNK)
+                if not data:
+                    break
                 if self._console is not None:
-                    with _console_lock:
-                        tail = b"" if line.endswith(b"\n") else b"\n"
-                        self._console.write(self._prefix + line + tail)
-                        self._console.flush()
+                    out, at_start = add_prefix(data, self._prefix, at_start)
+                    line_open = not out.endswith(b"\n")
+                    self._console.write(self, out, not line_open)
                 if self._file is not None:
-                    self._file.write(line)
+                    self._file.write(data)
                     self._file.flush()
+                if self._keep:
+                    with self._tail_lock:
+                        self._tail += data
+                        del self._tail[: max(0, len(self._tail) - self._keep)]
         except (OSError, ValueError):
             pass
         finally:
+            if self._console is not None and line_open:
+                self._console.write(self, b"\n", True)  # end the worker's last line
             try:
                 self._pipe.close()
             except OSError:
@@ -64,18 +167,30 @@ class LinePump:
             if self._file is not None:
                 self._file.close()
 
+    def tail(self) -> bytes:
+        """The last bytes read (up to ``keep_tail``)."""
+        with self._tail_lock:
+            return bytes(self._tail)
+
     def join(self, timeout: float = 5.0) -> None:
         self._thread.join(timeout)
 
-
-def console_stream(stream: int) -> BinaryIO:
-    return sys.stdout.buffer if stream == 1 else sys.stderr.buffer
-
-
-def attempt_dir(log_dir: str, run_id: str, round_: int, rank: int) -> str:
-    return os.path.join(log_dir, run_id, f"attempt_{round_}", f"rank_{rank}")
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
 
 
-def join_all(pumps: List[LinePump], timeout: float = 5.0) -> None:
+def run_log_dir(log_dir: str, run_id: str) -> str:
+    """``<log_dir>/<run_id>_<random>``: this agent's directory under ``--log-dir`` (torchrun's layout)."""
+    os.makedirs(log_dir, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f"{run_id}_", dir=log_dir)
+
+
+def worker_log_dir(run_dir: str, round_: int, local_rank: int) -> str:
+    """``<run_dir>/attempt_<round>/<local_rank>``: one worker's files for one round."""
+    return os.path.join(run_dir, f"attempt_{round_}", str(local_rank))
+
+
+def join_all(pumps: List[OutputPump], timeout: float = 5.0) -> None:
     for p in pumps:
         p.join(timeout)

@@ -11,6 +11,8 @@ the ~2-4 s of imports out of every restart.
 Keep this module free of elasticrun imports: it must start fast and stay minimal.
 """
 
+import atexit
+import gc
 import json
 import os
 import runpy
@@ -46,21 +48,95 @@ def _become(order: dict) -> None:
         os.chdir(order["cwd"])
     argv = list(order["argv"])
     sys.argv = argv
-    if order.get("module"):
-        sys.path[0] = os.getcwd()
-        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
-    else:
-        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
-        runpy.run_path(argv[0], run_name="__main__")
+    try:
+        if order.get("module"):
+            sys.path[0] = os.getcwd()
+            runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+        else:
+            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+            _run_script(argv[0])
+    except SystemExit:
+        raise
+    except BaseException as err:  # noqa: BLE001 - reported like the interpreter would, then exit
+        _report_uncaught(err)
+
+
+def _run_script(path: str) -> None:
+    """Run ``path`` as ``__main__`` the way ``python path`` does: ``__file__`` absolute, argv as given."""
+    full = os.path.abspath(path)
+    if not os.path.isfile(full):  # a directory or zip with __main__.py
+        runpy.run_path(full, run_name="__main__")
+        return
+    import builtins
+    import types
+    from importlib.machinery import SourceFileLoader
+
+    with open(full, "rb") as f:
+        code = compile(f.read(), full, "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=full, __cached__=None, __builtins__=builtins, __package__=None,
+                         __loader__=SourceFileLoader("__main__", full))
+    _LAUNCHER["main"] = sys.modules.get("__main__")  # keep this module alive while the script runs
+    sys.modules["__main__"] = main
+    exec(code, main.__dict__)
+
+
+_LAUNCHER: dict = {}
+
+
+def _launcher_frame(filename: str) -> bool:
+    return filename == __file__ or filename == runpy.__file__ or filename.startswith("<frozen runpy")
+
+
+def _report_uncaught(err: BaseException) -> None:
+    """Print ``err`` through ``sys.excepthook`` without this launcher's frames, and exit like Python."""
+    tb = err.__traceback__
+    while tb is not None and _launcher_frame(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    if tb is not None:
+        err.__traceback__ = tb  # the interpreter's hook prints the exception's own traceback
+    sys.excepthook(type(err), err, err.__traceback__)
+    if isinstance(err, KeyboardInterrupt):
+        import signal
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    sys.exit(1)
+
+
+def _collect_while_alive() -> None:
+    """Collect the script's cyclic garbage before interpreter shutdown (the last atexit handler).
+
+    What the script's functions leave in reference cycles (DDP and its hooks, process groups,
+    tensors) is otherwise freed only by the final collection inside ``Py_FinalizeEx``: gloo and
+    autograd objects are then destroyed while the interpreter is finalizing, their native threads
+    can no longer take the GIL, and the process hangs in that collection (seen: both workers of a
+    finished job stuck in ``gc_collect_main`` with no Python frame, the agent waiting) or aborts.
+    An interpreter that preloaded torch (and, deep, torch._dynamo) holds a huge long-lived heap,
+    so its automatic full collections are rare and such cycles do survive until then. Collected
+    here, the interpreter is still whole. Registered before the script runs, so it runs after the
+    script's own atexit handlers.
+    """
+    gc.collect()
 
 
 def main() -> None:
     # argv: [--deep] -- <script> <args>: the script only labels the process; the order comes on stdin.
     _preload(deep="--deep" in sys.argv[1 : sys.argv.index("--")] if "--" in sys.argv else False)
+    gc.freeze()  # the preloaded modules are permanent: collections (and the final one) skip them
     line = sys.stdin.readline()
     if not line.strip():
         sys.exit(0)  # the agent went away or no longer needs us
-    _become(json.loads(line))
+    order = json.loads(line)
+    if "order_file" in order:  # a big order (long argv or environment) comes through a file
+        path = order["order_file"]
+        with open(path) as f:
+            order = json.loads(f.read())
+        os.unlink(path)
+    atexit.register(_collect_while_alive)
+    _become(order)
 
 
 if __name__ == "__main__":

@@ -13,22 +13,42 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 from elasticrun.config import LaunchConfig
+from elasticrun.job import env as names
+from elasticrun.job.env import without_secrets
 from elasticrun.launch.env import WorkerSpec, worker_env
-from elasticrun.launch.failures import WorkerFailure, make_failure
-from elasticrun.launch.logs import STREAMS, LinePump, attempt_dir, console_stream, join_all, stream_selected
-from elasticrun.models import Member, RescaleEvent, Topology
+from elasticrun.launch.failures import WorkerFailure, bounded, make_failure
+from elasticrun.launch.logs import (
+    STREAMS,
+    TAIL_KEEP,
+    OutputPump,
+    console_for,
+    join_all,
+    line_prefix,
+    on_console,
+    run_log_dir,
+    stream_selected,
+    worker_log_dir,
+)
+from elasticrun.launch.states import GroupState
 from elasticrun.proc import terminate_tree, with_parent_death_signal
+from elasticrun.rendezvous.records import Member, RescaleEvent, Topology
+
+ORDER_INLINE_MAX = 4096  # PIPE_BUF: a write this small into an empty pipe never blocks
+STDERR_DRAIN_S = 1.0  # how long a failure summary waits for a dead worker's last stderr bytes
 
 
 @dataclass
 class _Worker:
     spec: WorkerSpec
     proc: subprocess.Popen
+    err_pump: Optional[OutputPump] = None
 
 
 class WorkerGroup:
@@ -47,12 +67,15 @@ class WorkerGroup:
         self.node_label = node_label
         self.files_dir = files_dir  # error files, event files (always written)
         self.log_dir = log_dir  # stdout/stderr copies (when asked for)
+        self._run_log_dir: Optional[str] = None  # <log_dir>/<run_id>_<random>, made on first use
         self.use_gpu = use_gpu
         self._on_exit = on_exit
         self._workers: List[_Worker] = []
-        self._pumps: List[LinePump] = []
+        self._pumps: List[OutputPump] = []
         self._warm: List[subprocess.Popen] = []
         self._redirects, self._tee = cfg.std_streams()
+        self.etcd_settings_file: Optional[str] = None  # the agent's 0600 EtcdSettings file, for workers
+        self.extra_env: Dict[str, str] = {}  # more variables for every worker (e.g. the memory-tier directory)
 
     def command(self) -> List[str]:
         cfg = self.cfg
@@ -71,7 +94,7 @@ class WorkerGroup:
         if not self.cfg.prewarm or self.cfg.no_python:
             return
         self._warm = [p for p in self._warm if p.poll() is None]
-        env = dict(os.environ)
+        env = without_secrets(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
         if self.cfg.nproc_per_node > 1:
             env.setdefault("OMP_NUM_THREADS", "1")
@@ -100,7 +123,7 @@ class WorkerGroup:
             order = {"env": env, "argv": [self.cfg.entrypoint, *self.cfg.args], "module": self.cfg.module,
                      "cwd": os.getcwd()}
             try:
-                proc.stdin.write((json.dumps(order) + "\n").encode())
+                proc.stdin.write(self._order_line(order))
                 proc.stdin.close()
                 return proc
             except (BrokenPipeError, OSError):
@@ -113,6 +136,21 @@ class WorkerGroup:
             stderr=subprocess.PIPE,
             start_new_session=True,
         )
+
+    def _order_line(self, order: Dict[str, object]) -> bytes:
+        """The line a pre-warmed interpreter reads on stdin: the order itself, or where to find it.
+
+        A pipe holds 64 KiB and the interpreter reads only once its imports are done, so a bigger
+        write (a long argv or environment) would block the agent until then — or for good. Up to
+        PIPE_BUF bytes go inline (never blocks on an empty pipe); more go through a private file.
+        """
+        data = (json.dumps(order) + "\n").encode()
+        if len(data) <= ORDER_INLINE_MAX:
+            return data
+        fd, path = tempfile.mkstemp(prefix="order-", suffix=".json", dir=self.files_dir)  # mode 0600
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        return (json.dumps({"order_file": path}) + "\n").encode()
 
     def discard_warm(self) -> None:
         """Stop the idle pre-warmed interpreters."""
@@ -139,8 +177,7 @@ class WorkerGroup:
             json.dump(event.to_dict() if event else {}, f)
         for local_rank in range(member.nproc):
             rank = member.rank_offset + local_rank
-            rank_dir = os.path.join(round_dir, f"rank_{rank}")
-            os.makedirs(rank_dir, exist_ok=True)
+            rank_dir = self._worker_dir(round_dir, topo.round, rank, local_rank)
             spec = WorkerSpec(topo, member, local_rank, os.path.join(rank_dir, "error.json"), event_file)
             env = worker_env(
                 os.environ,
@@ -154,48 +191,78 @@ class WorkerGroup:
                 backend=self.cfg.backend,
                 use_gpu=self.use_gpu,
                 extra={
-                    "ELASTICRUN_LR_SCALING": self.cfg.lr_strategy.value,
-                    "ELASTICRUN_REDISTRIBUTION": self.cfg.redistribution.value,
+                    names.LR_SCALING: self.cfg.lr_strategy.value,
+                    names.REDISTRIBUTION: self.cfg.redistribution.value,
+                    names.GLOBAL_BATCH_SIZE: str(self.cfg.global_batch_size or ""),
+                    **self.extra_env,
                 },
+                etcd_settings_file=self.etcd_settings_file,
             )
             proc = self._spawn(env)
-            self._workers.append(_Worker(spec, proc))
-            self._pump(proc, topo.round, rank, local_rank)
+            err_pump = self._pump(proc, rank_dir if self.log_dir is not None else None, rank, local_rank)
+            self._workers.append(_Worker(spec, proc, err_pump))
             threading.Thread(target=self._wait, args=(proc,), daemon=True).start()
 
-    def _pump(self, proc: subprocess.Popen, round_: int, rank: int, local_rank: int) -> None:
-        prefix = f"[{self.node_label}/{rank}]:"
+    def _worker_dir(self, round_dir: str, round_: int, rank: int, local_rank: int) -> str:
+        """Where a worker's error.json (and, with a log dir, its stdout/stderr.log) go."""
+        if self.log_dir is None:
+            path = os.path.join(round_dir, f"rank_{rank}")
+        else:
+            if self._run_log_dir is None:
+                self._run_log_dir = run_log_dir(self.log_dir, self.cfg.rdzv_id)
+            path = worker_log_dir(self._run_log_dir, round_, local_rank)
+        os.makedirs(path, exist_ok=True)
+        return path
+
+    @property
+    def run_log_dir(self) -> Optional[str]:
+        """``<log_dir>/<run_id>_<random>`` once the first workers started with a log dir, else None."""
+        return self._run_log_dir
+
+    def _pump(self, proc: subprocess.Popen, log_dir: Optional[str], rank: int, local_rank: int) -> OutputPump:
+        """Start copying a worker's stdout and stderr; returns the stderr pump (it keeps the tail)."""
+        prefix = line_prefix(self.node_label, rank, local_rank, self.cfg.role)
+        shown = on_console(local_rank, self.cfg.local_ranks_filter)
+        pumps = []
         for stream, pipe in ((1, proc.stdout), (2, proc.stderr)):
-            path = None
-            if self.log_dir is not None:
-                path = os.path.join(attempt_dir(self.log_dir, self.cfg.rdzv_id, round_, rank), f"{STREAMS[stream]}.log")
-            console = None if stream_selected(self._redirects, local_rank, stream) else console_stream(stream)
-            self._pumps.append(LinePump(pipe, prefix, console, path))
+            assert pipe is not None
+            path = os.path.join(log_dir, f"{STREAMS[stream]}.log") if log_dir is not None else None
+            on = shown and not stream_selected(self._redirects, local_rank, stream)
+            console = console_for(stream) if on else None
+            pumps.append(OutputPump(pipe, prefix, console, path, keep_tail=TAIL_KEEP if stream == 2 else 0))
+        self._pumps.extend(pumps)
+        return pumps[1]
 
     def _wait(self, proc: subprocess.Popen) -> None:
         proc.wait()
         self._on_exit()
 
-    def poll(self) -> str:
-        """``running``, ``succeeded`` (all exited 0), ``failed`` (any non-zero) or ``idle``."""
+    def poll(self) -> GroupState:
+        """RUNNING, SUCCEEDED (all exited 0), FAILED (any non-zero) or IDLE (none started)."""
         if not self._workers:
-            return "idle"
+            return GroupState.IDLE
         codes = [w.proc.poll() for w in self._workers]
         if any(c is not None and c != 0 for c in codes):
-            return "failed"
+            return GroupState.FAILED
         if all(c == 0 for c in codes):
-            return "succeeded"
-        return "running"
+            return GroupState.SUCCEEDED
+        return GroupState.RUNNING
 
     def failures(self) -> List[WorkerFailure]:
         """The workers that exited non-zero (first to fail first when error files tell)."""
         out = []
+        drain_until = time.monotonic() + STDERR_DRAIN_S
         for w in self._workers:
             code = w.proc.poll()
             if code is not None and code != 0:
                 m = w.spec.member
-                out.append(make_failure(m.node_id, m.host, w.spec.rank, w.spec.local_rank, code, w.spec.error_file))
-        return sorted(out, key=lambda f: f.timestamp)
+                stderr = b""
+                if w.err_pump is not None:
+                    w.err_pump.join(max(0.0, drain_until - time.monotonic()))  # its last lines may still be in the pipe
+                    stderr = w.err_pump.tail()
+                out.append(make_failure(m.node_id, m.host, w.spec.rank, w.spec.local_rank, code, w.spec.error_file,
+                                        stderr))
+        return bounded(sorted(out, key=lambda f: f.timestamp))
 
     def stop(self, grace: float, sig: int = signal.SIGTERM) -> None:
         """Signal every worker's process group, SIGKILL after ``grace`` s, and reap them all."""

@@ -23,12 +23,14 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from elasticrun.config import describe_mismatch
 from elasticrun.errors import ConfigError, RendezvousError
-from elasticrun.models import NodeInfo, RescaleEvent, RescaleType, Topology, WorkerStatus
-from elasticrun.rendezvous.keys import JobKeys
+from elasticrun.job.keys import JobKeys
+from elasticrun.launch.restarts import RestartBudget
+from elasticrun.launch.states import JobState, RoundOutcome
 from elasticrun.rendezvous.ranks import classify, plan_members
+from elasticrun.rendezvous.records import NodeInfo, RescaleEvent, RescaleType, Topology, WorkerStatus
 from elasticrun.rendezvous.view import JobView
 from elasticrun.store.client import EtcdStore
-from elasticrun.store.lease import KeepAlive
+from elasticrun.store.lease import KeepAlive, LeaseHealth
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +51,7 @@ class JobEnded(Exception):
 
     @property
     def succeeded(self) -> bool:
-        return self.state.get("state") == "succeeded"
+        return self.state.get("state") == JobState.SUCCEEDED.value
 
 
 class LeaseLost(Exception):
@@ -60,7 +62,7 @@ class LeaseLost(Exception):
 class RendezvousSettings:
     """What the protocol needs from the launch configuration."""
 
-    job: str
+    job_id: str  # --rdzv-id
     min_nodes: int
     max_nodes: int
     max_restarts: int
@@ -68,6 +70,22 @@ class RendezvousSettings:
     stability_window: float
     rescale_timeout: float
     join_timeout: float
+    # Liveness: a main loop silent this long stops refreshing the lease (None: no gate).
+    stall_after: Optional[float] = None
+    # How long to wait for the members of the previous round to stop their workers before
+    # forming the next round without them (a node that neither stops nor loses its lease).
+    busy_timeout: float = 60.0
+
+    @property
+    def job(self) -> str:
+        """Old name of :attr:`job_id`."""
+        return self.job_id
+
+    @property
+    def rejoin_grace(self) -> float:
+        """After an etcd outage, how long a member may be missing before its round is over."""
+        return 2.0 * self.heartbeat_timeout
+    restart_window: float = 0.0  # --restart-window: count max_restarts within this many seconds (0: whole job)
 
 
 class Rendezvous:
@@ -83,7 +101,7 @@ class Rendezvous:
     ) -> None:
         self.store = store
         self.settings = settings
-        self.keys = JobKeys(settings.job)
+        self.keys = JobKeys(settings.job_id)
         self.node = node
         self._host_store = host_store
         self._say = on_progress or (lambda msg: log.info(msg))
@@ -93,6 +111,8 @@ class Rendezvous:
         self._last_eval = 0.0
         self._plan: Tuple[int, Tuple[str, ...]] = (-1, ())
         self._plan_at = 0.0
+        self._busy_since: Optional[Tuple[int, float]] = None  # (round, since) the previous members were busy
+        self.outage_over_at: Optional[float] = None  # when etcd answered again after an outage we noticed
 
     @property
     def node_id(self) -> str:
@@ -110,7 +130,7 @@ class Rendezvous:
         diff = describe_mismatch(existing, settings)
         if diff:
             raise ConfigError(
-                f"job {self.settings.job!r} runs with different settings ({diff}); start this node with "
+                f"job {self.settings.job_id!r} runs with different settings ({diff}); start this node with "
                 "the same flags as the others, or use another --rdzv-id"
             )
 
@@ -121,7 +141,7 @@ class Rendezvous:
             return
         ok = self.store.txn_delete_prefix_if(self.keys.prefix, guard=(self.keys.state, kv.mod_revision))
         if ok:
-            log.info("removed the keys of the finished job %s", self.settings.job)
+            log.info("removed the keys of the finished job %s", self.settings.job_id)
 
     def register(self, wait_for_old: bool = False) -> None:
         """Take a lease and publish our node record under it.
@@ -132,9 +152,12 @@ class Rendezvous:
         """
         key = self.keys.node(self.node_id)
         ttl = self.settings.heartbeat_timeout
-        lease = KeepAlive(self.store, ttl, on_lost=lambda _reason: self.view.poke())
+        lease = KeepAlive(
+            self.store, ttl, on_lost=lambda _reason: self.view.poke(), stall_after=self.settings.stall_after
+        )
         record = json.dumps(self.node.replace(heartbeat_at=time.time()).to_dict())
         deadline = time.monotonic() + ttl + 5
+        lease.beat(busy_for=ttl + 5)  # the wait below is bounded by that
         while not self.store.create(key, record, lease=lease.lease_id):
             mine = self.store.get(key)
             if mine is None:
@@ -144,7 +167,7 @@ class Rendezvous:
             if not wait_for_old:
                 lease.revoke()
                 raise ConfigError(
-                    f"node id {self.node_id!r} is already registered in job {self.settings.job!r} by a "
+                    f"node id {self.node_id!r} is already registered in job {self.settings.job_id!r} by a "
                     "running agent; give every node a unique --node-id"
                 )
             try:
@@ -154,7 +177,26 @@ class Rendezvous:
                 raise RendezvousError(
                     f"could not re-register node {self.node_id!r}: its old record never expired"
                 ) from None
+        self._claim_node_rank(lease)
         self.lease = lease
+
+    def _claim_node_rank(self, lease: KeepAlive) -> None:
+        """``--node-rank R``: hold ``node-ranks/R`` under our lease; a second node with R is refused."""
+        rank = self.node.node_rank
+        if rank < 0:
+            return
+        key = self.keys.node_rank(rank)
+        if self.store.create(key, self.node_id, lease=lease.lease_id):
+            return
+        holder = self.store.get(key)
+        if holder is not None and holder.lease == lease.lease_id:
+            return
+        lease.revoke()
+        owner = holder.value.decode(errors="replace") if holder is not None else "another node"
+        raise ConfigError(
+            f"--node-rank {rank} is already taken in job {self.settings.job_id!r} by node {owner!r}; give every "
+            "node its own --node-rank (0 .. nnodes-1)"
+        )
 
     def reregister(self) -> None:
         """After losing the lease: join again as a new incarnation."""
@@ -181,6 +223,23 @@ class Rendezvous:
     def lease_valid(self) -> bool:
         return self.lease is not None and self.lease.valid()
 
+    def lease_health(self) -> LeaseHealth:
+        """HELD, IN_DOUBT (etcd unreachable) or LOST; LOST without a lease."""
+        return LeaseHealth.LOST if self.lease is None else self.lease.health()
+
+    def beat(self, busy_for: float = 0.0) -> None:
+        """The agent's main loop made progress (liveness: keeps the lease refreshed)."""
+        if self.lease is not None:
+            self.lease.beat(busy_for)
+
+    def recently_unreachable(self) -> bool:
+        """True within ``rejoin_grace`` after etcd last failed to answer us (or an outage ended)."""
+        marks = [self.outage_over_at]
+        if self.lease is not None:
+            marks.append(self.lease.last_unreachable)
+        last = max((m for m in marks if m is not None), default=None)
+        return last is not None and time.monotonic() - last < self.settings.rejoin_grace
+
     # -- forming a round ------------------------------------------------------------------
 
     def next_round(self) -> Topology:
@@ -203,6 +262,7 @@ class Rendezvous:
         said = ""
         version = self.view.version
         while True:
+            self.beat()
             if not self.lease_valid():
                 raise LeaseLost(self.lease.lost_reason if self.lease else "no lease")
             state = self.view.state()
@@ -233,8 +293,8 @@ class Rendezvous:
                         f"{timeout:.0f}s"
                     )
                     if topo is not None:
-                        self._end_job("failed", reason, topo, rev)
-                    raise RendezvousError(f"job {self.settings.job!r}: {reason}; start more nodes or lower --nnodes")
+                        self._end_job(JobState.FAILED, reason, topo, rev)
+                    raise RendezvousError(f"job {self.settings.job_id!r}: {reason}; start more nodes or lower --nnodes")
             version = self._wait_change(version)
 
     def _wait_change(self, version: int) -> int:
@@ -276,7 +336,17 @@ class Rendezvous:
                 if m.node_id in nodes and nodes[m.node_id][1] == m.lease and nodes[m.node_id][0].waiting_for != target
             ]
             if busy:
-                return f"waiting for {len(busy)} node(s) of round {prev.round} to stop their workers"
+                if self._busy_since is None or self._busy_since[0] != prev.round:
+                    self._busy_since = (prev.round, time.monotonic())
+                waited = time.monotonic() - self._busy_since[1]
+                if waited < s.busy_timeout:
+                    return f"waiting for {len(busy)} node(s) of round {prev.round} to stop their workers"
+                # A deadline on every wait: a node that neither stops its workers nor loses its lease
+                # is left out (its stale workers cannot commit: the commit fence checks the round).
+                self._say(
+                    f"node(s) {', '.join(busy)} did not stop their workers within {s.busy_timeout:.0f}s: "
+                    "forming the next round without them"
+                )
         if len(waiting) < s.min_nodes:
             return f"waiting for nodes: {len(waiting)}/{s.min_nodes} (min) joined"
         settle = s.stability_window - (time.monotonic() - changed_at)
@@ -289,10 +359,10 @@ class Rendezvous:
         # broke), a membership change: it does not use up a restart.
         counts = failed and kind in (RescaleType.RESTART, RescaleType.SCALE_UP)
         restarts = 0 if prev is None else prev.restart_count + (1 if counts else 0)
-        if counts and prev is not None and prev.restart_count >= s.max_restarts:
-            self._end_job(
-                "failed", f"workers failed and all {s.max_restarts} restart(s) are used up", prev, prev_rev
-            )
+        budget = RestartBudget(s.max_restarts, s.restart_window)
+        history = (self.store.get_json(self.keys.restarts) or {}).get("times", []) if counts else []
+        if counts and prev is not None and not budget.allows(prev.restart_count, history, time.time()):
+            self._end_job(JobState.FAILED, f"workers failed and all {budget.describe()} are used up", prev, prev_rev)
             return "job failed"
         # Designated writer: the new group rank 0 writes the round; the others stand back for
         # FORM_GRACE s (so N agents don't all race the same compare-and-swap), then try too in
@@ -330,6 +400,8 @@ class Rendezvous:
             (self.keys.topology, json.dumps(topo.to_dict()), None),
             (self.keys.event(target), json.dumps(event.to_dict()), None),
         ]
+        if counts:
+            puts.append((self.keys.restarts, json.dumps({"times": budget.record(history, time.time())}), None))
         if self.store.txn_put_many((self.keys.topology, prev_rev), puts):
             log.info("formed round %d: %s", target, topo.node_ids)
             self._trim_history(target)
@@ -352,18 +424,22 @@ class Rendezvous:
                 self.store.delete(self.keys.event(n))
                 self.store.delete_prefix(self.keys.round(n))
 
-    def _end_job(self, state: str, reason: str, topo: Topology, topo_rev: int) -> None:
-        record = {"state": state, "reason": reason, "round": topo.round, "time": time.time()}
+    def _end_job(self, state: JobState, reason: str, topo: Topology, topo_rev: int) -> None:
+        record = {"state": state.value, "reason": reason, "round": topo.round, "time": time.time()}
         self.store.txn_put_many((self.keys.topology, topo_rev), [(self.keys.state, json.dumps(record), None)])
 
     # -- while a round runs ------------------------------------------------------------------
 
     def rescale_event(self, round_: int) -> Optional[RescaleEvent]:
         d = self.view.get_json(self.keys.event(round_))
-        return None if d is None else RescaleEvent.from_dict(d)
+        try:
+            return None if d is None else RescaleEvent.from_dict(d)
+        except (ValueError, TypeError, KeyError, AttributeError):  # another agent's bad record: ignore it
+            log.warning("ignoring malformed rescale event of round %d", round_)
+            return None
 
     def round_change(self, topo: Topology) -> Optional[str]:
-        """Why round ``topo`` is over (None while it runs). 'succeeded' when every member finished."""
+        """Why round ``topo`` is over (None while it runs); RoundOutcome.SUCCEEDED when every member finished."""
         state = self.view.state()
         if state:
             return f"job {state.get('state')}"
@@ -377,12 +453,15 @@ class Rendezvous:
         if end is not None:
             return str(end.get("reason", "round ended"))
         nodes = self.view.nodes()
-        for m in topo.members:
+        members = current.members  # the same round; a member may have rejoined after an outage (new lease)
+        for m in members:
             entry = nodes.get(m.node_id)
             if entry is None or entry[1] != m.lease:
+                if self.recently_unreachable():
+                    continue  # after an etcd outage every lease may have expired: let members rejoin
                 return f"node {m.node_id} left or lost its lease"
         if len(self.view.under(self.keys.dones(topo.round))) >= len(topo.members):
-            return "succeeded"
+            return RoundOutcome.SUCCEEDED
         return None
 
     def maybe_scale_up(self, topo: Topology) -> Optional[float]:
@@ -426,7 +505,7 @@ class Rendezvous:
 
     def mark_succeeded(self, topo: Topology) -> None:
         _, rev = self.view.topology()
-        self._end_job("succeeded", "all workers exited 0", topo, rev)
+        self._end_job(JobState.SUCCEEDED, "all workers exited 0", topo, rev)
 
     def root_cause(self, round_: int) -> List[Dict[str, Any]]:
         """Failed workers recorded for round ``round_`` (every node's), oldest first."""

@@ -19,8 +19,8 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from elasticrun.errors import StoreError
-from elasticrun.models import NodeInfo, Topology
-from elasticrun.rendezvous.keys import JobKeys
+from elasticrun.job.keys import JobKeys
+from elasticrun.rendezvous.records import NodeInfo, Topology
 from elasticrun.store.client import EtcdStore, KeyValue, WatchEvent
 
 log = logging.getLogger(__name__)
@@ -65,11 +65,12 @@ class JobView:
         self._data[kv.key] = kv
         if kv.key.startswith(self.keys.nodes):
             node_id = kv.key[len(self.keys.nodes):]
-            try:
-                self._nodes[node_id] = (NodeInfo.from_dict(json.loads(kv.value)), kv.lease)
-            except (ValueError, TypeError, KeyError):
+            info = parse_node(kv.value)
+            if info is None:
                 self._nodes.pop(node_id, None)
-                log.warning("ignoring malformed node record %s", kv.key)
+                log.warning("ignoring malformed node record %s", kv.key[:200])
+            else:
+                self._nodes[node_id] = (info, kv.lease)
 
     def _on_events(self, events: List[WatchEvent]) -> None:
         events = [ev for ev in events if not ev.key.startswith(self._ignored)]
@@ -153,8 +154,16 @@ class JobView:
             return self._data.get(key)
 
     def get_json(self, key: str) -> Any:
+        """The record at ``key`` as a dict; None when absent or malformed (logged and ignored:
+        another agent's bad value must never crash this one)."""
         kv = self.get(key)
-        return None if kv is None else json.loads(kv.value)
+        if kv is None:
+            return None
+        d = loads_record(kv.value)
+        if not isinstance(d, dict):
+            log.warning("ignoring malformed record %s", key[:200])
+            return None
+        return d
 
     def under(self, prefix: str) -> Dict[str, KeyValue]:
         with self._cond:
@@ -177,10 +186,71 @@ class JobView:
         cached, rev = self._topo
         if cached is not None and rev == kv.mod_revision:
             return cached, rev
-        topo = Topology.from_dict(json.loads(kv.value))  # frozen: safe to share between callers
+        topo = parse_topology(kv.value)  # frozen: safe to share between callers
+        if topo is None:
+            # A malformed round record: ignore it and keep the last good round (the next round's
+            # transaction, which compares this revision, replaces it).
+            log.warning("ignoring malformed topology record at revision %d", kv.mod_revision)
+            topo = cached
         self._topo = (topo, kv.mod_revision)
         return topo, kv.mod_revision
 
     def state(self) -> Optional[Dict[str, Any]]:
         """The job's terminal state record, if it has ended."""
         return self.get_json(self.keys.state)
+
+
+_MAX_RECORD = 16 << 20
+
+
+def loads_record(value: Any) -> Any:
+    """JSON of an etcd value written by another agent, or None when it is not valid JSON
+    (too big, not UTF-8, nested too deeply, ...)."""
+    try:
+        if len(value) > _MAX_RECORD:
+            return None
+        return json.loads(value)
+    except (ValueError, TypeError, UnicodeDecodeError, RecursionError):
+        return None
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def parse_node(value: Any) -> Optional[NodeInfo]:
+    """A node record, checked field by field; None when malformed."""
+    d = loads_record(value)
+    if not isinstance(d, dict):
+        return None
+    try:
+        info = NodeInfo.from_dict(d)
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        return None
+    ok = (all(isinstance(x, str) for x in (info.node_id, info.host, info.addr))
+          and all(_is_int(x) for x in (info.nproc, info.pid, info.waiting_for, info.store_port, info.node_rank))
+          and info.nproc > 0 and 0 <= info.store_port < 65536 and isinstance(info.accelerators, list)
+          and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                  for x in (info.registered_at, info.heartbeat_at)))
+    return info if ok else None
+
+
+def parse_topology(value: Any) -> Optional[Topology]:
+    """A round record, checked field by field; None when malformed."""
+    d = loads_record(value)
+    if not isinstance(d, dict) or not isinstance(d.get("members"), list):
+        return None
+    if not all(isinstance(m, dict) for m in d["members"]):
+        return None
+    try:
+        topo = Topology.from_dict(d)
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError):
+        return None
+    for m in topo.members:
+        if not (all(isinstance(x, str) for x in (m.node_id, m.host, m.addr))
+                and all(_is_int(x) for x in (m.nproc, m.group_rank, m.rank_offset, m.lease))
+                and m.nproc > 0 and m.group_rank >= 0 and m.rank_offset >= 0):
+            return None
+    if not isinstance(topo.master_addr, str) or not 0 <= topo.master_port < 65536 or topo.round < 0:
+        return None
+    return topo

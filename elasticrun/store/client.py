@@ -2,27 +2,38 @@
 
 It wraps ``pyetcd`` (the maintained fork of ``etcd3``, same API) with what elasticrun
 needs and the library lacks: retries with backoff across endpoints, fast reconnects,
-JSON helpers, compare-and-swap by revision, watches with a resync hook, and one-line
-errors (:class:`~elasticrun.errors.StoreError`) instead of raw gRPC exceptions.
+JSON helpers, compare-and-swap by revision, watches with a resync hook, auth tokens that
+are renewed when etcd stops accepting them (token TTL expired, etcd restarted), and
+one-line errors (:class:`~elasticrun.errors.StoreError`) instead of raw gRPC exceptions.
+Build a client from :class:`elasticrun.job.settings.EtcdSettings` (``settings.connect()``).
 """
 
 from __future__ import annotations
 
 import json
 import random
+import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, TypeVar
 
 import grpc
 import pyetcd
 import pyetcd.exceptions as etcd_exc
 import pyetcd.utils
-from pyetcd.client import Endpoint, MultiEndpointEtcd3Client
+from pyetcd import etcdrpc
+from pyetcd.client import Endpoint, EtcdTokenCallCredentials, MultiEndpointEtcd3Client
 from pyetcd.events import DeleteEvent
 
 from elasticrun.errors import StoreError
+from elasticrun.store.explain import START_HINT, explain, tls_failure, token_rejected
+from elasticrun.store.types import KeyValue, WatchEvent, parse_endpoints
+
+# Never draw from the global `random` the training script seeds and checkpoints (a background
+# thread drawing from it would change the script's random numbers): our retry jitter and
+# pyetcd's endpoint choice use private generators.
+_JITTER = random.Random()
+sys.modules["pyetcd.client"].random = random.Random()  # type: ignore[attr-defined]
 
 T = TypeVar("T")
 
@@ -40,55 +51,6 @@ _TRANSIENT = (
     etcd_exc.NoServerAvailableError,
     etcd_exc.WatchTimedOut,
 )
-_START_HINT = "start one with `elasticrun etcd`, or run with --standalone"
-
-
-@dataclass(frozen=True)
-class KeyValue:
-    """One key as read from etcd."""
-
-    key: str
-    value: bytes
-    mod_revision: int
-    create_revision: int
-    lease: int
-
-    def json(self) -> Any:
-        return json.loads(self.value)
-
-
-@dataclass(frozen=True)
-class WatchEvent:
-    """A change under a watched prefix; ``value`` is empty for deletes."""
-
-    key: str
-    value: bytes
-    deleted: bool
-    mod_revision: int
-    lease: int = 0
-
-
-def parse_endpoints(endpoints: str) -> List[Tuple[str, int]]:
-    """``"a:2379,http://b:2379"`` → ``[("a", 2379), ("b", 2379)]``; raises StoreError when malformed."""
-    result = []
-    for raw in endpoints.split(","):
-        item = raw.strip()
-        for scheme in ("http://", "https://"):
-            if item.startswith(scheme):
-                item = item[len(scheme):]
-        item = item.rstrip("/")
-        if not item:
-            continue
-        host, sep, port = item.rpartition(":")
-        if not sep:
-            host, port = item, "2379"
-        host = host.strip("[]")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise StoreError(f"bad etcd endpoint {raw.strip()!r}: expected host:port, e.g. 127.0.0.1:2379")
-        result.append((host, int(port)))
-    if not result:
-        raise StoreError("no etcd endpoint given: pass --rdzv-endpoint host:port[,host:port...]")
-    return result
 
 
 def _read(path: Optional[str], what: str) -> Optional[bytes]:
@@ -144,6 +106,7 @@ class EtcdStore:
         self._client_args = dict(endpoints=eps, timeout=timeout, failover=True)
         self._auth = (user, password)
         self._lock = threading.Lock()
+        self.token_renewals = 0  # how often etcd refused our token and we got a new one
         self._client = self._retry(self._new_client, "connect")
 
     # -- plumbing -----------------------------------------------------------------
@@ -151,29 +114,32 @@ class EtcdStore:
     def _new_client(self) -> MultiEndpointEtcd3Client:
         user, password = self._auth
         if (user is None) != (password is None):
-            raise StoreError("etcd authentication needs both --etcd-user and --etcd-password")
+            raise StoreError("etcd authentication needs both --etcd-user and a password "
+                             "($ELASTICRUN_ETCD_PASSWORD or --etcd-password-file)")
         return MultiEndpointEtcd3Client(**self._client_args, user=user, password=password)
 
+    def _renew_token(self) -> None:
+        """Authenticate again and use the new token for every later call (and new watches)."""
+        user, password = self._auth
+        if user is None:
+            return
+        client = self._client
+        resp = client.authstub.Authenticate(etcdrpc.AuthenticateRequest(name=user, password=password), self.timeout)
+        client.metadata = (("token", resp.token),)
+        client.call_credentials = grpc.metadata_call_credentials(EtcdTokenCallCredentials(resp.token))
+        watcher = client._stubs.get("watcher")
+        if watcher is not None:
+            watcher._metadata = client.metadata
+            watcher._credentials = client.call_credentials
+        self.token_renewals += 1
+
     def _explain(self, err: BaseException) -> str:
-        if isinstance(err, grpc.RpcError) and hasattr(err, "code"):
-            code, details = err.code(), (err.details() or "")
-            if self._auth[0] is not None and "authentication failed" in details:
-                return f"etcd at {self.endpoints} rejected user {self._auth[0]!r}: wrong user name or password"
-            if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED) or (
-                "user name is empty" in details or "authentication" in details.lower()
-            ):
-                return (
-                    f"etcd at {self.endpoints} requires authentication ({details}): pass --etcd-user and "
-                    "--etcd-password (and --etcd-cacert for TLS)"
-                )
-            return f"etcd at {self.endpoints} refused the request: {code.name}: {details}"
-        if isinstance(err, _TRANSIENT):
-            return f"cannot reach etcd at {self.endpoints} ({err.__class__.__name__}); {_START_HINT}"
-        return f"etcd at {self.endpoints} failed: {err!r}"
+        return explain(err, self.endpoints, self._auth[0], transient=isinstance(err, _TRANSIENT))
 
     def _retry(self, fn: Callable[[], T], what: str) -> T:
         deadline = time.monotonic() + self.retry_timeout
         delay = 0.05
+        renewed = False
         while True:
             try:
                 return fn()
@@ -181,15 +147,25 @@ class EtcdStore:
                 if time.monotonic() + delay > deadline:
                     raise StoreError(self._explain(err)) from None
             except grpc.RpcError as err:
+                if self._auth[0] is not None and token_rejected(err) and not renewed and what != "connect":
+                    renewed = True  # once per call: a token refused twice in a row is not an expiry
+                    try:
+                        with self._lock:
+                            self._renew_token()
+                        continue
+                    except grpc.RpcError as auth_err:
+                        err = auth_err  # e.g. etcd still restarting: handled as below
                 code = err.code() if hasattr(err, "code") else None
-                if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or tls_failure(
+                    err.details() or ""
+                ):
                     raise StoreError(self._explain(err)) from None
                 if time.monotonic() + delay > deadline:
                     raise StoreError(self._explain(err)) from None
             except ValueError as err:  # pyetcd: "Trying to use a failed node"
                 if time.monotonic() + delay > deadline:
-                    raise StoreError(f"cannot reach etcd at {self.endpoints} ({err}); {_START_HINT}") from None
-            time.sleep(delay * (0.5 + random.random()))
+                    raise StoreError(f"cannot reach etcd at {self.endpoints} ({err}); {START_HINT}") from None
+            time.sleep(delay * (0.5 + _JITTER.random()))
             delay = min(delay * 2, 1.0)
 
     def _call(self, what: str, fn: Callable[[MultiEndpointEtcd3Client], T]) -> T:
@@ -284,11 +260,22 @@ class EtcdStore:
 
     def refresh_lease(self, lease_id: int) -> int:
         """One keep-alive; returns the remaining TTL (<= 0: the lease is gone). Does not retry."""
-        try:
-            for resp in self._client.refresh_lease(lease_id):
-                return int(resp.TTL)
-        except (grpc.RpcError, ValueError, *_TRANSIENT) as err:
-            raise StoreError(self._explain(err)) from None
+        for attempt in (0, 1):
+            try:
+                for resp in self._client.refresh_lease(lease_id):
+                    return int(resp.TTL)
+            except grpc.RpcError as err:
+                if attempt == 0 and self._auth[0] is not None and token_rejected(err):
+                    try:
+                        with self._lock:
+                            self._renew_token()
+                        continue
+                    except grpc.RpcError:
+                        pass
+                raise StoreError(self._explain(err)) from None
+            except (ValueError, *_TRANSIENT) as err:
+                raise StoreError(self._explain(err)) from None
+            return 0
         return 0
 
     def lease_ttl(self, lease_id: int) -> Optional[Dict[str, int]]:
@@ -347,7 +334,14 @@ class EtcdStore:
                 on_events(batch)
 
         kwargs = {} if start_revision is None else {"start_revision": start_revision}
-        watch_id = self._call("watch", lambda c: c.add_watch_prefix_callback(prefix, callback, **kwargs))
+
+        def op(c: MultiEndpointEtcd3Client) -> Any:
+            # etcd answers a watch made with an expired token with "created, canceled", which the
+            # library takes for success (a silent, dead watch): a read first renews the token.
+            c.get_response(prefix)
+            return c.add_watch_prefix_callback(prefix, callback, **kwargs)
+
+        watch_id = self._call("watch", op)
 
         def cancel() -> None:
             try:
@@ -376,6 +370,21 @@ class EtcdStore:
                 changed.wait(min(left, 1.0))
         finally:
             cancel()
+
+    # -- administration (elasticrun.store.admin) ------------------------------------
+
+    def auth_call(self, method: str, request_type: str, **fields: Any) -> Any:
+        """Call etcd's Auth service, e.g. ``("UserAdd", "AuthUserAddRequest", name=..., password=...)``.
+        A ``perm`` dict becomes an ``authpb.Permission``. For :mod:`elasticrun.store.admin`."""
+        if isinstance(fields.get("perm"), dict):
+            fields["perm"] = etcdrpc.Permission(**fields["perm"])
+
+        def op(c: MultiEndpointEtcd3Client) -> Any:
+            request = getattr(etcdrpc, request_type)(**fields)
+            return getattr(c.authstub, method)(request, self.timeout, credentials=c.call_credentials,
+                                               metadata=c.metadata)
+
+        return self._call(method, op)
 
     # -- misc -----------------------------------------------------------------------
 
@@ -406,15 +415,17 @@ class EtcdStore:
         self.close()
 
 
-def connect(endpoints: str, *, check: bool = True, **options: Any) -> EtcdStore:
+def connect(endpoints: str, *, check: bool = True, check_key: Optional[str] = None, **options: Any) -> EtcdStore:
     """Open an :class:`EtcdStore` (``options`` as for its constructor) and, by default, check that
-    etcd answers — and lets us in — within ``retry_timeout``."""
+    etcd answers within ``retry_timeout`` — and, with ``check_key``, that it lets us read that key
+    (status is open even on secured clusters; a job's user may read only its own prefix, so pass a
+    key there: ``JobKeys(job_id).ping``). Prefer :meth:`EtcdSettings.connect`."""
     store = EtcdStore(endpoints, **options)
     if check:
         try:
             store.ping()
-            # A read proves we are allowed in (status is open even on secured clusters).
-            store.get("/elasticrun/.ping")
+            if check_key:
+                store.get(check_key)
         except BaseException:
             store.close()
             raise

@@ -1,14 +1,28 @@
-"""A lease kept alive by a background thread, with local expiry for fencing.
+"""A lease kept alive by a background thread, with local expiry for fencing and a liveness gate.
 
 etcd clients do not refresh leases on their own. :class:`KeepAlive` refreshes every
-``ttl / 3`` seconds and tracks when the lease was last confirmed. If the lease is gone
-(etcd says so) or has not been confirmed for a whole TTL (we cannot reach etcd, or the
-process was frozen), the lease is treated as lost *locally*: ``on_lost`` fires once, so
-the agent can fence itself (stop its workers) before etcd's own expiry is even observed.
+``ttl / 3`` seconds and tracks when the lease was last confirmed. Its :meth:`health` is one of:
+
+- ``HELD``: confirmed within the last TTL;
+- ``IN_DOUBT``: not confirmed for a TTL *because etcd does not answer* (every refresh
+  attempt since the last confirmation failed to reach it, and attempts kept being made):
+  an outage. Nobody can write a new round while etcd is unreachable, so the agent may keep
+  its workers for a bounded grace (see docs/design.md, "etcd outages");
+- ``LOST``: etcd said the lease is gone: the agent must fence itself. ``on_lost`` fires once.
+  After a TTL without any refresh attempt (this process was frozen, its loop stalled, or the
+  refresh thread was starved) :meth:`health` asks etcd at once instead of trusting the clock:
+  etcd never renews an expired lease, so "alive" is safe to believe and "gone" fences.
+
+Liveness: the lease is refreshed only while the owner's main loop makes progress. The
+owner calls :meth:`beat` every iteration (and ``beat(busy_for=S)`` before a bounded wait
+of up to S seconds). If no beat came for ``stall_after`` seconds the thread stops
+refreshing, etcd expires the lease within the TTL, and the other nodes treat this one as
+lost — a stalled agent cannot hold up the job with a healthy-looking lease.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -20,18 +34,40 @@ from elasticrun.store.client import EtcdStore
 log = logging.getLogger(__name__)
 
 
+class LeaseHealth(str, enum.Enum):
+    """What this process knows about its lease (see the module docstring)."""
+
+    HELD = "held"
+    IN_DOUBT = "in-doubt"
+    LOST = "lost"
+
+
 class KeepAlive:
     """Grant a lease and keep it alive until :meth:`revoke` or loss."""
 
-    def __init__(self, store: EtcdStore, ttl: float, on_lost: Optional[Callable[[str], None]] = None) -> None:
+    def __init__(
+        self,
+        store: EtcdStore,
+        ttl: float,
+        on_lost: Optional[Callable[[str], None]] = None,
+        stall_after: Optional[float] = None,
+    ) -> None:
         self.store = store
         self.ttl = max(2, int(round(ttl)))
+        # A main loop silent for this long counts as stalled (None: no liveness gate).
+        self.stall_after = stall_after
         self._on_lost = on_lost
         self._stop = threading.Event()
         self._lost_reason: Optional[str] = None
         self._lock = threading.Lock()
         self.lease_id = store.grant_lease(self.ttl)
-        self._confirmed = time.monotonic()
+        now = time.monotonic()
+        self._confirmed = now
+        self._alive_until = now + (stall_after or 0.0)
+        self._attempted = now  # last refresh attempt (sent)
+        self._pending: Optional[float] = None  # when the refresh now waiting for etcd was sent
+        self._unreachable_since: Optional[float] = None  # first failed attempt since the last confirmation
+        self.last_unreachable: Optional[float] = None  # last time etcd did not answer a refresh
         self._thread = threading.Thread(target=self._run, name=f"lease-{self.lease_id:x}", daemon=True)
         self._thread.start()
 
@@ -39,14 +75,77 @@ class KeepAlive:
     def interval(self) -> float:
         return max(0.2, self.ttl / 3.0)
 
+    # -- liveness --------------------------------------------------------------------
+
+    def beat(self, busy_for: float = 0.0) -> None:
+        """The owner's loop made progress; ``busy_for``: it now enters a wait bounded by that many seconds."""
+        if self.stall_after is not None:  # each beat replaces the last one's promise
+            self._alive_until = time.monotonic() + self.stall_after + max(0.0, busy_for)
+
+    def stalled(self) -> bool:
+        """True when the owner's loop has not beaten within ``stall_after`` (refreshing stopped)."""
+        return self.stall_after is not None and time.monotonic() > self._alive_until
+
+    # -- state -----------------------------------------------------------------------
+
+    def health(self) -> LeaseHealth:
+        """HELD, IN_DOUBT (etcd unreachable past a TTL) or LOST; see the module docstring."""
+        if self._lost_reason is not None:
+            return LeaseHealth.LOST
+        now = time.monotonic()
+        if now - self._confirmed < self.ttl:
+            return LeaseHealth.HELD
+        # Unconfirmed for a TTL. An outage if we kept trying and etcd kept not answering.
+        since = self._unreachable_since
+        pending = self._pending
+        if pending is not None and since is None:
+            since = pending  # the first attempt since the confirmation is still waiting for etcd
+        trying = since is not None and since - self._confirmed < self.ttl and now - self._attempted < self._patience()
+        if trying and not self.stalled():
+            return LeaseHealth.IN_DOUBT
+        # No attempt for a TTL: this process was frozen, its loop stalled, or the refresh thread was
+        # starved (a long import holding the GIL). The lease may be gone: ask etcd, now.
+        return self._check_now()
+
+    def _check_now(self) -> LeaseHealth:
+        """One refresh from the caller's thread: etcd, not the local clock, says if the lease lives."""
+        sent = time.monotonic()
+        try:
+            remaining = self.store.refresh_lease(self.lease_id)
+        except StoreError:
+            self.last_unreachable = time.monotonic()
+            if self._unreachable_since is None:
+                self._unreachable_since = sent
+            self._attempted = sent
+            return LeaseHealth.IN_DOUBT
+        self._confirm(sent, remaining)
+        return LeaseHealth.LOST if self._lost_reason is not None else LeaseHealth.HELD
+
+    def _confirm(self, sent: float, remaining: int) -> None:
+        """Record etcd's answer to a refresh sent at ``sent``.
+
+        Alive (``remaining > 0``): the lease is confirmed as of ``sent`` — etcd counts its TTL from
+        when it received the refresh, later, so the local deadline ``sent + TTL`` is never later
+        than etcd's. etcd never renews an expired lease, so this holds after any gap.
+        """
+        if remaining <= 0:
+            self._lose("etcd expired the lease (process paused, its main loop stalled, or an outage)")
+            return
+        if sent > self._confirmed:
+            self._confirmed = sent
+        self._unreachable_since = None
+
+    def _patience(self) -> float:
+        """How long since the last attempt still counts as 'still trying' (an attempt may block)."""
+        return self.interval + self.store.timeout + self.ttl
+
     def valid(self) -> bool:
         """True while the lease is confirmed within the last TTL (checked against the local clock)."""
-        if self._lost_reason is not None:
-            return False
-        if time.monotonic() - self._confirmed >= self.ttl:
-            self._lose(f"lease not confirmed for {self.ttl}s (etcd unreachable or process paused)")
-            return False
-        return True
+        return self.health() is LeaseHealth.HELD
+
+    def unconfirmed_for(self) -> float:
+        """Seconds since etcd last confirmed the lease."""
+        return time.monotonic() - self._confirmed
 
     @property
     def lost_reason(self) -> Optional[str]:
@@ -64,28 +163,36 @@ class KeepAlive:
             except Exception:  # noqa: BLE001 - a callback bug must not kill the heartbeat thread
                 log.exception("on_lost callback failed")
 
+    # -- the refresh thread ----------------------------------------------------------------
+
     def _run(self) -> None:
+        said_stalled = False
         while not self._stop.wait(self.interval):
-            if not self.valid():
+            if self._lost_reason is not None:
                 return
+            if self.stalled():
+                # Do not refresh for a stalled loop: etcd expires the lease, the others re-form.
+                if not said_stalled:
+                    log.warning("lease %x: main loop stalled; not refreshing", self.lease_id)
+                said_stalled = True
+                continue
+            said_stalled = False
             sent = time.monotonic()
+            self._attempted = self._pending = sent
             try:
                 remaining = self.store.refresh_lease(self.lease_id)
             except StoreError as err:
+                self._pending = None
                 log.debug("keep-alive failed: %s", err)
+                now = time.monotonic()
+                self.last_unreachable = now
+                if self._unreachable_since is None:
+                    self._unreachable_since = sent
                 continue
+            self._pending = None
             if self._stop.is_set():
                 return
-            if remaining <= 0:
-                self._lose("etcd expired the lease")
-                return
-            # Only count the refresh if no full TTL passed before it was sent (a frozen process
-            # resumes here with a stale clock: its lease may already have expired in etcd).
-            if sent - self._confirmed < self.ttl:
-                self._confirmed = sent
-            else:
-                self._lose("lease not confirmed for a whole TTL")
-                return
+            self._confirm(sent, remaining)
 
     def revoke(self) -> None:
         """Stop refreshing and revoke the lease (its keys vanish at once)."""

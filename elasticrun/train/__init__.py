@@ -4,30 +4,39 @@
 
     ctx = et.init()                                  # process group, device, SIGTERM flag
     sampler = et.ElasticDistributedSampler(dataset)  # resumes mid-epoch at any world size
-    lr = et.scale_lr(base_lr, base_world, ctx.world_size, "linear")
+    lr = et.scale_lr(base_lr, base_world, ctx.world_size)   # the launcher's --lr-scaling
     requests = et.CheckpointRequests(ctx)            # `elasticrun ckpt save` + agreed stop
     progress = et.ProgressReporter(ctx)              # progress in etcd for `elasticrun status`
-    ckpt = et.load_latest(root)                      # newest loadable checkpoint, or None
+    ckpt = et.load_latest(root, sampler=sampler)     # newest checkpoint (+ sampler, RNG), or None
+    state["rng"] = et.capture_rng(seed)              # every rank's generators, in the checkpoint
 
 See docs/training.md and examples/train.py.
 """
 
-from elasticrun.models import AdaptationStrategy, DataShard, RedistributionType, RescaleType, TrainingState
+from elasticrun.checkpoint.state import TrainingState
+from elasticrun.job.hints import AdaptationStrategy, RedistributionType
+from elasticrun.rendezvous.records import RescaleType
 from elasticrun.train.control import CheckpointRequests, StepDecision
 from elasticrun.train.dist import ElasticContext, default_backend, init
 from elasticrun.train.env import ElasticState
-from elasticrun.train.lr import accumulation_steps, micro_batch_for, parse_strategy, scale_lr
+from elasticrun.train.lr import (
+    accumulation_steps,
+    default_global_batch,
+    default_strategy,
+    micro_batch_for,
+    parse_strategy,
+    scale_lr,
+    warmup_lr,
+)
 from elasticrun.train.progress import ProgressReporter
-from elasticrun.train.redistribution import DataRedistributionPlan, Transfer, make_shards
 from elasticrun.train.resume import complete_checkpoints, load_latest
-from elasticrun.train.sampler import ElasticDistributedSampler
+from elasticrun.train.rng import capture_rng, derive_seed, restore_rng, seed_all
+from elasticrun.train.sampler import ElasticDistributedSampler, default_redistribution
 from elasticrun.train.signals import GracefulStop
 
 __all__ = [
     "AdaptationStrategy",
     "CheckpointRequests",
-    "DataRedistributionPlan",
-    "DataShard",
     "ElasticContext",
     "ElasticDistributedSampler",
     "ElasticState",
@@ -37,14 +46,20 @@ __all__ = [
     "RescaleType",
     "StepDecision",
     "TrainingState",
-    "Transfer",
     "accumulation_steps",
+    "capture_rng",
     "complete_checkpoints",
     "default_backend",
+    "default_global_batch",
+    "default_redistribution",
+    "default_strategy",
+    "derive_seed",
     "init",
     "load_latest",
-    "make_shards",
     "micro_batch_for",
     "parse_strategy",
+    "restore_rng",
     "scale_lr",
+    "seed_all",
+    "warmup_lr",
 ]

@@ -23,7 +23,6 @@ the agent's grace period. ``every=k`` agrees every k steps instead.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -34,11 +33,14 @@ import torch
 import torch.distributed as dist
 
 from elasticrun.errors import ElasticrunError
+from elasticrun.job.requests import answer_done, answer_error
+from elasticrun.job.requests import parse_request as _parse_request
 from elasticrun.train.env import ElasticState
 from elasticrun.train.etcdlink import EtcdLink
 
 log = logging.getLogger(__name__)
 
+# Relative to the job prefix (kept for importers); the keys come from elasticrun.job.keys.
 REQUEST_DIR = "control/checkpoint/"
 DONE_DIR = "control/checkpoint-done/"
 
@@ -196,11 +198,11 @@ class CheckpointRequests:
 
     def done(self, request_id: str, name: str, root: str, step: int) -> None:
         """Answer a request with the checkpoint that satisfied it (rank 0; others: no-op)."""
-        self._answer(request_id, {"name": name, "root": str(root), "step": int(step)})
+        self._answer(request_id, answer_done(name, root, step))
 
     def fail(self, request_id: str, error: str) -> None:
         """Answer a request with an error (rank 0; others: no-op)."""
-        self._answer(request_id, {"error": str(error)})
+        self._answer(request_id, answer_error(error))
 
     def close(self, timeout: float = 3.0) -> None:
         """Send the answers still queued (waiting at most ``timeout`` s) and stop the watcher."""
@@ -275,8 +277,8 @@ class CheckpointRequests:
             return None
         try:
             self._resync.clear()
-            reqs, rev = store.get_prefix(self.link.key(REQUEST_DIR))
-            done, _ = store.get_prefix(self.link.key(DONE_DIR))
+            reqs, rev = store.get_prefix(self.link.keys.checkpoint_requests)
+            done, _ = store.get_prefix(self.link.keys.checkpoint_answers)
             answered = {kv.key.rsplit("/", 1)[-1] for kv in done}
             with self._lock:
                 self._inbox.answered |= answered
@@ -285,7 +287,7 @@ class CheckpointRequests:
                 if rid:
                     self._offer(rid, at)
             return store.watch_prefix(
-                self.link.key(REQUEST_DIR), self._on_events, self._on_watch_error, start_revision=rev + 1
+                self.link.keys.checkpoint_requests, self._on_events, self._on_watch_error, start_revision=rev + 1
             )
         except ElasticrunError as err:
             self._resync.set()
@@ -318,24 +320,12 @@ class CheckpointRequests:
             return
         for rid, value in todo:
             try:
-                store.put_json(self.link.key(DONE_DIR + rid), value)
+                store.put_json(self.link.keys.checkpoint_answer(rid), value)
             except ElasticrunError as err:
                 self.link.failed(err)
                 return
             with self._lock:
                 self._inbox.outbox.remove((rid, value))
-
-
-def _parse_request(key: str, value: bytes) -> Tuple[str, float]:
-    rid = key.rsplit("/", 1)[-1]  # the key names the request; the answer goes to the same id
-    at = time.time()
-    try:
-        body = json.loads(value)
-        if isinstance(body, dict):
-            at = float(body.get("requested_at", at))
-    except (ValueError, TypeError):
-        log.warning("elasticrun: checkpoint request %s has a malformed body; treating it as a request", key)
-    return rid, at
 
 
 def _distributed(group: Optional[Any]) -> bool:

@@ -20,14 +20,15 @@ import torch
 import torch.distributed as dist
 
 from elasticrun.errors import ConfigError
-from elasticrun.models import RescaleType
+from elasticrun.job import env as job_env
+from elasticrun.rendezvous.records import RescaleType
 from elasticrun.train.env import ElasticState
 from elasticrun.train.signals import GracefulStop
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 300.0
-ENV_BACKEND = "ELASTICRUN_BACKEND"
+ENV_BACKEND = job_env.BACKEND
 
 
 @dataclass

@@ -15,18 +15,20 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Mapping, Optional
 
 from elasticrun.errors import ConfigError
-from elasticrun.models import RescaleEvent, RescaleType
+from elasticrun.job import env as job_env
+from elasticrun.rendezvous.records import RescaleEvent, RescaleType
 
 log = logging.getLogger(__name__)
 
-ENV_ROUND = "ELASTICRUN_ROUND"
-ENV_PREV_WORLD_SIZE = "ELASTICRUN_PREV_WORLD_SIZE"
-ENV_RESCALE_TYPE = "ELASTICRUN_RESCALE_TYPE"
-ENV_RESCALE_EVENT_FILE = "ELASTICRUN_RESCALE_EVENT_FILE"
-ENV_RDZV_ENDPOINT = "ELASTICRUN_RDZV_ENDPOINT"
-ENV_RDZV_ID = "ELASTICRUN_RDZV_ID"
-ENV_NODE_ID = "ELASTICRUN_NODE_ID"
-ENV_CHECKPOINT_DIR = "ELASTICRUN_CHECKPOINT_DIR"
+# Short aliases of the names in elasticrun.job.env (the one place they are spelled).
+ENV_ROUND = job_env.ROUND
+ENV_PREV_WORLD_SIZE = job_env.PREV_WORLD_SIZE
+ENV_RESCALE_TYPE = job_env.RESCALE_TYPE
+ENV_RESCALE_EVENT_FILE = job_env.RESCALE_EVENT_FILE
+ENV_RDZV_ENDPOINT = job_env.RDZV_ENDPOINT
+ENV_RDZV_ID = job_env.RDZV_ID
+ENV_NODE_ID = job_env.NODE_ID
+ENV_CHECKPOINT_DIR = job_env.CHECKPOINT_DIR
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
@@ -75,6 +77,11 @@ class ElasticState:
         return self.prev_world_size > 0 and self.prev_world_size != self.world_size
 
     @property
+    def job_id(self) -> str:
+        """The job id (``--rdzv-id``); :attr:`rdzv_id` is its older name."""
+        return self.rdzv_id
+
+    @property
     def is_rank0(self) -> bool:
         return self.rank == 0
 
@@ -103,17 +110,17 @@ class ElasticState:
         warning is logged and the plain variables are used.
         """
         env = os.environ if env is None else env
-        launched = "RANK" in env and "WORLD_SIZE" in env
+        launched = job_env.RANK in env and job_env.WORLD_SIZE in env
         elastic = bool(env.get(ENV_ROUND, "").strip())
-        rank = _int(env, "RANK", 0)
-        world = _int(env, "WORLD_SIZE", 1)
-        local_rank = _int(env, "LOCAL_RANK", 0)
-        local_world = _int(env, "LOCAL_WORLD_SIZE", 1)
+        rank = _int(env, job_env.RANK, 0)
+        world = _int(env, job_env.WORLD_SIZE, 1)
+        local_rank = _int(env, job_env.LOCAL_RANK, 0)
+        local_world = _int(env, job_env.LOCAL_WORLD_SIZE, 1)
         if world < 1:
             raise ConfigError(f"WORLD_SIZE={world} must be at least 1")
         if not 0 <= rank < world:
             raise ConfigError(f"RANK={rank} is outside 0..{world - 1} (WORLD_SIZE={world})")
-        restarts = _int(env, "TORCHELASTIC_RESTART_COUNT", 0)
+        restarts = _int(env, job_env.RESTART_COUNT, 0)
         rnd = _int(env, ENV_ROUND, restarts)
         prev = _int(env, ENV_PREV_WORLD_SIZE, 0)
         raw_type = env.get(ENV_RESCALE_TYPE, "").strip()
@@ -136,14 +143,14 @@ class ElasticState:
             local_rank=local_rank,
             world_size=world,
             local_world_size=local_world,
-            group_rank=_int(env, "GROUP_RANK", 0),
+            group_rank=_int(env, job_env.GROUP_RANK, 0),
             round=rnd,
             restart_count=restarts,
             prev_world_size=prev,
             rescale_type=rtype,
             event=event,
             rdzv_endpoint=env.get(ENV_RDZV_ENDPOINT, "").strip(),
-            rdzv_id=env.get(ENV_RDZV_ID, "").strip() or env.get("TORCHELASTIC_RUN_ID", "").strip(),
+            rdzv_id=env.get(ENV_RDZV_ID, "").strip() or env.get(job_env.RUN_ID, "").strip(),
             node_id=env.get(ENV_NODE_ID, "").strip(),
             launched=launched,
             elastic=elastic,

@@ -5,6 +5,8 @@ talks to etcd from a worker runs on a background thread through an :class:`EtcdL
 it connects lazily with short timeouts, logs *one* warning when etcd is unreachable
 (and one line when it is back), and drops the client after an error so the next call
 reconnects. Each process makes its own client (gRPC channels must not cross ``fork``).
+It connects with the job's :class:`~elasticrun.job.settings.EtcdSettings` (TLS, user and
+password from the agent's settings file), like every other connection of the job.
 """
 
 from __future__ import annotations
@@ -14,28 +16,38 @@ import threading
 from typing import TYPE_CHECKING, Optional
 
 from elasticrun.errors import ElasticrunError
+from elasticrun.job.keys import JobKeys
+from elasticrun.job.settings import EtcdSettings
 
 if TYPE_CHECKING:
     from elasticrun.store.client import EtcdStore
 
 log = logging.getLogger(__name__)
 
-JOB_PREFIX = "/elasticrun/{job}/"
-
 
 def job_prefix(job_id: str) -> str:
-    return JOB_PREFIX.format(job=job_id)
+    """The job's key prefix (``JobKeys(job_id).prefix``)."""
+    return JobKeys(job_id).prefix
 
 
 class EtcdLink:
-    """Lazily connected :class:`~elasticrun.store.client.EtcdStore` for one purpose (``what``)."""
+    """Lazily connected :class:`~elasticrun.store.client.EtcdStore` for one purpose (``what``).
 
-    def __init__(self, endpoint: str, job_id: str, what: str, *, timeout: float = 2.0) -> None:
+    ``settings`` default to the agent's settings file (``ELASTICRUN_ETCD_SETTINGS_FILE``);
+    ``endpoint`` (when given) overrides their endpoints.
+    """
+
+    def __init__(
+        self, endpoint: str, job_id: str, what: str, *, timeout: float = 2.0,
+        settings: Optional[EtcdSettings] = None,
+    ) -> None:
         self.endpoint = endpoint
         self.job_id = job_id
         self.what = what
         self.timeout = timeout
-        self.prefix = job_prefix(job_id)
+        self.keys = JobKeys(job_id)
+        self.prefix = self.keys.prefix
+        self._settings = settings
         self._store: Optional[EtcdStore] = None
         self._warned = False
         self._lock = threading.Lock()
@@ -47,6 +59,12 @@ class EtcdLink:
     def key(self, *parts: str) -> str:
         return self.prefix + "/".join(parts)
 
+    def settings(self) -> EtcdSettings:
+        """How this link connects (read from the agent's settings file on first use)."""
+        if self._settings is None:
+            self._settings = EtcdSettings.from_env(endpoints=self.endpoint) or EtcdSettings(self.endpoint)
+        return self._settings
+
     def store(self) -> Optional[EtcdStore]:
         """The client, connecting if needed; None (after one warning) when etcd is unreachable."""
         if not self.enabled:
@@ -55,9 +73,7 @@ class EtcdLink:
             if self._store is not None:
                 return self._store
             try:
-                from elasticrun.store.client import connect
-
-                self._store = connect(self.endpoint, timeout=self.timeout, retry_timeout=self.timeout)
+                self._store = self.settings().connect(self.job_id, timeout=self.timeout, retry_timeout=self.timeout)
             except (ElasticrunError, ImportError, OSError) as err:
                 self._warn(err)
                 return None

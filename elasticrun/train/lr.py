@@ -6,17 +6,64 @@ When the world size changes, either the learning rate follows the global batch
 square root, common with Adam) or it stays put (``None``), in which case the global
 batch should stay put too: :func:`accumulation_steps` gives the gradient accumulation
 that keeps it constant.
+
+The launcher is the one place to set the rules: ``elasticrun --lr-scaling`` and
+``--global-batch-size`` reach workers as ``ELASTICRUN_LR_SCALING`` and
+``ELASTICRUN_GLOBAL_BATCH_SIZE``; :func:`scale_lr` without a strategy and
+:func:`default_global_batch` read them. After a scale-up, :func:`warmup_lr` ramps the LR
+from the old world size's value to the new one over K steps.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Union
+import os
+from typing import Mapping, Optional, Union
 
 from elasticrun.errors import ConfigError
-from elasticrun.models import AdaptationStrategy
+from elasticrun.job import env as names
+from elasticrun.job.hints import AdaptationStrategy
 
 StrategyLike = Union[AdaptationStrategy, str, None]
+
+
+class _FromLauncher:
+    """Sentinel: "the strategy the launcher was given" (``ELASTICRUN_LR_SCALING``)."""
+
+    def __repr__(self) -> str:
+        return "FROM_LAUNCHER"
+
+
+FROM_LAUNCHER = _FromLauncher()
+DEFAULT_STRATEGY = AdaptationStrategy.LINEAR  # elasticrun's --lr-scaling default
+
+
+def default_strategy(env: Optional[Mapping[str, str]] = None) -> AdaptationStrategy:
+    """The launcher's ``--lr-scaling`` (``ELASTICRUN_LR_SCALING``); ``linear`` (the launcher's
+    default) when the script was not started by elasticrun."""
+    env = os.environ if env is None else env
+    raw = env.get(names.LR_SCALING, "").strip()
+    if not raw:
+        return DEFAULT_STRATEGY
+    try:
+        return parse_strategy(raw)
+    except ConfigError:
+        raise ConfigError(f"{names.LR_SCALING}={raw!r} is not linear, sqrt or none") from None
+
+
+def default_global_batch(env: Optional[Mapping[str, str]] = None) -> int:
+    """The launcher's ``--global-batch-size`` (``ELASTICRUN_GLOBAL_BATCH_SIZE``), 0 when unset."""
+    env = os.environ if env is None else env
+    raw = env.get(names.GLOBAL_BATCH_SIZE, "").strip()
+    if not raw:
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ConfigError(f"{names.GLOBAL_BATCH_SIZE}={raw!r} must be a whole number >= 0")
+    return value
 
 
 def parse_strategy(strategy: StrategyLike) -> AdaptationStrategy:
@@ -39,8 +86,16 @@ def parse_strategy(strategy: StrategyLike) -> AdaptationStrategy:
     return aliases[key]
 
 
-def scale_lr(base_lr: float, base_world_size: int, world_size: int, strategy: StrategyLike) -> float:
+def scale_lr(
+    base_lr: float,
+    base_world_size: int,
+    world_size: int,
+    strategy: Union[StrategyLike, _FromLauncher] = FROM_LAUNCHER,
+) -> float:
     """The learning rate for ``world_size`` workers, given ``base_lr`` tuned at ``base_world_size``.
+
+    Without ``strategy`` the launcher's ``--lr-scaling`` applies (:func:`default_strategy`);
+    ``None`` means no scaling.
 
     >>> scale_lr(0.1, 4, 8, "linear")
     0.2
@@ -55,13 +110,28 @@ def scale_lr(base_lr: float, base_world_size: int, world_size: int, strategy: St
         )
     if not math.isfinite(base_lr) or base_lr < 0:
         raise ConfigError(f"base learning rate must be a finite number >= 0, got {base_lr}")
-    mode = parse_strategy(strategy)
+    mode = default_strategy() if isinstance(strategy, _FromLauncher) else parse_strategy(strategy)
     ratio = world_size / base_world_size
     if mode is AdaptationStrategy.LINEAR:
         return base_lr * ratio
     if mode is AdaptationStrategy.SQUARE_ROOT:
         return base_lr * math.sqrt(ratio)
     return base_lr
+
+
+def warmup_lr(target_lr: float, prev_lr: float, steps_since_rescale: int, warmup_steps: int) -> float:
+    """The LR for the ``steps_since_rescale``-th step (0-based) after a rescale: a linear ramp
+    from ``prev_lr`` (the old world size's LR) that reaches ``target_lr`` after ``warmup_steps``
+    steps. Only increases are ramped (after a scale-up); a lower target applies at once.
+
+    >>> [round(warmup_lr(0.4, 0.2, s, 4), 3) for s in range(5)]
+    [0.25, 0.3, 0.35, 0.4, 0.4]
+    """
+    if warmup_steps < 0 or steps_since_rescale < 0:
+        raise ConfigError(f"warmup steps must be >= 0 (warmup_steps={warmup_steps}, step={steps_since_rescale})")
+    if warmup_steps == 0 or target_lr <= prev_lr or steps_since_rescale >= warmup_steps:
+        return target_lr
+    return prev_lr + (target_lr - prev_lr) * (steps_since_rescale + 1) / warmup_steps
 
 
 def accumulation_steps(global_batch: int, micro_batch: int, world_size: int) -> int:
@@ -112,4 +182,14 @@ def micro_batch_for(global_batch: int, world_size: int, accumulation: int = 1) -
     return per
 
 
-__all__ = ["StrategyLike", "accumulation_steps", "micro_batch_for", "parse_strategy", "scale_lr"]
+__all__ = [
+    "FROM_LAUNCHER",
+    "StrategyLike",
+    "accumulation_steps",
+    "default_global_batch",
+    "default_strategy",
+    "micro_batch_for",
+    "parse_strategy",
+    "scale_lr",
+    "warmup_lr",
+]

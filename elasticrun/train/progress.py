@@ -47,7 +47,7 @@ class ProgressReporter:
             self.state.rdzv_id if job_id is None else job_id,
             "progress reports",
         )
-        self.key = self.link.key(PROGRESS_DIR + self.state.progress_id)
+        self.key = self.link.keys.progress_of(self.state.progress_id)
         self.active = self.link.enabled and self.state.local_rank == 0
         self.puts = 0
         self._latest: Optional[Dict[str, Any]] = None

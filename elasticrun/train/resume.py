@@ -14,8 +14,6 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional
 
-import torch.distributed as dist
-
 from elasticrun.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -28,23 +26,11 @@ def complete_checkpoints(root: str, process_group: Any = None) -> List[str]:
     """Names of the complete checkpoints under ``root``, newest first, as rank 0 sees them
     (collective when a process group exists, so every rank gets the same list)."""
     from elasticrun.checkpoint import list_checkpoints
+    from elasticrun.checkpoint.comm import on_rank0
 
-    names: List[str] = []
-    error: Optional[str] = None
-    is_dist = dist.is_available() and dist.is_initialized()
-    if not is_dist or dist.get_rank(process_group) == 0:
-        try:
-            names = [i.name for i in reversed(list_checkpoints(root)) if i.status == "complete"]
-        except CheckpointError as err:
-            error = str(err)
-    if is_dist and dist.get_world_size(process_group) > 1:
-        box: List[Any] = [(names, error)]
-        src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
-        dist.broadcast_object_list(box, src=src, group=process_group)
-        names, error = box[0]
-    if error is not None:
-        raise CheckpointError(error)
-    return names
+    return on_rank0(
+        lambda: [i.name for i in reversed(list_checkpoints(root)) if i.status == "complete"], process_group
+    )
 
 
 def load_latest(
@@ -54,29 +40,58 @@ def load_latest(
     placements: Optional[Mapping[str, Any]] = None,
     process_group: Any = None,
     fallback: bool = True,
+    sampler: Any = None,
+    restore_rng: bool = True,
+    memory: bool = True,
 ) -> Optional[LoadedCheckpoint]:
     """Load the newest complete checkpoint under ``root`` (collective), or ``None`` if there is none.
 
-    Arguments are those of :func:`elasticrun.checkpoint.load`. Raises
-    :class:`CheckpointError` when checkpoints exist but none can be loaded (or the newest
-    cannot, with ``fallback=False``).
+    ``state_dict``, ``placements`` and ``process_group`` are those of
+    :func:`elasticrun.checkpoint.load`. In the same call, when the checkpoint has them:
+    ``sampler.load_state_dict(state["sampler"])`` (pass the sampler) and, with
+    ``restore_rng`` (default), the generators saved under ``"rng"`` by
+    :func:`elasticrun.train.rng.capture_rng` — restored per rank at the same world size,
+    re-derived from (seed, step, rank) at another (see :mod:`elasticrun.train.rng`).
+    With ``memory`` (default) the node's memory snapshots (``elasticrun.checkpoint.memory``)
+    compete with ``root`` by training step; the result's ``.tier`` says which one was loaded.
+    Raises :class:`CheckpointError` when checkpoints exist but none can be loaded (or the
+    newest cannot, with ``fallback=False``).
     """
     from elasticrun.checkpoint import load
+    from elasticrun.checkpoint.memory_restore import ResumedCheckpoint, candidates, drop_newer_generations
 
-    names = complete_checkpoints(root, process_group)
+    # Both tiers, newest step first: memory snapshots (ELASTICRUN_SNAPSHOT_DIR) and ``root``.
+    names = candidates(root, process_group, memory=memory)
     if not names:
         return None
     failures = []
-    for name in names if fallback else names[:1]:
+    for tier, where, name in names if fallback else names[:1]:
         try:
-            return load(root, name, state_dict=state_dict, placements=placements, process_group=process_group)
+            ckpt = load(where, name, state_dict=state_dict, placements=placements, process_group=process_group)
         except CheckpointError as err:  # raised on every rank alike, so all ranks move on together
             failures.append(f"{name}: {err}")
             if fallback and len(failures) < len(names):
                 log.warning("checkpoint %s cannot be loaded (%s); trying the previous one", name, err)
+            continue
+        _restore_extras(ckpt, sampler, restore_rng, process_group)
+        drop_newer_generations(ckpt.training_state.step if ckpt.training_state is not None else None)
+        return ResumedCheckpoint.of(ckpt, tier, where)
     raise CheckpointError(
         f"no checkpoint under {root} could be loaded ({len(failures)} tried); newest: {failures[0]}"
     )
+
+
+def _restore_extras(ckpt: LoadedCheckpoint, sampler: Any, restore_rng: bool, process_group: Any) -> None:
+    from elasticrun.train.rng import RNG_KEY
+    from elasticrun.train.rng import restore_rng as do_restore
+
+    state = ckpt.state_dict
+    if sampler is not None and isinstance(state.get("sampler"), dict):
+        sampler.load_state_dict(state["sampler"])
+    if restore_rng and isinstance(state.get(RNG_KEY), dict):
+        step = ckpt.training_state.step if ckpt.training_state is not None else 0
+        how = do_restore(state[RNG_KEY], step=step, group=process_group)
+        log.debug("RNG state %s from %s", how, ckpt.name)
 
 
 __all__ = ["complete_checkpoints", "load_latest"]

@@ -23,17 +23,32 @@ with the last ``remaining % W`` samples:
 
 The loop tells the sampler what it trained on with :meth:`advance` (after each
 optimizer step), and saves :meth:`state_dict` (plain JSON) with its checkpoint.
+
+What happens to the rest of the epoch when a checkpoint is resumed at another world
+size is ``redistribution`` (default: the launcher's ``--redistribution``, i.e.
+``ELASTICRUN_REDISTRIBUTION``; ``incremental`` without a launcher):
+
+- ``incremental``: the epoch keeps its order; the remaining indices are exactly those
+  the uninterrupted run would have trained next, dealt to the new ranks. With a fixed
+  global batch this makes an interrupted run train on the same batches in the same
+  order as an uninterrupted one (docs/training.md, "Exactly once and the same model").
+- ``full`` (FullReshuffle): the epoch's remaining indices are reshuffled (seeded by
+  ``seed``, the epoch and the position), as a freshly created sampler would. Still
+  exactly once per epoch; the order after the rescale differs from an uninterrupted run.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Dict, Iterator, List, Optional, Sized, Tuple, Union
 
 import torch
 from torch.utils.data import Sampler
 
 from elasticrun.errors import ConfigError
+from elasticrun.job import env as names
+from elasticrun.job.hints import RedistributionType
 
 TAIL_MODES = ("pad", "drop", "uneven")
 
@@ -48,6 +63,24 @@ def _resolve_world(num_replicas: Optional[int], rank: Optional[int]) -> Tuple[in
     return num_replicas, rank
 
 
+def default_redistribution() -> RedistributionType:
+    """The launcher's ``--redistribution`` (``ELASTICRUN_REDISTRIBUTION``), else incremental."""
+    raw = os.environ.get(names.REDISTRIBUTION, "").strip()
+    return parse_redistribution(raw) if raw else RedistributionType.INCREMENTAL
+
+
+def parse_redistribution(value: Union[RedistributionType, str]) -> RedistributionType:
+    """``"full"``/``"FullReshuffle"``/``"incremental"`` → :class:`RedistributionType`."""
+    if isinstance(value, RedistributionType):
+        return value
+    key = str(value).strip().lower().replace("_", "").replace("-", "")
+    if key in ("full", "fullreshuffle", "reshuffle"):
+        return RedistributionType.FULL_RESHUFFLE
+    if key == "incremental":
+        return RedistributionType.INCREMENTAL
+    raise ConfigError(f"redistribution {value!r} is not 'full' or 'incremental'")
+
+
 class ElasticDistributedSampler(Sampler[int]):
     """Yield this rank's share of the epoch's remaining indices; see the module docstring."""
 
@@ -60,6 +93,7 @@ class ElasticDistributedSampler(Sampler[int]):
         shuffle: bool = True,
         seed: int = 0,
         tail: str = "pad",
+        redistribution: Union[RedistributionType, str, None] = None,
     ) -> None:
         self.num_samples_total = dataset if isinstance(dataset, int) else len(dataset)
         if self.num_samples_total < 0:
@@ -76,6 +110,9 @@ class ElasticDistributedSampler(Sampler[int]):
         self.shuffle = shuffle
         self.seed = int(seed)
         self.tail = tail
+        self.redistribution = default_redistribution() if redistribution is None else parse_redistribution(
+            redistribution)
+        self.reshuffles: List[int] = []  # FullReshuffle: positions of this epoch where the rest was reshuffled
         self.epoch = 0
         self.samples_consumed = 0  # global, within self.epoch
         self._start = 0  # position the current/next iteration starts from
@@ -88,6 +125,7 @@ class ElasticDistributedSampler(Sampler[int]):
         if epoch != self.epoch:
             self.epoch = int(epoch)
             self.samples_consumed = 0
+            self.reshuffles = []
         self._start = self.samples_consumed
 
     def advance(self, local_samples: int) -> int:
@@ -116,10 +154,18 @@ class ElasticDistributedSampler(Sampler[int]):
         """The epoch's full index order (identical on every rank and every world size)."""
         epoch = self.epoch if epoch is None else epoch
         if not self.shuffle:
-            return list(range(self.num_samples_total))
-        g = torch.Generator()
-        g.manual_seed(self.seed + int(epoch))
-        return torch.randperm(self.num_samples_total, generator=g).tolist()
+            order = list(range(self.num_samples_total))
+        else:
+            g = torch.Generator()
+            g.manual_seed(self.seed + int(epoch))
+            order = torch.randperm(self.num_samples_total, generator=g).tolist()
+        if epoch == self.epoch:
+            for pos in self.reshuffles:  # FullReshuffle rescales: the rest was dealt anew
+                g = torch.Generator()
+                g.manual_seed(_mix(self.seed, int(epoch), pos))
+                rest = order[pos:]
+                order[pos:] = [rest[i] for i in torch.randperm(len(rest), generator=g).tolist()]
+        return order
 
     def _share_len(self, remaining: int) -> int:
         w = self.num_replicas
@@ -165,6 +211,7 @@ class ElasticDistributedSampler(Sampler[int]):
             "num_samples": self.num_samples_total,
             "tail": self.tail,
             "world_size": self.num_replicas,
+            "reshuffles": list(self.reshuffles),
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -190,6 +237,17 @@ class ElasticDistributedSampler(Sampler[int]):
         self.epoch = int(state.get("epoch", 0))
         self.samples_consumed = consumed
         self._start = consumed
+        self.reshuffles = [int(p) for p in state.get("reshuffles", [])]
+        saved_world = int(state.get("world_size", self.num_replicas))
+        if (self.redistribution is RedistributionType.FULL_RESHUFFLE and saved_world != self.num_replicas
+                and 0 < consumed < self.num_samples_total and consumed not in self.reshuffles):
+            self.reshuffles.append(consumed)
 
 
-__all__ = ["ElasticDistributedSampler", "TAIL_MODES"]
+def _mix(seed: int, epoch: int, pos: int) -> int:
+    from elasticrun.train.rng import derive_seed
+
+    return derive_seed(seed, epoch, pos)
+
+
+__all__ = ["ElasticDistributedSampler", "TAIL_MODES", "default_redistribution", "parse_redistribution"]

@@ -9,17 +9,19 @@ themselves, so they can be fed from a watch or a test.
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
-from elasticrun.errors import ElasticrunError
-from elasticrun.models import NodeInfo, RescaleEvent, Topology
-from elasticrun.rendezvous.keys import ROOT, JobKeys, job_of
+from elasticrun.errors import ElasticrunError, StoreError
+from elasticrun.job.keys import ROOT, JobKeys, job_of
+from elasticrun.rendezvous.records import NodeInfo, RescaleEvent, Topology
+from elasticrun.rendezvous.view import loads_record
 from elasticrun.store.client import EtcdStore, KeyValue
 
 EVENTS_SHOWN = 10  # newest rescale events in a status document
 LOST = "Lost"  # status of a round member whose node record is gone (it left, or its lease expired)
+FINISHED = "Finished"  # a member whose workers all exited 0, or that left a job that ended
+TERMINAL_PHASES = ("succeeded", "failed")  # job_phase values of a job that has ended
 
 LeaseInfo = Callable[[int], Optional[Dict[str, int]]]
 
@@ -31,18 +33,14 @@ class JobNotFoundError(ElasticrunError):
 
 
 def _loads(kv: Optional[KeyValue]) -> Any:
-    if kv is None:
-        return None
-    try:
-        return json.loads(kv.value)
-    except ValueError:
-        return None
+    """The JSON of an etcd value, or None when it is missing or not sane JSON (see loads_record)."""
+    return None if kv is None else loads_record(kv.value)
 
 
 def _event_row(d: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     try:
         ev = RescaleEvent.from_dict(d)
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, AttributeError, RecursionError):
         return None
     return {
         "type": ev.type.value,
@@ -103,7 +101,7 @@ def build_job_status(
     if topo_d:
         try:
             topo = Topology.from_dict(topo_d)
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, AttributeError, RecursionError):
             topo = None
 
     nodes: Dict[str, Dict[str, Any]] = {}
@@ -115,7 +113,7 @@ def build_job_status(
             continue
         try:
             info = NodeInfo.from_dict(d)
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, AttributeError, RecursionError):
             continue
         nodes[key[len(keys.nodes):]] = _node_row(info, kv.lease, lease_info)
 
@@ -156,6 +154,8 @@ def build_job_status(
             }
             if failures and row["status"] == "Active":
                 row["status"] = "Failed"
+            if row["status"] == LOST and _left_normally(m.node_id, round_end["done"], state):
+                row["status"] = FINISHED
             row.update(
                 group_rank=m.group_rank,
                 rank_offset=m.rank_offset,
@@ -202,6 +202,13 @@ def build_job_status(
     }
 
 
+def _left_normally(node_id: str, done: List[str], state: Any) -> bool:
+    """A member whose record is gone is Finished, not Lost, when its workers finished or the job ended."""
+    if node_id in done:
+        return True
+    return isinstance(state, dict) and state.get("state") in TERMINAL_PHASES
+
+
 def job_phase(doc: Dict[str, Any]) -> str:
     """One word for a job: succeeded/failed (terminal), forming, ending, running."""
     state = doc.get("state")
@@ -233,8 +240,11 @@ def job_status(
     """The status document of ``job`` (see :func:`build_job_status`); JobNotFoundError if it has no keys."""
     kvs, revision = store.get_prefix(JobKeys(job).prefix)
     if not kvs:
-        known = [j["job"] for j in list_jobs(store)]
-        hint = f"jobs there: {', '.join(known[:10])}" if known else "there are no jobs there"
+        try:
+            known = [j["job"] for j in list_jobs(store)]
+            hint = f"jobs there: {', '.join(known[:10])}" if known else "there are no jobs there"
+        except ElasticrunError:  # a job's own etcd user may read its prefix only
+            hint = "this etcd user may not list the other jobs"
         raise JobNotFoundError(
             f"no job {job!r} in etcd at {store.endpoints} ({hint}); check --rdzv-id and --rdzv-endpoint"
         )
@@ -272,13 +282,20 @@ def summarise_jobs(kvs: Iterable[KeyValue]) -> List[Dict[str, Any]]:
 
 def list_jobs(store: EtcdStore) -> List[Dict[str, Any]]:
     """Every job in this etcd (see :func:`summarise_jobs`)."""
-    kvs, _ = store.get_prefix(ROOT)
+    try:
+        kvs, _ = store.get_prefix(ROOT)
+    except StoreError as err:
+        if "denied" not in str(err):
+            raise
+        raise StoreError(f"{err}; a job's own etcd user may list nothing but its job: pass --rdzv-id") from None
     return summarise_jobs(kvs)
 
 
 __all__ = [
     "EVENTS_SHOWN",
+    "FINISHED",
     "LOST",
+    "TERMINAL_PHASES",
     "JobNotFoundError",
     "build_job_status",
     "job_phase",

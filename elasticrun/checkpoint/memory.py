@@ -1,0 +1,363 @@
+"""Memory snapshots: the checkpoint format, written to the node's shared memory.
+
+    from elasticrun.checkpoint import Snapshotter
+    snaps = Snapshotter(process_group=pg, persist_to="ckpts", persist_every=10)
+    snaps.snapshot(state, training_state=ts)      # every few steps: milliseconds, not a disk write
+    ...
+    ckpt = elasticrun.train.load_latest("ckpts", ...)   # newest of memory and disk
+
+Under elasticrun the agent owns a 0700 directory in ``/dev/shm`` (``ELASTICRUN_SNAPSHOT_DIR``,
+see :mod:`elasticrun.launch.snapshots`) that outlives its workers: a worker that crashes and
+is restarted finds the snapshots of its predecessor there. Each snapshot is a *generation*:
+a checkpoint in exactly the disk format (sharded safetensors, sha256 per file,
+``metadata.json`` written last and renamed into place), committed only when every rank's
+part is complete — a crash in the middle leaves a temporary directory that is never loaded.
+The newest ``keep`` generations are kept (default 2). Every ``persist_every``-th generation
+is also copied by rank 0 to the disk root on a background thread (hard links pin it first,
+so retention cannot pull it away mid-copy), with the same atomic commit as a save.
+
+Limits of this version: every rank must share one snapshot directory (one node); a job
+spanning several nodes gets a clear error (peer replicas are future work).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Dict, Mapping, Optional, Union
+
+from elasticrun.checkpoint.comm import Comm
+from elasticrun.checkpoint.format import METADATA_FILE, CheckpointMeta, Placement, Shard, tmp_dir_name
+from elasticrun.errors import CheckpointError
+from elasticrun.job import env as env_names
+
+log = logging.getLogger(__name__)
+
+#: Subdirectories of the agent's snapshot directory.
+GENERATIONS = "generations"
+STAGING = "persist"
+DEFAULT_KEEP = 2
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
+
+
+class SnapshotUnavailable(CheckpointError):
+    """Memory snapshots cannot run in this job as it is (no memory tier, ranks on several nodes,
+    too little memory): raised alike on every rank, and again at every try."""
+
+
+class SnapshotMemoryError(SnapshotUnavailable):
+    """The memory tier cannot hold the snapshots (shared memory too small, or over the cap)."""
+
+
+def snapshot_dir() -> Optional[str]:
+    """The agent's snapshot directory (``ELASTICRUN_SNAPSHOT_DIR``), or None outside elasticrun."""
+    path = os.environ.get(env_names.SNAPSHOT_DIR)
+    return path if path and os.path.isdir(path) else None
+
+
+def generations_root(base: Optional[str] = None) -> Optional[str]:
+    """The checkpoint root of the memory tier (inside ``base``, default :func:`snapshot_dir`)."""
+    base = base or snapshot_dir()
+    return None if base is None else os.path.join(base, GENERATIONS)
+
+
+def parse_size(text: str) -> int:
+    """``"8G"``, ``"512MiB"``, ``"1000000"`` -> bytes; ValueError otherwise."""
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ValueError(f"not a size: {text!r} (use bytes or a number with K, M, G or T)")
+    return int(float(m.group(1)) * (1 << (10 * " KMGT".index((m.group(2) or " ").upper()))))
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _dir_bytes(path: str) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def check_memory(state_dict: Mapping[str, Any], placements: Optional[Mapping[str, Placement]], comm: Comm,
+                 base: Optional[str], generations: int) -> int:
+    """Collective: the bytes of one generation; raises on every rank alike when the ranks do not
+    share ``base`` or when ``generations`` of them do not fit in its free space or the cap."""
+    from elasticrun.checkpoint.tree import flatten
+
+    error: Optional[str] = None
+    rep = shard = 0
+    free = used = -1
+    if base is None:
+        missing = f"no memory tier: {env_names.SNAPSHOT_DIR} is not set (run under elasticrun on Linux, or pass base=)"
+    else:
+        missing = ""
+    try:
+        tensors, _ = flatten(state_dict)
+        sharded = {k for k, p in (placements or {}).items() if isinstance(p, Shard)}
+        for name, t in tensors.items():
+            n = t.numel() * t.element_size()
+            if name in sharded:
+                shard += n
+            else:
+                rep += n
+        if base is not None:
+            st = os.statvfs(base)
+            free, used = st.f_bavail * st.f_frsize, _dir_bytes(base)
+    except Exception as err:  # noqa: BLE001 - reported collectively below
+        error = f"cannot size the snapshot: {err}"
+    mine = {"dir": os.path.realpath(base or "."), "rep": rep, "shard": shard, "free": free, "used": used,
+            "error": error, "missing": missing}
+    everyone = comm.all_gather(mine)
+    for r, g in enumerate(everyone):
+        if g["missing"]:
+            raise SnapshotUnavailable(g["missing"] if comm.world_size == 1 else f"rank {r}: {g['missing']}")
+    for r, g in enumerate(everyone):
+        if g["error"]:
+            raise CheckpointError(f"rank {r}: {g['error']}")
+    if len({g["dir"] for g in everyone}) > 1:
+        raise SnapshotUnavailable(
+            "memory snapshots need every rank on one node for now (the ranks use "
+            f"{len({g['dir'] for g in everyone})} snapshot directories); use disk checkpoints for multi-node jobs"
+        )
+    gen = everyone[0]["rep"] + sum(g["shard"] for g in everyone)
+    need = gen * generations
+    cap_text = os.environ.get(env_names.SNAPSHOT_MEMORY, "").strip()
+    if cap_text:
+        try:
+            cap = parse_size(cap_text)
+        except ValueError as err:
+            raise SnapshotMemoryError(f"{env_names.SNAPSHOT_MEMORY}: {err}") from None
+        if need > cap:
+            raise SnapshotMemoryError(
+                f"memory snapshots need {human(need)} ({generations} generations of {human(gen)}) but "
+                f"{env_names.SNAPSHOT_MEMORY} caps them at {human(cap)}: raise the cap or snapshot less state"
+            )
+    room = everyone[0]["free"] + everyone[0]["used"]
+    if need > room:
+        raise SnapshotMemoryError(
+            f"memory snapshots need {human(need)} of shared memory ({generations} generations of {human(gen)}) "
+            f"but {os.path.dirname(everyone[0]['dir'])} has {human(room)} for them: enlarge /dev/shm "
+            "(e.g. docker --shm-size) or snapshot less state"
+        )
+    return gen
+
+
+def persist_generation(src_dir: str, name: str, disk_root: str, keep_last: Optional[int] = None,
+                       storage_options: Optional[Dict[str, Any]] = None) -> str:
+    """Copy the committed generation in ``src_dir`` to ``<disk_root>/<name>`` with the save's
+    atomic commit (shards to a temporary directory, fsync, sha256 checked while copying,
+    ``metadata.json`` last, rename). Returns the name; raises CheckpointError (rolled back)."""
+    from elasticrun.checkpoint.commit import commit, new_token, rollback
+    from elasticrun.checkpoint.retention import apply_keep_last
+    from elasticrun.checkpoint.storage import get_storage
+    from elasticrun.checkpoint.temps import write_marker
+    from elasticrun.checkpoint.validate import next_seq
+
+    with open(os.path.join(src_dir, METADATA_FILE), "rb") as f:
+        meta = CheckpointMeta.loads(f.read(), os.path.join(src_dir, METADATA_FILE))
+    storage = get_storage(disk_root, storage_options)
+    storage.mkdirs(storage.root)
+    final = storage.join(name)
+    if storage.exists(final):
+        return name  # already persisted
+    tmp = storage.join(tmp_dir_name(name, new_token()))
+    try:
+        storage.mkdirs(tmp)
+        write_marker(storage, tmp)
+        for fname, entry in sorted(meta.files.items()):
+            sha = hashlib.sha256()
+            with open(os.path.join(src_dir, fname), "rb") as src:
+                out = storage.open_write(f"{tmp}/{fname}")
+                try:
+                    while True:
+                        chunk = src.read(8 << 20)
+                        if not chunk:
+                            break
+                        sha.update(chunk)
+                        out.write(chunk)
+                    storage.finish_write(out)
+                finally:
+                    out.close()
+            if sha.hexdigest() != entry.sha256:
+                raise CheckpointError(f"{fname} of snapshot {name!r} does not match its sha256 (memory corrupted?)")
+        meta.seq = next_seq(storage)
+        commit(storage, tmp, final, meta.dumps(), 0)
+    except Exception as err:
+        note = rollback(storage, tmp)
+        raise CheckpointError(f"persisting snapshot {name!r} to {disk_root} failed: {err}; {note}") from None
+    if keep_last is not None:
+        apply_keep_last(storage, keep_last, protect=name)
+    return name
+
+
+class Snapshotter:
+    """Takes memory snapshots for one process group; optionally async, optionally persisted.
+
+    ``base``: the snapshot directory (default ``ELASTICRUN_SNAPSHOT_DIR``); ``keep``: how many
+    generations stay in memory; ``persist_to``/``persist_every``: every K-th generation is
+    copied to that disk root in the background by rank 0 (``persist_keep_last`` applies
+    retention there); ``async_snapshots``: the call returns once the state is copied to host
+    buffers reused across snapshots (pinned, on a side stream, for CUDA tensors).
+    """
+
+    def __init__(self, process_group: Any = None, *, base: Optional[str] = None, keep: int = DEFAULT_KEEP,
+                 persist_to: Optional[str] = None, persist_every: int = 0,
+                 persist_keep_last: Optional[int] = None, async_snapshots: bool = False) -> None:
+        if not isinstance(keep, int) or keep < 1:
+            raise CheckpointError(f"keep must be a positive integer (got {keep!r})")
+        self.process_group = process_group
+        self.base = base or snapshot_dir()
+        self.keep = keep
+        self.persist_to = persist_to
+        self.persist_every = persist_every if persist_to else 0
+        self.persist_keep_last = persist_keep_last
+        self.count = 0
+        self.generation_bytes = 0
+        self._due = False
+        self._async: Any = None
+        if async_snapshots:
+            from elasticrun.checkpoint.memory_async import PinnedAsyncCheckpointer
+
+            self._async = PinnedAsyncCheckpointer(process_group)
+        self._persist_pool: Optional[ThreadPoolExecutor] = None
+        self._persist: Optional[Future] = None
+        self._lock = threading.Lock()
+
+    @property
+    def root(self) -> str:
+        if self.base is None:
+            raise SnapshotUnavailable(
+                f"no memory tier: {env_names.SNAPSHOT_DIR} is not set (run under elasticrun on Linux, or pass base=)"
+            )
+        return os.path.join(self.base, GENERATIONS)
+
+    def snapshot(self, state_dict: Mapping[str, Any], *, training_state: Any = None,
+                 placements: Optional[Mapping[str, Placement]] = None) -> Union[str, Any]:
+        """Write a generation (collective). Sync: returns its name once committed. Async: returns
+        an :class:`~elasticrun.checkpoint.background.AsyncSaveHandle` once the state is copied."""
+        from elasticrun.checkpoint.writer import save, training_state_dict
+
+        comm = Comm(self.process_group)
+        if self.count == 0 and comm.rank == 0 and self.base is not None:
+            self._reclaim(os.path.join(self.base, GENERATIONS))
+        extra = 1 if self.persist_every else 0
+        self.generation_bytes = check_memory(state_dict, placements, comm, self.base, self.keep + 1 + extra)
+        root = self.root
+        ts = training_state_dict(training_state)
+        step = ts.get("step") if ts else None
+        name = (f"snap-{step:08d}-" if isinstance(step, int) else "snap-") + f"{int(time.time() * 1000) % 10**10}"
+        self.count += 1
+        if self.persist_every and self.count % self.persist_every == 0:
+            self._due = True
+        if self._async is not None:
+            handle = self._async.save(state_dict, root, name, training_state=ts, placements=placements,
+                                      keep_last=self.keep)
+            self._maybe_persist(comm, handle)
+            return handle
+        done = save(state_dict, root, name, training_state=ts, placements=placements, keep_last=self.keep,
+                    process_group=self.process_group)
+        self._maybe_persist(comm, None, done)
+        return done
+
+    def _reclaim(self, root: str) -> None:
+        """First snapshot of this process: free the shared memory that crashed predecessors left —
+        temporary directories of torn generations (their writers are dead) and persist staging."""
+        from elasticrun.checkpoint.storage import get_storage
+        from elasticrun.checkpoint.temps import reclaim_stale_temps
+
+        if os.path.isdir(root):
+            reclaim_stale_temps(get_storage(root))
+        shutil.rmtree(os.path.join(self.base or "", STAGING), ignore_errors=True)
+
+    def _maybe_persist(self, comm: Comm, handle: Any, name: Optional[str] = None) -> None:
+        if not self._due or comm.rank != 0:
+            return
+        with self._lock:
+            if self._persist is not None and not self._persist.done():
+                return  # the previous copy still runs: persist a later generation instead
+            self._due = False
+            if self._persist_pool is None:
+                self._persist_pool = ThreadPoolExecutor(1, thread_name_prefix="snapshot-persist")
+            staged = None if handle is not None else self._stage(name or "")
+            self._persist = self._persist_pool.submit(self._persist_job, handle, name, staged)
+
+    def _stage(self, name: str) -> str:
+        """Hard-link the committed generation's files aside, so retention cannot take them mid-copy."""
+        src = os.path.join(self.root, name)
+        stage = os.path.join(self.base or "", STAGING, name)
+        shutil.rmtree(stage, ignore_errors=True)
+        os.makedirs(stage)
+        for f in os.listdir(src):
+            os.link(os.path.join(src, f), os.path.join(stage, f))
+        return stage
+
+    def _persist_job(self, handle: Any, name: Optional[str], staged: Optional[str]) -> Optional[str]:
+        try:
+            if handle is not None:
+                name = handle.result()
+                staged = self._stage(name)
+            assert name is not None and staged is not None and self.persist_to is not None
+            t0 = time.perf_counter()
+            persist_generation(staged, name, self.persist_to, self.persist_keep_last)
+            log.info("snapshot %s persisted to %s in %.2fs", name, self.persist_to, time.perf_counter() - t0)
+            return name
+        except Exception as err:  # noqa: BLE001 - a failed copy must not stop training; the next one retries
+            log.warning("snapshot %s was not persisted: %s", name, err)
+            return None
+        finally:
+            if staged:
+                shutil.rmtree(staged, ignore_errors=True)
+
+    def wait(self) -> Optional[str]:
+        """Wait for the async snapshot and the disk copy in flight; the name persisted last (or None)."""
+        if self._async is not None:
+            self._async.wait()
+        fut = self._persist
+        return fut.result() if fut is not None else None
+
+    def close(self) -> None:
+        """Wait for everything in flight and stop the background threads."""
+        try:
+            self.wait()
+        finally:
+            if self._async is not None:
+                self._async.close()
+            if self._persist_pool is not None:
+                self._persist_pool.shutdown(wait=True)
+
+
+_DEFAULT: Dict[int, Snapshotter] = {}
+
+
+def snapshot(state_dict: Mapping[str, Any], *, training_state: Any = None,
+             placements: Optional[Mapping[str, Placement]] = None, process_group: Any = None) -> str:
+    """Write a memory snapshot generation now (collective; synchronous); returns its name.
+
+    Same ``state_dict``/``training_state``/``placements`` as :func:`elasticrun.checkpoint.save`;
+    keeps the last two generations. Use :class:`Snapshotter` for async snapshots and
+    persistence to disk. Raises :class:`SnapshotMemoryError` when shared memory is too small.
+    """
+    snaps = _DEFAULT.get(id(process_group))
+    if snaps is None:
+        snaps = _DEFAULT[id(process_group)] = Snapshotter(process_group)
+    return snaps.snapshot(state_dict, training_state=training_state, placements=placements)
+
+
+__all__ = ["SnapshotMemoryError", "SnapshotUnavailable", "Snapshotter", "check_memory", "generations_root",
+           "parse_size", "persist_generation", "snapshot", "snapshot_dir"]

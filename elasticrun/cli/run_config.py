@@ -1,0 +1,306 @@
+"""From parsed ``elasticrun run`` arguments to a :class:`~elasticrun.config.LaunchConfig`.
+
+Decides what each torchrun flag means here (see docs/cli.md, "torchrun flags"):
+
+- the rendezvous: ``--standalone`` (a private etcd); ``--rdzv-backend etcd|etcd-v2|etcd-v3``, or
+  no backend with ``--rdzv-endpoint`` (an etcd server somewhere); ``c10d`` (the agent on the
+  endpoint's host hosts the job's etcd there) and ``static``, torchrun's default (node rank 0
+  hosts it at ``--master-addr:--master-port``, default port 29500);
+- ``--rdzv-conf`` keys, torchrun's mapped to elasticrun's settings, elasticrun's own added;
+- flags that cannot mean here what they mean in torchrun are refused with one line.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Dict, List, Optional, Tuple
+
+from elasticrun.cli.torchrun_args import Parsed
+from elasticrun.config import LaunchConfig, RdzvBackend, default_node_id, parse_nnodes, parse_nproc
+from elasticrun.errors import ConfigError
+from elasticrun.job.hints import AdaptationStrategy, RedistributionType
+from elasticrun.launch.restarts import parse_window
+
+STATIC_PORT = 29500  # torchrun's default --master-port
+C10D_PORT = 29400  # torchrun's default port of a c10d endpoint without one
+BACKENDS = {"etcd": RdzvBackend.ETCD, "etcd-v2": RdzvBackend.ETCD, "etcd-v3": RdzvBackend.ETCD,
+            "c10d": RdzvBackend.C10D, "static": RdzvBackend.STATIC}
+EVENT_HANDLERS = ("null", "console", "dynamic_rendezvous")
+
+# --rdzv-conf key → (LaunchConfig field, kind). torchrun's keys first, then elasticrun's own.
+RDZV_CONF: Dict[str, Tuple[str, str]] = {
+    "join_timeout": ("join_timeout", "seconds"),
+    "timeout": ("join_timeout", "seconds"),  # etcd-v1 and static backends' name for it
+    "last_call_timeout": ("stability_window", "seconds"),
+    "close_timeout": ("rdzv_close_timeout", "seconds"),
+    "heartbeat_timeout": ("heartbeat_timeout", "seconds"),
+    "read_timeout": ("etcd_timeout", "seconds"),
+    "keep_alive_interval": ("", "seconds"),  # × keep_alive_max_attempt → heartbeat_timeout
+    "keep_alive_max_attempt": ("", "count"),
+    "is_host": ("rdzv_is_host", "bool"),
+    "rank": ("node_rank", "count"),
+    "protocol": ("", "protocol"),
+    "cacert": ("etcd_cacert", "path"),
+    "ca_cert": ("etcd_cacert", "path"),
+    "cert": ("etcd_cert", "path"),
+    "ssl_cert": ("etcd_cert", "path"),
+    "key": ("etcd_key", "path"),
+    "ssl_cert_key": ("etcd_key", "path"),
+    "store_type": ("", "store_type"),
+    "stability_window": ("stability_window", "seconds"),
+    "rescale_timeout": ("rescale_timeout", "seconds"),
+    "etcd_timeout": ("etcd_timeout", "seconds"),
+}
+# Flags that override the --rdzv-conf key setting the same field.
+_FLAG_OF_FIELD = {"join_timeout": "join_timeout", "stability_window": "stability_window",
+                  "heartbeat_timeout": "heartbeat_timeout", "rescale_timeout": "rescale_timeout",
+                  "etcd_timeout": "etcd_timeout", "node_rank": "node_rank", "etcd_cacert": "etcd_cacert",
+                  "etcd_cert": "etcd_cert", "etcd_key": "etcd_key"}
+
+
+_SECURITY = ("etcd_user", "etcd_password", "etcd_password_file", "etcd_cacert", "etcd_cert", "etcd_key")
+
+
+def parse_rdzv_conf(text: str, where: str = "--rdzv-conf") -> Dict[str, str]:
+    """``"a=1,b=2"`` → ``{"a": "1", "b": "2"}``; one clear error for a malformed or unknown key."""
+    conf: Dict[str, str] = {}
+    for item in (p.strip() for p in str(text or "").split(",")):
+        if not item:
+            continue
+        key, eq, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not eq or not key or not value:
+            raise ConfigError(f"{where} {text!r}: use key=value,key=value (e.g. join_timeout=900)")
+        if key not in RDZV_CONF:
+            if key == "etcd_prefix":
+                raise ConfigError(f"{where}: etcd_prefix is not supported (elasticrun keeps a job's keys under "
+                                  "/elasticrun/<rdzv-id>/); remove it")
+            raise ConfigError(f"{where}: unknown key {key!r}; known keys: {', '.join(sorted(RDZV_CONF))}")
+        conf[key] = value
+    return conf
+
+
+def _conf_value(key: str, kind: str, value: str, where: str) -> Any:
+    try:
+        if kind == "seconds":
+            number = float(value)
+            if number < 0:
+                raise ValueError
+            return number
+        if kind == "count":
+            number = int(value)
+            if number < 0:
+                raise ValueError
+            return number
+    except ValueError:
+        raise ConfigError(f"{where}: {key}={value!r} must be a non-negative number") from None
+    if kind == "bool":
+        low = value.lower()
+        if low in ("1", "true", "t", "yes", "y"):
+            return True
+        if low in ("0", "false", "f", "no", "n"):
+            return False
+        raise ConfigError(f"{where}: {key}={value!r} is not a boolean (use true or false)")
+    if kind == "protocol" and value.lower() not in ("http", "https"):
+        raise ConfigError(f"{where}: protocol={value!r}: use http or https")
+    if kind == "store_type" and value.lower() != "tcp":
+        raise ConfigError(f"{where}: store_type={value!r} is not supported (the job's state lives in etcd); "
+                          "remove it")
+    return value
+
+
+def _refuse(p: Parsed) -> None:
+    """One line for torchrun flags that cannot mean the same here."""
+    if p.given("logs_specs"):
+        raise ConfigError(f"{p.where('logs_specs')}: custom LogsSpecs are not supported (elasticrun has one log "
+                          "layout, see --log-dir, -r, -t); remove it")
+    if p.given("numa_binding"):
+        raise ConfigError(f"{p.where('numa_binding')}: NUMA binding is not supported; bind in a --no-python "
+                          "wrapper (e.g. numactl) or remove it")
+    if p.values["virtual_local_rank"]:
+        raise ConfigError(f"{p.where('virtual_local_rank')}: virtual local ranks are not supported (workers see "
+                          "LOCAL_RANK 0..N-1 and every GPU of the node); select the device with LOCAL_RANK, or "
+                          "remove it")
+    for dest in ("duplicate_stdout_filters", "duplicate_stderr_filters"):
+        if str(p.values[dest] or "").strip():
+            raise ConfigError(f"{p.where(dest)}: duplicating filtered lines is not supported; use --tee with "
+                              "--log-dir and grep the files")
+    handler = str(p.values["event_log_handler"]).strip()
+    if handler not in EVENT_HANDLERS:
+        raise ConfigError(f"{p.where('event_log_handler')}: elasticrun records events in etcd (`elasticrun "
+                          f"status`) and on stderr; use one of {', '.join(EVENT_HANDLERS)}")
+
+
+def _ranks_filter(p: Parsed) -> Optional[List[int]]:
+    text = str(p.values["local_ranks_filter"] or "").strip()
+    if not text:
+        return None
+    try:
+        ranks = sorted({int(r) for r in text.split(",")})
+    except ValueError:
+        raise ConfigError(f"{p.where('local_ranks_filter')}: must be a comma-separated list of integers, e.g. "
+                          "--local-ranks-filter=0,1,2") from None
+    return ranks
+
+
+def _shutdown_timeout(p: Parsed) -> float:
+    if p.given("shutdown_timeout"):
+        return float(p.values["shutdown_timeout"])
+    text = p.env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    if text:
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={text!r}: expected a number of seconds") from None
+    return 30.0
+
+
+def _endpoint(host_port: str, default_port: int, where: str) -> str:
+    """``host[:port]`` with torchrun's default port; one endpoint only."""
+    text = host_port.strip()
+    for scheme in ("http://", "https://"):
+        if text.startswith(scheme):
+            text = text[len(scheme):]
+    if not text or "," in text:
+        raise ConfigError(f"{where} {host_port!r}: give one HOST:PORT, the node that hosts the job's etcd")
+    if text.startswith("["):  # [v6]:port
+        host, _, rest = text[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    else:
+        host, sep, port = text.rpartition(":")
+        if not sep:
+            host, port = text, ""
+    if port and not (port.isdigit() and 0 < int(port) < 65536):
+        raise ConfigError(f"{where} {host_port!r}: expected HOST:PORT, e.g. node0:{default_port}")
+    if not host:
+        raise ConfigError(f"{where} {host_port!r}: expected HOST:PORT, e.g. node0:{default_port}")
+    host = f"[{host}]" if ":" in host else host
+    return f"{host}:{port or default_port}"
+
+
+def _rendezvous(p: Parsed, settings: Dict[str, Any]) -> None:
+    """Fill the rendezvous part of ``settings`` (backend, endpoint, hosting, node rank, nnodes)."""
+    v = p.values
+    endpoint = str(v["rdzv_endpoint"] or "").strip()
+    backend_name = str(v["rdzv_backend"] or "").strip().lower() if p.given("rdzv_backend") else ""
+    if backend_name and backend_name not in BACKENDS:
+        raise ConfigError(f"{p.where('rdzv_backend')}: unknown backend; use etcd (etcd-v2, etcd-v3: the same) for "
+                          "an etcd server at --rdzv-endpoint, or c10d / static for an etcd the job hosts")
+    nmax = settings["nnodes_max"]
+    standalone = bool(v["standalone"])
+    if not standalone and not backend_name and not endpoint and not p.given("master_port") and nmax == 1:
+        standalone = True  # like torchrun: one node needs no rendezvous server
+    if standalone:
+        settings.update(standalone=True, rdzv_backend=RdzvBackend.ETCD, rdzv_endpoint="")
+        settings.setdefault("rdzv_id", f"standalone-{uuid.uuid4().hex[:8]}")
+        return
+    if not backend_name:
+        backend_name = "etcd" if endpoint else "static"  # without a backend an endpoint is an etcd server
+    backend = BACKENDS[backend_name]
+    settings["rdzv_backend"] = backend
+    if backend is RdzvBackend.ETCD:
+        settings["rdzv_endpoint"] = endpoint
+        return
+    secured = [p.where(k) for k in _SECURITY if settings.get(k) or (p.values.get(k) and p.given(k))]
+    if secured:
+        raise ConfigError(f"{secured[0]}: the etcd a {backend.value} job hosts is plain (no TLS, no users); "
+                          "drop the etcd security settings, or run a secured etcd and use --rdzv-backend etcd")
+    if backend is RdzvBackend.C10D:
+        if not endpoint:
+            raise ConfigError("--rdzv-backend c10d needs --rdzv-endpoint HOST:PORT (the agent on HOST hosts the "
+                              "job's etcd on PORT)")
+        settings["rdzv_endpoint"] = _endpoint(endpoint, C10D_PORT, p.where("rdzv_endpoint"))
+        return
+    # static: torchrun's rendezvous at --master-addr:--master-port (or an explicit endpoint), fixed node ranks.
+    if endpoint:
+        settings["rdzv_endpoint"] = _endpoint(endpoint, STATIC_PORT, p.where("rdzv_endpoint"))
+    else:
+        port = v["master_port"] if v["master_port"] is not None else STATIC_PORT
+        if not 0 < int(port) < 65536:
+            raise ConfigError(f"{p.where('master_port')}: not a port number (1-65535)")
+        addr = str(v["master_addr"] or "").strip() or "127.0.0.1"
+        settings["rdzv_endpoint"] = _endpoint(f"{addr}:{port}", STATIC_PORT, p.where("master_addr"))
+    settings["nnodes_min"] = nmax  # a static job has exactly MAX nodes, as in torchrun
+    if settings.get("node_rank") is None:
+        settings["node_rank"] = 0  # torchrun's default --node-rank
+    if settings.get("rdzv_is_host") is None:
+        settings["rdzv_is_host"] = settings["node_rank"] == 0
+
+
+def _apply_rdzv_conf(p: Parsed, settings: Dict[str, Any]) -> None:
+    where = p.where("rdzv_conf")
+    conf = parse_rdzv_conf(str(p.values["rdzv_conf"] or ""), where)
+    for key, text in conf.items():
+        field_name, kind = RDZV_CONF[key]
+        value = _conf_value(key, kind, text, where)
+        if field_name and not p.given(_FLAG_OF_FIELD.get(field_name, "")):  # a dedicated flag wins
+            settings[field_name] = value
+    if ("keep_alive_interval" in conf or "keep_alive_max_attempt" in conf) and not (
+        p.given("heartbeat_timeout") or "heartbeat_timeout" in conf
+    ):
+        interval = _conf_value("keep_alive_interval", "seconds", conf.get("keep_alive_interval", "5"), where)
+        attempts = _conf_value("keep_alive_max_attempt", "count", conf.get("keep_alive_max_attempt", "3"), where)
+        settings["heartbeat_timeout"] = float(interval) * float(attempts)
+    protocol = conf.get("protocol", "").lower()
+    if protocol == "https" and not settings.get("etcd_cacert"):
+        raise ConfigError(f"{where}: protocol=https needs cacert=FILE (or --etcd-cacert FILE)")
+    if protocol == "http" and settings.get("etcd_cacert"):
+        raise ConfigError(f"{where}: protocol=http contradicts the CA certificate given; use protocol=https")
+
+
+def build_config(p: Parsed) -> LaunchConfig:
+    """The launch configuration the parsed arguments ask for (not yet validated)."""
+    v = p.values
+    _refuse(p)
+    nmin, nmax = parse_nnodes(v["nnodes"])
+    nproc, kind = parse_nproc(v["nproc_per_node"])
+    module, no_python = bool(v["module"]), bool(v["no_python"])
+    if v["run_path"]:
+        module = no_python = False  # torchrun: --run-path takes precedence
+    elif module and no_python:
+        raise ConfigError("don't use both the --no-python flag and the -m/--module flag at the same time")
+    settings: Dict[str, Any] = {
+        "nnodes_min": nmin, "nnodes_max": nmax, "nproc_per_node": nproc, "device_kind": kind,
+        "node_rank": v["node_rank"],
+    }
+    for name in ("heartbeat_timeout", "stability_window", "rescale_timeout", "join_timeout", "etcd_timeout"):
+        settings[name] = float(v[name])
+    for name in ("etcd_user", "etcd_password", "etcd_cacert", "etcd_cert", "etcd_key"):
+        settings[name] = v.get(name)
+    if p.given("rdzv_id"):
+        settings["rdzv_id"] = str(v["rdzv_id"])
+    _apply_rdzv_conf(p, settings)
+    _rendezvous(p, settings)
+    kwargs: Dict[str, Any] = dict(
+        entrypoint=p.script,
+        args=list(p.script_args),
+        module=module,
+        no_python=no_python,
+        heterogeneous=bool(v["heterogeneous"]),
+        node_id=v["node_id"] or default_node_id(),
+        local_addr=v["local_addr"],
+        max_restarts=int(v["max_restarts"]),
+        shutdown_timeout=_shutdown_timeout(p),
+        monitor_interval=float(v["monitor_interval"]),
+        start_method=str(v["start_method"]),
+        log_dir=v["log_dir"],
+        redirects=str(v["redirects"]),
+        tee=str(v["tee"]),
+        local_ranks_filter=_ranks_filter(p),
+        signals_to_handle=[s.strip().upper() for s in str(v["signals_to_handle"]).split(",") if s.strip()],
+        event_log_handler=str(v["event_log_handler"]).strip(),
+        role=str(v["role"]),
+        backend=v["backend"],
+        lr_strategy=AdaptationStrategy(v["lr_scaling"]),
+        redistribution=RedistributionType(v["redistribution"]),
+        global_batch_size=int(v["global_batch_size"]),
+        restart_window=parse_window(v["restart_window"]),
+        etcd_binary=v["etcd_binary"],
+        quiet=bool(v["quiet"]),
+        prewarm=bool(v["prewarm"]),
+        **settings,
+    )
+    for name in v:  # etcd connection options that etcd_options may add later, by field name
+        if name.startswith("etcd_") and name in LaunchConfig.__dataclass_fields__ and name not in kwargs:
+            kwargs[name] = v[name]
+    return LaunchConfig(**kwargs)

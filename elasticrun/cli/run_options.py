@@ -1,0 +1,235 @@
+"""The options of ``elasticrun [run]``: every torchrun 2.13 flag plus elasticrun's own.
+
+One table drives the parser (:mod:`elasticrun.cli.torchrun_args`), the ``--help`` page
+(:mod:`elasticrun.cli.run_help`) and the tests. A torchrun flag keeps torchrun's spellings
+(``--nproc-per-node`` and ``--nproc_per_node``) and can also come from its ``PET_<DEST>``
+environment variable (``PET_NPROC_PER_NODE``), as torchrun's ``env`` actions read them.
+What each value then does is decided in :mod:`elasticrun.cli.run_config`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import typer
+
+from elasticrun.cli import etcd_options
+from elasticrun.job import env as job_env
+
+
+class Kind(enum.Enum):
+    """How an option takes its value."""
+
+    VALUE = "value"  # --opt VALUE / --opt=VALUE
+    FLAG = "flag"  # --opt (True); ``negative`` spellings set False
+
+
+class Type(enum.Enum):
+    """What a value must parse as (checked by the parser, with the flag or variable named)."""
+
+    STR = "str"
+    INT = "int"
+    FLOAT = "float"
+
+
+@dataclass(frozen=True)
+class Opt:
+    """One option: its spellings, value, default, help, and where its environment value comes from."""
+
+    dest: str
+    names: Tuple[str, ...]
+    help: str
+    panel: str
+    kind: Kind = Kind.VALUE
+    type: Type = Type.STR
+    default: Any = None
+    metavar: str = ""
+    choices: Tuple[str, ...] = ()
+    torchrun: bool = False  # a torchrun flag: read PET_<DEST> when the flag is absent
+    envvars: Tuple[str, ...] = ()  # elasticrun's own variables, read after PET_<DEST>
+    negative: Tuple[str, ...] = ()  # FLAG spellings that set False (--no-prewarm)
+
+    @property
+    def pet(self) -> Optional[str]:
+        """torchrun's environment variable for this option (``PET_`` + dest upper-cased)."""
+        return f"PET_{self.dest.upper()}" if self.torchrun else None
+
+    @property
+    def long(self) -> str:
+        """The main spelling (the first ``--`` name)."""
+        return next(n for n in self.names if n.startswith("--"))
+
+
+RDZV = "Rendezvous"
+WORKERS = "Workers"
+ELASTIC = "Elasticity"
+LOGS = "Logs"
+ETCD = etcd_options.PANEL
+
+SIGNALS_DEFAULT = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+
+def _both(name: str) -> Tuple[str, ...]:
+    """``--a-b`` and torchrun's underscore spelling ``--a_b``."""
+    under = name.replace("-", "_")
+    return (name,) if under == name or "_" not in under[2:] else (name, "--" + under[2:])
+
+
+def _t(dest: str, names: Tuple[str, ...], help: str, panel: str, **kw: Any) -> Opt:
+    return Opt(dest=dest, names=names, help=help, panel=panel, torchrun=True, **kw)
+
+
+TORCHRUN_OPTIONS: Tuple[Opt, ...] = (
+    _t("nnodes", ("--nnodes",), "Number of nodes: N, or MIN:MAX for an elastic job.", RDZV, metavar="N|MIN:MAX",
+       default="1"),
+    _t("nproc_per_node", _both("--nproc-per-node"), "Workers on this node: N, gpu, cpu or auto.", WORKERS,
+       metavar="N", default="1"),
+    _t("rdzv_backend", _both("--rdzv-backend"), "etcd, etcd-v2, etcd-v3: the etcd at --rdzv-endpoint; c10d, "
+       "static: an etcd this job hosts on the endpoint's node \\[default: etcd with --rdzv-endpoint, else static].",
+       RDZV, metavar="NAME"),
+    _t("rdzv_endpoint", _both("--rdzv-endpoint"), "etcd: host:port[,host:port...]; c10d/static: HOST:PORT the "
+       "job's etcd is hosted on.", RDZV, metavar="HOST:PORT", default="", envvars=(job_env.RDZV_ENDPOINT,)),
+    _t("rdzv_id", (*_both("--rdzv-id"), "--run-id"), "Job id shared by all nodes \\[default: 'default'].", RDZV,
+       metavar="ID"),
+    _t("rdzv_conf", _both("--rdzv-conf"), "key=value,... (join_timeout, last_call_timeout, close_timeout, "
+       "read_timeout, keep_alive_interval, keep_alive_max_attempt, heartbeat_timeout, is_host, protocol, cacert, "
+       "cert, key, ...; see docs/cli.md).", RDZV, metavar="K=V,...", default=""),
+    _t("standalone", ("--standalone",), "Single node: start a private etcd on a free port for this run (implied "
+       "by --nnodes 1 without an endpoint).", RDZV, kind=Kind.FLAG, default=False),
+    _t("max_restarts", _both("--max-restarts"), "Worker-failure restarts for the whole job (node changes do not "
+       "count).", ELASTIC, type=Type.INT, metavar="N", default=0),
+    _t("monitor_interval", _both("--monitor-interval"), "Accepted for torchrun compatibility: worker exits are "
+       "noticed at once, not polled.", WORKERS, type=Type.FLOAT, metavar="S", default=0.1),
+    _t("start_method", _both("--start-method"), "Accepted: workers are always new processes (as torchrun does "
+       "for a script).", WORKERS, choices=("spawn", "fork", "forkserver"), metavar="METHOD", default="spawn"),
+    _t("event_log_handler", _both("--event-log-handler"), "null (default) or console: agent events go to "
+       "stderr and etcd (`elasticrun status`).", LOGS, metavar="NAME", default="null"),
+    _t("role", ("--role",), "Role name of the workers (ROLE_NAME).", WORKERS, metavar="ROLE", default="default"),
+    _t("module", ("-m", "--module"), "Run SCRIPT as a Python module (python -m).", WORKERS, kind=Kind.FLAG,
+       default=False),
+    _t("no_python", _both("--no-python"), "Run SCRIPT as a command, not with python.", WORKERS, kind=Kind.FLAG,
+       default=False),
+    _t("run_path", _both("--run-path"), "Run SCRIPT with python (workers are separate interpreters either "
+       "way); overrides --no-python and -m.", WORKERS, kind=Kind.FLAG, default=False),
+    _t("log_dir", _both("--log-dir"), "Write worker stdout/stderr files under this directory.", LOGS,
+       metavar="DIR"),
+    _t("redirects", ("-r", "--redirects"), "Streams kept off the console (files only): 0 none, 1 out, 2 err, "
+       "3 both; or per local rank 0:3,1:1.", LOGS, metavar="SPEC", default="0"),
+    _t("tee", ("-t", "--tee"), "Streams copied to files as well as the console (same syntax).", LOGS,
+       metavar="SPEC", default="0"),
+    _t("local_ranks_filter", _both("--local-ranks-filter"), "Show only these local ranks' output on the console "
+       "(e.g. 0,1); files keep everything.", LOGS, metavar="R,...", default=""),
+    _t("duplicate_stdout_filters", _both("--duplicate-stdout-filters"), "Not supported (only the default, "
+       "empty, is accepted): use --tee and grep the files.", LOGS, metavar="F,...", default=""),
+    _t("duplicate_stderr_filters", _both("--duplicate-stderr-filters"), "Not supported (only the default, "
+       "empty, is accepted): use --tee and grep the files.", LOGS, metavar="F,...", default=""),
+    _t("node_rank", _both("--node-rank"), "Group rank this node keeps in every round (static: also picks the "
+       "node that hosts the job's etcd, rank 0) \\[default: static 0, else any].", RDZV, type=Type.INT,
+       metavar="R"),
+    _t("master_addr", _both("--master-addr"), "static: host of node rank 0, where the job's etcd runs.", RDZV,
+       metavar="HOST", default="127.0.0.1"),
+    _t("master_port", _both("--master-port"), "static: port of the job's etcd on --master-addr \\[default: "
+       "29500].", RDZV, type=Type.INT, metavar="PORT"),
+    _t("local_addr", _both("--local-addr"), "Address other nodes reach this one at \\[default: route to etcd].",
+       RDZV, metavar="ADDR"),
+    _t("logs_specs", _both("--logs-specs"), "Not supported: elasticrun has one log layout (see --log-dir).",
+       LOGS, metavar="NAME"),
+    _t("numa_binding", _both("--numa-binding"), "Not supported: bind CPUs in a --no-python wrapper (numactl).",
+       WORKERS, choices=("node", "socket", "exclusive", "core-complex"), metavar="MODE"),
+    _t("signals_to_handle", _both("--signals-to-handle"), "Signals the agent forwards to the workers before "
+       "leaving the job.", WORKERS, metavar="SIG,...", default=SIGNALS_DEFAULT),
+    _t("shutdown_timeout", _both("--shutdown-timeout"), "Seconds between SIGTERM and SIGKILL for workers "
+       "\\[default: $TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30].", ELASTIC, type=Type.FLOAT, metavar="S"),
+    _t("virtual_local_rank", _both("--virtual-local-rank"), "Not supported: workers see LOCAL_RANK and every "
+       "GPU of the node.", WORKERS, kind=Kind.FLAG, default=False),
+)
+
+OWN_OPTIONS: Tuple[Opt, ...] = (
+    Opt("node_id", ("--node-id",), "Stable id of this node \\[default: random@host:pid].", RDZV, metavar="ID"),
+    Opt("heterogeneous", ("--heterogeneous",), "Allow nodes with different --nproc-per-node.", WORKERS,
+        kind=Kind.FLAG, default=False),
+    Opt("backend", ("--backend",), "Backend hint for workers (ELASTICRUN_BACKEND) \\[default: nccl on GPU, "
+        "else gloo].", WORKERS, metavar="NAME"),
+    Opt("prewarm", ("--prewarm",), "Pre-start worker interpreters (torch imported) during the rendezvous "
+        "\\[default: on; --no-prewarm turns it off].", WORKERS, kind=Kind.FLAG, default=True,
+        negative=("--no-prewarm",)),
+    Opt("heartbeat_timeout", ("--heartbeat-timeout",), "Seconds without heartbeat before a node counts as dead "
+        "(etcd lease TTL).", ELASTIC, type=Type.FLOAT, metavar="S", default=5.0),
+    Opt("stability_window", ("--stability-window",), "Seconds to wait for more joiners before (re)forming a "
+        "round.", ELASTIC, type=Type.FLOAT, metavar="S", default=1.0),
+    Opt("rescale_timeout", ("--rescale-timeout",), "Seconds to wait for MIN nodes after losing some.", ELASTIC,
+        type=Type.FLOAT, metavar="S", default=60.0),
+    Opt("join_timeout", ("--join-timeout",), "Seconds to wait for MIN nodes at the start.", ELASTIC,
+        type=Type.FLOAT, metavar="S", default=600.0),
+    Opt("lr_scaling", ("--lr-scaling",), "LR adaptation hint for workers (ELASTICRUN_LR_SCALING).", ELASTIC,
+        choices=("linear", "sqrt", "none"), metavar="HOW", default="linear"),
+    Opt("redistribution", ("--redistribution",), "What ElasticDistributedSampler does with the rest of the epoch "
+        "on a rescale: incremental keeps its order, full reshuffles it (ELASTICRUN_REDISTRIBUTION).", ELASTIC,
+        choices=("full", "incremental"), metavar="HOW", default="incremental"),
+    Opt("global_batch_size", ("--global-batch-size",), "Global batch elasticrun.train keeps at any world size "
+        "with gradient accumulation (ELASTICRUN_GLOBAL_BATCH_SIZE; 0: none).", ELASTIC, type=Type.INT, metavar="N",
+        default=0),
+    Opt("restart_window", ("--restart-window",), "Count --max-restarts within this sliding window (1h, 30m, "
+        "600s): at most N restarts in any such window (0: the whole job).", ELASTIC, metavar="DURATION",
+        default="0"),
+    Opt("quiet", ("-q", "--quiet"), "No agent progress lines.", LOGS, kind=Kind.FLAG, default=False),
+    Opt("etcd_binary", ("--etcd-binary",), "etcd executable for an etcd this node starts.", ETCD,
+        metavar="PATH"),
+    Opt("etcd_timeout", ("--etcd-timeout",), "Seconds to keep retrying an unreachable etcd before giving up.",
+        ETCD, type=Type.FLOAT, metavar="S", default=10.0, envvars=(job_env.ETCD_TIMEOUT,)),
+    Opt("etcd_outage_grace", ("--etcd-outage-grace",), "Seconds workers keep training while etcd is unreachable "
+        "(then they get SIGTERM and --shutdown-timeout to save).", ETCD, type=Type.FLOAT, metavar="S",
+        default=60.0),
+)
+
+
+def _from_typer(attr: str, info: Any) -> Optional[Opt]:
+    """An :class:`Opt` for a ``typer.Option`` of :mod:`elasticrun.cli.etcd_options` (its owner may add more)."""
+    decls = [d for d in (getattr(info, "param_decls", None) or ()) if d.startswith("-")]
+    longs = [d for d in decls if d.startswith("--")]
+    if not longs:
+        return None
+    env = getattr(info, "envvar", None)
+    envvars = tuple([env] if isinstance(env, str) else (env or ()))
+    default = getattr(info, "default", None)
+    return Opt(
+        dest=longs[0][2:].replace("-", "_"),
+        names=tuple(decls),
+        help=str(getattr(info, "help", "") or ""),
+        panel=ETCD,
+        default=None if default is Ellipsis else default,
+        metavar="VALUE",
+        envvars=envvars,
+    )
+
+
+def _etcd_connection_options() -> Tuple[Opt, ...]:
+    found: List[Opt] = []
+    for attr in dir(etcd_options):
+        info = getattr(etcd_options, attr)
+        if isinstance(info, typer.models.OptionInfo):
+            opt = _from_typer(attr, info)
+            if opt is not None and not isinstance(opt.default, bool):
+                found.append(opt)
+    order = {"etcd_user": 0, "etcd_password": 1, "etcd_password_file": 2, "etcd_cacert": 3, "etcd_cert": 4,
+             "etcd_key": 5}
+    return tuple(sorted(found, key=lambda o: (order.get(o.dest, 99), o.dest)))
+
+
+def all_options() -> Tuple[Opt, ...]:
+    """Every option of ``elasticrun run``: torchrun's, then elasticrun's, then the etcd connection ones."""
+    own = {o.dest for o in TORCHRUN_OPTIONS + OWN_OPTIONS}
+    return TORCHRUN_OPTIONS + OWN_OPTIONS + tuple(o for o in _etcd_connection_options() if o.dest not in own)
+
+
+def by_name(options: Tuple[Opt, ...]) -> Dict[str, Tuple[Opt, bool]]:
+    """Every spelling → (option, value it sets for a FLAG: True, or False for a ``negative`` one)."""
+    table: Dict[str, Tuple[Opt, bool]] = {}
+    for opt in options:
+        for name in opt.names:
+            table[name] = (opt, True)
+        for name in opt.negative:
+            table[name] = (opt, False)
+    return table

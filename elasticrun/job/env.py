@@ -1,0 +1,90 @@
+"""Every environment variable name the agent writes and workers (or the CLI) read.
+
+This module is the only place that spells an ``ELASTICRUN_*`` name; the torchrun names
+the agent sets are listed here too, so one file shows the whole worker environment.
+Secrets never travel in the environment: the etcd connection settings (with the
+password, if any) reach workers through a 0600 file named by :data:`ETCD_SETTINGS_FILE`,
+and the agent removes :data:`SECRET_NAMES` from the environment it gives workers.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Mapping
+
+PREFIX = "ELASTICRUN_"
+
+# -- torchrun's worker variables (set by the agent, read by torch and elasticrun.train) --------
+LOCAL_RANK = "LOCAL_RANK"
+RANK = "RANK"
+GROUP_RANK = "GROUP_RANK"
+ROLE_RANK = "ROLE_RANK"
+ROLE_NAME = "ROLE_NAME"
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+WORLD_SIZE = "WORLD_SIZE"
+GROUP_WORLD_SIZE = "GROUP_WORLD_SIZE"
+ROLE_WORLD_SIZE = "ROLE_WORLD_SIZE"
+MASTER_ADDR = "MASTER_ADDR"
+MASTER_PORT = "MASTER_PORT"
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
+RUN_ID = "TORCHELASTIC_RUN_ID"
+USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
+NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+LOG_LINE_PREFIX_TEMPLATE = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"  # read by the agent: worker output prefix
+
+# -- elasticrun's worker variables (set by the agent) ------------------------------------------
+ROUND = PREFIX + "ROUND"  # the rendezvous round this worker belongs to (the commit fence)
+PREV_WORLD_SIZE = PREFIX + "PREV_WORLD_SIZE"
+RESCALE_TYPE = PREFIX + "RESCALE_TYPE"
+RESCALE_EVENT_FILE = PREFIX + "RESCALE_EVENT_FILE"
+RDZV_ENDPOINT = PREFIX + "RDZV_ENDPOINT"  # the job's etcd endpoints
+RDZV_ID = PREFIX + "RDZV_ID"  # the job id (``--rdzv-id``)
+NODE_ID = PREFIX + "NODE_ID"
+BACKEND = PREFIX + "BACKEND"
+LR_SCALING = PREFIX + "LR_SCALING"
+REDISTRIBUTION = PREFIX + "REDISTRIBUTION"
+#: ``--global-batch-size``: the global batch elasticrun.train keeps at any world size (0/unset: none).
+GLOBAL_BATCH_SIZE = PREFIX + "GLOBAL_BATCH_SIZE"
+#: Path of the 0600 JSON file with the job's :class:`~elasticrun.job.settings.EtcdSettings`.
+ETCD_SETTINGS_FILE = PREFIX + "ETCD_SETTINGS_FILE"
+#: The node's memory tier: a 0700 shared-memory directory the agent owns (see elasticrun.launch.snapshots).
+SNAPSHOT_DIR = PREFIX + "SNAPSHOT_DIR"
+
+# -- read from the user's environment ----------------------------------------------------------
+#: Default checkpoint root of examples/train.py (set by the user; the agent never sets it).
+CHECKPOINT_DIR = PREFIX + "CHECKPOINT_DIR"
+ETCD_BINARY = PREFIX + "ETCD_BINARY"
+ETCD_TIMEOUT = PREFIX + "ETCD_TIMEOUT"
+ETCD_USER = PREFIX + "ETCD_USER"
+#: The etcd password (``--etcd-password-file`` is the other safe way to give it).
+ETCD_PASSWORD = PREFIX + "ETCD_PASSWORD"
+ETCD_PASSWORD_FILE = PREFIX + "ETCD_PASSWORD_FILE"
+ETCD_CACERT = PREFIX + "ETCD_CACERT"
+ETCD_CERT = PREFIX + "ETCD_CERT"
+ETCD_KEY = PREFIX + "ETCD_KEY"
+CKPT_RETRIES = PREFIX + "CKPT_RETRIES"
+#: Memory-tier cap per node for ``elasticrun.checkpoint.snapshot`` (bytes, or e.g. ``8G``; unset: /dev/shm's size).
+SNAPSHOT_MEMORY = PREFIX + "SNAPSHOT_MEMORY"
+#: Tests only: ``<phase>[:<rank>]`` at which a checkpoint commit SIGKILLs its process.
+CKPT_CRASH_AT = PREFIX + "CKPT_CRASH_AT"
+#: Tests only: ``AFTER:SECONDS`` stalls an agent's round loop once (liveness tests).
+TEST_STALL_LOOP = PREFIX + "TEST_STALL_LOOP"
+#: Example only: print per-step timing.
+EXAMPLE_TIMING = PREFIX + "EXAMPLE_TIMING"
+
+#: Names that may hold a secret: never passed on to workers.
+SECRET_NAMES = (ETCD_PASSWORD,)
+
+
+def without_secrets(env: Mapping[str, str]) -> Dict[str, str]:
+    """A copy of ``env`` without :data:`SECRET_NAMES` (what a worker may inherit)."""
+    return {k: v for k, v in env.items() if k not in SECRET_NAMES}
+
+
+def is_ours(name: str) -> bool:
+    """True for an ``ELASTICRUN_*`` or ``TORCHELASTIC_*`` name (a launcher's variable)."""
+    return name.startswith((PREFIX, "TORCHELASTIC_"))
+
+
+__all__ = [n for n in dir() if n.isupper()] + ["without_secrets", "is_ours"]

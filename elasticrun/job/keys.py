@@ -1,0 +1,153 @@
+"""The etcd key layout of one job: everything lives under ``/elasticrun/<job_id>/``.
+
+This module is the only place that builds an etcd key. A job's etcd user needs read and
+write access to its own prefix only (see docs/security.md)::
+
+    config                      job settings, created once (create-if-absent)
+    state                       terminal state: {"state": "succeeded"|"failed", ...}
+    nodes/<node-id>             NodeInfo, attached to the node's lease
+    node-ranks/<r>              node id of the node started with --node-rank r (on its lease)
+    topology                    the current round (Topology), written by compare-and-swap;
+                                also the commit fence: a worker commits a checkpoint only
+                                while its round is still the one in here
+    rounds/<n>/failed           first worker failure of round n (ends the round, counts a restart)
+    rounds/<n>/failures/<node>  that node's failed workers (root cause)
+    rounds/<n>/end              round n ended for a membership change (scale-up)
+    rounds/<n>/done/<node>      all of that node's workers exited 0
+    events/<n>                  RescaleEvent that formed round n (bounded history)
+    control/checkpoint/<id>     a checkpoint request (``elasticrun ckpt save --rdzv-id``)
+    control/checkpoint-done/<id> rank 0's answer to it
+    progress/<node-id>          last step/loss reported by workers (on a short lease)
+    ping                        never written: connect() reads it to prove access
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Every job's keys live under ``ROOT + job_id + "/"``.
+ROOT = "/elasticrun/"
+
+
+@dataclass(frozen=True)
+class JobKeys:
+    """Key names for one job (``job_id`` as given to ``--rdzv-id``)."""
+
+    job_id: str
+
+    @property
+    def job(self) -> str:
+        """Old name of :attr:`job_id` (kept for callers not yet renamed)."""
+        return self.job_id
+
+    @property
+    def prefix(self) -> str:
+        return f"{ROOT}{self.job_id}/"
+
+    @property
+    def config(self) -> str:
+        return self.prefix + "config"
+
+    @property
+    def state(self) -> str:
+        return self.prefix + "state"
+
+    @property
+    def topology(self) -> str:
+        return self.prefix + "topology"
+
+    @property
+    def fence(self) -> str:
+        """The key whose ``round`` a committing worker must match (the topology)."""
+        return self.topology
+
+    @property
+    def ping(self) -> str:
+        """A key inside the job's prefix that connect() reads to prove it may (never written)."""
+        return self.prefix + "ping"
+
+    @property
+    def nodes(self) -> str:
+        return self.prefix + "nodes/"
+
+    def node(self, node_id: str) -> str:
+        return self.nodes + node_id
+
+    def node_rank(self, rank: int) -> str:
+        """Claimed by the node started with ``--node-rank rank`` (under its lease): one node per rank."""
+        return f"{self.prefix}node-ranks/{rank}"
+
+    def round(self, n: int) -> str:
+        return f"{self.prefix}rounds/{n:08d}/"
+
+    def failed(self, n: int) -> str:
+        return self.round(n) + "failed"
+
+    def failures(self, n: int) -> str:
+        return self.round(n) + "failures/"
+
+    def failure(self, n: int, node_id: str) -> str:
+        return self.failures(n) + node_id
+
+    def end(self, n: int) -> str:
+        return self.round(n) + "end"
+
+    def dones(self, n: int) -> str:
+        return self.round(n) + "done/"
+
+    def done(self, n: int, node_id: str) -> str:
+        return self.dones(n) + node_id
+
+    @property
+    def events(self) -> str:
+        return self.prefix + "events/"
+
+    def event(self, n: int) -> str:
+        return f"{self.events}{n:08d}"
+
+    @property
+    def control(self) -> str:
+        return self.prefix + "control/"
+
+    @property
+    def checkpoint_requests(self) -> str:
+        """Prefix of the pending checkpoint requests (one key per request id)."""
+        return self.control + "checkpoint/"
+
+    def checkpoint_request(self, request_id: str) -> str:
+        return self.checkpoint_requests + request_id
+
+    @property
+    def checkpoint_answers(self) -> str:
+        """Prefix of rank 0's answers to checkpoint requests."""
+        return self.control + "checkpoint-done/"
+
+    def checkpoint_answer(self, request_id: str) -> str:
+        return self.checkpoint_answers + request_id
+
+    @property
+    def progress(self) -> str:
+        return self.prefix + "progress/"
+
+    def progress_of(self, node_id: str) -> str:
+        return self.progress + node_id
+
+    @property
+    def restarts(self) -> str:
+        """Times of the job's recent restarts (``--restart-window``), written with the round."""
+        return self.prefix + "restarts"
+
+
+def job_of(key: str) -> str:
+    """The job id of a key under :data:`ROOT` ('' if none)."""
+    if not key.startswith(ROOT):
+        return ""
+    return key[len(ROOT):].split("/", 1)[0]
+
+
+def last_part(key: str) -> str:
+    """The last path element of a key (a node id, a request id)."""
+    return key.rsplit("/", 1)[-1]
+
+
+__all__ = ["ROOT", "JobKeys", "job_of", "last_part"]

@@ -1,0 +1,191 @@
+"""The job's etcd for ``--standalone``, ``--rdzv-backend c10d`` and ``static``: host it or join it.
+
+- ``--standalone``: a private etcd on a free loopback port.
+- ``c10d`` with ``--rdzv-endpoint HOST:PORT``: the agent for which HOST is an address of its own
+  machine (or ``--rdzv-conf is_host=1``) starts etcd on PORT; when several agents share that
+  machine, the first to bind PORT hosts and the others join it (as torchrun's c10d store does).
+- ``static`` (``--master-addr HOST --master-port PORT``): the agent with node rank 0 hosts.
+
+Every other agent connects to HOST:PORT, retrying until it answers, within ``--join-timeout``.
+etcd's peer port is a free port on the same address: a single-member etcd needs no peer
+traffic, so nothing but that member uses it. The hosting agent keeps serving until every
+other node has left (at most ``close_timeout`` s), like torchrun's exit barrier.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import ipaddress
+import os
+import socket
+import tempfile
+import time
+from typing import Callable, List, Optional, Tuple
+
+from elasticrun.config import LaunchConfig, RdzvBackend
+from elasticrun.errors import StoreError
+from elasticrun.job.settings import from_config as etcd_settings
+from elasticrun.store.client import EtcdStore, parse_endpoints
+from elasticrun.store.server import EtcdServer, free_port
+
+Say = Callable[[str], None]
+
+
+def _ipv4s(host: str) -> List[str]:
+    try:
+        infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError, ValueError):
+        return []
+    return sorted({str(info[4][0]) for info in infos})
+
+
+def _bindable(ip: str) -> bool:
+    """True when ``ip`` is an address of this machine (binding to it works)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((ip, 0))
+            return True
+        except OSError:
+            return False
+
+
+def local_ip(host: str) -> Optional[str]:
+    """The IPv4 address of ``host`` that belongs to this machine, or None (torchrun's is-host test)."""
+    if host == "localhost":
+        return "127.0.0.1"
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return host if _bindable(host) else None
+    except ValueError:
+        pass
+    for ip in _ipv4s(host):
+        if _bindable(ip):
+            return ip
+    if host in (socket.gethostname(), socket.getfqdn()):
+        return "0.0.0.0"  # our own name that resolves to no address of ours: every interface
+    return None
+
+
+def _port_taken(ip: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((ip, port))
+            return False
+        except OSError as err:
+            return err.errno == errno.EADDRINUSE
+
+
+class HostLock:
+    """A per-machine lock on ``ip:port``: of the agents here, only its holder may host etcd there.
+
+    Without it two agents on one machine could both start etcd on the port, and the loser's
+    health check would be answered by the winner's server. The kernel drops the lock when its
+    holder exits, so a crashed agent leaves nothing stale.
+    """
+
+    def __init__(self, ip: str, port: int) -> None:
+        self.path = os.path.join(tempfile.gettempdir(), f"elasticrun-etcd-{ip}-{port}.lock")
+        self.fd: Optional[int] = None
+
+    def acquire(self) -> bool:
+        """True when we hold the lock now (or cannot use lock files at all)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CREAT, 0o666)
+        except OSError:
+            return True  # no usable temp dir: fall back to the port check alone
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        self.fd = fd
+        return True
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _try_host(cfg: LaunchConfig, host: str, port: int, forced: bool, say: Say) -> Optional[EtcdServer]:
+    """Start the job's etcd on ``host:port``; None when another agent already does (not ``forced``)."""
+    ip = local_ip(host)
+    if ip is None:
+        if not forced:
+            return None
+        # Like torchrun's TCPStore: listen on every interface (HOST may be a NAT or service address).
+        say(f"{host!r} is not an address of this machine: the job's etcd listens on port {port} of every interface")
+        ip = "0.0.0.0"
+    lock = HostLock(ip, port)
+    if not lock.acquire() or _port_taken(ip, port):
+        lock.release()
+        if forced:
+            raise StoreError(f"cannot host the job's etcd at {host}:{port}: the port is in use on this machine; "
+                             "pick a free --master-port / endpoint port")
+        return None  # another agent on this machine hosts it: join it
+    server = EtcdServer(name="elasticrun", host=ip, client_port=port, peer_port=free_port(ip),
+                        binary=cfg.etcd_binary)
+    try:
+        server.start()
+        if not server.running():
+            raise StoreError(f"the job's etcd at {host}:{port} exited at start")
+    except StoreError:
+        server.stop()
+        lock.release()
+        if not forced and _port_taken(ip, port):
+            return None  # taken meanwhile by something else: join whatever serves there
+        raise
+    server.host_lock = lock  # type: ignore[attr-defined]  # held while the server runs, freed at exit
+    say(f"hosting the job's etcd at {host}:{port} (the job cannot continue if this node dies)")
+    return server
+
+
+def open_store(cfg: LaunchConfig, say: Say) -> Tuple[Optional[EtcdServer], EtcdStore]:
+    """Start (standalone, or the hosting agent of c10d/static) and/or connect to the job's etcd."""
+    etcd: Optional[EtcdServer] = None
+    retry = cfg.etcd_timeout
+    joining = False
+    if cfg.standalone and not cfg.rdzv_endpoint:
+        etcd = EtcdServer(binary=cfg.etcd_binary).start()
+        cfg.rdzv_endpoint = etcd.endpoint
+        say(f"started a private etcd at {etcd.endpoint}")
+    elif cfg.rdzv_backend in (RdzvBackend.C10D, RdzvBackend.STATIC):
+        host, port = parse_endpoints(cfg.rdzv_endpoint)[0]
+        if cfg.rdzv_is_host is not False:
+            etcd = _try_host(cfg, host, port, forced=cfg.rdzv_is_host is True, say=say)
+        if etcd is None:
+            joining = True
+            retry = max(1.0, cfg.join_timeout)  # the hosting node may start later
+            say(f"joining the job's etcd at {cfg.rdzv_endpoint} (hosted by "
+                f"{'node rank 0' if cfg.rdzv_backend is RdzvBackend.STATIC else 'the agent on ' + host})")
+    try:
+        store = etcd_settings(cfg).connect(cfg.rdzv_id, retry_timeout=retry)
+    except StoreError as err:
+        if etcd is not None:
+            etcd.stop()
+        if joining and str(err).startswith("cannot reach etcd"):
+            who = "node rank 0" if cfg.rdzv_backend is RdzvBackend.STATIC else "the agent on that host"
+            raise StoreError(f"no etcd at {cfg.rdzv_endpoint} after {retry:.0f}s (--join-timeout): start {who}, "
+                             "which hosts the job's etcd, with the same flags") from None
+        raise
+    store.retry_timeout = cfg.etcd_timeout
+    return etcd, store
+
+
+def wait_others_left(store: EtcdStore, nodes_prefix: str, timeout: float, say: Say) -> None:
+    """Hosting agent, at the end: keep etcd up until no other node is registered (or ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    told = False
+    while time.monotonic() < deadline:
+        try:
+            kvs, _ = store.get_prefix(nodes_prefix)
+        except StoreError:
+            return
+        if not kvs:
+            return
+        if not told:
+            say(f"waiting up to {timeout:.0f}s for {len(kvs)} other node(s) to leave before stopping the job's etcd")
+            told = True
+        time.sleep(0.2)

@@ -1,0 +1,154 @@
+"""The node's memory tier: a shared-memory directory the agent owns and its workers snapshot into.
+
+The agent creates ``/dev/shm/elasticrun-snap-<job>-<node>-<pid>/`` (mode 0700) when it
+starts and names it to its workers in ``ELASTICRUN_SNAPSHOT_DIR``. Workers come and go
+(a crash, a restart, a rescale); the directory — and the snapshots in it — stay until
+the agent exits. It is removed
+
+- by the agent itself when it exits normally (:meth:`SnapshotRoot.remove`);
+- by a watchdog after the agent dies in any way, SIGKILL included: a tiny interpreter
+  started in its own session (``subprocess.Popen``, never ``fork`` from the agent's gRPC
+  process) that blocks reading a pipe whose write end only the agent holds; when the
+  agent dies the kernel closes the pipe, the read returns, and the watchdog removes the
+  directory;
+- by the next agent on the machine, as a last resort (:func:`sweep`): directories whose
+  owner pid is dead (or was reused by another process) are removed at start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+#: Where snapshot roots live (a tmpfs on Linux). Overridable for tests.
+SHM_DIR = "/dev/shm"
+PREFIX = "elasticrun-snap-"
+OWNER_FILE = "owner"
+_NAME_RE = re.compile(r"^" + re.escape(PREFIX) + r".*-(\d+)$")
+
+# The watchdog: no imports beyond the standard library, no site packages (fast, nothing to fail).
+_WATCHDOG = (
+    "import os, shutil, signal, sys\n"
+    "for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):\n"
+    "    signal.signal(s, signal.SIG_IGN)\n"
+    "try:\n"
+    "    while sys.stdin.buffer.read(4096):\n"
+    "        pass\n"
+    "finally:\n"
+    "    shutil.rmtree(sys.argv[1], ignore_errors=True)\n"
+)
+
+
+def _start_time(pid: int) -> Optional[str]:
+    """The kernel's start time of ``pid`` (field 22 of /proc/<pid>/stat), or None if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    fields = data.rsplit(")", 1)[-1].split()
+    return fields[19] if len(fields) > 19 else None
+
+
+def _alive(pid: int, started: Optional[str]) -> bool:
+    """Whether the process that wrote an owner file still runs (pid reuse detected by start time)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process: not ours to judge
+    now = _start_time(pid)
+    return started is None or now is None or now == started
+
+
+def root_name(job_id: str, node_id: str, pid: int) -> str:
+    """``elasticrun-snap-<job>-<hash of node id>-<pid>``: job id sanitised, short, unique per agent."""
+    job = re.sub(r"[^A-Za-z0-9_.]", "_", job_id)[:40] or "job"
+    node = hashlib.sha256(node_id.encode()).hexdigest()[:8]
+    return f"{PREFIX}{job}-{node}-{pid}"
+
+
+def sweep(base: str = SHM_DIR) -> List[str]:
+    """Remove the snapshot roots in ``base`` whose owning agent is gone; returns their paths."""
+    removed: List[str] = []
+    try:
+        entries = os.listdir(base)
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _NAME_RE.match(entry)
+        if not m:
+            continue
+        path = os.path.join(base, entry)
+        try:
+            with open(os.path.join(path, OWNER_FILE), encoding="utf-8") as f:
+                owner = f.read().split()
+        except OSError:
+            owner = []
+        pid = int(m.group(1))
+        started = owner[1] if len(owner) > 1 and owner[0] == str(pid) else None
+        if not _alive(pid, started):
+            shutil.rmtree(path, ignore_errors=True)
+            if not os.path.exists(path):
+                removed.append(path)
+    return removed
+
+
+@dataclass
+class SnapshotRoot:
+    """An agent's shared-memory directory and the watchdog that removes it if the agent dies."""
+
+    path: str
+    watchdog: Optional[subprocess.Popen] = None
+
+    @classmethod
+    def create(cls, job_id: str, node_id: str, base: str = SHM_DIR,
+               say: Callable[[str], None] = lambda _m: None) -> Optional[SnapshotRoot]:
+        """Sweep dead agents' roots, make ours (0700) and start its watchdog; None when ``base`` is
+        not usable (no /dev/shm: workers then get no memory tier and snapshots say so)."""
+        if not os.path.isdir(base) or not os.access(base, os.W_OK | os.X_OK):
+            return None
+        for path in sweep(base):
+            say(f"removed the memory snapshots of a dead agent: {path}")
+        pid = os.getpid()
+        path = os.path.join(base, root_name(job_id, node_id, pid))
+        try:
+            shutil.rmtree(path, ignore_errors=True)  # a leftover of an agent with our pid in this process
+            os.mkdir(path, 0o700)
+            with open(os.path.join(path, OWNER_FILE), "w", encoding="utf-8") as f:
+                f.write(f"{pid} {_start_time(pid) or ''}\n")
+        except OSError as err:
+            say(f"no memory snapshots on this node: cannot create {path} ({err.strerror or err})")
+            return None
+        root = cls(path)
+        root.watchdog = subprocess.Popen(
+            [sys.executable, "-S", "-c", _WATCHDOG, path], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True,
+        )
+        return root
+
+    def remove(self) -> None:
+        """Remove the directory now and let the watchdog exit."""
+        shutil.rmtree(self.path, ignore_errors=True)
+        if self.watchdog is not None:
+            if self.watchdog.stdin is not None:
+                try:
+                    self.watchdog.stdin.close()  # EOF: the watchdog removes (what is left of) the path and exits
+                except OSError:
+                    pass
+            try:
+                self.watchdog.wait(5.0)
+            except subprocess.TimeoutExpired:
+                self.watchdog.kill()
+                self.watchdog.wait()
+            self.watchdog = None
+
+
+__all__ = ["SHM_DIR", "SnapshotRoot", "root_name", "sweep"]

@@ -1,0 +1,183 @@
+"""The rendezvous records stored in etcd: nodes, members, topologies, rescale events.
+
+Frozen dataclasses with ``to_dict``/``from_dict`` (they travel as JSON through etcd and the
+workers' rescale-event file). No I/O here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+
+class WorkerStatus(str, enum.Enum):
+    """What an agent is doing, as shown by ``elasticrun status``."""
+
+    JOINING = "Joining"
+    ACTIVE = "Active"
+    RESCALING = "Rescaling"
+    LEAVING = "Leaving"
+    FAILED = "Failed"
+    SUCCEEDED = "Succeeded"
+
+
+class RescaleType(str, enum.Enum):
+    """Why a new round was formed."""
+
+    START = "Start"  # the job's first round
+    SCALE_UP = "ScaleUp"  # nodes added
+    SCALE_DOWN = "ScaleDown"  # nodes left or died
+    REPLACE = "Replace"  # a lost node replaced by a newcomer in the same change
+    RESTART = "Restart"  # a worker failed; same members
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One agent as registered under ``nodes/<node_id>`` (attached to its lease)."""
+
+    node_id: str
+    host: str
+    addr: str
+    nproc: int
+    pid: int
+    accelerators: List[Dict[str, Any]] = field(default_factory=list)
+    status: WorkerStatus = WorkerStatus.JOINING
+    waiting_for: int = -1  # round this idle agent is ready to join; -1 while it runs workers
+    store_port: int = 0  # port of the c10d TCPStore this agent hosts if it becomes group rank 0
+    node_rank: int = -1  # --node-rank: the group rank this node keeps in every round; -1 = any
+    registered_at: float = field(default_factory=time.time)
+    heartbeat_at: float = field(default_factory=time.time)
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["status"] = self.status.value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> NodeInfo:
+        d = dict(d)
+        d["status"] = WorkerStatus(d.get("status", WorkerStatus.JOINING.value))
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def replace(self, **changes: Any) -> NodeInfo:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Member:
+    """A node's place in one round: its group rank and the global ranks it owns."""
+
+    node_id: str
+    host: str
+    addr: str
+    nproc: int
+    group_rank: int
+    rank_offset: int  # first global rank of this node
+    lease: int = 0  # the etcd lease the node held when the round formed (its incarnation)
+
+    @property
+    def ranks(self) -> range:
+        return range(self.rank_offset, self.rank_offset + self.nproc)
+
+    def to_dict(self) -> Dict[str, Any]:
+        # Flat fields only: a plain dict is ~10x faster than dataclasses.asdict's deep copy,
+        # which shows at 256 members per topology.
+        return {"node_id": self.node_id, "host": self.host, "addr": self.addr, "nproc": self.nproc,
+                "group_rank": self.group_rank, "rank_offset": self.rank_offset, "lease": self.lease}
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> Member:
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+@dataclass(frozen=True)
+class Topology:
+    """One round of the job: immutable once written to ``topology``."""
+
+    round: int
+    members: Tuple[Member, ...]
+    master_addr: str
+    master_port: int
+    restart_count: int = 0
+    created_at: float = field(default_factory=time.time)
+
+    @property
+    def world_size(self) -> int:
+        return sum(m.nproc for m in self.members)
+
+    @property
+    def node_ids(self) -> List[str]:
+        return [m.node_id for m in self.members]
+
+    def member(self, node_id: str) -> Optional[Member]:
+        for m in self.members:
+            if m.node_id == node_id:
+                return m
+        return None
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "round": self.round,
+            "members": [m.to_dict() for m in self.members],
+            "world_size": self.world_size,
+            "master_addr": self.master_addr,
+            "master_port": self.master_port,
+            "restart_count": self.restart_count,
+            "created_at": self.created_at,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> Topology:
+        return cls(
+            round=int(d["round"]),
+            members=tuple(Member.from_dict(m) for m in d["members"]),
+            master_addr=d["master_addr"],
+            master_port=int(d["master_port"]),
+            restart_count=int(d.get("restart_count", 0)),
+            created_at=float(d.get("created_at", 0.0)),
+        )
+
+
+@dataclass(frozen=True)
+class RescaleEvent:
+    """A round change: what changed, why and when. Kept in etcd and handed to workers."""
+
+    type: RescaleType
+    round: int
+    old_members: List[str]
+    new_members: List[str]
+    old_world_size: int
+    new_world_size: int
+    reason: str
+    restart_count: int = 0
+    time: float = field(default_factory=time.time)
+
+    @property
+    def added(self) -> List[str]:
+        return [n for n in self.new_members if n not in self.old_members]
+
+    @property
+    def removed(self) -> List[str]:
+        return [n for n in self.old_members if n not in self.new_members]
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["type"] = self.type.value
+        d["added"] = self.added
+        d["removed"] = self.removed
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> RescaleEvent:
+        known = {f.name for f in dataclasses.fields(cls)}
+        d = {k: v for k, v in d.items() if k in known}
+        d["type"] = RescaleType(d["type"])
+        return cls(**d)
+
+
+__all__ = ["WorkerStatus", "RescaleType", "NodeInfo", "Member", "Topology", "RescaleEvent"]

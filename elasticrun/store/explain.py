@@ -1,0 +1,69 @@
+"""Turning gRPC errors from etcd into one line that says what is wrong and what to do."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import grpc
+
+from elasticrun.job.keys import ROOT
+
+START_HINT = "start one with `elasticrun etcd`, or run with --standalone"
+AUTH_FAILED = "authentication failed"
+
+
+def tls_failure(details: str) -> str:
+    """The TLS problem in a gRPC error's details ('' if none): a bad certificate is no outage."""
+    for marker in ("CERTIFICATE_VERIFY_FAILED", "BAD_CERTIFICATE", "CERTIFICATE_REQUIRED", "UNKNOWN_CA",
+                   "WRONG_VERSION_NUMBER"):
+        if marker in details:
+            return marker
+    return ""
+
+
+def token_rejected(err: BaseException) -> bool:
+    """True when etcd refused our auth token (expired after --auth-token-ttl, or etcd restarted)."""
+    if not isinstance(err, grpc.RpcError) or not hasattr(err, "code"):
+        return False
+    details = (err.details() or "").lower()
+    return "invalid auth token" in details or "auth store is old" in details or (
+        err.code() == grpc.StatusCode.UNAUTHENTICATED and AUTH_FAILED not in details
+    )
+
+
+def explain(err: BaseException, endpoints: str, user: Optional[str], *, transient: bool = False) -> str:
+    """One line for ``err`` (``transient``: the library's connection error), for user ``user`` (None: none)."""
+    if isinstance(err, grpc.RpcError) and hasattr(err, "code"):
+        code, details = err.code(), (err.details() or "")
+        if tls_failure(details):
+            return (
+                f"TLS with etcd at {endpoints} failed ({tls_failure(details)}): check --etcd-cacert (the CA "
+                "of etcd's certificate) and --etcd-cert/--etcd-key (when etcd requires client certificates)"
+            )
+        if user is not None and AUTH_FAILED in details:
+            return f"etcd at {endpoints} rejected user {user!r}: wrong user name or password"
+        if code == grpc.StatusCode.PERMISSION_DENIED or "permission denied" in details:
+            if user is None:
+                return (
+                    f"etcd at {endpoints} denied access to a client without --etcd-user ({details}; with "
+                    "client certificates, the certificate's common name is the user): pass --etcd-user and a "
+                    "password, or a certificate of a user whose role grants the job's prefix"
+                )
+            return (
+                f"etcd at {endpoints} denied user {user!r} access ({details}): the user's role "
+                f"must grant read/write on the job's prefix {ROOT}<job_id>/ (see docs/security.md)"
+            )
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED) or (
+            "user name is empty" in details or "authentication" in details.lower()
+        ):
+            return (
+                f"etcd at {endpoints} requires authentication ({details}): pass --etcd-user, a "
+                "password ($ELASTICRUN_ETCD_PASSWORD or --etcd-password-file) and --etcd-cacert"
+            )
+        return f"etcd at {endpoints} refused the request: {code.name}: {details}"
+    if transient:
+        return f"cannot reach etcd at {endpoints} ({err.__class__.__name__}); {START_HINT}"
+    return f"etcd at {endpoints} failed: {err!r}"
+
+
+__all__ = ["AUTH_FAILED", "START_HINT", "explain", "tls_failure", "token_rejected"]

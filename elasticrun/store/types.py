@@ -1,0 +1,60 @@
+"""Plain values of the etcd client: keys as read, watch events, endpoint lists."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, List, Tuple
+
+from elasticrun.errors import StoreError
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    """One key as read from etcd."""
+
+    key: str
+    value: bytes
+    mod_revision: int
+    create_revision: int
+    lease: int
+
+    def json(self) -> Any:
+        return json.loads(self.value)
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """A change under a watched prefix; ``value`` is empty for deletes."""
+
+    key: str
+    value: bytes
+    deleted: bool
+    mod_revision: int
+    lease: int = 0
+
+
+def parse_endpoints(endpoints: str) -> List[Tuple[str, int]]:
+    """``"a:2379,http://b:2379"`` → ``[("a", 2379), ("b", 2379)]``; raises StoreError when malformed."""
+    result = []
+    for raw in endpoints.split(","):
+        item = raw.strip()
+        for scheme in ("http://", "https://"):
+            if item.startswith(scheme):
+                item = item[len(scheme):]
+        item = item.rstrip("/")
+        if not item:
+            continue
+        host, sep, port = item.rpartition(":")
+        if not sep:
+            host, port = item, "2379"
+        host = host.strip("[]")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise StoreError(f"bad etcd endpoint {raw.strip()!r}: expected host:port, e.g. 127.0.0.1:2379")
+        result.append((host, int(port)))
+    if not result:
+        raise StoreError("no etcd endpoint given: pass --rdzv-endpoint host:port[,host:port...]")
+    return result
+
+
+__all__ = ["KeyValue", "WatchEvent", "parse_endpoints"]

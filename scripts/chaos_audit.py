@@ -1,0 +1,191 @@
+"""Read the chaos soak's worker audit logs: the training lineage, rollbacks, and exactly-once sample checks.
+
+A *generation* is one set of workers started together: ``(round, restart)`` from their environment,
+ordered. Each generation resumes from a checkpoint (``resume`` line) and logs one ``step`` line per
+rank per optimizer step. The steps that count (the *lineage*) are found backwards from the last
+generation: it covers ``(resume, last step]``; the checkpoint it resumed was written by the latest
+earlier generation that reached that step, which covers ``(its resume, that step]``; and so on to
+step 0. Every other logged step was lost to a rollback.
+
+For every epoch the lineage touched, the indices trained on must be exactly the first
+``samples_consumed`` entries of the epoch's permutation, plus the sampler's documented padding at the
+end of an epoch (``tail="pad"``: ``ceil(rem / W) * W - rem`` repeats): anything missing is *skipped*,
+anything more is *seen twice*.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+Gen = Tuple[int, int]  # (round, restart)
+
+
+def read_records(audit_dir: str) -> List[dict]:
+    """Every JSON line of every ``*.jsonl`` under ``audit_dir`` (a torn last line is skipped)."""
+    records: List[dict] = []
+    for name in sorted(os.listdir(audit_dir)):
+        if not name.endswith(".jsonl"):
+            continue
+        with open(os.path.join(audit_dir, name), "rb") as f:
+            for line in f:
+                try:
+                    records.append(json.loads(line))
+                except ValueError:
+                    continue
+    records.sort(key=lambda r: r["t"])
+    return records
+
+
+def gen_of(record: dict) -> Gen:
+    return (int(record["round"]), int(record["restart"]))
+
+
+@dataclass
+class Segment:
+    gen: Gen
+    first: int  # first step (inclusive)
+    last: int  # last step (inclusive)
+
+
+@dataclass
+class AuditResult:
+    """What the audit logs say about the whole run."""
+
+    lineage: List[Segment] = field(default_factory=list)
+    final_step: int = 0
+    steps_executed: int = 0  # distinct (generation, step) pairs
+    steps_lost: int = 0
+    generations: int = 0
+    samples_checked: int = 0
+    samples_twice: int = 0
+    samples_skipped: int = 0
+    epochs_checked: int = 0
+    problems: List[str] = field(default_factory=list)
+    saves: List[Tuple[float, int, str]] = field(default_factory=list)  # (t, step, name) by rank 0
+    save_failures: List[Tuple[float, int, str]] = field(default_factory=list)
+    resumes: List[Tuple[float, Gen, int, Optional[str]]] = field(default_factory=list)  # one per generation
+
+
+def _permutation(n: int, seed: int, epoch: int) -> List[int]:
+    import torch
+
+    g = torch.Generator()
+    g.manual_seed(seed + int(epoch))
+    return torch.randperm(n, generator=g).tolist()
+
+
+def analyse(records: List[dict], dataset_size: int, seed: int) -> AuditResult:
+    """Lineage, rollbacks and the sample audit; ``problems`` lists every violation found."""
+    res = AuditResult()
+    steps: Dict[Gen, Dict[int, List[dict]]] = defaultdict(lambda: defaultdict(list))
+    resume: Dict[Gen, List[int]] = defaultdict(list)
+    for r in records:
+        ev = r.get("ev")
+        if ev == "step":
+            steps[gen_of(r)][int(r["step"])].append(r)
+        elif ev == "resume":
+            if gen_of(r) not in resume:
+                res.resumes.append((r["t"], gen_of(r), int(r["step"]), r.get("name")))
+            resume[gen_of(r)].append(int(r["step"]))
+        elif ev == "save" and int(r["rank"]) == 0:
+            res.saves.append((r["t"], int(r["step"]), str(r["name"])))
+        elif ev == "save_failed" and int(r["rank"]) == 0:
+            res.save_failures.append((r["t"], int(r["step"]), str(r.get("error", ""))))
+    res.generations = len(steps)
+    res.steps_executed = sum(len(s) for s in steps.values())
+    for gen, starts in resume.items():
+        if len(set(starts)) > 1:
+            res.problems.append(f"generation {gen}: ranks resumed from different steps {sorted(set(starts))}")
+    if not steps:
+        res.problems.append("no training step was logged")
+        return res
+    order = sorted(steps)
+    cur: Optional[Gen] = order[-1]
+    upper = max(steps[order[-1]])
+    res.final_step = upper
+    while cur is not None:
+        lo = min(resume.get(cur, [min(steps[cur]) - 1]))
+        res.lineage.append(Segment(cur, lo + 1, upper))
+        missing = [s for s in range(lo + 1, upper + 1) if s not in steps[cur]]
+        if missing:
+            res.problems.append(f"generation {cur} skipped steps {missing[:5]} (resumed at {lo})")
+        if lo <= 0:
+            break
+        earlier = [g for g in order if g < cur and lo in steps[g]]
+        if not earlier:
+            res.problems.append(f"generation {cur} resumed at step {lo}, which no earlier generation logged")
+            break
+        cur, upper = earlier[-1], lo
+    res.lineage.reverse()
+    res.steps_lost = res.steps_executed - sum(s.last - s.first + 1 for s in res.lineage)
+    _check_samples(res, steps, dataset_size, seed)
+    return res
+
+
+def _check_samples(res: AuditResult, steps: Dict[Gen, Dict[int, List[dict]]], n: int, seed: int) -> None:
+    seen: Dict[int, Counter] = defaultdict(Counter)
+    consumed: Dict[int, int] = {}
+    pad: Dict[int, int] = defaultdict(int)
+    seg_start: Dict[int, int] = {}
+    for seg in res.lineage:
+        first_in_epoch: Dict[int, int] = {}
+        for step in range(seg.first, seg.last + 1):
+            recs = steps[seg.gen].get(step, [])
+            if not recs:
+                continue
+            world = int(recs[0]["world"])
+            ranks = {int(r["rank"]) for r in recs}
+            if ranks != set(range(world)):
+                res.problems.append(f"step {step} of generation {seg.gen}: logged by ranks {sorted(ranks)} "
+                                    f"of {world}")
+            epoch = int(recs[0]["epoch"])
+            if epoch not in first_in_epoch:
+                first_in_epoch[epoch] = consumed.get(epoch, 0)
+            for r in recs:
+                seen[epoch].update(int(i) for i in r["idx"])
+            consumed[epoch] = max(int(r["after"]) for r in recs)
+            if consumed[epoch] >= n and epoch not in seg_start:
+                rem = n - first_in_epoch[epoch]
+                pad[epoch] = math.ceil(rem / world) * world - rem
+                seg_start[epoch] = first_in_epoch[epoch]
+    for epoch in sorted(seen):
+        expected = set(_permutation(n, seed, epoch)[: consumed[epoch]])
+        counts = seen[epoch]
+        skipped = len(expected - set(counts))
+        extra = len(set(counts) - expected)
+        twice = sum(c - 1 for c in counts.values()) - pad.get(epoch, 0)
+        res.epochs_checked += 1
+        res.samples_checked += sum(counts.values())
+        res.samples_skipped += skipped
+        res.samples_twice += max(0, twice) + extra
+        if skipped or twice > 0 or extra:
+            res.problems.append(f"epoch {epoch}: {skipped} sample(s) skipped, {max(0, twice)} seen twice, {extra} "
+                                f"outside the consumed prefix (consumed {consumed[epoch]} of {n})")
+        elif twice < 0:
+            res.problems.append(f"epoch {epoch}: fewer repeats ({twice + pad.get(epoch, 0)}) than the sampler's "
+                                f"end-of-epoch padding ({pad.get(epoch, 0)})")
+
+
+def first_step_after(records: List[dict], t: float, newer_than: Optional[Gen] = None) -> Optional[float]:
+    """Time of the first ``step`` line after ``t`` (from a generation newer than ``newer_than``)."""
+    for r in records:
+        if r.get("ev") == "step" and r["t"] > t and (newer_than is None or gen_of(r) > newer_than):
+            return float(r["t"])
+    return None
+
+
+def latest_gen_before(records: List[dict], t: float) -> Optional[Gen]:
+    """The newest generation that logged anything at or before ``t``."""
+    best: Optional[Gen] = None
+    for r in records:
+        if r["t"] > t:
+            break
+        g = gen_of(r)
+        if best is None or g > best:
+            best = g
+    return best

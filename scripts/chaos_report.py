@@ -1,0 +1,131 @@
+"""The chaos soak's summary (a JSON-able dict) and its table."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from typing import Any, Callable, Dict, List
+
+from chaos_audit import AuditResult
+from chaos_faults import Kind
+
+
+def _final_checks(soak: Any, audit: AuditResult) -> Dict[str, Any]:
+    """Every complete checkpoint left verifies; resumes took the newest committed checkpoint."""
+    from elasticrun.checkpoint import list_checkpoints, verify
+
+    problems: List[str] = []
+    left = [i for i in list_checkpoints(str(soak.ckpt_root)) if i.status == "complete"]
+    ok = 0
+    for info in left:
+        res = verify(str(soak.ckpt_root), info.name)
+        if res.ok:
+            ok += 1
+        else:
+            problems.append(f"checkpoint {info.name} left at the end fails verification: {'; '.join(res.problems)}")
+    newest = max(audit.saves, key=lambda s: (s[1], s[0]))[2] if audit.saves else None
+    if newest and newest not in {i.name for i in left}:
+        problems.append(f"the newest committed checkpoint {newest} is not among those left at the end")
+    for t, gen, step, name in audit.resumes:
+        before = [s for ts, s, _ in audit.saves if ts < t]
+        if before and step < max(before):
+            problems.append(f"generation {gen} resumed {name or 'nothing'} (step {step}) although step "
+                            f"{max(before)} was committed before it started")
+    return {"left": len(left), "left_verified": ok, "problems": problems}
+
+
+def summary(args: Any, soak: Any, audit: AuditResult, skipped: Dict[str, str], elapsed: float) -> Dict[str, Any]:
+    """Everything the table shows, plus every fault and violation."""
+    done = [f for f in soak.faults if not f.skipped]
+    by_kind: Dict[str, Dict[str, Any]] = {}
+    groups: Dict[str, List[Any]] = defaultdict(list)
+    for f in done:
+        groups[f.kind.value].append(f)
+    for kind in Kind:
+        fs = groups.get(kind.value, [])
+        ttrs = [f.ttr for f in fs if f.ttr is not None]
+        full = [f.full_at - f.t_ref for f in fs if f.full_at is not None]
+        by_kind[kind.value] = {"faults": len(fs), "recovered": len(ttrs),
+                               "median_ttr_s": round(statistics.median(ttrs), 2) if ttrs else None,
+                               "worst_ttr_s": round(max(ttrs), 2) if ttrs else None,
+                               "worst_full_strength_s": round(max(full), 2) if full else None}
+    ttrs = [f.ttr for f in done if f.ttr is not None]
+    try:
+        final = _final_checks(soak, audit)
+    except Exception as err:  # noqa: BLE001 - a broken root is a finding, not a crash of the soak
+        final = {"left": 0, "left_verified": 0, "problems": [f"checking the checkpoint root failed: {err!r}"]}
+    violations = list(soak.violations) + audit.problems + final["problems"]
+    if not audit.saves:
+        violations.append("no checkpoint was committed")
+    return {
+        "seed": args.seed, "minutes": args.minutes, "elapsed_s": round(elapsed, 1), "nodes": args.nodes,
+        "faults_total": len(done), "faults_needing_recovery": len(done), "recoveries": len(ttrs),
+        "median_ttr_s": round(statistics.median(ttrs), 2) if ttrs else None,
+        "worst_ttr_s": round(max(ttrs), 2) if ttrs else None,
+        "by_kind": by_kind, "skipped_kinds": skipped,
+        "steps": {"final": audit.final_step, "executed": audit.steps_executed, "lost_to_rollbacks": audit.steps_lost,
+                  "generations": audit.generations},
+        "checkpoints": {"committed": len(audit.saves), "verified": soak.verified, "verify_failed": soak.verify_failed,
+                        "retired_before_verify": soak.retired, "save_failures": len(audit.save_failures),
+                        "left_at_end": final["left"], "left_verified": final["left_verified"]},
+        "samples": {"checked": audit.samples_checked, "epochs": audit.epochs_checked, "seen_twice": audit.samples_twice,
+                    "skipped": audit.samples_skipped},
+        "faults": [f.to_json() for f in soak.faults],
+        "violations": violations, "forced_restarts": soak.forced_restarts,
+        "ok": not violations and not soak.aborted,
+    }
+
+
+def _s(v: Any) -> str:
+    return "-" if v is None else f"{v:.1f}s" if isinstance(v, float) else str(v)
+
+
+def render(res: Dict[str, Any], say: Callable[[str], None]) -> None:
+    """Print the tables (rich when it can render, plain text otherwise)."""
+    rows = [[k, str(v["faults"]), str(v["recovered"]), _s(v["median_ttr_s"]), _s(v["worst_ttr_s"]),
+             _s(v["worst_full_strength_s"])] for k, v in res["by_kind"].items() if v["faults"]]
+    rows += [[k, "skipped", "", "", "", why[:60]] for k, why in res["skipped_kinds"].items()]
+    rows.append(["all", str(res["faults_total"]), str(res["recoveries"]), _s(res["median_ttr_s"]),
+                 _s(res["worst_ttr_s"]), ""])
+    st, ck, sm = res["steps"], res["checkpoints"], res["samples"]
+    facts = [
+        ("run", f"seed {res['seed']}, {res['minutes']:g} min of faults, {res['elapsed_s']:.0f} s in all"),
+        ("steps", f"{st['final']} trained, {st['executed']} executed, {st['lost_to_rollbacks']} lost to rollbacks, "
+                  f"{st['generations']} worker generations"),
+        ("checkpoints", f"{ck['committed']} committed, {ck['verified']} verified right after commit "
+                        f"({ck['retired_before_verify']} retired first), {ck['verify_failed']} failed; "
+                        f"{ck['save_failures']} saves refused; {ck['left_verified']}/{ck['left_at_end']} left "
+                        f"at the end verify"),
+        ("samples", f"{sm['checked']} audited over {sm['epochs']} epochs: {sm['seen_twice']} seen twice, "
+                    f"{sm['skipped']} skipped"),
+        ("violations", f"{len(res['violations'])} ({res['forced_restarts']} hangs ended by killing every agent, "
+                       f"--keep-going)" if res["forced_restarts"] else str(len(res["violations"]))),
+    ]
+    try:
+        from io import StringIO
+
+        from rich.console import Console
+        from rich.table import Table
+
+        buf = StringIO()
+        console = Console(file=buf, width=110, force_terminal=False, color_system=None)
+        t = Table(title="chaos soak: faults", show_lines=False)
+        for col in ("fault", "count", "recovered", "median time to recover", "worst", "worst to full strength"):
+            t.add_column(col, justify="left" if col == "fault" else "right")
+        for r in rows:
+            t.add_row(*r)
+        console.print(t)
+        t2 = Table(show_header=False)
+        t2.add_column("what")
+        t2.add_column("result")
+        for k, v in facts:
+            t2.add_row(k, v)
+        console.print(t2)
+        text = buf.getvalue()
+    except ImportError:
+        text = "\n".join("  ".join(c.ljust(14) for c in r) for r in rows) + "\n"
+        text += "\n".join(f"{k:<12} {v}" for k, v in facts)
+    say(text.rstrip())
+    for v in res["violations"]:
+        say(f"VIOLATION: {v}")
+    say("OK: every invariant held" if res["ok"] else "FAILED")

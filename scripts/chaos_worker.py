@@ -1,0 +1,156 @@
+"""examples/train.py with a sample audit log, for scripts/chaos.py (the example itself is unchanged).
+
+Run by the agents instead of the example; every argument goes to the example. What this wrapper adds,
+by patching the names the example looks up at call time:
+
+- every optimizer step appends one JSON line to ``$CHAOS_AUDIT_DIR/<node>-<pid>.jsonl``: the step,
+  epoch, this rank's sample indices of the step, the sampler position after it, the round and restart
+  count (the worker generation), rank, world size and wall-clock time;
+- ``resume`` (which checkpoint ``load_latest`` returned), ``save``/``save_failed`` lines;
+- ``--steps`` becomes the number in ``$CHAOS_STOP_FILE`` once that file exists, so the soak can end
+  the job cleanly at a step every rank agrees on (the file is written once, ahead of every rank).
+
+Lines are written with one ``os.write`` on an ``O_APPEND`` descriptor: a SIGKILL loses at most the
+line being written, never earlier ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import elasticrun.checkpoint as ckpt_pkg
+import elasticrun.train as et
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train.py"
+
+
+class Audit:
+    """One worker's append-only JSON-lines log."""
+
+    def __init__(self, directory: str) -> None:
+        node = os.environ.get("ELASTICRUN_NODE_ID", "node").replace("/", "_").replace("@", "_")
+        path = os.path.join(directory, f"{node}-{os.getpid()}.jsonl")
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.base = {
+            "pid": os.getpid(),
+            "node": os.environ.get("ELASTICRUN_NODE_ID", ""),
+            "round": int(os.environ.get("ELASTICRUN_ROUND", "0") or 0),
+            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+            "rank": int(os.environ.get("RANK", "0") or 0),
+            "world": int(os.environ.get("WORLD_SIZE", "1") or 1),
+        }
+        self.step = 0  # the training step of the last logged optimizer step
+
+    def write(self, event: str, **fields: Any) -> None:
+        record: Dict[str, Any] = {"ev": event, "t": time.time(), **self.base, **fields}
+        os.write(self.fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
+
+
+AUDIT: Optional[Audit] = None
+
+
+class AuditedSampler(et.ElasticDistributedSampler):
+    """The example's sampler, logging the indices each step consumed (``advance`` follows ``indices``)."""
+
+    _mine: List[int]
+    _cursor: int
+
+    def indices(self) -> List[int]:
+        mine = super().indices()
+        self._mine, self._cursor = list(mine), 0
+        return mine
+
+    def advance(self, local_samples: int) -> int:
+        taken = getattr(self, "_mine", [])[getattr(self, "_cursor", 0) : getattr(self, "_cursor", 0) + local_samples]
+        self._cursor = getattr(self, "_cursor", 0) + local_samples
+        after = super().advance(local_samples)
+        if AUDIT is not None:
+            AUDIT.step += 1
+            AUDIT.write("step", step=AUDIT.step, epoch=self.epoch, idx=[int(i) for i in taken], after=after)
+        return after
+
+
+def _load_latest(*args: Any, **kwargs: Any) -> Any:
+    ckpt = _ORIG_LOAD_LATEST(*args, **kwargs)
+    if AUDIT is not None:
+        step = ckpt.training_state.step if (ckpt is not None and ckpt.training_state) else 0
+        AUDIT.step = step
+        AUDIT.write("resume", name=None if ckpt is None else ckpt.name, step=step)
+    return ckpt
+
+
+def _save(*args: Any, **kwargs: Any) -> Any:
+    try:
+        name = _ORIG_SAVE(*args, **kwargs)
+    except BaseException as err:
+        if AUDIT is not None:
+            AUDIT.write("save_failed", step=AUDIT.step, error=f"{type(err).__name__}: {err}"[:300])
+        raise
+    if AUDIT is not None:
+        AUDIT.write("save", step=AUDIT.step, name=name)
+    return name
+
+
+class StopArgs(argparse.Namespace):
+    """The example's arguments, with ``steps`` read from ``$CHAOS_STOP_FILE`` once it exists."""
+
+    _stop_at: Optional[int] = None
+
+    @property
+    def steps(self) -> int:
+        if self._stop_at is None:
+            path = os.environ.get("CHAOS_STOP_FILE")
+            if path and os.path.exists(path):
+                try:
+                    self._stop_at = int(Path(path).read_text().strip())
+                except ValueError:
+                    pass  # being written; read again next step
+        return self._stop_at if self._stop_at is not None else int(self.__dict__.get("_steps", 0))
+
+    @steps.setter
+    def steps(self, value: int) -> None:
+        self.__dict__["_steps"] = value
+
+
+_ORIG_LOAD_LATEST = et.load_latest
+_ORIG_SAVE = ckpt_pkg.save
+
+
+def main() -> int:
+    global AUDIT
+    spec = importlib.util.spec_from_file_location("elasticrun_example_train", str(EXAMPLE))
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    directory = os.environ.get("CHAOS_AUDIT_DIR")
+    if directory:
+        AUDIT = Audit(directory)
+        AUDIT.write("start")
+    et.ElasticDistributedSampler = AuditedSampler  # type: ignore[misc]
+    et.load_latest = _load_latest  # type: ignore[assignment]
+    ckpt_pkg.save = _save  # type: ignore[attr-defined]
+    orig_parse = example.parse_args
+
+    def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+        ns = orig_parse(argv)
+        args = StopArgs()
+        for key, value in vars(ns).items():
+            setattr(args, key, value)
+        return args
+
+    example.parse_args = parse_args
+    code = int(example.main(sys.argv[1:]) or 0)
+    if AUDIT is not None:
+        AUDIT.write("exit", code=code, step=AUDIT.step)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

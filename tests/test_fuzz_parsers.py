@@ -1,0 +1,341 @@
+"""Hostile inputs: every parser of outside data, fuzzed with hypothesis and pinned by regression
+tests. metadata.json, safetensors headers and CLI values end in one CheckpointError / one
+clear line; etcd records written by other agents are logged and ignored. Never a traceback,
+a hang or a partial write. Real files (and a real etcd for the records)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from elasticrun.checkpoint import CheckpointError, list_checkpoints, load, save
+from elasticrun.checkpoint.format import CheckpointMeta
+from elasticrun.checkpoint.shardfile import read_header
+from elasticrun.cli.main import main as cli_main
+from elasticrun.rendezvous.view import loads_record, parse_node, parse_topology
+
+from ckpt_helpers import cli
+
+FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+FUZZ_CLI = settings(FUZZ, max_examples=25)  # each run builds the typer app (~0.4 s)
+SHARD = "shard-00000-of-00001.safetensors"
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2 ** 70), 2 ** 70) | st.floats(allow_nan=True) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    """A real checkpoint (two tensors, one file) to mutate copies of."""
+    root = tmp_path_factory.mktemp("good")
+    save({"a": torch.arange(6.0).view(2, 3), "b": torch.arange(4, dtype=torch.int64)}, root, "x",
+         training_state={"step": 3})
+    return root
+
+
+def _copy(good: Path, dst: Path) -> Path:
+    (dst / "x").mkdir(parents=True, exist_ok=True)
+    for f in os.listdir(good / "x"):
+        (dst / "x" / f).write_bytes((good / "x" / f).read_bytes())
+    return dst
+
+
+def _only_checkpoint_errors(fn):
+    try:
+        return fn()
+    except CheckpointError as err:
+        assert "\n" not in str(err).strip() or "Traceback" not in str(err)
+        return err
+
+
+# -- metadata.json ---------------------------------------------------------------------------
+
+
+def _paths(doc, prefix=()):
+    yield prefix
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            yield from _paths(v, prefix + (i,))
+
+
+def _set(doc, path, value):
+    if not path:
+        return value
+    node = doc
+    for p in path[:-1]:
+        node = node[p]
+    node[path[-1]] = value
+    return doc
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzzed_metadata_is_listed_and_refused_cleanly(good, tmp_path_factory, data):
+    root = _copy(good, tmp_path_factory.mktemp("m"))
+    doc = json.loads((good / "x" / "metadata.json").read_text())
+    paths = list(_paths(doc))
+    for _ in range(data.draw(st.integers(1, 3))):
+        path = data.draw(st.sampled_from(paths))
+        try:
+            doc = _set(doc, path, data.draw(json_values))
+        except (KeyError, IndexError, TypeError):
+            pass
+    raw = json.dumps(doc).encode()
+    (root / "x" / "metadata.json").write_bytes(raw)
+    _only_checkpoint_errors(lambda: CheckpointMeta.loads(raw, "m"))
+    infos = list_checkpoints(root)  # never raises
+    assert [i.dirname for i in infos] == ["x"]
+    target = {"a": torch.full((2, 3), 9.0), "b": torch.full((4,), 9, dtype=torch.int64)}
+    out = _only_checkpoint_errors(lambda: load(root, "x", state_dict=target))
+    if isinstance(out, CheckpointError):
+        assert all(bool(torch.all(t == 9)) for t in target.values())  # no partial write
+
+
+@FUZZ
+@given(raw=st.binary(max_size=200))
+def test_metadata_bytes_never_escape_as_anything_but_checkpoint_error(raw):
+    _only_checkpoint_errors(lambda: CheckpointMeta.loads(raw, "m"))
+
+
+def test_a_deeply_nested_metadata_does_not_break_listing_the_root(good, tmp_path):
+    root = _copy(good, tmp_path)
+    save({"w": torch.ones(1)}, root, "fine")
+    (root / "x" / "metadata.json").write_bytes(b"[" * 100000 + b"]" * 100000)
+    infos = {i.name: i for i in list_checkpoints(root)}
+    assert infos["x"].status == "corrupt" and "nested too deeply" in infos["x"].problem
+    assert infos["fine"].latest
+    res = cli("list", str(root), "--json")
+    assert res.returncode == 0 and "Traceback" not in res.stderr
+    with pytest.raises(CheckpointError, match="nested too deeply"):
+        load(root, "x")
+
+
+def test_a_deep_state_dict_tree_is_refused(good, tmp_path):
+    root = _copy(good, tmp_path)
+    doc = json.loads((root / "x" / "metadata.json").read_text())
+    tree = {"__tensor__": "a"}
+    for _ in range(500):
+        tree = {"k": tree}
+    doc["tree"] = tree
+    (root / "x" / "metadata.json").write_text(json.dumps(doc))
+    with pytest.raises(CheckpointError, match="nested deeper"):
+        load(root, "x")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
+def test_a_non_regular_metadata_file_does_not_hang_listing(good, tmp_path, kind):
+    root = _copy(good, tmp_path)
+    meta = root / "x" / "metadata.json"
+    meta.unlink()
+    if kind == "fifo":
+        os.mkfifo(meta)
+    else:
+        meta.symlink_to("/dev/zero")
+    res = cli("list", str(root), "--json", timeout=60)  # today's code hangs here (TimeoutExpired)
+    assert res.returncode == 0, res.stderr
+    row = json.loads(res.stdout)[0]
+    assert row["status"] == "corrupt" and "not a regular file" in row["problem"]
+    res = cli("verify", str(root), "x", timeout=60)
+    assert res.returncode == 5 and "not a regular file" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_a_non_regular_shard_file_is_refused(good, tmp_path):
+    root = _copy(good, tmp_path)
+    (root / "x" / SHARD).unlink()
+    os.mkfifo(root / "x" / SHARD)
+    res = cli("verify", str(root), "x", timeout=60)
+    assert res.returncode == 5 and "not a regular file" in res.stderr
+    assert list_checkpoints(root)[0].status == "corrupt"
+
+
+def test_an_oversized_metadata_file_is_refused_without_reading_it(good, tmp_path, monkeypatch):
+    from elasticrun.checkpoint import validate
+
+    root = _copy(good, tmp_path)
+    monkeypatch.setattr(validate, "MAX_METADATA_BYTES", 100)
+    with pytest.raises(CheckpointError, match="larger than"):
+        load(root, "x")
+
+
+# -- safetensors headers ---------------------------------------------------------------------
+
+
+def _rewrite_shard(root: Path, mutate) -> None:
+    """Rewrite the shard's header with ``mutate(header)`` and update metadata.json to match, so
+    only the header is hostile (the checksum is right)."""
+    path = root / "x" / SHARD
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    body = data[8 + n:]
+    header = mutate(header)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-(len(raw) + 8) % 8)
+    new = struct.pack("<Q", len(raw)) + raw + body
+    path.write_bytes(new)
+    meta_path = root / "x" / "metadata.json"
+    doc = json.loads(meta_path.read_text())
+    doc["files"][SHARD].update(size=len(new), sha256=hashlib.sha256(new).hexdigest())
+    meta_path.write_text(json.dumps(doc))
+
+
+def test_negative_data_offsets_never_read_header_bytes_as_data(good, tmp_path):
+    root = _copy(good, tmp_path)
+
+    def negative(h):
+        for k, v in h.items():
+            if k == "b":  # 32 bytes of int64: point them 32 bytes back, into the header
+                a, b = v["data_offsets"]
+                v["data_offsets"] = [a - 10_000, b - 10_000] if a >= 10_000 else [-32, 0]
+        return h
+
+    _rewrite_shard(root, negative)
+    for verify in (True, False):
+        with pytest.raises(CheckpointError, match="data_offsets"):
+            load(root, "x", verify=verify)
+
+
+def test_a_huge_header_length_prefix_is_refused(good, tmp_path):
+    root = _copy(good, tmp_path)
+    path = root / "x" / SHARD
+    data = bytearray(path.read_bytes())
+    data[:8] = struct.pack("<Q", 2 ** 63)
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="header length"):
+        load(root, "x", verify=False)
+    with open(path, "rb") as f:
+        with pytest.raises(CheckpointError, match="header length"):
+            read_header(f, "f")
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzzed_shard_headers_end_in_checkpoint_errors(good, tmp_path_factory, data):
+    root = _copy(good, tmp_path_factory.mktemp("h"))
+
+    def mutate(h):
+        key = data.draw(st.sampled_from(["a", "b", "__metadata__", "zz"]))
+        field = data.draw(st.sampled_from(["dtype", "shape", "data_offsets", None]))
+        value = data.draw(json_values | st.lists(st.integers(-(2 ** 65), 2 ** 65), max_size=3))
+        if field is None or not isinstance(h.get(key), dict):
+            h[key] = value
+        else:
+            h[key][field] = value
+        return h
+
+    _rewrite_shard(root, mutate)
+    target = {"a": torch.full((2, 3), 9.0), "b": torch.full((4,), 9, dtype=torch.int64)}
+    out = _only_checkpoint_errors(lambda: load(root, "x", state_dict=target, verify=data.draw(st.booleans())))
+    if isinstance(out, CheckpointError):
+        assert all(bool(torch.all(t == 9)) for t in target.values())
+    else:
+        assert torch.equal(target["a"], torch.arange(6.0).view(2, 3)) and torch.equal(target["b"], torch.arange(4))
+
+
+@FUZZ
+@given(raw=st.binary(max_size=64))
+def test_raw_shard_bytes_end_in_checkpoint_errors(tmp_path_factory, raw):
+    path = tmp_path_factory.mktemp("r") / "f"
+    path.write_bytes(raw)
+    with open(path, "rb") as f:
+        _only_checkpoint_errors(lambda: read_header(f, "f", len(raw)))
+
+
+# -- CLI values ------------------------------------------------------------------------------
+
+
+def _run_cli(capsys, *args: str) -> int:
+    try:
+        cli_main(list(args))
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err and "Traceback" not in out.out
+    return code
+
+
+@FUZZ_CLI
+@given(name=st.text(max_size=30), keep=st.integers(-(2 ** 40), 2 ** 40), cmd=st.sampled_from(
+    ["inspect", "verify", "delete", "delete-keep", "list"]))
+def test_fuzzed_ckpt_cli_values_end_in_one_clear_line(good, tmp_path_factory, capsys, name, keep, cmd):
+    root = str(_copy(good, tmp_path_factory.mktemp("c")))
+    if cmd == "delete-keep":
+        args = ["ckpt", "delete", root, "--keep-last", str(keep), "--yes"]
+    elif cmd == "list":
+        args = ["ckpt", "list", os.path.join(root, name.replace("\0", "")), "--json"]
+    elif cmd == "delete":
+        args = ["ckpt", "delete", root, name, "--yes"]
+    else:
+        args = ["ckpt", cmd, root, name, "--json"]
+    code = _run_cli(capsys, *args)
+    assert code in (0, 1, 2, 5)
+    if name != "x":
+        assert (Path(root) / "x" / "metadata.json").is_file()  # nothing but what was named is ever touched
+
+
+# -- etcd records from other agents ----------------------------------------------------------
+
+
+@FUZZ
+@given(value=json_values.map(lambda v: json.dumps(v).encode()) | st.binary(max_size=64))
+def test_fuzzed_etcd_records_are_parsed_or_ignored(value):
+    loads_record(value)
+    node, topo = parse_node(value), parse_topology(value)
+    assert node is None or (isinstance(node.nproc, int) and node.nproc > 0)
+    assert topo is None or all(isinstance(m.nproc, int) for m in topo.members)
+
+
+@FUZZ
+@given(field=st.sampled_from(["node_id", "host", "addr", "nproc", "pid", "status", "store_port", "waiting_for"]),
+       value=json_values)
+def test_a_node_record_with_one_bad_field_is_ignored_or_sane(field, value):
+    rec = {"node_id": "n1", "host": "h", "addr": "127.0.0.1", "nproc": 2, "pid": 1}
+    rec[field] = value
+    node = parse_node(json.dumps(rec).encode())
+    if node is not None:
+        assert isinstance(node.host, str) and isinstance(node.nproc, int) and node.nproc > 0
+
+
+def test_a_view_survives_garbage_written_by_another_agent(etcd, job_id):
+    from elasticrun.rendezvous.keys import JobKeys
+    from elasticrun.rendezvous.view import JobView
+
+    keys = JobKeys(job_id)
+    good_node = {"node_id": "n1", "host": "h", "addr": "127.0.0.1", "nproc": 2, "pid": 1}
+    etcd.put(keys.nodes + "n1", json.dumps(good_node))
+    etcd.put(keys.nodes + "evil", b"[" * 100000)
+    etcd.put(keys.nodes + "evil2", json.dumps({"node_id": "e", "host": "h", "addr": "a", "nproc": "many", "pid": 1}))
+    etcd.put(keys.topology, json.dumps({"round": 1, "members": [{"node_id": 3}], "master_addr": "a",
+                                        "master_port": 1}))
+    etcd.put(keys.state, b"\xff\xfe not json")
+    view = JobView(etcd, keys)
+    try:
+        assert set(view.nodes()) == {"n1"}
+        assert view.topology()[0] is None and view.state() is None
+        good_topo = {"round": 2, "members": [{"node_id": "n1", "host": "h", "addr": "a", "nproc": 2,
+                                              "group_rank": 0, "rank_offset": 0}],
+                     "master_addr": "a", "master_port": 1}
+        etcd.put(keys.topology, json.dumps(good_topo))
+        from conftest import wait_until
+
+        wait_until(lambda: view.topology()[0] is not None, 10, "the good topology")
+        etcd.put(keys.topology, b"{not json")
+        wait_until(lambda: view.get(keys.topology).value == b"{not json", 10, "the bad topology")
+        assert view.topology()[0].round == 2  # the last good round is kept, the bad record ignored
+    finally:
+        view.close()

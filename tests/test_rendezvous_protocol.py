@@ -1,0 +1,157 @@
+"""The rendezvous protocol on an in-memory store (tests/helpers/fake_store.py): forming rounds, stable
+ranks, failures, lost nodes, success and the restart budget — no etcd, no processes."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Dict, List
+
+import pytest
+from helpers.fake_store import FakeStore
+
+from elasticrun.errors import ConfigError
+from elasticrun.job.keys import JobKeys
+from elasticrun.launch.states import JobState, RoundOutcome
+from elasticrun.rendezvous.protocol import JobEnded, Rendezvous, RendezvousSettings
+from elasticrun.rendezvous.records import NodeInfo, RescaleType, Topology
+
+JOB = "unit-job"
+
+
+def settings(**kw) -> RendezvousSettings:
+    base = dict(job_id=JOB, min_nodes=1, max_nodes=3, max_restarts=1, heartbeat_timeout=2.0, stability_window=0.05,
+                rescale_timeout=10.0, join_timeout=10.0)
+    base.update(kw)
+    return RendezvousSettings(**base)
+
+
+def join(store: FakeStore, node_id: str, **kw) -> Rendezvous:
+    info = NodeInfo(node_id=node_id, host="h", addr="127.0.0.1", nproc=kw.pop("nproc", 1), pid=1)
+    rdzv = Rendezvous(store, settings(**kw), info, lambda: 29500)
+    rdzv.ensure_config({"nnodes": "1:3", "entrypoint": "train.py"})
+    rdzv.register()
+    return rdzv
+
+
+def next_rounds(nodes: List[Rendezvous], timeout: float = 20.0) -> Dict[str, Topology]:
+    """``next_round()`` on every node at once (as their agents do); the round each one got."""
+    got: Dict[str, Topology] = {}
+    errors: List[BaseException] = []
+
+    def one(r: Rendezvous) -> None:
+        try:
+            got[r.node_id] = r.next_round()
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in nodes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not errors, errors
+    assert len(got) == len(nodes), f"only {sorted(got)} got a round within {timeout}s"
+    return got
+
+
+def seen(r: Rendezvous, fn, timeout: float = 5.0):
+    """``fn()`` once ``r``'s view (fed by the store's watch, on its own thread) makes it truthy."""
+    deadline = time.monotonic() + timeout
+    while True:
+        version = r.view.version
+        value = fn()
+        if value or time.monotonic() > deadline:
+            return value
+        r.view.wait_change(version, 0.05)
+
+
+@pytest.fixture
+def store():
+    s = FakeStore()
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def cleanup():
+    made: List[Rendezvous] = []
+    yield made
+    for r in made:
+        r.leave()
+
+
+def test_two_nodes_form_one_round_with_stable_ranks(store: FakeStore, cleanup):
+    a, b = join(store, "a", nproc=2), join(store, "b")
+    cleanup += [a, b]
+    rounds = next_rounds([a, b])
+    assert rounds["a"] == rounds["b"], "both nodes see the one topology written for the round"
+    topo = rounds["a"]
+    assert topo.round == 0 and topo.world_size == 3 and topo.restart_count == 0
+    assert [(m.node_id, m.group_rank, m.rank_offset) for m in topo.members] == [("a", 0, 0), ("b", 1, 2)]
+    event = a.rescale_event(0)
+    assert event is not None and event.type is RescaleType.START
+    assert a.round_change(topo) is None, "a round without failure, end or loss runs on"
+
+
+def test_a_failure_ends_the_round_and_the_next_one_is_a_restart(store: FakeStore, cleanup):
+    a, b = join(store, "a"), join(store, "b")
+    cleanup += [a, b]
+    first = next_rounds([a, b])["a"]
+    b.report_failure(first, [{"rank": 1, "exitcode": 3}])
+    assert seen(b, lambda: b.round_change(first)) == "worker failure on b"
+    assert seen(a, lambda: a.round_change(first)) == "worker failure on b"
+    second = next_rounds([a, b])["b"]
+    assert second.round == 1 and second.restart_count == 1
+    assert [m.node_id for m in second.members] == ["a", "b"], "same members, same ranks"
+    assert a.rescale_event(1).type is RescaleType.RESTART
+    assert a.root_cause(0) and a.root_cause(0)[0]["rank"] == 1
+
+
+def test_restarts_run_out_and_the_job_fails(store: FakeStore, cleanup):
+    a = join(store, "a", max_restarts=0)
+    cleanup.append(a)
+    topo = next_rounds([a])["a"]
+    a.report_failure(topo, [{"rank": 0, "exitcode": 1}])
+    with pytest.raises(JobEnded) as ended:
+        a.next_round()
+    assert not ended.value.succeeded
+    assert store.get_json(JobKeys(JOB).state)["state"] == JobState.FAILED.value
+
+
+def test_a_lost_node_ends_the_round_and_the_survivor_scales_down(store: FakeStore, cleanup):
+    a, b = join(store, "a"), join(store, "b")
+    cleanup.append(a)
+    first = next_rounds([a, b])["a"]
+    b.lease.stop()
+    store.expire(b.lease.lease_id)  # b's agent died: etcd deletes its record when the lease expires
+    assert seen(a, lambda: a.round_change(first)) == "node b left or lost its lease"
+    second = next_rounds([a])["a"]
+    assert second.round == 1 and [m.node_id for m in second.members] == ["a"]
+    assert a.rescale_event(1).type is RescaleType.SCALE_DOWN and second.restart_count == 0
+
+
+def test_all_done_is_success_and_ends_the_job(store: FakeStore, cleanup):
+    a, b = join(store, "a"), join(store, "b")
+    cleanup += [a, b]
+    topo = next_rounds([a, b])["a"]
+    a.report_done(topo)
+    assert seen(a, lambda: a.view.under(a.keys.dones(topo.round))), "a's done record"
+    assert a.round_change(topo) is None, "one node done is not the job done"
+    b.report_done(topo)
+    assert seen(a, lambda: a.round_change(topo)) is RoundOutcome.SUCCEEDED
+    a.mark_succeeded(topo)
+    with pytest.raises(JobEnded) as ended:
+        b.next_round()
+    assert ended.value.succeeded
+
+
+def test_mismatched_settings_and_duplicate_node_ids_are_refused(store: FakeStore, cleanup):
+    a = join(store, "a")
+    cleanup.append(a)
+    other = Rendezvous(store, settings(), NodeInfo(node_id="x", host="h", addr="a", nproc=1, pid=2), lambda: 1)
+    with pytest.raises(ConfigError, match="runs with different settings"):
+        other.ensure_config({"nnodes": "2", "entrypoint": "train.py"})
+    twin = Rendezvous(store, settings(), NodeInfo(node_id="a", host="h", addr="a", nproc=1, pid=3), lambda: 1)
+    with pytest.raises(ConfigError, match="already registered"):
+        twin.register()
