@@ -19,7 +19,7 @@ from conftest import SCRIPTS
 from launch_helpers import run_cli
 
 DDP = str(SCRIPTS / "ddp_snapshot.py")
-RUNS = 5
+RUNS = 3
 RUN_DEADLINE_S = 90.0
 
 
