@@ -6,7 +6,7 @@ live in tests/helpers/procs.py and are re-exported here: ``from conftest import 
 
 from __future__ import annotations
 
-import signal  # noqa: F401 - re-exported (listed in __all__) for older tests
+import signal
 import uuid
 from pathlib import Path
 from typing import Callable, Iterator, List, Optional
@@ -16,6 +16,13 @@ from helpers.procs import REPO, SCRIPTS, Agent, no_process_with_marker, wait_unt
 
 from elasticrun.store.client import EtcdStore, connect
 from elasticrun.store.server import EtcdServer
+
+# Tests stop child processes with SIGINT/SIGQUIT. A shell that starts the suite in the
+# background (`cmd &` without job control) makes both signals ignored, and an ignored signal
+# stays ignored across exec: restore the defaults so every child starts as from a terminal.
+for _sig in (signal.SIGINT, signal.SIGQUIT):
+    if signal.getsignal(_sig) == signal.SIG_IGN:
+        signal.signal(_sig, signal.default_int_handler if _sig == signal.SIGINT else signal.SIG_DFL)
 
 
 @pytest.fixture(scope="session")
