@@ -99,6 +99,7 @@ class Agent:
         self.label = cfg.node_id if "@" not in cfg.node_id else socket.gethostname()
         self.say = Reporter(self.label, quiet=cfg.quiet)
         self._signal: Optional[int] = None
+        self._stopping = False  # set once the agent is stopping: no signal is raised again
         self._wake: Callable[[], None] = lambda: None
 
     # -- signals ----------------------------------------------------------------------------
@@ -107,6 +108,12 @@ class Agent:
         if self._signal is None:
             self._signal = signum
             raise AgentSignal(signum)
+
+    def _raise_pending_signal(self) -> None:
+        """Raise a received signal again at the next loop turn: the exception raised by the handler
+        can be lost when the signal lands inside library code that catches it (a gRPC call)."""
+        if self._signal is not None and not self._stopping:
+            raise AgentSignal(self._signal)
 
     def _install_signals(self) -> None:
         if threading.current_thread() is threading.main_thread():
@@ -157,6 +164,7 @@ class Agent:
             )
             rdzv = Rendezvous(store, self._settings(), node, round_store.fresh, on_progress=self.say)
             self._wake = rdzv.view.poke
+            rdzv.on_beat = self._raise_pending_signal
             rdzv.ensure_config(cfg.job_settings())
             rdzv.register()  # before importing torch: a running job starts its stability window now
             rdzv.beat(busy_for=120.0)  # importing torch (bounded): not a stalled loop
@@ -173,6 +181,7 @@ class Agent:
             )
             return self._loop(rdzv, workers)
         except AgentSignal as sig:
+            self._stopping = True
             self.say(f"received {sig}: stopping workers and leaving the job")
             if workers is not None:
                 workers.stop(cfg.shutdown_timeout, sig=worker_signal(sig.signum))
@@ -183,6 +192,7 @@ class Agent:
                     pass
             return 128 + sig.signum
         finally:
+            self._stopping = True
             handled = self._handled_signals() if threading.current_thread() is threading.main_thread() else []
             for number in handled:
                 signal.signal(number, signal.SIG_IGN)

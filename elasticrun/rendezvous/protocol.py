@@ -105,6 +105,8 @@ class Rendezvous:
         self.node = node
         self._host_store = host_store
         self._say = on_progress or (lambda msg: log.info(msg))
+        # Called at every turn of the owner's loops (see beat): the agent raises a pending signal there.
+        self.on_beat: Callable[[], None] = lambda: None
         self.lease: Optional[KeepAlive] = None
         self.view = JobView(store, self.keys)
         self._newcomers_since: Optional[float] = None
@@ -229,6 +231,7 @@ class Rendezvous:
 
     def beat(self, busy_for: float = 0.0) -> None:
         """The agent's main loop made progress (liveness: keeps the lease refreshed)."""
+        self.on_beat()
         if self.lease is not None:
             self.lease.beat(busy_for)
 
