@@ -85,18 +85,7 @@ def unflatten(skeleton: Any, get_tensor: Callable[[str], Any]) -> Any:
 def check_fits(target: Any, loaded: Any, path: str = "") -> None:
     """Raise the CheckpointError :func:`fill_in_place` would raise, without writing anything,
     so an in-place load either fills every tensor or none."""
-    if isinstance(target, torch.Tensor):
-        fill_in_place(target, loaded, path, dry_run=True)
-    elif isinstance(target, dict):
-        if not isinstance(loaded, dict):
-            raise CheckpointError(f"{path or '<root>'!r} is a dict in the state dict but not in the checkpoint")
-        for k in target:
-            if k not in loaded:
-                raise CheckpointError(f"key {(path + '.' if path else '') + str(k)!r} is missing from the checkpoint")
-            check_fits(target[k], loaded[k], f"{path}.{k}" if path else str(k))
-    elif isinstance(target, list) and isinstance(loaded, list) and len(target) == len(loaded):
-        for i in range(len(target)):
-            check_fits(target[i], loaded[i], f"{path}.{i}")
+    fill_in_place(target, loaded, path, dry_run=True)
 
 
 def fill_in_place(target: Any, loaded: Any, path: str = "", dry_run: bool = False) -> Any:
@@ -104,6 +93,7 @@ def fill_in_place(target: Any, loaded: Any, path: str = "", dry_run: bool = Fals
 
     Tensors in ``target`` are filled with ``copy_`` (so parameters keep their identity);
     other values are replaced. Keys missing from the checkpoint raise CheckpointError.
+    ``dry_run`` raises the same errors without writing or replacing anything.
     """
     if isinstance(target, torch.Tensor):
         if not isinstance(loaded, torch.Tensor):
@@ -123,10 +113,14 @@ def fill_in_place(target: Any, loaded: Any, path: str = "", dry_run: bool = Fals
         for k in target:
             if k not in loaded:
                 raise CheckpointError(f"key {(path + '.' if path else '') + str(k)!r} is missing from the checkpoint")
-            target[k] = fill_in_place(target[k], loaded[k], f"{path}.{k}" if path else str(k))
+            merged = fill_in_place(target[k], loaded[k], f"{path}.{k}" if path else str(k), dry_run)
+            if not dry_run:
+                target[k] = merged
         return target
     if isinstance(target, list) and isinstance(loaded, list) and len(target) == len(loaded):
         for i in range(len(target)):
-            target[i] = fill_in_place(target[i], loaded[i], f"{path}.{i}")
+            merged = fill_in_place(target[i], loaded[i], f"{path}.{i}", dry_run)
+            if not dry_run:
+                target[i] = merged
         return target
     return loaded
