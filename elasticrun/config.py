@@ -136,6 +136,9 @@ class LaunchConfig:
     etcd_outage_grace: float = 60.0  # seconds workers keep training while etcd is unreachable
     quiet: bool = False
     prewarm: bool = True  # start worker interpreters (import torch) while the rendezvous settles
+    standby: int = 1  # --standby N: warm interpreters per node (1: one fork server; 0: none)
+    snapshots: bool = True  # --no-snapshots: no memory tier (no ELASTICRUN_SNAPSHOT_DIR for workers)
+    snapshot_memory: Optional[int] = None  # --snapshot-memory: the memory tier's cap in bytes (None: /dev/shm)
 
     def validate(self) -> LaunchConfig:
         """Raise ConfigError with a clear message when something cannot work; return self."""
@@ -151,6 +154,8 @@ class LaunchConfig:
             )
         if not _NODE_ID.match(self.node_id):
             raise ConfigError(f"--node-id {self.node_id!r}: use letters, digits and _ . @ : - only")
+        if self.standby < 0:
+            raise ConfigError(f"--standby {self.standby}: must be 0 or more (0 turns standby interpreters off)")
         if self.max_restarts < 0:
             raise ConfigError(f"--max-restarts {self.max_restarts}: must be 0 or more")
         if self.restart_window < 0:

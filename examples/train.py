@@ -234,9 +234,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                     metrics.flush()
                     t_last = now
                 progress.report(step, loss_value, samples=samples_seen)
-                if snaps is not None and step % args.snapshot_every == 0:
-                    snapshot()
                 decision = requests.poll(step, stop=ctx.should_stop)
+                if snaps is not None and (step % args.snapshot_every == 0 or decision.stop):
+                    snapshot()  # also at a stop (a rescale): the next round resumes from memory at this step
                 if decision.checkpoint or (args.ckpt_every and step % args.ckpt_every == 0):
                     reason = "stop" if decision.stop else "request" if decision.request_ids else "periodic"
                     try:

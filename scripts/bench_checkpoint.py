@@ -2,6 +2,13 @@
 """Checkpoint I/O benchmark: elasticrun vs torch.save/load, safetensors, torch.distributed.checkpoint.
 
     python scripts/bench_checkpoint.py --size-gib 1 --dir /var/tmp/ckbench          # 1 process + 2 ranks
+    python scripts/bench_checkpoint.py --state gpt --size-gib 0.41 --dir /var/tmp    # GPT-like bf16 state
+    python scripts/bench_checkpoint.py --state gpt --size-gib 4 --device cuda        # state on the GPU
+
+Every run ends with an interleaved comparison (scripts/ckpt_compare.py): per round, each
+library's durable save and cold load into existing tensors (A B C D A B C D ...), the disk's
+cold read, and an async save's training stall; medians, ratios and the JSON ``summary``.
+The rows above it (one process, 2 ranks) run for ``--state uniform --device cpu`` only.
 
 Every save is *durable* (fsynced before the clock stops). Before every load the files are
 evicted from the page cache (``/proc/sys/vm/drop_caches`` when permitted, otherwise
@@ -26,6 +33,7 @@ from typing import Any, Callable, Dict, List, Tuple
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 GB = 1e9
 
@@ -310,6 +318,15 @@ def save_ab(d: str, state: Dict[str, torch.Tensor], runs: int) -> None:
               f"| {statistics.median(cpu[label]):.2f} |")
 
 
+def compare(base: str, args: argparse.Namespace, size: int) -> Dict[str, Any]:
+    """The interleaved comparison (scripts/ckpt_compare.py); its part of the JSON document."""
+    from ckpt_compare import compare_section
+
+    command = "python scripts/bench_checkpoint.py " + " ".join(sys.argv[1:])
+    return compare_section(base, args.state, args.device, size, args.repeat, not args.no_dcp, settle,
+                           warm_allocator, command)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gib", type=float, default=1.0)
@@ -323,7 +340,16 @@ def main() -> None:
     ap.add_argument("--save-ab", type=int, default=0, metavar="N",
                     help="Only compare durable single-process saves: N interleaved runs each, with CPU time.")
     ap.add_argument("--json", default=None, help="Also write the results to this JSON file.")
+    ap.add_argument("--state", choices=("uniform", "gpt"), default="uniform",
+                    help="uniform: float32 in 16 equal tensors; gpt: a GPT-2-like bf16 state, many tensors of "
+                         "mixed sizes [uniform]. --size-gib sets its size.")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="Where the state lives and where loads go (cuda: saved from and loaded into GPU tensors).")
+    ap.add_argument("--no-compare", action="store_true", help="Skip the interleaved comparison.")
     args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.exit(2, "bench_checkpoint.py: --device cuda needs a CUDA GPU, and torch sees none\n")
+    legacy = args.state == "uniform" and args.device == "cpu"
     global SETTLE_S
     SETTLE_S = args.settle
     size = int(args.size_gib * (1 << 30))
@@ -334,16 +360,17 @@ def main() -> None:
             save_ab(base, make_state(size), args.save_ab)
             return
         results: List[Tuple[str, float]] = []
-        w, r = disk_ceiling(base, size)
-        results += [("disk: sequential write + fsync (ceiling)", w), ("disk: cold sequential read (ceiling)", r)]
-        if not args.no_single:
+        if legacy:
+            w, r = disk_ceiling(base, size)
+            results += [("disk: sequential write + fsync (ceiling)", w), ("disk: cold sequential read (ceiling)", r)]
+        if legacy and not args.no_single:
             state = make_state(size)
             warm_allocator(size)
             single_process(base, state, not args.no_dcp)  # warm-up, dropped: first writes to new blocks are slow
             for _ in range(args.repeat):
                 results += single_process(base, state, not args.no_dcp)
             del state
-        if not args.no_ranks:
+        if legacy and not args.no_ranks:
             import torch.multiprocessing as mp
 
             out = os.path.join(base, "ranks.json")
@@ -352,20 +379,24 @@ def main() -> None:
             mp.spawn(_rank_main, args=(2, d, size, not args.no_dcp, out, args.repeat, args.settle), nprocs=2, join=True)
             with open(out) as f:
                 results += [tuple(x) for x in json.load(f)]
-        print(f"\nstate: {size / GB:.2f} GB float32 in 16 tensors; cache eviction before loads: {how}; "
-              f"torch {torch.__version__}, {os.cpu_count()} CPUs\n")
         runs: Dict[str, List[float]] = {}
         for label, t in results:
             runs.setdefault(label, []).append(t)
-        print(f"median of {args.repeat} runs after one warm-up run (min–max in brackets)\n")
-        print("| operation | seconds | GB/s |\n|---|---:|---:|")
-        for label, ts in runs.items():
-            med = statistics.median(ts)
-            spread = f" ({min(ts):.2f}–{max(ts):.2f})" if len(ts) > 1 else ""
-            print(f"| {label} | {med:.2f}{spread} | {size / GB / med:.2f} |")
+        if runs:
+            print(f"\nstate: {size / GB:.2f} GB float32 in 16 tensors; cache eviction before loads: {how}; "
+                  f"torch {torch.__version__}, {os.cpu_count()} CPUs\n")
+            print(f"median of {args.repeat} runs after one warm-up run (min–max in brackets)\n")
+            print("| operation | seconds | GB/s |\n|---|---:|---:|")
+            for label, ts in runs.items():
+                med = statistics.median(ts)
+                spread = f" ({min(ts):.2f}–{max(ts):.2f})" if len(ts) > 1 else ""
+                print(f"| {label} | {med:.2f}{spread} | {size / GB / med:.2f} |")
+        doc: Dict[str, Any] = {"size_bytes": size, "eviction": how, "runs": runs, "summary": []}
+        if not args.no_compare:
+            doc.update(compare(base, args, size))
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"size_bytes": size, "eviction": how, "runs": runs}, f, indent=1)
+                json.dump(doc, f, indent=1)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

@@ -1,14 +1,18 @@
 #!/usr/bin/env python
-"""Elastic reaction time: elasticrun against torchrun (c10d), two nodes x 2 procs on loopback.
+"""Elastic reaction time: elasticrun against torchrun (c10d), N nodes x P procs on loopback.
 
-Scenarios (CPU, gloo, ``OMP_NUM_THREADS=1``, ``scripts/bench_train.py`` as the training script):
+Scenarios (CPU, gloo, ``OMP_NUM_THREADS=1``; ``--nodes`` N, default 2, ``--nproc`` P, default 2):
 
-``kill``  Nodes A and B (separate agent processes, own node ids) train at world size 4 with
-          ``--nnodes 1:2``. Node B dies: its agent and every process under it get SIGKILL at the
-          same instant (a machine that is gone; ``--kill-mode agent`` kills the agent alone).
-          Measured: from the kill to the first step that node A's workers log at world size 2.
-``join``  Node A trains alone at world size 2 (``--nnodes 1:2``). Node B's agent starts.
-          Measured: from B's start to the first step at world size 4 (B's first step in the job).
+``kill``  N nodes (separate agent processes, own node ids A, B, ...) train at world size N*P with
+          ``--nnodes 1:N``. The last node dies: its agent and every process under it get SIGKILL at
+          the same instant (a machine that is gone; ``--kill-mode agent`` kills the agent alone).
+          Measured: from the kill to the first step logged at world size (N-1)*P.
+``join``  N-1 nodes train at world size (N-1)*P (``--nnodes 1:N``). The last node's agent starts.
+          Measured: from its start to the first step at world size N*P (it trains in the job).
+
+Training scripts (``--client``, several allowed; see ``scripts/elastic_clients.py``): ``bench``
+(``scripts/bench_train.py``, the default), ``plain`` (a tight all-reduce loop that never polls
+and handles no signal) and ``example`` (``examples/train.py``: DDP, checkpoint on SIGTERM).
 
 Variants: elasticrun with ``--heartbeat-timeout`` 3 and 5 (the default), with and without
 ``--prewarm``; torchrun ``--rdzv-backend c10d`` with node A hosting the store, both with its
@@ -20,8 +24,12 @@ A run that does not reach the measured step within ``--timeout`` seconds is a *h
 whose surviving agents all exit first is a *failure*. Every process a run starts carries a
 unique marker in its environment and is SIGKILLed at the end of the run (also on Ctrl-C).
 
+Variants run interleaved (run 1 of every variant, then run 2, ...). ``--json PATH`` writes
+``{"results": [per variant], "summary": [per elasticrun variant against the best torchrun]}``.
+
     python scripts/bench_elastic.py --runs 1 --quick
     python scripts/bench_elastic.py --runs 3 --scenario all --launcher all
+    python scripts/bench_elastic.py --scenario join --quick --nodes 3 --nproc 1 --client plain bench example
 """
 
 from __future__ import annotations
@@ -32,24 +40,21 @@ import os
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import psutil
+from elastic_clients import CLIENTS, Client, Node, kill_all, tagged_processes
+from elastic_report import Outcome, Summary, fmt, summary_rows, table
 
 REPO = Path(__file__).resolve().parent.parent
-TRAIN = REPO / "scripts" / "bench_train.py"
-STEP_RE = re.compile(r"STEP (\d+) WORLD (\d+) TIME (\d+(?:\.\d+)?)")
 TAG_VAR = "BENCH_ELASTIC_TAG"
-NPROC = 2
 STABILITY_WINDOW = 1.0
 TUNED_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 
@@ -65,10 +70,10 @@ class Variant:
     tuned: bool = False  # torchrun: tuned timeouts + TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 
     def target(self, scenario: str) -> Optional[float]:
-        """Issue 3's target in seconds for elasticrun; None for torchrun."""
+        """elasticrun's target in seconds (kill: heartbeat + 2 s; join: window + 2 s); None for torchrun."""
         if self.launcher != "elasticrun":
             return None
-        return self.heartbeat + 2.0 if scenario == "kill" else STABILITY_WINDOW + 3.0
+        return self.heartbeat + 2.0 if scenario == "kill" else STABILITY_WINDOW + 2.0
 
 
 VARIANTS: Dict[str, List[Variant]] = {
@@ -90,91 +95,20 @@ VARIANTS: Dict[str, List[Variant]] = {
 QUICK_LABELS = {"elasticrun hb=3 prewarm", "elasticrun sw=1 prewarm", "torchrun c10d tuned"}
 
 
-@dataclass
-class Outcome:
-    """Result of one measured run: ``ok`` with seconds, or ``hang`` / ``failed`` with a reason."""
-
-    status: str
-    seconds: Optional[float] = None
-    detail: str = ""
-
-
-class Node:
-    """One agent process (elasticrun or torchrun); a thread time-stamps its console output.
-
-    Every line is kept in memory and written to ``log_path`` as ``<seconds since run start> line``,
-    so the logs show where the time went.
-    """
-
-    def __init__(self, name: str, proc: subprocess.Popen, log_path: Path, started: float, epoch: float) -> None:
-        self.name = name
-        self.proc = proc
-        self.log_path = log_path
-        self.started = started
-        self.dead = False  # killed on purpose by the benchmark
-        self._lines: List[Tuple[float, str]] = []
-        self._lock = threading.Lock()
-        self._reader = threading.Thread(target=self._read, args=(epoch,), daemon=True)
-        self._reader.start()
-
-    def _read(self, epoch: float) -> None:
-        assert self.proc.stdout is not None
-        with open(self.log_path, "w") as log:
-            for raw in self.proc.stdout:
-                now = time.time()
-                line = raw.decode(errors="replace").rstrip("\n")
-                with self._lock:
-                    self._lines.append((now, line))
-                log.write(f"{now - epoch:8.3f} {line}\n")
-                log.flush()
-
-    def steps(self) -> List[Tuple[int, int, float]]:
-        """Every ``(step, world, time)`` that rank 0 printed through this agent so far."""
-        with self._lock:
-            lines = list(self._lines)
-        return [(int(m[1]), int(m[2]), float(m[3])) for _, ln in lines for m in STEP_RE.finditer(ln)]
-
-    def running(self) -> bool:
-        """Whether the agent process is still alive."""
-        return self.proc.poll() is None
-
-    def join_reader(self) -> None:
-        """Wait (briefly) for the output thread once the process and its children are gone."""
-        self._reader.join(5)
-
-
-def tagged_processes(tag: str) -> List[psutil.Process]:
-    """Every live process whose environment carries ``TAG_VAR=tag`` (ours, and only ours)."""
-    found = []
-    for p in psutil.process_iter(["pid"]):
-        try:
-            if p.pid != os.getpid() and p.environ().get(TAG_VAR) == tag:
-                found.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
-            continue
-    return found
-
-
-def kill_all(procs: List[psutil.Process]) -> None:
-    """SIGKILL each process and reap what can be reaped."""
-    for p in procs:
-        try:
-            p.kill()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    psutil.wait_procs(procs, timeout=5)
-
-
 class Run:
     """One benchmark run: a fresh rendezvous (etcd or c10d port), job id, output dir and nodes."""
 
-    def __init__(self, variant: Variant, scenario: str, log_root: Path, index: int) -> None:
+    def __init__(self, variant: Variant, scenario: str, log_root: Path, index: int, client: Client,
+                 nodes: int = 2, nproc: int = 2) -> None:
         self.variant = variant
         self.scenario = scenario
+        self.client = client
+        self.nnodes = nodes
+        self.nproc = nproc
         self.tag = uuid.uuid4().hex
         self.job = f"bench-{self.tag[:8]}"
         slug = re.sub(r"[^a-z0-9]+", "-", variant.label.lower()).strip("-")
-        self.dir = log_root / f"{scenario}-{slug}-{index}"
+        self.dir = log_root / f"{scenario}-{client.name}-{slug}-{index}"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.nodes: Dict[str, Node] = {}
         self.epoch = time.time()
@@ -202,11 +136,12 @@ class Run:
     def command(self, name: str) -> List[str]:
         """The agent command line for node ``name`` (A hosts the torchrun c10d store)."""
         v = self.variant
-        train = [str(TRAIN), str(self.dir)]
+        train = self.client.argv(self.dir)
+        nnodes, nproc = f"1:{self.nnodes}", str(self.nproc)
         if v.launcher == "elasticrun":
             assert self.etcd is not None
             return [
-                sys.executable, "-m", "elasticrun", "--nnodes", "1:2", "--nproc-per-node", str(NPROC),
+                sys.executable, "-m", "elasticrun", "--nnodes", nnodes, "--nproc-per-node", nproc,
                 "--rdzv-endpoint", self.etcd.endpoint, "--rdzv-id", self.job, "--node-id", name,
                 "--local-addr", "127.0.0.1", "--heartbeat-timeout", str(v.heartbeat),
                 "--stability-window", str(STABILITY_WINDOW), "--max-restarts", "100",
@@ -216,7 +151,7 @@ class Run:
         if v.tuned:
             conf = f"{TUNED_CONF},{conf}"
         return [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", str(NPROC),
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", nproc,
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", self.job,
             "--rdzv-conf", conf, "--max-restarts", "100", "--local-addr", "127.0.0.1", *train,
         ]
@@ -231,7 +166,7 @@ class Run:
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env(),
             cwd=str(REPO), start_new_session=True,
         )
-        node = Node(name, proc, log_path, started, self.epoch)
+        node = Node(name, proc, log_path, started, self.epoch, self.client)
         self.events.append(f"{started - self.epoch:8.3f} bench: started node {name}")
         self.nodes[name] = node
         return node
@@ -288,7 +223,7 @@ class Run:
                 node.proc.wait(5)
             except subprocess.TimeoutExpired:
                 pass
-        kill_all(tagged_processes(self.tag))
+        kill_all(tagged_processes(TAG_VAR, self.tag))
         for node in self.nodes.values():
             node.join_reader()
         (self.dir / "events.txt").write_text("\n".join(self.events) + "\n")
@@ -300,78 +235,29 @@ class Run:
 def measure(run: Run, args: argparse.Namespace) -> Outcome:
     """Set the scenario up (a steady job), cause the change, and time the first step after it."""
     settle = args.warm_steps
+    names = [chr(ord("A") + i) for i in range(run.nnodes)]
+    full, less = run.nnodes * run.nproc, (run.nnodes - 1) * run.nproc
     if run.scenario == "kill":
-        run.start("A")
-        run.start("B")
-        ready = run.wait_step(4, 0.0, args.timeout, count=settle)
+        for name in names:
+            run.start(name)
+        ready = run.wait_step(full, 0.0, args.timeout, count=settle)
         if ready.status != "ok":
             return Outcome(ready.status, None, "setup: " + ready.detail)
-        at = run.kill("B", args.kill_mode)
-        return run.wait_step(2, at, args.timeout)
-    run.start("A")
-    ready = run.wait_step(2, 0.0, args.timeout, count=settle)
+        at = run.kill(names[-1], args.kill_mode)
+        return run.wait_step(less, at, args.timeout)
+    for name in names[:-1]:
+        run.start(name)
+    ready = run.wait_step(less, 0.0, args.timeout, count=settle)
     if ready.status != "ok":
         return Outcome(ready.status, None, "setup: " + ready.detail)
-    joiner = run.start("B")
-    return run.wait_step(4, joiner.started, args.timeout)
-
-
-@dataclass
-class Summary:
-    """All runs of one variant in one scenario."""
-
-    scenario: str
-    variant: Variant
-    outcomes: List[Outcome] = field(default_factory=list)
-
-    @property
-    def times(self) -> List[float]:
-        """Seconds of the successful runs."""
-        return [o.seconds for o in self.outcomes if o.status == "ok" and o.seconds is not None]
-
-    def median(self) -> Optional[float]:
-        """Median seconds over successful runs, or None."""
-        return statistics.median(self.times) if self.times else None
-
-    def as_dict(self) -> Dict[str, object]:
-        """JSON-friendly form."""
-        return {
-            "scenario": self.scenario, "variant": self.variant.label,
-            "target_s": self.variant.target(self.scenario), "median_s": self.median(),
-            "outcomes": [o.__dict__ for o in self.outcomes],
-        }
-
-
-def fmt(x: Optional[float]) -> str:
-    """Seconds with one decimal, or an en dash."""
-    return "–" if x is None else f"{x:.1f}"
-
-
-def table(summaries: List[Summary]) -> str:
-    """A markdown table: runs, median/min/max, failures and hangs, target, ratios to torchrun."""
-    lines = [
-        "| scenario | variant | runs | median s | min s | max s | failed | hung | target s (met) "
-        "| ÷ torchrun default | ÷ torchrun tuned |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for s in summaries:
-        ref = {
-            o.variant.tuned: o.median() for o in summaries
-            if o.scenario == s.scenario and o.variant.launcher == "torchrun"
-        }
-        med, t = s.median(), s.times
-        ratios = [
-            f"{med / ref[k]:.2f}×" if med is not None and ref.get(k) else "–" for k in (False, True)
-        ]
-        target = s.variant.target(s.scenario)
-        met = f"{target:.0f} ({sum(x <= target for x in t)}/{len(s.outcomes)})" if target is not None else "–"
-        failed = sum(o.status == "failed" for o in s.outcomes)
-        hung = sum(o.status == "hang" for o in s.outcomes)
-        lines.append(
-            f"| {s.scenario} | {s.variant.label} | {len(s.outcomes)} | {fmt(med)} | {fmt(min(t) if t else None)} "
-            f"| {fmt(max(t) if t else None)} | {failed} | {hung} | {met} | {ratios[0]} | {ratios[1]} |"
-        )
-    return "\n".join(lines)
+    joiner = run.start(names[-1])
+    outcome = run.wait_step(full, joiner.started, args.timeout)
+    # Where the time went (elasticrun's agent lines): registered and ready, then in a round.
+    for phase, text in (("joined", "joined job"), ("round", "(ScaleUp): world size")):
+        at = joiner.mark(text)
+        if at is not None:
+            outcome.phases[phase] = round(at - joiner.started, 3)
+    return outcome
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -385,9 +271,16 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--warm-steps", type=int, default=5, help="steps of a steady job before the change")
     ap.add_argument("--kill-mode", choices=["tree", "agent"], default="tree",
                     help="tree: SIGKILL node B's agent and all its processes at once; agent: the agent only")
+    ap.add_argument("--client", nargs="+", choices=sorted(CLIENTS), default=["bench"],
+                    help="training scripts to measure (see scripts/elastic_clients.py)")
+    ap.add_argument("--nodes", type=int, default=2, help="nodes in the full job (the last one joins / dies)")
+    ap.add_argument("--nproc", type=int, default=2, help="workers per node")
     ap.add_argument("--log-dir", type=Path, default=None, help="keep agent logs here [default: a temp dir]")
     ap.add_argument("--json", type=Path, default=None, help="also write all results as JSON here")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.nodes < 2 or args.nproc < 1 or args.nodes * args.nproc > 8:
+        ap.error("--nodes must be >= 2 and --nproc >= 1, with at most 8 workers in all")
+    return args
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -409,26 +302,28 @@ def main(argv: Optional[List[str]] = None) -> int:
     current: Optional[Run] = None
     try:
         for scenario in scenarios:
-            for variant in VARIANTS[scenario]:
-                if args.launcher != "all" and variant.launcher != args.launcher:
-                    continue
-                if args.quick and variant.label not in QUICK_LABELS:
-                    continue
-                summary = Summary(scenario, variant)
-                summaries.append(summary)
-                for i in range(args.runs):
-                    current = Run(variant, scenario, log_root, i)
-                    try:
-                        outcome = measure(current, args)
-                    finally:
-                        current.close()
-                        current = None
-                    summary.outcomes.append(outcome)
-                    print(
-                        f"{scenario:4s} {variant.label:38s} run {i + 1}/{args.runs}: {outcome.status:6s} "
-                        f"{fmt(outcome.seconds):>6s} s  load {os.getloadavg()[0]:.2f} {outcome.detail}",
-                        flush=True,
-                    )
+            for client in args.client:
+                chosen = [
+                    Summary(scenario, v, client) for v in VARIANTS[scenario]
+                    if (args.launcher == "all" or v.launcher == args.launcher)
+                    and (not args.quick or v.label in QUICK_LABELS)
+                ]
+                summaries += chosen
+                for i in range(args.runs):  # interleaved: A B A B ...
+                    for summary in chosen:
+                        current = Run(summary.variant, scenario, log_root, i, CLIENTS[client], args.nodes, args.nproc)
+                        try:
+                            outcome = measure(current, args)
+                        finally:
+                            current.close()
+                            current = None
+                        summary.outcomes.append(outcome)
+                        print(
+                            f"{scenario:4s} {client:7s} {summary.variant.label:38s} run {i + 1}/{args.runs}: "
+                            f"{outcome.status:6s} {fmt(outcome.seconds):>6s} s  load {os.getloadavg()[0]:.2f} "
+                            f"{outcome.detail} {outcome.phases or ''}",
+                            flush=True,
+                        )
     except KeyboardInterrupt:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second Ctrl-C must not skip the cleanup
             signal.signal(sig, signal.SIG_IGN)
@@ -440,7 +335,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(table(summaries))
     print(f"\n# load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.json:
-        args.json.write_text(json.dumps([s.as_dict() for s in summaries], indent=2))
+        command = " ".join(["python", "scripts/bench_elastic.py", *(sys.argv[1:] if argv is None else argv)])
+        doc = {"results": [s.as_dict() for s in summaries], "summary": summary_rows(summaries, command),
+               "load_average_end": os.getloadavg()[0]}
+        args.json.write_text(json.dumps(doc, indent=2))
     if own_logs and all(o.status == "ok" for s in summaries for o in s.outcomes):
         shutil.rmtree(log_root, ignore_errors=True)
     else:

@@ -2,9 +2,13 @@
 
 Scenarios (CPU, gloo, scripts/bench_launch_worker.py: a tiny DDP model, rank 0 logs each step):
 
-  launch   launcher started → first training step (rank 0), one node, ``--procs`` workers.
-  restart  a worker crashes at step 3 of the first attempt → first step after the restart,
-           ``--nodes`` nodes (agents on loopback) × ``--procs`` workers.
+  launch   launcher started → first training step (rank 0), one node, ``--procs`` workers (``--standalone``).
+  launch-multi  the same with ``--nodes`` nodes (agents on loopback, all started at once) on torchrun's c10d
+           line (``--rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT``): one agent hosts the store (elasticrun:
+           its etcd; torchrun: its TCPStore), the others join it.
+  restart  a worker crashes at step 3 of the first attempt (or, with ``--crash-after 0.2,1,3``, that many
+           seconds after its script started: at any moment of the round) → first step after the
+           restart, ``--nodes`` nodes (agents on loopback) × ``--procs`` workers.
 
 Launchers: elasticrun (defaults), torchrun (defaults) and torchrun "at its best"
 (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, --rdzv-conf last_call_timeout=1,keep_alive_interval=1,
@@ -12,11 +16,18 @@ keep_alive_max_attempt=3). Each run has a timeout; a run that ends without the e
 counts as a failure, one that runs out of time as a hang (its processes are killed).
 
     python scripts/bench_launch.py --runs 5 --nodes 2 --procs 2 [--json out.json]
+    python scripts/bench_launch.py --scenarios launch,launch-multi --launchers elasticrun,torchrun-default --runs 5
+
+``--device cuda``: the workers train on their GPU (``cuda:LOCAL_RANK``) over NCCL; every scenario needs a GPU
+per worker of the machine. The JSON's ``summary`` has one row per scenario: elasticrun's median against the
+best torchrun's, their ratio, and (``delta_s``) how many seconds elasticrun is behind (negative: ahead).
+Elasticrun's launch runs also carry ``phases``: seconds from the start to each of its agents' milestones.
 """
 
 from __future__ import annotations
 
 import argparse
+import calendar
 import json
 import os
 import re
@@ -39,6 +50,8 @@ STEP = re.compile(r"bench-step (\d+) t=([\d.]+) restart=(\d+) world=(\d+)")
 CRASH = re.compile(r"bench-crash t=([\d.]+)")
 BEST_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 LAUNCHERS = ["elasticrun", "torchrun-default", "torchrun-best"]
+LAUNCH_MULTI = "launch-multi"
+LAUNCH_SCENARIOS = ("launch", LAUNCH_MULTI)
 
 
 @dataclass
@@ -50,6 +63,9 @@ class Run:
     outcome: str  # ok | fail | hang
     seconds: Optional[float] = None
     note: str = ""
+    crash_after: Optional[float] = None  # restart scenario: the crash's moment (s after the script started)
+    phases: Dict[str, float] = field(default_factory=dict)  # elasticrun launch: milestone → s after the start
+    device: str = "cpu"  # where the workers trained (cpu: gloo, cuda: NCCL)
 
 
 @dataclass
@@ -88,6 +104,15 @@ def _env(extra: Dict[str, str]) -> Dict[str, str]:
     return env
 
 
+def _gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        return 0
+
+
 def _free_port() -> int:
     import socket
 
@@ -96,14 +121,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _commands(launcher: str, nodes: int, procs: int, endpoint: str, job: str) -> List[List[str]]:
-    """One command per node."""
+def _commands(launcher: str, nodes: int, procs: int, endpoint: str, job: str, c10d: bool = False) -> List[List[str]]:
+    """One command per node; ``c10d``: elasticrun on torchrun's c10d line too (one agent hosts etcd there)."""
     if launcher == "elasticrun":
         if nodes == 1 and not endpoint:
             return [["elasticrun", "--standalone", "--nproc-per-node", str(procs), WORKER]]
+        backend = ["--rdzv-backend", "c10d"] if c10d else []
         return [
-            ["elasticrun", "--nnodes", str(nodes), "--nproc-per-node", str(procs), "--rdzv-endpoint", endpoint,
-             "--rdzv-id", job, "--node-id", f"n{i}", WORKER]
+            ["elasticrun", "--nnodes", str(nodes), "--nproc-per-node", str(procs), *backend,
+             "--rdzv-endpoint", endpoint, "--rdzv-id", job, "--node-id", f"n{i}", "--max-restarts", "3", WORKER]
             for i in range(nodes)
         ]
     conf = ["--rdzv-conf", BEST_CONF] if launcher == "torchrun-best" else []
@@ -135,19 +161,29 @@ def _kill_all(procs: List[subprocess.Popen]) -> None:
         p.wait()
 
 
+def _restart_env(crash_step: int, crash_after: Optional[float]) -> Dict[str, str]:
+    """The worker's crash settings: at step ``crash_step``, or ``crash_after`` s after its script started."""
+    if crash_after is None:
+        return {"BENCH_CRASH_STEP": str(crash_step), "BENCH_STEPS": str(crash_step + 3)}
+    once = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_launch-crashed-{uuid.uuid4().hex}"
+    return {"BENCH_CRASH_AFTER_S": str(crash_after), "BENCH_CRASH_ONCE_FILE": str(once),
+            "BENCH_STEPS": str(int(crash_after / 0.2) + 10)}
+
+
 def run_once(
-    launcher: str, scenario: str, nodes: int, procs: int, timeout: float, endpoint: str, crash_step: int = 3
+    launcher: str, scenario: str, nodes: int, procs: int, timeout: float, endpoint: str, crash_step: int = 3,
+    crash_after: Optional[float] = None, device: str = "cpu",
 ) -> Run:
     """Start the launcher(s), wait for the step the scenario measures, then stop everything."""
     extra = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if launcher == "torchrun-best" else {}
+    extra["BENCH_DEVICE"] = device
     if scenario == "restart":
-        extra["BENCH_CRASH_STEP"] = str(crash_step)
-        extra["BENCH_STEPS"] = str(crash_step + 3)
+        extra.update(_restart_env(crash_step, crash_after))
     if nodes == 1:
         endpoint = ""  # --standalone for every launcher
-    elif launcher.startswith("torchrun"):
-        endpoint = f"127.0.0.1:{_free_port()}"  # a c10d store hosted by one of the agents
-    cmds = _commands(launcher, nodes, procs, endpoint, f"bench-{uuid.uuid4().hex[:8]}")
+    elif launcher.startswith("torchrun") or scenario == LAUNCH_MULTI:
+        endpoint = f"127.0.0.1:{_free_port()}"  # a c10d store (elasticrun: etcd) hosted by one of the agents
+    cmds = _commands(launcher, nodes, procs, endpoint, f"bench-{uuid.uuid4().hex[:8]}", c10d=scenario == LAUNCH_MULTI)
     out = Output()
     started = time.time()
     running = []
@@ -159,7 +195,7 @@ def run_once(
 
     def measured() -> Optional[float]:
         steps = out.steps()
-        if scenario == "launch":
+        if scenario in LAUNCH_SCENARIOS:
             return steps[0]["t"] - started if steps else None
         crash = out.crash_time()
         # The new attempt's first step. Not "restart >= 1": torchrun counts restarts per agent, so the
@@ -180,9 +216,14 @@ def run_once(
             if result is not None or done or time.monotonic() > deadline:
                 break
             out.cond.wait(0.2)
+    once = extra.get("BENCH_CRASH_ONCE_FILE")
+    if once:
+        Path(once).unlink(missing_ok=True)
     if result is not None:
         _kill_all(running)
-        return Run(launcher, scenario, "ok", round(result, 3))
+        timed = scenario in LAUNCH_SCENARIOS and launcher == "elasticrun"
+        phases = launch_phases(out, started, result) if timed else {}
+        return Run(launcher, scenario, "ok", round(result, 3), crash_after=crash_after, phases=phases)
     hung = not all(p.poll() is not None for p in running)
     codes = [p.poll() for p in running]
     _kill_all(running)
@@ -191,16 +232,105 @@ def run_once(
     log.write_text("\n".join(out.lines) + "\n")
     tail = f"log {log}; {tail}"
     if hung:
-        return Run(launcher, scenario, "hang", None, f"no step after {timeout:.0f}s; {tail}")
-    return Run(launcher, scenario, "fail", None, f"exit codes {codes}; {tail}")
+        return Run(launcher, scenario, "hang", None, f"no step after {timeout:.0f}s; {tail}", crash_after)
+    return Run(launcher, scenario, "fail", None, f"exit codes {codes}; {tail}", crash_after)
+
+
+# Elasticrun's agent lines (``<ISO time> elasticrun[node]: <message>``) that mark its launch, and whether the
+# phase ends at the first such line of all agents or at the last one (every node got there).
+MILESTONES = [
+    ("etcd up", re.compile(r"started a private etcd|hosting the job's etcd"), "first"),
+    ("all nodes joined", re.compile(r"joined job "), "last"),
+    ("round formed", re.compile(r"round 0 \(Start\)"), "first"),
+    ("workers started", re.compile(r"round 0: workers started"), "last"),
+]
+STAMP = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?Z elasticrun\[")
+
+
+def launch_phases(out: Output, started: float, first_step: float) -> Dict[str, float]:
+    """Seconds from the launch to each milestone of the agents' log lines, and to the first step."""
+    marks: Dict[str, float] = {}
+    with out.cond:
+        lines = list(out.lines)
+    for line in lines:
+        m = STAMP.match(line)
+        if not m:
+            continue
+        t = calendar.timegm(time.strptime(m[1], "%Y-%m-%dT%H:%M:%S")) + float(m[2] or 0) - started
+        for name, pattern, which in MILESTONES:
+            if pattern.search(line) and (which == "last" or name not in marks):
+                marks[name] = round(t, 3)
+    marks["first step"] = round(first_step, 3)
+    return marks
+
+
+def _label(r: Run) -> str:
+    """The scenario as tables show it: ``restart@1s`` for a crash 1 s into the round."""
+    return r.scenario if r.crash_after is None else f"{r.scenario}@{r.crash_after:g}s"
+
+
+def restart_summary(runs: List[Run], procs: int, nodes: int, timeout: float, command: str) -> List[Dict]:
+    """The JSON ``summary`` rows of the restart scenario: elasticrun's median against the better torchrun.
+
+    A torchrun with no good run is given ``timeout`` (a lower bound on its time) and says so.
+    """
+    rows: List[Dict] = []
+    for label in dict.fromkeys(_label(r) for r in runs if r.scenario == "restart"):
+        mine = [r for r in runs if _label(r) == label]
+        ours = [r.seconds for r in mine if r.launcher == "elasticrun" and r.outcome == "ok" and r.seconds]
+        if not ours:
+            continue
+        alts = []
+        for launcher in LAUNCHERS[1:]:
+            theirs = [r for r in mine if r.launcher == launcher]
+            good = [r.seconds for r in theirs if r.outcome == "ok" and r.seconds]
+            if theirs:
+                value = statistics.median(good) if good else timeout
+                note = f"{launcher} ({len(good)}/{len(theirs)} ok{'' if good else ', timeout as lower bound'})"
+                alts.append((value, note))
+        if not alts:
+            continue
+        alt_value, alt = min(alts)
+        value = statistics.median(ours)
+        moment = "step 3" if label == "restart" else label.split("@")[1]
+        rows.append({"metric": f"worker crash ({moment} into the round) -> first step, {nodes} x {procs}",
+                     "elasticrun": value, "alternative": alt, "alt_value": alt_value, "unit": "s",
+                     "better": "lower", "ratio": round(alt_value / value, 3), "device": "cpu", "command": command})
+    return rows
+
+
+def launch_summary(runs: List[Run], procs: int, nodes: int, timeout: float, command: str,
+                   devices: Optional[Dict[str, str]] = None) -> List[Dict]:
+    """The JSON ``summary`` rows of the launch scenarios: elasticrun's median against the best torchrun's,
+    and ``delta_s`` (elasticrun minus the alternative). A torchrun with no good run counts as ``timeout``."""
+    rows: List[Dict] = []
+    for scenario in LAUNCH_SCENARIOS:
+        mine = [r for r in runs if r.scenario == scenario]
+        ours = [r.seconds for r in mine if r.launcher == "elasticrun" and r.outcome == "ok" and r.seconds]
+        alts = []
+        for launcher in dict.fromkeys(r.launcher for r in mine if r.launcher != "elasticrun"):
+            theirs = [r for r in mine if r.launcher == launcher]
+            good = [r.seconds for r in theirs if r.outcome == "ok" and r.seconds]
+            note = f"{launcher} ({len(good)}/{len(theirs)} ok{'' if good else ', timeout as lower bound'})"
+            alts.append((statistics.median(good) if good else timeout, note))
+        if not ours or not alts:
+            continue
+        alt_value, alt = min(alts)
+        value = statistics.median(ours)
+        shape = f"1 x {procs}, --standalone" if scenario == "launch" else f"{nodes} x {procs}, c10d"
+        rows.append({"metric": f"launch -> first step, {shape}", "elasticrun": value, "alternative": alt,
+                     "alt_value": alt_value, "unit": "s", "better": "lower", "ratio": round(alt_value / value, 3),
+                     "delta_s": round(value - alt_value, 3), "runs": len(ours),
+                     "device": (devices or {}).get(scenario, "cpu"), "command": command})
+    return rows
 
 
 def summarize(runs: List[Run]) -> str:
     """A markdown table: per launcher and scenario, median/min/max of good runs and the bad ones."""
     rows = ["| scenario | launcher | ok | fail | hang | median s | min s | max s |", "|---" * 8 + "|"]
-    for scenario in ("launch", "restart"):
+    for scenario in dict.fromkeys(_label(r) for r in runs):
         for launcher in LAUNCHERS:
-            mine = [r for r in runs if r.launcher == launcher and r.scenario == scenario]
+            mine = [r for r in runs if r.launcher == launcher and _label(r) == scenario]
             if not mine:
                 continue
             good = [r.seconds for r in mine if r.outcome == "ok" and r.seconds is not None]
@@ -218,7 +348,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--nodes", type=int, default=2, help="nodes (agents on loopback) in the restart scenario")
     ap.add_argument("--procs", type=int, default=2, help="workers per node")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds before a run counts as a hang")
-    ap.add_argument("--scenarios", default="launch,restart")
+    ap.add_argument("--scenarios", default=f"launch,{LAUNCH_MULTI},restart",
+                    help=f"comma-separated: launch (one node, --standalone), {LAUNCH_MULTI} (--nodes nodes, c10d), "
+                    "restart")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the workers train: cpu (gloo) or cuda (NCCL, one GPU per worker of the machine)")
     ap.add_argument("--launchers", default=",".join(LAUNCHERS))
     ap.add_argument("--json", help="also write every run here")
     ap.add_argument(
@@ -226,22 +360,43 @@ def main(argv: Optional[List[str]] = None) -> int:
         help="restart scenario: the step at which the last rank crashes (a later crash lets elasticrun's "
         "standby workers get ready)",
     )
+    ap.add_argument(
+        "--crash-after", default="",
+        help="restart scenario: crash the last rank this many seconds after its script started instead, one "
+        "sub-scenario per comma-separated value (e.g. 0.2,1,3)",
+    )
     args = ap.parse_args(argv)
+    unknown = set(args.scenarios.split(",")) - {*LAUNCH_SCENARIOS, "restart"}
+    if unknown:
+        ap.error(f"--scenarios: unknown {', '.join(sorted(unknown))}; choose from launch,{LAUNCH_MULTI},restart")
+    devices = {sc: args.device for sc in args.scenarios.split(",")}
+    if args.device == "cuda":
+        have = _gpu_count()
+        for sc in devices:
+            need = args.procs * (1 if sc == "launch" else args.nodes)
+            if have < need:  # NCCL takes one GPU per rank: run this one on the CPU (gloo), as without --device
+                devices[sc] = "cpu"
+                print(f"{sc}: {need} workers need {need} GPUs, this machine has {have}: measured on the CPU (gloo)",
+                      flush=True)
     sys.path.insert(0, str(HERE.parent))
     from elasticrun.store.server import EtcdServer
 
     etcd = EtcdServer().start() if args.nodes > 1 else None
     runs: List[Run] = []
     try:
+        moments = [float(m) for m in args.crash_after.split(",") if m.strip()] or [None]
         for scenario in args.scenarios.split(","):
-            for i in range(args.runs):
-                for launcher in args.launchers.split(","):  # interleaved: load changes hit every launcher alike
-                    nodes = 1 if scenario == "launch" else args.nodes
-                    endpoint = etcd.endpoint if etcd is not None else ""
-                    r = run_once(launcher, scenario, nodes, args.procs, args.timeout, endpoint, args.crash_step)
-                    runs.append(r)
-                    print(f"{scenario:8s} run {i + 1}/{args.runs} {launcher:17s} {r.outcome:5s} "
-                          f"{'' if r.seconds is None else f'{r.seconds:.2f}s'} {r.note[:160]}", flush=True)
+            for moment in moments if scenario == "restart" else [None]:
+                for i in range(args.runs):
+                    for launcher in args.launchers.split(","):  # interleaved: load changes hit all alike
+                        nodes = 1 if scenario == "launch" else args.nodes
+                        endpoint = etcd.endpoint if etcd is not None else ""
+                        r = run_once(launcher, scenario, nodes, args.procs, args.timeout, endpoint, args.crash_step,
+                                     moment, devices[scenario])
+                        r.device = devices[scenario]
+                        runs.append(r)
+                        print(f"{_label(r):12s} run {i + 1}/{args.runs} {launcher:17s} {r.outcome:5s} "
+                              f"{'' if r.seconds is None else f'{r.seconds:.2f}s'} {r.note[:160]}", flush=True)
     finally:
         if etcd is not None:
             etcd.stop()
@@ -249,7 +404,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"procs per node: {args.procs}; restart scenario: {args.nodes} node(s) on loopback; runs: {args.runs}")
     print(summarize(runs))
     if args.json:
-        Path(args.json).write_text(json.dumps([asdict(r) for r in runs], indent=2))
+        command = " ".join(["python", "scripts/bench_launch.py", *(sys.argv[1:] if argv is None else argv)])
+        summary = launch_summary(runs, args.procs, args.nodes, args.timeout, command, devices)
+        restarts = restart_summary(runs, args.procs, args.nodes, args.timeout, command)
+        for row in restarts:
+            row["device"] = devices.get("restart", args.device)
+        summary += restarts
+        Path(args.json).write_text(json.dumps({"runs": [asdict(r) for r in runs], "summary": summary,
+                                               "device": args.device}, indent=2))
     return 0
 
 

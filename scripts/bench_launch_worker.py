@@ -2,7 +2,10 @@
 
 Rank 0 prints ``bench-step <n> t=<unix time> restart=<TORCHELASTIC_RESTART_COUNT> world=<WORLD_SIZE>`` after
 every optimizer step. With BENCH_CRASH_STEP=k, global rank BENCH_CRASH_RANK (default: the last rank) prints
-``bench-crash t=<unix time>`` and exits 1 at step k of the first attempt (restart count 0) only.
+``bench-crash t=<unix time>`` and exits 1 at step k of the first attempt (restart count 0) only. With
+BENCH_CRASH_AFTER_S=s instead, that rank does so s seconds after its script started, at whatever it is doing
+then (still in init_process_group, building DDP, or training); with BENCH_CRASH_ONCE_FILE, only the first
+worker to create that file crashes (torchrun may give the crashing rank to a node whose restart count is 0).
 BENCH_STEPS (default 5) steps are run per attempt, BENCH_STEP_S (default 0.2) seconds apart.
 """
 
@@ -16,8 +19,35 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
+def _crash_later(seconds: float) -> None:
+    """Exit 1 after ``seconds``, from a timer thread: a crash at any moment of the worker's life."""
+    import threading
+
+    def crash() -> None:
+        once = os.environ.get("BENCH_CRASH_ONCE_FILE")
+        if once:
+            try:
+                os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return
+        print(f"bench-crash t={time.time():.4f}", flush=True)
+        os._exit(1)
+
+    timer = threading.Timer(seconds, crash)
+    timer.daemon = True
+    timer.start()
+
+
 def main() -> None:
-    dist.init_process_group("gloo", init_method="env://")
+    crash_after = os.environ.get("BENCH_CRASH_AFTER_S")
+    if crash_after and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        if os.environ.get("RANK") == os.environ.get("BENCH_CRASH_RANK", str(int(os.environ["WORLD_SIZE"]) - 1)):
+            _crash_later(float(crash_after))
+    cuda = os.environ.get("BENCH_DEVICE") == "cuda"  # bench_launch.py --device cuda: NCCL, one GPU per worker
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method="env://")
     rank, world = dist.get_rank(), dist.get_world_size()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     crash_step = int(os.environ.get("BENCH_CRASH_STEP", "0"))
@@ -25,13 +55,13 @@ def main() -> None:
     steps = int(os.environ.get("BENCH_STEPS", "5"))
     pause = float(os.environ.get("BENCH_STEP_S", "0.2"))
     torch.manual_seed(0)
-    model = DDP(torch.nn.Linear(64, 64))
+    model = DDP(torch.nn.Linear(64, 64).to(device))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for step in range(1, steps + 1):
         if crash_step and restart == 0 and step == crash_step and rank == crash_rank:
             print(f"bench-crash t={time.time():.4f}", flush=True)
             os._exit(1)
-        loss = model(torch.randn(8, 64)).pow(2).mean()
+        loss = model(torch.randn(8, 64, device=device)).pow(2).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -10,7 +10,11 @@ channel per process), like real nodes would have one each.
 Measured from the moment every child is told "go" (all imports and connections done) to
 the moment each agent holds round 0; the job is ``--nnodes N`` (min = max = N), so the
 round forms as soon as all N agents wait. Also counted: topology compare-and-swaps that
-lost (CAS contention) and won (must be 1).
+lost (CAS contention) and won (must be 1), and the watch events the agents' views received
+(per agent: about constant when only the leader watches the node records, ~2N when all do).
+
+There is no alternative launcher to run at these sizes; the ``summary`` of ``--json`` compares
+with the project's target instead: 5 s at 256 agents, scaled linearly below (N/256 x 5 s, at least 1 s).
 
     python scripts/bench_rendezvous.py                       # 8 32 128 256 agents, 3 runs each
     python scripts/bench_rendezvous.py --nodes 256 --procs 4 --runs 5
@@ -50,8 +54,16 @@ def child(endpoint: str, job: str, nodes: int, first: int, count: int, heartbeat
     from elasticrun.rendezvous.view import JobView
     from elasticrun.store.client import EtcdStore, connect
 
-    counts = {"cas_won": 0, "cas_lost": 0}
+    counts = {"cas_won": 0, "cas_lost": 0, "watch_events": 0}
     lock = threading.Lock()
+    real_on_events = JobView._on_events
+
+    def counting_on_events(self: Any, events: Any, *args: Any) -> None:
+        with lock:
+            counts["watch_events"] += len(events)
+        real_on_events(self, events, *args)
+
+    JobView._on_events = counting_on_events  # type: ignore[method-assign]
 
     def open_store() -> EtcdStore:
         store = connect(endpoint, retry_timeout=60)
@@ -70,8 +82,9 @@ def child(endpoint: str, job: str, nodes: int, first: int, count: int, heartbeat
     stores = {i: shared or open_store() for i in range(first, first + count)}
     if clients == "shared":
         assert shared is not None
-        view = JobView(shared, JobKeys(job))
-        protocol.JobView = lambda _store, _keys: view  # type: ignore[assignment,misc]
+        view = JobView(shared, JobKeys(job))  # with the node records: whichever agent of ours leads uses them
+        view.mirror_nodes = lambda _on: None  # type: ignore[method-assign]  # one mirror for leader and others
+        protocol.JobView = lambda *_args, **_kw: view  # type: ignore[assignment,misc]
     settings = RendezvousSettings(
         job_id=job, min_nodes=nodes, max_nodes=nodes, max_restarts=0, heartbeat_timeout=heartbeat,
         stability_window=0.5, rescale_timeout=120, join_timeout=120,
@@ -154,7 +167,8 @@ def run_once(
         for c in children:
             c.stdin.write("go\n")  # type: ignore[union-attr]
             c.stdin.flush()  # type: ignore[union-attr]
-        merged: Dict[str, Any] = {"results": {}, "errors": [], "cas_won": 0, "cas_lost": 0, "cpu_s": 0.0}
+        merged: Dict[str, Any] = {"results": {}, "errors": [], "cas_won": 0, "cas_lost": 0, "cpu_s": 0.0,
+                                  "watch_events": 0}
         for c in children:
             line = c.stdout.readline()  # type: ignore[union-attr]
             if not line:
@@ -163,6 +177,7 @@ def run_once(
             merged["results"].update(part["results"])
             merged["cas_won"] += part["cas_won"]
             merged["cas_lost"] += part["cas_lost"]
+            merged["watch_events"] += part["watch_events"]
             merged["errors"] += part["errors"]
             merged["cpu_s"] += part["cpu_s"]
         etcd_cpu = _cpu(etcd_pid) - etcd_cpu0
@@ -188,8 +203,27 @@ def run_once(
         "cas_won": merged["cas_won"],
         "cas_lost": merged["cas_lost"],
         "agents_cpu_s": merged["cpu_s"],
+        "watch_events": merged["watch_events"],
+        "watch_events_per_agent": merged["watch_events"] / nodes,
         "etcd_cpu_s": etcd_cpu if etcd_pid else None,
     }
+
+
+def summary_rows(rows: List[Dict[str, Any]], sizes: List[int], command: str) -> List[Dict[str, Any]]:
+    """The preamble's ``summary``: median time to round 0 per size against the linear target."""
+    out: List[Dict[str, Any]] = []
+    for n in sizes:
+        mine = [r["all_round_s"] for r in rows if r["nodes"] == n]
+        if not mine:
+            continue
+        med = statistics.median(mine)
+        target = max(1.0, 5.0 * n / 256)
+        out.append({
+            "metric": f"rendezvous of {n} agents (one etcd client each) -> all hold round 0", "elasticrun": med,
+            "alternative": "target (5 s at 256 agents, linear)", "alt_value": target, "unit": "s",
+            "better": "lower", "ratio": target / med if med > 0 else 0.0, "device": "cpu", "command": command,
+        })
+    return out
 
 
 def main() -> None:
@@ -228,7 +262,7 @@ def main() -> None:
         )
         print(
             f"{'nodes':>6} {'run':>4} {'registered':>11} {'first has':>10} {'all have':>9} {'CAS lost':>9} "
-            f"{'agents CPU':>11} {'etcd CPU':>9}"
+            f"{'agents CPU':>11} {'etcd CPU':>9} {'events/agent':>13}"
         )
         for n in args.nodes:
             for run in range(args.runs):
@@ -237,7 +271,7 @@ def main() -> None:
                 print(
                     f"{n:>6} {run + 1:>4} {r['all_registered_s']:>10.3f}s {r['first_round_s']:>9.3f}s "
                     f"{r['all_round_s']:>8.3f}s {r['cas_lost']:>9} {r['agents_cpu_s']:>10.2f}s "
-                    f"{(r['etcd_cpu_s'] or 0):>8.2f}s",
+                    f"{(r['etcd_cpu_s'] or 0):>8.2f}s {r['watch_events_per_agent']:>13.1f}",
                     flush=True,
                 )
         print("\nmedian over runs (seconds from 'go' to every agent holding round 0):")
@@ -247,7 +281,8 @@ def main() -> None:
             lost = statistics.median(r["cas_lost"] for r in mine)
             print(f"  {n:>4} nodes: {med:.3f} s  ({med / n * 1000:.1f} ms/node), CAS lost (median) {lost:g}")
         if args.json:
-            print(json.dumps(rows, indent=2))
+            command = " ".join(["python", "scripts/bench_rendezvous.py", *sys.argv[1:]])
+            print(json.dumps({"rows": rows, "summary": summary_rows(rows, args.nodes, command)}, indent=2))
     finally:
         if server is not None:
             server.stop()

@@ -1,108 +1,416 @@
-"""Memory snapshots vs disk checkpoints for one state: the training stall and the restore time.
+"""Memory snapshots vs disk checkpoints vs DCP: training stall, restore time, memory, steps lost.
 
-    python scripts/bench_snapshot.py --mb 512 [--device cuda] [--repeat 5] [--disk-dir DIR]
+    python scripts/bench_snapshot.py [--mb 256] [--device cuda] [--repeat 3] [--parts stall,restore,lost]
+                                     [--scenarios worker,node,scaleup] [--intervals 1,10] [--json FILE]
 
-One process (world size 1). Measures, for a state of ``--mb`` MiB of float32 tensors:
+Parts (``stall,restore`` by default, a couple of minutes; ``lost`` runs real jobs, ~8 minutes on
+2 cores). The state is ``--mb`` MiB of float32 tensors of 16 MiB, world size 1:
 
-- ``snapshot``: a synchronous snapshot into shared memory (write + sha256 + commit);
-- ``snapshot_async_stall``: what an async snapshot costs the training loop (the host copy);
-- ``disk_save``: ``elasticrun.checkpoint.save`` to ``--disk-dir`` (fsync included);
-- ``restore_memory`` / ``restore_disk``: ``load`` of the newest generation / checkpoint into
-  the state dict (sha256 verified). The disk load usually hits the page cache right after the
-  save: it is a lower bound of a real restart's disk load.
+- ``stall``: what one checkpoint costs the training loop. ``snapshot`` a synchronous memory
+  snapshot (write + sha256 + commit in /dev/shm); ``snapshot_async_stall`` an async one (the
+  copy into reused host buffers, pinned on CUDA); ``disk_save`` ``elasticrun.checkpoint.save``
+  (fsync included); ``dcp_save`` ``torch.distributed.checkpoint.save``. Then a training loop of
+  ``--step-ms`` steps (matmuls on ``--device``) without checkpoints and with an async snapshot,
+  a sync snapshot, a disk save and a DCP save after *every* step: the step-time overhead.
+  ``shm_bytes``: the shared memory the memory tier holds (2 generations kept).
+- ``restore``: ``elasticrun.train.load_latest`` from the memory tier vs from disk with a warm
+  page cache and a cold one (``posix_fadvise(DONTNEED)`` on every file, an approximation of a
+  cold cache), and ``dcp.load`` warm and cold; all into the preallocated state dict.
+- ``lost``: real elasticrun jobs (``scripts/bench_snapshot_jobs.py``): steps lost per worker
+  crash, node SIGKILL and scale-up, with memory snapshots, disk checkpoints and DCP every
+  ``--intervals`` steps (node/scaleup with memory snapshots need peer replicas; skipped with a
+  note when this build has none).
 
-Prints one line per measure (median of ``--repeat``) and a JSON summary.
+All comparisons are interleaved (A B C … per round) and reported as medians. Prints one line
+per measure, then one JSON line (the fields of earlier versions plus ``summary``, ``jobs``, …);
+``--json FILE`` writes the same document to FILE.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, List
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+PARTS = ("stall", "restore", "lost")
+SCENARIOS = ("worker", "node", "scaleup")
 
 
-def _median_s(fn: Callable[[], object], repeat: int) -> float:
-    times: List[float] = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _evict(path: str) -> None:
+    """Drop ``path``'s files from the page cache (fsync, then posix_fadvise DONTNEED)."""
+    for d, _dirs, files in os.walk(path):
+        for f in files:
+            fd = os.open(os.path.join(d, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _sweep(shm: str) -> None:
+    """Remove the shared memory of earlier runs that were killed (their pid is gone)."""
+    for entry in os.listdir(shm):
+        m = re.match(r"^elasticrun-bench-snap-(\d+)-", entry)
+        if m is None:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(shm, entry), ignore_errors=True)
+        except PermissionError:
+            pass
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.lstat(os.path.join(d, f)).st_blocks * 512 for d, _dirs, fs in os.walk(path) for f in fs)
+
+
+@contextlib.contextmanager
+def _memory_tier(base: Optional[str]) -> Iterator[None]:
+    """``ELASTICRUN_SNAPSHOT_DIR`` = ``base`` (None: no memory tier) for the duration."""
+    from elasticrun.job.env import SNAPSHOT_DIR
+
+    old = os.environ.pop(SNAPSHOT_DIR, None)
+    if base is not None:
+        os.environ[SNAPSHOT_DIR] = base
+    try:
+        yield
+    finally:
+        os.environ.pop(SNAPSHOT_DIR, None)
+        if old is not None:
+            os.environ[SNAPSHOT_DIR] = old
+
+
+def _timed(fn: Callable[[], Any], sync: Callable[[], None]) -> float:
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t0
+
+
+def _row(metric: str, ours: float, alt: str, alt_value: float, unit: str, better: str, device: str,
+         command: str, **extra: Any) -> Dict[str, Any]:
+    if better == "lower":
+        ratio = alt_value / ours if ours > 0 else (1e9 if alt_value > 0 else 1.0)
+    else:
+        ratio = ours / alt_value if alt_value > 0 else 1e9
+    return {"metric": metric, "elasticrun": round(ours, 6), "alternative": alt, "alt_value": round(alt_value, 6),
+            "unit": unit, "better": better, "ratio": round(ratio, 3), "device": device, "command": command, **extra}
+
+
+def bench_local(args: argparse.Namespace, command: str) -> Dict[str, Any]:
+    """The ``stall`` and ``restore`` parts: one process, one state, interleaved rounds."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from elasticrun.checkpoint import Snapshotter, save
+    from elasticrun.train import load_latest
+
+    dev = args.device
+    sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
+    n = 4 << 20  # 16 MiB float32 tensors
+    state: Dict[str, torch.Tensor] = {f"t{i}": torch.randn(n, device=dev) for i in range((args.mb + 15) // 16)}
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    _sweep(args.shm)
+    base = tempfile.mkdtemp(prefix=f"elasticrun-bench-snap-{os.getpid()}-", dir=args.shm)
+    disk = args.disk_dir or tempfile.mkdtemp(prefix="bench-snap-disk-", dir=".")
+    dcp_root = tempfile.mkdtemp(prefix="bench-snap-dcp-", dir=os.path.dirname(os.path.abspath(disk)))
+    step = [0]
+    res: Dict[str, Any] = {}
+    samples: Dict[str, List[float]] = {}
+    sync_snaps = Snapshotter(base=base)
+    async_snaps = Snapshotter(base=base, async_snapshots=True)
+
+    def snap_sync() -> None:
+        step[0] += 1
+        sync_snaps.snapshot(state, training_state={"step": step[0]})
+
+    def snap_async() -> None:
+        step[0] += 1
+        async_snaps.snapshot(state, training_state={"step": step[0]})
+
+    def disk_save() -> None:
+        step[0] += 1
+        save(state, disk, training_state={"step": step[0]}, keep_last=2)
+
+    def dcp_save() -> None:
+        step[0] += 1
+        dcp.save(state, checkpoint_id=os.path.join(dcp_root, f"step-{step[0]:08d}"))
+        for old in sorted(os.listdir(dcp_root))[:-2]:
+            shutil.rmtree(os.path.join(dcp_root, old), ignore_errors=True)
+
+    def record(key: str, value: float) -> None:
+        samples.setdefault(key, []).append(value)
+
+    try:
+        for fn in (snap_sync, snap_async, disk_save, dcp_save):  # first touch: buffers, files, imports
+            fn()
+        async_snaps.wait()
+        if "stall" in args.parts:
+            for _ in range(args.repeat):
+                record("snapshot_s", _timed(snap_sync, sync))
+                t0 = time.perf_counter()
+                record("snapshot_async_stall_s", _timed(snap_async, sync))
+                async_snaps.wait()
+                record("snapshot_async_total_s", time.perf_counter() - t0)
+                record("disk_save_s", _timed(disk_save, sync))
+                record("dcp_save_s", _timed(dcp_save, sync))
+            res.update(overhead(args, state, sync, {"snapshot_async": snap_async, "snapshot": snap_sync,
+                                                    "disk_save": disk_save, "dcp_save": dcp_save}, async_snaps))
+        async_snaps.wait()
+        res["shm_bytes"] = _dir_bytes(base)
+        res["generation_bytes"] = sync_snaps.generation_bytes
+        if "restore" in args.parts:
+            newest = sorted(os.listdir(dcp_root))[-1]
+            empty = os.path.join(base, "no-disk")
+            for _ in range(args.repeat):
+                with _memory_tier(base):
+                    t = _timed(lambda: load_latest(empty, state_dict=state, restore_rng=False), sync)
+                    record("restore_memory_s", t)
+                with _memory_tier(None):
+                    record("restore_disk_s", _timed(lambda: load_latest(disk, state_dict=state, memory=False,
+                                                                        restore_rng=False), sync))
+                    _evict(disk)
+                    record("restore_disk_cold_s", _timed(lambda: load_latest(disk, state_dict=state, memory=False,
+                                                                             restore_rng=False), sync))
+                record("dcp_load_s", _timed(lambda: dcp.load(state, checkpoint_id=os.path.join(dcp_root, newest)),
+                                            sync))
+                _evict(os.path.join(dcp_root, newest))
+                record("dcp_load_cold_s", _timed(lambda: dcp.load(state, checkpoint_id=os.path.join(dcp_root,
+                                                                                                    newest)), sync))
+    finally:
+        async_snaps.close()
+        sync_snaps.close()
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(dcp_root, ignore_errors=True)
+        if args.disk_dir is None:
+            shutil.rmtree(disk, ignore_errors=True)
+    res.update({k: statistics.median(v) for k, v in samples.items()})
+    res["samples"] = samples
+    res["bytes"] = total
+    return res
+
+
+def overhead(args: argparse.Namespace, state: Dict[str, Any], sync: Callable[[], None],
+             savers: Dict[str, Callable[[], None]], async_snaps: Any) -> Dict[str, Any]:
+    """Step time of a loop of ``--step-ms`` compute steps, checkpointing after every step, per method."""
+    import torch
+
+    a = torch.randn(512, 512, device=args.device)
+    sync()
+    t0, k = time.perf_counter(), 0
+    while time.perf_counter() - t0 < 0.2:
+        a = torch.tanh(a @ a * 0.01)
+        k += 1
+    sync()
+    per = (time.perf_counter() - t0) / k
+    iters = max(1, int(args.step_ms / 1000 / per))
+
+    def step() -> None:
+        nonlocal a
+        for _ in range(iters):
+            a = torch.tanh(a @ a * 0.01)
+        next(iter(state.values())).add_(1.0)  # the state changes every step
+
+    times: Dict[str, List[float]] = {}
+    for _ in range(args.repeat):
+        for mode in ("none", *savers):
+            for _s in range(args.overhead_steps):
+                t = _timed(lambda m=mode: (step(), savers[m]() if m != "none" else None), sync)
+                times.setdefault(mode, []).append(t)
+            async_snaps.wait()
+    med = {m: statistics.median(v) for m, v in times.items()}
+    out: Dict[str, Any] = {"step_s": med["none"], "step_iters": iters}
+    for m in savers:
+        out[f"step_{m}_s"] = med[m]
+        out[f"overhead_{m}_pct"] = 100.0 * (med[m] / med["none"] - 1.0)
+    return out
+
+
+def bench_jobs(args: argparse.Namespace) -> Dict[str, Any]:
+    """The ``lost`` part: real jobs, one per (scenario group, mode, interval), interleaved by mode."""
+    from bench_snapshot_jobs import replicas_available, run_job
+
+    from elasticrun.store.server import EtcdServer
+
+    groups = (["worker"] if "worker" in args.scenarios else []) + (
+        ["node"] if {"node", "scaleup"} & set(args.scenarios) else [])
+    replicas = replicas_available()
+    notes: List[str] = []
+    jobs: List[Dict[str, Any]] = []
+    server = EtcdServer().start() if "node" in groups else None
+    try:
+        for _ in range(args.job_repeat):
+            for group in groups:
+                for every in args.intervals:
+                    for mode in ("memory", "disk", "dcp"):
+                        if group == "node" and mode == "memory" and not replicas:
+                            note = ("node/scaleup with memory snapshots skipped: this build has no peer replicas "
+                                    "(memory snapshots refuse multi-node jobs)")
+                            if note not in notes:
+                                notes.append(note)
+                            continue
+                        t0 = time.perf_counter()
+                        try:
+                            r = run_job(group, mode, every, mb=args.job_mb, step_sleep=args.step_sleep,
+                                        async_snapshots=args.async_snapshots,
+                                        endpoint=server.endpoint if server else "")
+                        except (TimeoutError, RuntimeError) as err:
+                            r = {"scenario": group, "mode": mode, "every": every, "events": [], "error": str(err)}
+                        r["wall_s"] = round(time.perf_counter() - t0, 1)
+                        print(f"  job {group:6s} {mode:6s} every {every:3d}: "
+                              + (", ".join(f"{e['scenario']} lost {e['lost']} (resumed {e['resumed']} from "
+                                           f"{e['tier']}, {e['recovery_s']:.1f}s)" for e in r["events"])
+                                 or r.get("error", "?")), flush=True)
+                        jobs.append(r)
+    finally:
+        if server is not None:
+            server.stop()
+    lost: Dict[str, Dict[str, float]] = {}
+    for scenario in args.scenarios:
+        for every in args.intervals:
+            for mode in ("memory", "disk", "dcp"):
+                vals = [e["lost"] for j in jobs if j["mode"] == mode and j["every"] == every
+                        for e in j["events"] if e["scenario"] == scenario]
+                if vals:
+                    lost.setdefault(scenario, {})[f"{mode}@{every}"] = statistics.mean(vals)
+    return {"jobs": jobs, "steps_lost": lost, "notes": notes, "replicas": replicas}
+
+
+def summarize(res: Dict[str, Any], lost: Optional[Dict[str, Any]], args: argparse.Namespace,
+              command: str) -> List[Dict[str, Any]]:
+    dev = "cuda" if args.device.startswith("cuda") else "cpu"
+    rows: List[Dict[str, Any]] = []
+    gb = f"{res.get('bytes', 0) / (1 << 20):.0f} MiB state"
+    if "snapshot_async_stall_s" in res:
+        for alt, key in (("elasticrun disk save", "disk_save_s"), ("DCP save", "dcp_save_s")):
+            rows.append(_row(f"training stall per checkpoint ({gb}): async memory snapshot",
+                             res["snapshot_async_stall_s"], alt, res[key], "s", "lower", dev, command))
+        rows.append(_row(f"training stall per checkpoint ({gb}): sync memory snapshot", res["snapshot_s"],
+                         "DCP save", res["dcp_save_s"], "s", "lower", dev, command))
+        for alt, key in (("disk save every step", "step_disk_save_s"), ("DCP save every step", "step_dcp_save_s")):
+            rows.append(_row(f"step time with a checkpoint every step ({gb}, {args.step_ms:.0f} ms steps): async "
+                             "memory snapshot", res["step_snapshot_async_s"], alt, res[key], "s", "lower", dev,
+                             command, overhead_pct=round(res["overhead_snapshot_async_pct"], 1)))
+    if "restore_memory_s" in res:
+        for alt, key in (("elasticrun disk load, cold cache", "restore_disk_cold_s"),
+                         ("elasticrun disk load, warm cache", "restore_disk_s"),
+                         ("DCP load, cold cache", "dcp_load_cold_s"), ("DCP load, warm cache", "dcp_load_s")):
+            rows.append(_row(f"restore ({gb}): load_latest from memory", res["restore_memory_s"], alt, res[key], "s",
+                             "lower", dev, command))
+    step_of = {(j["mode"], j["every"]): j.get("step_s") for j in (lost or {}).get("jobs", [])
+               if j.get("scenario") == "worker" and j.get("step_s")}
+    for every in args.intervals:
+        ours = step_of.get(("memory", every))
+        for mode, label in (("disk", "disk checkpoints"), ("dcp", "DCP")):
+            alt = step_of.get((mode, every))
+            if ours and alt:
+                rows.append(_row(f"job step time, checkpoint every {every} step(s) ({args.job_mb:g} MiB per rank, "
+                                 f"{args.step_sleep:g} s steps): memory snapshots", ours, f"{label} every {every}",
+                                 alt, "s", "lower", "cpu", command))
+    # Steps lost: the interval decides it (every tier at the same interval loses the same), so the
+    # row that matters is what a checkpoint every step costs, above, and what it saves against the
+    # sparsest interval measured. Floored at 1 step for the ratio; the measured means are kept.
+    lo, hi = min(args.intervals), max(args.intervals)
+    what = {"worker": "worker crash", "node": "node loss (SIGKILL)", "scaleup": "scale-up"}
+    for scenario, by in (lost or {}).get("steps_lost", {}).items():
+        ours = by.get(f"memory@{lo}")
+        for mode, label in (("disk", "disk checkpoints"), ("dcp", "DCP")):
+            alt = by.get(f"{mode}@{hi}")
+            if ours is not None and alt is not None and hi != lo:
+                row = _row(f"steps lost per {what[scenario]}: memory snapshot every {lo}", ours,
+                           f"{label} every {hi}", alt, "steps", "lower", "cpu", command,
+                           note="means per failure; the ratio floors both at 1 step")
+                row["ratio"] = round(max(alt, 1.0) / max(ours, 1.0), 3)
+                rows.append(row)
+    return rows
 
 
 def main(argv: List[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--mb", type=int, default=256, help="state size in MiB (float32 tensors of 16 MiB)")
+    p.add_argument("--mb", type=int, default=256, help="state size in MiB for stall/restore (1024: ~1 GB)")
     p.add_argument("--device", default="cpu", help="where the state lives (cpu or cuda)")
-    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--repeat", type=int, default=3, help="interleaved rounds (medians)")
+    p.add_argument("--parts", default="stall,restore", help="comma-separated: stall, restore, lost (real jobs: "
+                   "~8 min on 2 cores) [default: stall,restore]")
     p.add_argument("--shm", default="/dev/shm", help="the shared-memory filesystem")
     p.add_argument("--disk-dir", default=None, help="disk checkpoint root (default: a temporary dir here)")
+    p.add_argument("--step-ms", type=float, default=200.0, help="compute per training step in the overhead loop")
+    p.add_argument("--overhead-steps", type=int, default=2, help="steps per method per round in the overhead loop")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help="lost: worker, node, scaleup")
+    p.add_argument("--intervals", default="1,10", help="lost: checkpoint intervals in steps")
+    p.add_argument("--job-mb", type=float, default=4.0, help="lost: state size per rank in MiB")
+    p.add_argument("--step-sleep", type=float, default=0.05, help="lost: seconds per training step")
+    p.add_argument("--job-repeat", type=int, default=1, help="lost: jobs per configuration (3 worker kills each)")
+    p.add_argument("--async-snapshots", action="store_true", help="lost: async memory snapshots")
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = p.parse_args(argv)
-    if args.mb < 1 or args.repeat < 1:
-        print("bench_snapshot.py: error: --mb and --repeat must be positive", file=sys.stderr)
+    args.parts = [x.strip() for x in args.parts.split(",") if x.strip()]
+    args.scenarios = [x.strip() for x in args.scenarios.split(",") if x.strip()]
+    bad = [x for x in args.parts if x not in PARTS] + [x for x in args.scenarios if x not in SCENARIOS]
+    try:
+        args.intervals = sorted({int(x) for x in args.intervals.split(",") if x.strip()})
+    except ValueError:
+        args.intervals = []
+    if bad or not args.intervals or min(args.intervals) < 1:
+        print(f"bench_snapshot.py: error: unknown part/scenario {bad} or bad --intervals: parts are "
+              f"{', '.join(PARTS)}; scenarios {', '.join(SCENARIOS)}; intervals positive integers", file=sys.stderr)
+        return 2
+    if args.mb < 1 or args.repeat < 1 or args.job_repeat < 1 or args.overhead_steps < 1:
+        print("bench_snapshot.py: error: --mb, --repeat, --job-repeat and --overhead-steps must be positive",
+              file=sys.stderr)
         return 2
     if not os.path.isdir(args.shm):
         print(f"bench_snapshot.py: error: {args.shm} does not exist: pass --shm", file=sys.stderr)
         return 2
+    if args.device.startswith("cuda"):
+        import torch
 
-    import torch
-
-    from elasticrun.checkpoint import Snapshotter, load, save
-    from elasticrun.checkpoint.memory import generations_root
-
-    n = 4 << 20  # 16 MiB float32 tensors
-    state: Dict[str, torch.Tensor] = {f"t{i}": torch.randn(n, device=args.device) for i in range((args.mb + 15) // 16)}
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    base = tempfile.mkdtemp(prefix="elasticrun-bench-snap-", dir=args.shm)
-    disk = args.disk_dir or tempfile.mkdtemp(prefix="bench-snap-disk-", dir=".")
-    step = [0]
-    results: Dict[str, float] = {}
-    try:
-        sync = Snapshotter(base=base)
-        asyn = Snapshotter(base=base, async_snapshots=True)
-
-        def snap_sync() -> None:
-            step[0] += 1
-            sync.snapshot(state, training_state={"step": step[0]})
-
-        def snap_async_stall() -> None:
-            step[0] += 1
-            asyn.snapshot(state, training_state={"step": step[0]})
-
-        def disk_save() -> None:
-            step[0] += 1
-            save(state, disk, training_state={"step": step[0]}, keep_last=2)
-
-        snap_sync()  # first touch of the memory tier
-        results["snapshot_s"] = _median_s(snap_sync, args.repeat)
-        snap_async_stall()  # buffers allocated once
-        asyn.wait()
-        stalls = []
-        for _ in range(args.repeat):
-            t0 = time.perf_counter()
-            snap_async_stall()
-            stalls.append(time.perf_counter() - t0)
-            asyn.wait()  # (training would go on here)
-        results["snapshot_async_stall_s"] = statistics.median(stalls)
-        asyn.close()
-        results["disk_save_s"] = _median_s(disk_save, args.repeat)
-        gens = generations_root(base)
-        results["restore_memory_s"] = _median_s(lambda: load(gens, state_dict=state), args.repeat)
-        results["restore_disk_s"] = _median_s(lambda: load(disk, state_dict=state), args.repeat)
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-        if args.disk_dir is None:
-            shutil.rmtree(disk, ignore_errors=True)
-    gib = total / (1 << 30)
-    for k, v in results.items():
-        print(f"{k:26s} {v * 1000:9.1f} ms  ({gib / v:6.2f} GiB/s)")
-    print(json.dumps({"bytes": total, "device": args.device, "repeat": args.repeat, **results}))
+        if not torch.cuda.is_available():
+            print("bench_snapshot.py: error: --device cuda but no CUDA GPU is visible", file=sys.stderr)
+            return 2
+    # A time limit's SIGTERM ends the run through the finally blocks: no shared memory left behind.
+    signal.signal(signal.SIGTERM, lambda *_a: sys.exit(143))
+    command = "python scripts/bench_snapshot.py " + " ".join(argv)
+    res: Dict[str, Any] = {}
+    if {"stall", "restore"} & set(args.parts):
+        res = bench_local(args, command)
+        gib = res["bytes"] / (1 << 30)
+        for k, v in res.items():
+            if k.endswith("_s") and isinstance(v, float):
+                print(f"{k:28s} {v * 1000:9.1f} ms  ({gib / v:6.2f} GiB/s)" if k != "step_s" and "step_" not in k
+                      else f"{k:28s} {v * 1000:9.1f} ms")
+            elif k.endswith("_pct"):
+                print(f"{k:28s} {v:9.1f} %")
+        print(f"{'shm_bytes':28s} {res['shm_bytes'] / (1 << 20):9.1f} MiB ({res['shm_bytes'] / res['bytes']:.2f}x "
+              "the state)")
+    lost = None
+    if "lost" in args.parts:
+        lost = bench_jobs(args)
+        for scenario, by in lost["steps_lost"].items():
+            print(f"steps lost per {scenario:8s} " + "  ".join(f"{k} {v:.1f}" for k, v in sorted(by.items())))
+        for note in lost["notes"]:
+            print(f"note: {note}")
+    doc = {"device": args.device, "repeat": args.repeat, **res, **(lost or {}),
+           "machine": f"{os.cpu_count()} cpus", "summary": summarize(res, lost, args, command)}
+    doc.setdefault("bytes", 0)
+    print(json.dumps(doc))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1)
     return 0
 
 

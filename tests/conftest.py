@@ -12,8 +12,10 @@ from pathlib import Path
 from typing import Callable, Iterator, List, Optional
 
 import pytest
+from helpers.fake_store import FakeStore
 from helpers.procs import REPO, SCRIPTS, Agent, no_process_with_marker, wait_until, worker_env
 
+from elasticrun.rendezvous.protocol import Rendezvous
 from elasticrun.store.client import EtcdStore, connect
 from elasticrun.store.server import EtcdServer
 
@@ -60,3 +62,20 @@ def agents(tmp_path: Path) -> Iterator[Callable[..., Agent]]:
 
 
 __all__ = ["Agent", "REPO", "SCRIPTS", "no_process_with_marker", "signal", "wait_until", "worker_env"]
+
+
+@pytest.fixture
+def store() -> Iterator[FakeStore]:
+    """An in-memory store for rendezvous unit tests (tests that need etcd use ``etcd``)."""
+    s = FakeStore()
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def cleanup() -> Iterator[List[Rendezvous]]:
+    """Rendezvous objects a test appends here leave the job when it ends."""
+    made: List[Rendezvous] = []
+    yield made
+    for r in made:
+        r.leave()

@@ -66,21 +66,6 @@ def seen(r: Rendezvous, fn, timeout: float = 5.0):
         r.view.wait_change(version, 0.05)
 
 
-@pytest.fixture
-def store():
-    s = FakeStore()
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def cleanup():
-    made: List[Rendezvous] = []
-    yield made
-    for r in made:
-        r.leave()
-
-
 def test_two_nodes_form_one_round_with_stable_ranks(store: FakeStore, cleanup):
     a, b = join(store, "a", nproc=2), join(store, "b")
     cleanup += [a, b]

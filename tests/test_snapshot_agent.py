@@ -4,7 +4,10 @@
   >= S - N (N = the snapshot interval) although no disk checkpoint exists yet;
 - the agent's shared-memory directory is 0700, and gone after the job ends and after a
   SIGKILL of the agent (its watchdog removes it);
-- the example reports a memory cap that is too small in one line and trains on.
+- the example reports a memory cap that is too small in one line and trains on;
+- two nodes: a scale-up resumes every rank at the memory step (the newcomer fetches it from
+  its peer's memory); a node SIGKILLed resumes the survivor from its replica of the lost
+  node's parts at the memory step, while the newest disk checkpoint is far older.
 """
 
 from __future__ import annotations
@@ -138,3 +141,77 @@ def test_example_async_snapshots_persist_to_disk_and_resume_from_memory(tmp_path
     out = run(14)
     assert re.search(r"resumed snap-00000012-\d+ \(saved at world 1\) tier memory step 12 ", out), out[:2000]
     assert "done: steps=14 " in out
+
+
+# -- several nodes: a scale-up, then a node SIGKILLed ---------------------------------------------
+
+
+def _node(agents: Callable[..., Agent], endpoint: str, job: str, node: str, ckpt: Path) -> Agent:
+    return agents(
+        ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "--rdzv-id", job,
+         "--node-id", node, "--heartbeat-timeout", "3", "--stability-window", "0.5", "--max-restarts", "3",
+         "--no-prewarm", "--shutdown-timeout", "3", EXAMPLE, "--epochs", "1000", "--dataset-size", "512",
+         "--step-sleep", "0.05", "--ckpt-dir", str(ckpt), "--steps", "100000", "--ckpt-every", "0",
+         "--snapshot-every", str(EVERY)],
+        name=node,
+    )
+
+
+def _steps(agent: Agent) -> List[tuple]:
+    """``[(step, world)]`` of rank 0's step lines."""
+    return [(int(m.group(1)), int(m.group(2))) for ln in _rank0_lines(agent)
+            for m in [re.match(r"step (\d+) .* world (\d+)$", ln.strip())] if m]
+
+
+def _resumes(agent: Agent) -> List[tuple]:
+    """``(tier, step, saved world)`` of every start line of rank 0 after the first."""
+    out = []
+    for ln in _rank0_lines(agent):
+        m = re.search(r"resumed snap-\d+-\d+ \(saved at world (\d+)\) tier (\w+) step (\d+) ", ln)
+        if ln.startswith("start:"):
+            out.append((m.group(2), int(m.group(3)), int(m.group(1))) if m else ("nothing", 0, 0))
+    return out[1:]
+
+
+def _replicas(shm: str) -> List[str]:
+    root = os.path.join(shm, "replicas")
+    return [d for d in (os.listdir(root) if os.path.isdir(root) else [])
+            if os.path.exists(os.path.join(root, d, "metadata.json"))
+            and any(f.endswith(".safetensors") for f in os.listdir(os.path.join(root, d)))]
+
+
+def test_scale_up_then_node_sigkill_resume_from_peer_memory(
+    tmp_path: Path, agents: Callable[..., Agent], etcd_server: EtcdServer, job_id: str
+) -> None:
+    """A scale-up: the newcomer fetches the memory step (taken at the stop) from its peer's memory.
+    A node SIGKILLed (agent and workers) at step S: the survivor resumes from its own parts plus its
+    replica of the lost node's parts, at a step >= S - 2N (the newest generation whose replica had
+    landed), although the newest disk checkpoint is the one of the scale-up, far older."""
+    ckpt = tmp_path / "ckpts"
+    a = _node(agents, etcd_server.endpoint, job_id, "A", ckpt)
+    wait_until(lambda: any(s >= 2 * EVERY + 1 for s, _w in _steps(a)), 180, "node A to snapshot\n" + a.output()[-3000:])
+    b = _node(agents, etcd_server.endpoint, job_id, "B", ckpt)
+    # Scale-up: every rank resumes at A's memory step (B fetches the files from A's memory).
+    wait_until(lambda: _resumes(a), 120, "the scale-up\n" + a.output()[-3000:] + b.output()[-3000:])
+    before = max(s for s, w in _steps(a) if w == 1)
+    tier, up_step, saved_world = _resumes(a)[0]
+    assert (tier, saved_world) == ("memory", 1) and before - EVERY <= up_step <= before, (
+        _resumes(a), before, a.output()[-5000:], b.output()[-3000:])
+    (shm_a,), (shm_b,) = _shm_dirs(job_id, a), _shm_dirs(job_id, b)
+    wait_until(lambda: _replicas(shm_a) and any(s >= up_step + 2 * EVERY for s, w in _steps(a) if w == 2), 120,
+               "a replica of node B's parts on node A\n" + a.output()[-3000:])
+    for p in b.descendants():  # the whole node: its workers, then its agent (its watchdog cleans up)
+        try:
+            if EXAMPLE in " ".join(p.cmdline()):
+                p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    b.proc.kill()
+    killed_at = max(s for s, _w in _steps(a))
+    wait_until(lambda: len(_resumes(a)) >= 2, 120, "node A to resume alone\n" + a.output()[-3000:])
+    tier, down_step, saved_world = _resumes(a)[1]
+    assert (tier, saved_world) == ("memory", 2), _resumes(a)
+    assert max(up_step + 1, killed_at - 2 * EVERY) <= down_step <= killed_at, (down_step, killed_at, up_step)
+    wait_until(lambda: max(s for s, _w in _steps(a)) > down_step, 60, "node A to train on\n" + a.output()[-3000:])
+    a.proc.kill()  # the job is over (its watchdog removes the shared memory)
+    wait_until(lambda: not os.path.exists(shm_a) and not os.path.exists(shm_b), 60, "no shared memory left")

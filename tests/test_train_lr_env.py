@@ -101,6 +101,14 @@ def test_state_tolerates_a_broken_event_file(tmp_path, caplog):
     assert "ignoring rescale event file" in caplog.text
 
 
+def test_first_round_event_file_is_empty_and_quiet(tmp_path, caplog):
+    path = tmp_path / "event.json"
+    path.write_text("{}")  # what the agent writes for a round without a rescale event
+    s = ElasticState.from_env({"ELASTICRUN_ROUND": "0", "ELASTICRUN_RESCALE_EVENT_FILE": str(path)})
+    assert s.event is None and s.rescale_type is RescaleType.START
+    assert "ignoring rescale event file" not in caplog.text
+
+
 def test_state_rejects_bad_values():
     with pytest.raises(ConfigError, match="RANK='x' is not an integer"):
         ElasticState.from_env({"RANK": "x", "WORLD_SIZE": "2"})

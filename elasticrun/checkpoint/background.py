@@ -1,5 +1,7 @@
 """Asynchronous saves: the training step is blocked only while the state is copied to
-host memory; writing, hashing and the commit run on a background thread.
+host memory; writing, hashing and the commit run on a background thread. GPU tensors are
+copied into pinned buffers on a side stream (that first waits for the training's stream),
+so the stall is the device-to-host copy at full speed.
 
 One save is in flight at a time per :class:`AsyncCheckpointer`: the next ``save`` (or
 ``wait``/``close``, or interpreter exit) waits for it, and an error of a background save
@@ -15,7 +17,7 @@ import atexit
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -52,17 +54,51 @@ class AsyncCheckpointer:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-async")
         self._pending: Optional[AsyncSaveHandle] = None
         self._buffers: Dict[str, torch.Tensor] = {}
+        self._d2h_streams: Dict[torch.device, Any] = {}
         self._lock = threading.Lock()
         self._closed = False
         atexit.register(self._atexit)
 
     def _snapshot(self, key: str, src: torch.Tensor) -> torch.Tensor:
+        """Copy ``src`` into this key's reusable host buffer. CUDA tensors go into pinned buffers
+        with ``non_blocking`` copies on a side stream; :meth:`_snapshots_done` waits for them."""
+        cuda = src.device.type == "cuda"
         buf = self._buffers.get(key)
-        if buf is None or buf.dtype != src.dtype or buf.shape != src.shape:
-            buf = torch.empty(src.shape, dtype=src.dtype)
+        if buf is None or buf.dtype != src.dtype or buf.shape != src.shape or (cuda and not buf.is_pinned()):
+            buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=cuda)
             self._buffers[key] = buf
-        buf.copy_(src.detach())
+        if not cuda:
+            buf.copy_(src.detach())
+            return buf
+        stream = self._d2h_streams.get(src.device)
+        if stream is None:
+            stream = self._d2h_streams[src.device] = torch.cuda.Stream(src.device)
+        stream.wait_stream(torch.cuda.current_stream(src.device))  # the copy sees the finished step
+        with torch.cuda.stream(stream):
+            buf.copy_(src.detach(), non_blocking=True)
         return buf
+
+    def _stage(self, writes: Any, tensors: Mapping[str, torch.Tensor]) -> List[Tuple[Any, torch.Tensor]]:
+        """Snapshot this rank's write items (``(chunk, host copy)`` pairs, buffers reused by key) and
+        drop the buffers no item uses any more (e.g. after the world size changed)."""
+        sources = []
+        used = set()
+        for item in writes:
+            src = tensors[item.name]
+            if item.rows is not None:
+                src = src[item.rows[0]:item.rows[1]]
+            key = f"{item.name}@{item.rows}"
+            used.add(key)
+            sources.append((item.chunk, self._snapshot(key, src)))
+        self._snapshots_done()
+        for key in [k for k in self._buffers if k not in used]:
+            del self._buffers[key]
+        return sources
+
+    def _snapshots_done(self) -> None:
+        """Wait for the device-to-host copies queued by :meth:`_snapshot` (the training's stall)."""
+        for stream in self._d2h_streams.values():
+            stream.synchronize()
 
     def save(
         self,
@@ -83,27 +119,26 @@ class AsyncCheckpointer:
         if self._closed:
             raise CheckpointError("this AsyncCheckpointer is closed: create a new one")
         self.wait()
-        if not self._group_ready:
-            self._group = private_group(self._process_group)
-            self._group_ready = True
-        comm = Comm(self._group)
+        comm = self._comm()
         job, tensors = prepare(
             state_dict, root, name, comm, training_state=training_state, user_metadata=user_metadata,
             placements=placements, keep_last=keep_last, storage_options=storage_options, io_threads=io_threads,
         )
+        return self._launch(job, tensors, comm.rank)
+
+    def _comm(self) -> Comm:
+        """The checkpointer's private group (made collectively on first use)."""
+        if not self._group_ready:
+            self._group = private_group(self._process_group)
+            self._group_ready = True
+        return Comm(self._group)
+
+    def _launch(self, job: Any, tensors: Mapping[str, torch.Tensor], rank: int) -> AsyncSaveHandle:
+        """Copy this rank's part to host buffers now; write and commit ``job`` in the background."""
         try:
-            sources = []
-            for item in job.plan.writes[comm.rank]:
-                src = tensors[item.name]
-                if item.rows is not None:
-                    src = src[item.rows[0]:item.rows[1]]
-                sources.append((item.chunk, self._snapshot(f"{item.name}@{item.rows}", src)))
-            job.sources = sources
-            used = {f"{item.name}@{item.rows}" for item in job.plan.writes[comm.rank]}
-            for key in [k for k in self._buffers if k not in used]:  # e.g. after the world size changed
-                del self._buffers[key]
+            job.sources = self._stage(job.plan.writes[rank], tensors)
         except Exception as err:  # noqa: BLE001 - reported collectively by run()
-            job.error = f"cannot snapshot the tensors to save: {err}"
+            job.error = f"cannot copy the tensors to save: {err}"
         handle = AsyncSaveHandle(job.name, self._pool.submit(job.run))
         with self._lock:
             self._pending = handle

@@ -16,13 +16,16 @@ The newest ``keep`` generations are kept (default 2). Every ``persist_every``-th
 is also copied by rank 0 to the disk root on a background thread (hard links pin it first,
 so retention cannot pull it away mid-copy), with the same atomic commit as a save.
 
-Limits of this version: every rank must share one snapshot directory (one node); a job
-spanning several nodes gets a clear error (peer replicas are future work).
+Several nodes: the ranks sharing a snapshot directory form a node; each node holds the parts
+its ranks wrote, committed by the node's leader with the generation's global metadata
+(:mod:`elasticrun.checkpoint.memory_commit`), and a replica of its ring predecessor's parts
+(:mod:`elasticrun.checkpoint.replicas`). ``load_latest`` restores from the union of all
+nodes' memory at any world size (:mod:`elasticrun.checkpoint.memory_fetch`). Persistence to
+disk needs every file on rank 0's node: on several nodes it is skipped (with a warning).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -30,10 +33,12 @@ import shutil
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Dict, Mapping, Optional, Union
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 from elasticrun.checkpoint.comm import Comm
-from elasticrun.checkpoint.format import METADATA_FILE, CheckpointMeta, Placement, Shard, tmp_dir_name
+from elasticrun.checkpoint.format import Placement, Shard, parse_tmp_dir_name
+from elasticrun.checkpoint.memory_commit import NodeLayout, to_node_job
+from elasticrun.checkpoint.memory_persist import persist_generation
 from elasticrun.errors import CheckpointError
 from elasticrun.job import env as env_names
 
@@ -96,8 +101,18 @@ def _dir_bytes(path: str) -> int:
 
 def check_memory(state_dict: Mapping[str, Any], placements: Optional[Mapping[str, Placement]], comm: Comm,
                  base: Optional[str], generations: int) -> int:
-    """Collective: the bytes of one generation; raises on every rank alike when the ranks do not
-    share ``base`` or when ``generations`` of them do not fit in its free space or the cap."""
+    """Collective: the bytes of one generation; raises on every rank alike when a rank has no
+    memory tier or when ``generations`` of a node's share do not fit in its free space or the cap."""
+    return plan_memory(state_dict, placements, comm, base, generations)[0]
+
+
+def plan_memory(state_dict: Mapping[str, Any], placements: Optional[Mapping[str, Placement]], comm: Comm,
+                base: Optional[str], generations: int) -> Tuple[int, NodeLayout]:
+    """:func:`check_memory`, also returning which ranks share a node (a snapshot directory).
+
+    A node holds, per generation, the parts its ranks write (their shards, and their share of
+    the replicated tensors) plus, when there are several nodes, its ring predecessor's parts
+    (the replica); that is checked against the node's free shared memory and the cap."""
     from elasticrun.checkpoint.tree import flatten
 
     error: Optional[str] = None
@@ -130,95 +145,58 @@ def check_memory(state_dict: Mapping[str, Any], placements: Optional[Mapping[str
     for r, g in enumerate(everyone):
         if g["error"]:
             raise CheckpointError(f"rank {r}: {g['error']}")
-    if len({g["dir"] for g in everyone}) > 1:
-        raise SnapshotUnavailable(
-            "memory snapshots need every rank on one node for now (the ranks use "
-            f"{len({g['dir'] for g in everyone})} snapshot directories); use disk checkpoints for multi-node jobs"
-        )
+    layout = NodeLayout.from_dirs([g["dir"] for g in everyone], comm.rank)
     gen = everyone[0]["rep"] + sum(g["shard"] for g in everyone)
-    need = gen * generations
+    world = len(everyone)
+    parts = [everyone[0]["rep"] * len(ranks) // world + sum(everyone[r]["shard"] for r in ranks)
+             for ranks in layout.nodes]
+    several = len(layout.nodes) > 1
     cap_text = os.environ.get(env_names.SNAPSHOT_MEMORY, "").strip()
+    cap: Optional[int] = None
     if cap_text:
         try:
             cap = parse_size(cap_text)
         except ValueError as err:
             raise SnapshotMemoryError(f"{env_names.SNAPSHOT_MEMORY}: {err}") from None
-        if need > cap:
+    for i, ranks in enumerate(layout.nodes):
+        per_gen = parts[i] + (parts[layout.predecessor(i)] if several else 0)
+        need = per_gen * generations
+        what = (f"{generations} generations of {human(per_gen)}" if not several else
+                f"{generations} generations of {human(per_gen)}: its parts and a peer's replica")
+        where = f" on node {i}" if several else ""
+        if cap is not None and need > cap:
             raise SnapshotMemoryError(
-                f"memory snapshots need {human(need)} ({generations} generations of {human(gen)}) but "
-                f"{env_names.SNAPSHOT_MEMORY} caps them at {human(cap)}: raise the cap or snapshot less state"
+                f"memory snapshots need {human(need)}{where} ({what}) but {env_names.SNAPSHOT_MEMORY} caps them at "
+                f"{human(cap)}: raise the cap or snapshot less state"
             )
-    room = everyone[0]["free"] + everyone[0]["used"]
-    if need > room:
-        raise SnapshotMemoryError(
-            f"memory snapshots need {human(need)} of shared memory ({generations} generations of {human(gen)}) "
-            f"but {os.path.dirname(everyone[0]['dir'])} has {human(room)} for them: enlarge /dev/shm "
-            "(e.g. docker --shm-size) or snapshot less state"
-        )
-    return gen
-
-
-def persist_generation(src_dir: str, name: str, disk_root: str, keep_last: Optional[int] = None,
-                       storage_options: Optional[Dict[str, Any]] = None) -> str:
-    """Copy the committed generation in ``src_dir`` to ``<disk_root>/<name>`` with the save's
-    atomic commit (shards to a temporary directory, fsync, sha256 checked while copying,
-    ``metadata.json`` last, rename). Returns the name; raises CheckpointError (rolled back)."""
-    from elasticrun.checkpoint.commit import commit, new_token, rollback
-    from elasticrun.checkpoint.retention import apply_keep_last
-    from elasticrun.checkpoint.storage import get_storage
-    from elasticrun.checkpoint.temps import write_marker
-    from elasticrun.checkpoint.validate import next_seq
-
-    with open(os.path.join(src_dir, METADATA_FILE), "rb") as f:
-        meta = CheckpointMeta.loads(f.read(), os.path.join(src_dir, METADATA_FILE))
-    storage = get_storage(disk_root, storage_options)
-    storage.mkdirs(storage.root)
-    final = storage.join(name)
-    if storage.exists(final):
-        return name  # already persisted
-    tmp = storage.join(tmp_dir_name(name, new_token()))
-    try:
-        storage.mkdirs(tmp)
-        write_marker(storage, tmp)
-        for fname, entry in sorted(meta.files.items()):
-            sha = hashlib.sha256()
-            with open(os.path.join(src_dir, fname), "rb") as src:
-                out = storage.open_write(f"{tmp}/{fname}")
-                try:
-                    while True:
-                        chunk = src.read(8 << 20)
-                        if not chunk:
-                            break
-                        sha.update(chunk)
-                        out.write(chunk)
-                    storage.finish_write(out)
-                finally:
-                    out.close()
-            if sha.hexdigest() != entry.sha256:
-                raise CheckpointError(f"{fname} of snapshot {name!r} does not match its sha256 (memory corrupted?)")
-        meta.seq = next_seq(storage)
-        commit(storage, tmp, final, meta.dumps(), 0)
-    except Exception as err:
-        note = rollback(storage, tmp)
-        raise CheckpointError(f"persisting snapshot {name!r} to {disk_root} failed: {err}; {note}") from None
-    if keep_last is not None:
-        apply_keep_last(storage, keep_last, protect=name)
-    return name
+        g = everyone[ranks[0]]
+        room = g["free"] + g["used"]
+        if need > room:
+            raise SnapshotMemoryError(
+                f"memory snapshots need {human(need)} of shared memory{where} ({what}) but "
+                f"{os.path.dirname(g['dir'])} has {human(room)} for them: enlarge /dev/shm "
+                "(e.g. docker --shm-size) or snapshot less state"
+            )
+    return gen, layout
 
 
 class Snapshotter:
-    """Takes memory snapshots for one process group; optionally async, optionally persisted.
+    """Takes memory snapshots for one process group; optionally async, replicated, persisted.
 
     ``base``: the snapshot directory (default ``ELASTICRUN_SNAPSHOT_DIR``); ``keep``: how many
     generations stay in memory; ``persist_to``/``persist_every``: every K-th generation is
-    copied to that disk root in the background by rank 0 (``persist_keep_last`` applies
-    retention there); ``async_snapshots``: the call returns once the state is copied to host
-    buffers reused across snapshots (pinned, on a side stream, for CUDA tensors).
+    copied to that disk root in the background — by rank 0 on one node, by every node's leader
+    (its own parts, after the replica) on several (``persist_keep_last`` applies retention
+    there); ``async_snapshots``: the call returns once the state is copied to host buffers
+    reused across snapshots (pinned, on a side stream, for CUDA tensors);
+    ``replicate`` (default): on several nodes, each generation's parts are also copied in the
+    background to the next node's memory (``replicas/``), so losing a node loses no part.
     """
 
     def __init__(self, process_group: Any = None, *, base: Optional[str] = None, keep: int = DEFAULT_KEEP,
                  persist_to: Optional[str] = None, persist_every: int = 0,
-                 persist_keep_last: Optional[int] = None, async_snapshots: bool = False) -> None:
+                 persist_keep_last: Optional[int] = None, async_snapshots: bool = False,
+                 replicate: bool = True) -> None:
         if not isinstance(keep, int) or keep < 1:
             raise CheckpointError(f"keep must be a positive integer (got {keep!r})")
         self.process_group = process_group
@@ -227,16 +205,20 @@ class Snapshotter:
         self.persist_to = persist_to
         self.persist_every = persist_every if persist_to else 0
         self.persist_keep_last = persist_keep_last
+        self.replicate = replicate
         self.count = 0
         self.generation_bytes = 0
+        self.layout: Optional[NodeLayout] = None
         self._due = False
         self._async: Any = None
         if async_snapshots:
             from elasticrun.checkpoint.memory_async import PinnedAsyncCheckpointer
 
             self._async = PinnedAsyncCheckpointer(process_group)
+        self._replicator: Any = None
         self._persist_pool: Optional[ThreadPoolExecutor] = None
         self._persist: Optional[Future] = None
+        self._warned = False
         self._lock = threading.Lock()
 
     @property
@@ -251,13 +233,14 @@ class Snapshotter:
                  placements: Optional[Mapping[str, Placement]] = None) -> Union[str, Any]:
         """Write a generation (collective). Sync: returns its name once committed. Async: returns
         an :class:`~elasticrun.checkpoint.background.AsyncSaveHandle` once the state is copied."""
-        from elasticrun.checkpoint.writer import save, training_state_dict
+        from elasticrun.checkpoint.writer import prepare, source_tensor, training_state_dict
 
         comm = Comm(self.process_group)
-        if self.count == 0 and comm.rank == 0 and self.base is not None:
-            self._reclaim(os.path.join(self.base, GENERATIONS))
         extra = 1 if self.persist_every else 0
-        self.generation_bytes = check_memory(state_dict, placements, comm, self.base, self.keep + 1 + extra)
+        self.generation_bytes, layout = plan_memory(state_dict, placements, comm, self.base, self.keep + 1 + extra)
+        self.layout = layout
+        if self.count == 0 and layout.leader and self.base is not None:
+            self._reclaim(os.path.join(self.base, GENERATIONS))
         root = self.root
         ts = training_state_dict(training_state)
         step = ts.get("step") if ts else None
@@ -265,28 +248,60 @@ class Snapshotter:
         self.count += 1
         if self.persist_every and self.count % self.persist_every == 0:
             self._due = True
+        replicas = self.replicate and len(layout.nodes) > 1
+        if replicas and self._replicator is None:
+            from elasticrun.checkpoint.replicas import Replicator
+
+            self._replicator = Replicator(self.process_group, self.base or "", self.keep)  # collective
+        persist = None
+        if replicas and self._due:  # several nodes: persisted by every node after the replica, in order
+            persist, self._due = (self.persist_to, self.persist_keep_last), False
         if self._async is not None:
             handle = self._async.save(state_dict, root, name, training_state=ts, placements=placements,
-                                      keep_last=self.keep)
+                                      keep_last=self.keep, layout=layout)
+            if replicas:
+                self._replicator.submit(handle, layout, persist)
             self._maybe_persist(comm, handle)
             return handle
-        done = save(state_dict, root, name, training_state=ts, placements=placements, keep_last=self.keep,
-                    process_group=self.process_group)
+        job, tensors = prepare(state_dict, root, name, comm, training_state=ts, placements=placements,
+                               keep_last=self.keep)
+        job = to_node_job(job, layout)
+        try:
+            job.sources = [(i.chunk, source_tensor(tensors[i.name], i)) for i in job.plan.writes[comm.rank]]
+        except Exception as err:  # noqa: BLE001 - must still take part in the collectives
+            job.sources, job.error = [], f"cannot read the tensors to snapshot: {err}"
+        done = job.run()
+        if replicas:
+            self._replicator.submit(done, layout, persist)
         self._maybe_persist(comm, None, done)
         return done
 
     def _reclaim(self, root: str) -> None:
         """First snapshot of this process: free the shared memory that crashed predecessors left —
-        temporary directories of torn generations (their writers are dead) and persist staging."""
+        temporary directories of torn generations (their writers are dead), persist staging, replica
+        sends and restore copies."""
         from elasticrun.checkpoint.storage import get_storage
         from elasticrun.checkpoint.temps import reclaim_stale_temps
 
         if os.path.isdir(root):
             reclaim_stale_temps(get_storage(root))
-        shutil.rmtree(os.path.join(self.base or "", STAGING), ignore_errors=True)
+        for leftover in (STAGING, "outgoing", "restore"):  # transient dirs of a dead predecessor
+            shutil.rmtree(os.path.join(self.base or "", leftover), ignore_errors=True)
+        replicas = os.path.join(self.base or "", "replicas")
+        for entry in os.listdir(replicas) if os.path.isdir(replicas) else []:
+            if parse_tmp_dir_name(entry) is not None:  # a replica whose receipt a crash interrupted
+                shutil.rmtree(os.path.join(replicas, entry), ignore_errors=True)
 
     def _maybe_persist(self, comm: Comm, handle: Any, name: Optional[str] = None) -> None:
         if not self._due or comm.rank != 0:
+            return
+        if self.layout is not None and len(self.layout.nodes) > 1:
+            self._due = False
+            if not self._warned:
+                self._warned = True
+                log.warning("memory snapshots are not persisted to %s: the job spans %d nodes and replicate=False "
+                            "(several nodes persist after their replica); use disk checkpoints too",
+                            self.persist_to, len(self.layout.nodes))
             return
         with self._lock:
             if self._persist is not None and not self._persist.done():
@@ -325,10 +340,15 @@ class Snapshotter:
                 shutil.rmtree(staged, ignore_errors=True)
 
     def wait(self) -> Optional[str]:
-        """Wait for the async snapshot and the disk copy in flight; the name persisted last (or None)."""
+        """Wait for the async snapshot, its replica and the disk copy in flight; the name persisted
+        last (or None)."""
         if self._async is not None:
             self._async.wait()
+        if self._replicator is not None:
+            self._replicator.wait()
         fut = self._persist
+        if fut is None and self._replicator is not None:
+            return self._replicator.persisted
         return fut.result() if fut is not None else None
 
     def close(self) -> None:
@@ -338,6 +358,8 @@ class Snapshotter:
         finally:
             if self._async is not None:
                 self._async.close()
+            if self._replicator is not None:
+                self._replicator.close()
             if self._persist_pool is not None:
                 self._persist_pool.shutdown(wait=True)
 

@@ -1,21 +1,31 @@
 """Which checkpoint to resume from when there are two tiers: memory snapshots and disk.
 
-:func:`candidates` (collective) lists the complete checkpoints of both tiers as rank 0 sees
-them, newest training step first; at equal steps the memory generation comes first (it
-loads faster). ``elasticrun.train.load_latest`` tries them in that order, so a torn or
-damaged generation falls back to the previous one, then to disk.
+A memory generation may be spread over several nodes: each node's ``generations/<name>/``
+holds the parts its ranks wrote, ``replicas/<name>/`` the parts of its ring predecessor
+(:mod:`elasticrun.checkpoint.replicas`), each with the generation's global
+``metadata.json``. :func:`candidates` (collective) gathers every node's
+:func:`memory_inventory` and lists a generation only when the union of all nodes' parts and
+replicas holds every file of its metadata (with the right size) — a generation torn by a
+crash on any rank or node is never a candidate. Disk checkpoints come from rank 0's view
+of the disk root. Newest training step first; at equal steps memory first (it loads faster).
+``elasticrun.train.load_latest`` tries them in that order, fetching missing memory parts
+from peers first (:func:`elasticrun.checkpoint.memory_fetch.materialize`).
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
 import os
 import shutil
-from dataclasses import dataclass, fields
-from typing import Any, List, Optional, Tuple
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, List, Optional, Tuple
 
-from elasticrun.checkpoint.memory import generations_root
+from elasticrun.checkpoint.format import METADATA_FILE, CheckpointMeta
+from elasticrun.checkpoint.memory import GENERATIONS, generations_root, snapshot_dir
+from elasticrun.checkpoint.memory_commit import committed
 from elasticrun.checkpoint.reader import LoadedCheckpoint
+from elasticrun.checkpoint.replicas import REPLICAS
 from elasticrun.job import env as env_names
 
 
@@ -38,49 +48,146 @@ class ResumedCheckpoint(LoadedCheckpoint):
         return cls(**{f.name: getattr(ckpt, f.name) for f in fields(LoadedCheckpoint)}, tier=tier.value, root=root)
 
 
-def _list(root: str, tier: Tier) -> List[Tuple[int, int, int, Tier, str, str]]:
-    from elasticrun.checkpoint import list_checkpoints
+class PartKind(str, enum.Enum):
+    """Whose parts a memory directory holds."""
 
-    infos = [i for i in list_checkpoints(root) if i.status == "complete" and i.meta is not None and i.alias_of is None]
-    out = []
-    for pos, info in enumerate(infos):  # oldest first
-        step = info.meta.step if info.meta is not None and info.meta.step is not None else -1
-        out.append((step, 1 if tier is Tier.MEMORY else 0, pos, tier, root, info.name))
+    GENERATION = "generation"  # written by this node's ranks
+    REPLICA = "replica"  # the ring predecessor's parts, received and sha256-checked
+
+
+@dataclass
+class MemoryGeneration:
+    """One committed generation (or replica) directory in a node's snapshot directory."""
+
+    name: str
+    step: Optional[int]
+    kind: PartKind
+    path: str
+    files_present: List[str]  # files of the metadata present here with their recorded size
+    files_total: int  # files in the generation's (global) metadata
+    bytes: int  # bytes of files_present
+    meta: CheckpointMeta = field(repr=False)
+
+    @property
+    def complete_here(self) -> bool:
+        """Whether this directory alone holds every file (loadable without peers)."""
+        return len(self.files_present) == self.files_total
+
+
+def files_digest(meta: CheckpointMeta) -> str:
+    """Identifies a generation's content: its file names and sha256s."""
+    return hashlib.sha256(repr(sorted((n, e.sha256) for n, e in meta.files.items())).encode()).hexdigest()
+
+
+def memory_inventory(base: Optional[str] = None) -> List[MemoryGeneration]:
+    """Every committed generation and replica in a node's snapshot directory (default: this
+    process's ``ELASTICRUN_SNAPSHOT_DIR``), oldest first; torn ones (no metadata.json) are left out."""
+    base = base or snapshot_dir()
+    out: List[MemoryGeneration] = []
+    if base is None:
+        return out
+    for kind, sub in ((PartKind.GENERATION, GENERATIONS), (PartKind.REPLICA, REPLICAS)):
+        root = os.path.join(base, sub)
+        for _step, _t, name in committed(root):
+            path = os.path.join(root, name)
+            try:
+                with open(os.path.join(path, METADATA_FILE), "rb") as f:
+                    meta = CheckpointMeta.loads(f.read(), os.path.join(path, METADATA_FILE))
+            except Exception:  # noqa: BLE001 - unreadable, hostile or removed meanwhile: not a candidate
+                continue
+            present, size = [], 0
+            for fname, entry in meta.files.items():
+                try:
+                    if os.stat(os.path.join(path, fname)).st_size == entry.size:
+                        present.append(fname)
+                        size += entry.size
+                except OSError:
+                    pass
+            out.append(MemoryGeneration(name, meta.step, kind, path, sorted(present), len(meta.files), size, meta))
     return out
+
+
+def gather_inventories(comm: Any, memory: bool = True) -> Tuple[List[Optional[str]], List[Dict[str, Any]]]:
+    """Collective: every rank's snapshot directory (real path, or None) and a summary of its
+    inventory: ``{name: {"step", "digest", "seq", "gen": [files], "rep": [files], "files": n}}``."""
+    base = snapshot_dir() if memory else None
+    summary: Dict[str, Any] = {}
+    for g in memory_inventory(base) if base else []:
+        s = summary.setdefault(g.name, {"step": g.step, "digest": files_digest(g.meta), "seq": g.meta.seq or 0,
+                                        "files": g.files_total, "gen": [], "rep": []})
+        if s["digest"] != files_digest(g.meta):
+            s["conflict"] = True
+        s["gen" if g.kind is PartKind.GENERATION else "rep"] += g.files_present
+    gathered = comm.all_gather({"dir": os.path.realpath(base) if base else None, "inv": summary})
+    return [g["dir"] for g in gathered], [g["inv"] for g in gathered]
+
+
+def complete_generations(dirs: List[Optional[str]], invs: List[Dict[str, Any]]) -> List[Tuple[int, int, str]]:
+    """``[(step, seq, name)]`` of the generations whose every file is present on some node."""
+    if not invs or any(d is None for d in dirs):
+        return []  # a rank without a memory tier could not take part in a memory restore
+    out = []
+    for name in sorted({n for inv in invs for n in inv}):
+        holders = [inv[name] for inv in invs if name in inv]
+        if len({h["digest"] for h in holders}) != 1 or any(h.get("conflict") for h in holders):
+            continue
+        present = {f for h in holders for f in h["gen"] + h["rep"]}
+        if len(present) == holders[0]["files"]:
+            step = holders[0]["step"]
+            out.append((step if step is not None else -1, holders[0]["seq"], name))
+    return out
+
+
+def _disk_rows(disk_root: str) -> Tuple[List[Tuple[int, int, int, str]], Optional[str]]:
+    from elasticrun.checkpoint import list_checkpoints
+    from elasticrun.errors import CheckpointError
+
+    try:
+        infos = [i for i in list_checkpoints(disk_root)
+                 if i.status == "complete" and i.meta is not None and i.alias_of is None]
+    except CheckpointError as err:
+        return [], str(err)
+    return [(i.meta.step if i.meta is not None and i.meta.step is not None else -1, 0, pos, i.name)
+            for pos, i in enumerate(infos)], None
 
 
 def candidates(disk_root: str, process_group: Any = None, memory: bool = True) -> List[Tuple[Tier, str, str]]:
     """``[(tier, root, name)]`` of every complete checkpoint of both tiers, newest first
-    (collective when torch.distributed is initialised: every rank gets rank 0's list)."""
-    from elasticrun.checkpoint.comm import on_rank0
+    (collective: every rank gets the same list; a memory row's root is this rank's own
+    generations directory — parts missing on its node are fetched by ``materialize``)."""
+    from elasticrun.checkpoint.comm import Comm
+    from elasticrun.errors import CheckpointError
 
-    def scan_both() -> List[Tuple[Tier, str, str]]:
-        rows = _list(disk_root, Tier.DISK)
-        mem = generations_root() if memory else None
-        if mem is not None and os.path.isdir(mem):
-            rows += _list(mem, Tier.MEMORY)
-        return [(tier, root, name) for _s, _t, _p, tier, root, name in sorted(rows, reverse=True)]
-
-    return on_rank0(scan_both, process_group)
+    comm = Comm(process_group)
+    dirs, invs = gather_inventories(comm, memory)
+    disk, error = _disk_rows(disk_root) if comm.rank == 0 else ([], None)
+    disk, error = comm.broadcast((disk, error))
+    if error is not None:
+        raise CheckpointError(error)
+    rows: List[Tuple[int, int, int, Tier, str]] = [(s, 0, p, Tier.DISK, n) for s, _z, p, n in disk]
+    rows += [(s, 1, seq, Tier.MEMORY, n) for s, seq, n in complete_generations(dirs, invs)]
+    mem_root = generations_root() or ""
+    return [(tier, disk_root if tier is Tier.DISK else mem_root, name)
+            for _s, _t, _p, tier, name in sorted(rows, key=lambda r: r[:3], reverse=True)]
 
 
 def drop_newer_generations(step: Optional[int]) -> List[str]:
-    """After resuming at ``step``: remove this node's memory generations of later steps (they
-    belong to a timeline the job just abandoned, e.g. when their parts on another node were
-    gone). Done by local rank 0 only; returns the names removed."""
+    """After resuming at ``step``: remove this node's memory generations and replicas of later
+    steps (they belong to a timeline the job just abandoned, e.g. when their parts on another
+    node were gone). Done by local rank 0 only; returns the names removed."""
     if os.environ.get(env_names.LOCAL_RANK, "0") != "0" or step is None:
         return []
-    root = generations_root()
-    if root is None or not os.path.isdir(root):
-        return []
-    from elasticrun.checkpoint import list_checkpoints
-
     removed = []
-    for info in list_checkpoints(root):
-        if info.status == "complete" and info.meta is not None and (info.meta.step or -1) > step:
-            shutil.rmtree(os.path.join(root, info.dirname), ignore_errors=True)
-            removed.append(info.name)
-    return removed
+    for g in memory_inventory():
+        if (g.step if g.step is not None else -1) > step:
+            try:
+                os.unlink(os.path.join(g.path, METADATA_FILE))  # uncommit first
+            except OSError:
+                pass
+            shutil.rmtree(g.path, ignore_errors=True)
+            removed.append(g.name)
+    return sorted(set(removed))
 
 
-__all__ = ["ResumedCheckpoint", "Tier", "candidates", "drop_newer_generations"]
+__all__ = ["MemoryGeneration", "PartKind", "ResumedCheckpoint", "Tier", "candidates", "complete_generations",
+           "drop_newer_generations", "files_digest", "gather_inventories", "memory_inventory"]

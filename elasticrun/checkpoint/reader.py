@@ -6,6 +6,8 @@ per file: a tensor that is exactly one saved chunk becomes a copy-on-write view 
 file's memory map (local filesystems), everything else is read into place. Each rank
 checks the sha256 of its 1/N of the files — while reading a file it needs whole, through
 the mapping, or separately — and the problems are exchanged so every rank fails alike.
+Loads into a caller's state dict check everything first and then read straight into its
+tensors (:mod:`elasticrun.checkpoint.inplace`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 from elasticrun.checkpoint.comm import Comm
 from elasticrun.checkpoint.format import DTYPES, LATEST, CheckpointMeta, Chunk, Placement, TensorEntry, chunks_by_file
+from elasticrun.checkpoint.inplace import check_file, fill_bounced, fill_file, plan_pieces
 from elasticrun.checkpoint.plan import numel
 from elasticrun.checkpoint.regions import (
     Piece,
@@ -244,27 +247,24 @@ def load(
     names = list(targets) if state_dict is not None else list(meta.tensors)
 
     files = ShardFiles(storage, name, meta)
-    problems: List[str] = []
-    error: Optional[str] = None
-    tensors: Dict[str, torch.Tensor] = {}
     # Each rank checks the sha256 of its 1/N block of the files: while reading them if it reads
     # them whole (one pass), otherwise separately (from the page cache, usually).
     every, world = sorted(meta.files), comm.world_size
     mine = every[comm.rank * len(every) // world:(comm.rank + 1) * len(every) // world] if verify else []
-    try:
-        # Verify before write: everything is read into staging tensors (memory maps of the files
-        # where possible, so no extra copy), checked on every rank, and only then copied into
-        # the caller's tensors — a failed load leaves them untouched.
-        tensors, problems = load_tensors(files, names, comm.rank, world, placements or {}, {}, mine,
-                                         io_threads or default_io_threads(),
-                                         use_mmap=(mmap or state_dict is not None) and storage.mappable)
-    except CheckpointError as err:
-        error = str(err)
-    except Exception as err:  # noqa: BLE001 - an I/O error on one rank must not leave the others waiting
-        error = f"cannot read checkpoint {name!r}: {describe(err)}"
-    finally:
-        files.close()
-    # Exchange problems so every rank fails the same way (and none waits in a later collective).
+    threads = io_threads or default_io_threads()
+    if state_dict is not None:
+        try:
+            loaded = _load_in_place(files, comm, state_dict, targets, placements or {}, mine, threads)
+        finally:
+            files.close()
+    else:
+        loaded = _load_fresh(files, comm, names, placements or {}, mine, threads, mmap and storage.mappable)
+    ts = TrainingState.from_dict(meta.training_state) if meta.training_state is not None else None
+    return LoadedCheckpoint(name, loaded, ts, meta.user_metadata, meta.world_size, meta)
+
+
+def _raise_collected(comm: Comm, problems: List[str], error: Optional[str]) -> None:
+    """Exchange problems so every rank fails the same way (and none waits in a later collective)."""
     everything = comm.all_gather({"problems": problems, "error": error})
     for res in everything:
         if res["problems"]:
@@ -273,14 +273,86 @@ def load(
         if res["error"]:
             raise CheckpointError(res["error"])
 
+
+def _unflatten(files: ShardFiles, get: Any) -> Any:
     try:
-        loaded = unflatten(meta.tree, lambda n: tensors.get(n))
-        if state_dict is not None:
-            check_fits(state_dict, loaded)  # every shape and key first: all tensors are filled, or none
-            loaded = fill_in_place(state_dict, loaded)
+        return unflatten(files.meta.tree, get)
     except RecursionError:
-        raise CheckpointError(f"checkpoint {name!r}: its state dict structure is nested too deeply") from None
+        raise CheckpointError(f"checkpoint {files.name!r}: its state dict structure is nested too deeply") from None
+
+
+def _load_fresh(files: ShardFiles, comm: Comm, names: Sequence[str], placements: Mapping[str, Placement],
+                mine: Sequence[str], threads: int, use_mmap: bool) -> Any:
+    """Fresh tensors: memory maps of the files where possible, each rank hashing its 1/N."""
+    problems: List[str] = []
+    error: Optional[str] = None
+    tensors: Dict[str, torch.Tensor] = {}
+    try:
+        tensors, problems = load_tensors(files, names, comm.rank, comm.world_size, placements, {}, mine, threads,
+                                         use_mmap=use_mmap)
+    except CheckpointError as err:
+        error = str(err)
+    except Exception as err:  # noqa: BLE001 - an I/O error on one rank must not leave the others waiting
+        error = f"cannot read checkpoint {files.name!r}: {describe(err)}"
     finally:
-        tensors.clear()  # drop the staging maps
-    ts = TrainingState.from_dict(meta.training_state) if meta.training_state is not None else None
-    return LoadedCheckpoint(name, loaded, ts, meta.user_metadata, meta.world_size, meta)
+        files.close()
+    _raise_collected(comm, problems, error)
+    return _unflatten(files, lambda n: tensors.get(n))
+
+
+def _load_in_place(files: ShardFiles, comm: Comm, state_dict: Dict[str, Any], targets: Mapping[str, torch.Tensor],
+                   placements: Mapping[str, Placement], mine: Sequence[str], threads: int) -> Any:
+    """Verify before write (see :mod:`elasticrun.checkpoint.inplace`): the dry pass on every rank
+    (headers, sizes, this rank's sha256s, shapes), the exchange, then direct reads."""
+    problems: List[str] = []
+    error: Optional[str] = None
+    regions: Dict[str, Tuple[List[int], List[int]]] = {}
+    direct: Dict[str, List[Piece]] = {}
+    bounce: List[str] = []
+    try:
+        for n in targets:
+            entry = files.meta.tensors[n]
+            regions[n] = region_for(entry, placements.get(n, entry.placement), comm.rank, comm.world_size)
+        shapes = _unflatten(files, lambda n: torch.empty(regions[n][1], device="meta") if n in regions else None)
+        check_fits(state_dict, shapes)  # every shape and key first: all tensors are filled, or none
+        direct, bounce = plan_pieces(files, list(targets), regions, targets)
+        checked = set(mine)
+        order = _rank_order(files, comm, [f for f in sorted(files.meta.files) if f in direct or f in checked])
+
+        def dry(f: str) -> Optional[str]:
+            return check_file(files, f, direct.get(f, []), f in checked)
+
+        problems = [p for p in _parallel(dry, order, threads) if p]
+    except RecursionError:
+        error = f"checkpoint {files.name!r}: its state dict structure is nested too deeply"
+    except CheckpointError as err:
+        error = str(err)
+    except Exception as err:  # noqa: BLE001 - an I/O error on one rank must not leave the others waiting
+        error = f"cannot read checkpoint {files.name!r}: {describe(err)}"
+    _raise_collected(comm, problems, error)
+    try:
+        with torch.no_grad():
+            _parallel(lambda f: fill_file(files, direct[f]), _rank_order(files, comm, sorted(direct)), threads)
+            for n in bounce:
+                fill_bounced(files, n, regions[n][0], regions[n][1], targets[n])
+    except Exception as err:  # noqa: BLE001 - one clear line (the files changed under us, or an I/O error)
+        why = str(err) if isinstance(err, CheckpointError) else describe(err)
+        raise CheckpointError(f"cannot read checkpoint {files.name!r} after every check passed (the state dict "
+                              f"may be partly loaded): {why}") from None
+    return fill_in_place(state_dict, _unflatten(files, lambda n: targets.get(n)))
+
+
+def _rank_order(files: ShardFiles, comm: Comm, names: List[str]) -> List[str]:
+    """``names`` starting where this rank's share of the files starts, so ranks read different
+    files first (each cold file comes off the disk once; the others find it in the page cache)."""
+    every = sorted(files.meta.files)
+    k = comm.rank * len(every) // comm.world_size
+    wanted = set(names)
+    return [f for f in every[k:] + every[:k] if f in wanted]
+
+
+def _parallel(fn: Any, items: Sequence[str], threads: int) -> List[Any]:
+    if threads <= 1 or len(items) <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(min(threads, len(items)), thread_name_prefix="ckpt-read") as pool:
+        return list(pool.map(fn, items))

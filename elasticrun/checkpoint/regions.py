@@ -137,24 +137,30 @@ def header_entry(files: ShardFiles, entry: TensorEntry, chunk: Chunk) -> Tuple[I
     return f, data_start + h["data_offsets"][0], where
 
 
-def read_piece(files: ShardFiles, piece: Piece) -> None:
-    """Fill ``piece.dst`` from its chunk: straight into it when the bytes are contiguous,
-    otherwise one spanning read plus a strided copy."""
+def piece_span(files: ShardFiles, piece: Piece) -> Tuple[IO[bytes], int, int, str]:
+    """``(file, offset, span in elements, display name)``: the one byte range of the file that
+    holds ``piece`` (exactly its bytes when ``span == piece.dst.numel()``)."""
     f, chunk_off, where = header_entry(files, piece.entry, piece.chunk)
-    chunk = piece.chunk
     itemsize = DTYPES[piece.entry.dtype][1]
-    strides = _strides(chunk.shape)
-    inter = [h - lo for lo, h in zip(piece.lo, piece.hi)]
-    src = [lo - c for lo, c in zip(piece.lo, chunk.offsets)]
+    strides = _strides(piece.chunk.shape)
+    src = [lo - c for lo, c in zip(piece.lo, piece.chunk.offsets)]
     first = sum(s * st for s, st in zip(src, strides))
-    last = sum((s + n - 1) * st for s, n, st in zip(src, inter, strides))
-    span = last - first + 1
+    last = sum((s + h - lo - 1) * st for s, lo, h, st in zip(src, piece.lo, piece.hi, strides))
+    return f, chunk_off + first * itemsize, last - first + 1, where
+
+
+def read_piece(files: ShardFiles, piece: Piece) -> None:
+    """Fill ``piece.dst`` (a CPU tensor) from its chunk: straight into it when the bytes are
+    contiguous, otherwise one spanning read plus a strided copy."""
+    f, offset, span, where = piece_span(files, piece)
     if span == piece.dst.numel() and piece.dst.is_contiguous():
-        readinto_exact(f, chunk_off + first * itemsize, byte_view(piece.dst), where)
+        readinto_exact(f, offset, byte_view(piece.dst), where)
     else:
+        itemsize = DTYPES[piece.entry.dtype][1]
+        inter = [h - lo for lo, h in zip(piece.lo, piece.hi)]
         buf = torch.empty(span * itemsize, dtype=torch.uint8)
-        readinto_exact(f, chunk_off + first * itemsize, byte_view(buf), where)
-        piece.dst.copy_(buf.view(piece.dst.dtype).as_strided(inter, strides, 0))
+        readinto_exact(f, offset, byte_view(buf), where)
+        piece.dst.copy_(buf.view(piece.dst.dtype).as_strided(inter, _strides(piece.chunk.shape), 0))
 
 
 def read_region(files: ShardFiles, entry: TensorEntry, offsets: Sequence[int], out: torch.Tensor) -> None:

@@ -26,6 +26,7 @@ from elasticrun.errors import CheckpointError
 
 PIECE = 64 << 20  # bytes per write() call; also the hashing granularity
 MAX_HEADER = 256 << 20
+WRITEBACK = 8 << 20  # least bytes per writeback request (a request per tiny tensor costs more than it gains)
 _DTYPE_CODE = {getattr(torch, tname): code for code, (tname, _) in DTYPES.items() if hasattr(torch, tname)}
 
 
@@ -97,17 +98,24 @@ class Hasher:
         self._pool = pool
         self._pending: List[Future] = []
 
-    def update(self, data: memoryview) -> None:
+    def update(self, data: memoryview) -> Optional[Future]:
+        """Hash ``data`` next; returns the future of a deferred update (None when done here)."""
         self._pending = [f for f in self._pending if not f.done()]
         if self._pool is None or (len(data) < (1 << 20) and not self._pending):
             self._h.update(data)  # small and nothing queued: in order, right here
-            return
-        self._pending.append(self._pool.submit(self._h.update, data))
+            return None
+        fut = self._pool.submit(self._h.update, data)
+        self._pending.append(fut)
+        return fut
 
-    def hexdigest(self) -> str:
+    def drain(self) -> None:
+        """Wait until every byte handed to :meth:`update` is hashed (its buffer may be reused)."""
         for f in self._pending:
             f.result()
         self._pending = []
+
+    def hexdigest(self) -> str:
+        self.drain()
         return self._h.hexdigest()
 
 
@@ -118,7 +126,11 @@ def write_shard(
     pool: Optional[ThreadPoolExecutor],
     on_piece: Optional[Callable[[int], None]] = None,
 ) -> Tuple[int, str]:
-    """Write a safetensors file to ``f`` from contiguous CPU tensors; returns ``(size, sha256)``.
+    """Write a safetensors file to ``f`` from contiguous tensors; returns ``(size, sha256)``.
+
+    CPU tensors are written straight from their memory; device (CUDA) tensors are staged
+    through two reusable pinned buffers, their device-to-host copies overlapping the writes
+    and the hashing (:func:`elasticrun.checkpoint.staging.host_pieces`).
 
     With a ``pool`` the hash runs there while the next piece is written (almost free with a
     spare core); without one each piece is hashed here before it is written.
@@ -132,19 +144,34 @@ def write_shard(
     _write_all(f, memoryview(header))
     written = len(header)
     # Submitting writeback can block while the disk's queue is full: a flusher thread does it,
-    # so the writing thread goes on hashing and writing the next piece meanwhile.
+    # so the writing thread goes on hashing and writing the next piece meanwhile. Small tensors
+    # are handed over together, once at least WRITEBACK bytes are waiting.
+    from elasticrun.checkpoint.staging import host_pieces
+
+    flushed = written
+    deferred: List[Tuple[int, Future]] = []  # (piece index, its deferred hash update), oldest first
+
+    def hashed_up_to(j: int) -> None:  # updates run in order: the last deferred one up to j suffices
+        last = None
+        while deferred and deferred[0][0] <= j:
+            last = deferred.pop(0)[1]
+        if last is not None:
+            last.result()
+
     with ThreadPoolExecutor(1, thread_name_prefix="ckpt-flush") as flusher:
-        for _, t in tensors:
-            view = byte_view(t)
-            for start in range(0, len(view), PIECE):
-                piece = view[start:start + PIECE]
-                hasher.update(piece)
-                _write_all(f, piece)
-                if fd is not None:
-                    flusher.submit(start_writeback, fd, written, len(piece))
-                written += len(piece)
-                if on_piece is not None:
-                    on_piece(written)
+        for i, piece in enumerate(host_pieces([t for _, t in tensors], hashed_up_to, PIECE)):
+            fut = hasher.update(piece)
+            if fut is not None:
+                deferred.append((i, fut))
+            _write_all(f, piece)
+            written += len(piece)
+            if fd is not None and written - flushed >= WRITEBACK:
+                flusher.submit(start_writeback, fd, flushed, written - flushed)
+                flushed = written
+            if on_piece is not None:
+                on_piece(written)
+        if fd is not None and written > flushed:
+            flusher.submit(start_writeback, fd, flushed, written - flushed)
     return written, hasher.hexdigest()
 
 

@@ -88,6 +88,17 @@ def source_tensor(t: torch.Tensor, item: WriteItem) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
+def device_source(t: torch.Tensor, item: WriteItem) -> torch.Tensor:
+    """Like :func:`source_tensor`, but a CUDA tensor stays on its device (contiguous): the
+    writer stages it through pinned buffers, overlapping the copies with writes and hashing."""
+    if t.device.type != "cuda":
+        return source_tensor(t, item)
+    t = t.detach()
+    if item.rows is not None:
+        t = t[item.rows[0]:item.rows[1]]
+    return t if t.is_contiguous() else t.contiguous()
+
+
 @dataclass
 class SaveJob:
     """Everything one rank needs to write and commit its part of a planned save."""
@@ -97,7 +108,7 @@ class SaveJob:
     token: str
     comm: Comm
     plan: SavePlan
-    sources: List[Tuple[Chunk, torch.Tensor]]  # this rank's bytes, one CPU tensor per chunk it writes
+    sources: List[Tuple[Chunk, torch.Tensor]]  # this rank's bytes, one contiguous tensor per chunk it writes
     tree: Any
     training_state: Optional[Dict[str, Any]]
     user_metadata: Dict[str, Any]
@@ -345,7 +356,9 @@ def save(
         placements=placements, keep_last=keep_last, storage_options=storage_options, io_threads=io_threads,
     )
     try:
-        job.sources = [(i.chunk, source_tensor(tensors[i.name], i)) for i in job.plan.writes[comm.rank]]
+        job.sources = [(i.chunk, device_source(tensors[i.name], i)) for i in job.plan.writes[comm.rank]]
+        for dev in {t.device for _, t in job.sources if t.device.type == "cuda"}:
+            torch.cuda.synchronize(dev)  # every queued kernel (on any stream) has written the state
     except Exception as err:  # noqa: BLE001 - must still take part in the collectives
         job.sources, job.error = [], f"cannot read the tensors to save: {describe(err)}"
     return job.run()

@@ -34,7 +34,7 @@ from elasticrun.cli.etcd_options import (
 
 app = typer.Typer(help="Manage sharded safetensors checkpoints.", no_args_is_help=True, add_completion=False)
 
-_STATUS_STYLE = {COMPLETE: "green", INCOMPLETE: "yellow", "corrupt": "bold red", "alias": "cyan"}
+_STATUS_STYLE = {COMPLETE: "green", INCOMPLETE: "yellow", "corrupt": "bold red", "alias": "cyan", "partial": "green"}
 
 
 def human_bytes(n: float) -> str:
@@ -65,23 +65,41 @@ def _existing_root(root: str) -> Any:
 
 @app.command("list")
 def list_cmd(
-    root: str = typer.Argument(..., help="Checkpoint root directory or URL."),
+    root: Optional[str] = typer.Argument(None, help="Checkpoint root directory or URL (the disk tier)."),
+    memory: Optional[bool] = typer.Option(
+        None, "--memory/--no-memory", help="Also list the memory tier: the snapshots this machine's elasticrun "
+        "agents keep in /dev/shm (yours only) \\[default: on without ROOT, off with it]."),
+    job: Optional[str] = typer.Option(None, "--rdzv-id", help="Only the memory snapshots of this job."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
-    """List checkpoints: step, epoch, world size, size, created, status; the newest complete is marked."""
-    infos = scan(_existing_root(root))
+    """List checkpoints of both tiers: tier, step, epoch, world size, size, created, status; the newest
+    complete one of each root is marked. Without ROOT: this machine's memory snapshots."""
+    from elasticrun.cli.ckpt_memory import memory_rows
+
+    if root is None and memory is False:
+        fail("nothing to list: give a checkpoint ROOT, or --memory for this machine's memory snapshots", 2)
+    infos = scan(_existing_root(root)) if root is not None else []
+    mem = memory_rows(job_id=job) if (memory if memory is not None else root is None) else None
     if as_json:
-        print_json([i.to_json() for i in infos])
+        print_json([dict(i.to_json(), tier="disk", root=root) for i in infos] + [r.to_json() for r in mem or []])
         return
-    if not infos:
+    if not infos and root is not None:
         console.print(f"no checkpoints in {escape(root)}")
+    if mem is not None and not mem:
+        console.print("no memory snapshots on this machine" + (f" for job {escape(job)}" if job else "") +
+                      " (no running elasticrun agent of yours keeps any in /dev/shm)")
+    if not infos and not mem:
         return
-    table = Table(title=f"checkpoints in {escape(root)}", title_justify="left")
-    for col, kw in (("name", {}), ("step", {"justify": "right"}), ("epoch", {"justify": "right"}),
+    where = " and ".join(([escape(root)] if root is not None else []) + (["this machine's memory"] if mem else []))
+    table = Table(title=f"checkpoints in {where}", title_justify="left")
+    for col, kw in (("name", {}), ("tier", {}), ("step", {"justify": "right"}), ("epoch", {"justify": "right"}),
                     ("world", {"justify": "right"}), ("size", {"justify": "right"}), ("created", {}),
                     ("status", {})):
         table.add_column(col, **kw)
-    for i in infos:
+    rows = [(i, "disk") for i in infos] + [
+        (r.info, f"memory{' replica' if r.kind == 'replica' else ''} [dim](job {escape(r.where.job)}, agent "
+                 f"{r.where.agent_pid})[/]") for r in mem or []]
+    for i, tier in rows:
         m = i.meta
         status = f"[{_STATUS_STYLE.get(i.status, '')}]{i.status}[/]"
         if i.problem and i.status != COMPLETE:
@@ -91,7 +109,7 @@ def list_cmd(
             name += " [dim](tmp)[/]"
         if i.alias_of is not None:
             name += f" [dim]→ {escape(i.alias_of)} (alias)[/]"
-        table.add_row(name, "-" if m is None or m.step is None else str(m.step),
+        table.add_row(name, tier, "-" if m is None or m.step is None else str(m.step),
                       "-" if m is None or m.epoch is None else str(m.epoch),
                       "-" if m is None else str(m.world_size), human_bytes(i.size), _when(i.created), status)
     console.print(table)

@@ -143,6 +143,25 @@ def _ranks_filter(p: Parsed) -> Optional[List[int]]:
     return ranks
 
 
+def _snapshot_memory(p: Parsed) -> Optional[int]:
+    """``--snapshot-memory SIZE`` (or ELASTICRUN_SNAPSHOT_MEMORY) in bytes; None when not given."""
+    text = str(p.values.get("snapshot_memory") or "").strip()
+    if not text:
+        return None
+    from elasticrun.checkpoint.memory import parse_size
+
+    where = p.where("snapshot_memory")
+    where += f" {text!r}" if where.startswith("-") else ""
+    try:
+        size = parse_size(text)
+    except ValueError:
+        raise ConfigError(f"{where}: not a size; use bytes or a number with K, M, G or T (e.g. --snapshot-memory "
+                          "8G)") from None
+    if size <= 0:
+        raise ConfigError(f"{where}: must be more than 0 (use --no-snapshots to turn memory snapshots off)")
+    return size
+
+
 def _shutdown_timeout(p: Parsed) -> float:
     if p.given("shutdown_timeout"):
         return float(p.values["shutdown_timeout"])
@@ -298,6 +317,9 @@ def build_config(p: Parsed) -> LaunchConfig:
         etcd_binary=v["etcd_binary"],
         quiet=bool(v["quiet"]),
         prewarm=bool(v["prewarm"]),
+        standby=int(v["standby"]),
+        snapshots=bool(v["snapshots"]),
+        snapshot_memory=_snapshot_memory(p),
         **settings,
     )
     for name in v:  # etcd connection options that etcd_options may add later, by field name

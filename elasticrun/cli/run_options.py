@@ -155,6 +155,10 @@ OWN_OPTIONS: Tuple[Opt, ...] = (
     Opt("prewarm", ("--prewarm",), "Pre-start worker interpreters (torch imported) during the rendezvous "
         "\\[default: on; --no-prewarm turns it off].", WORKERS, kind=Kind.FLAG, default=True,
         negative=("--no-prewarm",)),
+    Opt("standby", ("--standby",), "Warm standby interpreters (torch and DDP's modules imported) per node: "
+        "1 is a fork server every worker of every round is forked from in milliseconds, its memory shared "
+        "with the workers; where forking is unsafe, up to N spawned ones; 0: none.", WORKERS,
+        type=Type.INT, metavar="N", default=1),
     Opt("heartbeat_timeout", ("--heartbeat-timeout",), "Seconds without heartbeat before a node counts as dead "
         "(etcd lease TTL).", ELASTIC, type=Type.FLOAT, metavar="S", default=5.0),
     Opt("stability_window", ("--stability-window",), "Seconds to wait for more joiners before (re)forming a "
@@ -174,6 +178,12 @@ OWN_OPTIONS: Tuple[Opt, ...] = (
     Opt("restart_window", ("--restart-window",), "Count --max-restarts within this sliding window (1h, 30m, "
         "600s): at most N restarts in any such window (0: the whole job).", ELASTIC, metavar="DURATION",
         default="0"),
+    Opt("snapshot_memory", ("--snapshot-memory",), "Cap on this node's shared memory for memory snapshots "
+        "(bytes, or 512M, 8G; ELASTICRUN_SNAPSHOT_MEMORY) \\[default: what /dev/shm has free].", ELASTIC,
+        metavar="SIZE", envvars=(job_env.SNAPSHOT_MEMORY,)),
+    Opt("snapshots", ("--snapshots",), "Give workers a memory tier for snapshots (a private /dev/shm directory "
+        "the agent owns) \\[default: on; --no-snapshots turns it off].", ELASTIC, kind=Kind.FLAG, default=True,
+        negative=("--no-snapshots",)),
     Opt("quiet", ("-q", "--quiet"), "No agent progress lines.", LOGS, kind=Kind.FLAG, default=False),
     Opt("etcd_binary", ("--etcd-binary",), "etcd executable for an etcd this node starts.", ETCD,
         metavar="PATH"),

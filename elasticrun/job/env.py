@@ -66,6 +66,8 @@ ETCD_KEY = PREFIX + "ETCD_KEY"
 CKPT_RETRIES = PREFIX + "CKPT_RETRIES"
 #: Memory-tier cap per node for ``elasticrun.checkpoint.snapshot`` (bytes, or e.g. ``8G``; unset: /dev/shm's size).
 SNAPSHOT_MEMORY = PREFIX + "SNAPSHOT_MEMORY"
+#: Seconds a peer-replica transfer of a memory snapshot waits for its peer (default 300).
+SNAPSHOT_REPLICA_TIMEOUT = PREFIX + "SNAPSHOT_REPLICA_TIMEOUT"
 #: Tests only: ``<phase>[:<rank>]`` at which a checkpoint commit SIGKILLs its process.
 CKPT_CRASH_AT = PREFIX + "CKPT_CRASH_AT"
 #: Tests only: ``AFTER:SECONDS`` stalls an agent's round loop once (liveness tests).

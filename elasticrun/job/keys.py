@@ -10,6 +10,9 @@ write access to its own prefix only (see docs/security.md)::
     topology                    the current round (Topology), written by compare-and-swap;
                                 also the commit fence: a worker commits a checkpoint only
                                 while its round is still the one in here
+    leader                      node id of the agent that watches every node record and forms
+                                rounds (on its lease; the others watch the job without nodes/)
+    rounds/<n>/joining          the leader saw a newcomer: round n ends after the stability window
     rounds/<n>/failed           first worker failure of round n (ends the round, counts a restart)
     rounds/<n>/failures/<node>  that node's failed workers (root cause)
     rounds/<n>/end              round n ended for a membership change (scale-up)
@@ -91,6 +94,15 @@ class JobKeys:
 
     def end(self, n: int) -> str:
         return self.round(n) + "end"
+
+    def joining(self, n: int) -> str:
+        """Written by the leader when a newcomer opens round n's stability window (standbys warm up)."""
+        return self.round(n) + "joining"
+
+    @property
+    def leader(self) -> str:
+        """Held (create-if-absent, on its lease) by the agent that mirrors every node record."""
+        return self.prefix + "leader"
 
     def dones(self, n: int) -> str:
         return self.round(n) + "done/"

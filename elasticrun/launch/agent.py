@@ -28,11 +28,12 @@ from elasticrun.job.settings import from_config as etcd_settings
 from elasticrun.launch.c10d import RoundStore
 from elasticrun.launch.failures import root_cause_table
 from elasticrun.launch.hosting import open_store, wait_others_left
-from elasticrun.launch.node import accelerators, gpu_available, local_address
+from elasticrun.launch.node import local_address
 from elasticrun.launch.outage import STOP_SLACK_S, OutageGuard, stop_workers
+from elasticrun.launch.preload import TorchPreload
 from elasticrun.launch.snapshots import SnapshotRoot
 from elasticrun.launch.states import GroupState, RoundOutcome
-from elasticrun.launch.workers import WorkerGroup
+from elasticrun.launch.workers import SERVER_WAIT_S, WorkerGroup
 from elasticrun.rendezvous.protocol import JobEnded, LeaseLost, Rendezvous, RendezvousSettings
 from elasticrun.rendezvous.records import NodeInfo, Topology, WorkerStatus
 from elasticrun.store.client import EtcdStore, parse_endpoints
@@ -146,10 +147,14 @@ class Agent:
                 self.say(f"worker logs in {log_dir}")
             drop_secrets_from_environment(cfg, self.say)  # before any child process starts
             workers = WorkerGroup(cfg, self.label, files_dir, log_dir, False, on_exit=lambda: self._wake())
-            snapshots = SnapshotRoot.create(cfg.rdzv_id, cfg.node_id, say=self.say)  # the memory tier, ours
+            if cfg.snapshots:
+                snapshots = SnapshotRoot.create(cfg.rdzv_id, cfg.node_id, say=self.say)  # the memory tier, ours
             if snapshots is not None:
                 workers.extra_env[env_names.SNAPSHOT_DIR] = snapshots.path
+                if cfg.snapshot_memory is not None:
+                    workers.extra_env[env_names.SNAPSHOT_MEMORY] = str(cfg.snapshot_memory)
             workers.prewarm()  # worker interpreters import torch while we meet the other nodes
+            torch_preload = TorchPreload(cfg.device_kind).start()  # our own torch too, while etcd starts
             etcd, store = open_store(cfg, self.say)  # standalone / c10d / static: may host the job's etcd
             # Workers reach etcd (commit fence, progress, checkpoint requests) with the same settings.
             workers.etcd_settings_file = etcd_settings(cfg).write(os.path.join(files_dir, "etcd-settings.json"))
@@ -168,13 +173,13 @@ class Agent:
             rdzv.ensure_config(cfg.job_settings())
             rdzv.register()  # before importing torch: a running job starts its stability window now
             rdzv.beat(busy_for=120.0)  # importing torch (bounded): not a stalled loop
-            use_gpu = cfg.device_kind == "gpu" or (cfg.device_kind == "auto" and gpu_available())
+            use_gpu, accs = torch_preload.result()
             workers.use_gpu = use_gpu
             if rdzv.lease_health() is LeaseHealth.LOST:
                 # The import can hold the GIL long enough on a loaded machine for the lease to lapse.
                 self.say("our etcd lease lapsed while importing torch; registering again")
                 rdzv.reregister()
-            rdzv.publish(accelerators=accelerators(use_gpu))
+            rdzv.publish(accelerators=accs)
             self.say(
                 f"joined job {cfg.rdzv_id!r} at {cfg.rdzv_endpoint} as {cfg.node_id} "
                 f"(nnodes {cfg.nnodes_min}:{cfg.nnodes_max}, {cfg.nproc_per_node} workers)"
@@ -273,17 +278,23 @@ class Agent:
             f"round {topo.round} ({kind}): world size {topo.world_size}, {len(topo.members)} node(s), "
             f"group rank {me.group_rank}, ranks {ranks}, restarts {topo.restart_count}/{self.cfg.max_restarts}"
         )
+        rdzv.beat(busy_for=SERVER_WAIT_S)  # the start may wait for the fork server's imports (bounded)
         workers.start(topo, me, event)
+        rdzv.beat()
+        self.say(f"round {topo.round}: workers started ({workers.started_how})")
         guard = OutageGuard(self.cfg, rdzv, workers, self.say)
         guard.call(lambda: rdzv.publish(status=WorkerStatus.ACTIVE, waiting_for=-1), "starting a round")
         done_reported = False
         standby_at = time.monotonic() + STANDBY_DELAY_S
         version = rdzv.view.version
         while True:
-            if standby_at and time.monotonic() >= standby_at:
+            joining = rdzv.scale_up_pending(topo)
+            if standby_at and (time.monotonic() >= standby_at or joining):
                 # A standby set of pre-warmed interpreters for the next round, started once this
                 # round's workers are past their own start-up: a restart then skips the imports.
-                workers.prewarm(deep=True)
+                # A node joining ends the round within a stability window: warm up at once, and
+                # only torch (not DDP's extras), so the standbys are ready when the round forms.
+                workers.prewarm(deep=not joining)
                 standby_at = 0.0
             rdzv.beat()  # liveness: the lease is refreshed only while this loop turns
             if _STALL and time.monotonic() >= _STALL[0]:

@@ -84,6 +84,7 @@ def worker_env(
         env[names.ETCD_SETTINGS_FILE] = etcd_settings_file
     else:
         env.pop(names.ETCD_SETTINGS_FILE, None)
+    env.pop(names.SNAPSHOT_DIR, None)  # only this agent's own memory tier (in ``extra``), never an inherited one
     env.update(extra or {})
     if member.nproc > 1 and "OMP_NUM_THREADS" not in base:
         env["OMP_NUM_THREADS"] = "1"

@@ -10,6 +10,15 @@ Every other agent connects to HOST:PORT, retrying until it answers, within ``--j
 etcd's peer port is a free port on the same address: a single-member etcd needs no peer
 traffic, so nothing but that member uses it. The hosting agent keeps serving until every
 other node has left (at most ``close_timeout`` s), like torchrun's exit barrier.
+
+An etcd started here runs without fsync (``--unsafe-no-fsync``): it is a single member whose data
+dir is a temp dir removed when the agent exits, and nothing ever restarts it on that data. fsync
+only protects against losing the machine (a kernel crash or power loss, not a crash of etcd:
+written pages survive the process), and losing this machine loses the job's store anyway — the
+agent that serves it dies with it. So fsync buys no safety here and costs its start (the WAL and
+the first raft entries are synced: slow on network or overlay disks) and every write of the
+rendezvous. An etcd cluster the user runs (``--rdzv-endpoint`` of the etcd backend) is never
+started here and keeps its own settings.
 """
 
 from __future__ import annotations
@@ -126,7 +135,7 @@ def _try_host(cfg: LaunchConfig, host: str, port: int, forced: bool, say: Say) -
                              "pick a free --master-port / endpoint port")
         return None  # another agent on this machine hosts it: join it
     server = EtcdServer(name="elasticrun", host=ip, client_port=port, peer_port=free_port(ip),
-                        binary=cfg.etcd_binary)
+                        binary=cfg.etcd_binary, unsafe_no_fsync=True)
     try:
         server.start()
         if not server.running():
@@ -146,9 +155,10 @@ def open_store(cfg: LaunchConfig, say: Say) -> Tuple[Optional[EtcdServer], EtcdS
     """Start (standalone, or the hosting agent of c10d/static) and/or connect to the job's etcd."""
     etcd: Optional[EtcdServer] = None
     retry = cfg.etcd_timeout
+    waited = 0.0
     joining = False
     if cfg.standalone and not cfg.rdzv_endpoint:
-        etcd = EtcdServer(binary=cfg.etcd_binary).start()
+        etcd = EtcdServer(binary=cfg.etcd_binary, unsafe_no_fsync=True).start()
         cfg.rdzv_endpoint = etcd.endpoint
         say(f"started a private etcd at {etcd.endpoint}")
     elif cfg.rdzv_backend in (RdzvBackend.C10D, RdzvBackend.STATIC):
@@ -160,6 +170,8 @@ def open_store(cfg: LaunchConfig, say: Say) -> Tuple[Optional[EtcdServer], EtcdS
             retry = max(1.0, cfg.join_timeout)  # the hosting node may start later
             say(f"joining the job's etcd at {cfg.rdzv_endpoint} (hosted by "
                 f"{'node rank 0' if cfg.rdzv_backend is RdzvBackend.STATIC else 'the agent on ' + host})")
+            if not wait_for_port(host, port, retry):  # then connect at once, not after the client's backoff
+                waited, retry = retry, 1.0  # --join-timeout is over: the connect below only words the error
     try:
         store = etcd_settings(cfg).connect(cfg.rdzv_id, retry_timeout=retry)
     except StoreError as err:
@@ -167,11 +179,35 @@ def open_store(cfg: LaunchConfig, say: Say) -> Tuple[Optional[EtcdServer], EtcdS
             etcd.stop()
         if joining and str(err).startswith("cannot reach etcd"):
             who = "node rank 0" if cfg.rdzv_backend is RdzvBackend.STATIC else "the agent on that host"
-            raise StoreError(f"no etcd at {cfg.rdzv_endpoint} after {retry:.0f}s (--join-timeout): start {who}, "
+            raise StoreError(f"no etcd at {cfg.rdzv_endpoint} after {max(retry, waited):.0f}s (--join-timeout): "
+                             f"start {who}, "
                              "which hosts the job's etcd, with the same flags") from None
         raise
     store.retry_timeout = cfg.etcd_timeout
     return etcd, store
+
+
+def wait_for_port(host: str, port: int, timeout: float) -> bool:
+    """Wait until ``host:port`` accepts a TCP connection (the hosting agent's etcd is up), at most ``timeout`` s.
+
+    A refused connect costs microseconds, so the pauses start at 5 ms (growing to 100 ms): a joining
+    agent connects within milliseconds of etcd's start, where the client's retries (and gRPC's
+    reconnect backoff) would wait up to a second. False on timeout: the caller's connect then
+    reports the failure in its own words.
+    """
+    deadline = time.monotonic() + timeout
+    pause = 0.005
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return True
+        except OSError:
+            pass
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(pause, left))
+        pause = min(pause * 1.5, 0.1)
 
 
 def wait_others_left(store: EtcdStore, nodes_prefix: str, timeout: float, say: Say) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from typing import Any, Dict, List
 
 
@@ -35,7 +36,22 @@ def accelerators(use_gpu: bool) -> List[Dict[str, Any]]:
     return [{"type": "cpu", "count": os.cpu_count() or 1}]
 
 
+# Device nodes of a GPU that torch.cuda can use (NVIDIA, ROCm's kfd, WSL's dxg).
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+
+
+def gpu_device_present() -> bool:
+    """Whether this Linux host has a GPU device node at all (cheap: no torch import); True elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return True
+    return any(os.path.exists(path) for path in GPU_DEVICE_NODES)
+
+
 def gpu_available() -> bool:
+    """Whether torch sees a GPU. A Linux host without GPU device nodes answers at once: importing
+    torch takes seconds on a busy CPU host, on the critical path of a node joining a running job."""
+    if not gpu_device_present():
+        return False
     import torch
 
     return bool(torch.cuda.is_available() and torch.cuda.device_count() > 0)

@@ -8,6 +8,9 @@ timeout after a node died), and keeps a standby set during a round. Each one imp
 and runs the script as ``__main__``, exactly like ``python script.py`` would. This takes
 the ~2-4 s of imports out of every restart.
 
+With ``--server`` the interpreter is a fork server instead (:mod:`elasticrun.launch.zygote`):
+it stays, and every worker is a ``fork()`` of it that then runs the order as above.
+
 Keep this module free of elasticrun imports: it must start fast and stay minimal.
 """
 
@@ -23,8 +26,11 @@ def _preload(deep: bool) -> None:
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
 
-    if not deep:
-        return
+    if deep:
+        _preload_deep()
+
+
+def _preload_deep() -> None:
     import torch.nn.parallel  # noqa: F401
 
     try:  # the first DDP() imports torch._dynamo (~1.5 s CPU); a standby interpreter pays it early
@@ -122,19 +128,33 @@ def _collect_while_alive() -> None:
     gc.collect()
 
 
+def _read_order_file(order: dict) -> dict:
+    """A big order (long argv or environment) comes through a private file: read and remove it."""
+    if "order_file" not in order:
+        return order
+    path = order["order_file"]
+    with open(path) as f:
+        order = json.loads(f.read())
+    os.unlink(path)
+    return order
+
+
 def main() -> None:
-    # argv: [--deep] -- <script> <args>: the script only labels the process; the order comes on stdin.
-    _preload(deep="--deep" in sys.argv[1 : sys.argv.index("--")] if "--" in sys.argv else False)
+    # argv: [--deep] [--server] -- <script> <args>: the script only labels the process; orders come on stdin.
+    flags = sys.argv[1 : sys.argv.index("--")] if "--" in sys.argv else []
+    # The fork server imports DDP's extras too: every worker it forks, the first round's included, skips them.
+    _preload(deep="--deep" in flags or "--server" in flags)
     gc.freeze()  # the preloaded modules are permanent: collections (and the final one) skip them
-    line = sys.stdin.readline()
-    if not line.strip():
-        sys.exit(0)  # the agent went away or no longer needs us
-    order = json.loads(line)
-    if "order_file" in order:  # a big order (long argv or environment) comes through a file
-        path = order["order_file"]
-        with open(path) as f:
-            order = json.loads(f.read())
-        os.unlink(path)
+    if "--server" in flags:
+        from elasticrun.launch.zygote import serve
+
+        order = serve()  # returns only in a forked worker
+    else:
+        line = sys.stdin.readline()
+        if not line.strip():
+            sys.exit(0)  # the agent went away or no longer needs us
+        order = json.loads(line)
+    order = _read_order_file(order)
     atexit.register(_collect_while_alive)
     _become(order)
 

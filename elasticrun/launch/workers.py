@@ -24,6 +24,7 @@ from elasticrun.job import env as names
 from elasticrun.job.env import without_secrets
 from elasticrun.launch.env import WorkerSpec, worker_env
 from elasticrun.launch.failures import WorkerFailure, bounded, make_failure
+from elasticrun.launch.forkserver import ForkServer, ServerState
 from elasticrun.launch.logs import (
     STREAMS,
     TAIL_KEEP,
@@ -42,6 +43,7 @@ from elasticrun.rendezvous.records import Member, RescaleEvent, Topology
 
 ORDER_INLINE_MAX = 4096  # PIPE_BUF: a write this small into an empty pipe never blocks
 STDERR_DRAIN_S = 1.0  # how long a failure summary waits for a dead worker's last stderr bytes
+SERVER_WAIT_S = 60.0  # how long a round's start waits for the fork server to finish its imports
 
 
 @dataclass
@@ -73,6 +75,11 @@ class WorkerGroup:
         self._workers: List[_Worker] = []
         self._pumps: List[OutputPump] = []
         self._warm: List[subprocess.Popen] = []
+        self._server: Optional[ForkServer] = None
+        self._retired: List[ForkServer] = []  # unsafe to fork from now, but its workers may still run
+        self._fork_unsafe = "" if sys.platform.startswith("linux") else "not Linux"  # why not to fork
+        self.started_how = ""  # how the last start() got its workers, for the agent's log line
+        self._how: Dict[str, int] = {"forked": 0, "pre-warmed": 0, "fresh": 0}
         self._redirects, self._tee = cfg.std_streams()
         self.etcd_settings_file: Optional[str] = None  # the agent's 0600 EtcdSettings file, for workers
         self.extra_env: Dict[str, str] = {}  # more variables for every worker (e.g. the memory-tier directory)
@@ -86,23 +93,28 @@ class WorkerGroup:
         return [sys.executable, "-u", cfg.entrypoint, *cfg.args]
 
     def prewarm(self, deep: bool = False) -> None:
-        """Start idle interpreters that import torch now, to become workers when the round forms.
+        """Get interpreters that import torch ahead of time, to become workers when a round forms.
 
-        ``deep`` also imports what DDP loads on first use (torch._dynamo, ~1.5 s CPU): worth it for a
-        standby set started while a round trains, not on the critical path of a starting round.
+        With ``--standby`` 1 or more: the fork server (started once, kept; replaced if it died), or
+        where forking is unsafe, spawned interpreters. Called with ``deep`` while a round trains
+        (the standby set for a restart: also what DDP loads on first use, torch._dynamo, ~1 s CPU),
+        at most ``--standby`` of them; without, before a round forms, one per local rank. With
+        ``--standby 0`` only the latter.
         """
         if not self.cfg.prewarm or self.cfg.no_python:
             return
+        if self.cfg.standby >= 1 and not self._fork_unsafe:
+            self._start_server()
+            if not self._fork_unsafe:
+                return
+        wanted = min(self.cfg.standby, self.cfg.nproc_per_node) if deep else self.cfg.nproc_per_node
         self._warm = [p for p in self._warm if p.poll() is None]
-        env = without_secrets(os.environ)
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        if self.cfg.nproc_per_node > 1:
-            env.setdefault("OMP_NUM_THREADS", "1")
+        env = self._warm_env()
         # The script and its arguments only label the process (ps, pgrep); the real ones come on stdin.
         label = ["--", self.cfg.entrypoint, *self.cfg.args]
         flags = ["--deep"] if deep else []
         cmd = with_parent_death_signal([sys.executable, "-u", "-m", "elasticrun.launch.warm", *flags, *label])
-        while len(self._warm) < self.cfg.nproc_per_node:
+        while len(self._warm) < wanted:
             self._warm.append(
                 subprocess.Popen(
                     cmd,
@@ -114,8 +126,59 @@ class WorkerGroup:
                 )
             )
 
+    def _warm_env(self) -> Dict[str, str]:
+        env = without_secrets(os.environ)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        if self.cfg.nproc_per_node > 1:
+            env.setdefault("OMP_NUM_THREADS", "1")
+        return env
+
+    def _start_server(self) -> None:
+        """Start the fork server unless one is starting or ready (a dead one is replaced)."""
+        server = self._server
+        if server is not None:
+            if server.state is not ServerState.GONE:
+                return
+            if server.why_gone.startswith("not forking"):
+                self._fork_unsafe = server.why_gone  # e.g. an import started a thread pool
+                self._retired.append(server)  # closed with the group: closing kills its workers
+            else:
+                server.close()
+            self._server = None
+            if self._fork_unsafe:
+                return
+        env = self._warm_env()
+        # No BLAS thread pool in the server: fork() would copy only the calling thread. A worker gets
+        # its own environment (the order), but numpy's BLAS keeps the pool size it started with.
+        env.setdefault("OPENBLAS_NUM_THREADS", "1")
+        label = [self.cfg.entrypoint, *self.cfg.args]
+        self._server = ForkServer(label, env, os.path.join(self.files_dir, "forkserver.log"), self.files_dir)
+
+    @property
+    def server(self) -> Optional[ForkServer]:
+        """The fork server, when this group has one (started by :meth:`prewarm`)."""
+        return self._server
+
+    def _fork(self, env: Dict[str, str]) -> Optional[subprocess.Popen]:
+        """A worker forked from the fork server (waiting for its imports), or None."""
+        server = self._server
+        if server is None:
+            return None
+        if not server.wait_ready(SERVER_WAIT_S):
+            if server.state is ServerState.STARTING:  # stuck in its imports: no round waits for it again
+                server.close()
+                self._server = None
+            return None
+        order = {"env": env, "argv": [self.cfg.entrypoint, *self.cfg.args], "module": self.cfg.module,
+                 "cwd": os.getcwd()}
+        return server.spawn(order)  # type: ignore[return-value]  # Popen's interface, as used here
+
     def _spawn(self, env: Dict[str, str]) -> subprocess.Popen:
-        """A worker process for ``env``: a pre-warmed one when available, else a fresh one."""
+        """A worker process for ``env``: forked, else a pre-warmed one when available, else a fresh one."""
+        forked = self._fork(env)
+        if forked is not None:
+            self._how["forked"] += 1
+            return forked
         while self._warm:
             proc = self._warm.pop(0)
             if proc.poll() is not None or proc.stdin is None:
@@ -125,9 +188,11 @@ class WorkerGroup:
             try:
                 proc.stdin.write(self._order_line(order))
                 proc.stdin.close()
+                self._how["pre-warmed"] += 1
                 return proc
             except (BrokenPipeError, OSError):
                 continue
+        self._how["fresh"] += 1
         return subprocess.Popen(
             with_parent_death_signal(self.command()),
             env=env,
@@ -153,7 +218,10 @@ class WorkerGroup:
         return (json.dumps({"order_file": path}) + "\n").encode()
 
     def discard_warm(self) -> None:
-        """Stop the idle pre-warmed interpreters."""
+        """Stop the idle pre-warmed interpreters and the fork server (stop the workers first)."""
+        for server in [*self._retired, *([self._server] if self._server is not None else [])]:
+            server.close()
+        self._server, self._retired = None, []
         warm, self._warm = self._warm, []
         for proc in warm:
             if proc.poll() is None:
@@ -175,6 +243,8 @@ class WorkerGroup:
         event_file = os.path.join(round_dir, "rescale_event.json")
         with open(event_file, "w") as f:
             json.dump(event.to_dict() if event else {}, f)
+        began = time.monotonic()
+        self._how = {"forked": 0, "pre-warmed": 0, "fresh": 0}
         for local_rank in range(member.nproc):
             rank = member.rank_offset + local_rank
             rank_dir = self._worker_dir(round_dir, topo.round, rank, local_rank)
@@ -202,6 +272,12 @@ class WorkerGroup:
             err_pump = self._pump(proc, rank_dir if self.log_dir is not None else None, rank, local_rank)
             self._workers.append(_Worker(spec, proc, err_pump))
             threading.Thread(target=self._wait, args=(proc,), daemon=True).start()
+        kinds = ", ".join(f"{n} {kind}" for kind, n in self._how.items() if n)
+        self.started_how = f"{kinds} in {(time.monotonic() - began) * 1000:.0f} ms"
+        server = self._server
+        why = self._fork_unsafe or (server.why_gone if server is not None else "")
+        if why and not self._how["forked"] and self.cfg.prewarm and self.cfg.standby > 0:
+            self.started_how += f"; no fork server: {why}"
 
     def _worker_dir(self, round_dir: str, round_: int, rank: int, local_rank: int) -> str:
         """Where a worker's error.json (and, with a log dir, its stdout/stderr.log) go."""

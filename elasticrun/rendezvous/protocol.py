@@ -11,6 +11,11 @@ A round ends when (all watched, never polled):
 
 The next round forms only once every surviving member of the previous one is idle
 (its workers are dead), so a new round never meets a stale worker.
+
+One agent, the leader (:mod:`elasticrun.rendezvous.leader`), watches every node record:
+it forms the rounds, and ends a round (``rounds/<n>/end``) when a member is lost or newcomers
+waited a stability window. The others watch everything but the node records, so the watch
+deliveries of a rendezvous grow linearly with the nodes, not quadratically.
 """
 
 from __future__ import annotations
@@ -18,16 +23,19 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from elasticrun.config import describe_mismatch
 from elasticrun.errors import ConfigError, RendezvousError
 from elasticrun.job.keys import JobKeys
 from elasticrun.launch.restarts import RestartBudget
-from elasticrun.launch.states import JobState, RoundOutcome
+from elasticrun.launch.states import JobState
+from elasticrun.rendezvous.leader import Leadership
 from elasticrun.rendezvous.ranks import classify, plan_members
 from elasticrun.rendezvous.records import NodeInfo, RescaleEvent, RescaleType, Topology, WorkerStatus
+from elasticrun.rendezvous.running import RoundMonitor
+from elasticrun.rendezvous.settings import JobEnded, LeaseLost, RendezvousSettings
+from elasticrun.rendezvous.storehost import QUICK_WAIT_S, StoreHost
 from elasticrun.rendezvous.view import JobView
 from elasticrun.store.client import EtcdStore
 from elasticrun.store.lease import KeepAlive, LeaseHealth
@@ -35,60 +43,13 @@ from elasticrun.store.lease import KeepAlive, LeaseHealth
 log = logging.getLogger(__name__)
 
 EVENT_HISTORY = 50  # rescale events kept in etcd
-FORM_GRACE = 1.0  # how long the others leave writing a ready round to its group rank 0
 # While forming a round, look at the view at most every EVAL_PER_NODE s x registered nodes (capped):
 # a look costs O(nodes), so this keeps an agent's CPU per second flat as the job grows.
 EVAL_PER_NODE = 0.0005
 EVAL_INTERVAL_MAX = 0.2
 
 
-class JobEnded(Exception):
-    """The job reached a terminal state (``state`` key): succeeded or failed."""
-
-    def __init__(self, state: Dict[str, Any]) -> None:
-        super().__init__(state.get("reason", state.get("state", "")))
-        self.state = state
-
-    @property
-    def succeeded(self) -> bool:
-        return self.state.get("state") == JobState.SUCCEEDED.value
-
-
-class LeaseLost(Exception):
-    """Our lease expired or could not be confirmed: we must fence ourselves and rejoin."""
-
-
-@dataclass
-class RendezvousSettings:
-    """What the protocol needs from the launch configuration."""
-
-    job_id: str  # --rdzv-id
-    min_nodes: int
-    max_nodes: int
-    max_restarts: int
-    heartbeat_timeout: float
-    stability_window: float
-    rescale_timeout: float
-    join_timeout: float
-    # Liveness: a main loop silent this long stops refreshing the lease (None: no gate).
-    stall_after: Optional[float] = None
-    # How long to wait for the members of the previous round to stop their workers before
-    # forming the next round without them (a node that neither stops nor loses its lease).
-    busy_timeout: float = 60.0
-
-    @property
-    def job(self) -> str:
-        """Old name of :attr:`job_id`."""
-        return self.job_id
-
-    @property
-    def rejoin_grace(self) -> float:
-        """After an etcd outage, how long a member may be missing before its round is over."""
-        return 2.0 * self.heartbeat_timeout
-    restart_window: float = 0.0  # --restart-window: count max_restarts within this many seconds (0: whole job)
-
-
-class Rendezvous:
+class Rendezvous(RoundMonitor):
     """One node's side of the protocol."""
 
     def __init__(
@@ -108,11 +69,11 @@ class Rendezvous:
         # Called at every turn of the owner's loops (see beat): the agent raises a pending signal there.
         self.on_beat: Callable[[], None] = lambda: None
         self.lease: Optional[KeepAlive] = None
-        self.view = JobView(store, self.keys)
+        self.view = JobView(store, self.keys, nodes=False)  # the leader mirrors the nodes (see leader.py)
+        self.leadership = Leadership(store, self.keys, self.view, node.node_id)
+        self._store_host = StoreHost(host_store, on_ready=self.view.poke)
         self._newcomers_since: Optional[float] = None
         self._last_eval = 0.0
-        self._plan: Tuple[int, Tuple[str, ...]] = (-1, ())
-        self._plan_at = 0.0
         self._busy_since: Optional[Tuple[int, float]] = None  # (round, since) the previous members were busy
         self.outage_over_at: Optional[float] = None  # when etcd answered again after an outage we noticed
 
@@ -139,7 +100,7 @@ class Rendezvous:
     def _clear_finished_job(self) -> None:
         """A finished job's keys are removed when a new job reuses its id and nobody is left."""
         kv = self.store.get(self.keys.state)
-        if kv is None or self.view.nodes():
+        if kv is None or self.store.get_prefix(self.keys.nodes)[0]:
             return
         ok = self.store.txn_delete_prefix_if(self.keys.prefix, guard=(self.keys.state, kv.mod_revision))
         if ok:
@@ -222,6 +183,10 @@ class Rendezvous:
             self.lease = None
         self.view.close()
 
+    def leading(self) -> bool:
+        """Claim the leader key if nobody holds it; True while we lead (our view has every node)."""
+        return self.leadership.claim(self.lease.lease_id if self.lease is not None else None)
+
     def lease_valid(self) -> bool:
         return self.lease is not None and self.lease.valid()
 
@@ -255,7 +220,10 @@ class Rendezvous:
         target = 0 if topo is None else topo.round + 1
         first = topo is None
         timeout = self.settings.join_timeout if first else self.settings.rescale_timeout
-        port = self._host_store()
+        # The store starts on a thread (the first one imports torch): we are ready for the round
+        # at once, and publish its port when it is up.
+        self._store_host.start()
+        port = self._store_host.port(QUICK_WAIT_S)
         was_member = topo is not None and topo.member(self.node_id) is not None
         status = WorkerStatus.RESCALING if was_member else WorkerStatus.JOINING  # newcomers are Joining
         self.publish(waiting_for=target, store_port=port, status=status)
@@ -268,6 +236,10 @@ class Rendezvous:
             self.beat()
             if not self.lease_valid():
                 raise LeaseLost(self.lease.lost_reason if self.lease else "no lease")
+            if not port:
+                port = self._store_host.port()
+                if port:
+                    self.publish(store_port=port)
             state = self.view.state()
             if state:
                 raise JobEnded(state)
@@ -280,6 +252,14 @@ class Rendezvous:
                 self.publish(waiting_for=target, status=WorkerStatus.JOINING)
                 said = self._tell(said, f"waiting as a spare: round {topo.round} is full")
                 continue
+            if not self.leading():  # the leader forms the round (and ends the job if too few join)
+                said = self._tell(said, f"waiting for round {target}, formed by {self.leadership.holder() or '?'}")
+                version = self.view.wait_change(version, 0.25)
+                continue
+            if topo is not None and topo.round < target and self.round_change(topo) is None:
+                # A round runs without us (we are a spare or a newcomer): as the leader we still end
+                # it when a member is lost, or for newcomers after the stability window.
+                self.maybe_scale_up(topo)
             nodes = self.view.nodes()
             waiting = sorted(n for n, (info, _) in nodes.items() if info.waiting_for == target)
             if self.node_id not in waiting:  # the view has not caught up with our own record yet
@@ -367,15 +347,10 @@ class Rendezvous:
         if counts and prev is not None and not budget.allows(prev.restart_count, history, time.time()):
             self._end_job(JobState.FAILED, f"workers failed and all {budget.describe()} are used up", prev, prev_rev)
             return "job failed"
-        # Designated writer: the new group rank 0 writes the round; the others stand back for
-        # FORM_GRACE s (so N agents don't all race the same compare-and-swap), then try too in
-        # case it died meanwhile. The CAS keeps it correct either way.
-        plan = (target, tuple(m.node_id for m in members))
-        if self._plan != plan:
-            self._plan, self._plan_at = plan, time.monotonic()
-        if members[0].node_id != self.node_id and time.monotonic() - self._plan_at < FORM_GRACE:
-            return f"round {target} is ready: its group rank 0 ({members[0].node_id}) writes it"
+        # Only the leader writes the round (the compare-and-swap keeps it correct anyway).
         leader_info = nodes[members[0].node_id][0]
+        if leader_info.store_port == 0:
+            return f"round {target} is ready: waiting for {members[0].node_id} to start its c10d store"
         topo = Topology(
             round=target,
             members=members,
@@ -431,89 +406,5 @@ class Rendezvous:
         record = {"state": state.value, "reason": reason, "round": topo.round, "time": time.time()}
         self.store.txn_put_many((self.keys.topology, topo_rev), [(self.keys.state, json.dumps(record), None)])
 
-    # -- while a round runs ------------------------------------------------------------------
 
-    def rescale_event(self, round_: int) -> Optional[RescaleEvent]:
-        d = self.view.get_json(self.keys.event(round_))
-        try:
-            return None if d is None else RescaleEvent.from_dict(d)
-        except (ValueError, TypeError, KeyError, AttributeError):  # another agent's bad record: ignore it
-            log.warning("ignoring malformed rescale event of round %d", round_)
-            return None
-
-    def round_change(self, topo: Topology) -> Optional[str]:
-        """Why round ``topo`` is over (None while it runs); RoundOutcome.SUCCEEDED when every member finished."""
-        state = self.view.state()
-        if state:
-            return f"job {state.get('state')}"
-        current, _ = self.view.topology()
-        if current is None or current.round != topo.round:
-            return "a newer round was formed"
-        if self.view.get(self.keys.failed(topo.round)) is not None:
-            failed = self.view.get_json(self.keys.failed(topo.round)) or {}
-            return f"worker failure on {failed.get('node', '?')}"
-        end = self.view.get_json(self.keys.end(topo.round))
-        if end is not None:
-            return str(end.get("reason", "round ended"))
-        nodes = self.view.nodes()
-        members = current.members  # the same round; a member may have rejoined after an outage (new lease)
-        for m in members:
-            entry = nodes.get(m.node_id)
-            if entry is None or entry[1] != m.lease:
-                if self.recently_unreachable():
-                    continue  # after an etcd outage every lease may have expired: let members rejoin
-                return f"node {m.node_id} left or lost its lease"
-        if len(self.view.under(self.keys.dones(topo.round))) >= len(topo.members):
-            return RoundOutcome.SUCCEEDED
-        return None
-
-    def maybe_scale_up(self, topo: Topology) -> Optional[float]:
-        """End the round for newcomers once they waited a stability window (below max only).
-
-        Returns the seconds until the window closes (to wake up in time), or None.
-        """
-        s = self.settings
-        if len(topo.members) >= s.max_nodes or self.view.under(self.keys.dones(topo.round)):
-            self._newcomers_since = None
-            return None
-        members = {m.node_id for m in topo.members}
-        # The window opens when a newcomer registers (so it overlaps the newcomer's own start-up);
-        # the round ends once it has closed and at least one newcomer is ready (waiting for a round).
-        newcomers = {n: info for n, (info, _) in self.view.nodes().items() if n not in members}
-        if not newcomers:
-            self._newcomers_since = None
-            return None
-        now = time.monotonic()
-        if self._newcomers_since is None:
-            self._newcomers_since = now
-            self._say(f"{len(newcomers)} node(s) joining; scaling up in {s.stability_window:.1f}s")
-        ready = sorted(n for n, info in newcomers.items() if info.waiting_for > topo.round)
-        if now - self._newcomers_since >= s.stability_window and ready:
-            newcomers = {n: newcomers[n] for n in ready}
-            reason = f"scale-up: {len(newcomers)} node(s) joined ({', '.join(sorted(newcomers))})"
-            self.store.create(self.keys.end(topo.round), json.dumps({"reason": reason, "by": self.node_id}))
-            return None
-        left = s.stability_window - (now - self._newcomers_since)
-        return left if left > 0 else None  # closed: the newcomer's "ready" record will wake us
-
-    def report_failure(self, topo: Topology, failures: List[Dict[str, Any]]) -> None:
-        """Record our failed workers and flag the round failed (first flag wins)."""
-        self.store.put_json(self.keys.failure(topo.round, self.node_id), failures)
-        first = failures[0] if failures else {}
-        flag = {"node": self.node_id, "rank": first.get("rank"), "time": time.time()}
-        self.store.create(self.keys.failed(topo.round), json.dumps(flag))
-
-    def report_done(self, topo: Topology) -> None:
-        self.store.put_json(self.keys.done(topo.round, self.node_id), {"time": time.time()})
-
-    def mark_succeeded(self, topo: Topology) -> None:
-        _, rev = self.view.topology()
-        self._end_job(JobState.SUCCEEDED, "all workers exited 0", topo, rev)
-
-    def root_cause(self, round_: int) -> List[Dict[str, Any]]:
-        """Failed workers recorded for round ``round_`` (every node's), oldest first."""
-        kvs, _ = self.store.get_prefix(self.keys.failures(round_))
-        rows: List[Dict[str, Any]] = []
-        for kv in kvs:
-            rows.extend(kv.json())
-        return sorted(rows, key=lambda r: r.get("timestamp") or 0)
+__all__ = ["JobEnded", "LeaseLost", "Rendezvous", "RendezvousSettings"]

@@ -8,6 +8,13 @@ Node records are parsed once per change (not per look) and the topology once per
 revision, so a wake-up costs O(nodes) dict work, not O(nodes) JSON parses. Keys under
 ``progress/`` (frequent worker reports the protocol never reads) are neither mirrored
 nor wake anyone.
+
+Only the agent that leads the rendezvous needs every node record; the others mirror the
+job without ``nodes/`` (``nodes=False``, see :meth:`JobView.mirror_nodes`). With etcd the
+excluded prefixes are left out of the watches themselves (range watches), so a node that
+registers or changes its record costs one watch delivery (the leader's), not one per agent.
+Changes on different ranges may arrive in any order: such a view sees ``events/<n>`` and the
+topology of round n on separate watches (readers fall back to etcd for the event).
 """
 
 from __future__ import annotations
@@ -29,9 +36,14 @@ log = logging.getLogger(__name__)
 class JobView:
     """Mirror of ``/elasticrun/<job>/`` with change notification."""
 
-    def __init__(self, store: EtcdStore, keys: JobKeys) -> None:
+    def __init__(self, store: EtcdStore, keys: JobKeys, nodes: bool = True) -> None:
         self.store = store
         self.keys = keys
+        self._with_nodes = nodes
+        self._gen = 0  # bumped by every sync: events of older watches are dropped
+        self._cancels: List[Callable[[], None]] = []
+        self._resyncing = False
+        self._error_again = False
         self._data: Dict[str, KeyValue] = {}
         self._nodes: Dict[str, Tuple[NodeInfo, int]] = {}  # parsed nodes/*: node id -> (info, lease)
         self._topo: Tuple[Optional[Topology], int] = (None, 0)  # parsed topology and its mod revision
@@ -39,26 +51,80 @@ class JobView:
         self._cond = threading.Condition()
         self._version = 0
         self._closed = False
-        self._cancel: Optional[Callable[[], None]] = None
         self._healthy = False
         self._sync()
 
     # -- keeping in sync ----------------------------------------------------------------
 
-    def _sync(self) -> None:
-        kvs, revision = self.store.get_prefix(self.keys.prefix)
+    @property
+    def mirrors_nodes(self) -> bool:
+        """Whether ``nodes/`` is mirrored (see :meth:`mirror_nodes`)."""
+        return self._with_nodes
+
+    def mirror_nodes(self, on: bool) -> None:
+        """Start or stop mirroring the node records (re-reads the job; raises StoreError)."""
+        if on == self._with_nodes:
+            return
+        self._with_nodes = on
+        self._stop_watches()
+        try:
+            self._sync()
+        except StoreError as err:
+            self._on_error(err, self._gen)  # re-read and watch in the background, with backoff
+
+    def _skipped(self) -> Tuple[str, ...]:
+        return self._ignored if self._with_nodes else (*self._ignored, self.keys.nodes)
+
+    def _ranges(self) -> List[Tuple[str, str]]:
+        """The key ranges ``[start, end)`` watched: with the nodes, the whole prefix (one watch, so
+        every change arrives in revision order: a round's topology never before the node records
+        it was planned from); without, the prefix minus ``nodes/`` and ``progress/``."""
+        if self._with_nodes:
+            return [(self.keys.prefix, _prefix_end(self.keys.prefix))]
+        ranges, start = [], self.keys.prefix
+        for skip in sorted(self._skipped()):
+            ranges.append((start, skip))
+            start = _prefix_end(skip)
+        ranges.append((start, _prefix_end(self.keys.prefix)))
+        return [(a, b) for a, b in ranges if a < b]
+
+    def _stop_watches(self) -> None:
         with self._cond:
+            cancels, self._cancels = self._cancels, []
+            self._gen += 1
+        for cancel in cancels:
+            cancel()
+
+    def _sync(self) -> None:
+        ranged = hasattr(self.store, "watch_range")  # else one prefix watch, filtered here
+        skipped = self._skipped()
+        reads = ([self.store.get_range(a, b) for a, b in self._ranges()] if ranged
+                 else [self.store.get_prefix(self.keys.prefix)])
+        with self._cond:
+            self._gen += 1
+            gen = self._gen
             self._data = {}
             self._nodes = {}
-            for kv in kvs:
-                if not kv.key.startswith(self._ignored):
-                    self._put(kv)
+            for kvs, _ in reads:
+                for kv in kvs:
+                    if not kv.key.startswith(skipped):
+                        self._put(kv)
             self._healthy = True
             self._version += 1
             self._cond.notify_all()
-        self._cancel = self.store.watch_prefix(
-            self.keys.prefix, self._on_events, self._on_error, start_revision=revision + 1
-        )
+
+        def on_events(events: List[WatchEvent]) -> None:
+            self._on_events(events, gen)
+
+        def on_error(err: BaseException) -> None:
+            self._on_error(err, gen)
+
+        if ranged:
+            for (a, b), (_, revision) in zip(self._ranges(), reads):
+                self._cancels.append(self.store.watch_range(a, b, on_events, on_error, revision + 1))
+        else:
+            revision = reads[0][1]
+            self._cancels.append(self.store.watch_prefix(self.keys.prefix, on_events, on_error, revision + 1))
 
     def _put(self, kv: KeyValue) -> None:
         """Mirror one key (lock held); node records are parsed here, once."""
@@ -72,11 +138,14 @@ class JobView:
             else:
                 self._nodes[node_id] = (info, kv.lease)
 
-    def _on_events(self, events: List[WatchEvent]) -> None:
-        events = [ev for ev in events if not ev.key.startswith(self._ignored)]
+    def _on_events(self, events: List[WatchEvent], gen: int) -> None:
+        skipped = self._skipped()
+        events = [ev for ev in events if not ev.key.startswith(skipped)]
         if not events:
             return
         with self._cond:
+            if gen != self._gen:
+                return  # a watch of an older sync
             for ev in events:
                 if ev.deleted:
                     self._data.pop(ev.key, None)
@@ -96,10 +165,14 @@ class JobView:
             self._version += 1
             self._cond.notify_all()
 
-    def _on_error(self, err: BaseException) -> None:
+    def _on_error(self, err: BaseException, gen: int) -> None:
         with self._cond:
-            if self._closed:
+            if self._closed or gen != self._gen:
+                return  # closed, or a watch of an older sync (already replaced)
+            if self._resyncing:
+                self._error_again = True  # a watch of the resync itself died: the loop runs once more
                 return
+            self._resyncing, self._error_again = True, False
             self._healthy = False
             self._version += 1
             self._cond.notify_all()
@@ -108,21 +181,27 @@ class JobView:
     def _resync_loop(self) -> None:
         delay = 0.1
         while not self._closed:
+            self._stop_watches()  # the other ranges' watches too: all restart from one read
             try:
                 self._sync()
                 log.info("watch on %s re-established", self.keys.prefix)
-                return
+                with self._cond:
+                    if not self._error_again:
+                        self._resyncing = False
+                        return
+                    self._error_again = False
             except StoreError as err:
                 log.debug("resync failed: %s", err)
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
+        with self._cond:
+            self._resyncing = False
 
     def close(self) -> None:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        if self._cancel is not None:
-            self._cancel()
+        self._stop_watches()
 
     # -- waiting --------------------------------------------------------------------------
 
@@ -201,6 +280,11 @@ class JobView:
 
 
 _MAX_RECORD = 16 << 20
+
+
+def _prefix_end(prefix: str) -> str:
+    """The first key after every key that starts with ``prefix`` (``a/`` → ``a0``; ASCII keys)."""
+    return prefix[:-1] + chr(ord(prefix[-1]) + 1)
 
 
 def loads_record(value: Any) -> Any:

@@ -198,6 +198,15 @@ class EtcdStore:
 
         return self._call("get_prefix", op)
 
+    def get_range(self, start: str, end: str) -> Tuple[List[KeyValue], int]:
+        """All keys in ``[start, end)`` (sorted by key) and the store revision they were read at."""
+
+        def op(c: MultiEndpointEtcd3Client) -> Tuple[List[KeyValue], int]:
+            resp = c.get_range_response(start, end, sort_order="ascend", sort_target="key")
+            return [_kv(kv) for kv in resp.kvs], int(resp.header.revision)
+
+        return self._call("get_range", op)
+
     def put(self, key: str, value: bytes | str, lease: Optional[int] = None) -> int:
         """Write ``key``; returns the new revision."""
         return self._call("put", lambda c: int(c.put(key, value, lease=lease).header.revision))
@@ -315,6 +324,19 @@ class EtcdStore:
         ``on_error`` is called once if the watch dies (etcd restarted, revision compacted):
         the caller re-reads and watches again from the new revision.
         """
+        end = pyetcd.utils.prefix_range_end(pyetcd.utils.to_bytes(prefix))  # bytes: may not be UTF-8
+        return self.watch_range(prefix, end, on_events, on_error, start_revision)
+
+    def watch_range(
+        self,
+        start: str,
+        end: bytes | str,
+        on_events: Callable[[List[WatchEvent]], None],
+        on_error: Callable[[BaseException], None],
+        start_revision: Optional[int] = None,
+    ) -> Callable[[], None]:
+        """Like :meth:`watch_prefix` for the keys in ``[start, end)``: etcd filters, so changes
+        outside the range cost the watcher nothing."""
 
         def callback(resp: Any) -> None:
             if isinstance(resp, BaseException):
@@ -333,13 +355,15 @@ class EtcdStore:
             if batch:
                 on_events(batch)
 
-        kwargs = {} if start_revision is None else {"start_revision": start_revision}
+        kwargs: Dict[str, Any] = {"range_end": end}
+        if start_revision is not None:
+            kwargs["start_revision"] = start_revision
 
         def op(c: MultiEndpointEtcd3Client) -> Any:
             # etcd answers a watch made with an expired token with "created, canceled", which the
             # library takes for success (a silent, dead watch): a read first renews the token.
-            c.get_response(prefix)
-            return c.add_watch_prefix_callback(prefix, callback, **kwargs)
+            c.get_response(start)
+            return c.add_watch_callback(start, callback, **kwargs)
 
         watch_id = self._call("watch", op)
 

@@ -6,6 +6,10 @@ The binary is looked up in this order: an explicit path, ``$ELASTICRUN_ETCD_BINA
 With a :class:`ServerTLS` the server speaks https (and, with a client CA, requires client
 certificates); ``auth_token_ttl`` sets etcd's ``--auth-token-ttl`` (authentication itself is
 turned on through the API: :func:`elasticrun.store.admin.enable_auth`).
+
+``unsafe_no_fsync`` starts etcd with ``--unsafe-no-fsync`` (etcd >= 3.5; an older binary that
+rejects the flag is started again without it): for a private, throw-away member only, whose data
+nobody reads after its machine crashes (see :mod:`elasticrun.launch.hosting`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from elasticrun.job import env as names
 from elasticrun.proc import with_parent_death_signal
 
 ENV_BINARY = names.ETCD_BINARY
+NO_FSYNC_FLAG = "--unsafe-no-fsync"
 
 
 def find_etcd_binary(explicit: Optional[str] = None) -> str:
@@ -143,6 +148,7 @@ class EtcdServer:
     tls: Optional[ServerTLS] = None
     health_tls: Optional[HealthTLS] = None  # for https health checks (default: the server's CA, no cert)
     auth_token_ttl: Optional[int] = None  # seconds an idle auth token stays valid (etcd's default: 300)
+    unsafe_no_fsync: bool = False  # skip fsync: only for a throw-away member (its data dies with its machine)
     proc: Optional[subprocess.Popen] = field(default=None, init=False, repr=False)
     _own_data_dir: bool = field(default=False, init=False, repr=False)
     _own_log: bool = field(default=False, init=False, repr=False)
@@ -186,6 +192,7 @@ class EtcdServer:
             "--election-timeout=100",
             *(self.tls.args() if self.tls is not None else []),
             *([f"--auth-token-ttl={int(self.auth_token_ttl)}"] if self.auth_token_ttl else []),
+            *([NO_FSYNC_FLAG] if self.unsafe_no_fsync else []),
             *self.extra_args,
         ]
 
@@ -211,6 +218,20 @@ class EtcdServer:
             fd, self.log_path = tempfile.mkstemp(prefix=f"elasticrun-etcd-{self.name}-", suffix=".log")
             os.close(fd)
             self._own_log = True
+        self._spawn()
+        if wait_healthy:
+            try:
+                self.wait_healthy(timeout)
+            except StoreError:
+                if not (self.unsafe_no_fsync and _rejected_flag(self.log_path, NO_FSYNC_FLAG)):
+                    raise
+                self.unsafe_no_fsync = False  # an etcd older than 3.5: start it as it is (with fsync)
+                self._spawn()
+                self.wait_healthy(timeout)
+        return self
+
+    def _spawn(self) -> None:
+        assert self.log_path is not None
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 with_parent_death_signal(self.command()),
@@ -219,9 +240,6 @@ class EtcdServer:
                 stderr=log,
                 start_new_session=True,
             )
-        if wait_healthy:
-            self.wait_healthy(timeout)
-        return self
 
     def healthy(self) -> bool:
         ctx = None
@@ -238,14 +256,21 @@ class EtcdServer:
             return False
 
     def wait_healthy(self, timeout: float = 20.0) -> None:
+        """Block until the member serves requests; StoreError when it exits or ``timeout`` passes.
+
+        Polls the client port first (a refused connect costs microseconds) and asks ``/health``
+        once it accepts; the pauses start at 2 ms and grow to 50 ms, so a member that is up in
+        tens of milliseconds is seen within a few of them, and a slow one is not hammered."""
         deadline = time.monotonic() + timeout
+        pause = 0.002
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 last = _last_line(self.log_path) or f"exit code {self.proc.returncode}"
                 raise StoreError(f"etcd server {self.name} exited at start: {last[:300]}")
-            if self.healthy() or (not self._can_check_health() and self._serving()):
+            if self._accepts() and (self.healthy() if self._can_check_health() else self.running()):
                 return
-            time.sleep(0.05)
+            time.sleep(pause)
+            pause = min(pause * 1.5, 0.05)
         raise StoreError(f"etcd server {self.name} at {self.endpoint} not healthy after {timeout:.0f}s")
 
     def _can_check_health(self) -> bool:
@@ -255,11 +280,11 @@ class EtcdServer:
         tls = self.health_tls or HealthTLS(ca=self.tls.client_ca)
         return bool(tls.ca) and (not self.tls.client_ca or bool(tls.cert and tls.key))
 
-    def _serving(self) -> bool:
-        """Our process accepts connections on the client port (health over https needs our CA)."""
+    def _accepts(self) -> bool:
+        """Something accepts connections on the client port (our process: the port was free at start)."""
         try:
             with socket.create_connection((self.host, self.client_port), timeout=0.5):
-                return self.running()
+                return True
         except OSError:
             return False
 
@@ -338,6 +363,21 @@ class EtcdCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _rejected_flag(log_path: Optional[str], flag: str) -> bool:
+    """Whether etcd's log says it does not know ``flag`` (Go's flag package writes the error line,
+    then its usage text)."""
+    if not log_path:
+        return False
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 65536))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return False
+    return f"flag provided but not defined: -{flag.lstrip('-')}" in text
 
 
 def _last_line(path: Optional[str]) -> str:

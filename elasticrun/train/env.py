@@ -163,7 +163,9 @@ def _read_event(path: str) -> Optional[RescaleEvent]:
         return None
     try:
         with open(path, encoding="utf-8") as f:
-            return RescaleEvent.from_dict(json.load(f))
+            data = json.load(f)
+        # The agent writes {} when the round has no rescale event (the job's first round).
+        return RescaleEvent.from_dict(data) if data else None
     except (OSError, ValueError, KeyError, TypeError) as err:
         log.warning("ignoring rescale event file %s: %s", path, err)
         return None

@@ -12,7 +12,8 @@ skips, so a job does not crash-loop on one damaged checkpoint.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional
+import time
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple
 
 from elasticrun.errors import CheckpointError
 
@@ -52,13 +53,15 @@ def load_latest(
     ``restore_rng`` (default), the generators saved under ``"rng"`` by
     :func:`elasticrun.train.rng.capture_rng` — restored per rank at the same world size,
     re-derived from (seed, step, rank) at another (see :mod:`elasticrun.train.rng`).
-    With ``memory`` (default) the node's memory snapshots (``elasticrun.checkpoint.memory``)
-    compete with ``root`` by training step; the result's ``.tier`` says which one was loaded.
+    With ``memory`` (default) the job's memory snapshots (``elasticrun.checkpoint.memory``:
+    every node's parts and peer replicas together, at any world size; missing parts are fetched
+    from peers' memory) compete with ``root`` by training step, memory first at equal steps;
+    the result's ``.tier`` says which one was loaded.
     Raises :class:`CheckpointError` when checkpoints exist but none can be loaded (or the
     newest cannot, with ``fallback=False``).
     """
     from elasticrun.checkpoint import load
-    from elasticrun.checkpoint.memory_restore import ResumedCheckpoint, candidates, drop_newer_generations
+    from elasticrun.checkpoint.memory_restore import ResumedCheckpoint, Tier, candidates, drop_newer_generations
 
     # Both tiers, newest step first: memory snapshots (ELASTICRUN_SNAPSHOT_DIR) and ``root``.
     names = candidates(root, process_group, memory=memory)
@@ -67,7 +70,10 @@ def load_latest(
     failures = []
     for tier, where, name in names if fallback else names[:1]:
         try:
-            ckpt = load(where, name, state_dict=state_dict, placements=placements, process_group=process_group)
+            if tier is Tier.MEMORY:
+                ckpt, _loaded_from = _load_memory(name, state_dict, placements, process_group)
+            else:
+                ckpt = load(where, name, state_dict=state_dict, placements=placements, process_group=process_group)
         except CheckpointError as err:  # raised on every rank alike, so all ranks move on together
             failures.append(f"{name}: {err}")
             if fallback and len(failures) < len(names):
@@ -79,6 +85,26 @@ def load_latest(
     raise CheckpointError(
         f"no checkpoint under {root} could be loaded ({len(failures)} tried); newest: {failures[0]}"
     )
+
+
+def _load_memory(name: str, state_dict: Optional[Dict[str, Any]], placements: Optional[Mapping[str, Any]],
+                 process_group: Any) -> Tuple[LoadedCheckpoint, str]:
+    """Load memory generation ``name``: its parts are first gathered on every node from peers'
+    memory where missing (:func:`~elasticrun.checkpoint.memory_fetch.materialize`). Files are
+    not re-hashed: each was hashed when written or received (see that module)."""
+    from elasticrun.checkpoint import load
+    from elasticrun.checkpoint.memory_fetch import materialize, release
+
+    t0 = time.perf_counter()
+    where, fetched = materialize(name, process_group)
+    try:
+        ckpt = load(where, name, state_dict=state_dict, placements=placements, process_group=process_group,
+                    verify=False)
+    finally:
+        release(name)
+    log.info("restored memory snapshot %s in %.2fs (%d file(s), %d bytes fetched from peers)", name,
+             time.perf_counter() - t0, fetched["files"], fetched["bytes"])
+    return ckpt, where
 
 
 def _restore_extras(ckpt: LoadedCheckpoint, sampler: Any, restore_rng: bool, process_group: Any) -> None:

@@ -1,0 +1,150 @@
+"""Persisting a committed memory generation to a disk root, with the save's atomic commit.
+
+One node (:func:`persist_generation`): rank 0 holds every file and copies them all. Several
+nodes (:func:`persist_across_nodes`): each node's leader copies its own parts into the same
+temporary directory of the (shared) disk root, the ranks agree that every copy succeeded, and
+rank 0 checks that every file is there and commits — as a collective save would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from typing import Any, Dict, List, Optional
+
+from elasticrun.checkpoint.format import METADATA_FILE, CheckpointMeta, FileEntry, tmp_dir_name
+from elasticrun.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+
+def _copy_checked(src_path: str, storage: Any, dst: str, entry: FileEntry, name: str) -> None:
+    """Copy one file to ``dst`` on ``storage``, checking its sha256 on the way."""
+    sha = hashlib.sha256()
+    with open(src_path, "rb") as src:
+        out = storage.open_write(dst)
+        try:
+            while True:
+                chunk = src.read(8 << 20)
+                if not chunk:
+                    break
+                sha.update(chunk)
+                out.write(chunk)
+            storage.finish_write(out)
+        finally:
+            out.close()
+    if sha.hexdigest() != entry.sha256:
+        raise CheckpointError(f"{entry.name} of snapshot {name!r} does not match its sha256 (memory corrupted?)")
+
+
+def persist_generation(src_dir: str, name: str, disk_root: str, keep_last: Optional[int] = None,
+                       storage_options: Optional[Dict[str, Any]] = None) -> str:
+    """Copy the committed generation in ``src_dir`` to ``<disk_root>/<name>`` with the save's
+    atomic commit (shards to a temporary directory, fsync, sha256 checked while copying,
+    ``metadata.json`` last, rename). Returns the name; raises CheckpointError (rolled back)."""
+    from elasticrun.checkpoint.commit import commit, new_token, rollback
+    from elasticrun.checkpoint.retention import apply_keep_last
+    from elasticrun.checkpoint.storage import get_storage
+    from elasticrun.checkpoint.temps import write_marker
+    from elasticrun.checkpoint.validate import next_seq
+
+    with open(os.path.join(src_dir, METADATA_FILE), "rb") as f:
+        meta = CheckpointMeta.loads(f.read(), os.path.join(src_dir, METADATA_FILE))
+    storage = get_storage(disk_root, storage_options)
+    storage.mkdirs(storage.root)
+    final = storage.join(name)
+    if storage.exists(final):
+        return name  # already persisted
+    tmp = storage.join(tmp_dir_name(name, new_token()))
+    try:
+        storage.mkdirs(tmp)
+        write_marker(storage, tmp)
+        for fname, entry in sorted(meta.files.items()):
+            _copy_checked(os.path.join(src_dir, fname), storage, f"{tmp}/{fname}", entry, name)
+        meta.seq = next_seq(storage)
+        commit(storage, tmp, final, meta.dumps(), 0)
+    except Exception as err:
+        note = rollback(storage, tmp)
+        raise CheckpointError(f"persisting snapshot {name!r} to {disk_root} failed: {err}; {note}") from None
+    if keep_last is not None:
+        apply_keep_last(storage, keep_last, protect=name)
+    return name
+
+
+def persist_across_nodes(base: str, name: str, layout: Any, group: Any, disk_root: str,
+                         keep_last: Optional[int] = None) -> Optional[str]:
+    """Collective over ``group`` (every rank of the snapshot's group calls it, in the same order):
+    persist generation ``name`` of a job spanning several nodes to ``disk_root``, which every node
+    must reach (a shared filesystem, as for :func:`~elasticrun.checkpoint.save`). Returns the
+    name on rank 0 when it committed, else None; a failure is logged and rolled back, never raised
+    (training goes on; a later generation is persisted instead)."""
+    import torch.distributed as dist
+
+    from elasticrun.checkpoint.commit import commit, rollback
+    from elasticrun.checkpoint.retention import apply_keep_last
+    from elasticrun.checkpoint.storage import get_storage
+    from elasticrun.checkpoint.temps import write_marker
+    from elasticrun.checkpoint.validate import next_seq
+
+    token = hashlib.sha256(name.encode()).hexdigest()[:12]  # the same temporary directory on every node
+    error: Optional[str] = None
+    meta: Optional[CheckpointMeta] = None
+    storage: Any = None
+    tmp = final = ""
+    stage = os.path.join(base, "persist", name)
+    try:
+        storage = get_storage(disk_root)
+        tmp, final = storage.join(tmp_dir_name(name, token)), storage.join(name)
+        if layout.leader:
+            gen = os.path.join(base, "generations", name)
+            with open(os.path.join(gen, METADATA_FILE), "rb") as f:
+                meta = CheckpointMeta.loads(f.read(), os.path.join(gen, METADATA_FILE))
+            mine: List[FileEntry] = layout.files_of_node(meta, layout.me)
+            shutil.rmtree(stage, ignore_errors=True)
+            os.makedirs(stage)
+            for e in mine:  # hard links pin the files: retention may drop the generation meanwhile
+                os.link(os.path.join(gen, e.name), os.path.join(stage, e.name))
+            storage.mkdirs(tmp)
+            for e in mine:
+                _copy_checked(os.path.join(stage, e.name), storage, f"{tmp}/{e.name}", e, name)
+    except Exception as err:  # noqa: BLE001 - agreed on below
+        error = f"node {layout.me}: {err}"
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    problems: List[Optional[str]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(problems, error, group=group)
+    done: List[Optional[str]] = [None]
+    if dist.get_rank(group) == 0:
+        try:
+            bad = [p for p in problems if p]
+            if bad:
+                raise CheckpointError(bad[0])
+            assert meta is not None and storage is not None
+            missing = [f for f, e in sorted(meta.files.items())
+                       if not storage.exists(f"{tmp}/{f}") or storage.size(f"{tmp}/{f}") != e.size]
+            if missing:
+                raise CheckpointError(f"{missing[0]} is not in {storage.display(tmp)} (is the disk root shared "
+                                      "by every node?)")
+            write_marker(storage, tmp)
+            meta.seq = next_seq(storage)
+            commit(storage, tmp, final, meta.dumps(), 0)
+            done[0] = name
+        except Exception as err:  # noqa: BLE001 - a failed copy must not stop training
+            note = rollback(storage, tmp) if storage is not None and tmp else ""
+            log.warning("snapshot %s was not persisted to %s: %s; %s", name, disk_root, err, note)
+    dist.broadcast_object_list(done, src=dist.get_global_rank(group, 0), group=group)
+    if done[0] is None:
+        if layout.leader and storage is not None and tmp:
+            try:  # a disk root that is not shared leaves each node's part here
+                storage.remove_tree(tmp)
+            except Exception:  # noqa: BLE001 - already gone (a shared root: rank 0 rolled it back)
+                pass
+        return None
+    if dist.get_rank(group) == 0 and keep_last is not None:
+        apply_keep_last(storage, keep_last, protect=name)
+    return done[0] if dist.get_rank(group) == 0 else None
+
+
+__all__ = ["persist_across_nodes", "persist_generation"]

@@ -1,0 +1,291 @@
+"""Peer replicas of memory generations, and the byte transport they share with restore.
+
+After a generation commits, each node's leader sends its node's parts to the next node on
+the ring (nodes ordered by their lowest rank, see :class:`~.memory_commit.NodeLayout`),
+which stores them under ``<snapshot dir>/replicas/<name>/`` with the generation's global
+``metadata.json`` and a ``replica.json`` (which node they came from). Every file's sha256
+is checked on receipt, before the directory is renamed into place, so a replica that exists
+is whole and verified; the newest ``keep`` replicas are kept.
+
+Transport: a private gloo group made once by the :class:`Replicator` (collectively, on the
+snapshot's main thread) and used only by its one background thread: point-to-point
+send/recv of file bytes in chunks. Each leader posts its sends (``isend``) before its
+receives, chunk by chunk, so a ring of any size cannot deadlock. Nothing is exposed on the
+network beyond the job's own process group. Why not agent-to-agent: the workers already
+hold an authenticated-by-membership gloo mesh; an agent transport would need its own
+listener, authentication and flow control.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+import os
+import queue
+import shutil
+import threading
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from elasticrun.checkpoint.commit import new_token
+from elasticrun.checkpoint.format import METADATA_FILE, CheckpointMeta, FileEntry, tmp_dir_name
+from elasticrun.checkpoint.memory_commit import NodeLayout, retain
+from elasticrun.errors import CheckpointError
+from elasticrun.job import env as env_names
+
+log = logging.getLogger(__name__)
+
+REPLICAS = "replicas"
+OUTGOING = "outgoing"
+REPLICA_FILE = "replica.json"
+CHUNK = 64 << 20
+#: How long a replica transfer waits for its peer before giving up (seconds).
+TIMEOUT = float(os.environ.get(env_names.SNAPSHOT_REPLICA_TIMEOUT, "300"))
+
+
+def _global(group: Any, rank: int) -> int:
+    import torch.distributed as dist
+
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def _chunks(size: int) -> List[Tuple[int, int]]:
+    return [(a, min(CHUNK, size - a)) for a in range(0, size, CHUNK)]
+
+
+def send_file(path: Optional[str], size: int, dst: int, group: Any) -> Optional[str]:
+    """Send ``size`` bytes of ``path`` to group rank ``dst`` (blocking, chunked). A missing or
+    short file is padded with zeros (the receiver's sha256 check fails: it never hangs);
+    returns that problem or None."""
+    import torch.distributed as dist
+
+    problem = None
+    try:
+        f: Any = open(path, "rb") if path else None  # noqa: SIM115 - closed below
+    except OSError as err:
+        f, problem = None, f"{path}: {err}"
+    try:
+        for _off, n in _chunks(size):
+            buf = bytearray(n)
+            if f is None or f.readinto(buf) != n:
+                problem = problem or f"{path} is missing or shorter than {size} bytes"
+            dist.send(torch.frombuffer(buf, dtype=torch.uint8), dst=_global(group, dst), group=group)
+    finally:
+        if f is not None:
+            f.close()
+    return problem
+
+
+def recv_file(path: str, entry: FileEntry, src: int, group: Any) -> Optional[str]:
+    """Receive ``entry.size`` bytes from group rank ``src`` into ``path``; the problem or None
+    (sha256 checked against ``entry``)."""
+    import torch.distributed as dist
+
+    sha = hashlib.sha256()
+    with open(path, "wb") as f:
+        for _off, n in _chunks(entry.size):
+            t = torch.empty(n, dtype=torch.uint8)
+            dist.recv(t, src=_global(group, src), group=group)
+            view = memoryview(t.numpy()).cast("B")
+            sha.update(view)
+            f.write(view)
+    return None if sha.hexdigest() == entry.sha256 else f"{entry.name} arrived corrupt (sha256 mismatch)"
+
+
+def exchange(group: Any, dst: Optional[int], outgoing: Sequence[Tuple[str, int]], src: Optional[int],
+             incoming: Sequence[int], sink: Callable[[int, memoryview], None]) -> None:
+    """Send the files ``outgoing`` ([(path, size)]) to ``dst`` while receiving ``incoming``
+    (sizes) from ``src``: per chunk, the send is posted before the receive (deadlock-free on a
+    ring). ``sink(file index, bytes)`` gets the received bytes in order."""
+    import torch.distributed as dist
+
+    sends = [(path, off, n) for path, size in outgoing for off, n in _chunks(size)]
+    recvs = [(i, n) for i, size in enumerate(incoming) for _off, n in _chunks(size)]
+    files: dict = {}
+    try:
+        for k in range(max(len(sends), len(recvs))):
+            work = None
+            if k < len(sends) and dst is not None:
+                path, off, n = sends[k]
+                f = files.get(path) or files.setdefault(path, open(path, "rb"))  # noqa: SIM115 - closed below
+                buf = bytearray(n)
+                f.seek(off)
+                if f.readinto(buf) != n:
+                    raise CheckpointError(f"{path} is shorter than expected")
+                work = dist.isend(torch.frombuffer(buf, dtype=torch.uint8), dst=_global(group, dst), group=group)
+            if k < len(recvs) and src is not None:
+                i, n = recvs[k]
+                t = torch.empty(n, dtype=torch.uint8)
+                dist.recv(t, src=_global(group, src), group=group)
+                sink(i, memoryview(t.numpy()).cast("B"))
+            if work is not None:
+                work.wait()
+    finally:
+        for f in files.values():
+            f.close()
+
+
+def _send_header(group: Any, dst: Optional[int], src: Optional[int], meta: Optional[bytes]) -> Optional[bytes]:
+    """Exchange ``[ok, len(metadata)]`` + metadata bytes with the ring neighbours; the predecessor's
+    metadata (None when it has nothing to send)."""
+    import torch.distributed as dist
+
+    head = torch.tensor([1 if meta else 0, len(meta or b"")], dtype=torch.int64)
+    work = dist.isend(head, dst=_global(group, dst), group=group) if dst is not None else None
+    theirs = torch.zeros(2, dtype=torch.int64)
+    if src is not None:
+        dist.recv(theirs, src=_global(group, src), group=group)
+    if work is not None:
+        work.wait()
+    body_work, out = None, torch.frombuffer(bytearray(meta or b"\0"), dtype=torch.uint8)
+    if dst is not None and meta:
+        body_work = dist.isend(out, dst=_global(group, dst), group=group)
+    got: Optional[bytes] = None
+    if src is not None and int(theirs[0]):
+        body = torch.empty(int(theirs[1]), dtype=torch.uint8)
+        dist.recv(body, src=_global(group, src), group=group)
+        got = bytes(body.numpy())
+    if body_work is not None:
+        body_work.wait()
+    return got
+
+
+def replicate_generation(base: str, name: str, layout: NodeLayout, group: Any, keep: int) -> Optional[str]:
+    """Leaders only, on every leader at once: send this node's parts of ``name`` to the next node
+    and store the previous node's parts as a replica. Returns the replica's name or None."""
+    me = layout.me
+    if len(layout.nodes) < 2 or not layout.leader:
+        return None
+    dst, src = layout.nodes[layout.successor(me)][0], layout.nodes[layout.predecessor(me)][0]
+    gen = os.path.join(base, "generations", name)
+    stage = os.path.join(base, OUTGOING, name)
+    meta_bytes: Optional[bytes] = None
+    outgoing: List[Tuple[str, int]] = []
+    try:  # hard links pin the files: retention may remove the generation meanwhile
+        shutil.rmtree(stage, ignore_errors=True)
+        os.makedirs(stage)
+        with open(os.path.join(gen, METADATA_FILE), "rb") as f:
+            meta_bytes = f.read()
+        mine = CheckpointMeta.loads(meta_bytes, gen)
+        for e in layout.files_of_node(mine, me):
+            os.link(os.path.join(gen, e.name), os.path.join(stage, e.name))
+            outgoing.append((os.path.join(stage, e.name), e.size))
+    except (OSError, CheckpointError) as err:
+        log.warning("snapshot %s is gone before its replica was sent (%s): skipped", name, err)
+        meta_bytes, outgoing = None, []
+    try:
+        theirs = _send_header(group, dst, src, meta_bytes)
+        meta = CheckpointMeta.loads(theirs, f"replica of {name}") if theirs else None
+        entries = layout.files_of_node(meta, layout.predecessor(me)) if meta is not None else []
+        root = os.path.join(base, REPLICAS)
+        tmp = os.path.join(root, tmp_dir_name(name, new_token()))
+        if entries:
+            os.makedirs(tmp)
+        hashes = [hashlib.sha256() for _ in entries]
+        handles: dict = {}
+
+        def sink(i: int, data: memoryview) -> None:
+            f = handles.get(i) or handles.setdefault(i, open(os.path.join(tmp, entries[i].name), "wb"))  # noqa: SIM115
+            hashes[i].update(data)
+            f.write(data)
+
+        try:
+            exchange(group, dst if outgoing else None, outgoing, src if entries else None,
+                     [e.size for e in entries], sink)
+        finally:
+            for f in handles.values():
+                f.close()
+        if not entries:
+            return None
+        bad = [e.name for e, h in zip(entries, hashes) if h.hexdigest() != e.sha256]
+        if bad:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"{bad[0]} arrived corrupt (sha256 mismatch)")
+        with open(os.path.join(tmp, REPLICA_FILE), "w", encoding="utf-8") as f:
+            json.dump({"from_node": layout.predecessor(me), "to_node": me,
+                       "files": [e.name for e in entries]}, f)
+        assert theirs is not None
+        with open(os.path.join(tmp, METADATA_FILE), "wb") as f:
+            f.write(theirs)
+        final = os.path.join(root, name)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        retain(root, keep, protect=name)
+        return name
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+class Replicator:
+    """Replicates committed generations to the ring neighbour on one background thread."""
+
+    def __init__(self, process_group: Any, base: str, keep: int) -> None:
+        import torch.distributed as dist
+
+        ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+        # Collective (every rank of the job calls it, in the same order as other groups).
+        self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=TIMEOUT))
+        self.base, self.keep = base, keep
+        self._queue: queue.Queue = queue.Queue()
+        self._idle = threading.Condition()
+        self._pending = 0
+        self.last: Optional[str] = None
+        self.persisted: Optional[str] = None  # the generation persisted to disk last (rank 0)
+        self.errors: List[str] = []
+        self._thread = threading.Thread(target=self._loop, name="snapshot-replicas", daemon=True)
+        self._thread.start()
+
+    def submit(self, name_or_handle: Any, layout: NodeLayout,
+               persist: Optional[Tuple[str, Optional[int]]] = None) -> None:
+        """Queue a generation (its name, or the async handle that will commit it). Every rank
+        submits the same generations in the same order (non-leaders skip them). ``persist``:
+        ``(disk root, keep_last)`` to also copy this generation to disk afterwards (collective)."""
+        with self._idle:
+            self._pending += 1
+        self._queue.put((name_or_handle, layout, persist))
+
+    def _loop(self) -> None:
+        from elasticrun.checkpoint.memory_persist import persist_across_nodes
+
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            what, layout, persist = item
+            name: Optional[str] = None
+            try:
+                name = what if isinstance(what, str) else what.result()
+                got = replicate_generation(self.base, name, layout, self.group, self.keep)
+                if got:
+                    self.last = got
+            except Exception as err:  # noqa: BLE001 - a lost replica must not stop training
+                self.errors.append(str(err))
+                log.warning("snapshot replica failed: %s", err)
+            try:
+                if persist is not None and name is not None:  # the commit is collective: all ranks have it
+                    done = persist_across_nodes(self.base, name, layout, self.group, *persist)
+                    if done:
+                        self.persisted = done
+            except Exception as err:  # noqa: BLE001 - a failed disk copy must not stop training
+                self.errors.append(str(err))
+                log.warning("snapshot %s was not persisted: %s", name, err)
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every queued generation is replicated (or failed); False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Wait (at most ``timeout`` s: a peer may be gone) for the queued replicas, then stop."""
+        self.wait(min(timeout, TIMEOUT))
+        self._queue.put(None)
+
+
+__all__ = ["REPLICAS", "REPLICA_FILE", "Replicator", "exchange", "recv_file", "replicate_generation", "send_file"]

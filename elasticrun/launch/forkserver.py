@@ -1,0 +1,205 @@
+"""The agent's side of the fork server: one warmed interpreter per node that forks every worker.
+
+A standby interpreter that imports torch and DDP's first-use modules costs ~3 CPU-s; on a
+node with few cores, warming one per local rank while the round's own workers start slows
+both down, and a crash early in a round finds no standby ready. A fork server pays the imports
+once per agent (not per round, not per worker), is ready from the first round on, and forks a
+worker in milliseconds at any moment of a round. Its memory is one interpreter's, shared
+copy-on-write with the workers forked from it. :mod:`elasticrun.launch.zygote` is the server;
+this module starts it, sends it orders and turns its replies into :class:`ForkedProcess`
+objects that look like ``subprocess.Popen`` to the worker group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from enum import Enum
+from typing import Dict, List, Optional
+
+from elasticrun.proc import with_parent_death_signal
+
+INLINE_MAX = 60_000  # below the server's packet size; a bigger order goes through a file
+
+
+class ServerState(Enum):
+    STARTING = "starting"  # importing torch
+    READY = "ready"
+    GONE = "gone"  # exited, unsafe to fork from, or closed
+
+
+class ForkedProcess:
+    """A worker forked by the server: the parts of ``subprocess.Popen`` the worker group uses."""
+
+    stdin = None
+
+    def __init__(self, pid: int, stdout: object, stderr: object) -> None:
+        self.pid = pid
+        self.stdout = stdout
+        self.stderr = stderr
+        self.returncode: Optional[int] = None
+        self._done = threading.Event()
+
+    def _exited(self, code: int) -> None:
+        if self.returncode is None:
+            self.returncode = code
+        self._done.set()
+
+    def poll(self) -> Optional[int]:
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        if not self._done.wait(timeout):
+            raise subprocess.TimeoutExpired(f"forked worker {self.pid}", timeout or 0.0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkServer:
+    """Start the server (it imports torch meanwhile), then :meth:`spawn` workers from it."""
+
+    def __init__(self, label: List[str], env: Dict[str, str], log_path: str, order_dir: str) -> None:
+        self._ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        cmd = [sys.executable, "-u", "-m", "elasticrun.launch.warm", "--server", "--", *label]
+        self.log_path = log_path
+        self._order_dir = order_dir
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                with_parent_death_signal(cmd), env=env, stdin=theirs.fileno(), stdout=log, stderr=log,
+                start_new_session=True,
+            )
+        theirs.close()
+        self.started = time.monotonic()
+        self.state = ServerState.STARTING
+        self.why_gone = ""
+        self._cond = threading.Condition()
+        self._next_id = 0
+        self._pids: Dict[int, int] = {}  # order id → pid
+        self._children: Dict[int, ForkedProcess] = {}
+        self._early_exits: Dict[int, int] = {}  # pid → code, for an exit read before its ForkedProcess exists
+        threading.Thread(target=self._read, name="forkserver", daemon=True).start()
+
+    # -- replies ------------------------------------------------------------------------------
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data = self._ours.recv(4096)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            msg = json.loads(data)
+            with self._cond:
+                if "ready" in msg:
+                    self.state = ServerState.READY
+                elif "unsafe" in msg:
+                    self._gone(f"not forking: {msg['unsafe']}")
+                elif "forked" in msg:
+                    self._pids[int(msg["forked"])] = int(msg["pid"])
+                elif "exit" in msg:
+                    pid, code = int(msg["exit"]), int(msg["code"])
+                    child = self._children.pop(pid, None)
+                    if child is None:
+                        self._early_exits[pid] = code
+                    else:
+                        child._exited(code)
+                self._cond.notify_all()
+        with self._cond:
+            self._gone(self.why_gone or "the fork server exited")
+            for child in self._children.values():  # they die with the server (parent-death signal)
+                child._exited(-int(signal.SIGKILL))
+            self._children.clear()
+            self._cond.notify_all()
+
+    def _gone(self, why: str) -> None:
+        if self.state is not ServerState.GONE:
+            self.state = ServerState.GONE
+            self.why_gone = why
+
+    # -- use ----------------------------------------------------------------------------------
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait until the server has imported torch (True) or is gone / ``timeout`` passed (False)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.state is not ServerState.STARTING, timeout)
+            return self.state is ServerState.READY
+
+    def spawn(self, order: Dict[str, object], timeout: float = 30.0) -> Optional[ForkedProcess]:
+        """Fork a worker for ``order`` (warm.py's env/argv/module/cwd); None if the server cannot."""
+        if self.state is not ServerState.READY:
+            return None
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        with self._cond:
+            self._next_id += 1
+            order_id = self._next_id
+        try:
+            socket.send_fds(self._ours, [self._packet(order_id, order)], [out_w, err_w])
+        except OSError as err:
+            for fd in (out_r, out_w, err_r, err_w):
+                os.close(fd)
+            with self._cond:
+                self._gone(f"sending an order failed: {err}")
+            return None
+        os.close(out_w)
+        os.close(err_w)
+        child = ForkedProcess(-1, os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"))
+        with self._cond:
+            self._cond.wait_for(lambda: order_id in self._pids or self.state is ServerState.GONE, timeout)
+            pid = self._pids.pop(order_id, None)
+            if pid is None:
+                child.stdout.close()  # type: ignore[attr-defined]
+                child.stderr.close()  # type: ignore[attr-defined]
+                self._gone(self.why_gone or f"no fork within {timeout:g}s")
+                return None
+            child.pid = pid
+            if pid in self._early_exits:
+                child._exited(self._early_exits.pop(pid))
+            else:
+                self._children[pid] = child
+        return child
+
+    def _packet(self, order_id: int, order: Dict[str, object]) -> bytes:
+        data = json.dumps({"id": order_id, "order": order}).encode()
+        if len(data) <= INLINE_MAX:
+            return data
+        import tempfile
+
+        fd, path = tempfile.mkstemp(prefix="order-", suffix=".json", dir=self._order_dir)  # mode 0600
+        with os.fdopen(fd, "w") as f:
+            json.dump(order, f)
+        return json.dumps({"id": order_id, "order": {"order_file": path}}).encode()
+
+    def close(self) -> None:
+        """Stop the server; workers forked from it die with it."""
+        try:
+            self._ours.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self._ours.close()
+
+
+__all__ = ["ForkServer", "ForkedProcess", "ServerState"]

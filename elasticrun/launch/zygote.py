@@ -1,0 +1,202 @@
+"""The fork server's side: a warmed interpreter that forks a fresh worker per order, in milliseconds.
+
+The agent starts ``python -m elasticrun.launch.warm --server -- <script> <args>`` with a
+``SOCK_SEQPACKET`` Unix socket as its stdin (:mod:`elasticrun.launch.forkserver` is the agent's
+side). The interpreter imports torch and what DDP pulls in on first use, checks that it is still
+single-threaded (``fork()`` copies only the calling thread: a thread pool started by an import
+would be missing, or hold a lock forever, in every child), and then serves. One message per packet:
+
+    agent → server   {"id": n, "order": {...}} with the worker's stdout and stderr pipe ends
+                     attached (SCM_RIGHTS); the order is warm.py's (env, argv, module, cwd)
+    server → agent   {"ready": true} | {"unsafe": "why"} (then it exits) |
+                     {"forked": n, "pid": p} | {"exit": p, "code": c} (``Popen.returncode`` style)
+
+Each child starts its own session (the agent signals its process group), dies with the server
+(parent-death signal; the server itself dies with the agent), gets the pipes as fds 1 and 2 and
+``/dev/null`` as stdin, and returns the order to warm.py, which runs the script as ``__main__``.
+The server reaps its children at once (SIGCHLD wakes it), so a dead worker never lingers as a
+zombie. End of file on the socket (the agent closed it or died) ends the server.
+
+Keep this module free of elasticrun imports: it runs in the warmed interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import sys
+from typing import Dict, List, Optional, Set
+
+MAX_PACKET = 1 << 16  # an order bigger than this goes through a file (warm.py's order_file)
+PR_SET_PDEATHSIG = 1
+
+
+def _threads() -> int:
+    """Threads of this process (native ones included: an import may start a BLAS pool)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0  # not Linux: the agent does not start a fork server there
+
+
+def _cuda_initialized() -> bool:
+    """True when the CUDA driver was initialized here (a forked child could not use CUDA then).
+
+    Asked only when an import already loaded ``libcuda`` (loading it alone is harmless):
+    ``cuDeviceGetCount`` answers CUDA_ERROR_NOT_INITIALIZED (3) until ``cuInit`` ran.
+    """
+    try:
+        with open("/proc/self/maps") as f:
+            if "libcuda.so" not in f.read():
+                return False
+        import ctypes
+
+        count = ctypes.c_int(0)
+        return int(ctypes.CDLL("libcuda.so.1").cuDeviceGetCount(ctypes.byref(count))) != 3
+    except (OSError, AttributeError):
+        return False
+
+
+def _fork_unsafe() -> str:
+    """Why forking this interpreter would give broken workers, or ``""``."""
+    threads = _threads()
+    if threads != 1:
+        return f"{threads} threads after importing torch (fork copies only one)"
+    if _cuda_initialized():
+        return "CUDA was initialized while importing torch (a forked child could not use it)"
+    return ""
+
+
+def _send(sock: socket.socket, message: Dict[str, object]) -> None:
+    sock.send(json.dumps(message).encode())
+
+
+def _parent_death_signal() -> None:
+    """SIGKILL this process when its parent (the single-threaded server) exits."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+class _Server:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.wake_r, self.wake_w = os.pipe()
+        for fd in (self.wake_r, self.wake_w):
+            os.set_blocking(fd, False)
+        self.children: Set[int] = set()
+        self.pid = os.getpid()
+
+    def run(self) -> Optional[dict]:
+        """Serve until end of file (None); in a forked child, return its order."""
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # a handler, so SIGCHLD writes the wake-up fd
+        signal.set_wakeup_fd(self.wake_w)
+        while True:
+            ready, _, _ = select.select([self.sock, self.wake_r], [], [])
+            if self.wake_r in ready:
+                self._drain_wakeups()
+            self._reap()
+            if self.sock in ready:
+                try:
+                    data, fds, _, _ = socket.recv_fds(self.sock, MAX_PACKET, 2)
+                except OSError:
+                    return None
+                if not data:
+                    return None  # the agent is gone: our children die with us
+                order = self._fork(json.loads(data), fds)
+                if order is not None:
+                    return order
+
+    def _drain_wakeups(self) -> None:
+        try:
+            while os.read(self.wake_r, 512):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _reap(self) -> None:
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                self.children.clear()
+                return
+            if pid == 0:
+                return
+            self.children.discard(pid)
+            _send(self.sock, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+
+    def _fork(self, message: dict, fds: List[int]) -> Optional[dict]:
+        """Fork a worker for ``message``; the child returns its order, the server None."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            self._become_child(fds)
+            return dict(message["order"])
+        for fd in fds:
+            os.close(fd)
+        self.children.add(pid)
+        _send(self.sock, {"forked": message["id"], "pid": pid})
+        return None
+
+    def _become_child(self, fds: List[int]) -> None:
+        """In the child: undo the server's plumbing, own session, die with the server, new stdio."""
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.close(self.wake_r)
+        os.close(self.wake_w)
+        self.sock.close()
+        os.setsid()
+        _parent_death_signal()
+        if os.getppid() != self.pid:  # the server died before the signal was armed
+            os._exit(137)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        out, err = (fds + [-1, -1])[:2]
+        for target, fd in ((1, out), (2, err)):
+            if fd >= 0:
+                os.dup2(fd, target)
+                os.close(fd)
+        _fresh_random_state()
+
+
+def _fresh_random_state() -> None:
+    """Give the child its own random state, as a fresh interpreter would have.
+
+    ``random`` reseeds itself after fork; numpy's global generator (seeded from the OS at import,
+    in the server) would otherwise be the same in every worker.
+    """
+    np_random = sys.modules.get("numpy.random")
+    if np_random is not None:
+        try:
+            np_random.seed()
+        except Exception:  # noqa: BLE001 - best effort only
+            pass
+
+
+def serve() -> dict:
+    """Run the fork server on stdin's socket; returns (in a forked child only) that child's order."""
+    sock = socket.socket(fileno=os.dup(0))
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)  # the socket lives on as ``sock``; a forked script must not read it as stdin
+    os.close(null)
+    why = _fork_unsafe()
+    if why:
+        _send(sock, {"unsafe": why})
+        sys.exit(0)
+    _send(sock, {"ready": True})
+    order = _Server(sock).run()
+    if order is None:
+        sys.exit(0)
+    return order
+
+
+__all__ = ["serve"]

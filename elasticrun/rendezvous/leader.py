@@ -1,0 +1,60 @@
+"""Which agent watches every node record: the holder of the job's ``leader`` key.
+
+Forming a round needs every node's record (who waits, who still runs workers), and so does
+noticing that a member died or that a newcomer arrived. If every agent watched all node
+records, N agents joining would cost N² watch deliveries (each registration and each record
+update reaches every agent). Instead one agent, the leader, holds ``leader`` (create-if-absent,
+on its lease) and mirrors ``nodes/``; the others mirror the job without it and learn what
+they need from the keys the leader writes: the topology, ``rounds/<n>/end`` (a member lost,
+newcomers after the stability window) and ``rounds/<n>/joining``.
+
+The key vanishes with the leader's lease (death or leave): every agent sees that (one key,
+one delivery each), the first ``create`` wins, and the winner starts mirroring the nodes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from elasticrun.errors import StoreError
+from elasticrun.job.keys import JobKeys
+from elasticrun.rendezvous.view import JobView
+from elasticrun.store.client import EtcdStore
+
+log = logging.getLogger(__name__)
+
+
+class Leadership:
+    """One agent's claim on the ``leader`` key; switches its view's node mirror to match."""
+
+    def __init__(self, store: EtcdStore, keys: JobKeys, view: JobView, node_id: str) -> None:
+        self.store = store
+        self.keys = keys
+        self.view = view
+        self.node_id = node_id
+
+    def holder(self) -> Optional[str]:
+        """The node id in the leader key as our view has it (None when nobody leads)."""
+        kv = self.view.get(self.keys.leader)
+        return None if kv is None else kv.value.decode(errors="replace")
+
+    def claim(self, lease_id: Optional[int]) -> bool:
+        """Lead when nobody does; True while the key is ours (then the view mirrors every node)."""
+        if lease_id is None:
+            return False
+        kv = self.view.get(self.keys.leader)
+        mine = kv is not None and kv.lease == lease_id
+        if kv is None:
+            try:
+                mine = self.store.create(self.keys.leader, self.node_id, lease=lease_id)
+                if not mine:  # another agent won, or our create went through and its reply was lost
+                    held = self.store.get(self.keys.leader)
+                    mine = held is not None and held.lease == lease_id
+            except StoreError as err:  # our lease just ended (we leave, or lost it): the caller finds out
+                log.debug("could not claim the leader key: %s", err)
+                return False
+            if mine and not self.view.mirrors_nodes:
+                log.info("%s leads the rendezvous (watches every node record)", self.node_id)
+        self.view.mirror_nodes(mine)
+        return mine

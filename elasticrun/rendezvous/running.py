@@ -1,0 +1,149 @@
+"""The rendezvous while a round runs: why it ends, scale-up after the stability window, reports.
+
+A mixin of :class:`elasticrun.rendezvous.protocol.Rendezvous` (split out to keep modules small):
+it reads the job through the agent's :class:`~elasticrun.rendezvous.view.JobView`. Only the
+leader (:mod:`elasticrun.rendezvous.leader`) sees the node records, so it is the one that ends a
+round for a lost member or for newcomers; the others learn it from ``rounds/<n>/end``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+from elasticrun.errors import StoreError
+from elasticrun.job.keys import JobKeys
+from elasticrun.launch.states import JobState, RoundOutcome
+from elasticrun.rendezvous.records import RescaleEvent, Topology
+from elasticrun.rendezvous.view import JobView, loads_record
+from elasticrun.store.client import EtcdStore
+
+log = logging.getLogger(__name__)
+
+
+class RoundMonitor:
+    """Round-time methods of the rendezvous (see the module doc)."""
+
+    store: EtcdStore
+    keys: JobKeys
+    view: JobView
+    settings: Any  # RendezvousSettings
+    node_id: str
+    _say: Callable[[str], None]
+    _newcomers_since: Optional[float]
+
+    def leading(self) -> bool:  # pragma: no cover - provided by Rendezvous
+        raise NotImplementedError
+
+    def recently_unreachable(self) -> bool:  # pragma: no cover - provided by Rendezvous
+        raise NotImplementedError
+
+    def _end_job(self, state: JobState, reason: str, topo: Topology, topo_rev: int) -> None:  # pragma: no cover
+        raise NotImplementedError
+
+    def rescale_event(self, round_: int) -> Optional[RescaleEvent]:
+        """The event that formed round ``round_`` (None when absent or malformed)."""
+        d = self.view.get_json(self.keys.event(round_))
+        if d is None:
+            # Written in the round's transaction, but a view without the node records watches
+            # events/ and the topology on separate ranges: the topology may have come first.
+            try:
+                kv = self.store.get(self.keys.event(round_))
+            except StoreError as err:
+                log.warning("could not read the rescale event of round %d: %s", round_, err)
+                kv = None
+            d = None if kv is None else loads_record(kv.value)
+            d = d if isinstance(d, dict) else None
+        try:
+            return None if d is None else RescaleEvent.from_dict(d)
+        except (ValueError, TypeError, KeyError, AttributeError):  # another agent's bad record: ignore it
+            log.warning("ignoring malformed rescale event of round %d", round_)
+            return None
+
+    def round_change(self, topo: Topology) -> Optional[str]:
+        """Why round ``topo`` is over (None while it runs); RoundOutcome.SUCCEEDED when every member finished."""
+        state = self.view.state()
+        if state:
+            return f"job {state.get('state')}"
+        current, _ = self.view.topology()
+        if current is None or current.round != topo.round:
+            return "a newer round was formed"
+        if self.view.get(self.keys.failed(topo.round)) is not None:
+            failed = self.view.get_json(self.keys.failed(topo.round)) or {}
+            return f"worker failure on {failed.get('node', '?')}"
+        end = self.view.get_json(self.keys.end(topo.round))
+        if end is not None:
+            return str(end.get("reason", "round ended"))
+        if self.leading():  # only the leader sees the node records: it ends the round for everyone
+            nodes = self.view.nodes()
+            members = current.members  # the same round; a member may have rejoined after an outage (new lease)
+            for m in members:
+                entry = nodes.get(m.node_id)
+                if entry is None or entry[1] != m.lease:
+                    if self.recently_unreachable():
+                        continue  # after an etcd outage every lease may have expired: let members rejoin
+                    reason = f"node {m.node_id} left or lost its lease"
+                    self.store.create(self.keys.end(topo.round), json.dumps({"reason": reason, "by": self.node_id}))
+                    return reason
+        if len(self.view.under(self.keys.dones(topo.round))) >= len(topo.members):
+            return RoundOutcome.SUCCEEDED
+        return None
+
+    def scale_up_pending(self, topo: Topology) -> bool:
+        """True once the leader saw a newcomer: round ``topo`` ends within a stability window."""
+        return self._newcomers_since is not None or self.view.get(self.keys.joining(topo.round)) is not None
+
+    def maybe_scale_up(self, topo: Topology) -> Optional[float]:
+        """End the round for newcomers once they waited a stability window (below max only).
+
+        Returns the seconds until the window closes (to wake up in time), or None.
+        """
+        s = self.settings
+        if (len(topo.members) >= s.max_nodes or self.view.under(self.keys.dones(topo.round))
+                or not self.view.mirrors_nodes):  # only the leader sees newcomers
+            self._newcomers_since = None
+            return None
+        members = {m.node_id for m in topo.members}
+        # The window opens when a newcomer registers (so it overlaps the newcomer's own start-up);
+        # the round ends once it has closed and at least one newcomer is ready (waiting for a round).
+        newcomers = {n: info for n, (info, _) in self.view.nodes().items() if n not in members}
+        if not newcomers:
+            self._newcomers_since = None
+            return None
+        now = time.monotonic()
+        if self._newcomers_since is None:
+            self._newcomers_since = now
+            self._say(f"{len(newcomers)} node(s) joining; scaling up in {s.stability_window:.1f}s")
+            self.store.create(self.keys.joining(topo.round), json.dumps({"nodes": sorted(newcomers)}))
+        ready = sorted(n for n, info in newcomers.items() if info.waiting_for > topo.round)
+        if now - self._newcomers_since >= s.stability_window and ready:
+            newcomers = {n: newcomers[n] for n in ready}
+            reason = f"scale-up: {len(newcomers)} node(s) joined ({', '.join(sorted(newcomers))})"
+            self.store.create(self.keys.end(topo.round), json.dumps({"reason": reason, "by": self.node_id}))
+            return None
+        left = s.stability_window - (now - self._newcomers_since)
+        return left if left > 0 else None  # closed: the newcomer's "ready" record will wake us
+
+    def report_failure(self, topo: Topology, failures: List[Dict[str, Any]]) -> None:
+        """Record our failed workers and flag the round failed (first flag wins)."""
+        self.store.put_json(self.keys.failure(topo.round, self.node_id), failures)
+        first = failures[0] if failures else {}
+        flag = {"node": self.node_id, "rank": first.get("rank"), "time": time.time()}
+        self.store.create(self.keys.failed(topo.round), json.dumps(flag))
+
+    def report_done(self, topo: Topology) -> None:
+        self.store.put_json(self.keys.done(topo.round, self.node_id), {"time": time.time()})
+
+    def mark_succeeded(self, topo: Topology) -> None:
+        _, rev = self.view.topology()
+        self._end_job(JobState.SUCCEEDED, "all workers exited 0", topo, rev)
+
+    def root_cause(self, round_: int) -> List[Dict[str, Any]]:
+        """Failed workers recorded for round ``round_`` (every node's), oldest first."""
+        kvs, _ = self.store.get_prefix(self.keys.failures(round_))
+        rows: List[Dict[str, Any]] = []
+        for kv in kvs:
+            rows.extend(kv.json())
+        return sorted(rows, key=lambda r: r.get("timestamp") or 0)

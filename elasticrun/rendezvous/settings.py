@@ -1,0 +1,57 @@
+"""What the rendezvous protocol needs from the launch configuration, and what it raises.
+
+Re-exported by :mod:`elasticrun.rendezvous.protocol` (import them from there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+from elasticrun.launch.states import JobState
+
+
+class JobEnded(Exception):
+    """The job reached a terminal state (``state`` key): succeeded or failed."""
+
+    def __init__(self, state: Dict[str, Any]) -> None:
+        super().__init__(state.get("reason", state.get("state", "")))
+        self.state = state
+
+    @property
+    def succeeded(self) -> bool:
+        return self.state.get("state") == JobState.SUCCEEDED.value
+
+
+class LeaseLost(Exception):
+    """Our lease expired or could not be confirmed: we must fence ourselves and rejoin."""
+
+
+@dataclass
+class RendezvousSettings:
+    """What the protocol needs from the launch configuration."""
+
+    job_id: str  # --rdzv-id
+    min_nodes: int
+    max_nodes: int
+    max_restarts: int
+    heartbeat_timeout: float
+    stability_window: float
+    rescale_timeout: float
+    join_timeout: float
+    # Liveness: a main loop silent this long stops refreshing the lease (None: no gate).
+    stall_after: Optional[float] = None
+    # How long to wait for the members of the previous round to stop their workers before
+    # forming the next round without them (a node that neither stops nor loses its lease).
+    busy_timeout: float = 60.0
+
+    @property
+    def job(self) -> str:
+        """Old name of :attr:`job_id`."""
+        return self.job_id
+
+    @property
+    def rejoin_grace(self) -> float:
+        """After an etcd outage, how long a member may be missing before its round is over."""
+        return 2.0 * self.heartbeat_timeout
+    restart_window: float = 0.0  # --restart-window: count max_restarts within this many seconds (0: whole job)

@@ -1,0 +1,57 @@
+"""Host the next round's c10d store without blocking the rendezvous.
+
+The agent hosts a fresh TCPStore for every round it may lead (its port goes into the node
+record). The first one imports torch: seconds on a busy host, and a node joining a running
+job must not make the others wait for that. So the store is started on a thread; the node
+says it is ready for the round at once (with port 0 while the store starts) and publishes
+the port when it is up. Only a round whose group rank 0 has a port can be formed.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Optional
+
+# How long next_round waits for the store before it says "ready" without a port: a store
+# whose torch is already imported starts in milliseconds, so the record is written once.
+QUICK_WAIT_S = 0.2
+
+
+class StoreHost:
+    """Runs ``host_store`` (returns a port) on a thread, one call at a time."""
+
+    def __init__(self, host_store: Callable[[], int], on_ready: Callable[[], None]) -> None:
+        self._host_store = host_store
+        self._on_ready = on_ready
+        self._done = threading.Event()
+        self._port = 0
+        self._error: Optional[BaseException] = None
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        """Start hosting a fresh store (the previous one is closed by ``host_store``).
+
+        A store still starting is kept: nobody knows its port yet, so it is as fresh as a new one.
+        """
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._done.clear()
+        self._port, self._error = 0, None
+        self._thread = threading.Thread(target=self._run, name="round-store", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._port = int(self._host_store())
+        except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread by port()
+            self._error = err
+        self._done.set()
+        self._on_ready()
+
+    def port(self, wait: float = 0.0) -> int:
+        """The store's port; 0 while it is starting. Raises what ``host_store`` raised."""
+        self._done.wait(wait)
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+        return self._port if self._done.is_set() else 0

@@ -1,0 +1,385 @@
+#!/usr/bin/env python
+"""Run every benchmark in ``scripts/`` with one preset, each with its JSON into one output dir.
+
+    python scripts/bench_all.py --out /tmp/perf                      # preset "quick" (~30 min, 2 cores)
+    python scripts/bench_all.py --out /tmp/perf --preset full        # the figures of docs/performance.md
+    python scripts/bench_all.py --out $OUT/perf --device cuda --budget 420   # a lent GPU machine
+    python scripts/perf_report.py /tmp/perf                          # charts + the page's summary table
+
+Every benchmark runs as its own process (its own session) with a time limit; one that fails
+or runs out of time is recorded in ``bench_all.json`` and the next one starts. Each bench's
+options are checked against its ``--help`` first: an option it does not take is dropped
+(recorded as a note), ``--device`` is passed only to the benches that take it, and a bench
+whose ``--json`` is a flag (or that prints its JSON anyway) has the last JSON document of its
+output saved instead. ``--budget`` bounds the whole run: a bench's limit is cut to what is left,
+and benches that would get less than ``--min-slot`` seconds are skipped (recorded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+MANIFEST = "bench_all.json"
+# Scripts called bench_*.py that are helpers of a benchmark, not benchmarks.
+HELPERS = {"bench_all.py", "bench_launch_worker.py", "bench_train.py", "bench_snapshot_jobs.py",
+           "bench_snapshot_worker.py"}
+
+
+class Status(str, Enum):
+    """What became of one benchmark run."""
+
+    OK = "ok"
+    FAILED = "failed"
+    TIMEOUT = "timeout"
+    SKIPPED = "skipped"
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One benchmark invocation: ``name`` is also the stem of its JSON file in the output dir."""
+
+    name: str
+    script: str
+    args: Sequence[str]
+    timeout_s: float
+
+
+def _specs(preset: str, scratch: str) -> List[Spec]:
+    """The invocations of a preset. ``quick`` keeps every bench to a few minutes on 2 cores."""
+    d = ["--dir", scratch] if scratch else []
+    if preset == "quick":
+        return [
+            Spec("launch", "bench_launch.py", ["--scenarios", "launch,launch-multi", "--runs", "3", "--nodes", "2",
+                                               "--procs", "2", "--timeout", "40"], 600),
+            Spec("restart", "bench_launch.py", ["--scenarios", "restart", "--crash-after", "0.2,1,3", "--launchers",
+                                                "elasticrun,torchrun-best", "--runs", "3", "--nodes", "2",
+                                                "--procs", "2", "--timeout", "40"], 900),
+            Spec("elastic", "bench_elastic.py", ["--runs", "2", "--quick", "--timeout", "60"], 420),
+            Spec("elastic-join3", "bench_elastic.py", ["--scenario", "join", "--quick", "--nodes", "3", "--nproc", "1",
+                                                       "--client", "plain", "bench", "example", "--runs", "2",
+                                                       "--timeout", "60"],
+                 480),
+            *[Spec(f"checkpoint-{s}", "bench_checkpoint.py",
+                   ["--state", "gpt", "--size-gib", s, "--repeat", "3", "--settle", "0.3", *d], 300)
+              for s in ("0.1", "0.4")],
+            Spec("rendezvous", "bench_rendezvous.py",
+                 ["--clients", "agent", "--nodes", "8", "32", "128", "256", "--runs", "1"], 300),
+            Spec("snapshot", "bench_snapshot.py", ["--mb", "256", "--repeat", "3"], 300),
+            Spec("snapshot-lost", "bench_snapshot.py", ["--parts", "lost"], 720),
+        ]
+    if preset == "full":
+        return [
+            Spec("launch", "bench_launch.py", ["--runs", "5", "--nodes", "2", "--procs", "2", "--timeout", "45"], 1800),
+            Spec("elastic", "bench_elastic.py", ["--runs", "3", "--timeout", "90"], 2700),
+            Spec("elastic-join3", "bench_elastic.py", ["--scenario", "join", "--quick", "--nodes", "3", "--nproc", "1",
+                                                       "--client", "plain", "bench", "example", "--runs", "3"], 1500),
+            *[Spec(f"checkpoint-{s}", "bench_checkpoint.py", ["--state", "gpt", "--size-gib", s, "--repeat", "5", *d],
+                   1500) for s in ("0.25", "1", "2")],
+            Spec("checkpoint-1-uniform", "bench_checkpoint.py", ["--size-gib", "1", "--repeat", "5", *d], 2400),
+            Spec("rendezvous", "bench_rendezvous.py", ["--clients", "shared", "--runs", "3"], 900),
+            Spec("rendezvous-agent", "bench_rendezvous.py",
+                 ["--clients", "agent", "--nodes", "8", "32", "64", "128", "--runs", "3"], 900),
+            Spec("snapshot", "bench_snapshot.py", ["--mb", "1024", "--repeat", "5", "--parts", "stall,restore,lost"],
+                 1800),
+        ]
+    if preset == "gpu":  # a lent GPU host (16 cores): what the device changes first, ~6 min in all
+        return [
+            Spec("checkpoint-2", "bench_checkpoint.py",
+                 ["--state", "gpt", "--size-gib", "2", "--repeat", "3", "--settle", "0.3", *d], 200),
+            Spec("snapshot", "bench_snapshot.py", ["--mb", "1024", "--repeat", "3"], 120),
+            Spec("launch", "bench_launch.py", ["--runs", "3", "--nodes", "2", "--procs", "1", "--timeout", "30"], 200),
+            Spec("rendezvous", "bench_rendezvous.py",
+                 ["--clients", "shared", "--nodes", "8", "32", "128", "256", "--runs", "1"], 90),
+        ]
+    raise ValueError(f"unknown preset {preset!r}")
+
+
+@dataclass
+class Result:
+    """One row of the manifest."""
+
+    name: str
+    script: str
+    command: str
+    status: Status
+    seconds: float = 0.0
+    returncode: Optional[int] = None
+    json: Optional[str] = None
+    log: Optional[str] = None
+    notes: List[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Interface:
+    """What a bench's ``--help`` says it takes."""
+
+    options: frozenset
+    json_takes_path: bool
+    takes_json: bool
+
+
+def probe(script: Path, python: str) -> Interface:
+    """Read the options of ``script`` from its ``--help`` (an empty set when that fails)."""
+    try:
+        text = subprocess.run([python, str(script), "--help"], capture_output=True, text=True, timeout=120,
+                              cwd=ROOT).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        text = ""
+    usage = text.split("\n\n")[0]  # argparse's usage block lists every option; the description may name others
+    opts = frozenset(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", usage))
+    return Interface(opts, bool(re.search(r"--json[ =][A-Z_]+", usage)), "--json" in opts)
+
+
+def filter_args(args: Sequence[str], iface: Interface) -> tuple:
+    """Drop the options ``iface`` does not know, with their values; returns (kept, notes)."""
+    kept: List[str] = []
+    notes: List[str] = []
+    dropping = False
+    for a in args:
+        if a.startswith("--"):
+            dropping = bool(iface.options) and a not in iface.options
+            if dropping:
+                notes.append(f"dropped {a}: not in the script's --help")
+                continue
+        elif dropping:
+            continue
+        kept.append(a)
+    return kept, notes
+
+
+def last_json(text: str) -> Optional[object]:
+    """The last JSON object or list in ``text`` that starts at the beginning of a line."""
+    decoder = json.JSONDecoder()
+    starts = [m.start() for m in re.finditer(r"(?m)^[\[{]", text)]
+    for pos in reversed(starts):
+        try:
+            value, _ = decoder.raw_decode(text, pos)
+        except ValueError:
+            continue
+        if isinstance(value, (dict, list)) and value:
+            return value
+    return None
+
+
+def _stop(proc: subprocess.Popen, grace: float = 15.0) -> None:
+    """SIGTERM the bench's process group (benches clean their children up), then SIGKILL it."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_one(spec: Spec, out: Path, device: str, python: str, limit_s: float) -> Result:
+    """Run one bench under ``limit_s``; its output goes to ``<name>.log``, its JSON to ``<name>.json``."""
+    script = HERE / spec.script
+    if not script.exists():
+        return Result(spec.name, spec.script, "", Status.SKIPPED, notes=[f"{spec.script} not found"])
+    iface = probe(script, python)
+    args, notes = filter_args(spec.args, iface)
+    if device != "cpu":
+        if "--device" in iface.options:
+            args += ["--device", device]
+        else:
+            notes.append(f"takes no --device: run unchanged (it measures CPU-side work, not the {device})")
+    json_path = out / f"{spec.name}.json"
+    if iface.json_takes_path:
+        args += ["--json", str(json_path)]
+    elif iface.takes_json:
+        args += ["--json"]
+    cmd = [python, str(script), *args]
+    shown = " ".join(shlex.quote(a) for a in ["python", f"scripts/{spec.script}", *args])
+    log = out / f"{spec.name}.log"
+    path = os.pathsep.join([os.path.dirname(python), os.environ.get("PATH", "")])  # the env's elasticrun, torchrun
+    env = dict(os.environ, PATH=path, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    t0 = time.monotonic()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+        try:
+            rc: Optional[int] = proc.wait(limit_s)
+            status = Status.OK if rc == 0 else Status.FAILED
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            rc, status = proc.returncode, Status.TIMEOUT
+            notes.append(f"stopped after {limit_s:.0f} s")
+        except BaseException:
+            _stop(proc, grace=5.0)
+            raise
+    res = Result(spec.name, spec.script, shown, status, round(time.monotonic() - t0, 1), rc, log=log.name, notes=notes)
+    if not json_path.exists():
+        value = last_json(log.read_text(errors="replace"))
+        if value is not None:
+            json_path.write_text(json.dumps(value, indent=1))
+    if json_path.exists():
+        res.json = json_path.name
+    elif status is Status.OK:
+        res.status = Status.FAILED
+        res.notes.append("no JSON written")
+    if res.status is not Status.OK:
+        tail = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-1:]
+        res.notes += [f"last line: {tail[0][:200]}"] if tail else []
+    return res
+
+
+def host_info() -> Dict[str, object]:
+    """The machine the run was taken on (for the page's header)."""
+    info: Dict[str, object] = {"cpus": os.cpu_count(), "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+                               "python": sys.version.split()[0]}
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            info["mem_gib"] = round(int(f.readline().split()[1]) / (1 << 20), 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return info
+
+
+def _summaries(out: Path, results: List[Result]) -> List[object]:
+    """The ``summary`` entries of every bench's JSON, in run order (the preamble's contract)."""
+    rows: List[object] = []
+    for r in results:
+        try:
+            doc = json.loads((out / r.json).read_text()) if r.json else None
+        except (OSError, ValueError):
+            continue
+        if isinstance(doc, dict) and isinstance(doc.get("summary"), list):
+            rows += doc["summary"]
+    return rows
+
+
+def _write_manifest(out: Path, head: Dict[str, object], results: List[Result], order: List[str]) -> None:
+    results = sorted(results, key=lambda r: order.index(r.name) if r.name in order else len(order))
+    rows = [dict(asdict(r), status=r.status.value) for r in results]
+    doc = dict(head, benches=rows, summary=_summaries(out, results))
+    (out / MANIFEST).write_text(json.dumps(doc, indent=1))
+
+
+def _earlier(out: Path, head: Dict[str, object], rerun: set, preset: set) -> List[Result]:
+    """The manifest rows of the preset's benches not run now, when ``out`` holds a run of the same
+    preset and device (a rerun of some benches with ``--only`` updates that run in place); else none."""
+    try:
+        old = json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(old, dict) or (old.get("preset"), old.get("device")) != (head["preset"], head["device"]):
+        return []
+    head["started"] = old.get("started", head["started"])
+    head["host"] = old.get("host", head["host"])
+    rows = []
+    for r in old.get("benches", []):
+        try:
+            if r["name"] not in rerun and r["name"] in preset:
+                rows.append(Result(**dict(r, status=Status(r["status"]))))
+        except (KeyError, TypeError, ValueError):
+            continue
+    return rows
+
+
+def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True, help="output dir: <bench>.json, <bench>.log, bench_all.json")
+    ap.add_argument("--preset", choices=["quick", "full", "gpu"], default="quick",
+                    help="quick: ~30 min on 2 cores; full: more runs and sizes (hours); gpu: ~6 min on a GPU host")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="passed to the benches that take it")
+    ap.add_argument("--only", default="", help="comma-separated bench names (e.g. launch,checkpoint-0.1)")
+    ap.add_argument("--skip", default="", help="comma-separated bench names to leave out")
+    ap.add_argument("--budget", type=float, default=0.0, help="seconds for the whole run (0: no bound)")
+    ap.add_argument("--min-slot", type=float, default=60.0, help="skip a bench when less than this is left")
+    ap.add_argument("--timeout-scale", type=float, default=1.0, help="multiply every per-bench limit")
+    ap.add_argument("--scratch", default="/var/tmp" if os.path.isdir("/var/tmp") else "",
+                    help="disk dir for checkpoint files [/var/tmp: a real disk, unlike a tmpfs /tmp]")
+    ap.add_argument("--list", action="store_true", help="print the preset's benches and exit")
+    return ap.parse_args(argv)
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)  # a running bench is stopped (its group) before we exit
+    specs = _specs(args.preset, args.scratch)
+    order = [s.name for s in specs]  # the preset's order: also the manifest's, after a partial rerun
+    names = set(order)
+    wanted = {n for n in args.only.split(",") if n}
+    unknown = (wanted | {n for n in args.skip.split(",") if n}) - names
+    if unknown:
+        print(f"bench_all: unknown bench name(s) {sorted(unknown)}; choose from {sorted(names)}", file=sys.stderr)
+        return 2
+    if wanted:  # in the order given
+        specs = [s for n in args.only.split(",") if n for s in specs if s.name == n]
+    specs = [s for s in specs if s.name not in args.skip.split(",")]
+    if args.list:
+        for s in specs:
+            print(f"{s.name:18s} {s.timeout_s:6.0f} s  scripts/{s.script} {' '.join(s.args)}")
+        return 0
+    known = {s.script for p in ("quick", "full", "gpu") for s in _specs(p, "")} | HELPERS
+    for extra in sorted(p.name for p in HERE.glob("bench_*.py") if p.name not in known):
+        print(f"bench_all: warning: scripts/{extra} is not in any preset; add it to bench_all.py", file=sys.stderr)
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"bench_all: cannot create the output dir {args.out}: {e.strerror}", file=sys.stderr)
+        return 2
+    head: Dict[str, object] = {"preset": args.preset, "device": args.device, "started": time.time(),
+                               "host": host_info()}
+    earlier = _earlier(args.out, head, {s.name for s in specs}, names)
+    deadline = time.monotonic() + args.budget if args.budget > 0 else None
+    results: List[Result] = []
+    for spec in specs:
+        limit = spec.timeout_s * args.timeout_scale
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left < args.min_slot:
+                results.append(Result(spec.name, spec.script, "", Status.SKIPPED,
+                                      notes=[f"budget: {max(left, 0):.0f} s left"]))
+                print(f"[bench_all] {spec.name}: skipped (budget)", flush=True)
+                continue
+            limit = min(limit, left)
+        print(f"[bench_all] {spec.name}: scripts/{spec.script} (limit {limit:.0f} s)", flush=True)
+        try:
+            res = run_one(spec, args.out, args.device, sys.executable, limit)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the bench's group is stopped; keep what was measured
+            results.append(Result(spec.name, spec.script, "", Status.FAILED, notes=["interrupted"]))
+            _write_manifest(args.out, head, earlier + results, order)
+            print(f"[bench_all] interrupted during {spec.name}; results so far in {args.out}", file=sys.stderr)
+            return 130
+        results.append(res)
+        print(f"[bench_all] {spec.name}: {res.status.value} in {res.seconds:.0f} s"
+              + (f" ({'; '.join(res.notes)})" if res.notes else ""), flush=True)
+        _write_manifest(args.out, head, earlier + results, order)
+    head["finished"] = time.time()
+    head["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    _write_manifest(args.out, head, earlier + results, order)
+    bad = [r.name for r in results if r.status in (Status.FAILED, Status.TIMEOUT)]
+    print(f"[bench_all] done: {len(results) - len(bad)}/{len(results)} ok; results in {args.out}"
+          + (f"; failed: {', '.join(bad)}" if bad else ""))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

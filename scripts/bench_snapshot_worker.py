@@ -1,0 +1,131 @@
+"""The training client of ``scripts/bench_snapshot.py --parts lost``: one checkpoint tier at one interval.
+
+    elasticrun --standalone --nproc-per-node 2 --max-restarts 5 scripts/bench_snapshot_worker.py \\
+        --mode memory|disk|dcp --every N --dir DIR [--mb MB] [--step-sleep S] [--steps N]
+
+Every rank holds ``--mb`` MiB of float32 state (replicated), changed in place every step; the
+ranks meet in an all-reduce every step (so a dead rank stops the others). Every ``--every``
+steps the state is checkpointed with the chosen tier:
+
+- ``memory``: ``elasticrun.checkpoint.Snapshotter`` (the agent's shared memory; ``--async``);
+- ``disk``: ``elasticrun.checkpoint.save`` to ``DIR/ckpt`` (keep the last 2);
+- ``dcp``: ``torch.distributed.checkpoint.save`` to ``DIR/step-<8 digits>`` (keep the last 2).
+
+At start it resumes from the newest checkpoint of its tier (``elasticrun.train.load_latest``;
+for DCP the newest directory with DCP's ``.metadata`` commit file). Rank 0 prints
+``start resumed <tier> <step>`` once per start and ``step S`` after each step (after its
+checkpoint). Each rank writes its pid to ``DIR/pids/<node id>-<local rank>`` for the bench to
+kill. No checkpoint on stop: what a failure loses is what the interval leaves behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+import elasticrun.train as et
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--mode", choices=("memory", "disk", "dcp"), required=True)
+    p.add_argument("--every", type=int, default=1)
+    p.add_argument("--dir", required=True, help="checkpoint root (disk, dcp) and pid files")
+    p.add_argument("--mb", type=float, default=4.0)
+    p.add_argument("--step-sleep", type=float, default=0.1)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--async", dest="async_", action="store_true", help="memory: async snapshots")
+    return p.parse_args()
+
+
+def _dcp_latest(root: str) -> Optional[Tuple[int, str]]:
+    best = None
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        path = os.path.join(root, name)
+        if name.startswith("step-") and os.path.exists(os.path.join(path, ".metadata")):
+            step = int(name[5:])
+            best = max(best or (step, path), (step, path))
+    return best
+
+
+def main() -> int:
+    args = parse_args()
+    ctx = et.init()
+    pg = ctx.cpu_process_group
+    pids = os.path.join(args.dir, "pids")
+    os.makedirs(pids, exist_ok=True)
+    me = f"{os.environ.get('ELASTICRUN_NODE_ID', 'node')}-{os.environ.get('LOCAL_RANK', '0')}"
+    with open(os.path.join(pids, me + ".tmp"), "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(os.path.join(pids, me + ".tmp"), os.path.join(pids, me))
+    n = max(1, int(args.mb * (1 << 20) / 4 / 4))
+    state: Dict[str, torch.Tensor] = {f"t{i}": torch.zeros(n) for i in range(4)}
+    step, tier = 0, "none"
+    dcp_root, disk_root = os.path.join(args.dir, "dcp"), os.path.join(args.dir, "ckpt")
+    if args.mode == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        found = _dcp_latest(dcp_root)
+        steps = [found[0] if found else -1]
+        dist.broadcast_object_list(steps, src=0, group=pg)
+        if steps[0] >= 0:
+            dcp.load(state, checkpoint_id=os.path.join(dcp_root, f"step-{steps[0]:08d}"), process_group=pg)
+            step, tier = steps[0], "dcp"
+    else:
+        ckpt = et.load_latest(disk_root, state_dict=state, process_group=pg, memory=args.mode == "memory",
+                              restore_rng=False)
+        if ckpt is not None:
+            for k, v in ckpt.state_dict.items():
+                state[k].copy_(v)
+            step = ckpt.training_state.step if ckpt.training_state else 0
+            tier = getattr(ckpt, "tier", "disk")
+    if ctx.is_rank0:
+        print(f"start resumed {tier} {step} world {ctx.world_size}", flush=True)
+    snaps = None
+    if args.mode == "memory":
+        from elasticrun.checkpoint import Snapshotter
+
+        snaps = Snapshotter(pg, async_snapshots=args.async_)
+    ones = torch.ones(1)
+    try:
+        while step < args.steps:
+            if ctx.should_stop:
+                return 143
+            for t in state.values():
+                t.add_(1.0)
+            dist.all_reduce(ones, group=pg)  # the ranks meet every step
+            time.sleep(args.step_sleep)
+            step += 1
+            if step % args.every == 0:
+                ts = {"step": step}
+                if snaps is not None:
+                    snaps.snapshot(state, training_state=ts)
+                elif args.mode == "disk":
+                    from elasticrun.checkpoint import save
+
+                    save(state, disk_root, training_state=ts, keep_last=2, process_group=pg)
+                else:
+                    import torch.distributed.checkpoint as dcp
+
+                    dcp.save(state, checkpoint_id=os.path.join(dcp_root, f"step-{step:08d}"), process_group=pg)
+                    if ctx.is_rank0:
+                        for name in sorted(os.listdir(dcp_root))[:-2]:
+                            shutil.rmtree(os.path.join(dcp_root, name), ignore_errors=True)
+            if ctx.is_rank0:
+                print(f"step {step}", flush=True)
+        return 0
+    finally:
+        if snaps is not None:
+            snaps.close()
+        ctx.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

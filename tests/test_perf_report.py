@@ -1,0 +1,269 @@
+"""scripts/perf_report.py (summary table between the page's markers, charts) and bench_all.py's helpers,
+fed small synthetic bench results."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+PAGE = ("# Performance\n\nintro stays\n\n<!-- summary:begin -->\nold table\n<!-- summary:end -->\n\n"
+        "## Charts\n\nend stays\n")
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def pr():
+    return _load("perf_report")
+
+
+def _entry(metric, er, alt, alt_value, better="lower", unit="s", **kw):
+    return dict(metric=metric, elasticrun=er, alternative=alt, alt_value=alt_value, unit=unit, better=better,
+                device="cpu", command="python scripts/bench_x.py --runs 1", **kw)
+
+
+def _results(d: Path) -> Path:
+    """A bench_all.py output dir: the contract, two older shapes, a failed bench, a missing file."""
+    d.mkdir()
+    launch_runs = [
+        {"launcher": "elasticrun", "scenario": "launch", "outcome": "ok", "seconds": t,
+         "phases": {"etcd up": t / 4, "round 0": t / 2}} for t in (4.0, 3.0, 5.0)
+    ] + [{"launcher": "torchrun-best", "scenario": "launch", "outcome": "hang", "seconds": None},
+         {"launcher": "elasticrun", "scenario": "restart", "outcome": "ok", "seconds": 1.0, "crash_after": 1.0},
+         {"launcher": "elasticrun", "scenario": "restart", "outcome": "ok", "seconds": 0.8, "crash_after": 5.0}]
+    (d / "launch.json").write_text(json.dumps({"runs": launch_runs, "summary": [
+        _entry("launch -> first step", 2.0, "torchrun-best", 3.0, ratio=1.5),
+        _entry("crash -> first step", 5.0, "torchrun-best", 4.0),  # no ratio: computed, 0.80
+        {"metric": "broken entry"},  # no elasticrun value: reported, skipped
+        _entry("load bandwidth", 2.0, "safetensors", 1.6, better="higher", unit="GB/s", ratio=1.25),
+        _entry("stall", 0.1, "disk save", 3.0, ratio=30.0), _entry("stall", 0.1, "DCP save", 1.5, ratio=15.0),
+    ]}))
+    (d / "elastic.json").write_text(json.dumps([  # the older list shape, no summary
+        {"scenario": "join", "variant": "elasticrun sw=1 prewarm", "outcomes": [
+            {"status": "ok", "seconds": 4.0}, {"status": "ok", "seconds": 6.0}, {"status": "hang", "seconds": None}]},
+        {"scenario": "join", "variant": "torchrun c10d tuned", "outcomes": [
+            {"status": "ok", "seconds": 8.0}, {"status": "ok", "seconds": 9.0}]},
+        {"scenario": "kill", "variant": "elasticrun hb=3 prewarm", "outcomes": [{"status": "ok", "seconds": 3.0}]},
+        {"scenario": "kill", "variant": "torchrun c10d default", "outcomes": [{"status": "hang", "seconds": None}]},
+    ]))
+    runs = {"disk: sequential write + fsync (ceiling)": [1.0], "disk: cold sequential read (ceiling)": [0.5],
+            "torch.save / torch.load save": [0.8, 0.9, 1.0], "torch.save / torch.load load": [0.7],
+            "safetensors save_file / load_file save": [0.6], "safetensors save_file / load_file load": [0.4],
+            "elasticrun save / load save": [0.5], "elasticrun save / load load": [0.5],
+            "elasticrun load into state_dict": [0.25], "elasticrun async_save #2: training stall": [0.05],
+            "DCP save (2 threads) / load save": [0.55], "DCP save (2 threads) / load load": [0.9]}
+    (d / "checkpoint-0.5.json").write_text(json.dumps({"size_bytes": 1 << 29, "eviction": "drop_caches", "runs": runs}))
+    (d / "checkpoint-1.json").write_text(json.dumps({"size_bytes": 1 << 30, "runs": {
+        k: [v[0] * 2] for k, v in runs.items()}}))
+    (d / "checkpoint-0.4.json").write_text(json.dumps({"size_bytes": 1, "runs": {}, "summary": [], "compare": {
+        "state": "gpt", "device": "cpu", "size_bytes": 4 * 10**8, "runs": {
+            "disk: cold sequential read (dd, fresh file)": [0.2], "elasticrun save (durable)": [0.5, 0.4, 0.6],
+            "elasticrun load into existing tensors (cold)": [0.25], "safetensors save (durable)": [0.8],
+            "safetensors load into existing tensors (cold)": [0.5], "elasticrun async save: training stall": [0.01]}}}))
+    (d / "rendezvous.json").write_text(json.dumps([{"nodes": n, "all_round_s": n / 100, "cas_lost": 0}
+                                                   for n in (8, 32, 128) for _ in range(2)]))
+    (d / "elastic-join3.json").write_text(json.dumps({"results": [], "summary": [
+        _entry("crash -> first step", 7.0, "torchrun tuned", 14.0)]}))
+    (d / "stale.json").write_text(json.dumps({"summary": [_entry("not in this run", 1.0, "x", 1.0)]}))
+    names = ["launch", "elastic", "elastic-join3", "checkpoint-0.4", "checkpoint-0.5", "checkpoint-1", "rendezvous"]
+    benches = [{"name": n, "script": f"bench_{n.split('-')[0]}.py", "command": f"python scripts/bench_{n}.py",
+                "status": "ok", "json": f"{n}.json"} for n in names]
+    benches += [{"name": "snapshot", "script": "bench_snapshot.py", "status": "timeout", "json": None,
+                 "notes": ["stopped after 180 s"]},
+                {"name": "gone", "script": "bench_gone.py", "status": "ok", "json": "gone.json"}]
+    (d / "bench_all.json").write_text(json.dumps({"preset": "quick", "device": "cpu", "started": 1.7e9,
+                                                  "host": {"cpus": 2, "loadavg_start": [3.5]}, "benches": benches}))
+    return d
+
+
+def test_table_between_markers_and_rerun_in_place(pr, tmp_path, capsys):
+    d = _results(tmp_path / "res")
+    page = tmp_path / "performance.md"
+    page.write_text(PAGE)
+    assert pr.main([str(d), "--page", str(page), "--no-plots"]) == 0
+    text = page.read_text()
+    assert text.startswith("# Performance\n\nintro stays\n\n<!-- summary:begin -->\n")
+    assert text.endswith("<!-- summary:end -->\n\n## Charts\n\nend stays\n")
+    assert "old table" not in text
+    body = text.split("<!-- summary:begin -->")[1].split("<!-- summary:end -->")[0]
+    lines = {ln.split(" | ")[0].lstrip("| "): ln for ln in body.splitlines() if ln.startswith("| ")}
+    assert "| metric | elasticrun | best alternative | ratio | device | command |" in body
+    assert "`--preset quick`" in body and "2 CPUs" in body and "load average 3.5" in body
+    # the contract: given ratio kept, missing ratio computed (alternative / elasticrun), > 1 bold
+    assert "**1.50×**" in lines["launch -> first step"] and "torchrun-best: 3 s" in lines["launch -> first step"]
+    assert "| 0.80× |" in lines["crash -> first step [launch]"]
+    assert "**1.25×**" in lines["load bandwidth"] and "2 GB/s" in lines["load bandwidth"]
+    assert "`python scripts/bench_x.py --runs 1`" in lines["launch -> first step"]
+    # several alternatives for one figure: the strongest stays, once
+    assert "DCP save (strongest of 2): 1.5 s" in lines["stall"] and "**15.00×**" in lines["stall"]
+    assert body.count("| stall |") == 1
+    # the same metric name from two runs is not merged: each says which run it is
+    assert "**2.00×**" in lines["crash -> first step [elastic-join3]"] and "crash -> first step" not in lines
+    # older shapes: elasticrun's median of its ok runs against the best alternative's
+    join = next(v for k, v in lines.items() if k.startswith("node started"))
+    assert "5 s" in join and "torchrun c10d tuned (2/2 ok): 8.5 s" in join and "**1.70×**" in join and "2/3 ok" in join
+    kill = next(v for k, v in lines.items() if k.startswith("node killed"))
+    assert "none succeeded" in kill and "| — |" in kill
+    save = next(v for k, v in lines.items() if k.startswith("durable checkpoint save, 0.54 GB"))
+    assert "DCP: 0.55 s" in save and "**1.10×**" in save
+    into = next(v for k, v in lines.items() if k.startswith("cold checkpoint load into existing tensors, 0.54"))
+    assert "0.25 s" in into and "safetensors: 0.4 s" in into and "**1.60×**" in into
+    assert any(k.startswith("rendezvous of 128 agents") and "1.28 s" in v for k, v in lines.items())
+    # what is not in the table is said under it; files not in the manifest are not read
+    assert "snapshot: timeout (stopped after 180 s)" in body
+    assert "gone.json: listed in bench_all.json but missing" in body
+    assert "summary[2] lacks" in body
+    assert "not in this run" not in body
+    # a rerun replaces the block, it does not add one
+    assert pr.main([str(d), "--page", str(page), "--no-plots"]) == 0
+    assert page.read_text() == text
+    assert text.count("<!-- summary:begin -->") == 1
+
+
+def test_bad_input_is_one_line_and_leaves_the_page(pr, tmp_path, capsys):
+    d = _results(tmp_path / "res")
+    page = tmp_path / "p.md"
+    page.write_text("# no markers here\n")
+    assert pr.main([str(d), "--page", str(page), "--no-plots"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "<!-- summary:begin -->" in err
+    assert page.read_text() == "# no markers here\n"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert pr.main([str(empty), "--page", str(page), "--no-plots"]) == 2
+    assert "no bench JSON" in capsys.readouterr().err
+    assert pr.main([str(tmp_path / "nope"), "--page", str(page), "--no-plots"]) == 2
+    assert "not a directory" in capsys.readouterr().err
+
+
+def test_summary_without_manifest_reads_every_file(pr, tmp_path):
+    d = tmp_path / "plain"
+    d.mkdir()
+    (d / "checkpoint-x.json").write_text(json.dumps({"summary": [_entry("m", 1.0, "alt", 2.0)], "device": "cuda"}))
+    (d / "broken.json").write_text("{not json")
+    inputs = pr.load_dir(d)
+    rows = pr.summary_rows(inputs)
+    assert [(r.metric, r.ratio, r.device) for r in rows] == [("m", 2.0, "cpu")]  # the entry's device wins
+    assert any("broken.json: unreadable" in p for p in inputs.problems)
+
+
+def test_charts_are_written(pr, tmp_path):
+    pytest.importorskip("matplotlib")
+    d = _results(tmp_path / "res")
+    page = tmp_path / "performance.md"
+    page.write_text(PAGE)
+    img = tmp_path / "img"
+    assert pr.main([str(d), "--page", str(page), "--img-dir", str(img)]) == 0
+    for name in ("perf-launch", "perf-recovery", "perf-checkpoint", "perf-rendezvous", "perf-scaleup"):
+        png = img / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    data = pr.chart_data(pr.load_dir(d))
+    launch = {g["label"]: g for g in data["launch"]}
+    assert launch["elasticrun · 1 node"]["phases"] == [("etcd up", 1.0), ("round 0", 2.0)]  # the median run's
+    assert launch["torchrun-best · 1 node"]["times"] == [] and launch["torchrun-best · 1 node"]["runs"] == 1
+    labels = [g["label"] for g in data["recovery"]]
+    assert "elasticrun · worker crash at 1s" in labels and "elasticrun · worker crash at 5s" in labels  # per moment
+    assert "elasticrun hb=3 prewarm · node SIGKILL" in labels
+    assert [g["label"] for g in data["scaleup"]] == ["elasticrun sw=1 prewarm · node joins",
+                                                     "torchrun c10d tuned · node joins"]
+    assert sorted(data["rendezvous"]["elasticrun"]) == [8, 32, 128]
+    assert [pt[0] for pt in sorted(data["checkpoint"]["save"]["safetensors"])] == [0.536870912, 1.073741824]
+    # a bench's interleaved comparison is charted instead of its older table, tagged with its state
+    assert data["checkpoint"]["save"]["elasticrun save [gpt]"] == [(0.4, 0.4 / 0.5)]
+    assert data["checkpoint"]["load"]["safetensors [gpt]"] == [(0.4, 0.4 / 0.5)]
+    assert data["checkpoint"]["load"]["disk: cold read [gpt]"] == [(0.4, 2.0)]
+    assert not any("async" in name for op in data["checkpoint"].values() for name in op)
+
+
+def test_bench_all_helpers():
+    ba = _load("bench_all")
+    text = "etcd up\n  {not json\n[\n {\"nodes\": 8}\n]\ntrailing words\n{\"bytes\": 1, \"x\": 2}\n"
+    assert ba.last_json(text) == {"bytes": 1, "x": 2}
+    assert ba.last_json("no json at all\n") is None
+    iface = ba.Interface(frozenset({"--runs", "--nodes"}), False, False)
+    kept, notes = ba.filter_args(["--runs", "2", "--clients", "shared", "--nodes", "8", "32"], iface)
+    assert kept == ["--runs", "2", "--nodes", "8", "32"] and notes == ["dropped --clients: not in the script's --help"]
+    names = [s.name for s in ba._specs("quick", "/var/tmp")]
+    assert {"launch", "elastic", "rendezvous", "snapshot"} <= set(names) and len(names) == len(set(names))
+    assert ba.main(["--out", "/nonexistent-dir-x", "--only", "nope"]) == 2
+
+
+def test_without_matplotlib_one_line_error(pr, tmp_path, capsys, monkeypatch):
+    d = _results(tmp_path / "res")
+    page = tmp_path / "performance.md"
+    page.write_text(PAGE)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    assert pr.main([str(d), "--page", str(page)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "elasticrun[plot]" in err and "--no-plots" in err
+    assert page.read_text() == PAGE  # nothing half-written
+    assert pr.main([str(d), "--page", str(page), "--no-plots"]) == 0
+
+
+FAKE_BENCH = '''
+import argparse, json, sys, time
+ap = argparse.ArgumentParser()
+ap.add_argument("--mode")
+ap.add_argument("--json", default=None)
+a = ap.parse_args()
+if a.mode == "sleep":
+    time.sleep(60)
+if a.mode == "crash":
+    raise SystemExit("fake bench: crashed on purpose")
+doc = {"summary": [{"metric": "m", "elasticrun": 1.0}]}
+if a.json:
+    open(a.json, "w").write(json.dumps(doc))
+'''
+
+
+def test_bench_all_runs_records_and_goes_on(tmp_path):
+    ba = _load("bench_all")
+    script = tmp_path / "bench_fake.py"
+    script.write_text(FAKE_BENCH)
+    printer = tmp_path / "bench_print.py"  # no --json option: its last JSON line is kept
+    printer.write_text("import json\nprint('warming up')\nprint(json.dumps({'bytes': 8, 'x_s': 0.5}))\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    t0 = time.monotonic()
+    slow = ba.run_one(ba.Spec("slow", str(script), ["--mode", "sleep", "--nope", "1"], 60), out, "cpu",
+                      sys.executable, limit_s=3)
+    assert slow.status is ba.Status.TIMEOUT and time.monotonic() - t0 < 40
+    assert "dropped --nope: not in the script's --help" in slow.notes
+    crash = ba.run_one(ba.Spec("crash", str(script), ["--mode", "crash"], 60), out, "cuda", sys.executable, 60)
+    assert crash.status is ba.Status.FAILED and crash.returncode == 1 and crash.json is None
+    assert any("crashed on purpose" in n for n in crash.notes) and any("takes no --device" in n for n in crash.notes)
+    ok = ba.run_one(ba.Spec("ok", str(script), ["--mode", "ok"], 60), out, "cpu", sys.executable, 60)
+    assert ok.status is ba.Status.OK and json.loads((out / "ok.json").read_text())["summary"][0]["metric"] == "m"
+    assert "--json" in ok.command and (out / "ok.log").exists()
+    printed = ba.run_one(ba.Spec("print", str(printer), [], 60), out, "cpu", sys.executable, 60)
+    assert printed.status is ba.Status.OK and json.loads((out / "print.json").read_text()) == {"bytes": 8, "x_s": 0.5}
+
+
+def test_bench_all_rerun_updates_the_run_in_place(tmp_path):
+    ba = _load("bench_all")
+    rows = [{"name": n, "script": "bench_x.py", "command": "c", "status": st, "json": f"{n}.json"}
+            for n, st in (("a", "ok"), ("b", "failed"), ("gone", "ok"))]
+    (tmp_path / "bench_all.json").write_text(json.dumps({"preset": "quick", "device": "cpu", "started": 5.0,
+                                                         "host": {"cpus": 2}, "benches": rows}))
+    head = {"preset": "quick", "device": "cpu", "started": 9.0, "host": {}}
+    kept = ba._earlier(tmp_path, head, rerun={"b"}, preset={"a", "b"})
+    assert [(r.name, r.status) for r in kept] == [("a", ba.Status.OK)] and head["started"] == 5.0
+    assert ba._earlier(tmp_path, {"preset": "full", "device": "cpu", "started": 1.0, "host": {}}, {"b"}, {"a"}) == []
+
+
+def test_the_real_page_has_the_markers(pr):
+    text = (SCRIPTS.parent / "docs" / "performance.md").read_text()
+    assert text.count(pr.BEGIN) == 1 and text.count(pr.END) == 1 and text.index(pr.BEGIN) < text.index(pr.END)
+    assert pr.replace_block(text, "x").split(pr.BEGIN)[1].split(pr.END)[0] == "\nx\n"
