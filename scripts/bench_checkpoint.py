@@ -118,24 +118,10 @@ def timed(fn: Callable[[], Any], quiet_first: bool = True) -> Tuple[float, Any]:
 
 
 def disk_ceiling(d: str, size: int) -> Tuple[float, float]:
-    path = os.path.join(d, "dd.bin")
-    block = torch.ones(64 << 20, dtype=torch.uint8).numpy()
-    t0 = time.perf_counter()
-    with open(path, "wb", buffering=0) as f:
-        left = size
-        while left > 0:
-            left -= f.write(memoryview(block)[: min(left, len(block))])
-        os.fsync(f.fileno())
-    w = time.perf_counter() - t0
-    evict(path)
-    buf = bytearray(64 << 20)
-    t0 = time.perf_counter()
-    with open(path, "rb", buffering=0) as f:
-        while f.readinto(buf):
-            pass
-    r = time.perf_counter() - t0
-    os.remove(path)
-    return w, r
+    """The disk's sequential write (fsynced) and cold read of ``size`` bytes, in seconds."""
+    from ckpt_compare import disk_write_read
+
+    return disk_write_read(d, size, evict)
 
 
 def single_process(d: str, state: Dict[str, torch.Tensor], dcp: bool) -> List[Tuple[str, float]]:

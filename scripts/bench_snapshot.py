@@ -49,14 +49,9 @@ SCENARIOS = ("worker", "node", "scaleup")
 
 def _evict(path: str) -> None:
     """Drop ``path``'s files from the page cache (fsync, then posix_fadvise DONTNEED)."""
-    for d, _dirs, files in os.walk(path):
-        for f in files:
-            fd = os.open(os.path.join(d, f), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    from ckpt_compare import fadvise_evict  # scripts/ is on sys.path when a bench runs
+
+    fadvise_evict(path)
 
 
 def _sweep(shm: str) -> None:

@@ -85,16 +85,19 @@ def remove(path: str) -> None:
     shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
 
-def disk_cold_read(d: str, size: int) -> float:
-    """Seconds to read a fresh, fsynced, evicted file of ``size`` bytes with 64 MiB reads."""
+def disk_write_read(d: str, size: int, evict: Callable[[str], Any] = fadvise_evict) -> Tuple[float, float]:
+    """Seconds to write and fsync a fresh file of ``size`` bytes, then to read it back cold
+    (``evict`` drops it from the page cache first), both with 64 MiB blocks, like ``dd``."""
     path = os.path.join(d, "dd.bin")
     block = memoryview(torch.ones(64 << 20, dtype=torch.uint8).numpy())
+    t0 = time.perf_counter()
     with open(path, "wb", buffering=0) as f:
         left = size
         while left > 0:
             left -= f.write(block[: min(left, len(block))])
         os.fsync(f.fileno())
-    fadvise_evict(path)
+    wrote = time.perf_counter() - t0
+    evict(path)
     buf = bytearray(64 << 20)
     t0 = time.perf_counter()
     with open(path, "rb", buffering=0) as f:
@@ -102,7 +105,12 @@ def disk_cold_read(d: str, size: int) -> float:
             pass
     took = time.perf_counter() - t0
     os.remove(path)
-    return took
+    return wrote, took
+
+
+def disk_cold_read(d: str, size: int) -> float:
+    """Seconds to read a fresh, fsynced, evicted file of ``size`` bytes with 64 MiB reads."""
+    return disk_write_read(d, size)[1]
 
 
 class Libraries:
