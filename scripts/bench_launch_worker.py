@@ -68,6 +68,9 @@ def main() -> None:
         if rank == 0:
             print(f"bench-step {step} t={time.time():.4f} restart={restart} world={world}", flush=True)
         time.sleep(pause)
+    # Free DDP before the group: were its Reducer to drop the group's last reference, the gloo
+    # destructor would join its worker thread with the GIL held (a known torch exit deadlock).
+    del model, opt
     dist.destroy_process_group()
 
 

@@ -1,10 +1,15 @@
-"""The end-of-job hang: a finished worker that never exits.
+"""The end-of-job hangs: a finished worker that never exits.
 
 What a script leaves in reference cycles (DDP, process groups, tensors) was collected only
 inside interpreter shutdown, where gloo's threads can no longer take the GIL: a finished job
 sometimes never exited (both workers stuck in ``gc_collect_main``). Pre-warmed interpreters
 (a huge long-lived heap after importing torch and torch._dynamo, so rare full collections) hit
 it; the warm runner now collects that garbage while the interpreter is still whole.
+
+The second: ``destroy_process_group()`` with DDP still alive, then ``main()`` returns; DDP's
+Reducer drops the gloo group's last reference and its destructor joins gloo's worker thread with
+the GIL held while that thread waits for the GIL (a torch bug; seen in ~1 of 10 runs of the
+example under load). The warm runner and ``ElasticContext.close`` keep destroyed groups until exit.
 """
 
 from __future__ import annotations
@@ -36,6 +41,45 @@ def test_warm_runner_collects_the_scripts_garbage_before_shutdown(tmp_path):
     # What main() left in a cycle is freed while the interpreter is whole (module globals live in
     # __main__ until shutdown, as with ``python script.py``).
     assert (tmp_path / "probe.local").read_text() == "alive", "the cycle was destroyed during interpreter shutdown"
+
+
+def _probe_refs(cmd, out, stdin=None):
+    proc = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(out.read_text())
+
+
+def test_warm_runner_keeps_destroyed_groups_until_exit(tmp_path):
+    """A destroyed group stays referenced by the launcher, so DDP's Reducer never drops its last
+    reference (whose destructor, run with the GIL held, can deadlock with gloo's worker thread)."""
+    probe = str(SCRIPTS / "pg_retain_probe.py")
+    plain = _probe_refs([sys.executable, probe, str(tmp_path / "plain.json")], tmp_path / "plain.json")
+    assert plain == {"refs": 0, "initialized": False}  # the probe sees the difference
+    order = {"env": dict(os.environ), "argv": [probe, str(tmp_path / "warm.json")], "module": False,
+             "cwd": str(tmp_path)}
+    warm = _probe_refs([sys.executable, "-m", "elasticrun.launch.warm", "--", probe], tmp_path / "warm.json",
+                       stdin=json.dumps(order) + "\n")
+    assert warm == {"refs": 1, "initialized": False}  # unregistered at once, released at exit
+
+
+def test_elastic_context_close_retires_the_group_until_exit():
+    code = (
+        "import sys, torch.distributed as dist\n"
+        "from elasticrun.train import dist as edist\n"
+        "ctx = edist.init(backend='gloo', stop_signals=())\n"
+        "group = dist.group.WORLD\n"
+        "ctx.close()\n"
+        "assert not dist.is_initialized()\n"
+        "assert len(edist._RETIRED_GROUPS) == 1 and edist._RETIRED_GROUPS[0] is group\n"
+        "edist._collect_before_shutdown()\n"
+        "assert edist._RETIRED_GROUPS == [] and sys.getrefcount(group) == 2\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTICRUN_", "TORCHELASTIC_"))}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
 
 
 def test_ddp_client_restarted_from_standby_always_exits(tmp_path):

@@ -15,6 +15,7 @@ Keep this module free of elasticrun imports: it must start fast and stay minimal
 """
 
 import atexit
+import functools
 import gc
 import json
 import os
@@ -37,6 +38,46 @@ def _preload_deep() -> None:
         import torch._dynamo  # noqa: F401
     except Exception:  # noqa: BLE001 - an optional speed-up only
         pass
+
+
+#: Process groups the script destroyed, referenced from here until exit (see _retain_destroyed_groups).
+_DESTROYED_GROUPS: list = []
+MAX_RETAINED_GROUPS = 16
+
+
+def _retain_destroyed_groups() -> None:
+    """Make ``torch.distributed.destroy_process_group`` keep each destroyed group's Python object
+    until exit; it is unregistered and shut down at once, as before.
+
+    pytorch/examples' pattern — ``destroy_process_group()``, then ``main()`` returns with DDP in
+    its frame — lets DDP's Reducer drop a gloo group's last reference. Its destructor then runs
+    with the GIL held and joins gloo's worker thread, which may itself wait for the GIL to free
+    the tensors of the last collective: the finished worker never exits (seen under load: main
+    thread in ``~ProcessGroupGloo`` → ``thread::join``, gloo's ``runLoop`` in
+    ``gil_scoped_acquire``; a torch bug, as likely under torchrun). Released from Python (the
+    atexit handler below, or when more than MAX_RETAINED_GROUPS pile up), a group's destructor
+    runs with the GIL released.
+    """
+    try:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        original, world = c10d.destroy_process_group, c10d._world
+    except (ImportError, AttributeError):
+        return
+
+    @functools.wraps(original)
+    def destroy_process_group(group: object = None) -> None:
+        try:
+            doomed = list(world.pg_map) if group is None else [group]
+        except Exception:  # noqa: BLE001 - torch internals moved: destroy as before
+            doomed = []
+        original(group)
+        _DESTROYED_GROUPS.extend(g for g in doomed if g is not None)
+        del _DESTROYED_GROUPS[:-MAX_RETAINED_GROUPS]
+
+    c10d.destroy_process_group = destroy_process_group
+    dist.destroy_process_group = destroy_process_group
 
 
 def _become(order: dict) -> None:
@@ -123,9 +164,11 @@ def _collect_while_alive() -> None:
     An interpreter that preloaded torch (and, deep, torch._dynamo) holds a huge long-lived heap,
     so its automatic full collections are rare and such cycles do survive until then. Collected
     here, the interpreter is still whole. Registered before the script runs, so it runs after the
-    script's own atexit handlers.
+    script's own atexit handlers. The groups the script destroyed go last (see
+    :func:`_retain_destroyed_groups`).
     """
     gc.collect()
+    _DESTROYED_GROUPS.clear()
 
 
 def _read_order_file(order: dict) -> dict:
@@ -156,6 +199,7 @@ def main() -> None:
         order = json.loads(line)
     order = _read_order_file(order)
     atexit.register(_collect_while_alive)
+    _retain_destroyed_groups()
     _become(order)
 
 
