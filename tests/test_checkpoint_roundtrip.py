@@ -160,15 +160,24 @@ def test_latest_is_the_newest_complete_and_missing_names_are_clear(tmp_path):
         load(tmp_path, "nope")
 
 
-def test_file_hash_is_that_of_the_bytes_on_disk_with_mixed_sizes(tmp_path):
+@pytest.mark.parametrize("algo", [None, "sha256"])
+def test_file_checksum_is_that_of_the_bytes_on_disk_with_mixed_sizes(tmp_path, algo):
     import hashlib
+    import zlib
 
     # big (hashed on the helper thread) then small (must still be hashed after it, in order)
     state = {"a_big": torch.randn(600, 1000), "b_small": torch.ones(3), "c_big": torch.randn(300, 1000)}
-    save(state, tmp_path, "h")
+    save(state, tmp_path, "h", checksum=algo)
     index = json.loads((tmp_path / "h" / "metadata.json").read_text())
+    assert index["version"] == 2
     for fname, entry in index["files"].items():
-        assert hashlib.sha256((tmp_path / "h" / fname).read_bytes()).hexdigest() == entry["sha256"]
+        data = (tmp_path / "h" / fname).read_bytes()
+        if algo == "sha256":
+            assert set(entry) == {"rank", "size", "sha256"}
+            assert hashlib.sha256(data).hexdigest() == entry["sha256"]
+        else:  # the default
+            assert set(entry) == {"rank", "size", "crc32"}
+            assert f"{zlib.crc32(data):08x}" == entry["crc32"]
 
 
 def _mapped_files() -> set:

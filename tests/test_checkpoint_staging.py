@@ -10,6 +10,7 @@ import hashlib
 import json
 import struct
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -17,7 +18,8 @@ import torch
 
 from elasticrun.checkpoint import AsyncCheckpointer, CheckpointError, load, save, staging
 from elasticrun.checkpoint import plan as plan_mod
-from elasticrun.checkpoint.inplace import hash_file_overlapped
+from elasticrun.checkpoint.checksum import Checksum
+from elasticrun.checkpoint.inplace import digest_file
 from elasticrun.checkpoint.staging import DeviceStager, host_pieces
 
 
@@ -115,16 +117,23 @@ def test_device_stager_packs_neighbouring_small_ranges_and_streams_large_ones(tm
         assert bytes(d.numpy()) == data[off:off + n], (off, n)
 
 
-def test_overlapped_hash_matches_hashlib(tmp_path, monkeypatch):
-    from elasticrun.checkpoint import inplace
+@pytest.mark.parametrize("algo", list(Checksum))
+def test_overlapped_file_digest_matches_hashlib_and_zlib(tmp_path, monkeypatch, algo):
+    from elasticrun.checkpoint import checksum, inplace
 
-    monkeypatch.setattr(inplace, "HASH_BLOCK", 4096)
+    monkeypatch.setattr(checksum, "DIGEST_BLOCK", 4096)
     monkeypatch.setattr(inplace, "cpu_share", lambda: 2)  # the helper-thread path even on one core
     data = bytes(range(256)) * 1000
     (tmp_path / "f").write_bytes(data)
+
+    def reference(b: bytes) -> str:
+        return hashlib.sha256(b).hexdigest() if algo is Checksum.SHA256 else f"{zlib.crc32(b):08x}"
+
     with open(tmp_path / "f", "rb", buffering=0) as f:
-        assert hash_file_overlapped(f, len(data), "f") == hashlib.sha256(data).hexdigest()
-        assert hash_file_overlapped(f, 5000, "f") == hashlib.sha256(data[:5000]).hexdigest()
+        assert digest_file(f, len(data), "f", algo) == reference(data)
+        assert digest_file(f, 5000, "f", algo) == reference(data[:5000])
+        with pytest.raises(CheckpointError, match="truncated"):
+            digest_file(f, len(data) + 10, "f", algo)
 
 
 def test_in_place_load_bounces_targets_of_another_dtype_or_layout(tmp_path):

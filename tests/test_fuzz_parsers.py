@@ -5,7 +5,6 @@ a hang or a partial write. Real files (and a real etcd for the records)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -17,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from elasticrun.checkpoint import CheckpointError, list_checkpoints, load, save
+from elasticrun.checkpoint.checksum import Checksum, digest_of
 from elasticrun.checkpoint.format import CheckpointMeta
 from elasticrun.checkpoint.shardfile import read_header
 from elasticrun.cli.main import main as cli_main
@@ -189,7 +189,8 @@ def _rewrite_shard(root: Path, mutate) -> None:
     path.write_bytes(new)
     meta_path = root / "x" / "metadata.json"
     doc = json.loads(meta_path.read_text())
-    doc["files"][SHARD].update(size=len(new), sha256=hashlib.sha256(new).hexdigest())
+    algo = Checksum.CRC32 if "crc32" in doc["files"][SHARD] else Checksum.SHA256
+    doc["files"][SHARD].update({"size": len(new), algo.value: digest_of(algo, new)})
     meta_path.write_text(json.dumps(doc))
 
 

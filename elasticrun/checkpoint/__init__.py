@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from elasticrun.checkpoint.checksum import Checksum
 from elasticrun.checkpoint.format import LATEST, CheckpointMeta, Replicate, Shard
 from elasticrun.checkpoint.retention import delete
 from elasticrun.checkpoint.validate import CheckpointInfo, VerifyResult, list_checkpoints, verify
@@ -49,6 +50,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointMeta",
+    "Checksum",
     "LoadedCheckpoint",
     "Replicate",
     "Shard",

@@ -112,6 +112,7 @@ class AsyncCheckpointer:
         keep_last: Optional[int] = None,
         storage_options: Optional[Dict[str, Any]] = None,
         io_threads: Optional[int] = None,
+        checksum: Optional[str] = None,
     ) -> AsyncSaveHandle:
         """Snapshot ``state_dict`` and save it in the background (same arguments as ``save``).
 
@@ -123,6 +124,7 @@ class AsyncCheckpointer:
         job, tensors = prepare(
             state_dict, root, name, comm, training_state=training_state, user_metadata=user_metadata,
             placements=placements, keep_last=keep_last, storage_options=storage_options, io_threads=io_threads,
+            checksum=checksum,
         )
         return self._launch(job, tensors, comm.rank)
 

@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from elasticrun.checkpoint import export
+from elasticrun.checkpoint.checksum import DEFAULT_CHECKSUM, Checksum, parse_checksum
 from elasticrun.checkpoint.comm import Comm
 from elasticrun.checkpoint.commit import commit, new_token, rollback
 from elasticrun.checkpoint.format import CheckpointMeta, FileEntry, Shard, validate_name
@@ -179,6 +180,8 @@ def reshard(
         infos.append(rank_infos)
     plan = make_plan(infos)
     token = new_token()
+    algos = {f.algo for f in meta.files.values()}
+    algo = algos.pop() if len(algos) == 1 else DEFAULT_CHECKSUM  # keep the source's choice
     files = ShardFiles(storage, name, meta)
     results: Dict[str, FileEntry] = {}
     job = None
@@ -186,14 +189,14 @@ def reshard(
         for r in range(world_size):
             job = SaveJob(storage=out_storage, name=out_name, token=token, comm=Comm.local(r, world_size), plan=plan,
                           sources=[], tree=meta.tree, training_state=meta.training_state,
-                          user_metadata=meta.user_metadata, created=time.time())
+                          user_metadata=meta.user_metadata, created=time.time(), checksum=algo)
             for item in plan.writes[r]:
                 entry = meta.tensors[item.name]
                 t = torch.empty(item.chunk.shape, dtype=torch_dtype(entry.dtype))
                 read_region(files, entry, item.chunk.offsets, t)
                 job.sources.append((item.chunk, t))
-            for fname, size, sha in job.write_own_files():
-                results[fname] = FileEntry(fname, r, size, sha)
+            for fname, size, digest, written_algo in job.write_own_files():
+                results[fname] = FileEntry(fname, r, size, digest, Checksum(written_algo))
                 if progress is not None:
                     progress(size)
             job.sources = []
@@ -212,9 +215,11 @@ def reshard(
     return out_name
 
 
-def import_file(path: str, root: str, name: str, *, storage_options: Optional[Dict[str, Any]] = None) -> str:
+def import_file(path: str, root: str, name: str, *, storage_options: Optional[Dict[str, Any]] = None,
+                checksum: Optional[str] = None) -> str:
     """Save a single-file state dict (``torch.save`` file loaded with ``weights_only=True``, or a
-    ``.safetensors`` file) as checkpoint ``<root>/<name>``."""
+    ``.safetensors`` file) as checkpoint ``<root>/<name>`` (``checksum``: as for ``save``)."""
+    parse_checksum(checksum)  # a bad choice fails before the file is read
     if not os.path.isfile(path):
         raise CheckpointError(f"--from {path}: no such file")
     try:
@@ -230,7 +235,7 @@ def import_file(path: str, root: str, name: str, *, storage_options: Optional[Di
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} holds a {type(state).__name__}, not a state dict")
     return save(state, root, name, user_metadata={"imported_from": os.path.basename(path)},
-                storage_options=storage_options)
+                storage_options=storage_options, checksum=checksum)
 
 
 __all__ = ["Shard", "consolidate", "import_file", "reshard"]

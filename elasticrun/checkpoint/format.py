@@ -13,10 +13,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple, Union
 
+from elasticrun.checkpoint.checksum import Checksum
 from elasticrun.errors import CheckpointError
 
 FORMAT_NAME = "elasticrun-checkpoint"
-FORMAT_VERSION = 1
+#: 2: a file's checksum is stored under its algorithm's name (``crc32`` or ``sha256``);
+#: 1: always ``sha256``. Both are read.
+FORMAT_VERSION = 2
 METADATA_FILE = "metadata.json"
 TMP_MARKER = ".tmp-"
 #: Created by the writer in a save's temporary directory when it starts (removed after the
@@ -190,15 +193,28 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class FileEntry:
-    """A shard file: who wrote it, its size and sha256."""
+    """A shard file: who wrote it, its size and its checksum (``digest`` by ``algo``)."""
 
     name: str
     rank: int
     size: int
-    sha256: str
+    digest: str
+    algo: Checksum = Checksum.SHA256
 
     def to_json(self) -> Dict[str, Any]:
-        return {"rank": self.rank, "size": self.size, "sha256": self.sha256}
+        return {"rank": self.rank, "size": self.size, self.algo.value: self.digest}
+
+    @classmethod
+    def from_json(cls, name: str, f: Dict[str, Any]) -> FileEntry:
+        algos = [a for a in Checksum if a.value in f]
+        if len(algos) != 1:
+            raise ValueError(f"file {name!r} must carry exactly one checksum "
+                             f"({' or '.join(a.value for a in Checksum)})")
+        algo = algos[0]
+        digest = _str(f[algo.value], algo.value)
+        if not algo.is_digest(digest):
+            raise ValueError(f"file {name!r} has an invalid {algo.value} {digest[:80]!r}")
+        return cls(name, _nonneg(f["rank"], "rank"), _nonneg(f["size"], "size"), digest, algo)
 
 
 @dataclass
@@ -301,11 +317,9 @@ class CheckpointMeta:
         files_raw, tensors_raw = _obj(d["files"], "files"), _obj(d["tensors"], "tensors")
         files = {}
         for n, f in files_raw.items():
-            f = _obj(f, f"file {n!r}")
-            sha = _str(f["sha256"], "sha256")
-            if not re.fullmatch(r"[0-9a-f]{64}", sha):
-                raise ValueError(f"file {n!r} has an invalid sha256 {sha[:80]!r}")
-            files[n] = FileEntry(n, _nonneg(f["rank"], "rank"), _nonneg(f["size"], "size"), sha)
+            files[n] = FileEntry.from_json(n, _obj(f, f"file {n!r}"))
+            if version < 2 and files[n].algo is not Checksum.SHA256:
+                raise ValueError(f"file {n!r} of a version {version} checkpoint must carry a sha256")
         tensors = {n: TensorEntry.from_json(n, t) for n, t in tensors_raw.items()}
         world_size = _nonneg(d["world_size"], "world_size")
         if world_size < 1:

@@ -3,7 +3,7 @@
 Verify before write without a staging copy. First a *dry* pass, which writes nothing into
 the caller's tensors: every shard file this rank reads is opened and its header parsed and
 matched against ``metadata.json``, every file's size is checked, and this rank's 1/N of the
-files are hashed (sha256, the reads overlapped with the hashing) — which also brings them
+files are hashed (their checksum, the reads overlapped with the hashing) — which also brings them
 into the page cache. The problems of every rank are exchanged and the shapes checked
 against the state dict; only when all of that passed are the bytes read straight into the
 caller's tensors (``pread`` into CPU tensors; for CUDA tensors, into two reusable pinned
@@ -15,66 +15,28 @@ leave them partly written.
 
 from __future__ import annotations
 
-import hashlib
-import mmap
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
+from elasticrun.checkpoint.checksum import Checksum, file_digest
 from elasticrun.checkpoint.regions import Piece, ShardFiles, header_entry, piece_span, read_piece, region_pieces
 from elasticrun.checkpoint.shardfile import readinto_exact, torch_dtype
 from elasticrun.checkpoint.staging import DeviceStager
 from elasticrun.checkpoint.storage import cpu_share, describe
-from elasticrun.checkpoint.validate import size_problem, verify_file
+from elasticrun.checkpoint.validate import checksum_mismatch, size_problem, verify_file
 from elasticrun.errors import CheckpointError
 
-HASH_BLOCK = 16 << 20
 
-def hash_file_overlapped(f: object, size: int, where: str) -> str:
-    """sha256 of the first ``size`` bytes of ``f``: with a spare core, block i is hashed on a
-    helper thread while block i+1 is read (hashlib releases the GIL)."""
-    h = hashlib.sha256()
-    if size <= HASH_BLOCK or cpu_share() < 2:
-        buf = memoryview(bytearray(min(size, HASH_BLOCK) or 1))
-        for off in range(0, size, HASH_BLOCK):
-            view = buf[:min(HASH_BLOCK, size - off)]
-            readinto_exact(f, off, view, where)  # type: ignore[arg-type]
-            h.update(view)
-        return h.hexdigest()
-    bufs = [memoryview(bytearray(HASH_BLOCK)) for _ in range(2)]
-    pending: List[Optional[Future]] = [None, None]
-    with ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash") as pool:  # one worker: updates stay in order
-        for i, off in enumerate(range(0, size, HASH_BLOCK)):
-            k = i % 2
-            fut = pending[k]
-            if fut is not None:
-                fut.result()
-            view = bufs[k][:min(HASH_BLOCK, size - off)]
-            readinto_exact(f, off, view, where)  # type: ignore[arg-type]
-            pending[k] = pool.submit(h.update, view)
-        for fut in pending:
-            if fut is not None:
-                fut.result()
-    return h.hexdigest()
-
-
-def hash_mapped(f: Any) -> str:
-    """sha256 of a whole local file through a read-only memory map (no copy; the kernel reads
-    ahead while the pages are hashed)."""
-    h = hashlib.sha256()
-    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        for advice in ("MADV_SEQUENTIAL", "MADV_WILLNEED"):
-            if hasattr(mmap, advice):
-                mm.madvise(getattr(mmap, advice))
-        with memoryview(mm) as view:
-            for a in range(0, len(view), HASH_BLOCK):
-                h.update(view[a:a + HASH_BLOCK])
-    return h.hexdigest()
+def digest_file(f: Any, size: int, where: str, algo: Checksum) -> str:
+    """The checksum of the first ``size`` bytes of ``f`` (reads overlapped with the hashing
+    when a core is spare); a short file is a CheckpointError."""
+    return file_digest(lambda off, view: readinto_exact(f, off, view, where), size, algo,
+                       overlap=cpu_share() >= 2)
 
 
 def check_file(files: ShardFiles, fname: str, pieces: Sequence[Piece], verify: bool) -> Optional[str]:
-    """The dry pass for one file: header and sizes of what this rank reads, the sha256 if asked.
+    """The dry pass for one file: header and sizes of what this rank reads, the checksum if asked.
     Returns the problem or None (a malformed header raises CheckpointError); writes nothing
     but the page cache."""
     expected = files.meta.files[fname]
@@ -87,10 +49,8 @@ def check_file(files: ShardFiles, fname: str, pieces: Sequence[Piece], verify: b
             header_entry(files, piece.entry, piece.chunk)
         if verify:
             f, _, _ = files.get(fname)
-            mapped = files.storage.mappable and expected.size > 0
-            digest = hash_mapped(f) if mapped else hash_file_overlapped(f, expected.size, where)
-            if digest != expected.sha256:
-                return f"file {fname} of checkpoint {files.name!r} is corrupt: its sha256 does not match metadata.json"
+            if digest_file(f, expected.size, where, expected.algo) != expected.digest:
+                return checksum_mismatch(files.name, expected)
     except CheckpointError:
         # A file that cannot be parsed: if its checksum is wrong too, say that (the clearer cause).
         problem = verify_file(files.storage, files.name, expected) if verify else None

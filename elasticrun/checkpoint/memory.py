@@ -9,7 +9,7 @@
 Under elasticrun the agent owns a 0700 directory in ``/dev/shm`` (``ELASTICRUN_SNAPSHOT_DIR``,
 see :mod:`elasticrun.launch.snapshots`) that outlives its workers: a worker that crashes and
 is restarted finds the snapshots of its predecessor there. Each snapshot is a *generation*:
-a checkpoint in exactly the disk format (sharded safetensors, sha256 per file,
+a checkpoint in exactly the disk format (sharded safetensors, a checksum per file,
 ``metadata.json`` written last and renamed into place), committed only when every rank's
 part is complete — a crash in the middle leaves a temporary directory that is never loaded.
 The newest ``keep`` generations are kept (default 2). Every ``persist_every``-th generation

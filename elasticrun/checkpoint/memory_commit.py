@@ -7,7 +7,7 @@ ranks are handed out node by node); the lowest rank of a node is its *leader*.
 A generation ``<name>`` is written like a disk save, except that every rank writes its
 shard files into its own node's ``generations/.<name>.tmp-<token>/``. After a gather shows
 that every rank's part is complete, each node's leader writes ``metadata.json`` — the
-GLOBAL metadata, listing every file of every node with its size and sha256 — into its
+GLOBAL metadata, listing every file of every node with its size and checksum — into its
 temporary directory and renames it to ``generations/<name>/``. A second gather confirms
 every node committed; a node whose commit failed makes every leader withdraw its commit.
 A crash anywhere leaves at worst a temporary directory (never loaded) or a generation that
@@ -25,7 +25,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 from elasticrun.checkpoint.commit import commit, crash_point, rollback
 from elasticrun.checkpoint.format import METADATA_FILE, CheckpointMeta, FileEntry, parse_tmp_dir_name
 from elasticrun.checkpoint.temps import write_marker
-from elasticrun.checkpoint.writer import SaveJob
+from elasticrun.checkpoint.writer import SaveJob, files_of_results
 from elasticrun.errors import CheckpointError
 
 _STEP_RE = re.compile(r"^snap-(\d+)-")
@@ -98,7 +98,7 @@ class NodeSaveJob(SaveJob):
             raise CheckpointError(f"snapshot {name!r} failed{where}: {msg}; {note}")
         status: dict = {}
         if leader:
-            files = {f: FileEntry(f, r, size, sha) for r, res in enumerate(results) for f, size, sha in res["files"]}
+            files = files_of_results(results)
             try:
                 meta = CheckpointMeta(
                     name=name, world_size=self.comm.world_size, created=self.created, tensors=self.plan.tensors,

@@ -10,11 +10,11 @@ files fetched from the first node that holds each one, over the process group
 normal resharding reader then loads from there at any world size.
 
 Integrity: every file of a memory generation was hashed once — by the rank that wrote it
-(the sha256 in ``metadata.json`` is computed over the bytes written) or on receipt (a
+(the checksum in ``metadata.json`` is computed over the bytes written) or on receipt (a
 replica, a fetched file: checked against ``metadata.json`` before use). Restore checks
 every file's size (and the reader checks every safetensors header against the metadata)
 but does not hash local memory again: that keeps a memory restore a copy from RAM rather
-than a sha256 pass over the whole state. Disk checkpoints are always hashed on load.
+than a checksum pass over the whole state. Disk checkpoints are always hashed on load.
 """
 
 from __future__ import annotations

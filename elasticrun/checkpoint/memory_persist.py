@@ -14,6 +14,7 @@ import os
 import shutil
 from typing import Any, Dict, List, Optional
 
+from elasticrun.checkpoint.checksum import Digest
 from elasticrun.checkpoint.format import METADATA_FILE, CheckpointMeta, FileEntry, tmp_dir_name
 from elasticrun.errors import CheckpointError
 
@@ -21,8 +22,8 @@ log = logging.getLogger(__name__)
 
 
 def _copy_checked(src_path: str, storage: Any, dst: str, entry: FileEntry, name: str) -> None:
-    """Copy one file to ``dst`` on ``storage``, checking its sha256 on the way."""
-    sha = hashlib.sha256()
+    """Copy one file to ``dst`` on ``storage``, checking its checksum on the way."""
+    digest = Digest(entry.algo)
     with open(src_path, "rb") as src:
         out = storage.open_write(dst)
         try:
@@ -30,19 +31,20 @@ def _copy_checked(src_path: str, storage: Any, dst: str, entry: FileEntry, name:
                 chunk = src.read(8 << 20)
                 if not chunk:
                     break
-                sha.update(chunk)
+                digest.update(chunk)
                 out.write(chunk)
             storage.finish_write(out)
         finally:
             out.close()
-    if sha.hexdigest() != entry.sha256:
-        raise CheckpointError(f"{entry.name} of snapshot {name!r} does not match its sha256 (memory corrupted?)")
+    if digest.hexdigest() != entry.digest:
+        raise CheckpointError(f"{entry.name} of snapshot {name!r} does not match its {entry.algo.value} "
+                              "(memory corrupted?)")
 
 
 def persist_generation(src_dir: str, name: str, disk_root: str, keep_last: Optional[int] = None,
                        storage_options: Optional[Dict[str, Any]] = None) -> str:
     """Copy the committed generation in ``src_dir`` to ``<disk_root>/<name>`` with the save's
-    atomic commit (shards to a temporary directory, fsync, sha256 checked while copying,
+    atomic commit (shards to a temporary directory, fsync, checksums checked while copying,
     ``metadata.json`` last, rename). Returns the name; raises CheckpointError (rolled back)."""
     from elasticrun.checkpoint.commit import commit, new_token, rollback
     from elasticrun.checkpoint.retention import apply_keep_last

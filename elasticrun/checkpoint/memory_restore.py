@@ -52,7 +52,7 @@ class PartKind(str, enum.Enum):
     """Whose parts a memory directory holds."""
 
     GENERATION = "generation"  # written by this node's ranks
-    REPLICA = "replica"  # the ring predecessor's parts, received and sha256-checked
+    REPLICA = "replica"  # the ring predecessor's parts, received and checksum-checked
 
 
 @dataclass
@@ -75,8 +75,8 @@ class MemoryGeneration:
 
 
 def files_digest(meta: CheckpointMeta) -> str:
-    """Identifies a generation's content: its file names and sha256s."""
-    return hashlib.sha256(repr(sorted((n, e.sha256) for n, e in meta.files.items())).encode()).hexdigest()
+    """Identifies a generation's content: its file names and checksums."""
+    return hashlib.sha256(repr(sorted((n, e.digest) for n, e in meta.files.items())).encode()).hexdigest()
 
 
 def memory_inventory(base: Optional[str] = None) -> List[MemoryGeneration]:

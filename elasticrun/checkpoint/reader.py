@@ -4,15 +4,14 @@ Every rank works out its region of each tensor and the pieces of saved chunks th
 it (:mod:`elasticrun.checkpoint.regions`), then handles the files in parallel, one thread
 per file: a tensor that is exactly one saved chunk becomes a copy-on-write view of the
 file's memory map (local filesystems), everything else is read into place. Each rank
-checks the sha256 of its 1/N of the files — while reading a file it needs whole, through
-the mapping, or separately — and the problems are exchanged so every rank fails alike.
+checks the checksum of its 1/N of the files — while reading a file it needs whole, through
+plain reads of the file, or separately — and the problems are exchanged so every rank fails alike.
 Loads into a caller's state dict check everything first and then read straight into its
 tensors (:mod:`elasticrun.checkpoint.inplace`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ import torch
 
 from elasticrun.checkpoint.comm import Comm
 from elasticrun.checkpoint.format import DTYPES, LATEST, CheckpointMeta, Chunk, Placement, TensorEntry, chunks_by_file
-from elasticrun.checkpoint.inplace import check_file, fill_bounced, fill_file, plan_pieces
+from elasticrun.checkpoint.inplace import check_file, digest_file, fill_bounced, fill_file, plan_pieces
 from elasticrun.checkpoint.plan import numel
 from elasticrun.checkpoint.regions import (
     Piece,
@@ -36,7 +35,14 @@ from elasticrun.checkpoint.shardfile import PIECE, Hasher, byte_view, readinto_e
 from elasticrun.checkpoint.state import TrainingState
 from elasticrun.checkpoint.storage import default_io_threads, describe, get_storage
 from elasticrun.checkpoint.tree import check_fits, fill_in_place, flatten, unflatten
-from elasticrun.checkpoint.validate import meta_path, read_meta_bytes, resolve_name, size_problem, verify_file
+from elasticrun.checkpoint.validate import (
+    checksum_mismatch,
+    meta_path,
+    read_meta_bytes,
+    resolve_name,
+    size_problem,
+    verify_file,
+)
 from elasticrun.errors import CheckpointError
 
 
@@ -57,7 +63,8 @@ def _read_and_hash(files: ShardFiles, fname: str, pieces: List[Piece], pool: Thr
     destination tensors (one pass over the disk for data and checksum); the problem or None."""
     f, header, start = files.get(fname)
     where = files.where(fname)
-    hasher = Hasher(pool)
+    expected = files.meta.files[fname]
+    hasher = Hasher(pool, expected.algo)
     head = bytearray(start)
     readinto_exact(f, 0, memoryview(head), where)
     hasher.update(memoryview(head))
@@ -71,14 +78,9 @@ def _read_and_hash(files: ShardFiles, fname: str, pieces: List[Piece], pool: Thr
             readinto_exact(f, pos + a, data[a:a + PIECE], where)
             hasher.update(data[a:a + PIECE])
         pos += len(data)
-    expected = files.meta.files[fname]
     if pos != expected.size:
         return f"file {fname} of checkpoint {files.name!r} has data beyond its tensors: corrupt"
-    return None if hasher.hexdigest() == expected.sha256 else _mismatch(files, fname)
-
-
-def _mismatch(files: ShardFiles, fname: str) -> str:
-    return f"file {fname} of checkpoint {files.name!r} is corrupt: its sha256 does not match metadata.json"
+    return None if hasher.hexdigest() == expected.digest else checksum_mismatch(files.name, expected)
 
 
 def _map_tensor(files: ShardFiles, mm: mmap.mmap, entry: TensorEntry, chunk: Chunk) -> Optional[torch.Tensor]:
@@ -95,17 +97,9 @@ def _map_tensor(files: ShardFiles, mm: mmap.mmap, entry: TensorEntry, chunk: Chu
     return flat.view(torch_dtype(entry.dtype)).view(chunk.shape)
 
 
-def _hash_mapping(mm: mmap.mmap) -> str:
-    h = hashlib.sha256()
-    with memoryview(mm) as view:
-        for a in range(0, len(view), PIECE):
-            h.update(view[a:a + PIECE])
-    return h.hexdigest()
-
-
 def _file_task(files: ShardFiles, fname: str, n_chunks: int, pieces: List[Piece],
                mapped: List[Tuple[TensorEntry, Chunk]], verify: bool) -> Tuple[Optional[str], Dict[str, torch.Tensor]]:
-    """Everything this rank does with one file: map or read its pieces, check its sha256 if asked.
+    """Everything this rank does with one file: map or read its pieces, check its checksum if asked.
     Returns the problem (or None) and the tensors it made (mapped ones, or copies where unaligned)."""
     made: Dict[str, torch.Tensor] = {}
     try:
@@ -122,8 +116,10 @@ def _file_task(files: ShardFiles, fname: str, n_chunks: int, pieces: List[Piece]
             if verify:
                 expected = files.meta.files[fname]
                 problem = size_problem(files.storage, files.name, expected)
-                if problem is None and _hash_mapping(mm) != expected.sha256:
-                    problem = _mismatch(files, fname)
+                if problem is None:
+                    f, _, _ = files.get(fname)  # plain reads: far cheaper than faulting the map in cold
+                    if digest_file(f, expected.size, files.where(fname), expected.algo) != expected.digest:
+                        problem = checksum_mismatch(files.name, expected)
                 return problem, made
             return None, made
         if verify and pieces and len(pieces) == n_chunks and all(p.whole for p in pieces):
@@ -149,7 +145,7 @@ def load_tensors(files: ShardFiles, names: Sequence[str], rank: int, world: int,
     """Read this rank's region of every named tensor, into ``targets`` where they fit exactly.
 
     Files are handled by up to ``threads`` threads, one file each; the files in ``verify`` get
-    their sha256 checked (while reading them, when this rank needs them whole). With
+    their checksums checked (while reading them, when this rank needs them whole). With
     ``use_mmap``, a tensor without a target that is exactly one saved chunk becomes a
     copy-on-write view of the file's memory map instead of a copy.
     Returns the tensors and the checksum problems found."""
@@ -212,7 +208,7 @@ def load(
     in ``placements``) come back as this rank's even part along ``dim``
     (``torch.tensor_split`` boundaries); others come back whole. With ``state_dict`` the
     tensors are loaded into it in place (only the keys it has are read) and it is
-    returned as ``.state_dict``. ``verify=False`` skips the sha256 check of the files.
+    returned as ``.state_dict``. ``verify=False`` skips the checksum check of the files.
     ``io_threads`` files are read (and hashed) at once (default: this rank's share of the CPUs).
 
     Tensors loaded fresh (not into ``state_dict``) that were saved whole are, on a local
@@ -247,7 +243,7 @@ def load(
     names = list(targets) if state_dict is not None else list(meta.tensors)
 
     files = ShardFiles(storage, name, meta)
-    # Each rank checks the sha256 of its 1/N block of the files: while reading them if it reads
+    # Each rank checks the checksum of its 1/N block of the files: while reading them if it reads
     # them whole (one pass), otherwise separately (from the page cache, usually).
     every, world = sorted(meta.files), comm.world_size
     mine = every[comm.rank * len(every) // world:(comm.rank + 1) * len(every) // world] if verify else []
@@ -303,7 +299,7 @@ def _load_fresh(files: ShardFiles, comm: Comm, names: Sequence[str], placements:
 def _load_in_place(files: ShardFiles, comm: Comm, state_dict: Dict[str, Any], targets: Mapping[str, torch.Tensor],
                    placements: Mapping[str, Placement], mine: Sequence[str], threads: int) -> Any:
     """Verify before write (see :mod:`elasticrun.checkpoint.inplace`): the dry pass on every rank
-    (headers, sizes, this rank's sha256s, shapes), the exchange, then direct reads."""
+    (headers, sizes, this rank's checksums, shapes), the exchange, then direct reads."""
     problems: List[str] = []
     error: Optional[str] = None
     regions: Dict[str, Tuple[List[int], List[int]]] = {}

@@ -3,7 +3,7 @@
 After a generation commits, each node's leader sends its node's parts to the next node on
 the ring (nodes ordered by their lowest rank, see :class:`~.memory_commit.NodeLayout`),
 which stores them under ``<snapshot dir>/replicas/<name>/`` with the generation's global
-``metadata.json`` and a ``replica.json`` (which node they came from). Every file's sha256
+``metadata.json`` and a ``replica.json`` (which node they came from). Every file's checksum
 is checked on receipt, before the directory is renamed into place, so a replica that exists
 is whole and verified; the newest ``keep`` replicas are kept.
 
@@ -19,7 +19,6 @@ listener, authentication and flow control.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import logging
 import os
@@ -30,6 +29,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from elasticrun.checkpoint.checksum import Digest
 from elasticrun.checkpoint.commit import new_token
 from elasticrun.checkpoint.format import METADATA_FILE, CheckpointMeta, FileEntry, tmp_dir_name
 from elasticrun.checkpoint.memory_commit import NodeLayout, retain
@@ -58,7 +58,7 @@ def _chunks(size: int) -> List[Tuple[int, int]]:
 
 def send_file(path: Optional[str], size: int, dst: int, group: Any) -> Optional[str]:
     """Send ``size`` bytes of ``path`` to group rank ``dst`` (blocking, chunked). A missing or
-    short file is padded with zeros (the receiver's sha256 check fails: it never hangs);
+    short file is padded with zeros (the receiver's checksum check fails: it never hangs);
     returns that problem or None."""
     import torch.distributed as dist
 
@@ -81,18 +81,18 @@ def send_file(path: Optional[str], size: int, dst: int, group: Any) -> Optional[
 
 def recv_file(path: str, entry: FileEntry, src: int, group: Any) -> Optional[str]:
     """Receive ``entry.size`` bytes from group rank ``src`` into ``path``; the problem or None
-    (sha256 checked against ``entry``)."""
+    (its checksum checked against ``entry``)."""
     import torch.distributed as dist
 
-    sha = hashlib.sha256()
+    digest = Digest(entry.algo)
     with open(path, "wb") as f:
         for _off, n in _chunks(entry.size):
             t = torch.empty(n, dtype=torch.uint8)
             dist.recv(t, src=_global(group, src), group=group)
             view = memoryview(t.numpy()).cast("B")
-            sha.update(view)
+            digest.update(view)
             f.write(view)
-    return None if sha.hexdigest() == entry.sha256 else f"{entry.name} arrived corrupt (sha256 mismatch)"
+    return None if digest.hexdigest() == entry.digest else f"{entry.name} arrived corrupt ({entry.algo.value} mismatch)"
 
 
 def exchange(group: Any, dst: Optional[int], outgoing: Sequence[Tuple[str, int]], src: Optional[int],
@@ -184,7 +184,7 @@ def replicate_generation(base: str, name: str, layout: NodeLayout, group: Any, k
         tmp = os.path.join(root, tmp_dir_name(name, new_token()))
         if entries:
             os.makedirs(tmp)
-        hashes = [hashlib.sha256() for _ in entries]
+        hashes = [Digest(e.algo) for e in entries]
         handles: dict = {}
 
         def sink(i: int, data: memoryview) -> None:
@@ -200,10 +200,10 @@ def replicate_generation(base: str, name: str, layout: NodeLayout, group: Any, k
                 f.close()
         if not entries:
             return None
-        bad = [e.name for e, h in zip(entries, hashes) if h.hexdigest() != e.sha256]
+        bad = [e for e, h in zip(entries, hashes) if h.hexdigest() != e.digest]
         if bad:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(f"{bad[0]} arrived corrupt (sha256 mismatch)")
+            raise CheckpointError(f"{bad[0].name} arrived corrupt ({bad[0].algo.value} mismatch)")
         with open(os.path.join(tmp, REPLICA_FILE), "w", encoding="utf-8") as f:
             json.dump({"from_node": layout.predecessor(me), "to_node": me,
                        "files": [e.name for e in entries]}, f)

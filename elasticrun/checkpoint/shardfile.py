@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import json
 import os
 import struct
@@ -21,6 +20,7 @@ from typing import IO, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from elasticrun.checkpoint.checksum import DEFAULT_CHECKSUM, Checksum, Digest
 from elasticrun.checkpoint.format import DTYPES
 from elasticrun.errors import CheckpointError
 
@@ -91,10 +91,11 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
 
 
 class Hasher:
-    """sha256 of a byte stream, computed on a helper thread (hashlib releases the GIL)."""
+    """The checksum of a byte stream, computed on a helper thread when given a pool (zlib and
+    hashlib release the GIL)."""
 
-    def __init__(self, pool: Optional[ThreadPoolExecutor]) -> None:
-        self._h = hashlib.sha256()
+    def __init__(self, pool: Optional[ThreadPoolExecutor], algo: Checksum = DEFAULT_CHECKSUM) -> None:
+        self._h = Digest(algo)
         self._pool = pool
         self._pending: List[Future] = []
 
@@ -125,8 +126,10 @@ def write_shard(
     metadata: Dict[str, str],
     pool: Optional[ThreadPoolExecutor],
     on_piece: Optional[Callable[[int], None]] = None,
+    algo: Checksum = DEFAULT_CHECKSUM,
 ) -> Tuple[int, str]:
-    """Write a safetensors file to ``f`` from contiguous tensors; returns ``(size, sha256)``.
+    """Write a safetensors file to ``f`` from contiguous tensors; returns ``(size, checksum)``
+    (the hex digest of the whole file by ``algo``).
 
     CPU tensors are written straight from their memory; device (CUDA) tensors are staged
     through two reusable pinned buffers, their device-to-host copies overlapping the writes
@@ -139,7 +142,7 @@ def write_shard(
     fd = _fileno(f)
     items = [(k, dtype_code(t.dtype, k), tuple(t.shape), t.numel() * t.element_size()) for k, t in tensors]
     header = build_header(items, metadata)
-    hasher = Hasher(pool)
+    hasher = Hasher(pool, algo)
     hasher.update(memoryview(header))
     _write_all(f, memoryview(header))
     written = len(header)

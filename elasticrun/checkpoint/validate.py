@@ -8,7 +8,6 @@ torch, so the CLI's read commands start fast.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import stat
@@ -16,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from elasticrun.checkpoint.checksum import Checksum, file_digest
 from elasticrun.checkpoint.format import (
     INCOMPLETE_MARKER,
     LATEST,
@@ -31,7 +31,6 @@ from elasticrun.errors import CheckpointError
 
 COMPLETE, INCOMPLETE, CORRUPT = "complete", "incomplete", "corrupt"
 ALIAS = "alias"  # a symlink in the root (see CheckpointInfo.alias_of)
-_BLOCK = 16 << 20
 _SHARD_RE = re.compile(r"^shard-\d{5}-of-\d{5}(-part-\d+-of-\d+)?\.safetensors$")
 
 
@@ -304,20 +303,27 @@ def resolve_name(storage: Storage, name: str) -> str:
     return validate_name(name)
 
 
-def hash_file(storage: Storage, path: str, progress: Optional[Callable[[int], None]] = None) -> str:
-    """sha256 of a whole file, read in large blocks."""
-    h = hashlib.sha256()
-    buf = bytearray(_BLOCK)
-    view = memoryview(buf)
+def hash_file(storage: Storage, path: str, size: int, algo: Checksum,
+              progress: Optional[Callable[[int], None]] = None) -> str:
+    """The checksum of the first ``size`` bytes of a file, read front to back in large blocks
+    (hashed on a helper thread while the next block is read)."""
     with storage.open_read(path) as f:
-        while True:
-            n = f.readinto(view)
-            if not n:
-                break
-            h.update(view[:n])
-            if progress is not None:
-                progress(n)
-    return h.hexdigest()
+        def read_into(_offset: int, view: memoryview) -> None:  # blocks come in order: plain reads
+            got = 0
+            while got < len(view):
+                n = f.readinto(view[got:])
+                if not n:
+                    raise OSError(f"{storage.display(path)} ended after {_offset + got} bytes")
+                got += n
+
+        return file_digest(read_into, size, algo, progress=progress)
+
+
+def checksum_mismatch(name: str, entry: FileEntry, got: Optional[str] = None) -> str:
+    """The one-line problem of a file whose bytes do not match its checksum in ``metadata.json``."""
+    seen = "" if got is None else f" ({entry.algo.value} {got[:16]} but metadata says {entry.digest[:16]})"
+    return (f"file {entry.name} of checkpoint {name!r} is corrupt: its {entry.algo.value} does not match "
+            f"metadata.json{seen}")
 
 
 def verify_file(storage: Storage, name: str, entry: FileEntry,
@@ -328,18 +334,15 @@ def verify_file(storage: Storage, name: str, entry: FileEntry,
         return problem
     path = f"{storage.join(name)}/{entry.name}"
     try:
-        digest = hash_file(storage, path, progress)
+        digest = hash_file(storage, path, entry.size, entry.algo, progress)
     except OSError as err:
         return f"file {entry.name} of checkpoint {name!r} cannot be read: {describe(err)}"
-    if digest != entry.sha256:
-        return (f"file {entry.name} of checkpoint {name!r} is corrupt: sha256 {digest[:16]}… but metadata "
-                f"says {entry.sha256[:16]}…")
-    return None
+    return None if digest == entry.digest else checksum_mismatch(name, entry, digest)
 
 
 def verify_files(storage: Storage, name: str, files: Sequence[FileEntry],
                  progress: Optional[Callable[[int], None]] = None) -> List[str]:
-    """Re-hash ``files`` (several at once: sha256 releases the GIL); the problems, in file order."""
+    """Re-hash ``files`` (several at once: hashing releases the GIL); the problems, in file order."""
     threads = min(default_io_threads(), len(files))
     if threads <= 1:
         return [p for p in (verify_file(storage, name, f, progress) for f in files) if p]

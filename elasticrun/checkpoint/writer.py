@@ -19,10 +19,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 
+from elasticrun.checkpoint.checksum import DEFAULT_CHECKSUM, Checksum, parse_checksum
 from elasticrun.checkpoint.comm import Comm
 from elasticrun.checkpoint.commit import commit, crash_point, new_token, rollback
 from elasticrun.checkpoint.format import (
@@ -47,6 +48,13 @@ from elasticrun.checkpoint.validate import next_seq
 from elasticrun.errors import CheckpointError
 
 log = logging.getLogger(__name__)
+
+
+def files_of_results(results: List[Dict[str, Any]]) -> Dict[str, FileEntry]:
+    """Every rank's written files (``results[rank]["files"]`` from :meth:`SaveJob.write_own_files`)
+    as metadata entries."""
+    return {f: FileEntry(f, r, size, digest, Checksum(algo))
+            for r, res in enumerate(results) for f, size, digest, algo in res["files"]}
 
 
 def training_state_dict(training_state: Any) -> Optional[Dict[str, Any]]:
@@ -115,6 +123,7 @@ class SaveJob:
     created: float
     keep_last: Optional[int] = None
     error: Optional[str] = None  # a local failure before run(), reported collectively by run()
+    checksum: Checksum = DEFAULT_CHECKSUM  # of every shard file (agreed: rank 0's choice)
 
     @property
     def tmp(self) -> str:
@@ -124,8 +133,8 @@ class SaveJob:
     def final(self) -> str:
         return self.storage.join(self.name)
 
-    def write_own_files(self) -> List[Tuple[str, int, str]]:
-        """Write (and fsync) this rank's shard files, in parallel; ``[(file, size, sha256)]``."""
+    def write_own_files(self) -> List[Tuple[str, int, str, str]]:
+        """Write (and fsync) this rank's shard files, in parallel; ``[(file, size, digest, algorithm)]``."""
         rank = self.comm.rank
         sources = dict(self.sources)
         files = self.plan.files_of(rank)
@@ -142,7 +151,7 @@ class SaveJob:
             return list(pool.map(lambda f: self._write_file(f[0], f[1], sources, helper), files))
 
     def _write_file(self, fname: str, items: List[WriteItem], sources: Dict[Any, torch.Tensor],
-                    hash_helper: bool) -> Tuple[str, int, str]:
+                    hash_helper: bool) -> Tuple[str, int, str, str]:
         rank, world = self.comm.rank, self.comm.world_size
         path = f"{self.tmp}/{fname}"
         slices = {i.chunk.key: {"offsets": list(i.chunk.offsets), "global_shape": list(self.plan.tensors[i.name].shape)}
@@ -160,15 +169,16 @@ class SaveJob:
             f = self.storage.open_write(path)
             try:
                 with ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash") if hash_helper else nullcontext() as pool:
-                    size, sha = write_shard(f, tensors, file_meta, pool,
-                                            on_piece=lambda _n: crash_point("shard-write", rank))
+                    size, digest = write_shard(f, tensors, file_meta, pool,
+                                               on_piece=lambda _n: crash_point("shard-write", rank),
+                                               algo=self.checksum)
                 self.storage.finish_write(f)
             finally:
                 f.close()
-            return size, sha
+            return size, digest
 
-        size, sha = retry(op, f"write {self.storage.display(path)}")
-        return fname, size, sha
+        size, digest = retry(op, f"write {self.storage.display(path)}")
+        return fname, size, digest, self.checksum.value
 
     def _write_phase(self) -> Dict[str, Any]:
         """This rank's part of the I/O, as a result to gather (never raises)."""
@@ -224,7 +234,7 @@ class SaveJob:
 
         status: Dict[str, Any] = {}
         if rank == 0:
-            files = {f: FileEntry(f, r, size, sha) for r, res in enumerate(results) for f, size, sha in res["files"]}
+            files = files_of_results(results)
             try:
                 meta = CheckpointMeta(
                     name=self.name, world_size=self.comm.world_size, created=self.created, tensors=self.plan.tensors,
@@ -260,6 +270,7 @@ def prepare(
     keep_last: Optional[int] = None,
     storage_options: Optional[Dict[str, Any]] = None,
     io_threads: Optional[int] = None,
+    checksum: Union[str, Checksum, None] = None,
 ) -> Tuple[SaveJob, Dict[str, torch.Tensor]]:
     """Collective: agree on name and plan. Returns the job (no sources yet) and the local tensors."""
     error: Optional[str] = None
@@ -274,6 +285,7 @@ def prepare(
             raise CheckpointError(f"keep_last must be a positive integer (got {keep_last!r})")
         if io_threads is not None and (not isinstance(io_threads, int) or io_threads < 1):
             raise CheckpointError(f"io_threads must be a positive integer (got {io_threads!r})")
+        algo = parse_checksum(checksum)
         storage = get_storage(root, storage_options)
         tensors, tree = flatten(state_dict)
         pl = _placements(placements, tensors)
@@ -287,7 +299,7 @@ def prepare(
             created = time.time()
             final_name = validate_name(name if name is not None else default_name(ts, created))
             _check_free(storage, final_name)
-            head = {"name": final_name, "token": new_token(), "created": created}
+            head = {"name": final_name, "token": new_token(), "created": created, "checksum": algo.value}
     except CheckpointError as err:
         error = str(err)
     threads = io_threads or default_io_threads()
@@ -302,6 +314,7 @@ def prepare(
     job = SaveJob(
         storage=storage, name=head["name"], token=head["token"], comm=comm, plan=plan, sources=[], tree=tree,
         training_state=ts, user_metadata=dict(user_metadata or {}), created=head["created"], keep_last=keep_last,
+        checksum=Checksum(head["checksum"]),
     )
     return job, tensors
 
@@ -335,6 +348,7 @@ def save(
     keep_last: Optional[int] = None,
     storage_options: Optional[Dict[str, Any]] = None,
     io_threads: Optional[int] = None,
+    checksum: Union[str, Checksum, None] = None,
 ) -> str:
     """Save ``state_dict`` as checkpoint ``<root>/<name>``; every rank of the group calls it.
 
@@ -346,7 +360,9 @@ def save(
     rank 0 deletes the oldest complete checkpoints beyond K after the commit.
     ``storage_options`` go to fsspec for URL roots (``s3://...``). ``io_threads`` is how
     many files this rank writes and hashes in parallel (default: its share of the CPUs,
-    at most 4; large ranks only — one file per 64 MiB at most).
+    at most 4; large ranks only — one file per 64 MiB at most). ``checksum`` is the per-file
+    checksum stored in ``metadata.json`` and checked on load: ``"crc32"`` (default; catches
+    torn writes and bit rot at a few GB/s) or ``"sha256"`` (cryptographic, ~2.5× the CPU).
     Returns the name; raises CheckpointError (on every rank) if the save failed and was
     rolled back.
     """
@@ -354,6 +370,7 @@ def save(
     job, tensors = prepare(
         state_dict, root, name, comm, training_state=training_state, user_metadata=user_metadata,
         placements=placements, keep_last=keep_last, storage_options=storage_options, io_threads=io_threads,
+        checksum=checksum,
     )
     try:
         job.sources = [(i.chunk, device_source(tensors[i.name], i)) for i in job.plan.writes[comm.rank]]

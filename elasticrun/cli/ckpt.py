@@ -166,14 +166,15 @@ def verify_cmd(
     """Re-hash every file against metadata.json; exit 5 on any mismatch or missing file."""
     storage = _existing_root(root)
     name = resolve_name(storage, name)
-    total = read_meta(storage, name).total_bytes
+    meta = read_meta(storage, name)
+    total, algos = meta.total_bytes, "/".join(sorted({f.algo.value for f in meta.files.values()})) or "checksum"
     with _progress(total, f"verifying {name}") as progress:
         result = verify(root, name, progress=lambda n: progress.advance(progress.task_ids[0], n))
     if as_json:
         print_json(result.to_json())
     elif result.ok:
         console.print(f"[green]ok[/] {escape(name)}: {result.files_checked} file(s), "
-                      f"{human_bytes(result.bytes_checked)} match their sha256")
+                      f"{human_bytes(result.bytes_checked)} match their {algos}")
     if not result.ok:
         if not as_json:
             for p in result.problems[1:]:
@@ -249,7 +250,7 @@ def load_cmd(
     force: bool = typer.Option(False, "--force", help="Overwrite existing output files."),
     world_size: Optional[int] = typer.Option(None, "--world-size", help="Reshard into a checkpoint for M ranks."),
     out_name: Optional[str] = typer.Option(None, "--name", help="Name of the resharded checkpoint \\[default: same]."),
-    no_verify: bool = typer.Option(False, "--no-verify", help="Skip the sha256 check of the source."),
+    no_verify: bool = typer.Option(False, "--no-verify", help="Skip the checksum check of the source."),
 ) -> None:
     """Export a checkpoint as safetensors for Hugging Face (one file or shards), or reshard it for another
     world size. Nested state dicts have dotted names (model.fc.weight): --only model. --strip-prefix gives
@@ -284,6 +285,7 @@ def save_cmd(
     root: Optional[str] = typer.Argument(None, help="With --from: checkpoint root to import into."),
     name: Optional[str] = typer.Argument(None, help="With --from: name of the new checkpoint."),
     from_file: Optional[str] = typer.Option(None, "--from", help="Import a .pt or .safetensors state dict file."),
+    checksum: str = typer.Option("crc32", "--checksum", help="With --from: per-file checksum, crc32 or sha256."),
     rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="etcd endpoint(s) of a running job."),
     rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", help="The running job's id."),
     timeout: float = typer.Option(600.0, "--timeout", help="Seconds to wait for the job's checkpoint."),
@@ -303,7 +305,8 @@ def save_cmd(
             fail("--from FILE needs ROOT and NAME: elasticrun ckpt save --from model.pt ./ckpts imported", 2)
         from elasticrun.checkpoint.consolidate import import_file
 
-        console.print(f"imported {escape(from_file)} as checkpoint {escape(import_file(from_file, root, name))}")
+        new = import_file(from_file, root, name, checksum=checksum)
+        console.print(f"imported {escape(from_file)} as checkpoint {escape(new)}")
         return
     if not rdzv_endpoint or not rdzv_id:
         fail("give --rdzv-endpoint HOST:PORT and --rdzv-id JOB (ask a running job), or --from FILE ROOT NAME", 2)
