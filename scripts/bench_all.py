@@ -74,7 +74,7 @@ def _specs(preset: str, scratch: str) -> List[Spec]:
                                                        "--timeout", "60"],
                  480),
             *[Spec(f"checkpoint-{s}", "bench_checkpoint.py",
-                   ["--state", "gpt", "--size-gib", s, "--repeat", "3", "--settle", "0.3", *d], 300)
+                   ["--state", "gpt", "--size-gib", s, "--repeat", "7", "--settle", "0.3", *d], 300)
               for s in ("0.1", "0.4")],
             Spec("rendezvous", "bench_rendezvous.py",
                  ["--clients", "agent", "--nodes", "8", "32", "128", "256", "--runs", "1"], 300),

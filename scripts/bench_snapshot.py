@@ -7,7 +7,7 @@ Parts (``stall,restore`` by default, a couple of minutes; ``lost`` runs real job
 2 cores). The state is ``--mb`` MiB of float32 tensors of 16 MiB, world size 1:
 
 - ``stall``: what one checkpoint costs the training loop. ``snapshot`` a synchronous memory
-  snapshot (write + sha256 + commit in /dev/shm); ``snapshot_async_stall`` an async one (the
+  snapshot (write + checksum + commit in /dev/shm); ``snapshot_async_stall`` an async one (the
   copy into reused host buffers, pinned on CUDA); ``disk_save`` ``elasticrun.checkpoint.save``
   (fsync included); ``dcp_save`` ``torch.distributed.checkpoint.save``. Then a training loop of
   ``--step-ms`` steps (matmuls on ``--device``) without checkpoints and with an async snapshot,

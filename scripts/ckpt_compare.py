@@ -169,6 +169,13 @@ class Libraries:
             DCP.load(tgt, storage_reader=FileSystemReader(path))
         self.sync()
 
+    def load_unverified(self, path: str) -> None:
+        """elasticrun's in-place load with ``verify=False``: what verification costs."""
+        from elasticrun.checkpoint import load
+
+        load(path, "c", state_dict=self.target, verify=False)
+        self.sync()
+
     def check(self) -> None:
         """The last load really filled the targets (cheap: first/last element of every tensor)."""
         for k, v in self.state.items():
@@ -176,6 +183,9 @@ class Libraries:
             if t.numel() and not (bool(t[0] == v.reshape(-1)[0]) and bool(t[-1] == v.reshape(-1)[-1])):
                 raise AssertionError(f"load left {k} wrong")
             self.target[k].zero_()
+
+
+UNVERIFIED = "elasticrun load, verify=False, into existing tensors (cold)"
 
 
 def run_compare(d: str, state: Dict[str, torch.Tensor], device: str, repeat: int, dcp: bool,
@@ -206,6 +216,13 @@ def run_compare(d: str, state: Dict[str, torch.Tensor], device: str, repeat: int
             libs.load_into(lib, path)
             rec(f"{lib} load into existing tensors (cold)", time.perf_counter() - t0, keep)
             libs.check()
+            if lib == "elasticrun":
+                fadvise_evict(path)
+                settle()
+                t0 = time.perf_counter()
+                libs.load_unverified(path)
+                rec(UNVERIFIED, time.perf_counter() - t0, keep)
+                libs.check()
             remove(path)
         stall, total = async_stall(d, state, libs.sync, settle)
         rec("elasticrun async save: training stall", stall, keep)
@@ -263,6 +280,10 @@ def summarize(runs: Dict[str, List[float]], size: int, device: str, state_label:
     if er_load and disk:
         row(f"cold load bandwidth vs the disk's cold read ({tag})", size / GB / er_load, "disk cold read (dd)",
             size / GB / disk, "GB/s", "higher")
+    unverified = med.get(UNVERIFIED)
+    if unverified and disk:
+        row(f"cold load bandwidth with verify=False (no checksums, as the peers) vs the disk's cold read ({tag})",
+            size / GB / unverified, "disk cold read (dd)", size / GB / disk, "GB/s", "higher")
     stall, sync_save = med.get("elasticrun async save: training stall"), med.get("elasticrun save (durable)")
     if stall and sync_save:
         row(f"async save training stall (target ≤ 0.1 × a synchronous save, ratio ≥ 10) ({tag})", stall,

@@ -4,8 +4,9 @@ Every rank works out its region of each tensor and the pieces of saved chunks th
 it (:mod:`elasticrun.checkpoint.regions`), then handles the files in parallel, one thread
 per file: a tensor that is exactly one saved chunk becomes a copy-on-write view of the
 file's memory map (local filesystems), everything else is read into place. Each rank
-checks the checksum of its 1/N of the files — while reading a file it needs whole, through
-plain reads of the file, or separately — and the problems are exchanged so every rank fails alike.
+checks the checksum of its 1/N of the files — while reading a file it needs whole, or with
+plain reads of its own (also for a mapped file) — and the problems are exchanged so every rank
+fails alike.
 Loads into a caller's state dict check everything first and then read straight into its
 tensors (:mod:`elasticrun.checkpoint.inplace`).
 """
@@ -219,11 +220,12 @@ def load(
     comm = Comm(process_group)
     storage = get_storage(root, storage_options)
     head: Dict[str, Any] = {}
+    parsed: Optional[CheckpointMeta] = None
     if comm.rank == 0:
         try:
             resolved = resolve_name(storage, name)
             raw = read_meta_bytes(storage, resolved)
-            CheckpointMeta.loads(raw, meta_path(storage, resolved))  # clear errors here, before the others parse it
+            parsed = CheckpointMeta.loads(raw, meta_path(storage, resolved))  # clear errors before the others parse
             head = {"name": resolved, "meta": raw}
         except CheckpointError as err:
             head = {"error": str(err)}
@@ -231,7 +233,7 @@ def load(
     if "error" in head:
         raise CheckpointError(head["error"])
     name = head["name"]
-    meta = CheckpointMeta.loads(head["meta"], meta_path(storage, name))
+    meta = parsed if parsed is not None else CheckpointMeta.loads(head["meta"], meta_path(storage, name))
 
     targets: Dict[str, torch.Tensor] = {}
     if state_dict is not None:
