@@ -199,7 +199,7 @@ class FileEntry:
     rank: int
     size: int
     digest: str
-    algo: Checksum = Checksum.SHA256
+    algo: Checksum
 
     def to_json(self) -> Dict[str, Any]:
         return {"rank": self.rank, "size": self.size, self.algo.value: self.digest}
