@@ -79,14 +79,9 @@ def evict(path: str) -> str:
         return "drop_caches"
     except OSError:
         pass
-    files = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
-    for p in files:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    from ckpt_compare import fadvise_evict
+
+    fadvise_evict(path)
     return "fadvise"
 
 
