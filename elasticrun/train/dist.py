@@ -14,7 +14,7 @@ import logging
 import os
 import signal
 from dataclasses import dataclass, field, replace
-from typing import Any, List, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,8 +28,6 @@ from elasticrun.train.signals import GracefulStop
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 300.0
-#: Default groups that :meth:`ElasticContext.close` destroyed, kept referenced until exit (see there).
-_RETIRED_GROUPS: List[Any] = []
 ENV_BACKEND = job_env.BACKEND
 
 
@@ -98,22 +96,10 @@ class ElasticContext:
             dist.barrier()
 
     def close(self) -> None:
-        """Destroy the process group if :func:`init` created it and restore signal handlers.
-
-        The group is unregistered at once, but its Python object stays referenced until exit
-        (dropped by the atexit handler). Otherwise a DDP model still alive in the caller's frame
-        may hold the last reference, and freeing the model then runs the gloo group's destructor
-        from DDP's Reducer with the GIL held: the destructor joins gloo's worker thread, which may
-        need the GIL to free the tensors of the last collective — a finished worker that never
-        exits (seen under load: main thread in ``~ProcessGroupGloo`` → ``thread::join``, gloo's
-        ``runLoop`` in ``gil_scoped_acquire``). Dropped from Python, the group's destructor runs
-        with the GIL released."""
+        """Destroy the process group if :func:`init` created it and restore signal handlers."""
         self.stop.uninstall()
         if self.owns_group and self.distributed:
-            group = dist.group.WORLD
             dist.destroy_process_group()
-            if group is not None:
-                _RETIRED_GROUPS.append(group)
             self.owns_group = False
 
     def __enter__(self) -> ElasticContext:
@@ -132,10 +118,8 @@ def _collect_before_shutdown() -> None:
     then needs the GIL, gets terminated by the interpreter and aborts the whole process
     (``terminate called without an active exception``, exit -6 instead of the script's
     own code — seen about once in ten SIGTERM stops here). atexit runs before that point.
-    Then the groups that :meth:`ElasticContext.close` retired are released, last.
     """
     gc.collect()
-    _RETIRED_GROUPS.clear()
 
 
 def default_backend() -> str:
