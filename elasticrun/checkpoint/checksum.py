@@ -19,6 +19,7 @@ import hashlib
 import re
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from enum import Enum
 from typing import Callable, List, Optional, Union
 
@@ -97,25 +98,22 @@ def file_digest(read_into: Callable[[int, memoryview], None], size: int, algo: C
     measured several times faster than hashing a memory map of a cold file, whose page
     faults stall the hashing thread."""
     digest = Digest(algo)
-    if not overlap or size <= DIGEST_BLOCK:
-        buf = memoryview(bytearray(min(size, DIGEST_BLOCK) or 1))
-        for off in range(0, size, DIGEST_BLOCK):
-            view = buf[:min(DIGEST_BLOCK, size - off)]
-            read_into(off, view)
-            digest.update(view)
-            if progress is not None:
-                progress(len(view))
-        return digest.hexdigest()
-    bufs = [memoryview(bytearray(DIGEST_BLOCK)) for _ in range(2)]
-    pending: List[Optional[Future]] = [None, None]
-    with ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash") as pool:  # one worker: updates stay in order
+    helper = overlap and size > DIGEST_BLOCK
+    bufs = [memoryview(bytearray(min(size, DIGEST_BLOCK) or 1)) for _ in range(2 if helper else 1)]
+    pending: List[Optional[Future]] = [None] * len(bufs)
+    # one worker: updates stay in order
+    with ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash") if helper else nullcontext() as pool:
         for i, off in enumerate(range(0, size, DIGEST_BLOCK)):
-            fut = pending[i % 2]
+            k = i % len(bufs)
+            fut = pending[k]
             if fut is not None:
                 fut.result()  # this buffer's previous block is hashed: reuse it
-            view = bufs[i % 2][:min(DIGEST_BLOCK, size - off)]
+            view = bufs[k][:min(DIGEST_BLOCK, size - off)]
             read_into(off, view)
-            pending[i % 2] = pool.submit(digest.update, view)
+            if pool is None:
+                digest.update(view)
+            else:
+                pending[k] = pool.submit(digest.update, view)
             if progress is not None:
                 progress(len(view))
         for fut in pending:
