@@ -124,6 +124,17 @@ def test_failure_summary_shows_the_exception_without_record(tmp_path: Path) -> N
     assert any("RuntimeError: boom-xyz (exited with code 1)" in ln for ln in summary.splitlines()), summary
 
 
+def test_failure_summary_shows_gloo_errors_verbatim(tmp_path: Path) -> None:
+    """Worker text with brackets (gloo's ``[/path.cc:78]``, ``[rank0]:``) is shown as written, never as markup."""
+    proc = run_cli(["--standalone", "--nproc-per-node", "1", WORKER], env={"OUT_MODE": "gloo"})
+    assert proc.returncode != 0
+    assert "MarkupError" not in proc.stderr, proc.stderr
+    summary = proc.stderr[proc.stderr.index("failed: "):]
+    assert "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out" in summary, summary
+    assert "for recv operation to complete [/red]" in summary, summary
+    assert "[rank0]: about to fail [bold]" in summary, summary
+
+
 def test_huge_error_file_does_not_break_the_restart(tmp_path: Path) -> None:
     proc = run_cli(["--standalone", "--nproc-per-node", "1", "--max-restarts", "1", WORKER],
                    env={"OUT_MODE": "bigerror"}, timeout=120)
@@ -132,6 +143,24 @@ def test_huge_error_file_does_not_break_the_restart(tmp_path: Path) -> None:
 
 
 # -- units -------------------------------------------------------------------------------------
+
+
+def test_root_cause_table_and_errors_show_bracketed_text_verbatim() -> None:
+    from rich.console import Console
+
+    from elasticrun.launch.failures import root_cause_table
+
+    text = "[rank1]: RuntimeError: [/x/unbound_buffer.cc:78] Timed out [/] [bold]not bold[/bold] \\"
+    row = {"node_id": "[n1]", "host": "h", "rank": 1, "local_rank": 1, "exitcode": 1, "signal": None,
+           "message": text, "traceback": "", "stderr_tail": "[rank1]: last [/red] line"}
+    console = Console(width=400, record=True, file=open(os.devnull, "w"))
+    console.print(root_cause_table([row], "job [x] failed"))
+    shown = console.export_text()
+    assert text in shown and "[rank1]: last [/red] line" in shown and "[n1] (root cause)" in shown, shown
+    assert "job [x] failed" in shown, shown
+    code = "from elasticrun.cli.console import fail; fail('bad [/] value [bold]x[/bold]', 7)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 7 and proc.stderr.strip() == "elasticrun: error: bad [/] value [bold]x[/bold]", proc.stderr
 
 
 def test_prefix_goes_after_newlines_and_carriage_returns() -> None:

@@ -7,14 +7,15 @@ import sys
 from typing import Any, NoReturn
 
 from rich.console import Console
+from rich.text import Text
 
 console = Console()
 err_console = Console(stderr=True)
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
-    """Print ``elasticrun: error: <message>`` on stderr and exit with ``code``."""
-    err_console.print(f"[bold red]elasticrun: error:[/] {message}", highlight=False, soft_wrap=True)
+    """Print ``elasticrun: error: <message>`` on stderr and exit with ``code``; ``message`` is shown verbatim."""
+    err_console.print(Text.assemble(("elasticrun: error:", "bold red"), " ", message), highlight=False, soft_wrap=True)
     raise SystemExit(code)
 
 

@@ -284,7 +284,7 @@ def watch(
             if fresh and until is not None and until(last):
                 return last
             elif error and error != told:
-                err_console.print(f"elasticrun: etcd: {error} (retrying)", highlight=False, soft_wrap=True)
+                err_console.print(Text(f"elasticrun: etcd: {error} (retrying)"), highlight=False, soft_wrap=True)
                 told = error
             shown = time.monotonic()
             while True:

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional
 
-from rich.markup import escape
+from rich.text import Text
 
 from elasticrun.config import LaunchConfig, signal_number
 from elasticrun.errors import ElasticrunError, JobFailedError
@@ -82,7 +82,7 @@ class Reporter:
     def __call__(self, message: str) -> None:
         if not self.quiet:
             stamp = log_time()
-            self.console.print(f"[dim]{stamp}[/] [cyan]elasticrun\\[{escape(self.label)}][/]: {escape(message)}",
+            self.console.print(Text.assemble((stamp, "dim"), " ", (f"elasticrun[{self.label}]", "cyan"), ": ", message),
                                soft_wrap=True)
 
     def table(self, table: Any) -> None:

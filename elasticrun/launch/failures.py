@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Dict, List, Optional, Tuple
 
 from rich.table import Table
+from rich.text import Text
 
 MESSAGE_MAX = 2048  # bytes of an error message kept
 TRACEBACK_MAX = 16 * 1024  # bytes of a traceback kept (its end: where it was raised)
@@ -174,8 +175,12 @@ def bounded(failures: List[WorkerFailure], limit: int = REPORT_MAX) -> List[Work
 
 
 def root_cause_table(rows: List[Dict[str, Any]], title: str) -> Table:
-    """A rich table of failures, the first (root cause) on top with its traceback's or stderr's tail."""
-    table = Table(title=title, title_style="bold red", show_lines=True)
+    """A rich table of failures, the first (root cause) on top with its traceback's or stderr's tail.
+
+    Every cell is a :class:`rich.text.Text`: worker text (``[rank1]:``, gloo's ``[/path/x.cc:78]``)
+    is shown verbatim, never read as markup.
+    """
+    table = Table(title=Text(title, style="bold red"), show_lines=True)
     table.add_column("node", overflow="fold", no_wrap=False, min_width=8)
     table.add_column("rank", overflow="fold", min_width=6)
     table.add_column("exit", overflow="fold", min_width=4)
@@ -190,5 +195,5 @@ def root_cause_table(rows: List[Dict[str, Any]], title: str) -> Table:
         elif i == 0 and tail:
             error += "\n--- last lines of its stderr:\n" + tail
         label = f"{r.get('node_id')}" + (" (root cause)" if i == 0 else "")
-        table.add_row(label, f"{r.get('rank')} (local {r.get('local_rank')})", exit_text, error)
+        table.add_row(Text(label), Text(f"{r.get('rank')} (local {r.get('local_rank')})"), Text(exit_text), Text(error))
     return table

@@ -7,6 +7,8 @@
   later attempts exit 0.
 - ``whoami``: prints ``file=<__file__> argv0=<sys.argv[0]> pooled=<bool>`` then raises ``ValueError("whoami-err")``
   at restart 0 (exit 0 later).
+- ``gloo``: prints ``[rank<RANK>]: about to fail [bold]`` on stderr, then raises gloo's real timeout text
+  (``RuntimeError: [/__w/pytorch/.../unbound_buffer.cc:78] Timed out ...``: brackets rich would read as markup).
 - ``lines``: prints ``line-out rank=<RANK>`` to stdout and ``line-err rank=<RANK>`` to stderr.
 """
 
@@ -16,6 +18,9 @@ import json
 import os
 import sys
 import time
+
+GLOO_TIMEOUT = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] "
+                "Timed out waiting 1800000ms for recv operation to complete [/red]")
 
 
 def _progress() -> None:
@@ -48,6 +53,9 @@ def main() -> int:
     elif mode == "boom":
         print("about to fail", file=sys.stderr, flush=True)
         raise RuntimeError("boom-xyz")
+    elif mode == "gloo":
+        print(f"[rank{rank}]: about to fail [bold]", file=sys.stderr, flush=True)
+        raise RuntimeError(GLOO_TIMEOUT)
     elif mode == "bigerror":
         return _bigerror()
     elif mode == "whoami":
