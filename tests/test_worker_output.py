@@ -130,7 +130,8 @@ def test_failure_summary_shows_gloo_errors_verbatim(tmp_path: Path) -> None:
     assert proc.returncode != 0
     assert "MarkupError" not in proc.stderr, proc.stderr
     summary = proc.stderr[proc.stderr.index("failed: "):]
-    assert "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out" in summary, summary
+    gloo = "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out"
+    assert gloo in summary, summary
     assert "for recv operation to complete [/red]" in summary, summary
     assert "[rank0]: about to fail [bold]" in summary, summary
 
@@ -160,7 +161,8 @@ def test_root_cause_table_and_errors_show_bracketed_text_verbatim() -> None:
     assert "job [x] failed" in shown, shown
     code = "from elasticrun.cli.console import fail; fail('bad [/] value [bold]x[/bold]', 7)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 7 and proc.stderr.strip() == "elasticrun: error: bad [/] value [bold]x[/bold]", proc.stderr
+    assert proc.returncode == 7, proc.stderr
+    assert proc.stderr.strip() == "elasticrun: error: bad [/] value [bold]x[/bold]", proc.stderr
 
 
 def test_prefix_goes_after_newlines_and_carriage_returns() -> None:
