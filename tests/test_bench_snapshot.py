@@ -1,4 +1,4 @@
-"""``scripts/bench_snapshot.py`` runs, keeps its JSON fields and writes the ``summary`` contract."""
+"""``scripts/bench/bench_snapshot.py`` runs, keeps its JSON fields and writes the ``summary`` contract."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_snapshot.py"
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench" / "bench_snapshot.py"
 
 
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")

@@ -1,4 +1,4 @@
-"""The seeded chaos soak (scripts/chaos.py): a 2-minute run in CI, and the audit that judges it.
+"""The seeded chaos soak (python -m scripts.chaos): a 2-minute run in CI, and the audit that judges it.
 
 The soak starts real agents, a real etcd, real gloo workers of examples/train.py; it needs root for the
 tmpfs (disk_full) and the network namespace (partition) and skips those faults otherwise.
@@ -16,10 +16,10 @@ from typing import List
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO))
 
-from chaos_audit import analyse  # noqa: E402
-from chaos_faults import DRAWN, Kind, schedule  # noqa: E402
+from scripts.chaos.audit import analyse  # noqa: E402
+from scripts.chaos.faults import DRAWN, Kind, schedule  # noqa: E402
 
 pytestmark = pytest.mark.chaos
 
@@ -74,8 +74,8 @@ def test_schedule_is_seeded_and_covers_every_kind():
 
 
 def test_bad_arguments_give_one_line():
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "chaos.py"), "--minutes", "1", "--seed", "1",
-                           "--faults", "meteor"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "scripts.chaos", "--minutes", "1", "--seed", "1",
+                           "--faults", "meteor"], capture_output=True, text=True, timeout=60, cwd=str(REPO))
     assert proc.returncode == 2 and "unknown fault kind(s) meteor" in proc.stderr
     assert "Traceback" not in proc.stderr
 
@@ -83,7 +83,7 @@ def test_bad_arguments_give_one_line():
 @pytest.mark.timeout(1200)
 def test_two_minute_soak_with_fixed_seed(tmp_path: Path):
     out = tmp_path / "summary.json"
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "chaos.py"), "--minutes", "2", "--seed", "7",
+    proc = subprocess.run([sys.executable, "-m", "scripts.chaos", "--minutes", "2", "--seed", "7",
                            "--json", "--json-file", str(out), "--workdir", str(tmp_path / "run")],
                           capture_output=True, text=True, timeout=1100, cwd=str(REPO))
     report = proc.stdout[-3000:] + proc.stderr[-6000:]

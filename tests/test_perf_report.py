@@ -1,4 +1,4 @@
-"""scripts/perf_report.py (summary table between the page's markers, charts) and bench_all.py's helpers,
+"""scripts/perf/perf_report.py (summary table between the page's markers, charts) and run_all.py's helpers,
 fed small synthetic bench results."""
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+FOLDER = {"perf_report": "perf", "run_all": "bench"}  # the script's folder under scripts/
 PAGE = ("# Performance\n\nintro stays\n\n<!-- summary:begin -->\nold table\n<!-- summary:end -->\n\n"
         "## Charts\n\nend stays\n")
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / FOLDER[name] / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod  # dataclasses look their module up
     spec.loader.exec_module(mod)
@@ -31,11 +32,11 @@ def pr():
 
 def _entry(metric, er, alt, alt_value, better="lower", unit="s", **kw):
     return dict(metric=metric, elasticrun=er, alternative=alt, alt_value=alt_value, unit=unit, better=better,
-                device="cpu", command="python scripts/bench_x.py --runs 1", **kw)
+                device="cpu", command="python scripts/bench/bench_x.py --runs 1", **kw)
 
 
 def _results(d: Path) -> Path:
-    """A bench_all.py output dir: the contract, two older shapes, a failed bench, a missing file."""
+    """A run_all.py output dir: the contract, two older shapes, a failed bench, a missing file."""
     d.mkdir()
     launch_runs = [
         {"launcher": "elasticrun", "scenario": "launch", "outcome": "ok", "seconds": t,
@@ -105,7 +106,7 @@ def test_table_between_markers_and_rerun_in_place(pr, tmp_path, capsys):
     assert "**1.50×**" in lines["launch -> first step"] and "torchrun-best: 3 s" in lines["launch -> first step"]
     assert "| 0.80× |" in lines["crash -> first step [launch]"]
     assert "**1.25×**" in lines["load bandwidth"] and "2 GB/s" in lines["load bandwidth"]
-    assert "`python scripts/bench_x.py --runs 1`" in lines["launch -> first step"]
+    assert "`python scripts/bench/bench_x.py --runs 1`" in lines["launch -> first step"]
     # several alternatives for one figure: the strongest stays, once
     assert "DCP save (strongest of 2): 1.5 s" in lines["stall"] and "**15.00×**" in lines["stall"]
     assert body.count("| stall |") == 1
@@ -188,7 +189,7 @@ def test_charts_are_written(pr, tmp_path):
 
 
 def test_bench_all_helpers():
-    ba = _load("bench_all")
+    ba = _load("run_all")
     text = "etcd up\n  {not json\n[\n {\"nodes\": 8}\n]\ntrailing words\n{\"bytes\": 1, \"x\": 2}\n"
     assert ba.last_json(text) == {"bytes": 1, "x": 2}
     assert ba.last_json("no json at all\n") is None
@@ -229,7 +230,7 @@ if a.json:
 
 
 def test_bench_all_runs_records_and_goes_on(tmp_path):
-    ba = _load("bench_all")
+    ba = _load("run_all")
     script = tmp_path / "bench_fake.py"
     script.write_text(FAKE_BENCH)
     printer = tmp_path / "bench_print.py"  # no --json option: its last JSON line is kept
@@ -252,7 +253,7 @@ def test_bench_all_runs_records_and_goes_on(tmp_path):
 
 
 def test_bench_all_rerun_updates_the_run_in_place(tmp_path):
-    ba = _load("bench_all")
+    ba = _load("run_all")
     rows = [{"name": n, "script": "bench_x.py", "command": "c", "status": st, "json": f"{n}.json"}
             for n, st in (("a", "ok"), ("b", "failed"), ("gone", "ok"))]
     (tmp_path / "bench_all.json").write_text(json.dumps({"preset": "quick", "device": "cpu", "started": 5.0,

@@ -1,4 +1,4 @@
-"""scripts/plot_run.py: reads examples/train.py's metrics log, finds the rescales, draws a PNG."""
+"""scripts/perf/plot_run.py: reads examples/train.py's metrics log, finds the rescales, draws a PNG."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "plot_run.py"
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "perf" / "plot_run.py"
 
 
 def _load():

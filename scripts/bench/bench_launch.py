@@ -1,6 +1,6 @@
 """Launch and restart latency: elasticrun vs torchrun (c10d) on the same script and machine.
 
-Scenarios (CPU, gloo, scripts/bench_launch_worker.py: a tiny DDP model, rank 0 logs each step):
+Scenarios (CPU, gloo, scripts/bench/launch_worker.py: a tiny DDP model, rank 0 logs each step):
 
   launch   launcher started → first training step (rank 0), one node, ``--procs`` workers (``--standalone``).
   launch-multi  the same with ``--nodes`` nodes (agents on loopback, all started at once) on torchrun's c10d
@@ -15,8 +15,8 @@ Launchers: elasticrun (defaults), torchrun (defaults) and torchrun "at its best"
 keep_alive_max_attempt=3). Each run has a timeout; a run that ends without the expected step
 counts as a failure, one that runs out of time as a hang (its processes are killed).
 
-    python scripts/bench_launch.py --runs 5 --nodes 2 --procs 2 [--json out.json]
-    python scripts/bench_launch.py --scenarios launch,launch-multi --launchers elasticrun,torchrun-default --runs 5
+    python scripts/bench/bench_launch.py --runs 5 --nodes 2 --procs 2 [--json out.json]
+    python scripts/bench/bench_launch.py --scenarios launch,launch-multi --launchers elasticrun,torchrun-best
 
 ``--device cuda``: the workers train on their GPU (``cuda:LOCAL_RANK``) over NCCL; every scenario needs a GPU
 per worker of the machine. The JSON's ``summary`` has one row per scenario: elasticrun's median against the
@@ -32,7 +32,6 @@ import json
 import os
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -43,29 +42,22 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import psutil
+from launch_results import (
+    LAUNCH_MULTI,
+    LAUNCH_SCENARIOS,
+    LAUNCHERS,
+    Run,
+    label,
+    launch_summary,
+    restart_summary,
+    summarize,
+)
 
 HERE = Path(__file__).resolve().parent
-WORKER = str(HERE / "bench_launch_worker.py")
+WORKER = str(HERE / "launch_worker.py")
 STEP = re.compile(r"bench-step (\d+) t=([\d.]+) restart=(\d+) world=(\d+)")
 CRASH = re.compile(r"bench-crash t=([\d.]+)")
 BEST_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
-LAUNCHERS = ["elasticrun", "torchrun-default", "torchrun-best"]
-LAUNCH_MULTI = "launch-multi"
-LAUNCH_SCENARIOS = ("launch", LAUNCH_MULTI)
-
-
-@dataclass
-class Run:
-    """One measured run."""
-
-    launcher: str
-    scenario: str
-    outcome: str  # ok | fail | hang
-    seconds: Optional[float] = None
-    note: str = ""
-    crash_after: Optional[float] = None  # restart scenario: the crash's moment (s after the script started)
-    phases: Dict[str, float] = field(default_factory=dict)  # elasticrun launch: milestone → s after the start
-    device: str = "cpu"  # where the workers trained (cpu: gloo, cuda: NCCL)
 
 
 @dataclass
@@ -264,84 +256,6 @@ def launch_phases(out: Output, started: float, first_step: float) -> Dict[str, f
     return marks
 
 
-def _label(r: Run) -> str:
-    """The scenario as tables show it: ``restart@1s`` for a crash 1 s into the round."""
-    return r.scenario if r.crash_after is None else f"{r.scenario}@{r.crash_after:g}s"
-
-
-def restart_summary(runs: List[Run], procs: int, nodes: int, timeout: float, command: str) -> List[Dict]:
-    """The JSON ``summary`` rows of the restart scenario: elasticrun's median against the better torchrun.
-
-    A torchrun with no good run is given ``timeout`` (a lower bound on its time) and says so.
-    """
-    rows: List[Dict] = []
-    for label in dict.fromkeys(_label(r) for r in runs if r.scenario == "restart"):
-        mine = [r for r in runs if _label(r) == label]
-        ours = [r.seconds for r in mine if r.launcher == "elasticrun" and r.outcome == "ok" and r.seconds]
-        if not ours:
-            continue
-        alts = []
-        for launcher in LAUNCHERS[1:]:
-            theirs = [r for r in mine if r.launcher == launcher]
-            good = [r.seconds for r in theirs if r.outcome == "ok" and r.seconds]
-            if theirs:
-                value = statistics.median(good) if good else timeout
-                note = f"{launcher} ({len(good)}/{len(theirs)} ok{'' if good else ', timeout as lower bound'})"
-                alts.append((value, note))
-        if not alts:
-            continue
-        alt_value, alt = min(alts)
-        value = statistics.median(ours)
-        moment = "step 3" if label == "restart" else label.split("@")[1]
-        rows.append({"metric": f"worker crash ({moment} into the round) -> first step, {nodes} x {procs}",
-                     "elasticrun": value, "alternative": alt, "alt_value": alt_value, "unit": "s",
-                     "better": "lower", "ratio": round(alt_value / value, 3), "device": "cpu", "command": command})
-    return rows
-
-
-def launch_summary(runs: List[Run], procs: int, nodes: int, timeout: float, command: str,
-                   devices: Optional[Dict[str, str]] = None) -> List[Dict]:
-    """The JSON ``summary`` rows of the launch scenarios: elasticrun's median against the best torchrun's,
-    and ``delta_s`` (elasticrun minus the alternative). A torchrun with no good run counts as ``timeout``."""
-    rows: List[Dict] = []
-    for scenario in LAUNCH_SCENARIOS:
-        mine = [r for r in runs if r.scenario == scenario]
-        ours = [r.seconds for r in mine if r.launcher == "elasticrun" and r.outcome == "ok" and r.seconds]
-        alts = []
-        for launcher in dict.fromkeys(r.launcher for r in mine if r.launcher != "elasticrun"):
-            theirs = [r for r in mine if r.launcher == launcher]
-            good = [r.seconds for r in theirs if r.outcome == "ok" and r.seconds]
-            note = f"{launcher} ({len(good)}/{len(theirs)} ok{'' if good else ', timeout as lower bound'})"
-            alts.append((statistics.median(good) if good else timeout, note))
-        if not ours or not alts:
-            continue
-        alt_value, alt = min(alts)
-        value = statistics.median(ours)
-        shape = f"1 x {procs}, --standalone" if scenario == "launch" else f"{nodes} x {procs}, c10d"
-        rows.append({"metric": f"launch -> first step, {shape}", "elasticrun": value, "alternative": alt,
-                     "alt_value": alt_value, "unit": "s", "better": "lower", "ratio": round(alt_value / value, 3),
-                     "delta_s": round(value - alt_value, 3), "runs": len(ours),
-                     "device": (devices or {}).get(scenario, "cpu"), "command": command})
-    return rows
-
-
-def summarize(runs: List[Run]) -> str:
-    """A markdown table: per launcher and scenario, median/min/max of good runs and the bad ones."""
-    rows = ["| scenario | launcher | ok | fail | hang | median s | min s | max s |", "|---" * 8 + "|"]
-    for scenario in dict.fromkeys(_label(r) for r in runs):
-        for launcher in LAUNCHERS:
-            mine = [r for r in runs if r.launcher == launcher and _label(r) == scenario]
-            if not mine:
-                continue
-            good = [r.seconds for r in mine if r.outcome == "ok" and r.seconds is not None]
-            stats = (
-                [f"{statistics.median(good):.2f}", f"{min(good):.2f}", f"{max(good):.2f}"] if good else ["—"] * 3
-            )
-            counts = [str(sum(r.outcome == k for r in mine)) for k in ("ok", "fail", "hang")]
-            rows.append("| " + " | ".join([scenario, launcher, *counts, *stats]) + " |")
-    return "\n".join(rows)
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3, help="runs per launcher and scenario")
@@ -378,7 +292,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 devices[sc] = "cpu"
                 print(f"{sc}: {need} workers need {need} GPUs, this machine has {have}: measured on the CPU (gloo)",
                       flush=True)
-    sys.path.insert(0, str(HERE.parent))
+    sys.path.insert(0, str(HERE.parent.parent))  # the repository: elasticrun as in this tree
     from elasticrun.store.server import EtcdServer
 
     etcd = EtcdServer().start() if args.nodes > 1 else None
@@ -395,7 +309,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                      moment, devices[scenario])
                         r.device = devices[scenario]
                         runs.append(r)
-                        print(f"{_label(r):12s} run {i + 1}/{args.runs} {launcher:17s} {r.outcome:5s} "
+                        print(f"{label(r):12s} run {i + 1}/{args.runs} {launcher:17s} {r.outcome:5s} "
                               f"{'' if r.seconds is None else f'{r.seconds:.2f}s'} {r.note[:160]}", flush=True)
     finally:
         if etcd is not None:
@@ -404,7 +318,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"procs per node: {args.procs}; restart scenario: {args.nodes} node(s) on loopback; runs: {args.runs}")
     print(summarize(runs))
     if args.json:
-        command = " ".join(["python", "scripts/bench_launch.py", *(sys.argv[1:] if argv is None else argv)])
+        command = " ".join(["python", "scripts/bench/bench_launch.py", *(sys.argv[1:] if argv is None else argv)])
         summary = launch_summary(runs, args.procs, args.nodes, args.timeout, command, devices)
         restarts = restart_summary(runs, args.procs, args.nodes, args.timeout, command)
         for row in restarts:

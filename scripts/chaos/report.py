@@ -6,8 +6,8 @@ import statistics
 from collections import defaultdict
 from typing import Any, Callable, Dict, List
 
-from chaos_audit import AuditResult
-from chaos_faults import Kind
+from .audit import AuditResult
+from .faults import Kind
 
 
 def _final_checks(soak: Any, audit: AuditResult) -> Dict[str, Any]:

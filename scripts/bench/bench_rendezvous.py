@@ -16,8 +16,8 @@ lost (CAS contention) and won (must be 1), and the watch events the agents' view
 There is no alternative launcher to run at these sizes; the ``summary`` of ``--json`` compares
 with the project's target instead: 5 s at 256 agents, scaled linearly below (N/256 x 5 s, at least 1 s).
 
-    python scripts/bench_rendezvous.py                       # 8 32 128 256 agents, 3 runs each
-    python scripts/bench_rendezvous.py --nodes 256 --procs 4 --runs 5
+    python scripts/bench/bench_rendezvous.py                       # 8 32 128 256 agents, 3 runs each
+    python scripts/bench/bench_rendezvous.py --nodes 256 --procs 4 --runs 5
 """
 
 from __future__ import annotations
@@ -281,7 +281,7 @@ def main() -> None:
             lost = statistics.median(r["cas_lost"] for r in mine)
             print(f"  {n:>4} nodes: {med:.3f} s  ({med / n * 1000:.1f} ms/node), CAS lost (median) {lost:g}")
         if args.json:
-            command = " ".join(["python", "scripts/bench_rendezvous.py", *sys.argv[1:]])
+            command = " ".join(["python", "scripts/bench/bench_rendezvous.py", *sys.argv[1:]])
             print(json.dumps({"rows": rows, "summary": summary_rows(rows, args.nodes, command)}, indent=2))
     finally:
         if server is not None:

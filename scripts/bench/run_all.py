@@ -1,10 +1,10 @@
 #!/usr/bin/env python
-"""Run every benchmark in ``scripts/`` with one preset, each with its JSON into one output dir.
+"""Run every benchmark of this folder (its ``bench_*.py``) with one preset, each with its JSON into one output dir.
 
-    python scripts/bench_all.py --out /tmp/perf                      # preset "quick" (~30 min, 2 cores)
-    python scripts/bench_all.py --out /tmp/perf --preset full        # the figures of docs/performance.md
-    python scripts/bench_all.py --out $OUT/perf --device cuda --budget 420   # a lent GPU machine
-    python scripts/perf_report.py /tmp/perf                          # charts + the page's summary table
+    python scripts/bench/run_all.py --out /tmp/perf                      # preset "quick" (~30 min, 2 cores)
+    python scripts/bench/run_all.py --out /tmp/perf --preset full        # the figures of docs/performance.md
+    python scripts/bench/run_all.py --out $OUT/perf --device cuda --budget 420   # a lent GPU machine
+    python scripts/perf/perf_report.py /tmp/perf                          # charts + the page's summary table
 
 Every benchmark runs as its own process (its own session) with a time limit; one that fails
 or runs out of time is recorded in ``bench_all.json`` and the next one starts. Each bench's
@@ -32,11 +32,10 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+ROOT = HERE.parent.parent
+SHOWN = HERE.relative_to(ROOT).as_posix()  # scripts/bench, as commands are shown
 MANIFEST = "bench_all.json"
-# Scripts called bench_*.py that are helpers of a benchmark, not benchmarks.
-HELPERS = {"bench_all.py", "bench_launch_worker.py", "bench_train.py", "bench_snapshot_jobs.py",
-           "bench_snapshot_worker.py"}
+# The benchmarks are this folder's bench_*.py; their workers and helpers are named otherwise.
 
 
 class Status(str, Enum):
@@ -207,7 +206,7 @@ def run_one(spec: Spec, out: Path, device: str, python: str, limit_s: float) -> 
     elif iface.takes_json:
         args += ["--json"]
     cmd = [python, str(script), *args]
-    shown = " ".join(shlex.quote(a) for a in ["python", f"scripts/{spec.script}", *args])
+    shown = " ".join(shlex.quote(a) for a in ["python", f"{SHOWN}/{spec.script}", *args])
     log = out / f"{spec.name}.log"
     path = os.pathsep.join([os.path.dirname(python), os.environ.get("PATH", "")])  # the env's elasticrun, torchrun
     env = dict(os.environ, PATH=path, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
@@ -328,22 +327,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     wanted = {n for n in args.only.split(",") if n}
     unknown = (wanted | {n for n in args.skip.split(",") if n}) - names
     if unknown:
-        print(f"bench_all: unknown bench name(s) {sorted(unknown)}; choose from {sorted(names)}", file=sys.stderr)
+        print(f"run_all: unknown bench name(s) {sorted(unknown)}; choose from {sorted(names)}", file=sys.stderr)
         return 2
     if wanted:  # in the order given
         specs = [s for n in args.only.split(",") if n for s in specs if s.name == n]
     specs = [s for s in specs if s.name not in args.skip.split(",")]
     if args.list:
         for s in specs:
-            print(f"{s.name:18s} {s.timeout_s:6.0f} s  scripts/{s.script} {' '.join(s.args)}")
+            print(f"{s.name:18s} {s.timeout_s:6.0f} s  {SHOWN}/{s.script} {' '.join(s.args)}")
         return 0
-    known = {s.script for p in ("quick", "full", "gpu") for s in _specs(p, "")} | HELPERS
+    known = {s.script for p in ("quick", "full", "gpu") for s in _specs(p, "")}
     for extra in sorted(p.name for p in HERE.glob("bench_*.py") if p.name not in known):
-        print(f"bench_all: warning: scripts/{extra} is not in any preset; add it to bench_all.py", file=sys.stderr)
+        print(f"run_all: warning: {SHOWN}/{extra} is not in any preset; add it to run_all.py", file=sys.stderr)
     try:
         args.out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        print(f"bench_all: cannot create the output dir {args.out}: {e.strerror}", file=sys.stderr)
+        print(f"run_all: cannot create the output dir {args.out}: {e.strerror}", file=sys.stderr)
         return 2
     head: Dict[str, object] = {"preset": args.preset, "device": args.device, "started": time.time(),
                                "host": host_info()}
@@ -357,26 +356,26 @@ def main(argv: Optional[List[str]] = None) -> int:
             if left < args.min_slot:
                 results.append(Result(spec.name, spec.script, "", Status.SKIPPED,
                                       notes=[f"budget: {max(left, 0):.0f} s left"]))
-                print(f"[bench_all] {spec.name}: skipped (budget)", flush=True)
+                print(f"[run_all] {spec.name}: skipped (budget)", flush=True)
                 continue
             limit = min(limit, left)
-        print(f"[bench_all] {spec.name}: scripts/{spec.script} (limit {limit:.0f} s)", flush=True)
+        print(f"[run_all] {spec.name}: {SHOWN}/{spec.script} (limit {limit:.0f} s)", flush=True)
         try:
             res = run_one(spec, args.out, args.device, sys.executable, limit)
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the bench's group is stopped; keep what was measured
             results.append(Result(spec.name, spec.script, "", Status.FAILED, notes=["interrupted"]))
             _write_manifest(args.out, head, earlier + results, order)
-            print(f"[bench_all] interrupted during {spec.name}; results so far in {args.out}", file=sys.stderr)
+            print(f"[run_all] interrupted during {spec.name}; results so far in {args.out}", file=sys.stderr)
             return 130
         results.append(res)
-        print(f"[bench_all] {spec.name}: {res.status.value} in {res.seconds:.0f} s"
+        print(f"[run_all] {spec.name}: {res.status.value} in {res.seconds:.0f} s"
               + (f" ({'; '.join(res.notes)})" if res.notes else ""), flush=True)
         _write_manifest(args.out, head, earlier + results, order)
     head["finished"] = time.time()
     head["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     _write_manifest(args.out, head, earlier + results, order)
     bad = [r.name for r in results if r.status in (Status.FAILED, Status.TIMEOUT)]
-    print(f"[bench_all] done: {len(results) - len(bad)}/{len(results)} ok; results in {args.out}"
+    print(f"[run_all] done: {len(results) - len(bad)}/{len(results)} ok; results in {args.out}"
           + (f"; failed: {', '.join(bad)}" if bad else ""))
     return 1 if bad else 0
 

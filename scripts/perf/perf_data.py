@@ -1,5 +1,5 @@
-"""Reading the benches' JSON files for scripts/perf_report.py: their shapes, old and new, and the
-plain data the charts (scripts/perf_charts.py) are drawn from.
+"""Reading the benches' JSON files for scripts/perf/perf_report.py: their shapes, old and new, and the
+plain data the charts (scripts/perf/perf_charts.py) are drawn from.
 
 Every reader is lenient: a field that is missing or not a number is skipped, never raised on, so a
 bench that changes its JSON shape loses a chart series at worst.
@@ -153,7 +153,7 @@ def _phases(data: Any, scenario: str, launcher: str) -> List[Tuple[str, float]]:
 
 
 def chart_data(inputs: Inputs) -> Dict[str, Any]:
-    """Plain data for scripts/perf_charts.py: launch, recovery and scale-up distributions, checkpoint
+    """Plain data for scripts/perf/perf_charts.py: launch, recovery and scale-up distributions, checkpoint
     throughput against size, rendezvous time against nodes."""
     recovery: List[Dict[str, Any]] = []
     launch: List[Dict[str, Any]] = []

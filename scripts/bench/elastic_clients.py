@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""Training scripts ("clients") that ``scripts/bench_elastic.py`` runs, and how to read their steps.
+"""Training scripts ("clients") that ``scripts/bench/bench_elastic.py`` runs, and how to read their steps.
 
 Clients (all CPU, gloo, launcher-agnostic):
 
-``bench``    ``scripts/bench_train.py``: all-reduce one float, sleep 0.1 s, save its step to a file.
+``bench``    ``scripts/bench/elastic_train.py``: all-reduce one float, sleep 0.1 s, save its step to a file.
 ``plain``    this file run as a script: a tight all-reduce loop (64 Ki floats, no sleep) that never
              polls anything, handles no signal and keeps no state (it restarts at step 0).
              Rank 0 prints at most 20 step lines a second. Every rank prints ``BOOT`` when its
@@ -14,7 +14,7 @@ Clients (all CPU, gloo, launcher-agnostic):
 A step line yields ``(step, world size, unix time)``; a client that prints no time gets the
 time the benchmark read the line.
 
-    python scripts/elastic_clients.py plain        # under a launcher (torchrun env://)
+    python scripts/bench/elastic_clients.py plain        # under a launcher (torchrun env://)
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from typing import List, Optional, Tuple
 
 import psutil
 
-REPO = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
 STEP_RE = re.compile(r"STEP (\d+) WORLD (\d+) TIME (\d+(?:\.\d+)?)")
 EXAMPLE_RE = re.compile(r"(?:^|\]:)step (\d+) loss \S+ world (\d+)")
 MARK_RE = re.compile(r"elasticrun\[[^]]*\]: (joined job|round \d+ \(\w+\): world size)")
@@ -47,7 +48,7 @@ class Client:
     def argv(self, out_dir: Path) -> List[str]:
         """The script and its arguments (after the launcher's own options)."""
         if self.name == "bench":
-            return [str(REPO / "scripts" / "bench_train.py"), str(out_dir)]
+            return [str(HERE / "elastic_train.py"), str(out_dir)]
         if self.name == "plain":
             return [str(Path(__file__).resolve()), "plain"]
         return [str(REPO / "examples" / "train.py"), "--epochs", "1000000", "--ckpt-dir", str(out_dir / "ckpt"),

@@ -1,6 +1,6 @@
-"""The training client of ``scripts/bench_snapshot.py --parts lost``: one checkpoint tier at one interval.
+"""The training client of ``scripts/bench/bench_snapshot.py --parts lost``: one checkpoint tier at one interval.
 
-    elasticrun --standalone --nproc-per-node 2 --max-restarts 5 scripts/bench_snapshot_worker.py \\
+    elasticrun --standalone --nproc-per-node 2 --max-restarts 5 scripts/bench/snapshot_worker.py \\
         --mode memory|disk|dcp --every N --dir DIR [--mb MB] [--step-sleep S] [--steps N]
 
 Every rank holds ``--mb`` MiB of float32 state (replicated), changed in place every step; the

@@ -1,4 +1,4 @@
-"""examples/train.py with a sample audit log, for scripts/chaos.py (the example itself is unchanged).
+"""examples/train.py with a sample audit log, for the chaos soak (the example itself is unchanged).
 
 Run by the agents instead of the example; every argument goes to the example. What this wrapper adds,
 by patching the names the example looks up at call time:
@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional
 import elasticrun.checkpoint as ckpt_pkg
 import elasticrun.train as et
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train.py"
 
 
 class Audit:

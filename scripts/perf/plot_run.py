@@ -6,7 +6,7 @@ of world size is marked with a vertical line on every panel. A second log given 
 ``--reference`` (e.g. the same job run without interruptions) is drawn on the loss panel
 against the step number, so the two loss curves can be compared::
 
-    python scripts/plot_run.py run.jsonl --reference ref.jsonl -o docs/img/elastic_run.png
+    python scripts/perf/plot_run.py run.jsonl --reference ref.jsonl -o docs/img/elastic_run.png
 
 Needs matplotlib: ``pip install 'elasticrun[plot]'``.
 """

@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from chaos_audit import Gen, gen_of
-from chaos_env import AgentProc, Launcher, NetNs, Tmpfs, kill_tree
-from chaos_faults import Fault, Kind, Recovery
-
 from elasticrun.store.server import EtcdServer
+
+from .audit import Gen, gen_of
+from .env import AgentProc, Launcher, NetNs, Tmpfs, kill_tree
+from .faults import Fault, Kind, Recovery
 
 NODE_SLOTS = 4
 

@@ -1,6 +1,6 @@
 """The charts of docs/performance.md, drawn from ``perf_report.chart_data`` (plain dicts and lists).
 
-Used by ``scripts/perf_report.py``; needs matplotlib (``pip install 'elasticrun[plot]'``). Each chart
+Used by ``scripts/perf/perf_report.py``; needs matplotlib (``pip install 'elasticrun[plot]'``). Each chart
 is written only when there is data for it; the paths written are returned.
 """
 

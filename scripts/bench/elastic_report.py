@@ -1,4 +1,4 @@
-"""Results of ``scripts/bench_elastic.py``: one run's outcome, a variant's summary, the tables.
+"""Results of ``scripts/bench/bench_elastic.py``: one run's outcome, a variant's summary, the tables.
 
 Variants are duck-typed (``launcher``, ``label``, ``tuned``, ``target(scenario)``) so this module
 needs nothing from the benchmark itself.

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Tiny elastic training loop for ``scripts/bench_elastic.py``; runs under elasticrun and torchrun.
+"""Tiny elastic training loop for ``scripts/bench/bench_elastic.py``; runs under elasticrun and torchrun.
 
-usage: bench_train.py OUT_DIR [TOTAL_STEPS] [STEP_SLEEP]
+usage: elastic_train.py OUT_DIR [TOTAL_STEPS] [STEP_SLEEP]
 
 Every step all-reduces one small tensor over gloo and sleeps ``STEP_SLEEP`` seconds (0.1 by
 default). Rank 0 prints ``STEP <n> WORLD <w> TIME <unix time>`` (flushed) after each step and

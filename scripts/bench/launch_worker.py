@@ -1,4 +1,4 @@
-"""Worker for scripts/bench_launch.py: a tiny DDP model on gloo that logs every step, and crashes once on demand.
+"""Worker for scripts/bench/bench_launch.py: a tiny DDP model on gloo that logs every step, and crashes once on demand.
 
 Rank 0 prints ``bench-step <n> t=<unix time> restart=<TORCHELASTIC_RESTART_COUNT> world=<WORLD_SIZE>`` after
 every optimizer step. With BENCH_CRASH_STEP=k, global rank BENCH_CRASH_RANK (default: the last rank) prints

@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """Checkpoint I/O benchmark: elasticrun vs torch.save/load, safetensors, torch.distributed.checkpoint.
 
-    python scripts/bench_checkpoint.py --size-gib 1 --dir /var/tmp/ckbench          # 1 process + 2 ranks
-    python scripts/bench_checkpoint.py --state gpt --size-gib 0.41 --dir /var/tmp    # GPT-like bf16 state
-    python scripts/bench_checkpoint.py --state gpt --size-gib 4 --device cuda        # state on the GPU
+    python scripts/bench/bench_checkpoint.py --size-gib 1 --dir /var/tmp/ckbench          # 1 process + 2 ranks
+    python scripts/bench/bench_checkpoint.py --state gpt --size-gib 0.41 --dir /var/tmp    # GPT-like bf16 state
+    python scripts/bench/bench_checkpoint.py --state gpt --size-gib 4 --device cuda        # state on the GPU
 
-Every run ends with an interleaved comparison (scripts/ckpt_compare.py): per round, each
+Every run ends with an interleaved comparison (scripts/bench/ckpt_compare.py): per round, each
 library's durable save and cold load into existing tensors (A B C D A B C D ...), the disk's
 cold read, and an async save's training stall; medians, ratios and the JSON ``summary``.
 The rows above it (one process, 2 ranks) run for ``--state uniform --device cpu`` only.
@@ -32,8 +32,7 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # the repository
 
 GB = 1e9
 
@@ -302,10 +301,10 @@ def save_ab(d: str, state: Dict[str, torch.Tensor], runs: int) -> None:
 
 
 def compare(base: str, args: argparse.Namespace, size: int) -> Dict[str, Any]:
-    """The interleaved comparison (scripts/ckpt_compare.py); its part of the JSON document."""
+    """The interleaved comparison (scripts/bench/ckpt_compare.py); its part of the JSON document."""
     from ckpt_compare import compare_section
 
-    command = "python scripts/bench_checkpoint.py " + " ".join(sys.argv[1:])
+    command = "python scripts/bench/bench_checkpoint.py " + " ".join(sys.argv[1:])
     return compare_section(base, args.state, args.device, size, args.repeat, not args.no_dcp, settle,
                            warm_allocator, command)
 

@@ -1,6 +1,6 @@
 """Memory snapshots vs disk checkpoints vs DCP: training stall, restore time, memory, steps lost.
 
-    python scripts/bench_snapshot.py [--mb 256] [--device cuda] [--repeat 3] [--parts stall,restore,lost]
+    python scripts/bench/bench_snapshot.py [--mb 256] [--device cuda] [--repeat 3] [--parts stall,restore,lost]
                                      [--scenarios worker,node,scaleup] [--intervals 1,10] [--json FILE]
 
 Parts (``stall,restore`` by default, a couple of minutes; ``lost`` runs real jobs, ~8 minutes on
@@ -16,7 +16,7 @@ Parts (``stall,restore`` by default, a couple of minutes; ``lost`` runs real job
 - ``restore``: ``elasticrun.train.load_latest`` from the memory tier vs from disk with a warm
   page cache and a cold one (``posix_fadvise(DONTNEED)`` on every file, an approximation of a
   cold cache), and ``dcp.load`` warm and cold; all into the preallocated state dict.
-- ``lost``: real elasticrun jobs (``scripts/bench_snapshot_jobs.py``): steps lost per worker
+- ``lost``: real elasticrun jobs (``scripts/bench/snapshot_jobs.py``): steps lost per worker
   crash, node SIGKILL and scale-up, with memory snapshots, disk checkpoints and DCP every
   ``--intervals`` steps (node/scaleup with memory snapshots need peer replicas; skipped with a
   note when this build has none).
@@ -41,7 +41,7 @@ import tempfile
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from snapshot_jobs import bench_jobs
 
 PARTS = ("stall", "restore", "lost")
 SCENARIOS = ("worker", "node", "scaleup")
@@ -49,7 +49,7 @@ SCENARIOS = ("worker", "node", "scaleup")
 
 def _evict(path: str) -> None:
     """Drop ``path``'s files from the page cache (fsync, then posix_fadvise DONTNEED)."""
-    from ckpt_compare import fadvise_evict  # scripts/ is on sys.path when a bench runs
+    from ckpt_compare import fadvise_evict  # this folder is on sys.path when a bench runs
 
     fadvise_evict(path)
 
@@ -235,56 +235,6 @@ def overhead(args: argparse.Namespace, state: Dict[str, Any], sync: Callable[[],
     return out
 
 
-def bench_jobs(args: argparse.Namespace) -> Dict[str, Any]:
-    """The ``lost`` part: real jobs, one per (scenario group, mode, interval), interleaved by mode."""
-    from bench_snapshot_jobs import replicas_available, run_job
-
-    from elasticrun.store.server import EtcdServer
-
-    groups = (["worker"] if "worker" in args.scenarios else []) + (
-        ["node"] if {"node", "scaleup"} & set(args.scenarios) else [])
-    replicas = replicas_available()
-    notes: List[str] = []
-    jobs: List[Dict[str, Any]] = []
-    server = EtcdServer().start() if "node" in groups else None
-    try:
-        for _ in range(args.job_repeat):
-            for group in groups:
-                for every in args.intervals:
-                    for mode in ("memory", "disk", "dcp"):
-                        if group == "node" and mode == "memory" and not replicas:
-                            note = ("node/scaleup with memory snapshots skipped: this build has no peer replicas "
-                                    "(memory snapshots refuse multi-node jobs)")
-                            if note not in notes:
-                                notes.append(note)
-                            continue
-                        t0 = time.perf_counter()
-                        try:
-                            r = run_job(group, mode, every, mb=args.job_mb, step_sleep=args.step_sleep,
-                                        async_snapshots=args.async_snapshots,
-                                        endpoint=server.endpoint if server else "")
-                        except (TimeoutError, RuntimeError) as err:
-                            r = {"scenario": group, "mode": mode, "every": every, "events": [], "error": str(err)}
-                        r["wall_s"] = round(time.perf_counter() - t0, 1)
-                        print(f"  job {group:6s} {mode:6s} every {every:3d}: "
-                              + (", ".join(f"{e['scenario']} lost {e['lost']} (resumed {e['resumed']} from "
-                                           f"{e['tier']}, {e['recovery_s']:.1f}s)" for e in r["events"])
-                                 or r.get("error", "?")), flush=True)
-                        jobs.append(r)
-    finally:
-        if server is not None:
-            server.stop()
-    lost: Dict[str, Dict[str, float]] = {}
-    for scenario in args.scenarios:
-        for every in args.intervals:
-            for mode in ("memory", "disk", "dcp"):
-                vals = [e["lost"] for j in jobs if j["mode"] == mode and j["every"] == every
-                        for e in j["events"] if e["scenario"] == scenario]
-                if vals:
-                    lost.setdefault(scenario, {})[f"{mode}@{every}"] = statistics.mean(vals)
-    return {"jobs": jobs, "steps_lost": lost, "notes": notes, "replicas": replicas}
-
-
 def summarize(res: Dict[str, Any], lost: Optional[Dict[str, Any]], args: argparse.Namespace,
               command: str) -> List[Dict[str, Any]]:
     dev = "cuda" if args.device.startswith("cuda") else "cpu"
@@ -379,7 +329,7 @@ def main(argv: List[str]) -> int:
             return 2
     # A time limit's SIGTERM ends the run through the finally blocks: no shared memory left behind.
     signal.signal(signal.SIGTERM, lambda *_a: sys.exit(143))
-    command = "python scripts/bench_snapshot.py " + " ".join(argv)
+    command = "python scripts/bench/bench_snapshot.py " + " ".join(argv)
     res: Dict[str, Any] = {}
     if {"stall", "restore"} & set(args.parts):
         res = bench_local(args, command)

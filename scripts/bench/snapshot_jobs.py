@@ -1,6 +1,6 @@
 """Steps lost per failure, measured on real elasticrun jobs (``bench_snapshot.py --parts lost``).
 
-Each job runs ``scripts/bench_snapshot_worker.py`` (one tier, one interval) under real agents
+Each job runs ``scripts/bench/snapshot_worker.py`` (one tier, one interval) under real agents
 with a real etcd, gloo workers and real kills:
 
 - ``worker``: one node, 2 workers; a worker is SIGKILLed at steps 12, 29 and 46 (phases 2, 9
@@ -16,10 +16,12 @@ finished before the restart and ``resumed`` the step its new start line names, a
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,8 +29,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(REPO, "scripts", "bench_snapshot_worker.py")
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "snapshot_worker.py")
 _LINE = re.compile(r"^\[([^\]/]+)/(\d+)\]:(.*)$")
 KILL_STEPS = (12, 29, 46)
 
@@ -194,4 +195,53 @@ def replicas_available() -> bool:
     return "replicate" in inspect.signature(Snapshotter.__init__).parameters
 
 
-__all__ = ["KILL_STEPS", "Job", "replicas_available", "run_job"]
+
+def bench_jobs(args: argparse.Namespace) -> Dict[str, Any]:
+    """The ``lost`` part: real jobs, one per (scenario group, mode, interval), interleaved by mode."""
+    from elasticrun.store.server import EtcdServer
+
+    groups = (["worker"] if "worker" in args.scenarios else []) + (
+        ["node"] if {"node", "scaleup"} & set(args.scenarios) else [])
+    replicas = replicas_available()
+    notes: List[str] = []
+    jobs: List[Dict[str, Any]] = []
+    server = EtcdServer().start() if "node" in groups else None
+    try:
+        for _ in range(args.job_repeat):
+            for group in groups:
+                for every in args.intervals:
+                    for mode in ("memory", "disk", "dcp"):
+                        if group == "node" and mode == "memory" and not replicas:
+                            note = ("node/scaleup with memory snapshots skipped: this build has no peer replicas "
+                                    "(memory snapshots refuse multi-node jobs)")
+                            if note not in notes:
+                                notes.append(note)
+                            continue
+                        t0 = time.perf_counter()
+                        try:
+                            r = run_job(group, mode, every, mb=args.job_mb, step_sleep=args.step_sleep,
+                                        async_snapshots=args.async_snapshots,
+                                        endpoint=server.endpoint if server else "")
+                        except (TimeoutError, RuntimeError) as err:
+                            r = {"scenario": group, "mode": mode, "every": every, "events": [], "error": str(err)}
+                        r["wall_s"] = round(time.perf_counter() - t0, 1)
+                        print(f"  job {group:6s} {mode:6s} every {every:3d}: "
+                              + (", ".join(f"{e['scenario']} lost {e['lost']} (resumed {e['resumed']} from "
+                                           f"{e['tier']}, {e['recovery_s']:.1f}s)" for e in r["events"])
+                                 or r.get("error", "?")), flush=True)
+                        jobs.append(r)
+    finally:
+        if server is not None:
+            server.stop()
+    lost: Dict[str, Dict[str, float]] = {}
+    for scenario in args.scenarios:
+        for every in args.intervals:
+            for mode in ("memory", "disk", "dcp"):
+                vals = [e["lost"] for j in jobs if j["mode"] == mode and j["every"] == every
+                        for e in j["events"] if e["scenario"] == scenario]
+                if vals:
+                    lost.setdefault(scenario, {})[f"{mode}@{every}"] = statistics.mean(vals)
+    return {"jobs": jobs, "steps_lost": lost, "notes": notes, "replicas": replicas}
+
+
+__all__ = ["KILL_STEPS", "Job", "bench_jobs", "replicas_available", "run_job"]

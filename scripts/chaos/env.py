@@ -16,8 +16,9 @@ from typing import List, Optional
 
 import psutil
 
-REPO = Path(__file__).resolve().parent.parent
-WORKER = Path(__file__).resolve().parent / "chaos_worker.py"
+REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).resolve().parent / "worker.py"
+WORKER_REL = WORKER.relative_to(REPO)  # scripts/chaos/worker.py, also under a frozen copy
 
 
 def _run(cmd: List[str]) -> subprocess.CompletedProcess:
@@ -131,8 +132,8 @@ def freeze_code(dest: Path) -> Path:
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     shutil.copytree(REPO / "elasticrun", dest / "elasticrun", ignore=ignore)
     shutil.copytree(REPO / "examples", dest / "examples", ignore=ignore)
-    (dest / "scripts").mkdir(parents=True)
-    shutil.copy2(WORKER, dest / "scripts" / WORKER.name)
+    (dest / WORKER_REL).parent.mkdir(parents=True)
+    shutil.copy2(WORKER, dest / WORKER_REL)
     return dest
 
 
@@ -178,7 +179,7 @@ class AgentProc:
         out = []
         for p in tree(self.pid)[1:]:
             try:
-                if p.status() != psutil.STATUS_ZOMBIE and any("chaos_worker.py" in a for a in p.cmdline()):
+                if p.status() != psutil.STATUS_ZOMBIE and any(str(WORKER_REL) in a for a in p.cmdline()):
                     out.append(p)
             except psutil.NoSuchProcess:
                 continue
@@ -213,7 +214,7 @@ class Launcher:
                "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.job, "--node-id", f"slot{slot}.{incarnation}",
                "--local-addr", addr, "--max-restarts", "100000", "--heartbeat-timeout", str(self.heartbeat),
                "--rescale-timeout", "600", "--join-timeout", "600",
-               str(self.code_root / "scripts" / WORKER.name), *self.worker_args]
+               str(self.code_root / WORKER_REL), *self.worker_args]
         if in_ns and self.netns is not None:
             cmd = ["ip", "netns", "exec", self.netns.ns, *cmd]
         with open(log, "ab") as out:

@@ -1,13 +1,13 @@
 """Seeded chaos soak: a 3-4 node elasticrun job of examples/train.py on this machine, under faults.
 
-    sudo python scripts/chaos.py --minutes 30 --seed 7            # the table
-    python scripts/chaos.py --minutes 2 --seed 7 --json           # + the summary as JSON (CI)
-    python scripts/chaos.py --minutes 1 --faults worker_kill,etcd_outage
+    sudo python -m scripts.chaos --minutes 30 --seed 7            # the table (from the repository root)
+    python -m scripts.chaos --minutes 2 --seed 7 --json           # + the summary as JSON (CI)
+    python -m scripts.chaos --minutes 1 --faults worker_kill,etcd_outage
 
-Nodes are agent processes with one worker each (``scripts/chaos_worker.py``: the example plus a
+Nodes are agent processes with one worker each (``scripts/chaos/worker.py``: the example plus a
 per-step sample audit log). One etcd member; the checkpoint root is a small tmpfs (for ``disk_full``);
 one node runs in its own network namespace, joined by a veth pair (for ``partition``). Faults come
-from ``random.Random(seed)`` (see scripts/chaos_faults.py); after each one the soak waits for the
+from ``random.Random(seed)`` (see scripts/chaos/faults.py); after each one the soak waits for the
 recovery, with a deadline. At the end the job is told its last step, must exit 0, and the audit logs
 must show every sample of the lineage exactly once. Exit 0 only when no invariant broke; 1 on a
 violation or hang; 2 on bad arguments or when the machine cannot host the soak.
@@ -30,19 +30,17 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from chaos_audit import analyse  # noqa: E402
-from chaos_env import REPO, Launcher, NetNs, Tmpfs, freeze_code, kill_tree  # noqa: E402
-from chaos_faults import DRAWN, Kind, schedule  # noqa: E402
-from chaos_report import render, summary  # noqa: E402
-from chaos_soak import Soak, Tail  # noqa: E402
+from .audit import analyse
+from .env import REPO, Launcher, NetNs, Tmpfs, freeze_code, kill_tree
+from .faults import DRAWN, Kind, schedule
+from .report import render, summary
+from .soak import Soak, Tail
 
 DATASET, SEED_DATA = 2048, 0
 
 
 def parse(argv: Optional[List[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m scripts.chaos", description=__doc__.split("\n")[0])
     p.add_argument("--minutes", type=float, required=True, help="fault-injection time (the job's start and end "
                    "come on top)")
     p.add_argument("--seed", type=int, required=True)

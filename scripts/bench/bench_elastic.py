@@ -10,8 +10,8 @@ Scenarios (CPU, gloo, ``OMP_NUM_THREADS=1``; ``--nodes`` N, default 2, ``--nproc
 ``join``  N-1 nodes train at world size (N-1)*P (``--nnodes 1:N``). The last node's agent starts.
           Measured: from its start to the first step at world size N*P (it trains in the job).
 
-Training scripts (``--client``, several allowed; see ``scripts/elastic_clients.py``): ``bench``
-(``scripts/bench_train.py``, the default), ``plain`` (a tight all-reduce loop that never polls
+Training scripts (``--client``, several allowed; see ``scripts/bench/elastic_clients.py``): ``bench``
+(``scripts/bench/elastic_train.py``, the default), ``plain`` (a tight all-reduce loop that never polls
 and handles no signal) and ``example`` (``examples/train.py``: DDP, checkpoint on SIGTERM).
 
 Variants: elasticrun with ``--heartbeat-timeout`` 3 and 5 (the default), with and without
@@ -27,9 +27,9 @@ unique marker in its environment and is SIGKILLed at the end of the run (also on
 Variants run interleaved (run 1 of every variant, then run 2, ...). ``--json PATH`` writes
 ``{"results": [per variant], "summary": [per elasticrun variant against the best torchrun]}``.
 
-    python scripts/bench_elastic.py --runs 1 --quick
-    python scripts/bench_elastic.py --runs 3 --scenario all --launcher all
-    python scripts/bench_elastic.py --scenario join --quick --nodes 3 --nproc 1 --client plain bench example
+    python scripts/bench/bench_elastic.py --runs 1 --quick
+    python scripts/bench/bench_elastic.py --runs 3 --scenario all --launcher all
+    python scripts/bench/bench_elastic.py --scenario join --quick --nodes 3 --nproc 1 --client plain bench example
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ import psutil
 from elastic_clients import CLIENTS, Client, Node, kill_all, tagged_processes
 from elastic_report import Outcome, Summary, fmt, summary_rows, table
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TAG_VAR = "BENCH_ELASTIC_TAG"
 STABILITY_WINDOW = 1.0
 TUNED_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
@@ -272,7 +272,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--kill-mode", choices=["tree", "agent"], default="tree",
                     help="tree: SIGKILL node B's agent and all its processes at once; agent: the agent only")
     ap.add_argument("--client", nargs="+", choices=sorted(CLIENTS), default=["bench"],
-                    help="training scripts to measure (see scripts/elastic_clients.py)")
+                    help="training scripts to measure (see scripts/bench/elastic_clients.py)")
     ap.add_argument("--nodes", type=int, default=2, help="nodes in the full job (the last one joins / dies)")
     ap.add_argument("--nproc", type=int, default=2, help="workers per node")
     ap.add_argument("--log-dir", type=Path, default=None, help="keep agent logs here [default: a temp dir]")
@@ -335,7 +335,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(table(summaries))
     print(f"\n# load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.json:
-        command = " ".join(["python", "scripts/bench_elastic.py", *(sys.argv[1:] if argv is None else argv)])
+        command = " ".join(["python", "scripts/bench/bench_elastic.py", *(sys.argv[1:] if argv is None else argv)])
         doc = {"results": [s.as_dict() for s in summaries], "summary": summary_rows(summaries, command),
                "load_average_end": os.getloadavg()[0]}
         args.json.write_text(json.dumps(doc, indent=2))
