@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from elasticrun.checkpoint import Shard, save
-from elasticrun.launch.snapshots import root_name
+from elasticrun.job.shm import root_name
 from elasticrun.store.server import EtcdServer
 
 from ckpt_helpers import cli
