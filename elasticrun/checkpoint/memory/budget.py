@@ -29,6 +29,7 @@ class SnapshotMemoryError(SnapshotUnavailable):
 
 
 def human(n: float) -> str:
+    """``n`` bytes for a message, in binary units (``8.0 KiB``; KiB = 1024 bytes, see :mod:`elasticrun.sizes`)."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
