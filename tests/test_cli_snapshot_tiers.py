@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from elasticrun.checkpoint import Shard, save
-from elasticrun.launch.snapshots import root_name
+from elasticrun.job.shm import root_name
 from elasticrun.store.server import EtcdServer
 
 from ckpt_helpers import cli
@@ -132,9 +132,9 @@ def test_live_job_memory_tier_listed_and_cap_reaches_workers(
     common = ["--nnodes", "1", "--nproc-per-node", "1", "--rdzv-endpoint", etcd_server.endpoint, "--no-prewarm",
               "--shutdown-timeout", "3"]
     train = [EXAMPLE, "--epochs", "1000", "--dataset-size", "256", "--snapshot-every", "2", "--ckpt-every", "0"]
-    live = agents([*common, "--rdzv-id", job_id, "--snapshot-memory", "64M", *train, "--step-sleep", "0.05",
+    live = agents([*common, "--rdzv-id", job_id, "--snapshot-memory", "64MiB", *train, "--step-sleep", "0.05",
                    "--steps", "100000", "--ckpt-dir", str(tmp_path / "a")], name="live")
-    small = agents([*common, "--rdzv-id", job_id + "-small", "--snapshot-memory", "1K", *train, "--steps", "6",
+    small = agents([*common, "--rdzv-id", job_id + "-small", "--snapshot-memory", "1KiB", *train, "--steps", "6",
                     "--ckpt-dir", str(tmp_path / "b")], name="small")
     off = agents([*common, "--rdzv-id", job_id + "-off", "--no-snapshots", *train, "--steps", "6",
                   "--ckpt-dir", str(tmp_path / "c")], name="off")

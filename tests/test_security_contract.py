@@ -48,6 +48,25 @@ def test_no_module_outside_the_contract_builds_keys_or_env_names():
     assert not offenders, "build keys and env names with elasticrun.job:\n" + "\n".join(offenders)
 
 
+def test_the_shared_memory_layout_is_spelled_in_job_shm_only():
+    """The snapshot directory's name and its subdirectories (``generations``, ``replicas``, ...)
+    are spelled in elasticrun/job/shm.py only; everyone else uses its names."""
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.relative_to(PACKAGE).parts[0] == "job":
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        docs = _docstring_ids(tree)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Constant) and isinstance(node.value, str)) or id(node) in docs:
+                continue
+            text = node.value
+            if re.fullmatch(r"(generations|replicas|restore|outgoing|persist)/?", text) or "elasticrun-snap-" in text \
+                    or text == "/dev/shm":
+                offenders.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {text!r}")
+    assert not offenders, "use elasticrun.job.shm for the shared-memory layout:\n" + "\n".join(offenders)
+
+
 def test_key_layout():
     k = JobKeys("job42")
     assert k.prefix == ROOT + "job42/" and k.job_id == "job42" and k.job == "job42"

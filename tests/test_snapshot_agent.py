@@ -108,7 +108,7 @@ def test_example_reports_a_too_small_memory_cap_once_and_trains_on(tmp_path: Pat
     shm = tmp_path / "shm"
     shm.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTICRUN_", "TORCHELASTIC_"))}
-    env.update(ELASTICRUN_SNAPSHOT_DIR=str(shm), ELASTICRUN_SNAPSHOT_MEMORY="1K", OMP_NUM_THREADS="1")
+    env.update(ELASTICRUN_SNAPSHOT_DIR=str(shm), ELASTICRUN_SNAPSHOT_MEMORY="1KiB", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, EXAMPLE, "--steps", "12", "--snapshot-every", "2", "--ckpt-every", "0",
                            "--ckpt-dir", str(tmp_path / "ckpts")], env=env, cwd=tmp_path, capture_output=True,
                           text=True, timeout=180)

@@ -149,7 +149,7 @@ def test_replicas_survive_a_node_loss_and_restore_at_any_world_size(tmp_path: Pa
         assert not (n2 / "restore").exists() or not os.listdir(n2 / "restore"), "the fetched copy is released"
 
     # Without node 0's replica of node 1, step 3 is no longer complete anywhere: disk is next.
-    from elasticrun.checkpoint.memory_restore import Tier, candidates
+    from elasticrun.checkpoint.memory import Tier, candidates
 
     monkeypatch.setenv("ELASTICRUN_SNAPSHOT_DIR", str(n0))
     assert candidates(str(disk))[0][0] is Tier.MEMORY

@@ -17,7 +17,7 @@ from typing import Any
 from elasticrun.checkpoint.checksum import Checksum
 from elasticrun.checkpoint.format import LATEST, CheckpointMeta, Replicate, Shard
 from elasticrun.checkpoint.retention import delete
-from elasticrun.checkpoint.validate import CheckpointInfo, VerifyResult, list_checkpoints, verify
+from elasticrun.checkpoint.validate import CheckpointInfo, CheckpointStatus, VerifyResult, list_checkpoints, verify
 from elasticrun.errors import CheckpointError
 
 _LAZY = {
@@ -28,10 +28,10 @@ _LAZY = {
     "AsyncCheckpointer": "elasticrun.checkpoint.background",
     "AsyncSaveHandle": "elasticrun.checkpoint.background",
     "wait_async_saves": "elasticrun.checkpoint.background",
-    "snapshot": "elasticrun.checkpoint.memory",
-    "Snapshotter": "elasticrun.checkpoint.memory",
-    "SnapshotMemoryError": "elasticrun.checkpoint.memory",
-    "SnapshotUnavailable": "elasticrun.checkpoint.memory",
+    "snapshot": "elasticrun.checkpoint.memory.snapshotter",
+    "Snapshotter": "elasticrun.checkpoint.memory.snapshotter",
+    "SnapshotMemoryError": "elasticrun.checkpoint.memory.budget",
+    "SnapshotUnavailable": "elasticrun.checkpoint.memory.budget",
 }
 
 
@@ -49,6 +49,7 @@ __all__ = [
     "AsyncSaveHandle",
     "CheckpointError",
     "CheckpointInfo",
+    "CheckpointStatus",
     "CheckpointMeta",
     "Checksum",
     "LoadedCheckpoint",

@@ -22,7 +22,6 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 
 from elasticrun.checkpoint.comm import Comm, private_group
-from elasticrun.checkpoint.format import Placement
 from elasticrun.checkpoint.writer import prepare
 from elasticrun.errors import CheckpointError
 
@@ -105,27 +104,21 @@ class AsyncCheckpointer:
         state_dict: Mapping[str, Any],
         root: str,
         name: Optional[str] = None,
-        *,
-        training_state: Any = None,
-        user_metadata: Optional[Dict[str, Any]] = None,
-        placements: Optional[Mapping[str, Placement]] = None,
-        keep_last: Optional[int] = None,
-        storage_options: Optional[Dict[str, Any]] = None,
-        io_threads: Optional[int] = None,
-        checksum: Optional[str] = None,
+        **options: Any,
     ) -> AsyncSaveHandle:
-        """Snapshot ``state_dict`` and save it in the background (same arguments as ``save``).
+        """Snapshot ``state_dict`` and save it in the background.
 
+        ``options`` are the keywords of :func:`elasticrun.checkpoint.save` (``training_state``,
+        ``user_metadata``, ``placements``, ``keep_last``, ``storage_options``, ``io_threads``,
+        ``checksum``), with the meaning they have there; the process group is the checkpointer's.
         Waits for the previous save first and raises its error, if it failed."""
         if self._closed:
             raise CheckpointError("this AsyncCheckpointer is closed: create a new one")
         self.wait()
         comm = self._comm()
-        job, tensors = prepare(
-            state_dict, root, name, comm, training_state=training_state, user_metadata=user_metadata,
-            placements=placements, keep_last=keep_last, storage_options=storage_options, io_threads=io_threads,
-            checksum=checksum,
-        )
+        if "process_group" in options:
+            raise TypeError("AsyncCheckpointer.save() takes no process_group: pass it to AsyncCheckpointer()")
+        job, tensors = prepare(state_dict, root, name, comm, **options)
         return self._launch(job, tensors, comm.rank)
 
     def _comm(self) -> Comm:

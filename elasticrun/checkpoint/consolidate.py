@@ -22,7 +22,8 @@ from elasticrun.checkpoint.commit import commit, new_token, rollback
 from elasticrun.checkpoint.format import CheckpointMeta, FileEntry, Shard, validate_name
 from elasticrun.checkpoint.plan import make_plan
 from elasticrun.checkpoint.regions import ShardFiles, read_region, region_for
-from elasticrun.checkpoint.shardfile import build_header, byte_view, torch_dtype
+from elasticrun.checkpoint.shardfile import build_header, torch_dtype
+from elasticrun.checkpoint.staging import byte_view
 from elasticrun.checkpoint.storage import LocalStorage, describe, get_storage
 from elasticrun.checkpoint.validate import read_meta, resolve_name, verify_files
 from elasticrun.checkpoint.writer import SaveJob, _check_free, save
@@ -83,7 +84,7 @@ def consolidate(
     else:
         if out.endswith(".safetensors"):
             raise CheckpointError(f"--out {out}: --max-shard-size writes a directory; give a directory name")
-        limit = max_shard_size or export.parse_size(export.DEFAULT_MAX_SHARD_SIZE)
+        limit = max_shard_size or export.DEFAULT_MAX_SHARD_SIZE
         groups = export.split_shards([(k, meta.tensors[n].nbytes) for k, n in zip(keys, names)], limit)
         files = export.shard_file_names(len(groups))
         by_key = dict(zip(keys, names))

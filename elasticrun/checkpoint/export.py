@@ -17,23 +17,21 @@ import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from elasticrun.errors import CheckpointError
+from elasticrun.sizes import parse_size
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-DEFAULT_MAX_SHARD_SIZE = "5GB"  # transformers' default
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # bytes: transformers' default, "5GB"
 FORMAT_METADATA = {"format": "pt"}
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
-def parse_size(text: str) -> int:
-    """``"5GB"`` → 5·10⁹, ``"500MiB"`` → 500·2²⁰, ``"1000"`` → 1000 bytes (Hugging Face's units)."""
-    m = _SIZE_RE.match(str(text))
-    if not m:
-        raise CheckpointError(f"--max-shard-size {text!r}: give a size like 5GB, 500MB, 2GiB or a number of bytes")
-    size = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
+def parse_max_shard_size(text: str) -> int:
+    """``--max-shard-size`` in bytes (the rule of :func:`elasticrun.sizes.parse_size`); at least 1."""
+    try:
+        size = parse_size(text)
+    except ValueError as err:
+        raise CheckpointError(f"--max-shard-size: {err}") from None
     if size < 1:
         raise CheckpointError(f"--max-shard-size {text!r}: must be at least 1 byte")
     return size
@@ -103,7 +101,7 @@ __all__ = [
     "check_target",
     "existing_export_files",
     "index_json",
-    "parse_size",
+    "parse_max_shard_size",
     "shard_file_names",
     "split_shards",
 ]

@@ -21,8 +21,8 @@ import torch
 
 from elasticrun.checkpoint.checksum import Checksum, file_digest
 from elasticrun.checkpoint.regions import Piece, ShardFiles, header_entry, piece_span, read_piece, region_pieces
-from elasticrun.checkpoint.shardfile import readinto_exact, torch_dtype
-from elasticrun.checkpoint.staging import DeviceStager
+from elasticrun.checkpoint.shardfile import torch_dtype
+from elasticrun.checkpoint.staging import DeviceStager, readinto_exact
 from elasticrun.checkpoint.storage import cpu_share, describe
 from elasticrun.checkpoint.validate import checksum_mismatch, size_problem, verify_file
 from elasticrun.errors import CheckpointError

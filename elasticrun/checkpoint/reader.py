@@ -32,7 +32,8 @@ from elasticrun.checkpoint.regions import (
     region_for,
     region_pieces,
 )
-from elasticrun.checkpoint.shardfile import PIECE, Hasher, byte_view, readinto_exact, torch_dtype
+from elasticrun.checkpoint.shardfile import PIECE, Hasher, torch_dtype
+from elasticrun.checkpoint.staging import byte_view, readinto_exact
 from elasticrun.checkpoint.state import TrainingState
 from elasticrun.checkpoint.storage import default_io_threads, describe, get_storage
 from elasticrun.checkpoint.tree import check_fits, fill_in_place, flatten, unflatten

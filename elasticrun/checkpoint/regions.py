@@ -20,7 +20,8 @@ import torch
 
 from elasticrun.checkpoint.format import DTYPES, CheckpointMeta, Chunk, Placement, Shard, TensorEntry
 from elasticrun.checkpoint.plan import numel, split_bounds
-from elasticrun.checkpoint.shardfile import byte_view, read_header, readinto_exact
+from elasticrun.checkpoint.shardfile import read_header
+from elasticrun.checkpoint.staging import byte_view, readinto_exact
 from elasticrun.checkpoint.storage import LocalStorage, Storage, retry
 from elasticrun.errors import CheckpointError
 

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from elasticrun.checkpoint.format import METADATA_FILE, validate_name
 from elasticrun.checkpoint.storage import LocalStorage, Storage, get_storage, retry
-from elasticrun.checkpoint.validate import COMPLETE, CheckpointInfo, is_ordered, scan
+from elasticrun.checkpoint.validate import CheckpointInfo, CheckpointStatus, is_ordered, scan
 from elasticrun.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ def delete(
                 "pass --force (force=True) to leave them dangling"
             )
     remaining = [i for d, i in infos.items() if is_ordered(i) and d not in targets]
-    doomed_complete = [d for d in targets if infos[d].status == COMPLETE and infos[d].alias_of is None]
+    doomed_complete = [d for d in targets if infos[d].status == CheckpointStatus.COMPLETE and infos[d].alias_of is None]
     if doomed_complete and not remaining and not force:
         raise CheckpointError(
             f"refusing to delete {', '.join(doomed_complete)}: no complete checkpoint would be left in "
@@ -136,4 +136,4 @@ def delete(
 def incomplete_targets(infos: Sequence[CheckpointInfo]) -> List[str]:
     """What ``--incomplete`` deletes: this format's temporary, incomplete or corrupt directories only
     (never an alias, never a directory this format did not write, such as ``configs/``)."""
-    return [i.dirname for i in infos if i.status != COMPLETE and i.ours and i.alias_of is None]
+    return [i.dirname for i in infos if i.status != CheckpointStatus.COMPLETE and i.ours and i.alias_of is None]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import json
-import os
 import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import IO, Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -22,6 +21,7 @@ import torch
 
 from elasticrun.checkpoint.checksum import DEFAULT_CHECKSUM, Checksum, Digest
 from elasticrun.checkpoint.format import DTYPES
+from elasticrun.checkpoint.staging import fileno_of, host_pieces
 from elasticrun.errors import CheckpointError
 
 PIECE = 64 << 20  # bytes per write() call; also the hashing granularity
@@ -40,14 +40,6 @@ def dtype_code(dtype: torch.dtype, name: str) -> str:
 
 def torch_dtype(code: str) -> torch.dtype:
     return getattr(torch, DTYPES[code][0])
-
-
-def byte_view(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without copying."""
-    flat = t.reshape(-1)
-    if flat.numel() == 0:
-        return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
 def build_header(items: Sequence[Tuple[str, str, Sequence[int], int]], metadata: Dict[str, str]) -> bytes:
@@ -139,7 +131,7 @@ def write_shard(
     spare core); without one each piece is hashed here before it is written.
     ``on_piece(bytes_written)`` is a test hook.
     """
-    fd = _fileno(f)
+    fd = fileno_of(f)
     items = [(k, dtype_code(t.dtype, k), tuple(t.shape), t.numel() * t.element_size()) for k, t in tensors]
     header = build_header(items, metadata)
     hasher = Hasher(pool, algo)
@@ -149,8 +141,6 @@ def write_shard(
     # Submitting writeback can block while the disk's queue is full: a flusher thread does it,
     # so the writing thread goes on hashing and writing the next piece meanwhile. Small tensors
     # are handed over together, once at least WRITEBACK bytes are waiting.
-    from elasticrun.checkpoint.staging import host_pieces
-
     flushed = written
     deferred: List[Tuple[int, Future]] = []  # (piece index, its deferred hash update), oldest first
 
@@ -234,33 +224,3 @@ def _entry_problem(entry: Any, data_len: Optional[int]) -> Optional[str]:
     if end - begin != nbytes:
         return f"data_offsets {offs} hold {end - begin} bytes but shape {shape} needs {nbytes}"
     return None
-
-
-def readinto_exact(f: IO[bytes], offset: int, view: memoryview, where: str) -> None:
-    """Fill ``view`` with the bytes at ``offset`` of ``f``; a short file is a CheckpointError."""
-    if len(view) == 0:
-        return
-    fileno = _fileno(f)
-    got = 0
-    if fileno is not None:
-        while got < len(view):
-            n = os.preadv(fileno, [view[got:]], offset + got)
-            if n <= 0:
-                break
-            got += n
-    else:
-        f.seek(offset)
-        while got < len(view):
-            n = f.readinto(view[got:])
-            if not n:
-                break
-            got += n
-    if got != len(view):
-        raise CheckpointError(f"{where} is truncated: wanted {len(view)} bytes at offset {offset}, got {got}")
-
-
-def _fileno(f: IO[bytes]) -> Optional[int]:
-    try:
-        return f.fileno() if hasattr(os, "preadv") else None
-    except (OSError, AttributeError, ValueError, NotImplementedError):
-        return None

@@ -13,19 +13,59 @@ exercise on CPU-only machines).
 
 from __future__ import annotations
 
+import os
 import threading
 from contextlib import nullcontext as _nothing
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import IO, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from elasticrun.checkpoint.shardfile import byte_view, readinto_exact
+from elasticrun.errors import CheckpointError
 
 #: Bytes per staged copy; two such buffers per thread.
 STAGE_BYTES = 32 << 20
 
 _POOL_LOCK = threading.Lock()
 _PINNED: List[torch.Tensor] = []  # reusable pinned staging buffers (pinning is slow: allocate once)
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without copying."""
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def readinto_exact(f: IO[bytes], offset: int, view: memoryview, where: str) -> None:
+    """Fill ``view`` with the bytes at ``offset`` of ``f``; a short file is a CheckpointError."""
+    if len(view) == 0:
+        return
+    fileno = fileno_of(f)
+    got = 0
+    if fileno is not None:
+        while got < len(view):
+            n = os.preadv(fileno, [view[got:]], offset + got)
+            if n <= 0:
+                break
+            got += n
+    else:
+        f.seek(offset)
+        while got < len(view):
+            n = f.readinto(view[got:])
+            if not n:
+                break
+            got += n
+    if got != len(view):
+        raise CheckpointError(f"{where} is truncated: wanted {len(view)} bytes at offset {offset}, got {got}")
+
+
+def fileno_of(f: IO[bytes]) -> Optional[int]:
+    """The descriptor to ``preadv`` from, or None where the file (or the OS) has none."""
+    try:
+        return f.fileno() if hasattr(os, "preadv") else None
+    except (OSError, AttributeError, ValueError, NotImplementedError):
+        return None
 
 
 def _take_buffers(n: int, pinned: bool, size: int = STAGE_BYTES) -> List[torch.Tensor]:

@@ -13,6 +13,7 @@ import re
 import stat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from elasticrun.checkpoint.checksum import Checksum, file_digest
@@ -29,8 +30,20 @@ from elasticrun.checkpoint.format import (
 from elasticrun.checkpoint.storage import LocalStorage, Storage, default_io_threads, describe, get_storage, retry
 from elasticrun.errors import CheckpointError
 
-COMPLETE, INCOMPLETE, CORRUPT = "complete", "incomplete", "corrupt"
-ALIAS = "alias"  # a symlink in the root (see CheckpointInfo.alias_of)
+
+class CheckpointStatus(str, Enum):
+    """What ``list_checkpoints`` (and ``elasticrun ckpt list``) says an entry of a root is."""
+
+    COMPLETE = "complete"
+    INCOMPLETE = "incomplete"  # no valid commit marker: a save in progress or one that crashed
+    CORRUPT = "corrupt"  # metadata unreadable, a file missing or of the wrong size
+    ALIAS = "alias"  # a symlink in the root (see CheckpointInfo.alias_of)
+    PARTIAL = "partial"  # memory tier: committed, with the other nodes' parts in their memory
+
+    def __str__(self) -> str:
+        return self.value
+
+
 _SHARD_RE = re.compile(r"^shard-\d{5}-of-\d{5}(-part-\d+-of-\d+)?\.safetensors$")
 
 
@@ -40,7 +53,7 @@ class CheckpointInfo:
 
     name: str
     dirname: str
-    status: str
+    status: CheckpointStatus
     size: int = 0
     meta: Optional[CheckpointMeta] = None
     problem: Optional[str] = None
@@ -68,7 +81,7 @@ class CheckpointInfo:
         return {
             "name": self.name,
             "dir": self.dirname,
-            "status": self.status,
+            "status": self.status.value,
             "latest": self.latest,
             "temporary": self.temporary,
             "size": self.size,
@@ -226,34 +239,34 @@ def inspect_entry(storage: Storage, dirname: str) -> Optional[CheckpointInfo]:
     alias = _alias_target(storage, dirname)
     info = _inspect_dir(storage, dirname, path)
     if alias is not None:
-        if info.status != COMPLETE:
+        if info.status != CheckpointStatus.COMPLETE:
             info.problem = f"points to a {info.status} checkpoint: {info.problem}"
-        info.alias_of, info.temporary, info.ours, info.status = alias, False, False, ALIAS
+        info.alias_of, info.temporary, info.ours, info.status = alias, False, False, CheckpointStatus.ALIAS
     return info
 
 
 def _inspect_dir(storage: Storage, dirname: str, path: str) -> CheckpointInfo:
     tmp_of = parse_tmp_dir_name(dirname)
     if tmp_of is not None:
-        return CheckpointInfo(tmp_of, dirname, INCOMPLETE, _dir_size(storage, path), temporary=True,
+        return CheckpointInfo(tmp_of, dirname, CheckpointStatus.INCOMPLETE, _dir_size(storage, path), temporary=True,
                               problem="save in progress or crashed before its commit")
     if not storage.exists(f"{path}/{METADATA_FILE}"):
-        return CheckpointInfo(dirname, dirname, INCOMPLETE, _dir_size(storage, path), problem=f"no {METADATA_FILE}",
-                              ours=_looks_ours(storage, path))
+        return CheckpointInfo(dirname, dirname, CheckpointStatus.INCOMPLETE, _dir_size(storage, path),
+                              problem=f"no {METADATA_FILE}", ours=_looks_ours(storage, path))
     try:
         meta = read_meta(storage, dirname)
     except CheckpointError as err:
         foreign = "not an elasticrun checkpoint metadata file" in str(err)
-        return CheckpointInfo(dirname, dirname, CORRUPT, _dir_size(storage, path), problem=str(err),
+        return CheckpointInfo(dirname, dirname, CheckpointStatus.CORRUPT, _dir_size(storage, path), problem=str(err),
                               ours=not foreign or _looks_ours(storage, path))
     problem = check_files(storage, dirname, meta)
-    status = CORRUPT if problem else COMPLETE
+    status = CheckpointStatus.CORRUPT if problem else CheckpointStatus.COMPLETE
     return CheckpointInfo(dirname, dirname, status, _dir_size(storage, path), meta=meta, problem=problem)
 
 
 def is_ordered(info: CheckpointInfo) -> bool:
     """Whether an entry takes part in ordering, "latest" and retention: complete (not an alias)."""
-    return info.status == COMPLETE and info.alias_of is None and not info.temporary
+    return info.status == CheckpointStatus.COMPLETE and info.alias_of is None and not info.temporary
 
 
 def scan(storage: Storage) -> List[CheckpointInfo]:
@@ -270,9 +283,9 @@ def scan(storage: Storage) -> List[CheckpointInfo]:
         except (FileNotFoundError, NotADirectoryError):
             continue  # renamed or deleted while we looked (a commit or retention in progress)
         except CheckpointError as err:
-            info = CheckpointInfo(dirname, dirname, CORRUPT, problem=str(err))
+            info = CheckpointInfo(dirname, dirname, CheckpointStatus.CORRUPT, problem=str(err))
         except Exception as err:  # noqa: BLE001 - one hostile entry must never break listing the root
-            info = CheckpointInfo(dirname, dirname, CORRUPT, problem=describe(err)[:300])
+            info = CheckpointInfo(dirname, dirname, CheckpointStatus.CORRUPT, problem=describe(err)[:300])
         if info is not None:
             infos.append(info)
     infos.sort(key=lambda i: (not is_ordered(i), i.alias_of is None, i.order_key()))

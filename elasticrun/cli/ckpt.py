@@ -20,7 +20,7 @@ from elasticrun.checkpoint.format import LATEST, Shard
 from elasticrun.checkpoint.retention import delete as delete_checkpoints
 from elasticrun.checkpoint.retention import incomplete_targets, plan_keep_last
 from elasticrun.checkpoint.storage import get_storage
-from elasticrun.checkpoint.validate import COMPLETE, INCOMPLETE, read_meta, resolve_name, scan, verify
+from elasticrun.checkpoint.validate import CheckpointStatus, read_meta, resolve_name, scan, verify
 from elasticrun.cli.console import console, err_console, fail, print_json
 from elasticrun.cli.etcd_options import (
     ETCD_CACERT,
@@ -34,7 +34,8 @@ from elasticrun.cli.etcd_options import (
 
 app = typer.Typer(help="Manage sharded safetensors checkpoints.", no_args_is_help=True, add_completion=False)
 
-_STATUS_STYLE = {COMPLETE: "green", INCOMPLETE: "yellow", "corrupt": "bold red", "alias": "cyan", "partial": "green"}
+_STATUS_STYLE = {CheckpointStatus.COMPLETE: "green", CheckpointStatus.INCOMPLETE: "yellow", CheckpointStatus.CORRUPT:
+                 "bold red", CheckpointStatus.ALIAS: "cyan", CheckpointStatus.PARTIAL: "green"}
 
 
 def human_bytes(n: float) -> str:
@@ -102,7 +103,7 @@ def list_cmd(
     for i, tier in rows:
         m = i.meta
         status = f"[{_STATUS_STYLE.get(i.status, '')}]{i.status}[/]"
-        if i.problem and i.status != COMPLETE:
+        if i.problem and i.status != CheckpointStatus.COMPLETE:
             status += f" [dim]({escape(i.problem[:80])})[/]"
         name = escape(i.name) + (" [bold cyan]← latest[/]" if i.latest else "")
         if i.temporary:
@@ -245,8 +246,8 @@ def load_cmd(
     only: Optional[str] = typer.Option(None, "--only", help="Keep tensors whose name starts with this prefix."),
     strip_prefix: bool = typer.Option(False, "--strip-prefix", help="Remove the --only prefix from tensor names."),
     max_shard_size: Optional[str] = typer.Option(
-        None, "--max-shard-size", help="Split the export into files of at most this size (5GB, 500MB, 2GiB) in "
-        "the --out directory \\[default for a directory: 5GB]."),
+        None, "--max-shard-size", help="Split the export into files of at most this size (5GB = 5·10⁹ bytes, "
+        "500MB, 2GiB = 2·2³⁰) in the --out directory \\[default for a directory: 5GB]."),
     force: bool = typer.Option(False, "--force", help="Overwrite existing output files."),
     world_size: Optional[int] = typer.Option(None, "--world-size", help="Reshard into a checkpoint for M ranks."),
     out_name: Optional[str] = typer.Option(None, "--name", help="Name of the resharded checkpoint \\[default: same]."),
@@ -256,7 +257,7 @@ def load_cmd(
     world size. Nested state dicts have dotted names (model.fc.weight): --only model. --strip-prefix gives
     a model's own names."""
     from elasticrun.checkpoint.consolidate import consolidate, reshard
-    from elasticrun.checkpoint.export import parse_size
+    from elasticrun.checkpoint.export import parse_max_shard_size
 
     storage = _existing_root(root)
     name = resolve_name(storage, name)
@@ -272,7 +273,7 @@ def load_cmd(
     directory = not out.endswith(".safetensors")
     if directory and os.path.splitext(out.rstrip("/"))[1] and not os.path.isdir(out):
         fail(f"--out {out}: give a .safetensors file name, or a directory for Hugging Face shards", 2)
-    limit = parse_size(max_shard_size) if max_shard_size is not None else None
+    limit = parse_max_shard_size(max_shard_size) if max_shard_size is not None else None
     with _progress(total, f"exporting {name}") as p:
         keys = consolidate(root, name, out, only=only, strip_prefix=strip_prefix, verify=not no_verify,
                            progress=lambda n: p.advance(p.task_ids[0], n), max_shard_size=limit, force=force)

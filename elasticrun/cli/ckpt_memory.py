@@ -1,7 +1,7 @@
 """The memory tier as ``elasticrun ckpt list --memory`` sees it: this machine's agents' snapshots.
 
 Every agent keeps its node's memory snapshots in ``/dev/shm/elasticrun-snap-<job>-<node
-hash>-<agent pid>/`` (see :mod:`elasticrun.launch.snapshots`): ``generations/`` holds the
+hash>-<agent pid>/`` (see :mod:`elasticrun.job.shm`): ``generations/`` holds the
 generations its ranks wrote (on a multi-node job: this node's parts plus the global
 ``metadata.json``), ``replicas/`` the copies of a peer node's parts. :func:`memory_rows`
 reads those directories of the current user (no torch, nothing written) and returns one
@@ -13,17 +13,12 @@ other nodes' memory).
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from elasticrun.checkpoint.storage import get_storage
-from elasticrun.checkpoint.validate import COMPLETE, CORRUPT, CheckpointInfo, scan
-
-#: Subdirectories of a snapshot directory that hold checkpoints, and what their entries are.
-KINDS = {"generations": "generation", "replicas": "replica"}
-PARTIAL = "partial"
-_DIR_RE = re.compile(r"^elasticrun-snap-(?P<job>.+)-(?P<node>[0-9a-f]{8})-(?P<pid>\d+)$")
+from elasticrun.checkpoint.validate import CheckpointInfo, CheckpointStatus, scan
+from elasticrun.job.shm import KINDS, SHM_DIR, job_part, parse_root_name
 
 
 @dataclass
@@ -64,12 +59,7 @@ class MemoryRow:
         return doc
 
 
-def job_part(job_id: str) -> str:
-    """How a snapshot directory's name spells ``job_id`` (as :func:`elasticrun.launch.snapshots.root_name`)."""
-    return re.sub(r"[^A-Za-z0-9_.]", "_", job_id)[:40] or "job"
-
-
-def snapshot_dirs(shm_dir: str = "/dev/shm", job_id: Optional[str] = None) -> List[SnapshotDir]:
+def snapshot_dirs(shm_dir: str = SHM_DIR, job_id: Optional[str] = None) -> List[SnapshotDir]:
     """The current user's agent snapshot directories in ``shm_dir`` (of ``job_id`` only, if given)."""
     try:
         entries = sorted(os.listdir(shm_dir))
@@ -78,9 +68,9 @@ def snapshot_dirs(shm_dir: str = "/dev/shm", job_id: Optional[str] = None) -> Li
     uid = os.getuid()
     found = []
     for entry in entries:
-        m = _DIR_RE.match(entry)
+        parsed = parse_root_name(entry)
         path = os.path.join(shm_dir, entry)
-        if m is None or (job_id is not None and m.group("job") != job_part(job_id)):
+        if parsed is None or (job_id is not None and parsed[0] != job_part(job_id)):
             continue
         try:
             st = os.lstat(path)
@@ -88,7 +78,7 @@ def snapshot_dirs(shm_dir: str = "/dev/shm", job_id: Optional[str] = None) -> Li
             continue
         if st.st_uid != uid or not os.path.isdir(path) or os.path.islink(path):
             continue
-        found.append(SnapshotDir(path, m.group("job"), m.group("node"), int(m.group("pid"))))
+        found.append(SnapshotDir(path, *parsed))
     return found
 
 
@@ -106,10 +96,11 @@ def _mark_partial(root: str, info: CheckpointInfo) -> None:
         if size != entry.size:
             return  # a damaged file: stays corrupt
         here += 1
-    info.status, info.problem = PARTIAL, f"{here} of {len(meta.files)} files here (the rest in other nodes' memory)"
+    info.status = CheckpointStatus.PARTIAL
+    info.problem = f"{here} of {len(meta.files)} files here (the rest in other nodes' memory)"
 
 
-def memory_rows(shm_dir: str = "/dev/shm", job_id: Optional[str] = None) -> List[MemoryRow]:
+def memory_rows(shm_dir: str = SHM_DIR, job_id: Optional[str] = None) -> List[MemoryRow]:
     """Every generation and replica in the current user's snapshot directories, oldest step first."""
     rows: List[MemoryRow] = []
     for d in snapshot_dirs(shm_dir, job_id):
@@ -122,7 +113,7 @@ def memory_rows(shm_dir: str = "/dev/shm", job_id: Optional[str] = None) -> List
             except Exception:  # noqa: BLE001 - a directory removed while we look (its agent exited)
                 continue
             for info in infos:
-                if info.status == CORRUPT:
+                if info.status == CheckpointStatus.CORRUPT:
                     _mark_partial(root, info)
                 row = MemoryRow(info, d, kind, root)
                 if info.meta is not None:
@@ -136,8 +127,7 @@ def memory_rows(shm_dir: str = "/dev/shm", job_id: Optional[str] = None) -> List
 
 def is_usable(row: MemoryRow) -> bool:
     """Whether a restore may use the entry (complete here, or committed with parts on other nodes)."""
-    return row.info.status in (COMPLETE, PARTIAL) and not row.info.temporary
+    return row.info.status in (CheckpointStatus.COMPLETE, CheckpointStatus.PARTIAL) and not row.info.temporary
 
 
-__all__ = ["KINDS", "PARTIAL", "MemoryRow", "SnapshotDir", "is_usable", "job_part", "memory_rows",
-           "snapshot_dirs"]
+__all__ = ["MemoryRow", "SnapshotDir", "is_usable", "memory_rows", "snapshot_dirs"]

@@ -20,6 +20,7 @@ from elasticrun.config import LaunchConfig, RdzvBackend, default_node_id, parse_
 from elasticrun.errors import ConfigError
 from elasticrun.job.hints import AdaptationStrategy, RedistributionType
 from elasticrun.launch.restarts import parse_window
+from elasticrun.sizes import RULE, parse_size
 
 STATIC_PORT = 29500  # torchrun's default --master-port
 C10D_PORT = 29400  # torchrun's default port of a c10d endpoint without one
@@ -148,15 +149,12 @@ def _snapshot_memory(p: Parsed) -> Optional[int]:
     text = str(p.values.get("snapshot_memory") or "").strip()
     if not text:
         return None
-    from elasticrun.checkpoint.memory import parse_size
-
     where = p.where("snapshot_memory")
     where += f" {text!r}" if where.startswith("-") else ""
     try:
         size = parse_size(text)
     except ValueError:
-        raise ConfigError(f"{where}: not a size; use bytes or a number with K, M, G or T (e.g. --snapshot-memory "
-                          "8G)") from None
+        raise ConfigError(f"{where}: not a size; use {RULE} (e.g. --snapshot-memory 8GiB)") from None
     if size <= 0:
         raise ConfigError(f"{where}: must be more than 0 (use --no-snapshots to turn memory snapshots off)")
     return size

@@ -4,9 +4,11 @@
 - :mod:`~elasticrun.job.env`: every environment variable the agent writes and workers read;
 - :mod:`~elasticrun.job.settings`: :class:`EtcdSettings`, how every process reaches etcd;
 - :mod:`~elasticrun.job.fence`: the checkpoint-commit fence;
-- :mod:`~elasticrun.job.requests`: the checkpoint-request protocol.
+- :mod:`~elasticrun.job.requests`: the checkpoint-request protocol;
+- :mod:`~elasticrun.job.shm`: the layout of a node's memory tier in shared memory.
 
-Nothing outside this package builds an etcd key or spells an ``ELASTICRUN_*`` name.
+Nothing outside this package builds an etcd key, spells an ``ELASTICRUN_*`` name or a
+snapshot directory's layout.
 """
 
 from __future__ import annotations

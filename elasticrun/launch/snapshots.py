@@ -17,7 +17,6 @@ the agent exits. It is removed
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shutil
@@ -26,10 +25,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
-#: Where snapshot roots live (a tmpfs on Linux). Overridable for tests.
-SHM_DIR = "/dev/shm"
-PREFIX = "elasticrun-snap-"
-OWNER_FILE = "owner"
+from elasticrun.job.shm import OWNER_FILE, PREFIX, SHM_DIR, root_name
+
 _NAME_RE = re.compile(r"^" + re.escape(PREFIX) + r".*-(\d+)$")
 
 # The watchdog: no imports beyond the standard library, no site packages (fast, nothing to fail).
@@ -66,13 +63,6 @@ def _alive(pid: int, started: Optional[str]) -> bool:
         return True  # another user's process: not ours to judge
     now = _start_time(pid)
     return started is None or now is None or now == started
-
-
-def root_name(job_id: str, node_id: str, pid: int) -> str:
-    """``elasticrun-snap-<job>-<hash of node id>-<pid>``: job id sanitised, short, unique per agent."""
-    job = re.sub(r"[^A-Za-z0-9_.]", "_", job_id)[:40] or "job"
-    node = hashlib.sha256(node_id.encode()).hexdigest()[:8]
-    return f"{PREFIX}{job}-{node}-{pid}"
 
 
 def sweep(base: str = SHM_DIR) -> List[str]:
@@ -151,4 +141,4 @@ class SnapshotRoot:
             self.watchdog = None
 
 
-__all__ = ["SHM_DIR", "SnapshotRoot", "root_name", "sweep"]
+__all__ = ["SnapshotRoot", "sweep"]

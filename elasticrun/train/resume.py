@@ -26,11 +26,12 @@ log = logging.getLogger(__name__)
 def complete_checkpoints(root: str, process_group: Any = None) -> List[str]:
     """Names of the complete checkpoints under ``root``, newest first, as rank 0 sees them
     (collective when a process group exists, so every rank gets the same list)."""
-    from elasticrun.checkpoint import list_checkpoints
+    from elasticrun.checkpoint import CheckpointStatus, list_checkpoints
     from elasticrun.checkpoint.comm import on_rank0
 
     return on_rank0(
-        lambda: [i.name for i in reversed(list_checkpoints(root)) if i.status == "complete"], process_group
+        lambda: [i.name for i in reversed(list_checkpoints(root)) if i.status == CheckpointStatus.COMPLETE],
+        process_group,
     )
 
 
@@ -53,7 +54,7 @@ def load_latest(
     ``restore_rng`` (default), the generators saved under ``"rng"`` by
     :func:`elasticrun.train.rng.capture_rng` — restored per rank at the same world size,
     re-derived from (seed, step, rank) at another (see :mod:`elasticrun.train.rng`).
-    With ``memory`` (default) the job's memory snapshots (``elasticrun.checkpoint.memory``:
+    With ``memory`` (default) the job's memory snapshots (:mod:`elasticrun.checkpoint.memory`:
     every node's parts and peer replicas together, at any world size; missing parts are fetched
     from peers' memory) compete with ``root`` by training step, memory first at equal steps;
     the result's ``.tier`` says which one was loaded.
@@ -61,7 +62,7 @@ def load_latest(
     newest cannot, with ``fallback=False``).
     """
     from elasticrun.checkpoint import load
-    from elasticrun.checkpoint.memory_restore import ResumedCheckpoint, Tier, candidates, drop_newer_generations
+    from elasticrun.checkpoint.memory import ResumedCheckpoint, Tier, candidates, drop_newer_generations
 
     # Both tiers, newest step first: memory snapshots (ELASTICRUN_SNAPSHOT_DIR) and ``root``.
     names = candidates(root, process_group, memory=memory)
@@ -90,10 +91,10 @@ def load_latest(
 def _load_memory(name: str, state_dict: Optional[Dict[str, Any]], placements: Optional[Mapping[str, Any]],
                  process_group: Any) -> Tuple[LoadedCheckpoint, str]:
     """Load memory generation ``name``: its parts are first gathered on every node from peers'
-    memory where missing (:func:`~elasticrun.checkpoint.memory_fetch.materialize`). Files are
+    memory where missing (:func:`~elasticrun.checkpoint.memory.fetch.materialize`). Files are
     not re-hashed: each was hashed when written or received (see that module)."""
     from elasticrun.checkpoint import load
-    from elasticrun.checkpoint.memory_fetch import materialize, release
+    from elasticrun.checkpoint.memory import materialize, release
 
     t0 = time.perf_counter()
     where, fetched = materialize(name, process_group)

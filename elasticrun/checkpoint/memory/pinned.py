@@ -3,7 +3,7 @@
 CPU tensors are copied into plain buffers; CUDA tensors into pinned buffers, on a side
 stream that first waits for the training stream (so the copy sees the finished step),
 and the call returns once that copy is done. Writing, hashing and the per-node commit
-(:class:`~elasticrun.checkpoint.memory_commit.NodeSaveJob`) run in the background
+(:class:`~elasticrun.checkpoint.memory.commit.NodeSaveJob`) run in the background
 (:class:`~elasticrun.checkpoint.background.AsyncCheckpointer`).
 """
 
@@ -15,7 +15,7 @@ import torch
 
 from elasticrun.checkpoint.background import AsyncCheckpointer, AsyncSaveHandle
 from elasticrun.checkpoint.format import Placement
-from elasticrun.checkpoint.memory_commit import NodeLayout, to_node_job
+from elasticrun.checkpoint.memory.commit import NodeLayout, to_node_job
 from elasticrun.checkpoint.writer import prepare
 from elasticrun.errors import CheckpointError
 

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional
 from elasticrun.checkpoint.checksum import Digest
 from elasticrun.checkpoint.format import METADATA_FILE, CheckpointMeta, FileEntry, tmp_dir_name
 from elasticrun.errors import CheckpointError
+from elasticrun.job.shm import ShmLayout
 
 log = logging.getLogger(__name__)
 
@@ -95,12 +96,12 @@ def persist_across_nodes(base: str, name: str, layout: Any, group: Any, disk_roo
     meta: Optional[CheckpointMeta] = None
     storage: Any = None
     tmp = final = ""
-    stage = os.path.join(base, "persist", name)
+    stage = os.path.join(ShmLayout(base).persist, name)
     try:
         storage = get_storage(disk_root)
         tmp, final = storage.join(tmp_dir_name(name, token)), storage.join(name)
         if layout.leader:
-            gen = os.path.join(base, "generations", name)
+            gen = os.path.join(ShmLayout(base).generations, name)
             with open(os.path.join(gen, METADATA_FILE), "rb") as f:
                 meta = CheckpointMeta.loads(f.read(), os.path.join(gen, METADATA_FILE))
             mine: List[FileEntry] = layout.files_of_node(meta, layout.me)

@@ -18,9 +18,9 @@ so retention cannot pull it away mid-copy), with the same atomic commit as a sav
 
 Several nodes: the ranks sharing a snapshot directory form a node; each node holds the parts
 its ranks wrote, committed by the node's leader with the generation's global metadata
-(:mod:`elasticrun.checkpoint.memory_commit`), and a replica of its ring predecessor's parts
-(:mod:`elasticrun.checkpoint.replicas`). ``load_latest`` restores from the union of all
-nodes' memory at any world size (:mod:`elasticrun.checkpoint.memory_fetch`). Persistence to
+(:mod:`elasticrun.checkpoint.memory.commit`), and a replica of its ring predecessor's parts
+(:mod:`elasticrun.checkpoint.memory.replicas`). ``load_latest`` restores from the union of all
+nodes' memory at any world size (:mod:`elasticrun.checkpoint.memory.fetch`). Persistence to
 disk needs every file on rank 0's node: on several nodes it is skipped (with a warning).
 """
 
@@ -28,156 +28,24 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Union
 
 from elasticrun.checkpoint.comm import Comm
-from elasticrun.checkpoint.format import Placement, Shard, parse_tmp_dir_name
-from elasticrun.checkpoint.memory_commit import NodeLayout, to_node_job
-from elasticrun.checkpoint.memory_persist import persist_generation
+from elasticrun.checkpoint.format import Placement, parse_tmp_dir_name
+from elasticrun.checkpoint.memory.budget import SnapshotUnavailable, plan_memory
+from elasticrun.checkpoint.memory.commit import NodeLayout, to_node_job
+from elasticrun.checkpoint.memory.persist import persist_generation
 from elasticrun.errors import CheckpointError
 from elasticrun.job import env as env_names
+from elasticrun.job.shm import TRANSIENT, ShmLayout, snapshot_dir
 
 log = logging.getLogger(__name__)
 
-#: Subdirectories of the agent's snapshot directory.
-GENERATIONS = "generations"
-STAGING = "persist"
 DEFAULT_KEEP = 2
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
-
-
-class SnapshotUnavailable(CheckpointError):
-    """Memory snapshots cannot run in this job as it is (no memory tier, ranks on several nodes,
-    too little memory): raised alike on every rank, and again at every try."""
-
-
-class SnapshotMemoryError(SnapshotUnavailable):
-    """The memory tier cannot hold the snapshots (shared memory too small, or over the cap)."""
-
-
-def snapshot_dir() -> Optional[str]:
-    """The agent's snapshot directory (``ELASTICRUN_SNAPSHOT_DIR``), or None outside elasticrun."""
-    path = os.environ.get(env_names.SNAPSHOT_DIR)
-    return path if path and os.path.isdir(path) else None
-
-
-def generations_root(base: Optional[str] = None) -> Optional[str]:
-    """The checkpoint root of the memory tier (inside ``base``, default :func:`snapshot_dir`)."""
-    base = base or snapshot_dir()
-    return None if base is None else os.path.join(base, GENERATIONS)
-
-
-def parse_size(text: str) -> int:
-    """``"8G"``, ``"512MiB"``, ``"1000000"`` -> bytes; ValueError otherwise."""
-    m = _SIZE_RE.match(text)
-    if not m:
-        raise ValueError(f"not a size: {text!r} (use bytes or a number with K, M, G or T)")
-    return int(float(m.group(1)) * (1 << (10 * " KMGT".index((m.group(2) or " ").upper()))))
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
-def _dir_bytes(path: str) -> int:
-    total = 0
-    for dirpath, _dirs, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
-            except OSError:
-                pass
-    return total
-
-
-def check_memory(state_dict: Mapping[str, Any], placements: Optional[Mapping[str, Placement]], comm: Comm,
-                 base: Optional[str], generations: int) -> int:
-    """Collective: the bytes of one generation; raises on every rank alike when a rank has no
-    memory tier or when ``generations`` of a node's share do not fit in its free space or the cap."""
-    return plan_memory(state_dict, placements, comm, base, generations)[0]
-
-
-def plan_memory(state_dict: Mapping[str, Any], placements: Optional[Mapping[str, Placement]], comm: Comm,
-                base: Optional[str], generations: int) -> Tuple[int, NodeLayout]:
-    """:func:`check_memory`, also returning which ranks share a node (a snapshot directory).
-
-    A node holds, per generation, the parts its ranks write (their shards, and their share of
-    the replicated tensors) plus, when there are several nodes, its ring predecessor's parts
-    (the replica); that is checked against the node's free shared memory and the cap."""
-    from elasticrun.checkpoint.tree import flatten
-
-    error: Optional[str] = None
-    rep = shard = 0
-    free = used = -1
-    if base is None:
-        missing = f"no memory tier: {env_names.SNAPSHOT_DIR} is not set (run under elasticrun on Linux, or pass base=)"
-    else:
-        missing = ""
-    try:
-        tensors, _ = flatten(state_dict)
-        sharded = {k for k, p in (placements or {}).items() if isinstance(p, Shard)}
-        for name, t in tensors.items():
-            n = t.numel() * t.element_size()
-            if name in sharded:
-                shard += n
-            else:
-                rep += n
-        if base is not None:
-            st = os.statvfs(base)
-            free, used = st.f_bavail * st.f_frsize, _dir_bytes(base)
-    except Exception as err:  # noqa: BLE001 - reported collectively below
-        error = f"cannot size the snapshot: {err}"
-    mine = {"dir": os.path.realpath(base or "."), "rep": rep, "shard": shard, "free": free, "used": used,
-            "error": error, "missing": missing}
-    everyone = comm.all_gather(mine)
-    for r, g in enumerate(everyone):
-        if g["missing"]:
-            raise SnapshotUnavailable(g["missing"] if comm.world_size == 1 else f"rank {r}: {g['missing']}")
-    for r, g in enumerate(everyone):
-        if g["error"]:
-            raise CheckpointError(f"rank {r}: {g['error']}")
-    layout = NodeLayout.from_dirs([g["dir"] for g in everyone], comm.rank)
-    gen = everyone[0]["rep"] + sum(g["shard"] for g in everyone)
-    world = len(everyone)
-    parts = [everyone[0]["rep"] * len(ranks) // world + sum(everyone[r]["shard"] for r in ranks)
-             for ranks in layout.nodes]
-    several = len(layout.nodes) > 1
-    cap_text = os.environ.get(env_names.SNAPSHOT_MEMORY, "").strip()
-    cap: Optional[int] = None
-    if cap_text:
-        try:
-            cap = parse_size(cap_text)
-        except ValueError as err:
-            raise SnapshotMemoryError(f"{env_names.SNAPSHOT_MEMORY}: {err}") from None
-    for i, ranks in enumerate(layout.nodes):
-        per_gen = parts[i] + (parts[layout.predecessor(i)] if several else 0)
-        need = per_gen * generations
-        what = (f"{generations} generations of {human(per_gen)}" if not several else
-                f"{generations} generations of {human(per_gen)}: its parts and a peer's replica")
-        where = f" on node {i}" if several else ""
-        if cap is not None and need > cap:
-            raise SnapshotMemoryError(
-                f"memory snapshots need {human(need)}{where} ({what}) but {env_names.SNAPSHOT_MEMORY} caps them at "
-                f"{human(cap)}: raise the cap or snapshot less state"
-            )
-        g = everyone[ranks[0]]
-        room = g["free"] + g["used"]
-        if need > room:
-            raise SnapshotMemoryError(
-                f"memory snapshots need {human(need)} of shared memory{where} ({what}) but "
-                f"{os.path.dirname(g['dir'])} has {human(room)} for them: enlarge /dev/shm "
-                "(e.g. docker --shm-size) or snapshot less state"
-            )
-    return gen, layout
 
 
 class Snapshotter:
@@ -212,7 +80,7 @@ class Snapshotter:
         self._due = False
         self._async: Any = None
         if async_snapshots:
-            from elasticrun.checkpoint.memory_async import PinnedAsyncCheckpointer
+            from elasticrun.checkpoint.memory.pinned import PinnedAsyncCheckpointer
 
             self._async = PinnedAsyncCheckpointer(process_group)
         self._replicator: Any = None
@@ -227,7 +95,7 @@ class Snapshotter:
             raise SnapshotUnavailable(
                 f"no memory tier: {env_names.SNAPSHOT_DIR} is not set (run under elasticrun on Linux, or pass base=)"
             )
-        return os.path.join(self.base, GENERATIONS)
+        return ShmLayout(self.base).generations
 
     def snapshot(self, state_dict: Mapping[str, Any], *, training_state: Any = None,
                  placements: Optional[Mapping[str, Placement]] = None) -> Union[str, Any]:
@@ -240,7 +108,7 @@ class Snapshotter:
         self.generation_bytes, layout = plan_memory(state_dict, placements, comm, self.base, self.keep + 1 + extra)
         self.layout = layout
         if self.count == 0 and layout.leader and self.base is not None:
-            self._reclaim(os.path.join(self.base, GENERATIONS))
+            self._reclaim(ShmLayout(self.base).generations)
         root = self.root
         ts = training_state_dict(training_state)
         step = ts.get("step") if ts else None
@@ -250,7 +118,7 @@ class Snapshotter:
             self._due = True
         replicas = self.replicate and len(layout.nodes) > 1
         if replicas and self._replicator is None:
-            from elasticrun.checkpoint.replicas import Replicator
+            from elasticrun.checkpoint.memory.replicas import Replicator
 
             self._replicator = Replicator(self.process_group, self.base or "", self.keep)  # collective
         persist = None
@@ -285,9 +153,9 @@ class Snapshotter:
 
         if os.path.isdir(root):
             reclaim_stale_temps(get_storage(root))
-        for leftover in (STAGING, "outgoing", "restore"):  # transient dirs of a dead predecessor
+        for leftover in TRANSIENT:  # transient dirs of a dead predecessor
             shutil.rmtree(os.path.join(self.base or "", leftover), ignore_errors=True)
-        replicas = os.path.join(self.base or "", "replicas")
+        replicas = ShmLayout(self.base or "").replicas
         for entry in os.listdir(replicas) if os.path.isdir(replicas) else []:
             if parse_tmp_dir_name(entry) is not None:  # a replica whose receipt a crash interrupted
                 shutil.rmtree(os.path.join(replicas, entry), ignore_errors=True)
@@ -315,7 +183,7 @@ class Snapshotter:
     def _stage(self, name: str) -> str:
         """Hard-link the committed generation's files aside, so retention cannot take them mid-copy."""
         src = os.path.join(self.root, name)
-        stage = os.path.join(self.base or "", STAGING, name)
+        stage = os.path.join(ShmLayout(self.base or "").persist, name)
         shutil.rmtree(stage, ignore_errors=True)
         os.makedirs(stage)
         for f in os.listdir(src):
@@ -381,5 +249,4 @@ def snapshot(state_dict: Mapping[str, Any], *, training_state: Any = None,
     return snaps.snapshot(state_dict, training_state=training_state, placements=placements)
 
 
-__all__ = ["SnapshotMemoryError", "SnapshotUnavailable", "Snapshotter", "check_memory", "generations_root",
-           "parse_size", "persist_generation", "snapshot", "snapshot_dir"]
+__all__ = ["DEFAULT_KEEP", "Snapshotter", "snapshot"]

@@ -25,13 +25,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from elasticrun.checkpoint.comm import Comm
 from elasticrun.checkpoint.format import METADATA_FILE, CheckpointMeta
-from elasticrun.checkpoint.memory import GENERATIONS, snapshot_dir
-from elasticrun.checkpoint.memory_commit import NodeLayout
-from elasticrun.checkpoint.memory_restore import gather_inventories
-from elasticrun.checkpoint.replicas import REPLICAS, recv_file, send_file
+from elasticrun.checkpoint.memory.commit import NodeLayout
+from elasticrun.checkpoint.memory.replicas import recv_file, send_file
+from elasticrun.checkpoint.memory.restore import gather_inventories
 from elasticrun.errors import CheckpointError
-
-RESTORE = "restore"
+from elasticrun.job.shm import GENERATIONS, REPLICAS, ShmLayout, snapshot_dir
 
 
 def _local_path(base: str, name: str, fname: str) -> Optional[str]:
@@ -81,7 +79,7 @@ def materialize(name: str, process_group: Any = None) -> Tuple[str, Dict[str, in
             transfers.append((fname, src, n))
 
     me, leader = layout.me, layout.leader
-    restore = os.path.join(base, RESTORE, name)
+    restore = os.path.join(ShmLayout(base).restore, name)
     problems: List[str] = []
     fetched = {"files": 0, "bytes": 0}
     if leader and not local_all[me]:
@@ -115,7 +113,7 @@ def materialize(name: str, process_group: Any = None) -> Tuple[str, Dict[str, in
         if p:
             release(name)
             raise CheckpointError(p[0])
-    root = os.path.join(base, GENERATIONS) if local_all[me] else os.path.join(base, RESTORE)
+    root = ShmLayout(base).generations if local_all[me] else ShmLayout(base).restore
     return root, fetched
 
 
@@ -123,7 +121,7 @@ def release(name: str) -> None:
     """Remove ``restore/<name>`` of this node (after the load; loaded maps stay valid)."""
     base = snapshot_dir()
     if base is not None:
-        shutil.rmtree(os.path.join(base, RESTORE, name), ignore_errors=True)
+        shutil.rmtree(os.path.join(ShmLayout(base).restore, name), ignore_errors=True)
 
 
-__all__ = ["RESTORE", "materialize", "release"]
+__all__ = ["materialize", "release"]

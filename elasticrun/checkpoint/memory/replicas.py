@@ -1,7 +1,7 @@
 """Peer replicas of memory generations, and the byte transport they share with restore.
 
 After a generation commits, each node's leader sends its node's parts to the next node on
-the ring (nodes ordered by their lowest rank, see :class:`~.memory_commit.NodeLayout`),
+the ring (nodes ordered by their lowest rank, see :class:`~.commit.NodeLayout`),
 which stores them under ``<snapshot dir>/replicas/<name>/`` with the generation's global
 ``metadata.json`` and a ``replica.json`` (which node they came from). Every file's checksum
 is checked on receipt, before the directory is renamed into place, so a replica that exists
@@ -32,14 +32,13 @@ import torch
 from elasticrun.checkpoint.checksum import Digest
 from elasticrun.checkpoint.commit import new_token
 from elasticrun.checkpoint.format import METADATA_FILE, CheckpointMeta, FileEntry, tmp_dir_name
-from elasticrun.checkpoint.memory_commit import NodeLayout, retain
+from elasticrun.checkpoint.memory.commit import NodeLayout, retain
 from elasticrun.errors import CheckpointError
 from elasticrun.job import env as env_names
+from elasticrun.job.shm import ShmLayout
 
 log = logging.getLogger(__name__)
 
-REPLICAS = "replicas"
-OUTGOING = "outgoing"
 REPLICA_FILE = "replica.json"
 CHUNK = 64 << 20
 #: How long a replica transfer waits for its peer before giving up (seconds).
@@ -160,8 +159,8 @@ def replicate_generation(base: str, name: str, layout: NodeLayout, group: Any, k
     if len(layout.nodes) < 2 or not layout.leader:
         return None
     dst, src = layout.nodes[layout.successor(me)][0], layout.nodes[layout.predecessor(me)][0]
-    gen = os.path.join(base, "generations", name)
-    stage = os.path.join(base, OUTGOING, name)
+    gen = os.path.join(ShmLayout(base).generations, name)
+    stage = os.path.join(ShmLayout(base).outgoing, name)
     meta_bytes: Optional[bytes] = None
     outgoing: List[Tuple[str, int]] = []
     try:  # hard links pin the files: retention may remove the generation meanwhile
@@ -180,7 +179,7 @@ def replicate_generation(base: str, name: str, layout: NodeLayout, group: Any, k
         theirs = _send_header(group, dst, src, meta_bytes)
         meta = CheckpointMeta.loads(theirs, f"replica of {name}") if theirs else None
         entries = layout.files_of_node(meta, layout.predecessor(me)) if meta is not None else []
-        root = os.path.join(base, REPLICAS)
+        root = ShmLayout(base).replicas
         tmp = os.path.join(root, tmp_dir_name(name, new_token()))
         if entries:
             os.makedirs(tmp)
@@ -248,7 +247,7 @@ class Replicator:
         self._queue.put((name_or_handle, layout, persist))
 
     def _loop(self) -> None:
-        from elasticrun.checkpoint.memory_persist import persist_across_nodes
+        from elasticrun.checkpoint.memory.persist import persist_across_nodes
 
         while True:
             item = self._queue.get()
@@ -288,4 +287,4 @@ class Replicator:
         self._queue.put(None)
 
 
-__all__ = ["REPLICAS", "REPLICA_FILE", "Replicator", "exchange", "recv_file", "replicate_generation", "send_file"]
+__all__ = ["REPLICA_FILE", "Replicator", "exchange", "recv_file", "replicate_generation", "send_file"]

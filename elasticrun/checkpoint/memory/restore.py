@@ -2,14 +2,14 @@
 
 A memory generation may be spread over several nodes: each node's ``generations/<name>/``
 holds the parts its ranks wrote, ``replicas/<name>/`` the parts of its ring predecessor
-(:mod:`elasticrun.checkpoint.replicas`), each with the generation's global
+(:mod:`elasticrun.checkpoint.memory.replicas`), each with the generation's global
 ``metadata.json``. :func:`candidates` (collective) gathers every node's
 :func:`memory_inventory` and lists a generation only when the union of all nodes' parts and
 replicas holds every file of its metadata (with the right size) — a generation torn by a
 crash on any rank or node is never a candidate. Disk checkpoints come from rank 0's view
 of the disk root. Newest training step first; at equal steps memory first (it loads faster).
 ``elasticrun.train.load_latest`` tries them in that order, fetching missing memory parts
-from peers first (:func:`elasticrun.checkpoint.memory_fetch.materialize`).
+from peers first (:func:`elasticrun.checkpoint.memory.fetch.materialize`).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Dict, List, Optional, Tuple
 
 from elasticrun.checkpoint.format import METADATA_FILE, CheckpointMeta
-from elasticrun.checkpoint.memory import GENERATIONS, generations_root, snapshot_dir
-from elasticrun.checkpoint.memory_commit import committed
+from elasticrun.checkpoint.memory.commit import committed
 from elasticrun.checkpoint.reader import LoadedCheckpoint
-from elasticrun.checkpoint.replicas import REPLICAS
+from elasticrun.checkpoint.validate import CheckpointStatus
 from elasticrun.job import env as env_names
+from elasticrun.job.shm import GENERATIONS, REPLICAS, generations_root, snapshot_dir
 
 
 class Tier(str, enum.Enum):
@@ -144,7 +144,7 @@ def _disk_rows(disk_root: str) -> Tuple[List[Tuple[int, int, int, str]], Optiona
 
     try:
         infos = [i for i in list_checkpoints(disk_root)
-                 if i.status == "complete" and i.meta is not None and i.alias_of is None]
+                 if i.status == CheckpointStatus.COMPLETE and i.meta is not None and i.alias_of is None]
     except CheckpointError as err:
         return [], str(err)
     return [(i.meta.step if i.meta is not None and i.meta.step is not None else -1, 0, pos, i.name)

@@ -1,0 +1,48 @@
+"""The memory tier: checkpoints in the node's shared memory, replicated to a peer node.
+
+Part of the checkpoint layer; imports the disk core of :mod:`elasticrun.checkpoint` (the
+format, the writer, the commit) and :mod:`elasticrun.job` (the shared-memory layout,
+:mod:`elasticrun.job.shm`), never the other way round.
+
+- :mod:`~.snapshotter`: :class:`Snapshotter` / :func:`snapshot`, writing generations;
+- :mod:`~.budget`: whether a node's share fits in shared memory and under the cap;
+- :mod:`~.commit`: the per-node commit of a generation and its retention;
+- :mod:`~.pinned`: async snapshots through reused (pinned) host buffers;
+- :mod:`~.replicas`: the copy of each node's parts to the next node;
+- :mod:`~.persist`: every K-th generation copied to disk;
+- :mod:`~.restore` and :mod:`~.fetch`: what the job's memory holds, and loading from it at
+  any world size (parts missing on a node are fetched from peers).
+
+The names below are what the rest of elasticrun (``elasticrun.train``) uses; they are
+imported lazily (most need torch).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "Snapshotter": "elasticrun.checkpoint.memory.snapshotter",
+    "snapshot": "elasticrun.checkpoint.memory.snapshotter",
+    "SnapshotMemoryError": "elasticrun.checkpoint.memory.budget",
+    "SnapshotUnavailable": "elasticrun.checkpoint.memory.budget",
+    "ResumedCheckpoint": "elasticrun.checkpoint.memory.restore",
+    "Tier": "elasticrun.checkpoint.memory.restore",
+    "candidates": "elasticrun.checkpoint.memory.restore",
+    "drop_newer_generations": "elasticrun.checkpoint.memory.restore",
+    "materialize": "elasticrun.checkpoint.memory.fetch",
+    "release": "elasticrun.checkpoint.memory.fetch",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["ResumedCheckpoint", "SnapshotMemoryError", "SnapshotUnavailable", "Snapshotter", "Tier", "candidates",
+           "drop_newer_generations", "materialize", "release", "snapshot"]

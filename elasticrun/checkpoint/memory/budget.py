@@ -1,0 +1,132 @@
+"""The memory tier's space budget: does a node's share of the snapshots fit in shared memory?
+
+A node holds, per generation, the parts its ranks write plus (on several nodes) a replica of
+its ring predecessor's parts; :func:`plan_memory` sizes that on every rank, collectively, and
+checks it against the node's free shared memory and the ``--snapshot-memory`` cap
+(``ELASTICRUN_SNAPSHOT_MEMORY``, a size as :func:`elasticrun.sizes.parse_size` reads it).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Optional, Tuple
+
+from elasticrun.checkpoint.comm import Comm
+from elasticrun.checkpoint.format import Placement, Shard
+from elasticrun.checkpoint.memory.commit import NodeLayout
+from elasticrun.errors import CheckpointError
+from elasticrun.job import env as env_names
+from elasticrun.sizes import parse_size
+
+
+class SnapshotUnavailable(CheckpointError):
+    """Memory snapshots cannot run in this job as it is (no memory tier, ranks on several nodes,
+    too little memory): raised alike on every rank, and again at every try."""
+
+
+class SnapshotMemoryError(SnapshotUnavailable):
+    """The memory tier cannot hold the snapshots (shared memory too small, or over the cap)."""
+
+
+def human(n: float) -> str:
+    """``n`` bytes for a message, in binary units (``8.0 KiB``; KiB = 1024 bytes, see :mod:`elasticrun.sizes`)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _dir_bytes(path: str) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def check_memory(state_dict: Mapping[str, Any], placements: Optional[Mapping[str, Placement]], comm: Comm,
+                 base: Optional[str], generations: int) -> int:
+    """Collective: the bytes of one generation; raises on every rank alike when a rank has no
+    memory tier or when ``generations`` of a node's share do not fit in its free space or the cap."""
+    return plan_memory(state_dict, placements, comm, base, generations)[0]
+
+
+def plan_memory(state_dict: Mapping[str, Any], placements: Optional[Mapping[str, Placement]], comm: Comm,
+                base: Optional[str], generations: int) -> Tuple[int, NodeLayout]:
+    """:func:`check_memory`, also returning which ranks share a node (a snapshot directory).
+
+    A node holds, per generation, the parts its ranks write (their shards, and their share of
+    the replicated tensors) plus, when there are several nodes, its ring predecessor's parts
+    (the replica); that is checked against the node's free shared memory and the cap."""
+    from elasticrun.checkpoint.tree import flatten
+
+    error: Optional[str] = None
+    rep = shard = 0
+    free = used = -1
+    if base is None:
+        missing = f"no memory tier: {env_names.SNAPSHOT_DIR} is not set (run under elasticrun on Linux, or pass base=)"
+    else:
+        missing = ""
+    try:
+        tensors, _ = flatten(state_dict)
+        sharded = {k for k, p in (placements or {}).items() if isinstance(p, Shard)}
+        for name, t in tensors.items():
+            n = t.numel() * t.element_size()
+            if name in sharded:
+                shard += n
+            else:
+                rep += n
+        if base is not None:
+            st = os.statvfs(base)
+            free, used = st.f_bavail * st.f_frsize, _dir_bytes(base)
+    except Exception as err:  # noqa: BLE001 - reported collectively below
+        error = f"cannot size the snapshot: {err}"
+    mine = {"dir": os.path.realpath(base or "."), "rep": rep, "shard": shard, "free": free, "used": used,
+            "error": error, "missing": missing}
+    everyone = comm.all_gather(mine)
+    for r, g in enumerate(everyone):
+        if g["missing"]:
+            raise SnapshotUnavailable(g["missing"] if comm.world_size == 1 else f"rank {r}: {g['missing']}")
+    for r, g in enumerate(everyone):
+        if g["error"]:
+            raise CheckpointError(f"rank {r}: {g['error']}")
+    layout = NodeLayout.from_dirs([g["dir"] for g in everyone], comm.rank)
+    gen = everyone[0]["rep"] + sum(g["shard"] for g in everyone)
+    world = len(everyone)
+    parts = [everyone[0]["rep"] * len(ranks) // world + sum(everyone[r]["shard"] for r in ranks)
+             for ranks in layout.nodes]
+    several = len(layout.nodes) > 1
+    cap_text = os.environ.get(env_names.SNAPSHOT_MEMORY, "").strip()
+    cap: Optional[int] = None
+    if cap_text:
+        try:
+            cap = parse_size(cap_text)
+        except ValueError as err:
+            raise SnapshotMemoryError(f"{env_names.SNAPSHOT_MEMORY}: {err}") from None
+    for i, ranks in enumerate(layout.nodes):
+        per_gen = parts[i] + (parts[layout.predecessor(i)] if several else 0)
+        need = per_gen * generations
+        what = (f"{generations} generations of {human(per_gen)}" if not several else
+                f"{generations} generations of {human(per_gen)}: its parts and a peer's replica")
+        where = f" on node {i}" if several else ""
+        if cap is not None and need > cap:
+            raise SnapshotMemoryError(
+                f"memory snapshots need {human(need)}{where} ({what}) but {env_names.SNAPSHOT_MEMORY} caps them at "
+                f"{human(cap)}: raise the cap or snapshot less state"
+            )
+        g = everyone[ranks[0]]
+        room = g["free"] + g["used"]
+        if need > room:
+            raise SnapshotMemoryError(
+                f"memory snapshots need {human(need)} of shared memory{where} ({what}) but "
+                f"{os.path.dirname(g['dir'])} has {human(room)} for them: enlarge /dev/shm "
+                "(e.g. docker --shm-size) or snapshot less state"
+            )
+    return gen, layout
+
+
+__all__ = ["SnapshotMemoryError", "SnapshotUnavailable", "check_memory", "human", "plan_memory"]
