@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from elasticrun.checkpoint.storage import get_storage
-from elasticrun.checkpoint.validate import COMPLETE, CORRUPT, CheckpointInfo, scan
+from elasticrun.checkpoint.validate import CORRUPT, CheckpointInfo, scan
+from elasticrun.proc import pid_alive
 
 #: Subdirectories of a snapshot directory that hold checkpoints, and what their entries are.
 KINDS = {"generations": "generation", "replicas": "replica"}
@@ -37,13 +38,7 @@ class SnapshotDir:
 
     @property
     def agent_alive(self) -> bool:
-        try:
-            os.kill(self.agent_pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return pid_alive(self.agent_pid)
 
 
 @dataclass
@@ -134,10 +129,5 @@ def memory_rows(shm_dir: str = "/dev/shm", job_id: Optional[str] = None) -> List
     return rows
 
 
-def is_usable(row: MemoryRow) -> bool:
-    """Whether a restore may use the entry (complete here, or committed with parts on other nodes)."""
-    return row.info.status in (COMPLETE, PARTIAL) and not row.info.temporary
-
-
-__all__ = ["KINDS", "PARTIAL", "MemoryRow", "SnapshotDir", "is_usable", "job_part", "memory_rows",
+__all__ = ["KINDS", "PARTIAL", "MemoryRow", "SnapshotDir", "job_part", "memory_rows",
            "snapshot_dirs"]

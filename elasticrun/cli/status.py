@@ -1,6 +1,6 @@
 """``elasticrun status``: the live view of a job (or the list of jobs) in etcd.
 
-Data comes from :mod:`elasticrun.rendezvous.jobview`; this module only renders it
+Data comes from :mod:`elasticrun.rendezvous.jobstatus`; this module only renders it
 (rich tables, or one JSON document) and drives ``--watch`` from an etcd watch.
 """
 
@@ -21,27 +21,20 @@ from rich.table import Table
 from rich.text import Text
 
 from elasticrun.cli.console import console, err_console, print_json
-from elasticrun.cli.etcd_options import (
-    ETCD_CACERT,
-    ETCD_CERT,
-    ETCD_KEY,
-    ETCD_PASSWORD,
-    ETCD_PASSWORD_FILE,
-    ETCD_USER,
-    settings_from_flags,
-)
+from elasticrun.cli.etcd_options import EtcdFlags, with_etcd_flags
 from elasticrun.errors import ElasticrunError
 from elasticrun.job import env as job_env
 from elasticrun.job.keys import ROOT, JobKeys
-from elasticrun.rendezvous.jobview import (
+from elasticrun.rendezvous.jobstatus import (
     EVENTS_SHOWN,
-    TERMINAL_PHASES,
     JobNotFoundError,
     build_job_status,
     job_phase,
     job_status,
     list_jobs,
 )
+from elasticrun.rendezvous.records import WorkerStatus
+from elasticrun.rendezvous.states import TERMINAL_PHASES, JobPhase, MemberStatus
 from elasticrun.store.client import EtcdStore
 
 HELP = """Show a job's round, members, ranks and recent rescale events (or list the jobs).
@@ -59,18 +52,23 @@ With --watch --json, one JSON document per line is printed each time the job's k
 _MIN_REDRAW = 0.25  # seconds between redraws while watch events keep coming
 _TICK = 1.0  # redraw of the rich view without events (ages, lease TTLs)
 
-_STATUS_STYLE = {
-    "Active": "green",
-    "Joining": "cyan",
-    "Rescaling": "yellow",
-    "Leaving": "magenta",
-    "Failed": "bold red",
-    "Succeeded": "bold green",
-    "Lost": "bold red",
-    "Finished": "green",
+_STATUS_STYLE = {  # keyed by value: a str enum hashes by its name
+    WorkerStatus.ACTIVE.value: "green",
+    WorkerStatus.JOINING.value: "cyan",
+    WorkerStatus.RESCALING.value: "yellow",
+    WorkerStatus.LEAVING.value: "magenta",
+    WorkerStatus.FAILED.value: "bold red",
+    WorkerStatus.SUCCEEDED.value: "bold green",
+    MemberStatus.LOST.value: "bold red",
+    MemberStatus.FINISHED.value: "green",
 }
-_PHASE_STYLE = {"running": "green", "forming": "cyan", "rescaling": "yellow", "succeeded": "bold green",
-                "failed": "bold red"}
+_PHASE_STYLE = {
+    JobPhase.RUNNING.value: "green",
+    JobPhase.FORMING.value: "cyan",
+    JobPhase.RESCALING.value: "yellow",
+    JobPhase.SUCCEEDED.value: "bold green",
+    JobPhase.FAILED.value: "bold red",
+}
 
 
 # -- formatting helpers ----------------------------------------------------------------------
@@ -137,7 +135,7 @@ def _status(s: str) -> Text:
 
 
 def render_job(doc: Dict[str, Any], endpoint: str = "", error: str = "") -> RenderableType:
-    """The rich view of a status document (see :func:`elasticrun.rendezvous.jobview.build_job_status`)."""
+    """The rich view of a status document (see :func:`elasticrun.rendezvous.jobstatus.build_job_status`)."""
     now = doc.get("time") or time.time()
     phase = doc.get("phase") or job_phase(doc)
     head = Text.assemble(
@@ -332,6 +330,7 @@ def _json_line(data: Any, _error: str) -> None:
 # -- the command -------------------------------------------------------------------------------
 
 
+@with_etcd_flags
 def status(
     rdzv_id: Optional[str] = typer.Option(
         None, "--rdzv-id", "--rdzv_id", "--run-id", help="Job to show \\[default: list every job]."
@@ -344,17 +343,9 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document (with --watch: one per line)."),
     events: int = typer.Option(EVENTS_SHOWN, "--events", help="How many recent rescale events to show."),
     timeout: float = typer.Option(5.0, "--timeout", help="Seconds to keep trying an unreachable etcd."),
-    etcd_user: Optional[str] = ETCD_USER,
-    etcd_password: Optional[str] = ETCD_PASSWORD,
-    etcd_password_file: Optional[str] = ETCD_PASSWORD_FILE,
-    etcd_cacert: Optional[str] = ETCD_CACERT,
-    etcd_cert: Optional[str] = ETCD_CERT,
-    etcd_key: Optional[str] = ETCD_KEY,
+    etcd: EtcdFlags = EtcdFlags(),
 ) -> None:
-    settings = settings_from_flags(
-        rdzv_endpoint, user=etcd_user, password=etcd_password, password_file=etcd_password_file,
-        cacert=etcd_cacert, cert=etcd_cert, key=etcd_key, retry_timeout=timeout,
-    )
+    settings = etcd.settings(rdzv_endpoint, retry_timeout=timeout)
     # With a job: prove access inside its prefix (all a job's own etcd user may read).
     store = settings.connect(rdzv_id, timeout=min(timeout, 5.0))
     try:
@@ -399,7 +390,7 @@ def _show_job(store: EtcdStore, job: str, watch_: bool, as_json: bool, events: i
             return job_status(store, job, events=events)
         except JobNotFoundError:
             gone = build_job_status(job, [], 0, None, events)
-            gone["phase"] = "gone"
+            gone["phase"] = JobPhase.GONE.value
             return gone
 
     if as_json:
@@ -418,7 +409,7 @@ def ended(doc: Dict[str, Any]) -> bool:
 
 def outcome(doc: Dict[str, Any]) -> int:
     """The exit code of ``status --watch`` for an ended job: 0 succeeded, 1 failed."""
-    return 0 if doc.get("phase") == "succeeded" else 1
+    return 0 if doc.get("phase") == JobPhase.SUCCEEDED else 1
 
 
 __all__ = ["HELP", "render_job", "render_jobs", "status", "watch"]

@@ -7,6 +7,9 @@
 - :mod:`~elasticrun.job.requests`: the checkpoint-request protocol.
 
 Nothing outside this package builds an etcd key or spells an ``ELASTICRUN_*`` name.
+The bottom layer with ``errors`` and ``proc``: every package may import it; it imports only
+``errors`` (and ``EtcdSettings.connect`` opens a :mod:`elasticrun.store` client, the one
+exception in tests/test_layering.py). See the package map in docs/design.md.
 """
 
 from __future__ import annotations

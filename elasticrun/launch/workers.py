@@ -8,6 +8,7 @@ is tied to the spawning thread).
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import signal
@@ -19,9 +20,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
-from elasticrun.config import LaunchConfig
 from elasticrun.job import env as names
 from elasticrun.job.env import without_secrets
+from elasticrun.launch.config import LaunchConfig
 from elasticrun.launch.env import WorkerSpec, worker_env
 from elasticrun.launch.failures import WorkerFailure, bounded, make_failure
 from elasticrun.launch.forkserver import ForkServer, ServerState
@@ -37,7 +38,6 @@ from elasticrun.launch.logs import (
     stream_selected,
     worker_log_dir,
 )
-from elasticrun.launch.states import GroupState
 from elasticrun.proc import terminate_tree, with_parent_death_signal
 from elasticrun.rendezvous.records import Member, RescaleEvent, Topology
 
@@ -47,6 +47,15 @@ SERVER_WAIT_S = 60.0  # how long a round's start waits for the fork server to fi
 
 
 @dataclass
+
+class GroupState(str, enum.Enum):
+    """What this node's worker group is doing (:meth:`WorkerGroup.poll`)."""
+
+    IDLE = "idle"  # no workers started
+    RUNNING = "running"  # some still run, none failed
+    SUCCEEDED = "succeeded"  # all exited 0
+    FAILED = "failed"  # at least one exited non-zero
+
 class _Worker:
     spec: WorkerSpec
     proc: subprocess.Popen
