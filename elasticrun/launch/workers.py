@@ -46,8 +46,6 @@ STDERR_DRAIN_S = 1.0  # how long a failure summary waits for a dead worker's las
 SERVER_WAIT_S = 60.0  # how long a round's start waits for the fork server to finish its imports
 
 
-@dataclass
-
 class GroupState(str, enum.Enum):
     """What this node's worker group is doing (:meth:`WorkerGroup.poll`)."""
 
@@ -56,6 +54,8 @@ class GroupState(str, enum.Enum):
     SUCCEEDED = "succeeded"  # all exited 0
     FAILED = "failed"  # at least one exited non-zero
 
+
+@dataclass
 class _Worker:
     spec: WorkerSpec
     proc: subprocess.Popen
