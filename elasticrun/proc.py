@@ -38,6 +38,20 @@ def with_parent_death_signal(cmd: Sequence[str]) -> List[str]:
     return [sys.executable, "-S", "-I", "-c", _SHIM, str(os.getpid()), *cmd]
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (signal 0). Another user's process counts as alive, and so
+    does a pid that cannot be asked about: callers use this to leave things of live owners alone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except (OverflowError, ValueError, OSError):
+        return True  # cannot tell: assume alive
+    return True
+
+
 def kill_process_group(pid: int, sig: int) -> None:
     """Send ``sig`` to the process group led by ``pid`` (children started with a new session)."""
     try:

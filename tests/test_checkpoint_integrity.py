@@ -89,7 +89,7 @@ def test_stale_round_cannot_commit(etcd, job_id, tmp_path, monkeypatch):
 
     from elasticrun.checkpoint import list_checkpoints, save
     from elasticrun.errors import CheckpointError
-    from elasticrun.rendezvous.keys import JobKeys
+    from elasticrun.job.keys import JobKeys
 
     etcd.put_json(JobKeys(job_id).topology, {"round": 3})
     monkeypatch.setenv("ELASTICRUN_RDZV_ENDPOINT", etcd.endpoints)

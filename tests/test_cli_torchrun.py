@@ -15,8 +15,8 @@ import pytest
 from elasticrun.cli.run_config import build_config
 from elasticrun.cli.run_options import TORCHRUN_OPTIONS, Kind, Opt
 from elasticrun.cli.torchrun_args import Parser
-from elasticrun.config import LaunchConfig, RdzvBackend
 from elasticrun.errors import ConfigError
+from elasticrun.launch.config import LaunchConfig, RdzvBackend
 from elasticrun.rendezvous.ranks import place_fixed_ranks, plan_members
 from elasticrun.rendezvous.records import NodeInfo
 

@@ -15,7 +15,7 @@ from typing import List
 
 import pytest
 
-from elasticrun.rendezvous.keys import JobKeys
+from elasticrun.job.keys import JobKeys
 
 from conftest import SCRIPTS, wait_until
 from launch_helpers import alive

@@ -14,7 +14,7 @@ from typing import Iterator
 
 import pytest
 
-from elasticrun.config import LaunchConfig
+from elasticrun.launch.config import LaunchConfig
 from elasticrun.launch.forkserver import ForkServer, ServerState
 from elasticrun.launch.workers import WorkerGroup
 

@@ -20,7 +20,7 @@ from elasticrun.checkpoint.checksum import Checksum, digest_of
 from elasticrun.checkpoint.format import CheckpointMeta
 from elasticrun.checkpoint.shardfile import read_header
 from elasticrun.cli.main import main as cli_main
-from elasticrun.rendezvous.view import loads_record, parse_node, parse_topology
+from elasticrun.rendezvous.records import loads_record, parse_node, parse_topology
 
 from ckpt_helpers import cli
 
@@ -313,7 +313,7 @@ def test_a_node_record_with_one_bad_field_is_ignored_or_sane(field, value):
 
 
 def test_a_view_survives_garbage_written_by_another_agent(etcd, job_id):
-    from elasticrun.rendezvous.keys import JobKeys
+    from elasticrun.job.keys import JobKeys
     from elasticrun.rendezvous.view import JobView
 
     keys = JobKeys(job_id)

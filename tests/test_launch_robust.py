@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticrun.config import LaunchConfig
+from elasticrun.launch.config import LaunchConfig
 from elasticrun.launch.workers import WorkerGroup
 
 from conftest import SCRIPTS, wait_until

@@ -18,7 +18,7 @@ from typing import Iterator
 import pytest
 from test_elastic import HB, agent_args, first_step, steps, worker_pids
 
-from elasticrun.rendezvous.keys import JobKeys
+from elasticrun.job.keys import JobKeys
 from elasticrun.store.client import connect
 from elasticrun.store.server import EtcdServer
 

@@ -12,9 +12,9 @@ from helpers.fake_store import FakeStore
 
 from elasticrun.errors import ConfigError
 from elasticrun.job.keys import JobKeys
-from elasticrun.launch.states import JobState, RoundOutcome
 from elasticrun.rendezvous.protocol import JobEnded, Rendezvous, RendezvousSettings
 from elasticrun.rendezvous.records import NodeInfo, RescaleType, Topology
+from elasticrun.rendezvous.states import JobState, RoundOutcome
 
 JOB = "unit-job"
 

@@ -6,10 +6,11 @@ import dataclasses
 
 import pytest
 
-from elasticrun.config import LaunchConfig, describe_mismatch, parse_nnodes, parse_nproc
 from elasticrun.errors import ConfigError
+from elasticrun.launch.config import LaunchConfig, parse_nnodes, parse_nproc
 from elasticrun.rendezvous.ranks import assign_ranks, classify, plan_members
 from elasticrun.rendezvous.records import Member, NodeInfo, RescaleType, Topology
+from elasticrun.rendezvous.settings import describe_mismatch
 
 
 def node(nid: str, nproc: int = 1, t: float = 0.0) -> NodeInfo:

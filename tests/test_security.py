@@ -28,7 +28,7 @@ from elasticrun.errors import StoreError
 from elasticrun.job import env as names
 from elasticrun.job.keys import JobKeys
 from elasticrun.job.settings import EtcdSettings
-from elasticrun.rendezvous.jobview import list_jobs
+from elasticrun.rendezvous.jobstatus import list_jobs
 from elasticrun.store.server import free_port
 
 from conftest import REPO, Agent, wait_until

@@ -23,8 +23,8 @@ import pytest
 
 from elasticrun.cli import console as console_mod
 from elasticrun.cli.main import main
-from elasticrun.rendezvous.jobview import job_status, list_jobs
-from elasticrun.rendezvous.keys import JobKeys
+from elasticrun.job.keys import JobKeys
+from elasticrun.rendezvous.jobstatus import job_status, list_jobs
 from elasticrun.rendezvous.protocol import LeaseLost, Rendezvous, RendezvousSettings
 from elasticrun.rendezvous.records import NodeInfo, Topology, WorkerStatus
 from elasticrun.store.client import EtcdStore

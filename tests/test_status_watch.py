@@ -10,7 +10,8 @@ import subprocess
 import sys
 from typing import Any, Callable, Dict, List
 
-from elasticrun.rendezvous.jobview import LOST, JobNotFoundError, job_status
+from elasticrun.rendezvous.jobstatus import JobNotFoundError, job_status
+from elasticrun.rendezvous.states import MemberStatus
 from elasticrun.store.client import EtcdStore
 from elasticrun.store.server import EtcdServer
 
@@ -59,7 +60,7 @@ def test_watch_ends_with_success_and_nodes_show_finished(agents, etcd_server, et
     doc = job_status(etcd, job_id)  # after the agent left
     assert doc["phase"] == "succeeded"
     assert [m["status"] for m in doc["members"]] == ["Finished"], doc["members"]
-    assert all(m["status"] != LOST for d in docs for m in d["members"])
+    assert all(m["status"] != MemberStatus.LOST for d in docs for m in d["members"])
 
 
 def test_watch_exit_code_is_the_jobs_failure(agents, etcd_server, etcd, job_id) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elasticrun.errors import ConfigError
-from elasticrun.launch.restarts import RestartBudget, format_window, parse_window
+from elasticrun.rendezvous.restarts import RestartBudget, format_window, parse_window
 
 HOUR = 3600.0
 

@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional
 
 from elasticrun.checkpoint.format import INCOMPLETE_MARKER, parse_tmp_dir_name
 from elasticrun.checkpoint.storage import LocalStorage, Storage, describe, retry
+from elasticrun.proc import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -54,18 +55,6 @@ def drop_marker(storage: Storage, path: str) -> None:
         log.debug("could not remove %s/%s: %s", path, INCOMPLETE_MARKER, describe(err))
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except (OverflowError, ValueError, OSError):
-        return True  # cannot tell: assume alive
-    return True
-
-
 def _read_marker(storage: Storage, tmp: str) -> Optional[Dict[str, Any]]:
     from elasticrun.checkpoint.validate import read_small_file
 
@@ -91,7 +80,7 @@ def is_stale(storage: Storage, tmp: str, max_age: float = STALE_TEMP_AGE) -> boo
     if marker is not None and marker.get("host") == socket.gethostname() and marker.get("boot_id") == _boot_id():
         pid = marker.get("pid")
         if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 and pid != os.getpid():
-            if not _pid_alive(pid):
+            if not pid_alive(pid):
                 return True
     return _age(storage, tmp) > max_age
 

@@ -22,15 +22,7 @@ from elasticrun.checkpoint.retention import incomplete_targets, plan_keep_last
 from elasticrun.checkpoint.storage import get_storage
 from elasticrun.checkpoint.validate import CheckpointStatus, read_meta, resolve_name, scan, verify
 from elasticrun.cli.console import console, err_console, fail, print_json
-from elasticrun.cli.etcd_options import (
-    ETCD_CACERT,
-    ETCD_CERT,
-    ETCD_KEY,
-    ETCD_PASSWORD,
-    ETCD_PASSWORD_FILE,
-    ETCD_USER,
-    settings_from_flags,
-)
+from elasticrun.cli.etcd_options import EtcdFlags, with_etcd_flags
 
 app = typer.Typer(help="Manage sharded safetensors checkpoints.", no_args_is_help=True, add_completion=False)
 
@@ -282,6 +274,7 @@ def load_cmd(
 
 
 @app.command("save")
+@with_etcd_flags
 def save_cmd(
     root: Optional[str] = typer.Argument(None, help="With --from: checkpoint root to import into."),
     name: Optional[str] = typer.Argument(None, help="With --from: name of the new checkpoint."),
@@ -291,12 +284,7 @@ def save_cmd(
     rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", help="The running job's id."),
     timeout: float = typer.Option(600.0, "--timeout", help="Seconds to wait for the job's checkpoint."),
     as_json: bool = typer.Option(False, "--json", help="Print the job's answer as JSON."),
-    etcd_user: Optional[str] = ETCD_USER,
-    etcd_password: Optional[str] = ETCD_PASSWORD,
-    etcd_password_file: Optional[str] = ETCD_PASSWORD_FILE,
-    etcd_cacert: Optional[str] = ETCD_CACERT,
-    etcd_cert: Optional[str] = ETCD_CERT,
-    etcd_key: Optional[str] = ETCD_KEY,
+    etcd: EtcdFlags = EtcdFlags(),
 ) -> None:
     """Ask a running job to checkpoint now (--rdzv-endpoint/--rdzv-id), or import a file (--from)."""
     if from_file is not None:
@@ -315,10 +303,7 @@ def save_cmd(
         fail("ROOT/NAME are only for --from; the job decides where its checkpoint goes", 2)
     if timeout <= 0:
         fail(f"--timeout must be positive (got {timeout})", 2)
-    settings = settings_from_flags(
-        rdzv_endpoint, user=etcd_user, password=etcd_password, password_file=etcd_password_file,
-        cacert=etcd_cacert, cert=etcd_cert, key=etcd_key,
-    )
+    settings = etcd.settings(rdzv_endpoint)
     answer = request_job_checkpoint(settings, rdzv_id, timeout)
     if as_json:
         print_json(answer)

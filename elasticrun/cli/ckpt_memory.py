@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional
 from elasticrun.checkpoint.storage import get_storage
 from elasticrun.checkpoint.validate import CheckpointInfo, CheckpointStatus, scan
 from elasticrun.job.shm import KINDS, SHM_DIR, job_part, parse_root_name
+from elasticrun.proc import pid_alive
 
 
 @dataclass
@@ -32,13 +33,7 @@ class SnapshotDir:
 
     @property
     def agent_alive(self) -> bool:
-        try:
-            os.kill(self.agent_pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return pid_alive(self.agent_pid)
 
 
 @dataclass
@@ -125,9 +120,4 @@ def memory_rows(shm_dir: str = SHM_DIR, job_id: Optional[str] = None) -> List[Me
     return rows
 
 
-def is_usable(row: MemoryRow) -> bool:
-    """Whether a restore may use the entry (complete here, or committed with parts on other nodes)."""
-    return row.info.status in (CheckpointStatus.COMPLETE, CheckpointStatus.PARTIAL) and not row.info.temporary
-
-
-__all__ = ["MemoryRow", "SnapshotDir", "is_usable", "memory_rows", "snapshot_dirs"]
+__all__ = ["MemoryRow", "SnapshotDir", "memory_rows", "snapshot_dirs"]

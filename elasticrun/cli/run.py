@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
-from elasticrun.config import LaunchConfig
+from elasticrun.launch.config import LaunchConfig
 
 HELP = """Launch SCRIPT on this node (the default command; a drop-in for torchrun).
 

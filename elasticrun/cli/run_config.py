@@ -1,4 +1,4 @@
-"""From parsed ``elasticrun run`` arguments to a :class:`~elasticrun.config.LaunchConfig`.
+"""From parsed ``elasticrun run`` arguments to a :class:`~elasticrun.launch.config.LaunchConfig`.
 
 Decides what each torchrun flag means here (see docs/cli.md, "torchrun flags"):
 
@@ -16,10 +16,10 @@ import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
 from elasticrun.cli.torchrun_args import Parsed
-from elasticrun.config import LaunchConfig, RdzvBackend, default_node_id, parse_nnodes, parse_nproc
 from elasticrun.errors import ConfigError
 from elasticrun.job.hints import AdaptationStrategy, RedistributionType
-from elasticrun.launch.restarts import parse_window
+from elasticrun.launch.config import LaunchConfig, RdzvBackend, default_node_id, parse_nnodes, parse_nproc
+from elasticrun.rendezvous.restarts import parse_window
 from elasticrun.sizes import RULE, parse_size
 
 STATIC_PORT = 29500  # torchrun's default --master-port

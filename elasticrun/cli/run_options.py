@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
-
-import typer
+from typing import Any, Dict, Optional, Tuple
 
 from elasticrun.cli import etcd_options
 from elasticrun.job import env as job_env
@@ -196,37 +194,10 @@ OWN_OPTIONS: Tuple[Opt, ...] = (
 )
 
 
-def _from_typer(attr: str, info: Any) -> Optional[Opt]:
-    """An :class:`Opt` for a ``typer.Option`` of :mod:`elasticrun.cli.etcd_options` (its owner may add more)."""
-    decls = [d for d in (getattr(info, "param_decls", None) or ()) if d.startswith("-")]
-    longs = [d for d in decls if d.startswith("--")]
-    if not longs:
-        return None
-    env = getattr(info, "envvar", None)
-    envvars = tuple([env] if isinstance(env, str) else (env or ()))
-    default = getattr(info, "default", None)
-    return Opt(
-        dest=longs[0][2:].replace("-", "_"),
-        names=tuple(decls),
-        help=str(getattr(info, "help", "") or ""),
-        panel=ETCD,
-        default=None if default is Ellipsis else default,
-        metavar="VALUE",
-        envvars=envvars,
-    )
-
-
 def _etcd_connection_options() -> Tuple[Opt, ...]:
-    found: List[Opt] = []
-    for attr in dir(etcd_options):
-        info = getattr(etcd_options, attr)
-        if isinstance(info, typer.models.OptionInfo):
-            opt = _from_typer(attr, info)
-            if opt is not None and not isinstance(opt.default, bool):
-                found.append(opt)
-    order = {"etcd_user": 0, "etcd_password": 1, "etcd_password_file": 2, "etcd_cacert": 3, "etcd_cert": 4,
-             "etcd_key": 5}
-    return tuple(sorted(found, key=lambda o: (order.get(o.dest, 99), o.dest)))
+    """The etcd connection flags of :data:`elasticrun.cli.etcd_options.FLAGS`, in their order."""
+    return tuple(Opt(dest=f.dest, names=(f.flag,), help=f.help, panel=ETCD, default=None, metavar="VALUE",
+                     envvars=(f.envvar,)) for f in etcd_options.FLAGS)
 
 
 def all_options() -> Tuple[Opt, ...]:

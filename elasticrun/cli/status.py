@@ -1,7 +1,7 @@
 """``elasticrun status``: the live view of a job (or the list of jobs) in etcd.
 
-Data comes from :mod:`elasticrun.rendezvous.jobview`; this module only renders it
-(rich tables, or one JSON document) and drives ``--watch`` from an etcd watch.
+Data comes from :mod:`elasticrun.rendezvous.jobstatus`, drawn by :mod:`elasticrun.cli.status_render`
+(or printed as one JSON document); this module is the command and drives ``--watch`` from an etcd watch.
 """
 
 from __future__ import annotations
@@ -10,38 +10,27 @@ import json
 import sys
 import threading
 import time
-from collections import Counter
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Optional
 
 import typer
 from rich.console import Group, RenderableType
 from rich.live import Live
-from rich.markup import escape
-from rich.table import Table
 from rich.text import Text
 
 from elasticrun.cli.console import console, err_console, print_json
-from elasticrun.cli.etcd_options import (
-    ETCD_CACERT,
-    ETCD_CERT,
-    ETCD_KEY,
-    ETCD_PASSWORD,
-    ETCD_PASSWORD_FILE,
-    ETCD_USER,
-    settings_from_flags,
-)
+from elasticrun.cli.etcd_options import EtcdFlags, with_etcd_flags
+from elasticrun.cli.status_render import render_job, render_jobs
 from elasticrun.errors import ElasticrunError
 from elasticrun.job import env as job_env
 from elasticrun.job.keys import ROOT, JobKeys
-from elasticrun.rendezvous.jobview import (
+from elasticrun.rendezvous.jobstatus import (
     EVENTS_SHOWN,
-    TERMINAL_PHASES,
     JobNotFoundError,
     build_job_status,
-    job_phase,
     job_status,
     list_jobs,
 )
+from elasticrun.rendezvous.states import TERMINAL_PHASES, JobPhase
 from elasticrun.store.client import EtcdStore
 
 HELP = """Show a job's round, members, ranks and recent rescale events (or list the jobs).
@@ -58,177 +47,6 @@ With --watch --json, one JSON document per line is printed each time the job's k
 
 _MIN_REDRAW = 0.25  # seconds between redraws while watch events keep coming
 _TICK = 1.0  # redraw of the rich view without events (ages, lease TTLs)
-
-_STATUS_STYLE = {
-    "Active": "green",
-    "Joining": "cyan",
-    "Rescaling": "yellow",
-    "Leaving": "magenta",
-    "Failed": "bold red",
-    "Succeeded": "bold green",
-    "Lost": "bold red",
-    "Finished": "green",
-}
-_PHASE_STYLE = {"running": "green", "forming": "cyan", "rescaling": "yellow", "succeeded": "bold green",
-                "failed": "bold red"}
-
-
-# -- formatting helpers ----------------------------------------------------------------------
-
-
-def _ago(t: Optional[float], now: float) -> str:
-    if not t:
-        return "-"
-    d = max(0.0, now - float(t))
-    if d < 60:
-        return f"{d:.1f}s ago"
-    if d < 3600:
-        return f"{d / 60:.0f}m ago"
-    return f"{d / 3600:.1f}h ago"
-
-
-def _ranks(ranks: List[int]) -> str:
-    if not ranks:
-        return "-"
-    return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
-
-
-def _accelerators(accs: List[Dict[str, Any]]) -> str:
-    if not accs:
-        return "-"
-    gpus = Counter(
-        f"{a.get('name', 'gpu')} ({a.get('memory_gib', '?')} GiB)" for a in accs if a.get("type") == "gpu"
-    )
-    parts = [f"{n}x {name}" for name, n in gpus.items()]
-    parts += [f"cpu x{a.get('count', '?')}" for a in accs if a.get("type") == "cpu"]
-    return ", ".join(parts) or "-"
-
-
-def _heartbeat(row: Dict[str, Any], now: float) -> str:
-    """Last keep-alive (from the lease, 1 s resolution), else the node record's last update."""
-    if row.get("lease_heartbeat_age") is not None:
-        return f"~{row['lease_heartbeat_age']}s ago"
-    return _ago(row.get("heartbeat_at"), now)
-
-
-def _lease(row: Dict[str, Any]) -> str:
-    if row.get("lease_ttl") is None:
-        return "-" if row.get("registered") else "gone"
-    return f"{row['lease_ttl']}/{row.get('lease_granted_ttl') or '?'}s"
-
-
-def _progress(p: Optional[Dict[str, Any]], now: float) -> str:
-    if not p:
-        return "-"
-    parts = [f"step {p.get('step', '?')}"]
-    if p.get("loss") is not None:
-        parts.append(f"loss {float(p['loss']):.4g}")
-    if p.get("samples_per_s") is not None:
-        parts.append(f"{float(p['samples_per_s']):.1f}/s")
-    parts.append(_ago(p.get("time"), now))
-    return " · ".join(parts)
-
-
-def _status(s: str) -> Text:
-    return Text(s, style=_STATUS_STYLE.get(s, ""))
-
-
-# -- rendering ---------------------------------------------------------------------------------
-
-
-def render_job(doc: Dict[str, Any], endpoint: str = "", error: str = "") -> RenderableType:
-    """The rich view of a status document (see :func:`elasticrun.rendezvous.jobview.build_job_status`)."""
-    now = doc.get("time") or time.time()
-    phase = doc.get("phase") or job_phase(doc)
-    head = Text.assemble(
-        ("job ", "bold"), (doc["job"], "bold"), "  ", (phase, _PHASE_STYLE.get(phase, "")),
-        (f"   etcd {endpoint}, revision {doc.get('revision', 0)}" if endpoint else "", "dim"),
-    )
-    lines: List[RenderableType] = [head]
-    if error:
-        lines.append(Text(f"etcd: {error} (retrying)", style="bold red"))
-    if not doc.get("exists", True):
-        lines.append(Text("the job has no keys in etcd (removed, or not started yet)", style="yellow"))
-    max_r = doc.get("max_restarts")
-    restarts = f"{doc.get('restart_count', 0)}/{max_r if max_r is not None else '?'}"
-    if doc.get("round") is None:
-        lines.append(Text("no round formed yet", style="cyan"))
-    else:
-        master = f"{doc.get('master_addr')}:{doc.get('master_port')}"
-        lines.append(Text(
-            f"round {doc['round']} · world size {doc['world_size']} · {len(doc['members'])} node(s) · "
-            f"restarts {restarts} · nnodes {doc.get('nnodes') or '?'} · master {master} · "
-            f"formed {_ago(doc.get('round_created_at'), now)}"
-        ))
-    state = doc.get("state")
-    if isinstance(state, dict):
-        lines.append(Text(f"state: {state.get('state')} — {state.get('reason', '')} (round {state.get('round')}, "
-                          f"{_ago(state.get('time'), now)})", style=_PHASE_STYLE.get(str(state.get('state')), "")))
-    end = doc.get("round_end") or {}
-    if end.get("failed"):
-        f = end["failed"]
-        lines.append(Text(f"round ending: worker failure on {f.get('node', '?')} (rank {f.get('rank')})",
-                          style="red"))
-    elif end.get("end"):
-        lines.append(Text(f"round ending: {end['end'].get('reason', '')}", style="yellow"))
-    if end.get("done"):
-        lines.append(Text(f"finished: {', '.join(end['done'])}", style="green"))
-
-    if doc.get("members"):
-        t = Table(title="members", title_justify="left", expand=False)
-        for col in ("grank", "node", "host", "address", "status", "ranks", "accelerators", "heartbeat", "lease",
-                    "progress"):
-            t.add_column(col, overflow="fold")
-        for m in doc["members"]:
-            t.add_row(
-                str(m["group_rank"]), escape(m["node_id"]), escape(str(m.get("host") or "-")),
-                escape(str(m.get("addr") or "-")), _status(m["status"]), _ranks(m["ranks"]),
-                _accelerators(m.get("accelerators") or []), _heartbeat(m, now), _lease(m),
-                _progress(m.get("progress"), now),
-            )
-        lines.append(t)
-    if doc.get("spares"):
-        title = "waiting nodes (not in the round)" if doc.get("round") is not None else "registered nodes"
-        t = Table(title=title, title_justify="left")
-        for col in ("node", "host", "address", "status", "nproc", "waiting for", "registered", "lease"):
-            t.add_column(col, overflow="fold")
-        for s in doc["spares"]:
-            wf = s.get("waiting_for")
-            t.add_row(
-                escape(s["node_id"]), escape(str(s.get("host") or "-")), escape(str(s.get("addr") or "-")),
-                _status(s["status"]), str(s.get("nproc")), f"round {wf}" if wf is not None and wf >= 0 else "-",
-                _ago(s.get("registered_at"), now), _lease(s),
-            )
-        lines.append(t)
-    if doc.get("events"):
-        t = Table(title="rescale events (newest first)", title_justify="left")
-        for col in ("round", "type", "world", "added", "removed", "reason", "when"):
-            t.add_column(col, overflow="fold")
-        for e in doc["events"]:
-            t.add_row(
-                str(e["round"]), e["type"], f"{e['old_world_size']}→{e['new_world_size']}",
-                escape(", ".join(e["added"]) or "-"), escape(", ".join(e["removed"]) or "-"),
-                escape(e.get("reason") or ""), _ago(e.get("time"), now),
-            )
-        lines.append(t)
-    return Group(*lines)
-
-
-def render_jobs(rows: List[Dict[str, Any]], endpoint: str = "") -> RenderableType:
-    """The table of jobs."""
-    if not rows:
-        return Text(f"no elasticrun jobs in etcd at {endpoint}")
-    t = Table(title=f"jobs in etcd at {endpoint}", title_justify="left")
-    for col in ("job", "state", "round", "world size", "nodes", "restarts", "nnodes"):
-        t.add_column(col, overflow="fold")
-    for r in rows:
-        mr = r.get("max_restarts")
-        t.add_row(
-            escape(r["job"]), Text(r["phase"], style=_PHASE_STYLE.get(r["phase"], "")),
-            "-" if r["round"] is None else str(r["round"]), str(r["world_size"]), str(r["nodes"]),
-            f"{r['restart_count']}/{mr if mr is not None else '?'}", str(r.get("nnodes") or "-"),
-        )
-    return t
 
 
 # -- watching ----------------------------------------------------------------------------------
@@ -332,6 +150,7 @@ def _json_line(data: Any, _error: str) -> None:
 # -- the command -------------------------------------------------------------------------------
 
 
+@with_etcd_flags
 def status(
     rdzv_id: Optional[str] = typer.Option(
         None, "--rdzv-id", "--rdzv_id", "--run-id", help="Job to show \\[default: list every job]."
@@ -344,17 +163,9 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document (with --watch: one per line)."),
     events: int = typer.Option(EVENTS_SHOWN, "--events", help="How many recent rescale events to show."),
     timeout: float = typer.Option(5.0, "--timeout", help="Seconds to keep trying an unreachable etcd."),
-    etcd_user: Optional[str] = ETCD_USER,
-    etcd_password: Optional[str] = ETCD_PASSWORD,
-    etcd_password_file: Optional[str] = ETCD_PASSWORD_FILE,
-    etcd_cacert: Optional[str] = ETCD_CACERT,
-    etcd_cert: Optional[str] = ETCD_CERT,
-    etcd_key: Optional[str] = ETCD_KEY,
+    etcd: EtcdFlags = EtcdFlags(),
 ) -> None:
-    settings = settings_from_flags(
-        rdzv_endpoint, user=etcd_user, password=etcd_password, password_file=etcd_password_file,
-        cacert=etcd_cacert, cert=etcd_cert, key=etcd_key, retry_timeout=timeout,
-    )
+    settings = etcd.settings(rdzv_endpoint, retry_timeout=timeout)
     # With a job: prove access inside its prefix (all a job's own etcd user may read).
     store = settings.connect(rdzv_id, timeout=min(timeout, 5.0))
     try:
@@ -399,7 +210,7 @@ def _show_job(store: EtcdStore, job: str, watch_: bool, as_json: bool, events: i
             return job_status(store, job, events=events)
         except JobNotFoundError:
             gone = build_job_status(job, [], 0, None, events)
-            gone["phase"] = "gone"
+            gone["phase"] = JobPhase.GONE.value
             return gone
 
     if as_json:
@@ -418,7 +229,7 @@ def ended(doc: Dict[str, Any]) -> bool:
 
 def outcome(doc: Dict[str, Any]) -> int:
     """The exit code of ``status --watch`` for an ended job: 0 succeeded, 1 failed."""
-    return 0 if doc.get("phase") == "succeeded" else 1
+    return 0 if doc.get("phase") == JobPhase.SUCCEEDED else 1
 
 
-__all__ = ["HELP", "render_job", "render_jobs", "status", "watch"]
+__all__ = ["HELP", "status", "watch"]

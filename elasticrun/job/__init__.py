@@ -9,6 +9,9 @@
 
 Nothing outside this package builds an etcd key, spells an ``ELASTICRUN_*`` name or a
 snapshot directory's layout.
+The bottom layer with ``errors`` and ``proc``: every package may import it; it imports only
+``errors`` (and ``EtcdSettings.connect`` opens a :mod:`elasticrun.store` client, the one
+exception in tests/test_layering.py). See the package map in docs/design.md.
 """
 
 from __future__ import annotations

@@ -84,9 +84,4 @@ def without_secrets(env: Mapping[str, str]) -> Dict[str, str]:
     return {k: v for k, v in env.items() if k not in SECRET_NAMES}
 
 
-def is_ours(name: str) -> bool:
-    """True for an ``ELASTICRUN_*`` or ``TORCHELASTIC_*`` name (a launcher's variable)."""
-    return name.startswith((PREFIX, "TORCHELASTIC_"))
-
-
-__all__ = [n for n in dir() if n.isupper()] + ["without_secrets", "is_ours"]
+__all__ = [n for n in dir() if n.isupper()] + ["without_secrets"]

@@ -212,7 +212,7 @@ def from_options(
 
 
 def from_config(cfg: Any) -> EtcdSettings:
-    """The settings of a :class:`~elasticrun.config.LaunchConfig` (its ``etcd_*`` fields), resolved."""
+    """The settings of a :class:`~elasticrun.launch.config.LaunchConfig` (its ``etcd_*`` fields), resolved."""
     return from_options(
         cfg.rdzv_endpoint,
         user=getattr(cfg, "etcd_user", None),

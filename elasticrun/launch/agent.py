@@ -8,6 +8,7 @@ stale round never keeps training next to a new one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -20,22 +21,22 @@ from typing import Any, Callable, List, Optional
 
 from rich.text import Text
 
-from elasticrun.config import LaunchConfig, signal_number
 from elasticrun.errors import ElasticrunError, JobFailedError
 from elasticrun.job import env as env_names
 from elasticrun.job.settings import drop_secrets_from_environment
 from elasticrun.job.settings import from_config as etcd_settings
 from elasticrun.launch.c10d import RoundStore
+from elasticrun.launch.config import LaunchConfig, Std, signal_number
 from elasticrun.launch.failures import root_cause_table
 from elasticrun.launch.hosting import open_store, wait_others_left
 from elasticrun.launch.node import local_address
 from elasticrun.launch.outage import STOP_SLACK_S, OutageGuard, stop_workers
 from elasticrun.launch.preload import TorchPreload
 from elasticrun.launch.snapshots import SnapshotRoot
-from elasticrun.launch.states import GroupState, RoundOutcome
-from elasticrun.launch.workers import SERVER_WAIT_S, WorkerGroup
+from elasticrun.launch.workers import SERVER_WAIT_S, GroupState, WorkerGroup
 from elasticrun.rendezvous.protocol import JobEnded, LeaseLost, Rendezvous, RendezvousSettings
 from elasticrun.rendezvous.records import NodeInfo, Topology, WorkerStatus
+from elasticrun.rendezvous.states import RoundOutcome
 from elasticrun.store.client import EtcdStore, parse_endpoints
 from elasticrun.store.lease import LeaseHealth
 from elasticrun.store.server import EtcdServer
@@ -132,6 +133,7 @@ class Agent:
         """Run the job on this node; returns the process exit code."""
         cfg = self.cfg
         self._install_signals()
+        handled = self._handled_signals() if threading.current_thread() is threading.main_thread() else []
         etcd: Optional[EtcdServer] = None
         store: Optional[EtcdStore] = None
         rdzv: Optional[Rendezvous] = None
@@ -139,85 +141,98 @@ class Agent:
         snapshots: Optional[SnapshotRoot] = None
         files_dir = tempfile.mkdtemp(prefix=f"elasticrun-{cfg.rdzv_id}-")
         round_store = RoundStore()
-        try:
-            log_dir = cfg.log_dir
-            if log_dir is None and (cfg.redirects != "0" or cfg.tee != "0"):
-                # Not under files_dir: that one is removed at exit, and these logs must outlive us.
-                log_dir = tempfile.mkdtemp(prefix=f"elasticrun-logs-{cfg.rdzv_id}-")
-                self.say(f"worker logs in {log_dir}")
-            drop_secrets_from_environment(cfg, self.say)  # before any child process starts
-            workers = WorkerGroup(cfg, self.label, files_dir, log_dir, False, on_exit=lambda: self._wake())
-            if cfg.snapshots:
-                snapshots = SnapshotRoot.create(cfg.rdzv_id, cfg.node_id, say=self.say)  # the memory tier, ours
-            if snapshots is not None:
-                workers.extra_env[env_names.SNAPSHOT_DIR] = snapshots.path
-                if cfg.snapshot_memory is not None:
-                    workers.extra_env[env_names.SNAPSHOT_MEMORY] = str(cfg.snapshot_memory)
-            workers.prewarm()  # worker interpreters import torch while we meet the other nodes
-            torch_preload = TorchPreload(cfg.device_kind).start()  # our own torch too, while etcd starts
-            etcd, store = open_store(cfg, self.say)  # standalone / c10d / static: may host the job's etcd
-            # Workers reach etcd (commit fence, progress, checkpoint requests) with the same settings.
-            workers.etcd_settings_file = etcd_settings(cfg).write(os.path.join(files_dir, "etcd-settings.json"))
-            host, port = parse_endpoints(cfg.rdzv_endpoint)[0]
-            node = NodeInfo(
-                node_id=cfg.node_id,
-                host=socket.gethostname(),
-                addr=cfg.local_addr or local_address(host, port),
-                nproc=cfg.nproc_per_node,
-                pid=os.getpid(),
-                node_rank=-1 if cfg.node_rank is None else cfg.node_rank,
-            )
-            rdzv = Rendezvous(store, self._settings(), node, round_store.fresh, on_progress=self.say)
-            self._wake = rdzv.view.poke
-            rdzv.on_beat = self._raise_pending_signal
-            rdzv.ensure_config(cfg.job_settings())
-            rdzv.register()  # before importing torch: a running job starts its stability window now
-            rdzv.beat(busy_for=120.0)  # importing torch (bounded): not a stalled loop
-            use_gpu, accs = torch_preload.result()
-            workers.use_gpu = use_gpu
-            if rdzv.lease_health() is LeaseHealth.LOST:
-                # The import can hold the GIL long enough on a loaded machine for the lease to lapse.
-                self.say("our etcd lease lapsed while importing torch; registering again")
-                rdzv.reregister()
-            rdzv.publish(accelerators=accs)
-            self.say(
-                f"joined job {cfg.rdzv_id!r} at {cfg.rdzv_endpoint} as {cfg.node_id} "
-                f"(nnodes {cfg.nnodes_min}:{cfg.nnodes_max}, {cfg.nproc_per_node} workers)"
-            )
-            return self._loop(rdzv, workers)
-        except AgentSignal as sig:
-            self._stopping = True
-            self.say(f"received {sig}: stopping workers and leaving the job")
-            if workers is not None:
-                workers.stop(cfg.shutdown_timeout, sig=worker_signal(sig.signum))
-            if rdzv is not None and rdzv.lease is not None:
-                try:
-                    rdzv.publish(status=WorkerStatus.LEAVING)
-                except ElasticrunError:
-                    pass
-            return 128 + sig.signum
-        finally:
-            self._stopping = True
-            handled = self._handled_signals() if threading.current_thread() is threading.main_thread() else []
-            for number in handled:
-                signal.signal(number, signal.SIG_IGN)
-            if workers is not None:
-                workers.stop(cfg.shutdown_timeout)
-                workers.discard_warm()
-            round_store.close()
-            if rdzv is not None:
-                rdzv.leave()
-            if etcd is not None and store is not None and rdzv is not None and self._signal is None:
-                wait_others_left(store, rdzv.keys.nodes, cfg.rdzv_close_timeout, self.say)
-            if store is not None:
-                store.close()
-            if etcd is not None:
-                etcd.stop()
-            shutil.rmtree(files_dir, ignore_errors=True)
-            if snapshots is not None:
-                snapshots.remove()
-            for number in handled:
-                signal.signal(number, signal.default_int_handler if number == signal.SIGINT else signal.SIG_DFL)
+        with contextlib.ExitStack() as teardown:  # runs bottom to top; each line sees the resource made meanwhile
+            teardown.callback(self._restore_signals, handled)
+            teardown.callback(lambda: snapshots is not None and snapshots.remove())
+            teardown.callback(shutil.rmtree, files_dir, ignore_errors=True)
+            teardown.callback(lambda: etcd is not None and etcd.stop())
+            teardown.callback(lambda: store is not None and store.close())
+            teardown.callback(lambda: self._wait_others_left(etcd, store, rdzv))
+            teardown.callback(lambda: rdzv is not None and rdzv.leave())
+            teardown.callback(round_store.close)
+            teardown.callback(lambda: workers is not None and self._stop_workers(workers))
+            teardown.callback(self._ignore_signals, handled)
+            try:
+                log_dir = cfg.log_dir
+                if log_dir is None and (cfg.redirects != Std.NONE or cfg.tee != Std.NONE):
+                    # Not under files_dir: that one is removed at exit, and these logs must outlive us.
+                    log_dir = tempfile.mkdtemp(prefix=f"elasticrun-logs-{cfg.rdzv_id}-")
+                    self.say(f"worker logs in {log_dir}")
+                drop_secrets_from_environment(cfg, self.say)  # before any child process starts
+                workers = WorkerGroup(cfg, self.label, files_dir, log_dir, False, on_exit=lambda: self._wake())
+                if cfg.snapshots:
+                    snapshots = SnapshotRoot.create(cfg.rdzv_id, cfg.node_id, say=self.say)  # the memory tier, ours
+                if snapshots is not None:
+                    workers.extra_env[env_names.SNAPSHOT_DIR] = snapshots.path
+                    if cfg.snapshot_memory is not None:
+                        workers.extra_env[env_names.SNAPSHOT_MEMORY] = str(cfg.snapshot_memory)
+                workers.prewarm()  # worker interpreters import torch while we meet the other nodes
+                torch_preload = TorchPreload(cfg.device_kind).start()  # our own torch too, while etcd starts
+                etcd, store = open_store(cfg, self.say)  # standalone / c10d / static: may host the job's etcd
+                # Workers reach etcd (commit fence, progress, checkpoint requests) with the same settings.
+                workers.etcd_settings_file = etcd_settings(cfg).write(os.path.join(files_dir, "etcd-settings.json"))
+                host, port = parse_endpoints(cfg.rdzv_endpoint)[0]
+                node = NodeInfo(
+                    node_id=cfg.node_id,
+                    host=socket.gethostname(),
+                    addr=cfg.local_addr or local_address(host, port),
+                    nproc=cfg.nproc_per_node,
+                    pid=os.getpid(),
+                    node_rank=-1 if cfg.node_rank is None else cfg.node_rank,
+                )
+                rdzv = Rendezvous(store, self._settings(), node, round_store.fresh, on_progress=self.say)
+                self._wake = rdzv.view.poke
+                rdzv.on_beat = self._raise_pending_signal
+                rdzv.ensure_config(cfg.job_settings())
+                rdzv.register()  # before importing torch: a running job starts its stability window now
+                rdzv.beat(busy_for=120.0)  # importing torch (bounded): not a stalled loop
+                use_gpu, accs = torch_preload.result()
+                workers.use_gpu = use_gpu
+                if rdzv.lease_health() is LeaseHealth.LOST:
+                    # The import can hold the GIL long enough on a loaded machine for the lease to lapse.
+                    self.say("our etcd lease lapsed while importing torch; registering again")
+                    rdzv.reregister()
+                rdzv.publish(accelerators=accs)
+                self.say(
+                    f"joined job {cfg.rdzv_id!r} at {cfg.rdzv_endpoint} as {cfg.node_id} "
+                    f"(nnodes {cfg.nnodes_min}:{cfg.nnodes_max}, {cfg.nproc_per_node} workers)"
+                )
+                return self._loop(rdzv, workers)
+            except AgentSignal as sig:
+                self._stopping = True
+                self.say(f"received {sig}: stopping workers and leaving the job")
+                if workers is not None:
+                    workers.stop(cfg.shutdown_timeout, sig=worker_signal(sig.signum))
+                if rdzv is not None and rdzv.lease is not None:
+                    try:
+                        rdzv.publish(status=WorkerStatus.LEAVING)
+                    except ElasticrunError:
+                        pass
+                return 128 + sig.signum
+        raise AssertionError("unreachable")  # pragma: no cover - the block returns or raises
+
+    # -- teardown steps of run() -----------------------------------------------------------------
+
+    def _ignore_signals(self, handled: List[int]) -> None:
+        """Leaving: from now on a second Ctrl-C must not interrupt the teardown."""
+        self._stopping = True
+        for number in handled:
+            signal.signal(number, signal.SIG_IGN)
+
+    def _restore_signals(self, handled: List[int]) -> None:
+        for number in handled:
+            signal.signal(number, signal.default_int_handler if number == signal.SIGINT else signal.SIG_DFL)
+
+    def _stop_workers(self, workers: WorkerGroup) -> None:
+        workers.stop(self.cfg.shutdown_timeout)
+        workers.discard_warm()
+
+    def _wait_others_left(
+        self, etcd: Optional[EtcdServer], store: Optional[EtcdStore], rdzv: Optional[Rendezvous]
+    ) -> None:
+        """The agent hosting the job's etcd keeps it up until the others left (not when signalled)."""
+        if etcd is not None and store is not None and rdzv is not None and self._signal is None:
+            wait_others_left(store, rdzv.keys.nodes, self.cfg.rdzv_close_timeout, self.say)
 
     def _settings(self) -> RendezvousSettings:
         c = self.cfg

@@ -32,9 +32,9 @@ import tempfile
 import time
 from typing import Callable, List, Optional, Tuple
 
-from elasticrun.config import LaunchConfig, RdzvBackend
 from elasticrun.errors import StoreError
 from elasticrun.job.settings import from_config as etcd_settings
+from elasticrun.launch.config import LaunchConfig, RdzvBackend
 from elasticrun.store.client import EtcdStore, parse_endpoints
 from elasticrun.store.server import EtcdServer, free_port
 

@@ -24,6 +24,7 @@ from string import Template
 from typing import IO, BinaryIO, Dict, List, Optional, Sequence, Tuple
 
 from elasticrun.job import env as names
+from elasticrun.launch.config import Std
 
 STREAMS = {1: "stdout", 2: "stderr"}
 DEFAULT_PREFIX = "[${node}/${rank}]:"
@@ -32,10 +33,9 @@ _CHUNK = 64 * 1024
 _PIECES = re.compile(rb"[^\r\n]+|\r\n|\r|\n")
 
 
-def stream_selected(spec: Dict[int, str], local_rank: int, stream: int) -> bool:
+def stream_selected(spec: Dict[int, Std], local_rank: int, stream: int) -> bool:
     """Does a ``--redirects``/``--tee`` map select ``stream`` (1 or 2) of ``local_rank``?"""
-    value = spec.get(local_rank, spec.get(-1, "0"))
-    return value == "3" or value == str(stream)
+    return spec.get(local_rank, spec.get(-1, Std.NONE)).selects(stream)
 
 
 def on_console(local_rank: int, ranks_filter: Optional[Sequence[int]]) -> bool:

@@ -25,12 +25,12 @@ import signal
 import time
 from typing import Callable, Optional, TypeVar
 
-from elasticrun.config import LaunchConfig
 from elasticrun.errors import StoreError
-from elasticrun.launch.states import RoundOutcome
+from elasticrun.launch.config import LaunchConfig
 from elasticrun.launch.workers import WorkerGroup
 from elasticrun.rendezvous.protocol import LeaseLost, Rendezvous
 from elasticrun.rendezvous.records import Topology
+from elasticrun.rendezvous.states import RoundOutcome
 from elasticrun.store.lease import LeaseHealth
 
 T = TypeVar("T")

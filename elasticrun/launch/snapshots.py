@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Callable, List, Optional
 
 from elasticrun.job.shm import OWNER_FILE, PREFIX, SHM_DIR, root_name
+from elasticrun.proc import pid_alive
 
 _NAME_RE = re.compile(r"^" + re.escape(PREFIX) + r".*-(\d+)$")
 
@@ -55,12 +56,8 @@ def _start_time(pid: int) -> Optional[str]:
 
 def _alive(pid: int, started: Optional[str]) -> bool:
     """Whether the process that wrote an owner file still runs (pid reuse detected by start time)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    if not pid_alive(pid):
         return False
-    except PermissionError:
-        return True  # another user's process: not ours to judge
     now = _start_time(pid)
     return started is None or now is None or now == started
 

@@ -8,6 +8,7 @@ is tied to the spawning thread).
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import signal
@@ -19,9 +20,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
-from elasticrun.config import LaunchConfig
 from elasticrun.job import env as names
 from elasticrun.job.env import without_secrets
+from elasticrun.launch.config import LaunchConfig
 from elasticrun.launch.env import WorkerSpec, worker_env
 from elasticrun.launch.failures import WorkerFailure, bounded, make_failure
 from elasticrun.launch.forkserver import ForkServer, ServerState
@@ -37,13 +38,21 @@ from elasticrun.launch.logs import (
     stream_selected,
     worker_log_dir,
 )
-from elasticrun.launch.states import GroupState
 from elasticrun.proc import terminate_tree, with_parent_death_signal
 from elasticrun.rendezvous.records import Member, RescaleEvent, Topology
 
 ORDER_INLINE_MAX = 4096  # PIPE_BUF: a write this small into an empty pipe never blocks
 STDERR_DRAIN_S = 1.0  # how long a failure summary waits for a dead worker's last stderr bytes
 SERVER_WAIT_S = 60.0  # how long a round's start waits for the fork server to finish its imports
+
+
+class GroupState(str, enum.Enum):
+    """What this node's worker group is doing (:meth:`WorkerGroup.poll`)."""
+
+    IDLE = "idle"  # no workers started
+    RUNNING = "running"  # some still run, none failed
+    SUCCEEDED = "succeeded"  # all exited 0
+    FAILED = "failed"  # at least one exited non-zero
 
 
 @dataclass

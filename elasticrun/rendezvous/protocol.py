@@ -25,16 +25,15 @@ import logging
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from elasticrun.config import describe_mismatch
 from elasticrun.errors import ConfigError, RendezvousError
 from elasticrun.job.keys import JobKeys
-from elasticrun.launch.restarts import RestartBudget
-from elasticrun.launch.states import JobState
 from elasticrun.rendezvous.leader import Leadership
 from elasticrun.rendezvous.ranks import classify, plan_members
 from elasticrun.rendezvous.records import NodeInfo, RescaleEvent, RescaleType, Topology, WorkerStatus
+from elasticrun.rendezvous.restarts import RestartBudget
 from elasticrun.rendezvous.running import RoundMonitor
-from elasticrun.rendezvous.settings import JobEnded, LeaseLost, RendezvousSettings
+from elasticrun.rendezvous.settings import JobEnded, LeaseLost, RendezvousSettings, describe_mismatch
+from elasticrun.rendezvous.states import JobState
 from elasticrun.rendezvous.storehost import QUICK_WAIT_S, StoreHost
 from elasticrun.rendezvous.view import JobView
 from elasticrun.store.client import EtcdStore

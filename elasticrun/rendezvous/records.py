@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
@@ -180,4 +181,63 @@ class RescaleEvent:
         return cls(**d)
 
 
-__all__ = ["WorkerStatus", "RescaleType", "NodeInfo", "Member", "Topology", "RescaleEvent"]
+# -- parsing records written by other agents (never trusted) ----------------------------------
+
+_MAX_RECORD = 16 << 20
+
+
+def loads_record(value: Any) -> Any:
+    """JSON of an etcd value written by another agent, or None when it is not valid JSON
+    (too big, not UTF-8, nested too deeply, ...)."""
+    try:
+        if len(value) > _MAX_RECORD:
+            return None
+        return json.loads(value)
+    except (ValueError, TypeError, UnicodeDecodeError, RecursionError):
+        return None
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def parse_node(value: Any) -> Optional[NodeInfo]:
+    """A node record, checked field by field; None when malformed."""
+    d = loads_record(value)
+    if not isinstance(d, dict):
+        return None
+    try:
+        info = NodeInfo.from_dict(d)
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        return None
+    ok = (all(isinstance(x, str) for x in (info.node_id, info.host, info.addr))
+          and all(_is_int(x) for x in (info.nproc, info.pid, info.waiting_for, info.store_port, info.node_rank))
+          and info.nproc > 0 and 0 <= info.store_port < 65536 and isinstance(info.accelerators, list)
+          and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                  for x in (info.registered_at, info.heartbeat_at)))
+    return info if ok else None
+
+
+def parse_topology(value: Any) -> Optional[Topology]:
+    """A round record, checked field by field; None when malformed."""
+    d = loads_record(value)
+    if not isinstance(d, dict) or not isinstance(d.get("members"), list):
+        return None
+    if not all(isinstance(m, dict) for m in d["members"]):
+        return None
+    try:
+        topo = Topology.from_dict(d)
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError):
+        return None
+    for m in topo.members:
+        if not (all(isinstance(x, str) for x in (m.node_id, m.host, m.addr))
+                and all(_is_int(x) for x in (m.nproc, m.group_rank, m.rank_offset, m.lease))
+                and m.nproc > 0 and m.group_rank >= 0 and m.rank_offset >= 0):
+            return None
+    if not isinstance(topo.master_addr, str) or not 0 <= topo.master_port < 65536 or topo.round < 0:
+        return None
+    return topo
+
+
+__all__ = ["Member", "NodeInfo", "RescaleEvent", "RescaleType", "Topology", "WorkerStatus", "loads_record",
+           "parse_node", "parse_topology"]

@@ -15,9 +15,9 @@ from typing import Any, Callable, Dict, List, Optional
 
 from elasticrun.errors import StoreError
 from elasticrun.job.keys import JobKeys
-from elasticrun.launch.states import JobState, RoundOutcome
-from elasticrun.rendezvous.records import RescaleEvent, Topology
-from elasticrun.rendezvous.view import JobView, loads_record
+from elasticrun.rendezvous.records import RescaleEvent, Topology, loads_record
+from elasticrun.rendezvous.states import JobState, RoundOutcome
+from elasticrun.rendezvous.view import JobView
 from elasticrun.store.client import EtcdStore
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """What the rendezvous protocol needs from the launch configuration, and what it raises.
 
-Re-exported by :mod:`elasticrun.rendezvous.protocol` (import them from there).
+Also :func:`describe_mismatch`: how a joining node's settings differ from the job's.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
-from elasticrun.launch.states import JobState
+from elasticrun.rendezvous.states import JobState
 
 
 class JobEnded(Exception):
@@ -46,12 +46,16 @@ class RendezvousSettings:
     busy_timeout: float = 60.0
 
     @property
-    def job(self) -> str:
-        """Old name of :attr:`job_id`."""
-        return self.job_id
-
-    @property
     def rejoin_grace(self) -> float:
         """After an etcd outage, how long a member may be missing before its round is over."""
         return 2.0 * self.heartbeat_timeout
     restart_window: float = 0.0  # --restart-window: count max_restarts within this many seconds (0: whole job)
+
+
+def describe_mismatch(existing: Dict[str, Any], mine: Dict[str, Any]) -> Optional[str]:
+    """A one-line description of how ``mine`` differs from the job's settings, or None."""
+    diffs = []
+    for key in sorted(set(existing) | set(mine)):
+        if existing.get(key) != mine.get(key):
+            diffs.append(f"{key}: job has {existing.get(key)!r}, this node has {mine.get(key)!r}")
+    return "; ".join(diffs) if diffs else None

@@ -19,7 +19,6 @@ topology of round n on separate watches (readers fall back to etcd for the event
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -27,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from elasticrun.errors import StoreError
 from elasticrun.job.keys import JobKeys
-from elasticrun.rendezvous.records import NodeInfo, Topology
+from elasticrun.rendezvous.records import NodeInfo, Topology, loads_record, parse_node, parse_topology
 from elasticrun.store.client import EtcdStore, KeyValue, WatchEvent
 
 log = logging.getLogger(__name__)
@@ -279,62 +278,6 @@ class JobView:
         return self.get_json(self.keys.state)
 
 
-_MAX_RECORD = 16 << 20
-
-
 def _prefix_end(prefix: str) -> str:
     """The first key after every key that starts with ``prefix`` (``a/`` → ``a0``; ASCII keys)."""
     return prefix[:-1] + chr(ord(prefix[-1]) + 1)
-
-
-def loads_record(value: Any) -> Any:
-    """JSON of an etcd value written by another agent, or None when it is not valid JSON
-    (too big, not UTF-8, nested too deeply, ...)."""
-    try:
-        if len(value) > _MAX_RECORD:
-            return None
-        return json.loads(value)
-    except (ValueError, TypeError, UnicodeDecodeError, RecursionError):
-        return None
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def parse_node(value: Any) -> Optional[NodeInfo]:
-    """A node record, checked field by field; None when malformed."""
-    d = loads_record(value)
-    if not isinstance(d, dict):
-        return None
-    try:
-        info = NodeInfo.from_dict(d)
-    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
-        return None
-    ok = (all(isinstance(x, str) for x in (info.node_id, info.host, info.addr))
-          and all(_is_int(x) for x in (info.nproc, info.pid, info.waiting_for, info.store_port, info.node_rank))
-          and info.nproc > 0 and 0 <= info.store_port < 65536 and isinstance(info.accelerators, list)
-          and all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                  for x in (info.registered_at, info.heartbeat_at)))
-    return info if ok else None
-
-
-def parse_topology(value: Any) -> Optional[Topology]:
-    """A round record, checked field by field; None when malformed."""
-    d = loads_record(value)
-    if not isinstance(d, dict) or not isinstance(d.get("members"), list):
-        return None
-    if not all(isinstance(m, dict) for m in d["members"]):
-        return None
-    try:
-        topo = Topology.from_dict(d)
-    except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError):
-        return None
-    for m in topo.members:
-        if not (all(isinstance(x, str) for x in (m.node_id, m.host, m.addr))
-                and all(_is_int(x) for x in (m.nproc, m.group_rank, m.rank_offset, m.lease))
-                and m.nproc > 0 and m.group_rank >= 0 and m.rank_offset >= 0):
-            return None
-    if not isinstance(topo.master_addr, str) or not 0 <= topo.master_port < 65536 or topo.round < 0:
-        return None
-    return topo

@@ -1,4 +1,4 @@
-"""Thin etcd v3 client: the only module that imports the etcd library.
+"""Thin etcd v3 client (with :mod:`elasticrun.store.connection`, the only modules that import the etcd library).
 
 It wraps ``pyetcd`` (the maintained fork of ``etcd3``, same API) with what elasticrun
 needs and the library lacks: retries with backoff across endpoints, fast reconnects,
@@ -12,55 +12,26 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 import threading
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, TypeVar
 
 import grpc
 import pyetcd
-import pyetcd.exceptions as etcd_exc
 import pyetcd.utils
 from pyetcd import etcdrpc
-from pyetcd.client import Endpoint, EtcdTokenCallCredentials, MultiEndpointEtcd3Client
+from pyetcd.client import MultiEndpointEtcd3Client
 from pyetcd.events import DeleteEvent
 
 from elasticrun.errors import StoreError
+from elasticrun.store.connection import TRANSIENT, client_args, new_client, renew_token
 from elasticrun.store.explain import START_HINT, explain, tls_failure, token_rejected
 from elasticrun.store.types import KeyValue, WatchEvent, parse_endpoints
 
-# Never draw from the global `random` the training script seeds and checkpoints (a background
-# thread drawing from it would change the script's random numbers): our retry jitter and
-# pyetcd's endpoint choice use private generators.
+# A private generator for the retry jitter: never the global `random` a training script seeds.
 _JITTER = random.Random()
-sys.modules["pyetcd.client"].random = random.Random()  # type: ignore[attr-defined]
 
 T = TypeVar("T")
-
-# gRPC reconnects slowly by default (up to 120 s backoff); an etcd restart must not stall us.
-_GRPC_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    ("grpc.enable_http_proxy", 0),
-]
-# WatchTimedOut: a watch was not confirmed within `timeout` (etcd or our watch thread busy): retry.
-_TRANSIENT = (
-    etcd_exc.ConnectionFailedError,
-    etcd_exc.ConnectionTimeoutError,
-    etcd_exc.NoServerAvailableError,
-    etcd_exc.WatchTimedOut,
-)
-
-
-def _read(path: Optional[str], what: str) -> Optional[bytes]:
-    if path is None:
-        return None
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as err:
-        raise StoreError(f"cannot read etcd {what} {path!r}: {err.strerror}") from None
 
 
 class EtcdStore:
@@ -86,24 +57,7 @@ class EtcdStore:
         self.timeout = timeout
         self.retry_timeout = retry_timeout
         self._hosts = parse_endpoints(endpoints)
-        creds = None
-        if ca_cert or cert_cert or cert_key:
-            if bool(cert_key) != bool(cert_cert):
-                raise StoreError("TLS client auth needs both --etcd-cert and --etcd-key")
-            creds = grpc.ssl_channel_credentials(
-                _read(ca_cert, "CA certificate"), _read(cert_key, "key"), _read(cert_cert, "certificate")
-            )
-        if user is not None and creds is None:
-            # gRPC sends call credentials only over TLS: fail here, not with a cryptic gRPC error later.
-            raise StoreError(
-                f"etcd user/password authentication needs TLS: also pass --etcd-cacert (etcd at {endpoints} "
-                "must serve https)"
-            )
-        eps = [
-            Endpoint(h, p, secure=creds is not None, creds=creds, time_retry=0.5, opts=_GRPC_OPTIONS)
-            for h, p in self._hosts
-        ]
-        self._client_args = dict(endpoints=eps, timeout=timeout, failover=True)
+        self._client_args = client_args(endpoints, self._hosts, timeout, user, ca_cert, cert_key, cert_cert)
         self._auth = (user, password)
         self._lock = threading.Lock()
         self.token_renewals = 0  # how often etcd refused our token and we got a new one
@@ -112,29 +66,18 @@ class EtcdStore:
     # -- plumbing -----------------------------------------------------------------
 
     def _new_client(self) -> MultiEndpointEtcd3Client:
-        user, password = self._auth
-        if (user is None) != (password is None):
-            raise StoreError("etcd authentication needs both --etcd-user and a password "
-                             "($ELASTICRUN_ETCD_PASSWORD or --etcd-password-file)")
-        return MultiEndpointEtcd3Client(**self._client_args, user=user, password=password)
+        return new_client(self._client_args, *self._auth)
 
     def _renew_token(self) -> None:
         """Authenticate again and use the new token for every later call (and new watches)."""
         user, password = self._auth
         if user is None:
             return
-        client = self._client
-        resp = client.authstub.Authenticate(etcdrpc.AuthenticateRequest(name=user, password=password), self.timeout)
-        client.metadata = (("token", resp.token),)
-        client.call_credentials = grpc.metadata_call_credentials(EtcdTokenCallCredentials(resp.token))
-        watcher = client._stubs.get("watcher")
-        if watcher is not None:
-            watcher._metadata = client.metadata
-            watcher._credentials = client.call_credentials
+        renew_token(self._client, user, password, self.timeout)
         self.token_renewals += 1
 
     def _explain(self, err: BaseException) -> str:
-        return explain(err, self.endpoints, self._auth[0], transient=isinstance(err, _TRANSIENT))
+        return explain(err, self.endpoints, self._auth[0], transient=isinstance(err, TRANSIENT))
 
     def _retry(self, fn: Callable[[], T], what: str) -> T:
         deadline = time.monotonic() + self.retry_timeout
@@ -143,7 +86,7 @@ class EtcdStore:
         while True:
             try:
                 return fn()
-            except _TRANSIENT as err:
+            except TRANSIENT as err:
                 if time.monotonic() + delay > deadline:
                     raise StoreError(self._explain(err)) from None
             except grpc.RpcError as err:
@@ -282,7 +225,7 @@ class EtcdStore:
                     except grpc.RpcError:
                         pass
                 raise StoreError(self._explain(err)) from None
-            except (ValueError, *_TRANSIENT) as err:
+            except (ValueError, *TRANSIENT) as err:
                 raise StoreError(self._explain(err)) from None
             return 0
         return 0

@@ -11,6 +11,10 @@
     state["rng"] = et.capture_rng(seed)              # every rank's generators, in the checkpoint
 
 See docs/training.md and examples/train.py.
+
+Runs in the workers, beside the agent (never imported by it): may import
+:mod:`elasticrun.checkpoint`, the rendezvous records, :mod:`elasticrun.store`,
+:mod:`elasticrun.job`, ``errors`` and ``proc`` (see the package map in docs/design.md).
 """
 
 from elasticrun.checkpoint.state import TrainingState

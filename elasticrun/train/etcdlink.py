@@ -25,11 +25,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def job_prefix(job_id: str) -> str:
-    """The job's key prefix (``JobKeys(job_id).prefix``)."""
-    return JobKeys(job_id).prefix
-
-
 class EtcdLink:
     """Lazily connected :class:`~elasticrun.store.client.EtcdStore` for one purpose (``what``).
 
@@ -102,4 +97,4 @@ class EtcdLink:
             store.close()
 
 
-__all__ = ["EtcdLink", "job_prefix"]
+__all__ = ["EtcdLink"]

@@ -47,8 +47,8 @@ def child(endpoint: str, job: str, nodes: int, first: int, count: int, heartbeat
     process (each agent still has its own JobView, i.e. its own watch); "shared" also shares
     one JobView (one watch stream, one mirror) among the agents of a process.
     """
+    from elasticrun.job.keys import JobKeys
     from elasticrun.rendezvous import protocol
-    from elasticrun.rendezvous.keys import JobKeys
     from elasticrun.rendezvous.protocol import Rendezvous, RendezvousSettings
     from elasticrun.rendezvous.records import NodeInfo
     from elasticrun.rendezvous.view import JobView

@@ -14,14 +14,11 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 
 from elasticrun.errors import ElasticrunError, StoreError
 from elasticrun.job.keys import ROOT, JobKeys, job_of
-from elasticrun.rendezvous.records import NodeInfo, RescaleEvent, Topology
-from elasticrun.rendezvous.view import loads_record
+from elasticrun.rendezvous.records import NodeInfo, RescaleEvent, Topology, WorkerStatus, loads_record
+from elasticrun.rendezvous.states import TERMINAL_PHASES, JobPhase, MemberStatus
 from elasticrun.store.client import EtcdStore, KeyValue
 
 EVENTS_SHOWN = 10  # newest rescale events in a status document
-LOST = "Lost"  # status of a round member whose node record is gone (it left, or its lease expired)
-FINISHED = "Finished"  # a member whose workers all exited 0, or that left a job that ended
-TERMINAL_PHASES = ("succeeded", "failed")  # job_phase values of a job that has ended
 
 LeaseInfo = Callable[[int], Optional[Dict[str, int]]]
 
@@ -142,7 +139,7 @@ def build_job_status(
                 "pid": None,
                 "nproc": m.nproc,
                 "accelerators": [],
-                "status": LOST,
+                "status": MemberStatus.LOST.value,
                 "waiting_for": None,
                 "registered": False,
                 "registered_at": None,
@@ -152,10 +149,10 @@ def build_job_status(
                 "lease_granted_ttl": None,
                 "lease_heartbeat_age": None,
             }
-            if failures and row["status"] == "Active":
-                row["status"] = "Failed"
-            if row["status"] == LOST and _left_normally(m.node_id, round_end["done"], state):
-                row["status"] = FINISHED
+            if failures and row["status"] == WorkerStatus.ACTIVE:
+                row["status"] = WorkerStatus.FAILED.value
+            if row["status"] == MemberStatus.LOST and _left_normally(m.node_id, round_end["done"], state):
+                row["status"] = MemberStatus.FINISHED.value
             row.update(
                 group_rank=m.group_rank,
                 rank_offset=m.rank_offset,
@@ -210,18 +207,20 @@ def _left_normally(node_id: str, done: List[str], state: Any) -> bool:
 
 
 def job_phase(doc: Dict[str, Any]) -> str:
-    """One word for a job: succeeded/failed (terminal), forming, ending, running."""
+    """One word for a job (a :class:`JobPhase` value): succeeded/failed (terminal), forming,
+    rescaling (the round is ending), running. A terminal state etcd spells otherwise is shown as is."""
     state = doc.get("state")
     if isinstance(state, dict) and state.get("state"):
         return str(state["state"])
     if doc.get("round") is None:
-        return "forming"
+        return JobPhase.FORMING.value
     end = doc.get("round_end") or {}
     if end.get("failed") or end.get("end"):
-        return "rescaling"
-    if any(m["status"] in (LOST, "Rescaling", "Failed") for m in doc.get("members", [])):
-        return "rescaling"
-    return "running"
+        return JobPhase.RESCALING.value
+    ending = (MemberStatus.LOST, WorkerStatus.RESCALING, WorkerStatus.FAILED)
+    if any(m["status"] in ending for m in doc.get("members", [])):
+        return JobPhase.RESCALING.value
+    return JobPhase.RUNNING.value
 
 
 def _lease_info(store: EtcdStore) -> LeaseInfo:
@@ -293,9 +292,6 @@ def list_jobs(store: EtcdStore) -> List[Dict[str, Any]]:
 
 __all__ = [
     "EVENTS_SHOWN",
-    "FINISHED",
-    "LOST",
-    "TERMINAL_PHASES",
     "JobNotFoundError",
     "build_job_status",
     "job_phase",

@@ -1,4 +1,4 @@
-"""Validated configuration shared by all layers (the ElasticTrainingConfig of docs/design.md).
+"""The agent's validated launch configuration (built by the CLI, read by the agent and its workers).
 
 :class:`LaunchConfig` is built by the CLI from flags and checked by :meth:`validate`,
 which raises :class:`~elasticrun.errors.ConfigError` with a one-line message naming the
@@ -30,6 +30,19 @@ class RdzvBackend(str, enum.Enum):
     ETCD = "etcd"  # an etcd server at --rdzv-endpoint (etcd, etcd-v2, etcd-v3)
     C10D = "c10d"  # hosted by the agent whose address is the endpoint's host
     STATIC = "static"  # hosted by node rank 0 at --master-addr:--master-port (or the endpoint)
+
+
+class Std(str, enum.Enum):
+    """torchrun's ``--redirects``/``--tee`` code for one rank: which of its streams is selected."""
+
+    NONE = "0"
+    OUT = "1"  # stdout
+    ERR = "2"  # stderr
+    ALL = "3"  # both
+
+    def selects(self, stream: int) -> bool:
+        """Whether this code selects ``stream`` (1 stdout, 2 stderr)."""
+        return self is Std.ALL or self.value == str(stream)
 
 
 DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
@@ -114,8 +127,8 @@ class LaunchConfig:
     monitor_interval: float = 0.1  # accepted like torchrun's; exits are noticed at once
     start_method: str = "spawn"  # accepted like torchrun's; workers of a script are new processes
     log_dir: Optional[str] = None
-    redirects: str = "0"
-    tee: str = "0"
+    redirects: str = Std.NONE.value  # torchrun's spec: one code, or per rank like 0:3,1:2
+    tee: str = Std.NONE.value
     local_ranks_filter: Optional[List[int]] = None  # local ranks whose output the console shows; None = all
     signals_to_handle: List[str] = field(default_factory=lambda: list(DEFAULT_SIGNALS))
     event_log_handler: str = "null"
@@ -232,8 +245,8 @@ class LaunchConfig:
             settings["nproc_per_node"] = self.nproc_per_node
         return settings
 
-    def std_streams(self) -> Tuple[Dict[int, str], Dict[int, str]]:
-        """(redirects, tee) as {local_rank-or--1: "0"/"1"/"2"/"3"} maps; -1 = every rank."""
+    def std_streams(self) -> Tuple[Dict[int, Std], Dict[int, Std]]:
+        """(redirects, tee) as {local_rank-or--1: :class:`Std`} maps; -1 = every rank."""
         return _parse_std_streams(self.redirects, "--redirects"), _parse_std_streams(self.tee, "--tee")
 
 
@@ -247,26 +260,20 @@ def signal_number(name: str) -> int:
     return int(sig)
 
 
-def _parse_std_streams(spec: str, flag: str) -> Dict[int, str]:
+_STD_CODES = tuple(code.value for code in Std)
+
+
+def _parse_std_streams(spec: str, flag: str) -> Dict[int, Std]:
     """torchrun's ``--redirects``/``--tee`` syntax: ``3`` or ``0:1,1:2``. 1=stdout 2=stderr 3=both."""
     text = str(spec).strip()
-    if text in ("0", "1", "2", "3"):
-        return {-1: text}
-    result: Dict[int, str] = {}
+    if text in _STD_CODES:
+        return {-1: Std(text)}
+    result: Dict[int, Std] = {}
     for part in text.split(","):
         rank, sep, value = part.partition(":")
-        if not sep or not rank.strip().isdigit() or value.strip() not in ("0", "1", "2", "3"):
+        if not sep or not rank.strip().isdigit() or value.strip() not in _STD_CODES:
             raise ConfigError(
                 f"{flag} {spec!r}: use 0 (none), 1 (stdout), 2 (stderr), 3 (both), or per rank like 0:3,1:2"
             )
-        result[int(rank)] = value.strip()
+        result[int(rank)] = Std(value.strip())
     return result
-
-
-def describe_mismatch(existing: Dict[str, Any], mine: Dict[str, Any]) -> Optional[str]:
-    """A one-line description of how ``mine`` differs from the job's settings, or None."""
-    diffs = []
-    for key in sorted(set(existing) | set(mine)):
-        if existing.get(key) != mine.get(key):
-            diffs.append(f"{key}: job has {existing.get(key)!r}, this node has {mine.get(key)!r}")
-    return "; ".join(diffs) if diffs else None
