@@ -18,7 +18,7 @@ import pytest
 from helpers.fake_store import FakeStore
 from helpers.procs import wait_until
 
-from elasticrun.errors import StoreFullError
+from elasticrun.errors import ConfigError, StoreFullError
 from elasticrun.job.keys import JobKeys
 from elasticrun.rendezvous.protocol import EVENT_HISTORY, Rendezvous, RendezvousSettings
 from elasticrun.rendezvous.records import NodeInfo
@@ -111,6 +111,42 @@ def test_full_etcd_says_nospace_and_what_to_run():
         assert store.get("/fill/0") is not None  # reads still answer
         with pytest.raises(StoreFullError):
             store.grant_lease(5)  # an agent cannot even register: it says why
+
+
+def test_agent_says_etcd_is_full_not_unreachable(agents, job_id, tmp_path):
+    """A real agent whose etcd fills up while its worker runs: reporting the worker's success is
+    refused, and the agent says NOSPACE and what to run (old code: "etcd does not answer", then
+    "etcd unreachable for 4s"), then gives up after --etcd-outage-grace with exit code 3."""
+    from launch_helpers import ECHO
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    with EtcdServer(quota_bytes=1024 * 1024, unsafe_no_fsync=True) as server, EtcdStore(server.endpoint) as store:
+        agent = agents(["run", "--rdzv-backend", "etcd", "--rdzv-endpoint", server.endpoint, "--rdzv-id", job_id,
+                        "--nnodes", "1", "--nproc-per-node", "1", "--etcd-outage-grace", "4", ECHO],
+                       env={"ECHO_SLEEP_S": "4", "ECHO_PID_DIR": str(pids)})
+        wait_until(lambda: (pids / "0.pid").exists(), 60, "the worker to start")
+        i = 0
+        with pytest.raises(StoreFullError):
+            while i < 10_000:
+                store.put(f"/fill/{i}", "x" * 8192)
+                i += 1
+        assert agent.wait(60) == 3, agent.output()
+        err = agent.stderr()
+        assert "is out of space (NOSPACE alarm" in err and "alarm disarm" in err, err
+        assert "unreachable" not in err and "does not answer" not in err, err
+        assert "Traceback" not in err, err
+
+
+def test_retention_values(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("ELASTICRUN_ETCD_COMPACTION_RETENTION", raising=False)
+    assert parse_retention("5m").args() == ["--auto-compaction-mode=periodic", "--auto-compaction-retention=5m"]
+    assert parse_retention("10000rev").args() == ["--auto-compaction-mode=revision",
+                                                  "--auto-compaction-retention=10000"]
+    for bad in ("", "0s", "5", "5x", "-1m", "rev"):
+        with pytest.raises(ConfigError, match="expected a time such as 30s"):
+            parse_retention(bad)
+    assert EtcdServer().retention == parse_retention("5m"), "every etcd elasticrun starts compacts"
 
 
 def test_round_history_is_trimmed_without_gaps(store: FakeStore):

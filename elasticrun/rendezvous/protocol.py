@@ -285,6 +285,8 @@ class Rendezvous(RoundMonitor):
         """Why a running job fails for want of nodes: which member(s) of ``prev`` were lost, and when."""
         end = self.view.get_json(self.keys.end(prev.round)) or {}
         lost = [m.node_id for m in prev.members if m.node_id not in waiting]
+        if not lost:
+            return f"only {len(waiting)} of at least {self.settings.min_nodes} nodes joined within {timeout:.0f}s"
         at = end.get("time") if end.get("lost") in lost else None
         when = f" at {utc(float(at))}" if isinstance(at, (int, float)) else ""
         who = f"node {lost[0]}" if len(lost) == 1 else f"nodes {', '.join(lost)}"
