@@ -23,6 +23,11 @@ class StoreError(ElasticrunError):
     exit_code = 3
 
 
+class StoreFullError(StoreError):
+    """etcd's database reached its quota (the NOSPACE alarm): it refuses writes until an operator
+    compacts, defragments and disarms it."""
+
+
 class RendezvousError(ElasticrunError):
     """The job could not form (or re-form) a round."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from elasticrun.checkpoint import Shard, list_checkpoints, load, save
 
 from ckpt_helpers import cli
+from conftest import wait_until
 
 
 def _one_line_error(res, code, *fragments):
@@ -128,6 +130,7 @@ def test_save_from_file(tmp_path):
 def test_save_asks_a_running_job_through_etcd(etcd_server, etcd, job_id, tmp_path):
     prefix = f"/elasticrun/{job_id}/"
     etcd.put_json(prefix + "config", {"job": job_id})
+    etcd.put_json(prefix + "nodes/A", {"node_id": "A"})  # a node runs the job
     answered = threading.Event()
 
     def on_events(events):  # the job's rank 0, simulated: answer each request
@@ -149,8 +152,8 @@ def test_save_asks_a_running_job_through_etcd(etcd_server, etcd, job_id, tmp_pat
     # Nobody answers: a clear timeout, and the request is withdrawn.
     res = cli("save", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", job_id, "--timeout", "1")
     _one_line_error(res, 5, "did not checkpoint within 1s")
-    kvs, _ = etcd.get_prefix(prefix + "control/checkpoint/")
-    assert len(kvs) == 1  # only the first (answered) request is left
+    kvs, _ = etcd.get_prefix(prefix + "control/")
+    assert kvs == []  # the answered request and its answer are deleted once read, the other withdrawn
     _one_line_error(cli("save", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", "no-such-job"), 4,
                     "no job 'no-such-job'")
 
@@ -158,6 +161,7 @@ def test_save_asks_a_running_job_through_etcd(etcd_server, etcd, job_id, tmp_pat
 def test_save_reports_the_jobs_error(etcd_server, etcd, job_id):
     prefix = f"/elasticrun/{job_id}/"
     etcd.put_json(prefix + "config", {"job": job_id})
+    etcd.put_json(prefix + "nodes/A", {"node_id": "A"})
 
     def on_events(events):
         for ev in events:
@@ -171,3 +175,37 @@ def test_save_reports_the_jobs_error(etcd_server, etcd, job_id):
         _one_line_error(res, 5, "could not checkpoint: disk full")
     finally:
         cancel()
+
+
+def test_save_to_a_finished_job_answers_at_once(etcd_server, etcd, job_id, agents, tmp_path):
+    """A real job: `ckpt save` while it runs (it never calls the hook) returns as soon as the job
+    ends, saying so; `ckpt save` after the end answers at once with when and how it ended; a job
+    with keys but no running node, and one without keys, say so too. Old code waited --timeout."""
+    from elasticrun.job.keys import JobKeys
+
+    from launch_helpers import ECHO
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    ep = etcd_server.endpoint
+    agent = agents(["run", "--rdzv-backend", "etcd", "--rdzv-endpoint", ep, "--rdzv-id", job_id, "--nnodes", "1",
+                    "--nproc-per-node", "1", ECHO], env={"ECHO_SLEEP_S": "6", "ECHO_PID_DIR": str(pids)})
+    wait_until(lambda: (pids / "0.pid").exists(), 60, "the worker to start")
+    started = time.monotonic()
+    waiting = cli("save", "--rdzv-endpoint", ep, "--rdzv-id", job_id, "--timeout", "120", timeout=150)
+    assert agent.wait(60) == 0, agent.output()
+    _one_line_error(waiting, 5, f"job '{job_id}' finished at ", "(succeeded: all workers exited 0)",
+                    "before it checkpointed")
+    assert time.monotonic() - started < 60, "returned when the job ended, not after --timeout"
+    t0 = time.monotonic()
+    after = cli("save", "--rdzv-endpoint", ep, "--rdzv-id", job_id, "--timeout", "120")
+    _one_line_error(after, 5, f"job '{job_id}' finished at ", " UTC (succeeded", "nothing to checkpoint")
+    assert time.monotonic() - t0 < 30
+    assert etcd.get_prefix(JobKeys(job_id).control)[0] == [], "no request left behind"
+    # Keys but no agent left (all stopped by a signal, or lost): nothing can answer.
+    stopped = f"{job_id}-stopped"
+    etcd.put_json(JobKeys(stopped).config, {"job": stopped})
+    _one_line_error(cli("save", "--rdzv-endpoint", ep, "--rdzv-id", stopped, "--timeout", "120"), 5,
+                    "has no running node", "nothing to checkpoint")
+    _one_line_error(cli("save", "--rdzv-endpoint", ep, "--rdzv-id", f"{job_id}-none"), 4,
+                    f"no job '{job_id}-none' in etcd at {ep}")

@@ -79,6 +79,12 @@ def test_requests_flow(server: EtcdServer, store: EtcdStore):
     assert store.get_json(base + "r1") == {"error": "disk full"}, "close() flushes queued answers"
     assert store.get_json(base + "r2")["step"] == 200
     assert store.get(base + "gone") is None
+    # Answered requests are deleted (etcd keeps no checkpoint traffic), a leftover of an earlier
+    # round too; the answers live on a lease, so one nobody reads expires.
+    requests, _ = store.get_prefix(f"/elasticrun/{job}/control/checkpoint/")
+    assert [kv.key.rsplit("/", 1)[-1] for kv in requests] == [], requests
+    for rid in ("early", "r1", "r2"):
+        assert store.get(base + rid).lease != 0, rid
 
 
 def test_requests_only_on_rank0_and_noop_without_endpoint(server: EtcdServer, store: EtcdStore):

@@ -16,7 +16,9 @@ import typer
 
 from elasticrun.cli.console import console, err_console, fail
 from elasticrun.errors import ConfigError, ElasticrunError
+from elasticrun.job import env as names
 from elasticrun.job.settings import EtcdSettings, read_password_file
+from elasticrun.store.compaction import retention_from_env
 from elasticrun.store.server import EtcdServer, HealthTLS, ServerTLS
 
 HELP = """Run an etcd server in the foreground until Ctrl-C (for multi-node experiments).
@@ -41,6 +43,16 @@ def _loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def parse_quota(text: str) -> int:
+    """``--quota-backend-bytes``: bytes, or a size such as ``8GiB`` (ConfigError, one line, otherwise)."""
+    from elasticrun.checkpoint.export import parse_size
+
+    try:
+        return parse_size(text)
+    except ElasticrunError:
+        raise ConfigError(f"--quota-backend-bytes {text!r}: expected a size such as 8GiB or 8589934592") from None
 
 
 def _job_users(specs: List[str]) -> List[Tuple[str, str]]:
@@ -87,6 +99,15 @@ def etcd(
     ),
     admin_key: Optional[str] = typer.Option(None, "--admin-key", help="Key of --admin-cert.",
                                             rich_help_panel=_SECURITY),
+    compaction_retention: Optional[str] = typer.Option(
+        None, "--compaction-retention", envvar=names.ETCD_COMPACTION_RETENTION,
+        help="History etcd keeps (auto-compaction): a time (30s, 5m, 1h) or revisions (10000rev) "
+        "\\[default: 5m].",
+    ),
+    quota_backend_bytes: Optional[str] = typer.Option(
+        None, "--quota-backend-bytes", help="Database size at which etcd refuses writes (NOSPACE), "
+        "e.g. 8GiB \\[etcd's default: 2G].",
+    ),
     auth_token_ttl: Optional[int] = typer.Option(
         None, "--auth-token-ttl", help="Seconds an idle auth token stays valid \\[etcd's default: 300].",
         rich_help_panel=_SECURITY,
@@ -115,7 +136,10 @@ def etcd(
             f"elasticrun: warning: etcd listens on {host} without {missing}: anyone who can reach port {port} "
             "can read and rewrite every job (see docs/security.md)", highlight=False, soft_wrap=True,
         )
+    retention = retention_from_env(compaction_retention)
+    quota = parse_quota(quota_backend_bytes) if quota_backend_bytes else None
     server = EtcdServer(
+        retention=retention, quota_bytes=quota,
         host=host, client_port=port, peer_port=peer_port, data_dir=data_dir, binary=binary, tls=tls,
         health_tls=HealthTLS(ca=ca_file, cert=admin_cert, key=admin_key) if ca_file else None,
         auth_token_ttl=auth_token_ttl,
@@ -129,7 +153,8 @@ def etcd(
         server.stop(remove_data=data_dir is None)
         raise
     secured = f" (TLS{', client certificates' if client_ca else ''}{', auth' if root_password else ''})" if tls else ""
-    console.print(f"etcd serving at [bold]{server.client_url}[/]{secured} (data: {server.data_dir}); Ctrl-C to stop")
+    console.print(f"etcd serving at [bold]{server.client_url}[/]{secured} (data: {server.data_dir}, history kept: "
+                  f"{retention}); Ctrl-C to stop")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:

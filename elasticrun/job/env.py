@@ -55,6 +55,8 @@ SNAPSHOT_DIR = PREFIX + "SNAPSHOT_DIR"
 #: Default checkpoint root of examples/train.py (set by the user; the agent never sets it).
 CHECKPOINT_DIR = PREFIX + "CHECKPOINT_DIR"
 ETCD_BINARY = PREFIX + "ETCD_BINARY"
+#: History an etcd started by elasticrun keeps (auto-compaction): ``5m`` (default), ``1h``, ``10000rev``.
+ETCD_COMPACTION_RETENTION = PREFIX + "ETCD_COMPACTION_RETENTION"
 ETCD_TIMEOUT = PREFIX + "ETCD_TIMEOUT"
 ETCD_USER = PREFIX + "ETCD_USER"
 #: The etcd password (``--etcd-password-file`` is the other safe way to give it).

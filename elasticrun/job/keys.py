@@ -17,9 +17,11 @@ write access to its own prefix only (see docs/security.md)::
     rounds/<n>/failures/<node>  that node's failed workers (root cause)
     rounds/<n>/end              round n ended for a membership change (scale-up)
     rounds/<n>/done/<node>      all of that node's workers exited 0
-    events/<n>                  RescaleEvent that formed round n (bounded history)
+    events/<n>                  RescaleEvent that formed round n (the newest 50 rounds are kept,
+                                with their rounds/<n>/ keys: older ones are range-deleted)
     control/checkpoint/<id>     a checkpoint request (``elasticrun ckpt save --rdzv-id``)
-    control/checkpoint-done/<id> rank 0's answer to it
+    control/checkpoint-done/<id> rank 0's answer to it (on a lease; the request is deleted when
+                                answered, the answer once read)
     progress/<node-id>          last step/loss reported by workers (on a short lease)
     ping                        never written: connect() reads it to prove access
 """
@@ -79,6 +81,11 @@ class JobKeys:
     def node_rank(self, rank: int) -> str:
         """Claimed by the node started with ``--node-rank rank`` (under its lease): one node per rank."""
         return f"{self.prefix}node-ranks/{rank}"
+
+    @property
+    def rounds(self) -> str:
+        """Prefix of every round's keys (``rounds/<n>/`` sorts by ``n``: zero-padded)."""
+        return self.prefix + "rounds/"
 
     def round(self, n: int) -> str:
         return f"{self.prefix}rounds/{n:08d}/"

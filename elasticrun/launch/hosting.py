@@ -24,17 +24,15 @@ started here and keeps its own settings.
 from __future__ import annotations
 
 import errno
-import fcntl
 import ipaddress
-import os
 import socket
-import tempfile
 import time
 from typing import Callable, List, Optional, Tuple
 
 from elasticrun.errors import StoreError
 from elasticrun.job.settings import from_config as etcd_settings
 from elasticrun.launch.config import LaunchConfig, RdzvBackend
+from elasticrun.launch.hostlock import HostLock
 from elasticrun.store.client import EtcdStore, parse_endpoints
 from elasticrun.store.server import EtcdServer, free_port
 
@@ -86,38 +84,6 @@ def _port_taken(ip: str, port: int) -> bool:
             return err.errno == errno.EADDRINUSE
 
 
-class HostLock:
-    """A per-machine lock on ``ip:port``: of the agents here, only its holder may host etcd there.
-
-    Without it two agents on one machine could both start etcd on the port, and the loser's
-    health check would be answered by the winner's server. The kernel drops the lock when its
-    holder exits, so a crashed agent leaves nothing stale.
-    """
-
-    def __init__(self, ip: str, port: int) -> None:
-        self.path = os.path.join(tempfile.gettempdir(), f"elasticrun-etcd-{ip}-{port}.lock")
-        self.fd: Optional[int] = None
-
-    def acquire(self) -> bool:
-        """True when we hold the lock now (or cannot use lock files at all)."""
-        try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CREAT, 0o666)
-        except OSError:
-            return True  # no usable temp dir: fall back to the port check alone
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            return False
-        self.fd = fd
-        return True
-
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-
 def _try_host(cfg: LaunchConfig, host: str, port: int, forced: bool, say: Say) -> Optional[EtcdServer]:
     """Start the job's etcd on ``host:port``; None when another agent already does (not ``forced``)."""
     ip = local_ip(host)
@@ -146,7 +112,7 @@ def _try_host(cfg: LaunchConfig, host: str, port: int, forced: bool, say: Say) -
         if not forced and _port_taken(ip, port):
             return None  # taken meanwhile by something else: join whatever serves there
         raise
-    server.host_lock = lock  # type: ignore[attr-defined]  # held while the server runs, freed at exit
+    server.after_stop.append(lock.release)  # held while the server runs; removed when it stops
     say(f"hosting the job's etcd at {host}:{port} (the job cannot continue if this node dies)")
     return server
 

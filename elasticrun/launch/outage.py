@@ -25,7 +25,7 @@ import signal
 import time
 from typing import Callable, Optional, TypeVar
 
-from elasticrun.errors import StoreError
+from elasticrun.errors import StoreError, StoreFullError
 from elasticrun.launch.config import LaunchConfig
 from elasticrun.launch.workers import WorkerGroup
 from elasticrun.rendezvous.protocol import LeaseLost, Rendezvous
@@ -90,6 +90,7 @@ class OutageGuard:
         self.workers = workers
         self.say = say
         self.since: Optional[float] = None  # when etcd stopped answering (None: no outage now)
+        self.full: Optional[str] = None  # etcd answers but is out of space (NOSPACE): its one-line error
 
     def _outage_age(self) -> float:
         return 0.0 if self.since is None else time.monotonic() - self.since
@@ -104,6 +105,12 @@ class OutageGuard:
             )
 
     def _give_up(self, what: str) -> None:
+        if self.full is not None:
+            self.say(f"etcd refused writes for {self._outage_age():.0f}s (more than --etcd-outage-grace "
+                     f"{self.cfg.etcd_outage_grace:.0f}s): stopping workers (SIGTERM, "
+                     f"{self.cfg.shutdown_timeout:.0f}s to save)")
+            stop_workers(self.rdzv, self.workers, self.cfg.shutdown_timeout)
+            raise StoreFullError(f"{self.full} (while {what}; workers were stopped)")
         self.say(
             f"etcd unreachable for {self._outage_age():.0f}s (more than --etcd-outage-grace "
             f"{self.cfg.etcd_outage_grace:.0f}s): stopping workers (SIGTERM, {self.cfg.shutdown_timeout:.0f}s to save)"
@@ -162,7 +169,7 @@ class OutageGuard:
             self.rdzv.beat(busy_for=self.cfg.etcd_timeout + self.rdzv.store.timeout)
             try:
                 result = fn()
-            except StoreError:
+            except StoreError as err:
                 lease = self.rdzv.lease
                 if lease is not None and lease.health() is LeaseHealth.LOST:
                     # etcd answers, but our lease expired meanwhile (an outage, a partition, a
@@ -170,6 +177,10 @@ class OutageGuard:
                     stop_workers(self.rdzv, self.workers, 0.0, sig=signal.SIGKILL)
                     self.since = None
                     raise LeaseLost(lease.lost_reason or "lease expired") from None
+                if isinstance(err, StoreFullError) and self.full is None:
+                    self.full = str(err)  # etcd answers: say why it refuses, not "does not answer"
+                    self.since = self.since or time.monotonic()
+                    self.say(f"{err}; retrying for up to --etcd-outage-grace {self.cfg.etcd_outage_grace:.0f}s")
                 if self.since is None:
                     self.since = time.monotonic() - self.cfg.etcd_timeout
                     self.say(f"etcd does not answer while {what}; retrying for up to --etcd-outage-grace")
@@ -178,4 +189,7 @@ class OutageGuard:
                 time.sleep(0.5)
                 continue
             self.rdzv.beat()
+            if self.full is not None:
+                self.say("etcd accepts writes again")
+                self.full, self.since = None, None
             return result

@@ -25,8 +25,9 @@ import logging
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from elasticrun.errors import ConfigError, RendezvousError
+from elasticrun.errors import ConfigError, RendezvousError, StoreError
 from elasticrun.job.keys import JobKeys
+from elasticrun.job.requests import utc
 from elasticrun.rendezvous.leader import Leadership
 from elasticrun.rendezvous.ranks import classify, plan_members
 from elasticrun.rendezvous.records import NodeInfo, RescaleEvent, RescaleType, Topology, WorkerStatus
@@ -273,11 +274,26 @@ class Rendezvous(RoundMonitor):
                     reason = (
                         f"only {len(waiting)} of at least {self.settings.min_nodes} nodes joined within "
                         f"{timeout:.0f}s"
-                    )
+                    ) if topo is None else self._lost_reason(topo, waiting, timeout)
                     if topo is not None:
                         self._end_job(JobState.FAILED, reason, topo, rev)
                     raise RendezvousError(f"job {self.settings.job_id!r}: {reason}; start more nodes or lower --nnodes")
             version = self._wait_change(version)
+
+    def _lost_reason(self, prev: Topology, waiting: List[str], timeout: float) -> str:
+        """Why a running job fails for want of nodes: which member(s) of ``prev`` were lost, and when."""
+        end = self.view.get_json(self.keys.end(prev.round)) or {}
+        lost = [m.node_id for m in prev.members if m.node_id not in waiting]
+        if not lost:
+            return f"only {len(waiting)} of at least {self.settings.min_nodes} nodes joined within {timeout:.0f}s"
+        at = end.get("time") if end.get("lost") in lost else None
+        when = f" at {utc(float(at))}" if isinstance(at, (int, float)) else ""
+        who = f"node {lost[0]}" if len(lost) == 1 else f"nodes {', '.join(lost)}"
+        return (
+            f"{who} of round {prev.round} left or lost its lease{when}, and no node replaced it within "
+            f"{timeout:.0f}s (--rescale-timeout): {len(waiting)} node(s) left, at least {self.settings.min_nodes} "
+            "needed"
+        )
 
     def _wait_change(self, version: int) -> int:
         """Wait for the view to change, then batch events: look at most every 0.5 ms x nodes.
@@ -395,11 +411,18 @@ class Rendezvous(RoundMonitor):
         return "round ended"
 
     def _trim_history(self, newest: int) -> None:
-        old = newest - EVENT_HISTORY
-        if old >= 0 and old % 10 == 0:
-            for n in range(max(0, old - 10), old + 1):
-                self.store.delete(self.keys.event(n))
-                self.store.delete_prefix(self.keys.round(n))
+        """Keep the newest EVENT_HISTORY rounds' events and round keys: everything older goes, in two
+        range deletes after every round (nothing to delete costs etcd no write). A trim that failed or
+        never ran (its agent died) is made up by the next one: the kept history has no gaps, and no
+        old round stays behind."""
+        first_kept = newest - EVENT_HISTORY + 1
+        if first_kept <= 0:
+            return
+        try:
+            self.store.delete_range(self.keys.events, self.keys.event(first_kept))
+            self.store.delete_range(self.keys.rounds, self.keys.round(first_kept))
+        except StoreError as err:  # the next round trims again
+            log.warning("could not trim the job's round history: %s", err)
 
     def _end_job(self, state: JobState, reason: str, topo: Topology, topo_rev: int) -> None:
         record = {"state": state.value, "reason": reason, "round": topo.round, "time": time.time()}

@@ -85,7 +85,8 @@ class RoundMonitor:
                     if self.recently_unreachable():
                         continue  # after an etcd outage every lease may have expired: let members rejoin
                     reason = f"node {m.node_id} left or lost its lease"
-                    self.store.create(self.keys.end(topo.round), json.dumps({"reason": reason, "by": self.node_id}))
+                    record = {"reason": reason, "by": self.node_id, "lost": m.node_id, "time": time.time()}
+                    self.store.create(self.keys.end(topo.round), json.dumps(record))
                     return reason
         if len(self.view.under(self.keys.dones(topo.round))) >= len(topo.members):
             return RoundOutcome.SUCCEEDED

@@ -23,9 +23,9 @@ from pyetcd import etcdrpc
 from pyetcd.client import MultiEndpointEtcd3Client
 from pyetcd.events import DeleteEvent
 
-from elasticrun.errors import StoreError
+from elasticrun.errors import StoreError, StoreFullError
 from elasticrun.store.connection import TRANSIENT, client_args, new_client, renew_token
-from elasticrun.store.explain import START_HINT, explain, tls_failure, token_rejected
+from elasticrun.store.explain import START_HINT, explain, out_of_space, tls_failure, token_rejected
 from elasticrun.store.types import KeyValue, WatchEvent, parse_endpoints
 
 # A private generator for the retry jitter: never the global `random` a training script seeds.
@@ -98,6 +98,8 @@ class EtcdStore:
                         continue
                     except grpc.RpcError as auth_err:
                         err = auth_err  # e.g. etcd still restarting: handled as below
+                if out_of_space(err):
+                    raise StoreFullError(self._explain(err)) from None
                 code = err.code() if hasattr(err, "code") else None
                 if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or tls_failure(
                     err.details() or ""
@@ -199,6 +201,14 @@ class EtcdStore:
     def delete(self, key: str) -> bool:
         """Delete ``key``; True if it existed."""
         return self._call("delete", lambda c: bool(c.delete(key)))
+
+    def delete_range(self, start: str, end: str) -> int:
+        """Delete every key in ``[start, end)``; returns how many (none: no write, no new revision)."""
+        def op(c: MultiEndpointEtcd3Client) -> int:
+            _, responses = c.transaction(compare=[], success=[c.transactions.delete(start, range_end=end)], failure=[])
+            return int(responses[0].response_delete_range.deleted) if responses else 0
+
+        return self._call("delete_range", op)
 
     def delete_prefix(self, prefix: str) -> int:
         """Delete every key under ``prefix``; returns how many."""

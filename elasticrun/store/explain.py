@@ -10,6 +10,7 @@ from elasticrun.job.keys import ROOT
 
 START_HINT = "start one with `elasticrun etcd`, or run with --standalone"
 AUTH_FAILED = "authentication failed"
+NOSPACE_DETAIL = "database space exceeded"  # etcdserver: mvcc: database space exceeded
 
 
 def tls_failure(details: str) -> str:
@@ -19,6 +20,26 @@ def tls_failure(details: str) -> str:
         if marker in details:
             return marker
     return ""
+
+
+def out_of_space(err: BaseException) -> bool:
+    """True when etcd refused a write because its database is full (the ``NOSPACE`` alarm is on)."""
+    if not isinstance(err, grpc.RpcError) or not hasattr(err, "code"):
+        return False
+    details = err.details() or ""
+    return NOSPACE_DETAIL in details or (err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "NOSPACE" in details)
+
+
+def nospace_message(endpoints: str) -> str:
+    """What an operator runs when etcd at ``endpoints`` is full (one line)."""
+    ep = endpoints.split(",")[0]
+    return (
+        f"etcd at {endpoints} is out of space (NOSPACE alarm: its database reached --quota-backend-bytes) and "
+        f"refuses every write: free it with `etcdctl --endpoints {ep} compact <revision>` (the revision from "
+        f"`etcdctl --endpoints {ep} endpoint status -w json`), `etcdctl --endpoints {endpoints} defrag` and "
+        f"`etcdctl --endpoints {ep} alarm disarm`, or restart it with a larger --quota-backend-bytes; run etcd with "
+        "--auto-compaction-retention so it does not fill again (docs/reliability.md)"
+    )
 
 
 def token_rejected(err: BaseException) -> bool:
@@ -35,6 +56,8 @@ def explain(err: BaseException, endpoints: str, user: Optional[str], *, transien
     """One line for ``err`` (``transient``: the library's connection error), for user ``user`` (None: none)."""
     if isinstance(err, grpc.RpcError) and hasattr(err, "code"):
         code, details = err.code(), (err.details() or "")
+        if out_of_space(err):
+            return nospace_message(endpoints)
         if tls_failure(details):
             return (
                 f"TLS with etcd at {endpoints} failed ({tls_failure(details)}): check --etcd-cacert (the CA "
@@ -66,4 +89,5 @@ def explain(err: BaseException, endpoints: str, user: Optional[str], *, transien
     return f"etcd at {endpoints} failed: {err!r}"
 
 
-__all__ = ["AUTH_FAILED", "START_HINT", "explain", "tls_failure", "token_rejected"]
+__all__ = ["AUTH_FAILED", "NOSPACE_DETAIL", "START_HINT", "explain", "nospace_message", "out_of_space",
+           "tls_failure", "token_rejected"]

@@ -7,6 +7,10 @@ With a :class:`ServerTLS` the server speaks https (and, with a client CA, requir
 certificates); ``auth_token_ttl`` sets etcd's ``--auth-token-ttl`` (authentication itself is
 turned on through the API: :func:`elasticrun.store.admin.enable_auth`).
 
+Every member runs with auto-compaction (``retention``, default from
+``$ELASTICRUN_ETCD_COMPACTION_RETENTION`` or 5 minutes: :mod:`elasticrun.store.compaction`);
+``quota_bytes`` sets ``--quota-backend-bytes`` (None: etcd's default, 2 GiB).
+
 ``unsafe_no_fsync`` starts etcd with ``--unsafe-no-fsync`` (etcd >= 3.5; an older binary that
 rejects the flag is started again without it): for a private, throw-away member only, whose data
 nobody reads after its machine crashes (see :mod:`elasticrun.launch.hosting`).
@@ -25,11 +29,12 @@ import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from elasticrun.errors import StoreError
 from elasticrun.job import env as names
 from elasticrun.proc import with_parent_death_signal
+from elasticrun.store.compaction import Retention, retention_from_env
 
 ENV_BINARY = names.ETCD_BINARY
 NO_FSYNC_FLAG = "--unsafe-no-fsync"
@@ -149,13 +154,19 @@ class EtcdServer:
     health_tls: Optional[HealthTLS] = None  # for https health checks (default: the server's CA, no cert)
     auth_token_ttl: Optional[int] = None  # seconds an idle auth token stays valid (etcd's default: 300)
     unsafe_no_fsync: bool = False  # skip fsync: only for a throw-away member (its data dies with its machine)
+    retention: Optional[Retention] = None  # history kept (auto-compaction); None: $ELASTICRUN_..., else 5m
+    quota_bytes: Optional[int] = None  # --quota-backend-bytes (None: etcd's default, 2 GiB)
     proc: Optional[subprocess.Popen] = field(default=None, init=False, repr=False)
+    #: Called once the process has stopped (e.g. the hosting agent's lock on the port is released).
+    after_stop: List[Callable[[], None]] = field(default_factory=list, repr=False)
     _own_data_dir: bool = field(default=False, init=False, repr=False)
     _own_log: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.client_port = self.client_port or free_port(self.host)
         self.peer_port = self.peer_port or free_port(self.host)
+        if self.retention is None:
+            self.retention = retention_from_env()
 
     @property
     def endpoint(self) -> str:
@@ -193,6 +204,8 @@ class EtcdServer:
             *(self.tls.args() if self.tls is not None else []),
             *([f"--auth-token-ttl={int(self.auth_token_ttl)}"] if self.auth_token_ttl else []),
             *([NO_FSYNC_FLAG] if self.unsafe_no_fsync else []),
+            *(self.retention.args() if self.retention is not None else []),
+            *([f"--quota-backend-bytes={int(self.quota_bytes)}"] if self.quota_bytes else []),
             *self.extra_args,
         ]
 
@@ -300,6 +313,8 @@ class EtcdServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+        while self.after_stop:
+            self.after_stop.pop()()
         if remove_data and self._own_data_dir and self.data_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
         if remove_data and self._own_log and self.log_path:

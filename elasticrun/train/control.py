@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from elasticrun.errors import ElasticrunError
-from elasticrun.job.requests import answer_done, answer_error
+from elasticrun.job.requests import ANSWER_TTL_S, answer_done, answer_error
 from elasticrun.job.requests import parse_request as _parse_request
 from elasticrun.train.env import ElasticState
 from elasticrun.train.etcdlink import EtcdLink
@@ -284,7 +284,9 @@ class CheckpointRequests:
                 self._inbox.answered |= answered
             for kv in reqs:
                 rid, at = _parse_request(kv.key, kv.value)
-                if rid:
+                if rid in answered:
+                    store.delete(kv.key)  # answered before (its asker died): a leftover, not a request
+                elif rid:
                     self._offer(rid, at)
             return store.watch_prefix(
                 self.link.keys.checkpoint_requests, self._on_events, self._on_watch_error, start_revision=rev + 1
@@ -320,7 +322,11 @@ class CheckpointRequests:
             return
         for rid, value in todo:
             try:
-                store.put_json(self.link.keys.checkpoint_answer(rid), value)
+                # On a lease: an answer nobody reads (its asker died) expires. The answered request
+                # goes at once (the asker deletes both too): etcd keeps no checkpoint traffic.
+                lease = store.grant_lease(ANSWER_TTL_S)
+                store.put_json(self.link.keys.checkpoint_answer(rid), value, lease=lease)
+                store.delete(self.link.keys.checkpoint_request(rid))
             except ElasticrunError as err:
                 self.link.failed(err)
                 return

@@ -135,6 +135,12 @@ class FakeStore:
             self._publish(events)
             return len(events)
 
+    def delete_range(self, start: str, end: str) -> int:
+        with self._lock:
+            events = [self._remove(k) for k in sorted(self._kv) if start <= k < end]
+            self._publish(events)
+            return len(events)
+
     def grant_lease(self, ttl: int) -> int:
         with self._lock:
             lease = next(self._ids)
