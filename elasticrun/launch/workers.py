@@ -17,7 +17,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from elasticrun.config import LaunchConfig
 from elasticrun.job import env as names
@@ -171,14 +171,36 @@ class WorkerGroup:
             return None
         order = {"env": env, "argv": [self.cfg.entrypoint, *self.cfg.args], "module": self.cfg.module,
                  "cwd": os.getcwd()}
-        return server.spawn(order)  # type: ignore[return-value]  # Popen's interface, as used here
+        forked = server.spawn(order)
+        if forked is None:  # gone (or closed by a spawn that timed out): no late child may run
+            server.close()
+            self._server = None
+        return forked  # type: ignore[return-value]  # Popen's interface, as used here
+
+    def _spawn_all(self, envs: List[Dict[str, str]]) -> List[subprocess.Popen]:
+        """A worker per environment: all forked, else all started another way (:meth:`_spawn`).
+
+        When the fork server fails part-way, the workers it already forked die with it (it is
+        closed): they are killed and started anew with the others, never left to die mid-round.
+        """
+        forked: List[subprocess.Popen] = []
+        for env in envs:
+            proc = self._fork(env)
+            if proc is None:
+                break
+            forked.append(proc)
+        if len(forked) == len(envs):
+            self._how["forked"] += len(forked)
+            return forked
+        for proc in forked:
+            proc.kill()
+            for pipe in (proc.stdout, proc.stderr):
+                if pipe is not None:
+                    pipe.close()
+        return [self._spawn(env) for env in envs]
 
     def _spawn(self, env: Dict[str, str]) -> subprocess.Popen:
-        """A worker process for ``env``: forked, else a pre-warmed one when available, else a fresh one."""
-        forked = self._fork(env)
-        if forked is not None:
-            self._how["forked"] += 1
-            return forked
+        """A worker process for ``env`` without the fork server: a pre-warmed one, else a fresh one."""
         while self._warm:
             proc = self._warm.pop(0)
             if proc.poll() is not None or proc.stdin is None:
@@ -245,6 +267,7 @@ class WorkerGroup:
             json.dump(event.to_dict() if event else {}, f)
         began = time.monotonic()
         self._how = {"forked": 0, "pre-warmed": 0, "fresh": 0}
+        planned: List[Tuple[WorkerSpec, Dict[str, str], str]] = []
         for local_rank in range(member.nproc):
             rank = member.rank_offset + local_rank
             rank_dir = self._worker_dir(round_dir, topo.round, rank, local_rank)
@@ -268,8 +291,10 @@ class WorkerGroup:
                 },
                 etcd_settings_file=self.etcd_settings_file,
             )
-            proc = self._spawn(env)
-            err_pump = self._pump(proc, rank_dir if self.log_dir is not None else None, rank, local_rank)
+            planned.append((spec, env, rank_dir))
+        for (spec, _, rank_dir), proc in zip(planned, self._spawn_all([env for _, env, _ in planned])):
+            log_dir = rank_dir if self.log_dir is not None else None
+            err_pump = self._pump(proc, log_dir, spec.rank, spec.local_rank)
             self._workers.append(_Worker(spec, proc, err_pump))
             threading.Thread(target=self._wait, args=(proc,), daemon=True).start()
         kinds = ", ".join(f"{n} {kind}" for kind, n in self._how.items() if n)
