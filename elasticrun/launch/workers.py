@@ -25,6 +25,7 @@ from elasticrun.job.env import without_secrets
 from elasticrun.launch.env import WorkerSpec, worker_env
 from elasticrun.launch.failures import WorkerFailure, bounded, make_failure
 from elasticrun.launch.forkserver import ForkServer, ServerState
+from elasticrun.launch.hang import STACKS_SIGNAL
 from elasticrun.launch.logs import (
     STREAMS,
     TAIL_KEEP,
@@ -169,9 +170,7 @@ class WorkerGroup:
                 server.close()
                 self._server = None
             return None
-        order = {"env": env, "argv": [self.cfg.entrypoint, *self.cfg.args], "module": self.cfg.module,
-                 "cwd": os.getcwd()}
-        forked = server.spawn(order)
+        forked = server.spawn(self._order(env))
         if forked is None:  # gone (or closed by a spawn that timed out): no late child may run
             server.close()
             self._server = None
@@ -205,24 +204,39 @@ class WorkerGroup:
             proc = self._warm.pop(0)
             if proc.poll() is not None or proc.stdin is None:
                 continue
-            order = {"env": env, "argv": [self.cfg.entrypoint, *self.cfg.args], "module": self.cfg.module,
-                     "cwd": os.getcwd()}
             try:
-                proc.stdin.write(self._order_line(order))
+                proc.stdin.write(self._order_line(self._order(env)))
                 proc.stdin.close()
                 self._how["pre-warmed"] += 1
                 return proc
             except (BrokenPipeError, OSError):
                 continue
         self._how["fresh"] += 1
-        return subprocess.Popen(
-            with_parent_death_signal(self.command()),
+        # With --hang-timeout a fresh worker too starts through warm.py (no preload): it registers
+        # the stack dump (see _order) before running the script exactly as `python script.py` would.
+        boot = self.cfg.hang_timeout > 0 and not self.cfg.no_python
+        cmd = [sys.executable, "-u", "-m", "elasticrun.launch.warm", "--fresh", "--", self.cfg.entrypoint,
+               *self.cfg.args] if boot else self.command()
+        proc = subprocess.Popen(
+            with_parent_death_signal(cmd),
             env=env,
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE if boot else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
         )
+        if boot and proc.stdin is not None:
+            proc.stdin.write(self._order_line(self._order(env)))
+            proc.stdin.close()
+        return proc
+
+    def _order(self, env: Dict[str, str]) -> Dict[str, object]:
+        """What warm.py runs: the script, its environment, and (``--hang-timeout``) the stack-dump signal."""
+        order: Dict[str, object] = {"env": env, "argv": [self.cfg.entrypoint, *self.cfg.args],
+                                    "module": self.cfg.module, "cwd": os.getcwd()}
+        if self.cfg.hang_timeout > 0:
+            order["stacks_signal"] = int(STACKS_SIGNAL)
+        return order
 
     def _order_line(self, order: Dict[str, object]) -> bytes:
         """The line a pre-warmed interpreter reads on stdin: the order itself, or where to find it.
@@ -256,6 +270,11 @@ class WorkerGroup:
     @property
     def pids(self) -> List[int]:
         return [w.proc.pid for w in self._workers]
+
+    @property
+    def running(self) -> List[_Worker]:
+        """This round's workers that have not exited."""
+        return [w for w in self._workers if w.proc.poll() is None]
 
     def start(self, topo: Topology, member: Member, event: Optional[RescaleEvent]) -> None:
         """Spawn ``member.nproc`` workers for round ``topo``."""
