@@ -28,26 +28,24 @@ def test_the_watch_judges_only_reports_of_its_round_and_only_after_the_first() -
             raise value
         return value
 
-    watch = HangWatch(read, 2.0, round_=3, clock=lambda: now[0])
-    now[0] = 100.0
-    assert not watch.hung(), "no report yet: a script that never reports is never hung"
-    reports[0] = {"step": 7, "round": 2}
-    now[0] = 200.0
-    assert not watch.hung() and watch.stalled_for() == 0.0, "a previous round's report does not count"
-    reports[0] = {"step": 1, "round": 3}
-    now[0] = 201.0
-    assert not watch.hung()
-    reports[0] = {"step": 2, "round": 3}
-    now[0] = 202.5
-    assert not watch.hung() and watch.step == 2
-    reports[0] = StoreError("etcd down")  # not a hang in itself; the step still has to advance
-    now[0] = 204.0
-    assert not watch.hung()
-    now[0] = 204.6
-    assert watch.hung() and watch.stalled_for() == pytest.approx(2.1)
-    reports[0] = {"step": 2, "round": 3, "closed": True}  # the script closed its reporter: training is over
-    now[0] = 300.0
-    assert not watch.hung()
+    watch = HangWatch(read, 2.0, clock=lambda: now[0])
+    watch.start_round(3)
+
+    def at(t: float, report: Any) -> bool:
+        now[0], reports[0] = t, report
+        watch.poll()
+        return watch.hung()
+
+    assert not at(100.0, None), "no report yet: a script that never reports is never hung"
+    assert not at(200.0, {"step": 7, "round": 2}) and watch.stalled_for() == 0.0, "a previous round's report"
+    assert not at(201.0, {"step": 1, "round": 3})
+    assert not at(202.5, {"step": 2, "round": 3}) and watch.step == 2
+    assert not at(210.0, StoreError("etcd down")), "an etcd outage is not a hang: only successful reads count"
+    assert not at(210.1, {"step": 2, "round": 3}), "after an outage the reporter may not have written yet"
+    assert at(212.2, {"step": 2, "round": 3}) and watch.stalled_for() == pytest.approx(2.1)
+    assert not at(300.0, {"step": 2, "round": 3, "closed": True}), "the reporter closed: training is over"
+    watch.start_round(4)
+    assert not at(400.0, {"step": 2, "round": 3}), "a new round starts unjudged"
 
 
 def _parse(args: List[str], env: dict) -> Any:

@@ -27,7 +27,7 @@ from elasticrun.job.settings import drop_secrets_from_environment
 from elasticrun.job.settings import from_config as etcd_settings
 from elasticrun.launch.c10d import RoundStore
 from elasticrun.launch.failures import root_cause_table
-from elasticrun.launch.hang import HangWatch, dump_stacks, hang_failures, hang_message
+from elasticrun.launch.hang import STACKS_WAIT_S, HangWatch, dump_stacks, hang_failures, hang_message
 from elasticrun.launch.hosting import open_store, wait_others_left
 from elasticrun.launch.node import local_address
 from elasticrun.launch.outage import STOP_SLACK_S, OutageGuard, stop_workers
@@ -103,6 +103,7 @@ class Agent:
         self._signal: Optional[int] = None
         self._stopping = False  # set once the agent is stopping: no signal is raised again
         self._wake: Callable[[], None] = lambda: None
+        self._hang: Optional[HangWatch] = None  # --hang-timeout: made with the first round
 
     # -- signals ----------------------------------------------------------------------------
 
@@ -206,6 +207,8 @@ class Agent:
                 workers.stop(cfg.shutdown_timeout)
                 workers.discard_warm()
             round_store.close()
+            if self._hang is not None:
+                self._hang.close()
             if rdzv is not None:
                 rdzv.leave()
             if etcd is not None and store is not None and rdzv is not None and self._signal is None:
@@ -317,6 +320,7 @@ class Agent:
                 self.say(f"round {topo.round}: the step reported by our workers (last {hang.step}) has not advanced "
                          f"for {hang.timeout:g} s: dumping every worker's Python stacks")
                 workers_now = workers.running
+                rdzv.beat(busy_for=STACKS_WAIT_S)
                 dump_stacks(workers_now)
                 self.say(f"{hang_message(hang.timeout)}: stopping this round")
                 rows = hang_failures(workers_now, hang.timeout)
@@ -336,6 +340,7 @@ class Agent:
                 if hang is not None and hang.stalled_for() >= hang.timeout / 2:  # stuck here too (a collective)
                     self.say(f"round {topo.round}: our workers' step has not advanced for "
                              f"{hang.stalled_for():.0f} s either: dumping their Python stacks")
+                    rdzv.beat(busy_for=STACKS_WAIT_S)
                     dump_stacks(workers.running)
                 self.say(f"round {topo.round} ended: {change}; stopping workers")
                 stop_workers(rdzv, workers, self.cfg.shutdown_timeout)
@@ -352,8 +357,11 @@ class Agent:
         """``--hang-timeout``: watch the progress our node's local rank 0 reports (see launch/hang.py)."""
         if self.cfg.hang_timeout <= 0:
             return None
-        key = rdzv.keys.progress_of(self.cfg.node_id)
-        return HangWatch(lambda: rdzv.store.get_json(key), self.cfg.hang_timeout, topo.round)
+        if self._hang is None:
+            key = rdzv.keys.progress_of(self.cfg.node_id)
+            self._hang = HangWatch(lambda: rdzv.store.get_json(key), self.cfg.hang_timeout).start()
+        self._hang.start_round(topo.round)
+        return self._hang
 
 
 def _test_stall() -> List[float]:

@@ -18,6 +18,7 @@ failed ("no progress for S s; stacks above") and stops it: the restart counts ag
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -30,40 +31,69 @@ _STACK_HEAD = b"(most recent call first)"  # faulthandler's header of each threa
 
 
 class HangWatch:
-    """Watch one node's progress key for one round; :meth:`hung` once it stalled ``timeout`` s."""
+    """Watch this node's progress key, one round at a time; :meth:`hung` once it stalled ``timeout`` s.
 
-    def __init__(self, read: Callable[[], Any], timeout: float, round_: int,
+    A background thread (:meth:`start`) reads the key every ``min(1 s, timeout/4)``, so a slow or
+    unreachable etcd never holds up the agent's loop; a stall is measured between reads that
+    succeeded and starts over after a failed one, so an etcd outage is never taken for a hang.
+    """
+
+    def __init__(self, read: Callable[[], Any], timeout: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._read = read  # returns the progress report (a dict) or None; may raise ElasticrunError
         self.timeout = timeout
-        self.round = round_
         self._clock = clock
-        self._poll_every = min(1.0, timeout / 4)
-        self._next_poll = 0.0
+        self.poll_every = min(1.0, timeout / 4)
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self.round = -1
         self.step: Optional[int] = None  # the last step seen in this round
-        self._advanced_at: Optional[float] = None  # when it last changed (None: no report yet)
+        self._advanced_at: Optional[float] = None  # when it last changed (None: not judging)
+        self._seen_at = 0.0  # when the key was last read successfully
+        self._gap = False  # a read failed since the last successful one
 
-    def _poll(self, now: float) -> None:
-        if now < self._next_poll:
-            return
-        self._next_poll = now + self._poll_every
+    def start_round(self, round_: int) -> None:
+        """Judge reports of ``round_`` from now on (nothing until its first report)."""
+        with self._lock:
+            self.round, self.step, self._advanced_at = round_, None, None
+
+    def start(self) -> HangWatch:
+        """Poll in a daemon thread until :meth:`close`."""
+        threading.Thread(target=self._run, name="elasticrun-hang-watch", daemon=True).start()
+        return self
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def _run(self) -> None:
+        while not self._closed.wait(self.poll_every):
+            self.poll()
+
+    def poll(self) -> None:
+        """Read the key once and note whether the step advanced."""
         try:
             value = self._read()
         except (ElasticrunError, ValueError):
-            return  # etcd trouble is the outage guard's business, not a hang
-        if not isinstance(value, dict) or value.get("round") != self.round:
-            return  # nothing yet, a previous round's report, or expired with a dead reporter
-        step = value.get("step")
-        if value.get("closed"):  # the reporter was closed: training is over, whatever comes next
-            self.step, self._advanced_at = step, None
-        elif step != self.step or self._advanced_at is None:
-            self.step, self._advanced_at = step, now
+            self._gap = True  # etcd trouble is the outage guard's business, not a hang
+            return
+        now = self._clock()
+        with self._lock:
+            self._seen_at = now
+            if self._gap and self._advanced_at is not None:
+                self._advanced_at = now  # the reporter could not write either: start over
+            self._gap = False
+            if not isinstance(value, dict) or value.get("round") != self.round:
+                return  # nothing yet, a previous round's report, or expired with a dead reporter
+            step = value.get("step")
+            if value.get("closed"):  # the reporter was closed: training is over, whatever comes next
+                self.step, self._advanced_at = step, None
+            elif step != self.step or self._advanced_at is None:
+                self.step, self._advanced_at = step, now
 
     def stalled_for(self) -> float:
-        """Seconds since the step last advanced (0 before the first report of this round)."""
-        now = self._clock()
-        self._poll(now)
-        return 0.0 if self._advanced_at is None else now - self._advanced_at
+        """Seconds the step stood still, as of the last successful read (0 when not judging)."""
+        with self._lock:
+            return 0.0 if self._advanced_at is None else max(0.0, self._seen_at - self._advanced_at)
 
     def hung(self) -> bool:
         """True once the step has not advanced for ``timeout`` seconds."""
