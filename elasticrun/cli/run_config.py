@@ -318,6 +318,7 @@ def build_config(p: Parsed) -> LaunchConfig:
         standby=int(v["standby"]),
         snapshots=bool(v["snapshots"]),
         snapshot_memory=_snapshot_memory(p),
+        hang_timeout=float(v["hang_timeout"]),
         **settings,
     )
     for name in v:  # etcd connection options that etcd_options may add later, by field name

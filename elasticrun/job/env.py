@@ -74,6 +74,8 @@ SNAPSHOT_REPLICA_TIMEOUT = PREFIX + "SNAPSHOT_REPLICA_TIMEOUT"
 CKPT_CRASH_AT = PREFIX + "CKPT_CRASH_AT"
 #: Tests only: ``AFTER:SECONDS`` stalls an agent's round loop once (liveness tests).
 TEST_STALL_LOOP = PREFIX + "TEST_STALL_LOOP"
+#: ``--hang-timeout``: seconds without progress before a round counts as hung (0/unset: off).
+HANG_TIMEOUT = PREFIX + "HANG_TIMEOUT"
 #: Example only: print per-step timing.
 EXAMPLE_TIMING = PREFIX + "EXAMPLE_TIMING"
 

@@ -28,6 +28,7 @@ from elasticrun.job.settings import from_config as etcd_settings
 from elasticrun.launch.c10d import RoundStore
 from elasticrun.launch.config import LaunchConfig, Std, signal_number
 from elasticrun.launch.failures import root_cause_table
+from elasticrun.launch.hang import STACKS_WAIT_S, HangWatch, dump_stacks, hang_failures, hang_message
 from elasticrun.launch.hosting import open_store, wait_others_left
 from elasticrun.launch.node import local_address
 from elasticrun.launch.outage import STOP_SLACK_S, OutageGuard, stop_workers
@@ -103,6 +104,7 @@ class Agent:
         self._signal: Optional[int] = None
         self._stopping = False  # set once the agent is stopping: no signal is raised again
         self._wake: Callable[[], None] = lambda: None
+        self._hang: Optional[HangWatch] = None  # --hang-timeout: made with the first round
 
     # -- signals ----------------------------------------------------------------------------
 
@@ -149,6 +151,7 @@ class Agent:
             teardown.callback(lambda: store is not None and store.close())
             teardown.callback(lambda: self._wait_others_left(etcd, store, rdzv))
             teardown.callback(lambda: rdzv is not None and rdzv.leave())
+            teardown.callback(lambda: self._hang is not None and self._hang.close())
             teardown.callback(round_store.close)
             teardown.callback(lambda: workers is not None and self._stop_workers(workers))
             teardown.callback(self._ignore_signals, handled)
@@ -300,6 +303,7 @@ class Agent:
         guard = OutageGuard(self.cfg, rdzv, workers, self.say)
         guard.call(lambda: rdzv.publish(status=WorkerStatus.ACTIVE, waiting_for=-1), "starting a round")
         done_reported = False
+        hang = self._hang_watch(rdzv, topo)
         standby_at = time.monotonic() + STANDBY_DELAY_S
         version = rdzv.view.version
         while True:
@@ -326,6 +330,17 @@ class Agent:
                 guard.call(lambda: rdzv.report_failure(topo, rows), "reporting a failure")  # noqa: B023 - called at once
                 stop_workers(rdzv, workers, self.cfg.shutdown_timeout)
                 return RoundOutcome.NEXT
+            if hang is not None and state is GroupState.RUNNING and hang.hung():
+                self.say(f"round {topo.round}: the step reported by our workers (last {hang.step}) has not advanced "
+                         f"for {hang.timeout:g} s: dumping every worker's Python stacks")
+                workers_now = workers.running
+                rdzv.beat(busy_for=STACKS_WAIT_S)
+                dump_stacks(workers_now)
+                self.say(f"{hang_message(hang.timeout)}: stopping this round")
+                rows = hang_failures(workers_now, hang.timeout)
+                guard.call(lambda: rdzv.report_failure(topo, rows), "reporting a hang")  # noqa: B023 - called at once
+                stop_workers(rdzv, workers, self.cfg.shutdown_timeout)
+                return RoundOutcome.NEXT
             if state is GroupState.SUCCEEDED and not done_reported:
                 guard.call(lambda: rdzv.report_done(topo), "reporting success")
                 guard.call(lambda: rdzv.publish(status=WorkerStatus.SUCCEEDED), "reporting success")
@@ -336,6 +351,11 @@ class Agent:
                 stop_workers(rdzv, workers, self.cfg.shutdown_timeout)
                 return RoundOutcome.SUCCEEDED
             if change is not None:
+                if hang is not None and hang.stalled_for() >= hang.timeout / 2:  # stuck here too (a collective)
+                    self.say(f"round {topo.round}: our workers' step has not advanced for "
+                             f"{hang.stalled_for():.0f} s either: dumping their Python stacks")
+                    rdzv.beat(busy_for=STACKS_WAIT_S)
+                    dump_stacks(workers.running)
                 self.say(f"round {topo.round} ended: {change}; stopping workers")
                 stop_workers(rdzv, workers, self.cfg.shutdown_timeout)
                 return RoundOutcome.NEXT
@@ -345,6 +365,17 @@ class Agent:
             else:
                 timeout = 0.5
             version = rdzv.view.wait_change(version, timeout)
+
+
+    def _hang_watch(self, rdzv: Rendezvous, topo: Topology) -> Optional[HangWatch]:
+        """``--hang-timeout``: watch the progress our node's local rank 0 reports (see launch/hang.py)."""
+        if self.cfg.hang_timeout <= 0:
+            return None
+        if self._hang is None:
+            key = rdzv.keys.progress_of(self.cfg.node_id)
+            self._hang = HangWatch(lambda: rdzv.store.get_json(key), self.cfg.hang_timeout).start()
+        self._hang.start_round(topo.round)
+        return self._hang
 
 
 def _test_stall() -> List[float]:

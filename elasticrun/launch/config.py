@@ -152,6 +152,7 @@ class LaunchConfig:
     standby: int = 1  # --standby N: warm interpreters per node (1: one fork server; 0: none)
     snapshots: bool = True  # --no-snapshots: no memory tier (no ELASTICRUN_SNAPSHOT_DIR for workers)
     snapshot_memory: Optional[int] = None  # --snapshot-memory: the memory tier's cap in bytes (None: /dev/shm)
+    hang_timeout: float = 0.0  # --hang-timeout: restart a round whose progress stalled this long (0: off)
 
     def validate(self) -> LaunchConfig:
         """Raise ConfigError with a clear message when something cannot work; return self."""
@@ -178,6 +179,8 @@ class LaunchConfig:
         for name, value in vars(self).items():  # nan/inf durations: a deadline that never comes
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"--{name.replace('_', '-')} {value}: must be a finite number of seconds")
+        if self.hang_timeout < 0:
+            raise ConfigError(f"--hang-timeout {self.hang_timeout}: must not be negative (0 turns it off)")
         if self.etcd_outage_grace < 0:
             raise ConfigError(f"--etcd-outage-grace {self.etcd_outage_grace}: must not be negative")
         if self.heartbeat_timeout < 2:

@@ -1,7 +1,8 @@
 """Training progress in etcd, for ``elasticrun status``.
 
 The node's local rank 0 writes ``/elasticrun/<job>/progress/<node-id>`` =
-``{"step", "loss", "samples_per_s", "rank", "round", "world_size", "time"}`` under its
+``{"step", "loss", "samples_per_s", "rank", "round", "world_size", "time"}`` (and
+``"closed": true`` in the last report, written by :meth:`ProgressReporter.close`) under its
 own short lease (refreshed with every write), at most once per ``interval`` seconds.
 When the worker stops reporting (it exited, hung or died) the key vanishes after the
 lease TTL. :meth:`ProgressReporter.report` never blocks on etcd: a background thread
@@ -10,6 +11,7 @@ does the writing, and an unreachable etcd only costs one warning.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import threading
@@ -56,6 +58,7 @@ class ProgressReporter:
         self._closed = threading.Event()
         self._lease: Optional[int] = None
         self._last_rate: Optional[tuple] = None  # (time, samples)
+        self._last_put: Optional[Dict[str, Any]] = None
         self._thread: Optional[threading.Thread] = None
         if self.active:
             self._thread = threading.Thread(target=self._run, name="elasticrun-progress", daemon=True)
@@ -89,8 +92,8 @@ class ProgressReporter:
         self._wake.set()
 
     def close(self, timeout: float = 2.0) -> None:
-        """Write the last report (best effort, at most ``timeout`` s) and stop. The key then
-        expires with its lease."""
+        """Write the last report, marked ``"closed": true`` (best effort, at most ``timeout`` s), and
+        stop: ``--hang-timeout`` no longer judges this node's steps. The key then expires with its lease."""
         self._closed.set()
         self._wake.set()
         if self._thread is not None:
@@ -115,6 +118,8 @@ class ProgressReporter:
             self._wake.clear()
             with self._lock:
                 value, self._latest = self._latest, None
+            if closing and (value or self._last_put) is not None:
+                value = dict(value or self._last_put or {}, closed=True)  # the end of training, not a hang
             if value is not None:
                 self._put(value)
                 last_put = time.monotonic()
@@ -133,9 +138,30 @@ class ProgressReporter:
                 self._lease = store.grant_lease(self.ttl)
             store.put_json(self.key, value, lease=self._lease)
             self.puts += 1
+            self._last_put = value
         except ElasticrunError as err:
             self._lease = None
             self.link.failed(err)
 
 
-__all__ = ["PROGRESS_DIR", "ProgressReporter"]
+_HEARTBEAT: Optional[ProgressReporter] = None
+_heartbeat_lock = threading.Lock()
+
+
+def heartbeat(step: int, loss: Optional[float] = None) -> None:
+    """Report ``step`` (and ``loss``) with a process-wide :class:`ProgressReporter`, made on first use.
+
+    One call per training step is all an unmodified script needs for ``elasticrun status`` and for
+    ``--hang-timeout`` (a step that stops changing means a hang). Never blocks; a no-op outside
+    elasticrun and on ranks other than a node's local rank 0.
+    """
+    global _HEARTBEAT
+    if _HEARTBEAT is None:
+        with _heartbeat_lock:
+            if _HEARTBEAT is None:
+                _HEARTBEAT = ProgressReporter()
+                atexit.register(_HEARTBEAT.close)  # the script's end (teardown, last saves) is no hang
+    _HEARTBEAT.report(step, loss)
+
+
+__all__ = ["PROGRESS_DIR", "ProgressReporter", "heartbeat"]
