@@ -30,6 +30,7 @@ from elasticrun.cli.etcd_options import (
     ETCD_USER,
     settings_from_flags,
 )
+from elasticrun.cli.goodput_view import goodput_line, with_goodput
 from elasticrun.errors import ElasticrunError
 from elasticrun.job import env as job_env
 from elasticrun.job.keys import ROOT, JobKeys
@@ -160,6 +161,9 @@ def render_job(doc: Dict[str, Any], endpoint: str = "", error: str = "") -> Rend
             f"restarts {restarts} · nnodes {doc.get('nnodes') or '?'} · master {master} · "
             f"formed {_ago(doc.get('round_created_at'), now)}"
         ))
+    goodput = goodput_line(doc.get("goodput"))
+    if goodput is not None:
+        lines.append(goodput)
     state = doc.get("state")
     if isinstance(state, dict):
         lines.append(Text(f"state: {state.get('state')} — {state.get('reason', '')} (round {state.get('round')}, "
@@ -384,7 +388,7 @@ def _show_jobs(store: EtcdStore, watch_: bool, as_json: bool) -> None:
 
 def _show_job(store: EtcdStore, job: str, watch_: bool, as_json: bool, events: int) -> None:
     endpoint = store.endpoints
-    doc = job_status(store, job, events=events)  # JobNotFoundError: one line, non-zero exit
+    doc = with_goodput(job_status(store, job, events=events))  # JobNotFoundError: one line, non-zero exit
     if not watch_ or ended(doc):
         if as_json:
             print_json(doc)
@@ -396,7 +400,7 @@ def _show_job(store: EtcdStore, job: str, watch_: bool, as_json: bool, events: i
 
     def snapshot() -> Dict[str, Any]:
         try:
-            return job_status(store, job, events=events)
+            return with_goodput(job_status(store, job, events=events))
         except JobNotFoundError:
             gone = build_job_status(job, [], 0, None, events)
             gone["phase"] = "gone"

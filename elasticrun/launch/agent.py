@@ -29,6 +29,7 @@ from elasticrun.launch.c10d import RoundStore
 from elasticrun.launch.failures import root_cause_table
 from elasticrun.launch.hosting import open_store, wait_others_left
 from elasticrun.launch.node import local_address
+from elasticrun.launch.observe import Observer
 from elasticrun.launch.outage import STOP_SLACK_S, OutageGuard, stop_workers
 from elasticrun.launch.preload import TorchPreload
 from elasticrun.launch.snapshots import SnapshotRoot
@@ -102,6 +103,7 @@ class Agent:
         self._signal: Optional[int] = None
         self._stopping = False  # set once the agent is stopping: no signal is raised again
         self._wake: Callable[[], None] = lambda: None
+        self.obs = Observer(cfg)  # /metrics, goodput accounting, --events-file
 
     # -- signals ----------------------------------------------------------------------------
 
@@ -140,6 +142,7 @@ class Agent:
         files_dir = tempfile.mkdtemp(prefix=f"elasticrun-{cfg.rdzv_id}-")
         round_store = RoundStore()
         try:
+            self.obs.start()  # a busy --metrics-port: one line, before anything started
             log_dir = cfg.log_dir
             if log_dir is None and (cfg.redirects != "0" or cfg.tee != "0"):
                 # Not under files_dir: that one is removed at exit, and these logs must outlive us.
@@ -156,6 +159,7 @@ class Agent:
             workers.prewarm()  # worker interpreters import torch while we meet the other nodes
             torch_preload = TorchPreload(cfg.device_kind).start()  # our own torch too, while etcd starts
             etcd, store = open_store(cfg, self.say)  # standalone / c10d / static: may host the job's etcd
+            self.obs.attach(store)
             # Workers reach etcd (commit fence, progress, checkpoint requests) with the same settings.
             workers.etcd_settings_file = etcd_settings(cfg).write(os.path.join(files_dir, "etcd-settings.json"))
             host, port = parse_endpoints(cfg.rdzv_endpoint)[0]
@@ -205,6 +209,7 @@ class Agent:
                 workers.stop(cfg.shutdown_timeout)
                 workers.discard_warm()
             round_store.close()
+            self.obs.detach()
             if rdzv is not None:
                 rdzv.leave()
             if etcd is not None and store is not None and rdzv is not None and self._signal is None:
@@ -216,6 +221,7 @@ class Agent:
             shutil.rmtree(files_dir, ignore_errors=True)
             if snapshots is not None:
                 snapshots.remove()
+            self.obs.close()  # /metrics answers until here
             for number in handled:
                 signal.signal(number, signal.default_int_handler if number == signal.SIGINT else signal.SIG_DFL)
 
@@ -239,6 +245,7 @@ class Agent:
         guard = OutageGuard(self.cfg, rdzv, workers, self.say)
         while True:
             workers.prewarm()
+            self.obs.rendezvous(rdzv)
             try:
                 topo = guard.call(rdzv.next_round, "forming a round")
             except LeaseLost as lost:
@@ -254,10 +261,12 @@ class Agent:
                 guard.call(rdzv.reregister, "rejoining")
                 continue
             if outcome is RoundOutcome.SUCCEEDED:
+                self.obs.finish("succeeded")
                 self.say("all workers of all nodes finished: job succeeded")
                 return 0
 
     def _ended(self, rdzv: Rendezvous, ended: JobEnded) -> int:
+        self.obs.finish("succeeded" if ended.succeeded else "failed")
         if ended.succeeded:
             self.say("the job has finished successfully")
             return 0
@@ -279,6 +288,7 @@ class Agent:
             f"group rank {me.group_rank}, ranks {ranks}, restarts {topo.restart_count}/{self.cfg.max_restarts}"
         )
         rdzv.beat(busy_for=SERVER_WAIT_S)  # the start may wait for the fork server's imports (bounded)
+        self.obs.round_started(topo, event)
         workers.start(topo, me, event)
         rdzv.beat()
         self.say(f"round {topo.round}: workers started ({workers.started_how})")
@@ -302,11 +312,13 @@ class Agent:
                 _STALL.clear()
             if guard.check(topo) is not None:  # lease in doubt: ride out an etcd outage, or fence
                 return RoundOutcome.NEXT
+            self.obs.tick(rdzv, outage=guard.since is not None)
             state = workers.poll()
             if state is GroupState.FAILED:
                 failures = workers.failures()
                 first = failures[0]
                 self.say(f"worker rank {first.rank} failed ({first.signal or first.exitcode}): stopping this round")
+                self.obs.round_failed()
                 rows = [f.to_dict() for f in failures]
                 guard.call(lambda: rdzv.report_failure(topo, rows), "reporting a failure")  # noqa: B023 - called at once
                 stop_workers(rdzv, workers, self.cfg.shutdown_timeout)
@@ -322,6 +334,7 @@ class Agent:
                 return RoundOutcome.SUCCEEDED
             if change is not None:
                 self.say(f"round {topo.round} ended: {change}; stopping workers")
+                self.obs.round_changed(rdzv, topo)
                 stop_workers(rdzv, workers, self.cfg.shutdown_timeout)
                 return RoundOutcome.NEXT
             if not done_reported:
