@@ -90,6 +90,13 @@ class _StateCollector:
                        {state: 1.0 if state == lease else 0.0 for state in LEASE_STATES})
 
 
+class _Server(ThreadingWSGIServer):
+    """One thread per scrape (daemon), and a listen backlog for a burst of concurrent scrapers."""
+
+    daemon_threads = True
+    request_queue_size = 128
+
+
 class Metrics:
     """The registry, its histograms, and (once :meth:`serve` ran) the HTTP server."""
 
@@ -115,12 +122,10 @@ class Metrics:
         """Serve ``/metrics`` on ``host:port`` in a daemon thread; the port bound (``port`` 0: any).
         ConfigError (one line) when the address cannot be bound."""
         try:
-            server = make_server(host, port, make_wsgi_app(self.registry), ThreadingWSGIServer,
-                                 handler_class=_SilentHandler)
+            server = make_server(host, port, make_wsgi_app(self.registry), _Server, handler_class=_SilentHandler)
         except OSError as err:
             raise ConfigError(f"--metrics-port {port}: cannot listen on {host}:{port} ({err.strerror or err}); "
                               "pick a free port, or 0 to turn metrics off") from None
-        server.daemon_threads = True  # type: ignore[attr-defined]
         self._server = server
         self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.5},
                                         name="elasticrun-metrics", daemon=True)
