@@ -148,6 +148,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     progress = et.ProgressReporter(ctx)
     last_saved = step if resumed != "nothing" and tier == "disk" else -1  # memory dies with the job: save at the end
     samples_seen = 0
+    progress.report(step)  # the round starts training here (the agent's goodput clock), at the step restored
 
     def state_now() -> Tuple[Any, Dict[str, Any]]:
         ts = et.TrainingState(epoch=sampler.epoch, step=step, samples_consumed=sampler.samples_consumed,
@@ -169,8 +170,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         from elasticrun.checkpoint import SnapshotUnavailable
 
         ts, state = state_now()
+        t0 = time.perf_counter()
         try:
             snaps.snapshot(state, training_state=ts)
+            progress.stalled("snapshot", time.perf_counter() - t0)
         except SnapshotUnavailable as err:  # deterministic: say it once, go on with disk checkpoints only
             log0(ctx, f"memory snapshots disabled: {err}")
             snaps = None
@@ -189,6 +192,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                          user_metadata={"example": "train.py", "reason": reason},
                          process_group=ctx.cpu_process_group)
         last_saved = step
+        progress.stalled("checkpoint", time.perf_counter() - t0)
         log0(ctx, f"checkpoint {name} saved in {time.perf_counter() - t0:.2f}s ({reason})")
         return name
 

@@ -31,6 +31,7 @@ from elasticrun.launch.failures import root_cause_table
 from elasticrun.launch.hang import STACKS_WAIT_S, HangWatch, dump_stacks, hang_failures, hang_message
 from elasticrun.launch.hosting import open_store, wait_others_left
 from elasticrun.launch.node import local_address
+from elasticrun.launch.observe import Observer
 from elasticrun.launch.outage import STOP_SLACK_S, OutageGuard, stop_workers
 from elasticrun.launch.preload import TorchPreload
 from elasticrun.launch.snapshots import SnapshotRoot
@@ -105,6 +106,7 @@ class Agent:
         self._stopping = False  # set once the agent is stopping: no signal is raised again
         self._wake: Callable[[], None] = lambda: None
         self._hang: Optional[HangWatch] = None  # --hang-timeout: made with the first round
+        self.obs = Observer(cfg)  # /metrics, goodput accounting, --events-file
 
     # -- signals ----------------------------------------------------------------------------
 
@@ -145,17 +147,20 @@ class Agent:
         round_store = RoundStore()
         with contextlib.ExitStack() as teardown:  # runs bottom to top; each line sees the resource made meanwhile
             teardown.callback(self._restore_signals, handled)
+            teardown.callback(self.obs.close)  # /metrics answers until here
             teardown.callback(lambda: snapshots is not None and snapshots.remove())
             teardown.callback(shutil.rmtree, files_dir, ignore_errors=True)
             teardown.callback(lambda: etcd is not None and etcd.stop())
             teardown.callback(lambda: store is not None and store.close())
             teardown.callback(lambda: self._wait_others_left(etcd, store, rdzv))
             teardown.callback(lambda: rdzv is not None and rdzv.leave())
+            teardown.callback(self.obs.detach)
             teardown.callback(lambda: self._hang is not None and self._hang.close())
             teardown.callback(round_store.close)
             teardown.callback(lambda: workers is not None and self._stop_workers(workers))
             teardown.callback(self._ignore_signals, handled)
             try:
+                self.obs.start()  # a busy --metrics-port: one line, before anything started
                 log_dir = cfg.log_dir
                 if log_dir is None and (cfg.redirects != Std.NONE or cfg.tee != Std.NONE):
                     # Not under files_dir: that one is removed at exit, and these logs must outlive us.
@@ -172,6 +177,7 @@ class Agent:
                 workers.prewarm()  # worker interpreters import torch while we meet the other nodes
                 torch_preload = TorchPreload(cfg.device_kind).start()  # our own torch too, while etcd starts
                 etcd, store = open_store(cfg, self.say)  # standalone / c10d / static: may host the job's etcd
+                self.obs.attach(store)
                 # Workers reach etcd (commit fence, progress, checkpoint requests) with the same settings.
                 workers.etcd_settings_file = etcd_settings(cfg).write(os.path.join(files_dir, "etcd-settings.json"))
                 host, port = parse_endpoints(cfg.rdzv_endpoint)[0]
@@ -257,6 +263,7 @@ class Agent:
         guard = OutageGuard(self.cfg, rdzv, workers, self.say)
         while True:
             workers.prewarm()
+            self.obs.rendezvous(rdzv)
             try:
                 topo = guard.call(rdzv.next_round, "forming a round")
             except LeaseLost as lost:
@@ -272,10 +279,12 @@ class Agent:
                 guard.call(rdzv.reregister, "rejoining")
                 continue
             if outcome is RoundOutcome.SUCCEEDED:
+                self.obs.finish("succeeded")
                 self.say("all workers of all nodes finished: job succeeded")
                 return 0
 
     def _ended(self, rdzv: Rendezvous, ended: JobEnded) -> int:
+        self.obs.finish("succeeded" if ended.succeeded else "failed")
         if ended.succeeded:
             self.say("the job has finished successfully")
             return 0
@@ -297,6 +306,7 @@ class Agent:
             f"group rank {me.group_rank}, ranks {ranks}, restarts {topo.restart_count}/{self.cfg.max_restarts}"
         )
         rdzv.beat(busy_for=SERVER_WAIT_S)  # the start may wait for the fork server's imports (bounded)
+        self.obs.round_started(topo, event)
         workers.start(topo, me, event)
         rdzv.beat()
         self.say(f"round {topo.round}: workers started ({workers.started_how})")
@@ -321,11 +331,13 @@ class Agent:
                 _STALL.clear()
             if guard.check(topo) is not None:  # lease in doubt: ride out an etcd outage, or fence
                 return RoundOutcome.NEXT
+            self.obs.tick(rdzv, outage=guard.since is not None)
             state = workers.poll()
             if state is GroupState.FAILED:
                 failures = workers.failures()
                 first = failures[0]
                 self.say(f"worker rank {first.rank} failed ({first.signal or first.exitcode}): stopping this round")
+                self.obs.round_failed()
                 rows = [f.to_dict() for f in failures]
                 guard.call(lambda: rdzv.report_failure(topo, rows), "reporting a failure")  # noqa: B023 - called at once
                 stop_workers(rdzv, workers, self.cfg.shutdown_timeout)
@@ -357,6 +369,7 @@ class Agent:
                     rdzv.beat(busy_for=STACKS_WAIT_S)
                     dump_stacks(workers.running)
                 self.say(f"round {topo.round} ended: {change}; stopping workers")
+                self.obs.round_changed(rdzv, topo)
                 stop_workers(rdzv, workers, self.cfg.shutdown_timeout)
                 return RoundOutcome.NEXT
             if not done_reported:

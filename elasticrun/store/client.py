@@ -113,8 +113,15 @@ class EtcdStore:
             time.sleep(delay * (0.5 + _JITTER.random()))
             delay = min(delay * 2, 1.0)
 
+    on_call: Optional[Callable[[str, float], None]] = None  # on_call(op, seconds) after every call (metrics)
+
     def _call(self, what: str, fn: Callable[[MultiEndpointEtcd3Client], T]) -> T:
-        return self._retry(lambda: fn(self._client), what)
+        start = time.monotonic()
+        try:
+            return self._retry(lambda: fn(self._client), what)
+        finally:
+            if self.on_call is not None:
+                self.on_call(what, time.monotonic() - start)
 
     # -- key/value ------------------------------------------------------------------
 

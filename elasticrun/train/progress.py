@@ -1,12 +1,14 @@
 """Training progress in etcd, for ``elasticrun status``.
 
 The node's local rank 0 writes ``/elasticrun/<job>/progress/<node-id>`` =
-``{"step", "loss", "samples_per_s", "rank", "round", "world_size", "time"}`` (and
+``{"step", "loss", "samples_per_s", "rank", "round", "world_size", "time", "stalls"}`` (and
 ``"closed": true`` in the last report, written by :meth:`ProgressReporter.close`) under its
 own short lease (refreshed with every write), at most once per ``interval`` seconds.
 When the worker stops reporting (it exited, hung or died) the key vanishes after the
-lease TTL. :meth:`ProgressReporter.report` never blocks on etcd: a background thread
-does the writing, and an unreachable etcd only costs one warning.
+lease TTL. ``stalls`` (:meth:`ProgressReporter.stalled`) holds this worker's cumulative
+checkpoint and snapshot stalls, ``{"checkpoint": [count, seconds, last], ...}``, which the agent
+turns into goodput accounting and duration histograms. :meth:`ProgressReporter.report` never
+blocks on etcd: a background thread does the writing, and an unreachable etcd only costs one warning.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import logging
 import math
 import threading
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from elasticrun.errors import ElasticrunError
 from elasticrun.train.env import ElasticState
@@ -59,6 +61,8 @@ class ProgressReporter:
         self._lease: Optional[int] = None
         self._last_rate: Optional[tuple] = None  # (time, samples)
         self._last_put: Optional[Dict[str, Any]] = None
+        self._stalls: Dict[str, List[float]] = {}  # kind -> [count, total seconds, last seconds]
+        self._sent: Optional[Dict[str, Any]] = None  # the latest report
         self._thread: Optional[threading.Thread] = None
         if self.active:
             self._thread = threading.Thread(target=self._run, name="elasticrun-progress", daemon=True)
@@ -87,9 +91,23 @@ class ProgressReporter:
             "world_size": self.state.world_size,
             "time": now,
         }
+        if self._stalls:
+            value["stalls"] = {k: [int(v[0]), round(v[1], 4), round(v[2], 4)] for k, v in self._stalls.items()}
         with self._lock:
-            self._latest = value
+            self._latest = self._sent = value
         self._wake.set()
+
+    def stalled(self, kind: str, seconds: float) -> None:
+        """Training was blocked ``seconds`` by a ``kind`` ("checkpoint" or "snapshot") save; sent with the
+        next :meth:`report` (goodput accounting and the agent's ``elasticrun_checkpoint_seconds``)."""
+        entry = self._stalls.setdefault(kind, [0, 0.0, 0.0])
+        entry[0] += 1
+        entry[1] += max(0.0, float(seconds))
+        entry[2] = max(0.0, float(seconds))
+        with self._lock:
+            last = self._sent
+        if last is not None:  # re-send the latest report with it: a worker that exits now still tells
+            self.report(last["step"], last["loss"], last["samples_per_s"])
 
     def close(self, timeout: float = 2.0) -> None:
         """Write the last report, marked ``"closed": true`` (best effort, at most ``timeout`` s), and
