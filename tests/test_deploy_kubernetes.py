@@ -217,7 +217,7 @@ class LocalCluster:
         for m in self.members:
             m.start(wait_healthy=False)
         for m in self.members:
-            m.wait_healthy(30)
+            m.wait_healthy(90)  # generous: a loaded CI machine
 
     def stop(self) -> None:
         for m in self.members:
@@ -342,8 +342,8 @@ def test_pytorchjob_pods_train_through_scale_up_and_down(cluster: LocalCluster, 
                 p.kill()
                 p.wait(30)
     text = outs[0].read_text(errors="replace")
-    stop = re.search(r"stopped: SIGTERM at step (\d+) world 1", text)
-    assert stop, text[-3000:]
-    assert (tmp_path / "pvc" / "elasticrun-checkpoints" / "elastic-demo" / f"step-{int(stop[1]):08d}").is_dir()
+    stops = re.findall(r"stopped: SIGTERM at step (\d+) world 1", text)  # the last: the preemption's
+    assert stops, text[-3000:]
+    assert (tmp_path / "pvc" / "elasticrun-checkpoints" / "elastic-demo" / f"step-{int(stops[-1]):08d}").is_dir()
     seen = [s for s, _ in steps(*outs.values())]
     assert seen == sorted(set(seen)) and seen[-1] >= last2 + 10, "training went on through both changes"
