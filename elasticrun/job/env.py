@@ -50,6 +50,12 @@ GLOBAL_BATCH_SIZE = PREFIX + "GLOBAL_BATCH_SIZE"
 ETCD_SETTINGS_FILE = PREFIX + "ETCD_SETTINGS_FILE"
 #: The node's memory tier: a 0700 shared-memory directory the agent owns (see elasticrun.launch.snapshots).
 SNAPSHOT_DIR = PREFIX + "SNAPSHOT_DIR"
+#: In-place re-forming (see elasticrun.train.inplace): this worker's assignment file. The agent
+#: writes the next round's ranks there (write + rename) instead of restarting the worker; a worker
+#: opts in by creating ``<file>.optin``. Unset: the worker is always restarted (today's behaviour).
+REFORM_FILE = PREFIX + "REFORM_FILE"
+#: ``1`` on a newcomer joining a group that re-forms in place: it receives the state by broadcast.
+REFORM_JOIN = PREFIX + "REFORM_JOIN"
 
 # -- read from the user's environment ----------------------------------------------------------
 #: Default checkpoint root of examples/train.py (set by the user; the agent never sets it).

@@ -7,6 +7,7 @@
     lr = et.scale_lr(base_lr, base_world, ctx.world_size)   # the launcher's --lr-scaling
     requests = et.CheckpointRequests(ctx)            # `elasticrun ckpt save` + agreed stop
     progress = et.ProgressReporter(ctx)              # progress in etcd for `elasticrun status`
+    reform = et.InPlace(ctx, model=m, optimizer=o, sampler=sampler)  # in-place rescales
     et.heartbeat(step)                               # or just this, once per step (also --hang-timeout)
     ckpt = et.load_latest(root, sampler=sampler)     # newest checkpoint (+ sampler, RNG), or None
     state["rng"] = et.capture_rng(seed)              # every rank's generators, in the checkpoint
@@ -24,6 +25,7 @@ from elasticrun.rendezvous.records import RescaleType
 from elasticrun.train.control import CheckpointRequests, StepDecision
 from elasticrun.train.dist import ElasticContext, default_backend, init
 from elasticrun.train.env import ElasticState
+from elasticrun.train.inplace import InPlace, Reform, rebuild_ddp
 from elasticrun.train.lr import (
     accumulation_steps,
     default_global_batch,
@@ -46,8 +48,10 @@ __all__ = [
     "ElasticDistributedSampler",
     "ElasticState",
     "GracefulStop",
+    "InPlace",
     "ProgressReporter",
     "RedistributionType",
+    "Reform",
     "RescaleType",
     "StepDecision",
     "TrainingState",
@@ -64,6 +68,7 @@ __all__ = [
     "load_latest",
     "micro_batch_for",
     "parse_strategy",
+    "rebuild_ddp",
     "restore_rng",
     "scale_lr",
     "seed_all",

@@ -1,0 +1,246 @@
+"""In-place re-forming: survivors of a planned rescale keep their process, model and optimizer.
+
+    ctx = et.init()
+    reform = et.InPlace(ctx, model=model, optimizer=opt, sampler=sampler)   # opts in
+    while ...:
+        train_one_step(); reform.step += 1
+        result = reform.check()            # a step boundary: one tiny all-reduce
+        if result is et.Reform.STOP:       # this worker leaves (its node is going away)
+            break
+        if result is et.Reform.REFORMED:   # new world: rebuild what held the old group
+            ddp = et.rebuild_ddp(ddp)
+
+The agent writes this worker's next assignment (the next round's torchrun variables) to the
+file named by ``ELASTICRUN_REFORM_FILE`` (write + rename) instead of restarting the worker.
+:meth:`InPlace.check` notices it with one ``os.stat``; all old-group ranks agree on the same
+step through a MAX all-reduce of a local "pending" flag over a short-timeout gloo group, tear
+the old group down, join the new round's group and broadcast the registered state from the new
+rank 0 (always a survivor: ranks are stable) to newcomers, which receive it in the constructor
+(``ELASTICRUN_REFORM_JOIN=1``). Any failure (a peer gone, no assignment before ``timeout``)
+exits the worker with :data:`EXIT_REFORM_FAILED`: the agent then takes the normal restart path.
+Without ``ELASTICRUN_REFORM_FILE`` (torchrun, plain python) nothing changes: ``check()`` is a
+no-op returning ``CONTINUE`` unless SIGTERM arrived.
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any, Dict, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from elasticrun.job import env as names
+from elasticrun.train.dist import ElasticContext
+from elasticrun.train.env import ElasticState
+from elasticrun.train.sampler import ElasticDistributedSampler
+
+log = logging.getLogger(__name__)
+
+EXIT_REFORM_FAILED = 75  # the worker could not re-form: the agent restarts the round as today
+DEFAULT_REFORM_TIMEOUT_S = 30.0
+DEFAULT_JOIN_TIMEOUT_S = 120.0
+_STOP = 2  # flag value: this rank leaves (SIGTERM); 1: an assignment is pending; 0: nothing
+
+#: The variables an assignment carries (the rest of the environment stays as it was).
+ASSIGNED = (
+    names.RANK, names.WORLD_SIZE, names.LOCAL_RANK, names.LOCAL_WORLD_SIZE, names.GROUP_RANK,
+    names.GROUP_WORLD_SIZE, names.ROLE_RANK, names.ROLE_WORLD_SIZE, names.MASTER_ADDR, names.MASTER_PORT,
+    names.RESTART_COUNT, names.ROUND, names.PREV_WORLD_SIZE, names.RESCALE_TYPE, names.RESCALE_EVENT_FILE,
+)
+
+
+class Reform(enum.Enum):
+    """What :meth:`InPlace.check` decided at this step boundary."""
+
+    CONTINUE = "continue"  # nothing changed
+    REFORMED = "reformed"  # now in the next round's group, state synchronised
+    STOP = "stop"  # this worker leaves (SIGTERM): save if you must, then exit 0
+
+
+def write_assignment(path: str, env: Mapping[str, str], leave: bool = False) -> None:
+    """Agent side: atomically publish a worker's next assignment (``env``: the new worker variables)."""
+    body = {"round": int(env.get(names.ROUND, "-1")), "leave": leave,
+            "env": {k: str(env[k]) for k in ASSIGNED if k in env}}
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(body, f)
+    os.replace(tmp, path)
+
+
+def read_assignment(path: str) -> Optional[Dict[str, Any]]:
+    """The assignment at ``path``, or None (absent or not yet complete)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def opted_in(path: str) -> bool:
+    """Agent side: True once the worker whose assignment file is ``path`` opted in."""
+    return os.path.exists(path + ".optin")
+
+
+def rebuild_ddp(module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
+    """A DDP wrapper on the current (new) process group around the module ``module`` wrapped.
+
+    A DDP wrapper holds the old group: after :attr:`Reform.REFORMED`, wrap again.
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    inner = module.module if isinstance(module, DDP) else module
+    return DDP(inner, **kwargs)
+
+
+class InPlace:
+    """Registered training state plus the step-boundary check; see the module docstring.
+
+    ``objects``: things with ``state_dict()``/``load_state_dict()`` (model, optimizer, sampler…)
+    broadcast to newcomers. ``step`` and ``extra`` (a JSON-able dict) travel too. ``every``: run
+    the agreement every K steps (K=1: one 1-element all-reduce per step). ``timeout``: the
+    deadline of the re-form's own collectives and of the wait for the assignment; ``join_timeout``:
+    how long the new group may take to assemble (newcomers are still starting: their imports count)
+    and the collective timeout of the new default group.
+    """
+
+    def __init__(self, ctx: ElasticContext, *, every: int = 1, timeout: float = DEFAULT_REFORM_TIMEOUT_S,
+                 join_timeout: float = DEFAULT_JOIN_TIMEOUT_S, **objects: Any) -> None:
+        self.ctx = ctx
+        self.objects = objects
+        self.step = 0
+        self.extra: Dict[str, Any] = {}
+        self.every = max(1, int(every))
+        self.timeout = float(timeout)
+        self.join_timeout = float(join_timeout)
+        self.path = os.environ.get(names.REFORM_FILE, "").strip()
+        self.last_pause_s = 0.0  # wall time of the last re-form (teardown → state synchronised)
+        self.reforms = 0
+        self._calls = 0
+        self._seen: Optional[int] = None
+        self._group: Any = None
+        if self.enabled:
+            self._new_group()
+            if os.environ.get(names.REFORM_JOIN) == "1":
+                os.environ.pop(names.REFORM_JOIN, None)
+                self._guarded(self.sync, "receiving the state from the survivors")
+            open(self.path + ".optin", "w").close()  # tell the agent: restart not needed
+
+    @property
+    def enabled(self) -> bool:
+        """True under an agent that re-forms in place, with a process group."""
+        return bool(self.path) and self.ctx.distributed
+
+    # -- the step boundary -------------------------------------------------------------------
+
+    def _pending(self) -> bool:
+        try:
+            mtime = os.stat(self.path).st_mtime_ns
+        except OSError:
+            return False
+        if mtime == self._seen:
+            return False
+        a = read_assignment(self.path)
+        if a is None:
+            return False
+        self._seen = mtime
+        return int(a["round"]) > self.ctx.round
+
+    def check(self) -> Reform:
+        """Call once per step, on every rank, between steps. Collective when enabled."""
+        self._calls += 1
+        if not self.enabled:
+            return Reform.STOP if self.ctx.should_stop else Reform.CONTINUE
+        if self._calls % self.every and not self.ctx.should_stop:
+            return Reform.CONTINUE
+        stopping = self.ctx.should_stop  # read once: SIGTERM may land between here and the decision
+        flag = torch.tensor([_STOP if stopping else int(self._pending())])
+        self._guarded(lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group), "agreeing to re-form")
+        if int(flag.item()) == 0:
+            return Reform.CONTINUE
+        if stopping:
+            dist.destroy_process_group()
+            self.ctx.owns_group = False
+            return Reform.STOP
+        self._reform()
+        return Reform.REFORMED
+
+    # -- the re-form ----------------------------------------------------------------------------
+
+    def _reform(self) -> None:
+        began = time.monotonic()
+        old = self.ctx.round
+        dist.destroy_process_group()  # every group of the old round, ours included
+        deadline = began + self.timeout
+        a = read_assignment(self.path)
+        while a is None or int(a["round"]) <= old:
+            if time.monotonic() >= deadline:
+                self._fail(f"no assignment for a round after {old} within {self.timeout:g} s")
+            time.sleep(0.005)
+            a = read_assignment(self.path)
+        if a.get("leave"):
+            self._fail(f"round {a['round']} has no place for this worker")
+        os.environ.update(a["env"])
+        state = ElasticState.from_env()
+        self.ctx.state = state
+        td = datetime.timedelta(seconds=self.join_timeout)
+        self._guarded(lambda: dist.init_process_group(backend=self.ctx.backend, init_method="env://", timeout=td),
+                      "joining the new round's group")
+        self.ctx.owns_group = True
+        if "nccl" in str(self.ctx.backend):
+            self.ctx.cpu_group = dist.new_group(backend="gloo")
+        self._new_group()
+        self._repoint_samplers(state)
+        self._guarded(self.sync, "sending the state to newcomers")
+        self.reforms += 1
+        self.last_pause_s = time.monotonic() - began
+        log.info("elasticrun: re-formed in place: round %d, rank %d of %d (%.3f s)",
+                 state.round, state.rank, state.world_size, self.last_pause_s)
+
+    def sync(self) -> None:
+        """Broadcast the registered state from rank 0 to every rank of the current group."""
+        payload = [None]
+        if dist.get_rank() == 0:
+            payload = [{"step": self.step, "extra": self.extra,
+                        "objects": {k: o.state_dict() for k, o in self.objects.items()}}]
+        dist.broadcast_object_list(payload, src=0, group=self._group)
+        got = payload[0]
+        assert got is not None
+        if dist.get_rank() != 0:
+            self.step = int(got["step"])
+            self.extra = dict(got["extra"])
+            for k, o in self.objects.items():
+                o.load_state_dict(got["objects"][k])
+        dist.barrier(group=self._group)  # everyone has it before anyone trains
+
+    def _repoint_samplers(self, state: ElasticState) -> None:
+        """Registered elastic samplers deal the rest of the epoch at the new rank/world."""
+        for o in self.objects.values():
+            if isinstance(o, ElasticDistributedSampler):
+                saved = o.state_dict()
+                o.num_replicas, o.rank = state.world_size, state.rank
+                o.load_state_dict(saved)  # FullReshuffle: the saved world differs, the rest is dealt anew
+
+    def _new_group(self) -> None:
+        self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
+
+    def _guarded(self, fn: Any, what: str) -> None:
+        try:
+            fn()
+        except Exception as err:  # a peer gone: gloo ends by timeout or a closed connection
+            self._fail(f"{what} failed: {err}")
+
+    def _fail(self, why: str) -> None:
+        sys.stderr.write(f"elasticrun: in-place re-form failed ({why}); exiting for a restart\n")
+        sys.stderr.flush()
+        os._exit(EXIT_REFORM_FAILED)  # no atexit: a half-made group must not hang the exit
+
+
+__all__ = ["ASSIGNED", "EXIT_REFORM_FAILED", "InPlace", "Reform", "opted_in", "read_assignment",
+           "rebuild_ddp", "write_assignment"]

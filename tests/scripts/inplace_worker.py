@@ -1,0 +1,71 @@
+"""Test worker for in-place re-forming: a tiny model trained over an elastic sampler.
+
+Appends one JSON line per step to ``$INPLACE_LOG`` (pid, rank, world, round, step, indices, time).
+``INPLACE_DIE=sync`` (newcomer: dies before receiving the state) or ``INPLACE_DIE=reform:STEP``
+(survivor: dies inside the re-form after STEP) simulate failures.
+"""
+
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import elasticrun.train as et
+from elasticrun.train import inplace
+
+DATASET = 120
+LOCAL_BATCH = 2
+
+die = os.environ.get("INPLACE_DIE", "")
+if die == "sync":
+    real_sync = inplace.InPlace.sync
+    inplace.InPlace.sync = lambda self: os._exit(3)  # noqa: ARG005 - dies mid-sync
+if die.startswith("reform:"):
+    at = int(die.split(":")[1])
+    real_reform = inplace.InPlace._reform
+
+    def _dying_reform(self):
+        if self.step >= at:
+            dist.destroy_process_group()
+            os._exit(4)  # gone after leaving the old group, before joining the new one
+        real_reform(self)
+
+    inplace.InPlace._reform = _dying_reform
+
+ctx = et.init(timeout=float(os.environ.get("INPLACE_JOIN_TIMEOUT", "40")))
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+sampler = et.ElasticDistributedSampler(DATASET, seed=1)
+reform = et.InPlace(ctx, timeout=5, join_timeout=float(os.environ.get("INPLACE_JOIN_TIMEOUT", "40")),
+                    model=model, optimizer=opt, sampler=sampler)
+g = torch.Generator().manual_seed(7)
+X = torch.randn(DATASET, 4, generator=g)
+Y = torch.randn(DATASET, 1, generator=g)
+pace = float(os.environ.get("INPLACE_PACE", "0.05"))
+with open(os.environ["INPLACE_LOG"], "a") as log:
+    while not sampler.epoch_done:
+        idx = list(iter(sampler))[:LOCAL_BATCH]
+        loss = torch.nn.functional.mse_loss(model(X[idx]), Y[idx])
+        opt.zero_grad()
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+        opt.step()
+        sampler.advance(LOCAL_BATCH)
+        reform.step += 1
+        log.write(json.dumps({"pid": os.getpid(), "rank": ctx.rank, "world": ctx.world_size, "round": ctx.round,
+                              "step": reform.step, "idx": idx, "t": time.time(),
+                              "w": model.weight.detach().flatten().tolist()}) + "\n")
+        log.flush()
+        time.sleep(pace)
+        result = reform.check()
+        if result is et.Reform.STOP:
+            break
+        if result is et.Reform.REFORMED:
+            log.write(json.dumps({"pid": os.getpid(), "reformed": reform.last_pause_s, "round": ctx.round}) + "\n")
+            log.flush()
+ctx.close()

@@ -1,0 +1,158 @@
+"""In-place re-forming, worker side: real gloo workers, real files, a real TCPStore per round.
+
+The test plays the agent: it publishes each worker's next assignment with
+:func:`~elasticrun.train.inplace.write_assignment` (exactly what an agent writes) and starts
+newcomers with ``ELASTICRUN_REFORM_JOIN=1``. Checked: survivors keep their PIDs through a join
+(2 → 3) and a graceful leave (3 → 2), no step and no sample runs twice, the newcomer receives the
+survivors' parameters, the pause is measured, and failures end in exit 75 (no hang).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import pytest
+import torch.distributed as dist
+
+from elasticrun.job import env as names
+from elasticrun.store.server import free_port
+from elasticrun.train.inplace import EXIT_REFORM_FAILED, opted_in, write_assignment
+from tests.helpers.procs import REPO, SCRIPTS, wait_until, worker_env
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Harness:
+    """Rounds of workers on one machine, re-formed in place the way an agent does it."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.log = tmp / "steps.jsonl"
+        self.stores: List[dist.TCPStore] = []
+        self.procs: Dict[int, subprocess.Popen] = {}  # by slot (a stable worker id)
+        self.round = -1
+
+    def _store(self) -> int:
+        port = free_port()
+        self.stores.append(dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False))
+        return port
+
+    def _env(self, rank: int, world: int, port: int, prev: int) -> Dict[str, str]:
+        return {names.RANK: str(rank), names.WORLD_SIZE: str(world), names.LOCAL_RANK: "0",
+                names.LOCAL_WORLD_SIZE: "1", names.GROUP_RANK: str(rank), names.GROUP_WORLD_SIZE: str(world),
+                names.ROLE_RANK: str(rank), names.ROLE_WORLD_SIZE: str(world), names.MASTER_ADDR: "127.0.0.1",
+                names.MASTER_PORT: str(port), names.RESTART_COUNT: "0", names.ROUND: str(self.round),
+                names.PREV_WORLD_SIZE: str(prev), names.RESCALE_TYPE: "ScaleUp" if prev else "Start"}
+
+    def reform_file(self, slot: int) -> str:
+        return str(self.tmp / f"reform-{slot}")
+
+    def start(self, slot: int, rank: int, world: int, port: int, prev: int = 0, **extra: str) -> None:
+        env = worker_env({**self._env(rank, world, port, prev), names.USE_AGENT_STORE: "True",
+                          names.REFORM_FILE: self.reform_file(slot), "INPLACE_LOG": str(self.log),
+                          "PYTHONPATH": str(REPO), **extra})
+        env.pop(names.RDZV_ID, None)  # no etcd here: no commit fence
+        self.procs[slot] = subprocess.Popen([sys.executable, str(SCRIPTS / "inplace_worker.py")], env=env)
+
+    def first_round(self, slots: List[int], extra: Optional[Dict[int, Dict[str, str]]] = None) -> None:
+        self.round = 0
+        port = self._store()
+        for rank, slot in enumerate(slots):
+            self.start(slot, rank, len(slots), port, **(extra or {}).get(slot, {}))
+        wait_until(lambda: all(opted_in(self.reform_file(s)) for s in slots), 60, "workers opting in")
+
+    def next_round(self, survivors: List[int], newcomers: List[int], prev: int, **extra: str) -> None:
+        """Ranks: survivors first in their old order (stable), newcomers after."""
+        self.round += 1
+        port = self._store()
+        world = len(survivors) + len(newcomers)
+        for rank, slot in enumerate(survivors):
+            write_assignment(self.reform_file(slot), self._env(rank, world, port, prev))
+        for i, slot in enumerate(newcomers):
+            self.start(slot, len(survivors) + i, world, port, prev, **{names.REFORM_JOIN: "1", **extra})
+
+    def records(self) -> List[dict]:
+        if not self.log.exists():
+            return []
+        return [json.loads(line) for line in self.log.read_text().splitlines() if line.strip()]
+
+    def steps(self) -> List[dict]:
+        return [r for r in self.records() if "step" in r]
+
+    def at_world(self, world: int, n: int = 1) -> bool:
+        return sum(1 for r in self.steps() if r["world"] == world and r["round"] == self.round) >= n
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture
+def harness(tmp_path: Path):
+    h = Harness(tmp_path)
+    yield h
+    h.close()
+
+
+def test_join_then_graceful_leave_keeps_survivors_and_exactly_once(harness: Harness) -> None:
+    h = harness
+    h.first_round([0, 1])
+    wait_until(lambda: h.at_world(2, 4), 60, "steps at world 2")
+    pids = {s: h.procs[s].pid for s in (0, 1)}
+    h.next_round([0, 1], [2], prev=2)  # join: 2 -> 3
+    wait_until(lambda: h.at_world(3, 6), 60, "steps at world 3")
+    h.procs[1].send_signal(signal.SIGTERM)  # graceful leave of the middle rank
+    assert h.procs[1].wait(timeout=30) == 0
+    h.next_round([0, 2], [], prev=3)  # ranks stay in order: 0 -> 0, 2 -> 1
+    for s in (0, 2):
+        assert h.procs[s].wait(timeout=60) == 0
+    steps = h.steps()
+    # Survivors kept their processes: one PID per slot across all rounds.
+    assert {r["pid"] for r in steps if r["round"] == 0} == set(pids.values())
+    assert {r["pid"] for r in steps if r["round"] == 2} == {pids[0], h.procs[2].pid}
+    # No step twice: per (pid) the steps are strictly increasing by one, and the newcomer
+    # started right after the survivors' last step (it got `step` by broadcast).
+    by_pid: Dict[int, List[int]] = {}
+    for r in steps:
+        by_pid.setdefault(r["pid"], []).append(r["step"])
+    for seq in by_pid.values():
+        assert seq == list(range(seq[0], seq[0] + len(seq)))
+    first_new = by_pid[h.procs[2].pid][0]
+    assert first_new == max(r["step"] for r in steps if r["round"] == 0) + 1
+    # Every sample exactly once across the three world sizes.
+    seen = [i for r in steps for i in r["idx"]]
+    assert sorted(seen) == list(range(120))
+    # Same parameters on every rank after each step (the newcomer got the survivors' model).
+    for step in {r["step"] for r in steps}:
+        ws = [r["w"] for r in steps if r["step"] == step]
+        assert all(w == pytest.approx(ws[0]) for w in ws)
+    pauses = [r["reformed"] for r in h.records() if "reformed" in r]
+    assert len(pauses) == 4  # two survivors re-formed twice each
+    print(f"in-place re-form pauses (s): {sorted(pauses)}")
+
+
+@pytest.mark.parametrize("failure", ["newcomer-sync", "survivor-reform"])
+def test_failure_during_reform_exits_for_restart(harness: Harness, failure: str) -> None:
+    h = harness
+    quick = {"INPLACE_JOIN_TIMEOUT": "15"}  # bounds the wait for a peer that will never come
+    die = {"INPLACE_DIE": "reform:0"} if failure == "survivor-reform" else {}
+    h.first_round([0, 1], {0: quick, 1: {**quick, **die}})
+    wait_until(lambda: h.at_world(2, 2), 60, "steps at world 2")
+    if failure == "newcomer-sync":
+        h.next_round([0, 1], [2], prev=2, INPLACE_DIE="sync", **quick)
+        assert h.procs[2].wait(timeout=60) == 3
+        codes = [h.procs[s].wait(timeout=60) for s in (0, 1)]
+    else:
+        # Survivor 1 dies inside its re-form; the others cannot complete the new group.
+        h.next_round([0, 1], [2], prev=2, **quick)
+        assert h.procs[1].wait(timeout=60) == 4
+        assert h.procs[2].wait(timeout=60) != 0  # the newcomer's own init times out: a normal failure
+        codes = [h.procs[0].wait(timeout=60)]
+    assert all(c == EXIT_REFORM_FAILED for c in codes), codes
