@@ -1,0 +1,38 @@
+"""The smallest elastic script that re-forms in place (see docs/training.md, "In-place re-forming").
+
+    elasticrun --nnodes 1:4 --nproc-per-node 1 --rdzv-endpoint HOST:2379 examples/inplace.py
+
+Under torchrun or plain python it trains exactly as it would without ``InPlace``.
+"""
+
+import torch
+import torch.distributed as dist
+
+import elasticrun.train as et
+
+ctx = et.init()
+torch.manual_seed(0)
+model = torch.nn.Linear(16, 1)
+ddp = torch.nn.parallel.DistributedDataParallel(model)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+data = torch.randn(4096, 17)
+sampler = et.ElasticDistributedSampler(len(data), seed=0)
+reform = et.InPlace(ctx, model=model, optimizer=opt, sampler=sampler)  # opts in; newcomers get the state here
+
+while not sampler.epoch_done:
+    batch = data[list(iter(sampler))[:32]]
+    loss = torch.nn.functional.mse_loss(ddp(batch[:, :16]), batch[:, 16:])
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    sampler.advance(32)
+    reform.step += 1
+    result = reform.check()  # step boundary: collective, every rank
+    if result is et.Reform.STOP:  # SIGTERM: this worker leaves (save here if you need to)
+        break
+    if result is et.Reform.REFORMED:  # a new world: the old group (and DDP's) is gone
+        ddp = et.rebuild_ddp(ddp)
+        if ctx.is_rank0:
+            print(f"re-formed in place: world {ctx.world_size} (round {ctx.round}, {reform.last_pause_s:.2f} s)")
+if dist.is_initialized():
+    ctx.close()
