@@ -6,9 +6,11 @@ import json
 import time
 import urllib.request
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from elasticrun.store.server import EtcdCluster, EtcdServer
+
+from .faults import Fault, Kind
 
 
 def member_id(m: EtcdServer) -> Optional[Tuple[str, str]]:
@@ -54,6 +56,25 @@ class Members:
                         return m
             time.sleep(0.2)
         return None
+
+    def lose(self, f: Fault, sleep: Callable[[float], None], while_down: Callable[[], None]) -> None:
+        """SIGKILL the leader (``leader_loss``) or a follower (``member_loss``, picked by ``f.pick``),
+        ``sleep`` for ``f.duration``, call ``while_down``, start it again on its data; sets
+        ``f.target``, or ``f.skipped`` when there is no such member."""
+        leader = self.leader()
+        if f.kind is Kind.LEADER_LOSS:
+            victims = [leader] if leader is not None else []
+        else:
+            victims = [m for m in self.running() if m is not leader]
+        if not victims:
+            f.skipped = "no etcd leader found" if f.kind is Kind.LEADER_LOSS else "no follower running"
+            return
+        m = victims[int(f.pick * len(victims)) % len(victims)]
+        f.target = f"etcd member {m.name} ({'leader' if m is leader else 'follower'}) down {f.duration:.1f}s"
+        m.kill()
+        sleep(f.duration)
+        while_down()
+        m.restart(timeout=60)
 
     def stop(self) -> None:
         self.cluster.stop()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -16,39 +15,11 @@ from .audit import Gen, gen_of
 from .env import AgentProc, Launcher, NetNs, Tmpfs, kill_tree
 from .faults import Fault, Kind, Recovery
 from .members import Members
+from .tail import Tail
 
 NODE_SLOTS = 4
 # what an agent's log shows when --hang-timeout stops a round: the failure line, the workers' stack dumps
 HANG_MARKS = ("no progress for", "(most recent call first)")
-
-
-class Tail:
-    """Reads the workers' audit logs incrementally (complete lines only)."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self.offsets: Dict[str, int] = {}
-        self.records: List[dict] = []
-
-    def poll(self) -> List[dict]:
-        new: List[dict] = []
-        for name in sorted(os.listdir(self.directory)):
-            if not name.endswith(".jsonl"):
-                continue
-            path = self.directory / name
-            with open(path, "rb") as f:
-                f.seek(self.offsets.get(name, 0))
-                data = f.read()
-            end = data.rfind(b"\n") + 1
-            self.offsets[name] = self.offsets.get(name, 0) + end
-            for line in data[:end].splitlines():
-                try:
-                    new.append(json.loads(line))
-                except ValueError:
-                    continue
-        new.sort(key=lambda r: r["t"])
-        self.records.extend(new)
-        return new
 
 
 @dataclass
@@ -210,19 +181,11 @@ class Soak:
                 _signal(agent.pid, signal.SIGTERM)
         elif f.kind in (Kind.MEMBER_LOSS, Kind.LEADER_LOSS):
             assert self.members is not None
-            leader = self.members.leader()
-            ups = self.members.running()
-            victims = [leader] if f.kind is Kind.LEADER_LOSS else [m for m in ups if m is not leader]
-            if not victims or victims[0] is None:
-                f.skipped = "no etcd leader found" if f.kind is Kind.LEADER_LOSS else "no follower running"
-                return
-            m = pick(victims)
-            f.target = f"etcd member {m.name} ({'leader' if m is leader else 'follower'}) down {f.duration:.1f}s"
             steps0 = self._count("step")
-            m.kill()
-            self.sleep(f.duration)
-            f.notes.append(f"{self._count('step') - steps0} rank-steps trained while it was down")
-            m.restart(timeout=60)
+            self.members.lose(f, self.sleep, lambda: f.notes.append(
+                f"{self._count('step') - steps0} rank-steps trained while it was down"))
+            if f.skipped:
+                return
         elif f.kind is Kind.ETCD_RESTART:
             assert self.etcd is not None
             f.target = f"etcd pid {self.etcd.proc.pid if self.etcd.proc else '?'}"
