@@ -301,7 +301,7 @@ class Agent:
         guard.call(lambda: rdzv.publish(status=WorkerStatus.ACTIVE, waiting_for=-1), "starting a round")
         done_reported = False
         standby_at = time.monotonic() + STANDBY_DELAY_S
-        version = rdzv.view.version
+        version = rdzv.view_version()
         while True:
             joining = rdzv.scale_up_pending(topo)
             if standby_at and (time.monotonic() >= standby_at or joining):
@@ -344,7 +344,7 @@ class Agent:
                 timeout = 0.5 if due is None else min(0.5, max(0.01, due))
             else:
                 timeout = 0.5
-            version = rdzv.view.wait_change(version, timeout)
+            version = rdzv.wait_view(version, timeout)
 
 
 def _test_stall() -> List[float]:

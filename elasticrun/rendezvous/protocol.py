@@ -75,6 +75,7 @@ class Rendezvous(RoundMonitor):
         self._newcomers_since: Optional[float] = None
         self._last_eval = 0.0
         self._busy_since: Optional[Tuple[int, float]] = None  # (round, since) the previous members were busy
+        self._members_checked: Optional[Tuple[int, int]] = None  # (round, view.members_version) checked
         self.outage_over_at: Optional[float] = None  # when etcd answered again after an outage we noticed
 
     @property
@@ -231,7 +232,7 @@ class Rendezvous(RoundMonitor):
         last_waiting: List[str] = []
         changed_at = time.monotonic()
         said = ""
-        version = self.view.version
+        version = self.view_version()
         while True:
             self.beat()
             if not self.lease_valid():
@@ -254,7 +255,7 @@ class Rendezvous(RoundMonitor):
                 continue
             if not self.leading():  # the leader forms the round (and ends the job if too few join)
                 said = self._tell(said, f"waiting for round {target}, formed by {self.leadership.holder() or '?'}")
-                version = self.view.wait_change(version, 0.25)
+                version = self.wait_view(version, 0.25)
                 continue
             if topo is not None and topo.round < target and self.round_change(topo) is None:
                 # A round runs without us (we are a spare or a newcomer): as the leader we still end

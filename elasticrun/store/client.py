@@ -14,7 +14,7 @@ import json
 import random
 import threading
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
 
 import grpc
 import pyetcd
@@ -24,7 +24,7 @@ from pyetcd.client import MultiEndpointEtcd3Client
 from pyetcd.events import DeleteEvent
 
 from elasticrun.errors import StoreError, StoreFullError
-from elasticrun.store.connection import TRANSIENT, client_args, new_client, renew_token
+from elasticrun.store.connection import TRANSIENT, client_args, keepalives, new_client, renew_token
 from elasticrun.store.explain import START_HINT, explain, out_of_space, tls_failure, token_rejected
 from elasticrun.store.types import KeyValue, WatchEvent, parse_endpoints
 
@@ -222,10 +222,15 @@ class EtcdStore:
 
     def refresh_lease(self, lease_id: int) -> int:
         """One keep-alive; returns the remaining TTL (<= 0: the lease is gone). Does not retry."""
+        return self.refresh_leases([lease_id]).get(lease_id, 0)
+
+    def refresh_leases(self, lease_ids: Sequence[int]) -> Dict[int, int]:
+        """One keep-alive per lease, all over one stream (a process holding many leases pays one round
+        trip, not one per lease); lease id -> remaining TTL (<= 0: gone). Does not retry."""
+        ids = list(lease_ids)
         for attempt in (0, 1):
             try:
-                for resp in self._client.refresh_lease(lease_id):
-                    return int(resp.TTL)
+                return keepalives(self._client, ids) if ids else {}
             except grpc.RpcError as err:
                 if attempt == 0 and self._auth[0] is not None and token_rejected(err):
                     try:
@@ -237,8 +242,7 @@ class EtcdStore:
                 raise StoreError(self._explain(err)) from None
             except (ValueError, *TRANSIENT) as err:
                 raise StoreError(self._explain(err)) from None
-            return 0
-        return 0
+        return {}
 
     def lease_ttl(self, lease_id: int) -> Optional[Dict[str, int]]:
         """``{"ttl": seconds left, "granted_ttl": seconds}`` of a lease, or None when it is gone."""

@@ -100,4 +100,22 @@ def renew_token(client: MultiEndpointEtcd3Client, user: str, password: Optional[
         watcher._credentials = client.call_credentials
 
 
-__all__ = ["GRPC_OPTIONS", "TRANSIENT", "client_args", "new_client", "renew_token"]
+
+
+def keepalives(client: MultiEndpointEtcd3Client, ids: List[int]) -> Dict[int, int]:
+    """Send one keep-alive per lease over one LeaseKeepAlive stream; the TTL etcd answered for each.
+    Errors go through the library's handler, which fails over to another endpoint."""
+
+    def stream(c: MultiEndpointEtcd3Client) -> Any:
+        requests = iter([etcdrpc.LeaseKeepAliveRequest(ID=i) for i in ids])
+        return c.leasestub.LeaseKeepAlive(requests, c.timeout, credentials=c.call_credentials, metadata=c.metadata)
+
+    answers: Dict[int, int] = {}
+    for resp in MultiEndpointEtcd3Client._handle_generator_errors(stream)(client):
+        answers[int(resp.ID)] = int(resp.TTL)
+        if len(answers) == len(ids):
+            break
+    return answers
+
+
+__all__ = ["GRPC_OPTIONS", "TRANSIENT", "client_args", "keepalives", "new_client", "renew_token"]
