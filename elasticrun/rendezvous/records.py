@@ -100,6 +100,11 @@ class Member:
 _MEMBER_FIELDS = frozenset(f.name for f in dataclasses.fields(Member))
 
 
+def _member_from_dict(m: Dict[str, Any]) -> Member:
+    """:meth:`Member.from_dict` by position: a round of thousands of members is read by every agent."""
+    return Member(m["node_id"], m["host"], m["addr"], m["nproc"], m["group_rank"], m["rank_offset"], m.get("lease", 0))
+
+
 @dataclass(frozen=True)
 class Topology:
     """One round of the job: immutable once written to ``topology``."""
@@ -142,7 +147,7 @@ class Topology:
     def from_dict(cls, d: Dict[str, Any]) -> Topology:
         return cls(
             round=int(d["round"]),
-            members=tuple(Member.from_dict(m) for m in d["members"]),
+            members=tuple(map(_member_from_dict, d["members"])),
             master_addr=d["master_addr"],
             master_port=int(d["master_port"]),
             restart_count=int(d.get("restart_count", 0)),

@@ -91,8 +91,11 @@ class Refresher:
                 for ka in batch:
                     ka.refresh_failed(sent, err)
                 continue
-            for ka in batch:
-                ka.refreshed(sent, answers.get(ka.lease_id, 0))
+            for ka in batch:  # only etcd's answer "gone" (TTL <= 0) loses a lease; no answer is a failure
+                if ka.lease_id in answers:
+                    ka.refreshed(sent, answers[ka.lease_id])
+                else:
+                    ka.refresh_failed(sent, StoreError("etcd did not answer this keep-alive"))
 
 
 def refresher_for(store: Any, lease: Refreshable) -> Refresher:

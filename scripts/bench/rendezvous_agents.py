@@ -180,13 +180,13 @@ class Shard:
                 with self.lock:
                     self.held[i][topo.round] = time.time()
                 rdzv.publish(status=WorkerStatus.ACTIVE, waiting_for=-1)
-                version = rdzv.view_version()
+                version = view_version(rdzv)
                 while i not in self.dead:  # the agent's round loop, without workers
                     rdzv.beat()
                     if rdzv.round_change(topo) is not None:
                         break
                     due = rdzv.maybe_scale_up(topo)
-                    version = rdzv.wait_view(version, 0.5 if due is None else min(0.5, max(0.01, due)))
+                    version = wait_view(rdzv, version, 0.5 if due is None else min(0.5, max(0.01, due)))
         except Exception as err:  # noqa: BLE001 - reported to the parent
             if i not in self.dead:
                 with self.lock:
@@ -229,6 +229,18 @@ class Shard:
                     rdzv.leave()
                 except Exception:  # noqa: BLE001 - leaving at the end of the bench
                     pass
+
+
+def view_version(rdzv: Any) -> int:
+    """``rdzv.view_version()``; the view's version on revisions before it (to bench them too)."""
+    return rdzv.view_version() if hasattr(rdzv, "view_version") else rdzv.view.version
+
+
+def wait_view(rdzv: Any, version: int, timeout: float) -> int:
+    """``rdzv.wait_view()``, as the agent's round loop waits; the view's on older revisions."""
+    if hasattr(rdzv, "wait_view"):
+        return int(rdzv.wait_view(version, timeout))
+    return int(rdzv.view.wait_change(version, timeout))
 
 
 def main(argv: List[str]) -> None:
