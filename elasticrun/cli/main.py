@@ -14,6 +14,7 @@ import typer
 from elasticrun import __version__
 from elasticrun.cli.console import fail
 from elasticrun.errors import ElasticrunError
+from elasticrun.job.exitcodes import ExitCode, for_error
 
 app = typer.Typer(
     name="elasticrun",
@@ -65,6 +66,6 @@ def main(argv: Optional[List[str]] = None) -> None:
         _register()
         app(args=args, prog_name="elasticrun")
     except ElasticrunError as err:
-        fail(str(err), err.exit_code)
+        fail(str(err), for_error(err))
     except KeyboardInterrupt:
-        fail("interrupted", 130)
+        fail("interrupted", ExitCode.INTERRUPTED)

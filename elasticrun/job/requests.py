@@ -19,7 +19,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
-from elasticrun.errors import CheckpointError, RendezvousError
+from elasticrun.errors import CheckpointError, ConfigError
 from elasticrun.job.keys import JobKeys, last_part
 
 if TYPE_CHECKING:
@@ -62,13 +62,13 @@ def parse_request(key: str, value: bytes) -> Tuple[str, float]:
 def request_checkpoint(store: EtcdStore, job_id: str, timeout: float, where: str = "") -> Dict[str, Any]:
     """Ask job ``job_id`` to checkpoint now and wait (watch) for rank 0's answer.
 
-    Raises RendezvousError when the job has no keys, CheckpointError when it did not answer
+    Raises ConfigError when the job has no keys, CheckpointError when it did not answer
     within ``timeout`` (the request is withdrawn) or answered with an error.
     """
     keys = JobKeys(job_id)
     rid = new_request_id()
     if store.get(keys.config) is None and not store.get_prefix(keys.prefix)[0]:
-        raise RendezvousError(f"no job {job_id!r} in etcd{where}: check --rdzv-id (see `elasticrun status`)")
+        raise ConfigError(f"no job {job_id!r} in etcd{where}: check --rdzv-id (see `elasticrun status`)")
     store.put_json(keys.checkpoint_request(rid), request_body(rid))
     try:
         kv = store.wait_for(keys.checkpoint_answer(rid), lambda kv: kv is not None, timeout)

