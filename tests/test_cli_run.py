@@ -138,3 +138,17 @@ def test_help_lists_every_flag_documented_in_docs_cli() -> None:
         assert flags, proc.stdout
         missing = sorted(f for f in flags if not re.search(rf"`{re.escape(f)}(?![\w-])", doc))
         assert not missing, f"docs/cli.md lacks {missing}"
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["-h"], []], ids=["--help", "-h", "no-args"])
+def test_top_level_help_shows_the_launcher_flags_then_the_commands(argv: List[str]) -> None:
+    """A torchrun user types ``elasticrun --help``: the launcher's flags come first, the sub-commands after."""
+    proc = run_cli(argv, timeout=30, env={"COLUMNS": "200", "TERM": "dumb", "NO_COLOR": "1"})
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    assert text.startswith("Usage: elasticrun [run] [OPTIONS] SCRIPT"), text[:200]
+    flags = [text.index(f) for f in ("--nproc-per-node", "--nnodes", "--rdzv-endpoint", "--max-restarts")]
+    commands = text.index("\nCommands")
+    assert max(flags) < commands, "the launcher's flags must come before the sub-commands"
+    listed = re.findall(r"^(\w+) +\S", text[commands:], re.M)
+    assert set(listed) >= {"run", "status", "etcd", "ckpt"}, text[commands:]
