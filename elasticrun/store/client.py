@@ -271,12 +271,28 @@ class EtcdStore:
         """A new lease of ``ttl`` seconds (etcd's minimum is about 2 s); returns its id."""
         return self._call("lease", lambda c: int(c.lease(int(ttl)).id))
 
-    def refresh_lease(self, lease_id: int) -> int:
-        """One keep-alive; returns the remaining TTL (<= 0: the lease is gone). Does not retry."""
+    def _keep_alive(self, lease_id: int, timeout: float) -> int:
+        """One LeaseKeepAlive with its own deadline; an endpoint that times out is failed over from."""
+        client = self._client
+        request = etcdrpc.LeaseKeepAliveRequest(ID=lease_id)
+        try:
+            for resp in client.leasestub.LeaseKeepAlive(iter([request]), timeout, credentials=client.call_credentials,
+                                                        metadata=client.metadata):
+                return int(resp.TTL)
+        except grpc.RpcError as err:
+            client._manage_grpc_errors(err)  # UNAVAILABLE/DEADLINE_EXCEEDED: the member is failed over from
+        return 0
+
+    def refresh_lease(self, lease_id: int, timeout: Optional[float] = None) -> int:
+        """One keep-alive; returns the remaining TTL (<= 0: the lease is gone). Does not retry.
+
+        ``timeout`` (default: the store's): keep it well below the lease's TTL, so that a member
+        that accepts connections but never answers (partitioned, frozen) is left for another one
+        while the lease is still alive.
+        """
         for attempt in (0, 1):
             try:
-                for resp in self._client.refresh_lease(lease_id):
-                    return int(resp.TTL)
+                return self._keep_alive(lease_id, self.timeout if timeout is None else min(timeout, self.timeout))
             except grpc.RpcError as err:
                 if attempt == 0 and self._auth[0] is not None and token_rejected(err):
                     try:
@@ -288,7 +304,6 @@ class EtcdStore:
                 raise self._error(err) from None
             except (ValueError, *_TRANSIENT) as err:
                 raise self._error(err) from None
-            return 0
         return 0
 
     def lease_ttl(self, lease_id: int) -> Optional[Dict[str, int]]:
