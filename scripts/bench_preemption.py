@@ -115,6 +115,38 @@ def pct(values: List[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
+def _preempt(run: Run, i: int, args: argparse.Namespace, rng: random.Random, ckpt_dir: Path,
+             rows: List[Dict[str, object]], expect_resume: int, console: Console) -> Optional[int]:
+    """Launch ``i``: check its resume step, then SIGTERM it (all but the last); the step it stopped at."""
+    if not run.wait_training(600):
+        run.finish(5)
+        return None
+    resumed_ok = run.start_step == expect_resume
+    if i == args.runs:
+        run.proc.send_signal(signal.SIGTERM)
+        run.finish(args.notice + 30)
+        rows[-1]["resumed_at"] = run.start_step
+        rows[-1]["ok"] = bool(rows[-1]["ok"]) and resumed_ok
+        return -1
+    delay = rng.uniform(0.0, args.max_delay)
+    time.sleep(delay)
+    sent = time.monotonic()
+    run.proc.send_signal(signal.SIGTERM)
+    code = run.finish(args.notice + 60)
+    took = time.monotonic() - sent
+    saved = newest_step(ckpt_dir)
+    row: Dict[str, object] = {"run": i, "delay_s": round(delay, 2), "drain_s": round(took, 2), "exit": code,
+                              "stopped_at": run.stopped_at, "saved_at": saved, "resumed_from": run.start_step}
+    row["ok"] = code == 143 and run.stopped_at is not None and saved == run.stopped_at and took <= args.notice
+    if rows:  # this launch resumed from the previous preemption's checkpoint
+        rows[-1]["resumed_at"] = run.start_step
+        rows[-1]["ok"] = bool(rows[-1]["ok"]) and resumed_ok
+    rows.append(row)
+    console.print(Text(f"  {i + 1}/{args.runs}: SIGTERM after {delay:.1f}s -> exit {code} in {took:.2f}s, "
+                       f"stopped at step {run.stopped_at}, checkpoint at step {saved}"))
+    return run.stopped_at if run.stopped_at is not None else -2
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=20, help="preemptions to measure (the issue asks for >= 20)")
@@ -138,36 +170,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     expect_resume = 0
     for i in range(args.runs + 1):  # the last launch only checks the resume of the last preemption
         run = Run(args, ckpt_dir, log)
-        if not run.wait_training(600):
-            run.finish(5)
+        try:
+            done = _preempt(run, i, args, rng, ckpt_dir, rows, expect_resume, console)
+        except BaseException:
+            if run.proc.poll() is None:  # interrupted: leave no job behind
+                run.proc.send_signal(signal.SIGTERM)
+                run.finish(args.notice + 30)
+            raise
+        if done is None:
             console.print(Text(f"launch {i}: training never started (see {log})"))
             return 1
-        resumed_ok = run.start_step == expect_resume
-        if i == args.runs:
-            run.proc.send_signal(signal.SIGTERM)
-            run.finish(args.notice + 30)
-            if not resumed_ok:
-                rows[-1]["ok"] = False
-            rows[-1]["resumed_at"] = run.start_step
-            break
-        delay = rng.uniform(0.0, args.max_delay)
-        time.sleep(delay)
-        sent = time.monotonic()
-        run.proc.send_signal(signal.SIGTERM)
-        code = run.finish(args.notice + 60)
-        took = time.monotonic() - sent
-        saved = newest_step(ckpt_dir)
-        row = {"run": i, "delay_s": round(delay, 2), "drain_s": round(took, 2), "exit": code,
-               "stopped_at": run.stopped_at, "saved_at": saved, "resumed_from": run.start_step}
-        row["ok"] = (code == 143 and run.stopped_at is not None and saved == run.stopped_at and resumed_ok
-                     and took <= args.notice)
-        if i > 0:
-            rows[-1]["resumed_at"] = run.start_step
-            rows[-1]["ok"] = bool(rows[-1]["ok"]) and resumed_ok
-        rows.append(row)
-        expect_resume = run.stopped_at if run.stopped_at is not None else -1
-        console.print(Text(f"  {i + 1}/{args.runs}: SIGTERM after {delay:.1f}s -> exit {code} in {took:.2f}s, "
-                           f"stopped at step {run.stopped_at}, checkpoint at step {saved}"))
+        expect_resume = done
     drains = [float(r["drain_s"]) for r in rows]
     summary = {"runs": len(rows), "state_gb": args.state_gb, "notice_s": args.notice,
                "min_s": min(drains), "median_s": statistics.median(drains), "p90_s": pct(drains, 0.9),

@@ -2,7 +2,8 @@
 
 A member that is SIGSTOPped still accepts TCP connections but never answers: the stand-in for a
 partitioned or hung member (worse for a client than a dead one, whose connections are refused).
-Member SIGKILL (leader and follower) is covered by test_elastic.test_etcd_member_loss_does_not_disturb_job.
+Member SIGKILL without TLS (leader and follower) is covered by
+test_elastic.test_etcd_member_loss_does_not_disturb_job; here with TLS and a per-job user.
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ from pathlib import Path
 
 from test_elastic import agent_args, first_step, steps
 
+from elasticrun.job import env as names
 from elasticrun.job.keys import JobKeys
 from elasticrun.store.client import connect
 from elasticrun.store.server import EtcdCluster
 
 from conftest import wait_until
+from helpers.tls import start_secure_cluster
 
 
 def test_partitioned_leader_does_not_disturb_the_job(job_id: str, agents, tmp_path: Path) -> None:
@@ -46,3 +49,32 @@ def test_partitioned_leader_does_not_disturb_the_job(job_id: str, agents, tmp_pa
             if stopped is not None:
                 os.kill(stopped.pid, signal.SIGCONT)
             store.close()
+
+
+def test_tls_and_a_job_user_on_a_cluster_survive_the_leader_loss(job_id: str, agents, tmp_path: Path) -> None:
+    """TLS with client certificates and a per-job user on 3 members: the leader's SIGKILL is invisible."""
+    out = tmp_path / "out"
+    out.mkdir()
+    cluster, secure = start_secure_cluster(tmp_path / "certs")
+    try:
+        password = "pw-cluster-0a1b"
+        secure.add_job_user(job_id, password)
+        pw = tmp_path / "job.pw"
+        pw.write_text(password + "\n")
+        pw.chmod(0o600)
+        crt, key = secure.certs.client("elasticrun-client")
+        env = {names.ETCD_CACERT: str(secure.certs.ca), names.ETCD_CERT: str(crt), names.ETCD_KEY: str(key),
+               names.ETCD_USER: job_id, names.ETCD_PASSWORD_FILE: str(pw), names.ETCD_PASSWORD: None}
+        a = [agents(agent_args(cluster.endpoints, job_id, n, "2", out, 150), name=n, env=env) for n in "AB"]
+        wait_until(lambda: first_step(out, 2), 90, "training at world size 2")
+        with secure.settings("root").connect() as root:
+            leader = root.leader()
+        assert leader in cluster.members
+        cluster.members[leader].kill()
+        at_kill = len(steps(out))
+        wait_until(lambda: len(steps(out)) >= at_kill + 20, 60, "training to go on without the leader")
+        for ag in a:
+            assert ag.wait(120) == 0, ag.output()
+        assert {r["round"] for r in steps(out)} == {0}, "losing the etcd leader must not re-form the job"
+    finally:
+        cluster.stop()

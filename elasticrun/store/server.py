@@ -330,13 +330,15 @@ class EtcdServer:
 class EtcdCluster:
     """A multi-member etcd cluster on loopback (for fault tests and experiments)."""
 
-    def __init__(self, size: int = 3, binary: Optional[str] = None, base_dir: Optional[str] = None) -> None:
+    def __init__(self, size: int = 3, binary: Optional[str] = None, base_dir: Optional[str] = None,
+                 tls: Optional[ServerTLS] = None, health_tls: Optional[HealthTLS] = None) -> None:
+        """``tls``: every member serves clients over TLS with it (peers talk plain HTTP on loopback)."""
         self.base_dir = base_dir or tempfile.mkdtemp(prefix="elasticrun-etcd-cluster-")
         self.members: Dict[str, EtcdServer] = {}
         for i in range(size):
             name = f"etcd{i}"
             self.members[name] = EtcdServer(
-                name=name, binary=binary, data_dir=os.path.join(self.base_dir, name)
+                name=name, binary=binary, data_dir=os.path.join(self.base_dir, name), tls=tls, health_tls=health_tls
             )
         initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members.values())
         for m in self.members.values():
