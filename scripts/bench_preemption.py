@@ -39,6 +39,7 @@ from rich.text import Text
 
 REPO = Path(__file__).resolve().parent.parent
 TRAIN = REPO / "examples" / "train.py"
+PREFIX = re.compile(r"^\[[^\]]*\]:")
 START = re.compile(r"^start: .* step (\d+) epoch")
 STEP = re.compile(r"^step (\d+) ")
 STOPPED = re.compile(r"^stopped: \S+ at step (\d+)")
@@ -71,7 +72,7 @@ class Run:
         assert self.proc.stdout is not None
         for raw in self.proc.stdout:
             self.log.write(raw)
-            line = raw.decode(errors="replace").strip()
+            line = PREFIX.sub("", raw.decode(errors="replace").strip())  # "[node/rank]:" of worker lines
             self.lines.append(line)
             m = START.match(line)
             if m:

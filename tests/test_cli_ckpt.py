@@ -151,8 +151,8 @@ def test_save_asks_a_running_job_through_etcd(etcd_server, etcd, job_id, tmp_pat
     _one_line_error(res, 5, "did not checkpoint within 1s")
     kvs, _ = etcd.get_prefix(prefix + "control/checkpoint/")
     assert len(kvs) == 1  # only the first (answered) request is left
-    _one_line_error(cli("save", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", "no-such-job"), 4,
-                    "no job 'no-such-job'")
+    _one_line_error(cli("save", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", "no-such-job"), 2,
+                    "no job 'no-such-job'")  # a wrong --rdzv-id is a usage error (was 4)
 
 
 def test_save_reports_the_jobs_error(etcd_server, etcd, job_id):

@@ -286,13 +286,15 @@ class EtcdStore:
     def refresh_lease(self, lease_id: int, timeout: Optional[float] = None) -> int:
         """One keep-alive; returns the remaining TTL (<= 0: the lease is gone). Does not retry.
 
-        ``timeout`` (default: the store's): keep it well below the lease's TTL, so that a member
-        that accepts connections but never answers (partitioned, frozen) is left for another one
-        while the lease is still alive.
+        ``timeout`` (default: the store's), used with several endpoints only: keep it well below the
+        lease's TTL, so that a member that accepts connections but never answers (partitioned,
+        frozen) is left for another one while the lease is still alive. With one endpoint there is
+        nowhere to go, and a shorter deadline would only drop slow answers on a loaded machine.
         """
+        deadline = self.timeout if timeout is None or len(self._hosts) < 2 else min(timeout, self.timeout)
         for attempt in (0, 1):
             try:
-                return self._keep_alive(lease_id, self.timeout if timeout is None else min(timeout, self.timeout))
+                return self._keep_alive(lease_id, deadline)
             except grpc.RpcError as err:
                 if attempt == 0 and self._auth[0] is not None and token_rejected(err):
                     try:
