@@ -26,7 +26,7 @@ from helpers.tls import Certs
 
 from elasticrun.cli.run_config import build_config
 from elasticrun.cli.torchrun_args import Parser
-from elasticrun.config import RdzvBackend
+from elasticrun.launch.config import RdzvBackend
 from elasticrun.store.server import EtcdServer, HealthTLS, ServerTLS
 
 DEPLOY = REPO / "deploy" / "kubernetes"

@@ -23,9 +23,9 @@ from pyetcd import etcdrpc
 from pyetcd.client import MultiEndpointEtcd3Client
 from pyetcd.events import DeleteEvent
 
-from elasticrun.errors import StoreError, StoreFullError
+from elasticrun.errors import StoreError, StoreFullError, StoreSetupError
 from elasticrun.store.connection import TRANSIENT, client_args, new_client, renew_token
-from elasticrun.store.explain import START_HINT, explain, out_of_space, tls_failure, token_rejected
+from elasticrun.store.explain import START_HINT, explain, out_of_space, refused, tls_failure, token_rejected
 from elasticrun.store.types import KeyValue, WatchEvent, parse_endpoints
 
 # A private generator for the retry jitter: never the global `random` a training script seeds.
@@ -79,6 +79,10 @@ class EtcdStore:
     def _explain(self, err: BaseException) -> str:
         return explain(err, self.endpoints, self._auth[0], transient=isinstance(err, TRANSIENT))
 
+    def _error(self, err: BaseException) -> StoreError:
+        """The error to raise for ``err``: StoreSetupError when etcd refused our TLS or credentials."""
+        return (StoreSetupError if refused(err) else StoreError)(self._explain(err))
+
     def _retry(self, fn: Callable[[], T], what: str) -> T:
         deadline = time.monotonic() + self.retry_timeout
         delay = 0.05
@@ -88,7 +92,7 @@ class EtcdStore:
                 return fn()
             except TRANSIENT as err:
                 if time.monotonic() + delay > deadline:
-                    raise StoreError(self._explain(err)) from None
+                    raise self._error(err) from None
             except grpc.RpcError as err:
                 if self._auth[0] is not None and token_rejected(err) and not renewed and what != "connect":
                     renewed = True  # once per call: a token refused twice in a row is not an expiry
@@ -104,9 +108,9 @@ class EtcdStore:
                 if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or tls_failure(
                     err.details() or ""
                 ):
-                    raise StoreError(self._explain(err)) from None
+                    raise self._error(err) from None
                 if time.monotonic() + delay > deadline:
-                    raise StoreError(self._explain(err)) from None
+                    raise self._error(err) from None
             except ValueError as err:  # pyetcd: "Trying to use a failed node"
                 if time.monotonic() + delay > deadline:
                     raise StoreError(f"cannot reach etcd at {self.endpoints} ({err}); {START_HINT}") from None
@@ -227,12 +231,30 @@ class EtcdStore:
         """A new lease of ``ttl`` seconds (etcd's minimum is about 2 s); returns its id."""
         return self._call("lease", lambda c: int(c.lease(int(ttl)).id))
 
-    def refresh_lease(self, lease_id: int) -> int:
-        """One keep-alive; returns the remaining TTL (<= 0: the lease is gone). Does not retry."""
+    def _keep_alive(self, lease_id: int, timeout: float) -> int:
+        """One LeaseKeepAlive with its own deadline; an endpoint that times out is failed over from."""
+        client = self._client
+        request = etcdrpc.LeaseKeepAliveRequest(ID=lease_id)
+        try:
+            for resp in client.leasestub.LeaseKeepAlive(iter([request]), timeout, credentials=client.call_credentials,
+                                                        metadata=client.metadata):
+                return int(resp.TTL)
+        except grpc.RpcError as err:
+            client._manage_grpc_errors(err)  # UNAVAILABLE/DEADLINE_EXCEEDED: the member is failed over from
+        return 0
+
+    def refresh_lease(self, lease_id: int, timeout: Optional[float] = None) -> int:
+        """One keep-alive; returns the remaining TTL (<= 0: the lease is gone). Does not retry.
+
+        ``timeout`` (default: the store's), used with several endpoints only: keep it well below the
+        lease's TTL, so that a member that accepts connections but never answers (partitioned,
+        frozen) is left for another one while the lease is still alive. With one endpoint there is
+        nowhere to go, and a shorter deadline would only drop slow answers on a loaded machine.
+        """
+        deadline = self.timeout if timeout is None or len(self._hosts) < 2 else min(timeout, self.timeout)
         for attempt in (0, 1):
             try:
-                for resp in self._client.refresh_lease(lease_id):
-                    return int(resp.TTL)
+                return self._keep_alive(lease_id, deadline)
             except grpc.RpcError as err:
                 if attempt == 0 and self._auth[0] is not None and token_rejected(err):
                     try:
@@ -241,10 +263,9 @@ class EtcdStore:
                         continue
                     except grpc.RpcError:
                         pass
-                raise StoreError(self._explain(err)) from None
+                raise self._error(err) from None
             except (ValueError, *TRANSIENT) as err:
-                raise StoreError(self._explain(err)) from None
-            return 0
+                raise self._error(err) from None
         return 0
 
     def lease_ttl(self, lease_id: int) -> Optional[Dict[str, int]]:

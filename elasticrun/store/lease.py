@@ -111,7 +111,7 @@ class KeepAlive:
         """One refresh from the caller's thread: etcd, not the local clock, says if the lease lives."""
         sent = time.monotonic()
         try:
-            remaining = self.store.refresh_lease(self.lease_id)
+            remaining = self.store.refresh_lease(self.lease_id, timeout=max(1.0, self.ttl / 2.0))
         except StoreError:
             self.last_unreachable = time.monotonic()
             if self._unreachable_since is None:
@@ -180,7 +180,8 @@ class KeepAlive:
             sent = time.monotonic()
             self._attempted = self._pending = sent
             try:
-                remaining = self.store.refresh_lease(self.lease_id)
+                # Half a TTL at most: a member that never answers is failed over from in time.
+                remaining = self.store.refresh_lease(self.lease_id, timeout=max(1.0, self.ttl / 2.0))
             except StoreError as err:
                 self._pending = None
                 log.debug("keep-alive failed: %s", err)
