@@ -64,6 +64,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=0, help="after a scale-up, ramp the LR up over this many steps")
     p.add_argument("--metrics-log", default="", help="rank 0 appends one JSON line per step to this file")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hidden", type=int, default=32, help="hidden width of the MLP: 18*H parameters, twice that "
+                   "in a checkpoint with SGD's momentum (H=2800000: about 0.4 GB)")
     p.add_argument("--ckpt-dir", default=os.environ.get(et.env.ENV_CHECKPOINT_DIR) or "./ckpts")
     p.add_argument("--ckpt-every", type=int, default=50, help="checkpoint every N steps (0: only on stop/request/end)")
     p.add_argument("--keep-last", type=int, default=3)
@@ -102,7 +104,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     torch.manual_seed(args.seed)
     x_all, y_all = make_data(args.dataset_size, args.seed)
     x_all, y_all = x_all.to(ctx.device), y_all.to(ctx.device)
-    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1)).to(ctx.device)
+    model = nn.Sequential(nn.Linear(16, args.hidden), nn.Tanh(), nn.Linear(args.hidden, 1)).to(ctx.device)
 
     if args.global_batch:
         accum = et.accumulation_steps(args.global_batch, args.batch_size, world)
@@ -148,6 +150,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     progress = et.ProgressReporter(ctx)
     last_saved = step if resumed != "nothing" and tier == "disk" else -1  # memory dies with the job: save at the end
     samples_seen = 0
+    progress.report(step)  # the round starts training here (the agent's goodput clock), at the step restored
 
     def state_now() -> Tuple[Any, Dict[str, Any]]:
         ts = et.TrainingState(epoch=sampler.epoch, step=step, samples_consumed=sampler.samples_consumed,
@@ -169,8 +172,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         from elasticrun.checkpoint import SnapshotUnavailable
 
         ts, state = state_now()
+        t0 = time.perf_counter()
         try:
             snaps.snapshot(state, training_state=ts)
+            progress.stalled("snapshot", time.perf_counter() - t0)
         except SnapshotUnavailable as err:  # deterministic: say it once, go on with disk checkpoints only
             log0(ctx, f"memory snapshots disabled: {err}")
             snaps = None
@@ -189,6 +194,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                          user_metadata={"example": "train.py", "reason": reason},
                          process_group=ctx.cpu_process_group)
         last_saved = step
+        progress.stalled("checkpoint", time.perf_counter() - t0)
         log0(ctx, f"checkpoint {name} saved in {time.perf_counter() - t0:.2f}s ({reason})")
         return name
 

@@ -10,13 +10,15 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, List, Optional, Tuple
 
 import pytest
 
+from elasticrun.launch import forkserver
 from elasticrun.launch.config import LaunchConfig
-from elasticrun.launch.forkserver import ForkServer, ServerState
+from elasticrun.launch.forkserver import ForkedProcess, ForkServer, ServerState
 from elasticrun.launch.workers import WorkerGroup
+from elasticrun.rendezvous.records import Member, Topology
 
 from conftest import wait_until
 from launch_helpers import assert_one_line_error, run_cli
@@ -152,3 +154,76 @@ def test_a_server_that_started_a_thread_is_not_forked_from(tmp_path: Path) -> No
 def test_a_negative_standby_count_is_one_clear_error() -> None:
     assert_one_line_error(run_cli(["--standby", "-1", "--standalone", "train.py"], timeout=60), "--standby -1",
                           "0 or more")
+
+
+HOLDER = '''
+import os, time
+with open(os.path.join(os.environ["HOLD_DIR"], f"rank{os.environ['RANK']}.{os.getpid()}"), "w"):
+    pass
+time.sleep(600)
+'''
+
+
+def _ranks_alive(marker: str) -> List[Tuple[int, int]]:
+    """(RANK, pid) of every living worker (a RANK set) whose environment has ``HOLD_MARKER=marker``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            env = dict(v.split(b"=", 1) for v in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0") if b"=" in v)
+        except (OSError, ValueError):
+            continue
+        if env.get(b"HOLD_MARKER") == marker.encode() and b"RANK" in env and not _zombie(int(entry)):
+            found.append((int(env[b"RANK"]), int(entry)))
+    return sorted(found)
+
+
+def test_a_fork_that_times_out_closes_the_server_before_the_fallback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slow server's late child would run next to its replacement (same RANK), and closing the
+    server later would kill the round's workers forked from it: it is closed before the fallback."""
+    script = tmp_path / "holder.py"
+    script.write_text(HOLDER)
+    marker = f"hold-{os.getpid()}-{tmp_path.name}"
+    monkeypatch.setenv("HOLD_DIR", str(tmp_path))
+    monkeypatch.setenv("HOLD_MARKER", marker)
+    monkeypatch.setattr(forkserver, "FORK_TIMEOUT_S", 1.5, raising=False)
+    cfg = LaunchConfig(entrypoint=str(script), nproc_per_node=2, standalone=True, standby=1)
+    group = WorkerGroup(cfg, "n", str(tmp_path), None, False, on_exit=lambda: None)
+    group.prewarm()
+    server = group.server
+    assert server is not None and server.wait_ready(120), server.why_gone if server else None
+    original = server.spawn
+    orders: List[dict] = []
+
+    def slow_after_the_first(order: dict, timeout: Optional[float] = None) -> Optional[ForkedProcess]:
+        if orders:
+            os.kill(server.proc.pid, signal.SIGSTOP)  # a server that stops answering (load, swap, a stuck import)
+        orders.append(order)
+        return original(order) if timeout is None else original(order, timeout)
+
+    monkeypatch.setattr(server, "spawn", slow_after_the_first)
+    member = Member("n", "h", "127.0.0.1", 2, 0, 0)
+    topo = Topology(round=0, members=(member,), master_addr="127.0.0.1", master_port=1)
+    try:
+        group.start(topo, member, None)
+        assert len(orders) == 2
+        assert server.proc.poll() is not None, "the server that timed out is still alive: a late fork can come"
+        try:
+            os.kill(server.proc.pid, signal.SIGCONT)  # were it alive, it would fork the late child now
+        except ProcessLookupError:
+            pass
+        pids = sorted(group.pids)
+        wait_until(lambda: len(list(tmp_path.glob("rank*.*"))) >= 2, 60, "both workers started")
+        group.discard_warm()  # closing every server must not touch this round's workers
+        assert all(w.proc.poll() is None for w in group._workers), "a worker died with a closed fork server"
+        alive = _ranks_alive(marker)
+        assert [r for r, _ in alive] == [0, 1], f"one worker per RANK expected, found {alive}"
+        assert sorted(p for _, p in alive) == pids
+    finally:
+        try:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        group.stop(5)
+        group.discard_warm()

@@ -92,8 +92,9 @@ def test_wrong_or_missing_credentials_fail_at_once_with_one_line(secure: SecureE
     base = ["status", "--rdzv-endpoint", secure.server.endpoint, "--rdzv-id", job, *_tls_flags(secure)]
     env = {names.ETCD_PASSWORD: None, names.ETCD_USER: None}
     t0 = time.monotonic()
-    assert_one_line_error(run_cli([*base, "--etcd-user", job, "--etcd-password-file", str(wrong)], env=env),
-                          f"rejected user '{job}'", "wrong user name or password")
+    rejected = run_cli([*base, "--etcd-user", job, "--etcd-password-file", str(wrong)], env=env)
+    assert_one_line_error(rejected, f"rejected user '{job}'", "wrong user name or password")
+    assert rejected.returncode == 2, "a wrong password is permanent: not the retryable 138"
     assert_one_line_error(run_cli([*base, "--etcd-user", job], env=env), f"etcd user '{job}' has no password",
                           names.ETCD_PASSWORD, "--etcd-password-file")
     assert_one_line_error(run_cli([*base, "--etcd-user", job, "--etcd-password-file", str(tmp_path / "none")],

@@ -6,8 +6,10 @@ standby-pool workers' ``__file__`` and tracebacks, failures without @record, ove
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -23,7 +25,7 @@ from elasticrun.launch.failures import (
     make_failure,
     stderr_tail,
 )
-from elasticrun.launch.logs import add_prefix, line_prefix
+from elasticrun.launch.logs import Console, add_prefix, line_prefix, split_line_end
 
 from conftest import wait_until, worker_env
 from launch_helpers import REPO, SCRIPTS, run_cli
@@ -173,6 +175,39 @@ def test_prefix_goes_after_newlines_and_carriage_returns() -> None:
     out, start = add_prefix(b"\ne", b"[p]:", start)  # \r\n split across chunks: no prefix before \n
     assert out == b"\n[p]:e"
     assert add_prefix(b"x\n", b"", False) == (b"x\n", True)
+
+
+def test_a_line_cut_by_another_workers_text_continues_with_its_prefix() -> None:
+    """A chunk boundary in mid-line while another worker writes: the continuation is prefixed again."""
+    buf = io.BytesIO()
+    console = Console(buf)  # type: ignore[arg-type]
+    a, b = object(), object()
+    out, start = add_prefix(b"hel", b"[a]:", True)
+    console.write(a, out, False, False, b"[a]:")
+    console.write(b, b"[b]:one\n", True, False, b"[b]:")
+    out, start = add_prefix(b"lo\nnext", b"[a]:", start)
+    console.write(a, out, False, True, b"[a]:")
+    console.write(a, b"\n", True, True, b"[a]:")
+    console.write(b, b"[b]:", False, False, b"[b]:")
+    console.write(a, b"[a]:x\n", True, False, b"[a]:")
+    console.write(b, b"\n", True, True, b"[b]:")  # its line was ended for it: no empty line
+    assert buf.getvalue() == b"[a]:hel\n[b]:one\n[a]:lo\n[a]:next\n[b]:\n[a]:x\n"
+    assert split_line_end(b"a\nb\rc") == (b"a\nb\r", b"c")
+    assert split_line_end(b"abc") == (b"", b"abc")
+
+
+def test_four_ranks_printing_at_once_keep_every_line_whole(tmp_path: Path) -> None:
+    n = 300
+    proc = run_cli(["--standalone", "--node-id", "nodeL", "--nproc-per-node", "4", REL_WORKER],
+                   env={"OUT_MODE": "many", "OUT_LINES": str(n)}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    line = re.compile(r"\[nodeL/(\d)\]:rank=(\d) line=(\d+) x{40}")
+    seen = set()
+    for text in proc.stdout.splitlines():
+        m = line.fullmatch(text)
+        assert m is not None and m[1] == m[2], f"a cut or unprefixed line: {text!r}"
+        seen.add((int(m[2]), int(m[3])))
+    assert seen == {(r, i) for r in range(4) for i in range(n)}
 
 
 def test_prefix_template_follows_torchrun() -> None:

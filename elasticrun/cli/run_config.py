@@ -318,6 +318,10 @@ def build_config(p: Parsed) -> LaunchConfig:
         standby=int(v["standby"]),
         snapshots=bool(v["snapshots"]),
         snapshot_memory=_snapshot_memory(p),
+        hang_timeout=float(v["hang_timeout"]),
+        metrics_port=int(v["metrics_port"]),
+        metrics_host=str(v["metrics_host"] or "127.0.0.1").strip(),
+        events_file=v["events_file"] or None,
         **settings,
     )
     for name in v:  # etcd connection options that etcd_options may add later, by field name

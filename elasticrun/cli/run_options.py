@@ -183,6 +183,17 @@ OWN_OPTIONS: Tuple[Opt, ...] = (
     Opt("snapshots", ("--snapshots",), "Give workers a memory tier for snapshots (a private /dev/shm directory "
         "the agent owns) \\[default: on; --no-snapshots turns it off].", ELASTIC, kind=Kind.FLAG, default=True,
         negative=("--no-snapshots",)),
+    Opt("hang_timeout", ("--hang-timeout",), "Restart the round when the step the workers report "
+        "(elasticrun.train.heartbeat / ProgressReporter) has not advanced for S seconds, after dumping every "
+        "worker's Python stacks into the log (ELASTICRUN_HANG_TIMEOUT; 0: off).", ELASTIC, type=Type.FLOAT,
+        metavar="S", default=0.0, envvars=(job_env.HANG_TIMEOUT,)),
+    Opt("metrics_port", ("--metrics-port",), "Serve Prometheus/OpenMetrics /metrics on this port (world size, "
+        "step, goodput, restarts...; docs/observability.md) \\[default: 0, off].", LOGS, type=Type.INT,
+        metavar="PORT", default=0, envvars=(job_env.METRICS_PORT,)),
+    Opt("metrics_host", ("--metrics-host",), "Address /metrics listens on (0.0.0.0: every interface).", LOGS,
+        metavar="ADDR", default="127.0.0.1", envvars=(job_env.METRICS_HOST,)),
+    Opt("events_file", ("--events-file",), "Append the agent's events (rounds, restarts, rescales, checkpoints, "
+        "outages) to this file as JSON lines.", LOGS, metavar="PATH", envvars=(job_env.EVENTS_FILE,)),
     Opt("quiet", ("-q", "--quiet"), "No agent progress lines.", LOGS, kind=Kind.FLAG, default=False),
     Opt("etcd_binary", ("--etcd-binary",), "etcd executable for an etcd this node starts.", ETCD,
         metavar="PATH"),

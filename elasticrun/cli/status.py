@@ -19,6 +19,7 @@ from rich.text import Text
 
 from elasticrun.cli.console import console, err_console, print_json
 from elasticrun.cli.etcd_options import EtcdFlags, with_etcd_flags
+from elasticrun.cli.goodput_view import with_goodput
 from elasticrun.cli.status_render import render_job, render_jobs
 from elasticrun.errors import ElasticrunError
 from elasticrun.job import env as job_env
@@ -195,7 +196,7 @@ def _show_jobs(store: EtcdStore, watch_: bool, as_json: bool) -> None:
 
 def _show_job(store: EtcdStore, job: str, watch_: bool, as_json: bool, events: int) -> None:
     endpoint = store.endpoints
-    doc = job_status(store, job, events=events)  # JobNotFoundError: one line, non-zero exit
+    doc = with_goodput(job_status(store, job, events=events))  # JobNotFoundError: one line, non-zero exit
     if not watch_ or ended(doc):
         if as_json:
             print_json(doc)
@@ -207,7 +208,7 @@ def _show_job(store: EtcdStore, job: str, watch_: bool, as_json: bool, events: i
 
     def snapshot() -> Dict[str, Any]:
         try:
-            return job_status(store, job, events=events)
+            return with_goodput(job_status(store, job, events=events))
         except JobNotFoundError:
             gone = build_job_status(job, [], 0, None, events)
             gone["phase"] = JobPhase.GONE.value

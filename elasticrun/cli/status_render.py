@@ -15,6 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from elasticrun.cli.goodput_view import goodput_line
 from elasticrun.rendezvous.jobstatus import job_phase
 from elasticrun.rendezvous.records import WorkerStatus
 from elasticrun.rendezvous.states import JobPhase, MemberStatus
@@ -125,6 +126,9 @@ def render_job(doc: Dict[str, Any], endpoint: str = "", error: str = "") -> Rend
             f"restarts {restarts} · nnodes {doc.get('nnodes') or '?'} · master {master} · "
             f"formed {_ago(doc.get('round_created_at'), now)}"
         ))
+    goodput = goodput_line(doc.get("goodput"))
+    if goodput is not None:
+        lines.append(goodput)
     state = doc.get("state")
     if isinstance(state, dict):
         lines.append(Text(f"state: {state.get('state')} — {state.get('reason', '')} (round {state.get('round')}, "

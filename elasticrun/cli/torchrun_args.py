@@ -174,7 +174,10 @@ class Parser:
 
 
 def _env_flag(var: str, text: str) -> bool:
-    """torchrun's ``check_env``: an integer, non-zero means on."""
+    """torchrun's ``check_env``: an integer, non-zero means on; empty means on, as Kubeflow's
+    PyTorchJob sets ``PET_STANDALONE=""`` for ``elasticPolicy.standalone: true``."""
+    if not text.strip():
+        return True
     try:
         return int(text.strip()) != 0
     except ValueError:

@@ -70,10 +70,18 @@ CKPT_RETRIES = PREFIX + "CKPT_RETRIES"
 SNAPSHOT_MEMORY = PREFIX + "SNAPSHOT_MEMORY"
 #: Seconds a peer-replica transfer of a memory snapshot waits for its peer (default 300).
 SNAPSHOT_REPLICA_TIMEOUT = PREFIX + "SNAPSHOT_REPLICA_TIMEOUT"
+#: ``--metrics-port``: the agent's /metrics port (0: off).
+METRICS_PORT = PREFIX + "METRICS_PORT"
+#: ``--metrics-host``: the address /metrics listens on (default 127.0.0.1).
+METRICS_HOST = PREFIX + "METRICS_HOST"
+#: ``--events-file``: the agent's JSON-lines event log.
+EVENTS_FILE = PREFIX + "EVENTS_FILE"
 #: Tests only: ``<phase>[:<rank>]`` at which a checkpoint commit SIGKILLs its process.
 CKPT_CRASH_AT = PREFIX + "CKPT_CRASH_AT"
 #: Tests only: ``AFTER:SECONDS`` stalls an agent's round loop once (liveness tests).
 TEST_STALL_LOOP = PREFIX + "TEST_STALL_LOOP"
+#: ``--hang-timeout``: seconds without progress before a round counts as hung (0/unset: off).
+HANG_TIMEOUT = PREFIX + "HANG_TIMEOUT"
 #: Example only: print per-step timing.
 EXAMPLE_TIMING = PREFIX + "EXAMPLE_TIMING"
 

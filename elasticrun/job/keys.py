@@ -23,6 +23,8 @@ write access to its own prefix only (see docs/security.md)::
     control/checkpoint-done/<id> rank 0's answer to it (on a lease; the request is deleted when
                                 answered, the answer once read)
     progress/<node-id>          last step/loss reported by workers (on a short lease)
+    goodput/<node-id>           that agent's goodput accounting (on its lease, every ~10 s; the
+                                final one, written when the job ended, without a lease)
     ping                        never written: connect() reads it to prove access
 """
 
@@ -150,6 +152,14 @@ class JobKeys:
 
     def progress_of(self, node_id: str) -> str:
         return self.progress + node_id
+
+    @property
+    def goodput(self) -> str:
+        return self.prefix + "goodput/"
+
+    def goodput_of(self, node_id: str) -> str:
+        """The node's goodput accounting (elasticrun.launch.goodput), on the agent's lease."""
+        return self.goodput + node_id
 
     @property
     def restarts(self) -> str:

@@ -23,13 +23,16 @@ from rich.text import Text
 
 from elasticrun.errors import ElasticrunError, JobFailedError
 from elasticrun.job import env as env_names
+from elasticrun.job.exitcodes import ExitCode, for_signal
 from elasticrun.job.settings import drop_secrets_from_environment
 from elasticrun.job.settings import from_config as etcd_settings
 from elasticrun.launch.c10d import RoundStore
 from elasticrun.launch.config import LaunchConfig, Std, signal_number
 from elasticrun.launch.failures import root_cause_table
+from elasticrun.launch.hang import STACKS_WAIT_S, HangWatch, dump_stacks, hang_failures, hang_message
 from elasticrun.launch.hosting import open_store, wait_others_left
 from elasticrun.launch.node import local_address
+from elasticrun.launch.observe import Observer
 from elasticrun.launch.outage import STOP_SLACK_S, OutageGuard, stop_workers
 from elasticrun.launch.preload import TorchPreload
 from elasticrun.launch.snapshots import SnapshotRoot
@@ -103,6 +106,8 @@ class Agent:
         self._signal: Optional[int] = None
         self._stopping = False  # set once the agent is stopping: no signal is raised again
         self._wake: Callable[[], None] = lambda: None
+        self._hang: Optional[HangWatch] = None  # --hang-timeout: made with the first round
+        self.obs = Observer(cfg)  # /metrics, goodput accounting, --events-file
 
     # -- signals ----------------------------------------------------------------------------
 
@@ -143,16 +148,20 @@ class Agent:
         round_store = RoundStore()
         with contextlib.ExitStack() as teardown:  # runs bottom to top; each line sees the resource made meanwhile
             teardown.callback(self._restore_signals, handled)
+            teardown.callback(self.obs.close)  # /metrics answers until here
             teardown.callback(lambda: snapshots is not None and snapshots.remove())
             teardown.callback(shutil.rmtree, files_dir, ignore_errors=True)
             teardown.callback(lambda: etcd is not None and etcd.stop())
             teardown.callback(lambda: store is not None and store.close())
             teardown.callback(lambda: self._wait_others_left(etcd, store, rdzv))
             teardown.callback(lambda: rdzv is not None and rdzv.leave())
+            teardown.callback(self.obs.detach)
+            teardown.callback(lambda: self._hang is not None and self._hang.close())
             teardown.callback(round_store.close)
             teardown.callback(lambda: workers is not None and self._stop_workers(workers))
             teardown.callback(self._ignore_signals, handled)
             try:
+                self.obs.start()  # a busy --metrics-port: one line, before anything started
                 log_dir = cfg.log_dir
                 if log_dir is None and (cfg.redirects != Std.NONE or cfg.tee != Std.NONE):
                     # Not under files_dir: that one is removed at exit, and these logs must outlive us.
@@ -169,6 +178,7 @@ class Agent:
                 workers.prewarm()  # worker interpreters import torch while we meet the other nodes
                 torch_preload = TorchPreload(cfg.device_kind).start()  # our own torch too, while etcd starts
                 etcd, store = open_store(cfg, self.say)  # standalone / c10d / static: may host the job's etcd
+                self.obs.attach(store)
                 # Workers reach etcd (commit fence, progress, checkpoint requests) with the same settings.
                 workers.etcd_settings_file = etcd_settings(cfg).write(os.path.join(files_dir, "etcd-settings.json"))
                 host, port = parse_endpoints(cfg.rdzv_endpoint)[0]
@@ -208,7 +218,7 @@ class Agent:
                         rdzv.publish(status=WorkerStatus.LEAVING)
                     except ElasticrunError:
                         pass
-                return 128 + sig.signum
+                return for_signal(sig.signum)  # drained: a retryable code (docs/deploy.md)
         raise AssertionError("unreachable")  # pragma: no cover - the block returns or raises
 
     # -- teardown steps of run() -----------------------------------------------------------------
@@ -254,6 +264,7 @@ class Agent:
         guard = OutageGuard(self.cfg, rdzv, workers, self.say)
         while True:
             workers.prewarm()
+            self.obs.rendezvous(rdzv)
             try:
                 topo = guard.call(rdzv.next_round, "forming a round")
             except LeaseLost as lost:
@@ -269,18 +280,23 @@ class Agent:
                 guard.call(rdzv.reregister, "rejoining")
                 continue
             if outcome is RoundOutcome.SUCCEEDED:
+                self.obs.finish("succeeded")
                 self.say("all workers of all nodes finished: job succeeded")
-                return 0
+                return ExitCode.SUCCEEDED
 
     def _ended(self, rdzv: Rendezvous, ended: JobEnded) -> int:
+        self.obs.finish("succeeded" if ended.succeeded else "failed")
         if ended.succeeded:
             self.say("the job has finished successfully")
-            return 0
+            return ExitCode.SUCCEEDED
         rows = rdzv.root_cause(int(ended.state.get("round", -1)))
         reason = ended.state.get("reason", "job failed")
         if rows:
             self.say.table(root_cause_table(rows, f"job {self.cfg.rdzv_id!r} failed: {reason}"))
-        raise JobFailedError(f"job {self.cfg.rdzv_id!r} failed: {reason}")
+        err = JobFailedError(f"job {self.cfg.rdzv_id!r} failed: {reason}")
+        code = ended.state.get("exit_code")  # the node that ended the job chose it (absent: 1)
+        err.exit_code = code if isinstance(code, int) else None
+        raise err
 
     def _run_round(self, rdzv: Rendezvous, workers: WorkerGroup, topo: Topology) -> RoundOutcome:
         """Run our workers for ``topo`` until the round ends."""
@@ -294,12 +310,14 @@ class Agent:
             f"group rank {me.group_rank}, ranks {ranks}, restarts {topo.restart_count}/{self.cfg.max_restarts}"
         )
         rdzv.beat(busy_for=SERVER_WAIT_S)  # the start may wait for the fork server's imports (bounded)
+        self.obs.round_started(topo, event)
         workers.start(topo, me, event)
         rdzv.beat()
         self.say(f"round {topo.round}: workers started ({workers.started_how})")
         guard = OutageGuard(self.cfg, rdzv, workers, self.say)
         guard.call(lambda: rdzv.publish(status=WorkerStatus.ACTIVE, waiting_for=-1), "starting a round")
         done_reported = False
+        hang = self._hang_watch(rdzv, topo)
         standby_at = time.monotonic() + STANDBY_DELAY_S
         version = rdzv.view_version()
         while True:
@@ -317,13 +335,26 @@ class Agent:
                 _STALL.clear()
             if guard.check(topo) is not None:  # lease in doubt: ride out an etcd outage, or fence
                 return RoundOutcome.NEXT
+            self.obs.tick(rdzv, outage=guard.since is not None)
             state = workers.poll()
             if state is GroupState.FAILED:
                 failures = workers.failures()
                 first = failures[0]
                 self.say(f"worker rank {first.rank} failed ({first.signal or first.exitcode}): stopping this round")
+                self.obs.round_failed()
                 rows = [f.to_dict() for f in failures]
                 guard.call(lambda: rdzv.report_failure(topo, rows), "reporting a failure")  # noqa: B023 - called at once
+                stop_workers(rdzv, workers, self.cfg.shutdown_timeout)
+                return RoundOutcome.NEXT
+            if hang is not None and state is GroupState.RUNNING and hang.hung():
+                self.say(f"round {topo.round}: the step reported by our workers (last {hang.step}) has not advanced "
+                         f"for {hang.timeout:g} s: dumping every worker's Python stacks")
+                workers_now = workers.running
+                rdzv.beat(busy_for=STACKS_WAIT_S)
+                dump_stacks(workers_now)
+                self.say(f"{hang_message(hang.timeout)}: stopping this round")
+                rows = hang_failures(workers_now, hang.timeout)
+                guard.call(lambda: rdzv.report_failure(topo, rows), "reporting a hang")  # noqa: B023 - called at once
                 stop_workers(rdzv, workers, self.cfg.shutdown_timeout)
                 return RoundOutcome.NEXT
             if state is GroupState.SUCCEEDED and not done_reported:
@@ -336,7 +367,13 @@ class Agent:
                 stop_workers(rdzv, workers, self.cfg.shutdown_timeout)
                 return RoundOutcome.SUCCEEDED
             if change is not None:
+                if hang is not None and hang.stalled_for() >= hang.timeout / 2:  # stuck here too (a collective)
+                    self.say(f"round {topo.round}: our workers' step has not advanced for "
+                             f"{hang.stalled_for():.0f} s either: dumping their Python stacks")
+                    rdzv.beat(busy_for=STACKS_WAIT_S)
+                    dump_stacks(workers.running)
                 self.say(f"round {topo.round} ended: {change}; stopping workers")
+                self.obs.round_changed(rdzv, topo)
                 stop_workers(rdzv, workers, self.cfg.shutdown_timeout)
                 return RoundOutcome.NEXT
             if not done_reported:
@@ -345,6 +382,17 @@ class Agent:
             else:
                 timeout = 0.5
             version = rdzv.wait_view(version, timeout)
+
+
+    def _hang_watch(self, rdzv: Rendezvous, topo: Topology) -> Optional[HangWatch]:
+        """``--hang-timeout``: watch the progress our node's local rank 0 reports (see launch/hang.py)."""
+        if self.cfg.hang_timeout <= 0:
+            return None
+        if self._hang is None:
+            key = rdzv.keys.progress_of(self.cfg.node_id)
+            self._hang = HangWatch(lambda: rdzv.store.get_json(key), self.cfg.hang_timeout).start()
+        self._hang.start_round(topo.round)
+        return self._hang
 
 
 def _test_stall() -> List[float]:

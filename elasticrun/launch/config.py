@@ -152,6 +152,10 @@ class LaunchConfig:
     standby: int = 1  # --standby N: warm interpreters per node (1: one fork server; 0: none)
     snapshots: bool = True  # --no-snapshots: no memory tier (no ELASTICRUN_SNAPSHOT_DIR for workers)
     snapshot_memory: Optional[int] = None  # --snapshot-memory: the memory tier's cap in bytes (None: /dev/shm)
+    hang_timeout: float = 0.0  # --hang-timeout: restart a round whose progress stalled this long (0: off)
+    metrics_port: int = 0  # --metrics-port: serve /metrics there (0: off)
+    metrics_host: str = "127.0.0.1"  # --metrics-host: the address /metrics listens on
+    events_file: Optional[str] = None  # --events-file: the agent's JSON-lines event log
 
     def validate(self) -> LaunchConfig:
         """Raise ConfigError with a clear message when something cannot work; return self."""
@@ -178,6 +182,8 @@ class LaunchConfig:
         for name, value in vars(self).items():  # nan/inf durations: a deadline that never comes
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"--{name.replace('_', '-')} {value}: must be a finite number of seconds")
+        if self.hang_timeout < 0:
+            raise ConfigError(f"--hang-timeout {self.hang_timeout}: must not be negative (0 turns it off)")
         if self.etcd_outage_grace < 0:
             raise ConfigError(f"--etcd-outage-grace {self.etcd_outage_grace}: must not be negative")
         if self.heartbeat_timeout < 2:
@@ -189,6 +195,8 @@ class LaunchConfig:
         for name in ("stability_window", "rescale_timeout", "join_timeout", "shutdown_timeout", "monitor_interval"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must not be negative")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port {self.metrics_port}: not a port; use 1-65535, or 0 for no metrics")
         self._check_ranks()
         for name in self.signals_to_handle:
             signal_number(name)

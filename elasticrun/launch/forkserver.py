@@ -26,6 +26,7 @@ from typing import Dict, List, Optional
 from elasticrun.proc import with_parent_death_signal
 
 INLINE_MAX = 60_000  # below the server's packet size; a bigger order goes through a file
+FORK_TIMEOUT_S = 30.0  # how long a spawn waits for the server's reply before giving up on the server
 
 
 class ServerState(Enum):
@@ -144,8 +145,14 @@ class ForkServer:
             self._cond.wait_for(lambda: self.state is not ServerState.STARTING, timeout)
             return self.state is ServerState.READY
 
-    def spawn(self, order: Dict[str, object], timeout: float = 30.0) -> Optional[ForkedProcess]:
-        """Fork a worker for ``order`` (warm.py's env/argv/module/cwd); None if the server cannot."""
+    def spawn(self, order: Dict[str, object], timeout: Optional[float] = None) -> Optional[ForkedProcess]:
+        """Fork a worker for ``order`` (warm.py's env/argv/module/cwd); None if the server cannot.
+
+        A server that does not answer within ``timeout`` (default :data:`FORK_TIMEOUT_S`) is closed
+        before this returns: it could still fork the order later, a second worker with the same
+        RANK next to the one the caller starts instead (closing kills such a late child too).
+        """
+        timeout = FORK_TIMEOUT_S if timeout is None else timeout
         if self.state is not ServerState.READY:
             return None
         out_r, out_w = os.pipe()
@@ -171,7 +178,10 @@ class ForkServer:
                 child.stdout.close()  # type: ignore[attr-defined]
                 child.stderr.close()  # type: ignore[attr-defined]
                 self._gone(self.why_gone or f"no fork within {timeout:g}s")
-                return None
+        if pid is None:
+            self.close()  # no late child (the order may still be in its queue): it dies with the server
+            return None
+        with self._cond:
             child.pid = pid
             if pid in self._early_exits:
                 child._exited(self._early_exits.pop(pid))
@@ -191,7 +201,7 @@ class ForkServer:
         return json.dumps({"id": order_id, "order": {"order_file": path}}).encode()
 
     def close(self) -> None:
-        """Stop the server; workers forked from it die with it."""
+        """Stop the server; workers forked from it die with it (idempotent)."""
         try:
             self._ours.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -200,6 +210,9 @@ class ForkServer:
             self.proc.kill()
         self.proc.wait()
         self._ours.close()
+        with self._cond:
+            self._gone("closed")
+            self._cond.notify_all()
 
 
 __all__ = ["ForkServer", "ForkedProcess", "ServerState"]

@@ -5,6 +5,9 @@ Output is copied as the bytes arrive (not line by line), so a ``\\r``-updated pr
 default; torchrun's ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` (``${role_name}``,
 ``${local_rank}``, ``${rank}``, and here also ``${node}``) replaces it, and an empty
 template turns prefixes off. A ``\\r`` starts a line too, so a redrawn bar keeps its prefix.
+A line is shown whole: an unfinished line waits for its end, and only a pause inside it
+(:data:`FLUSH_PAUSE_S`, e.g. a bar without a newline) shows its start early. When another
+worker's text interrupts it meanwhile, its continuation starts a new line with the prefix again.
 
 With ``--log-dir D`` (torchrun's layout) every worker's streams are also written to
 ``D/<run-id>_<random>/attempt_<round>/<local_rank>/{stdout,stderr}.log`` next to its
@@ -17,11 +20,12 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import sys
 import tempfile
 import threading
 from string import Template
-from typing import IO, BinaryIO, Dict, List, Optional, Sequence, Tuple
+from typing import IO, BinaryIO, Dict, List, Optional, Sequence, Set, Tuple
 
 from elasticrun.job import env as names
 from elasticrun.launch.config import Std
@@ -30,6 +34,7 @@ STREAMS = {1: "stdout", 2: "stderr"}
 DEFAULT_PREFIX = "[${node}/${rank}]:"
 TAIL_KEEP = 16 * 1024  # bytes of a worker's stderr kept for the failure summary
 _CHUNK = 64 * 1024
+FLUSH_PAUSE_S = 0.1  # how long an unfinished line waits for its end before its start is shown
 _PIECES = re.compile(rb"[^\r\n]+|\r\n|\r|\n")
 
 
@@ -72,25 +77,42 @@ def add_prefix(data: bytes, prefix: bytes, at_line_start: bool) -> Tuple[bytes, 
     return bytes(out), at_line_start
 
 
+def split_line_end(data: bytes) -> Tuple[bytes, bytes]:
+    """``data`` cut after its last ``\\n`` or ``\\r``: (finished lines, the unfinished rest)."""
+    end = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1
+    return data[:end], data[end:]
+
+
 class Console:
     """One console stream (stdout or stderr) shared by every worker's pump.
 
     Writes of one chunk are atomic. When a worker writes while another one's line is still
-    open (no newline yet), a newline goes first, so two workers' text never share a line.
+    open (no newline yet), a newline goes first, so two workers' text never share a line; the
+    interrupted worker's continuation then starts with its prefix again.
     """
 
     def __init__(self, stream: BinaryIO) -> None:
         self.stream = stream
         self._lock = threading.Lock()
         self._open_by: Optional[object] = None  # the pump whose line is unfinished
+        self._broken: Set[object] = set()  # pumps whose unfinished line another one ended
 
-    def write(self, owner: object, data: bytes, ends_line: bool) -> None:
-        """Write ``data`` for ``owner``; ``ends_line``: it ends with a newline."""
-        if not data:
-            return
+    def write(self, owner: object, data: bytes, ends_line: bool, continues: bool = False,
+              prefix: bytes = b"") -> None:
+        """Write ``data`` for ``owner``; ``ends_line``: it ends with a newline; ``continues``: it
+        continues ``owner``'s unfinished line (``prefix`` goes first if another worker ended it)."""
         with self._lock:
-            if self._open_by is not None and self._open_by is not owner:
+            broke = self._open_by is not None and self._open_by is not owner
+            if broke:
+                self._broken.add(self._open_by)
+            if owner in self._broken:
+                self._broken.discard(owner)
+                if continues:  # its line was already ended for it: start a prefixed one
+                    data = data[1:] if data.startswith(b"\n") else prefix + data
+            if broke and data:
                 data = b"\n" + data
+            if not data:
+                return
             self._open_by = None if ends_line else owner
             try:
                 self.stream.write(data)
@@ -135,19 +157,33 @@ class OutputPump:
         self._thread = threading.Thread(target=self._run, name=f"log{prefix}", daemon=True)
         self._thread.start()
 
+    def _show(self, data: bytes) -> None:
+        """Prefix ``data`` and write it to the console (whole lines, or a line's start after a pause)."""
+        if not data or self._console is None:
+            return
+        continues = not self._at_start
+        out, self._at_start = add_prefix(data, self._prefix, self._at_start)
+        self._line_open = not out.endswith(b"\n")
+        self._console.write(self, out, not self._line_open, continues, self._prefix)
+
     def _run(self) -> None:
-        at_start = True
-        line_open = False  # the console line we last wrote has no newline yet
+        self._at_start = True
+        self._line_open = False  # the console line we last wrote has no newline yet
+        pending = b""  # an unfinished line, held back until its end or a pause
         try:
             fd = self._pipe.fileno()
             while True:
+                if pending and not select.select([fd], [], [], FLUSH_PAUSE_S)[0]:
+                    self._show(pending)  # a pause inside a line: show what came so far
+                    pending = b""
                 data = os.read(fd, _CHUNK)
                 if not data:
                     break
                 if self._console is not None:
-                    out, at_start = add_prefix(data, self._prefix, at_start)
-                    line_open = not out.endswith(b"\n")
-                    self._console.write(self, out, not line_open)
+                    whole, pending = split_line_end(pending + data)
+                    if len(pending) >= _CHUNK:  # a very long line: show it in pieces
+                        whole, pending = whole + pending, b""
+                    self._show(whole)
                 if self._file is not None:
                     self._file.write(data)
                     self._file.flush()
@@ -158,8 +194,9 @@ class OutputPump:
         except (OSError, ValueError):
             pass
         finally:
-            if self._console is not None and line_open:
-                self._console.write(self, b"\n", True)  # end the worker's last line
+            self._show(pending)
+            if self._console is not None and self._line_open:
+                self._console.write(self, b"\n", True, True)  # end the worker's last line
             try:
                 self._pipe.close()
             except OSError:

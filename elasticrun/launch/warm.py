@@ -81,10 +81,14 @@ def _retain_destroyed_groups() -> None:
 
 
 def _become(order: dict) -> None:
+    if order.get("stacks_signal"):  # --hang-timeout: the agent asks for every thread's stack with it
+        import faulthandler
+
+        faulthandler.register(int(order["stacks_signal"]), all_threads=True)
     env = order["env"]
     os.environ.clear()
     os.environ.update(env)
-    if "OMP_NUM_THREADS" in env:
+    if "OMP_NUM_THREADS" in env and "torch" in sys.modules:  # a preloaded torch keeps its first pool size
         try:
             import torch
 
@@ -183,10 +187,12 @@ def _read_order_file(order: dict) -> dict:
 
 
 def main() -> None:
-    # argv: [--deep] [--server] -- <script> <args>: the script only labels the process; orders come on stdin.
+    # argv: [--deep] [--server] [--fresh] -- <script> <args>: the script only labels the process; orders
+    # come on stdin. --fresh: no preload (a worker started at once, only for the order's bootstrap).
     flags = sys.argv[1 : sys.argv.index("--")] if "--" in sys.argv else []
     # The fork server imports DDP's extras too: every worker it forks, the first round's included, skips them.
-    _preload(deep="--deep" in flags or "--server" in flags)
+    if "--fresh" not in flags:
+        _preload(deep="--deep" in flags or "--server" in flags)
     gc.freeze()  # the preloaded modules are permanent: collections (and the final one) skip them
     if "--server" in flags:
         from elasticrun.launch.zygote import serve
@@ -199,7 +205,8 @@ def main() -> None:
         order = json.loads(line)
     order = _read_order_file(order)
     atexit.register(_collect_while_alive)
-    _retain_destroyed_groups()
+    if "--fresh" not in flags:  # a fresh worker imports torch (or not) as the script does
+        _retain_destroyed_groups()
     _become(order)
 
 

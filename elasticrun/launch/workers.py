@@ -18,7 +18,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from elasticrun.job import env as names
 from elasticrun.job.env import without_secrets
@@ -26,6 +26,7 @@ from elasticrun.launch.config import LaunchConfig
 from elasticrun.launch.env import WorkerSpec, worker_env
 from elasticrun.launch.failures import WorkerFailure, bounded, make_failure
 from elasticrun.launch.forkserver import ForkServer, ServerState
+from elasticrun.launch.hang import STACKS_SIGNAL
 from elasticrun.launch.logs import (
     STREAMS,
     TAIL_KEEP,
@@ -178,38 +179,73 @@ class WorkerGroup:
                 server.close()
                 self._server = None
             return None
-        order = {"env": env, "argv": [self.cfg.entrypoint, *self.cfg.args], "module": self.cfg.module,
-                 "cwd": os.getcwd()}
-        return server.spawn(order)  # type: ignore[return-value]  # Popen's interface, as used here
+        forked = server.spawn(self._order(env))
+        if forked is None:  # gone (or closed by a spawn that timed out): no late child may run
+            server.close()
+            self._server = None
+        return forked  # type: ignore[return-value]  # Popen's interface, as used here
+
+    def _spawn_all(self, envs: List[Dict[str, str]]) -> List[subprocess.Popen]:
+        """A worker per environment: all forked, else all started another way (:meth:`_spawn`).
+
+        When the fork server fails part-way, the workers it already forked die with it (it is
+        closed): they are killed and started anew with the others, never left to die mid-round.
+        """
+        forked: List[subprocess.Popen] = []
+        for env in envs:
+            proc = self._fork(env)
+            if proc is None:
+                break
+            forked.append(proc)
+        if len(forked) == len(envs):
+            self._how["forked"] += len(forked)
+            return forked
+        for proc in forked:
+            proc.kill()
+            for pipe in (proc.stdout, proc.stderr):
+                if pipe is not None:
+                    pipe.close()
+        return [self._spawn(env) for env in envs]
 
     def _spawn(self, env: Dict[str, str]) -> subprocess.Popen:
-        """A worker process for ``env``: forked, else a pre-warmed one when available, else a fresh one."""
-        forked = self._fork(env)
-        if forked is not None:
-            self._how["forked"] += 1
-            return forked
+        """A worker process for ``env`` without the fork server: a pre-warmed one, else a fresh one."""
         while self._warm:
             proc = self._warm.pop(0)
             if proc.poll() is not None or proc.stdin is None:
                 continue
-            order = {"env": env, "argv": [self.cfg.entrypoint, *self.cfg.args], "module": self.cfg.module,
-                     "cwd": os.getcwd()}
             try:
-                proc.stdin.write(self._order_line(order))
+                proc.stdin.write(self._order_line(self._order(env)))
                 proc.stdin.close()
                 self._how["pre-warmed"] += 1
                 return proc
             except (BrokenPipeError, OSError):
                 continue
         self._how["fresh"] += 1
-        return subprocess.Popen(
-            with_parent_death_signal(self.command()),
+        # With --hang-timeout a fresh worker too starts through warm.py (no preload): it registers
+        # the stack dump (see _order) before running the script exactly as `python script.py` would.
+        boot = self.cfg.hang_timeout > 0 and not self.cfg.no_python
+        cmd = [sys.executable, "-u", "-m", "elasticrun.launch.warm", "--fresh", "--", self.cfg.entrypoint,
+               *self.cfg.args] if boot else self.command()
+        proc = subprocess.Popen(
+            with_parent_death_signal(cmd),
             env=env,
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE if boot else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
         )
+        if boot and proc.stdin is not None:
+            proc.stdin.write(self._order_line(self._order(env)))
+            proc.stdin.close()
+        return proc
+
+    def _order(self, env: Dict[str, str]) -> Dict[str, object]:
+        """What warm.py runs: the script, its environment, and (``--hang-timeout``) the stack-dump signal."""
+        order: Dict[str, object] = {"env": env, "argv": [self.cfg.entrypoint, *self.cfg.args],
+                                    "module": self.cfg.module, "cwd": os.getcwd()}
+        if self.cfg.hang_timeout > 0:
+            order["stacks_signal"] = int(STACKS_SIGNAL)
+        return order
 
     def _order_line(self, order: Dict[str, object]) -> bytes:
         """The line a pre-warmed interpreter reads on stdin: the order itself, or where to find it.
@@ -244,6 +280,11 @@ class WorkerGroup:
     def pids(self) -> List[int]:
         return [w.proc.pid for w in self._workers]
 
+    @property
+    def running(self) -> List[_Worker]:
+        """This round's workers that have not exited."""
+        return [w for w in self._workers if w.proc.poll() is None]
+
     def start(self, topo: Topology, member: Member, event: Optional[RescaleEvent]) -> None:
         """Spawn ``member.nproc`` workers for round ``topo``."""
         assert not self._workers, "stop the previous workers first"
@@ -254,6 +295,7 @@ class WorkerGroup:
             json.dump(event.to_dict() if event else {}, f)
         began = time.monotonic()
         self._how = {"forked": 0, "pre-warmed": 0, "fresh": 0}
+        planned: List[Tuple[WorkerSpec, Dict[str, str], str]] = []
         for local_rank in range(member.nproc):
             rank = member.rank_offset + local_rank
             rank_dir = self._worker_dir(round_dir, topo.round, rank, local_rank)
@@ -277,8 +319,10 @@ class WorkerGroup:
                 },
                 etcd_settings_file=self.etcd_settings_file,
             )
-            proc = self._spawn(env)
-            err_pump = self._pump(proc, rank_dir if self.log_dir is not None else None, rank, local_rank)
+            planned.append((spec, env, rank_dir))
+        for (spec, _, rank_dir), proc in zip(planned, self._spawn_all([env for _, env, _ in planned])):
+            log_dir = rank_dir if self.log_dir is not None else None
+            err_pump = self._pump(proc, log_dir, spec.rank, spec.local_rank)
             self._workers.append(_Worker(spec, proc, err_pump))
             threading.Thread(target=self._wait, args=(proc,), daemon=True).start()
         kinds = ", ".join(f"{n} {kind}" for kind, n in self._how.items() if n)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
-from elasticrun.errors import ElasticrunError, StoreError
+from elasticrun.errors import ElasticrunError, StoreError, StoreSetupError
 from elasticrun.job.keys import ROOT, JobKeys, job_of
 from elasticrun.rendezvous.records import NodeInfo, RescaleEvent, Topology, WorkerStatus, loads_record
 from elasticrun.rendezvous.states import TERMINAL_PHASES, JobPhase, MemberStatus
@@ -54,6 +54,17 @@ def _event_row(d: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     }
 
 
+def _dicts_under(data: Dict[str, KeyValue], prefix: str) -> Dict[str, Dict[str, Any]]:
+    """The JSON objects under ``prefix``, by the rest of their key (a node id)."""
+    found: Dict[str, Dict[str, Any]] = {}
+    for key, kv in data.items():
+        if key.startswith(prefix):
+            value = _loads(kv)
+            if isinstance(value, dict):
+                found[key[len(prefix):]] = value
+    return found
+
+
 def _node_row(info: NodeInfo, lease: int, lease_info: Optional[LeaseInfo]) -> Dict[str, Any]:
     ttl = lease_info(lease) if (lease_info is not None and lease) else None
     return {
@@ -87,7 +98,8 @@ def build_job_status(
 
     Stable top-level keys: job, exists, revision, time, config, nnodes, max_restarts, state,
     round, world_size, restart_count, master_addr, master_port, round_created_at, round_end,
-    members, spares, events. ``lease_info(lease_id)`` may return ``{"ttl", "granted_ttl"}``.
+    members, spares, events, goodput_nodes (each agent's goodput accounting by node id).
+    ``lease_info(lease_id)`` may return ``{"ttl", "granted_ttl"}``.
     """
     keys = JobKeys(job)
     data = {kv.key: kv for kv in kvs if kv.key.startswith(keys.prefix)}
@@ -114,12 +126,8 @@ def build_job_status(
             continue
         nodes[key[len(keys.nodes):]] = _node_row(info, kv.lease, lease_info)
 
-    progress: Dict[str, Any] = {}
-    for key, kv in data.items():
-        if key.startswith(keys.progress):
-            value = _loads(kv)
-            if isinstance(value, dict):
-                progress[key[len(keys.progress):]] = value
+    progress = _dicts_under(data, keys.progress)
+    goodput = _dicts_under(data, keys.goodput)
 
     members: List[Dict[str, Any]] = []
     round_end: Dict[str, Any] = {"failed": None, "end": None, "done": []}
@@ -196,6 +204,7 @@ def build_job_status(
         "members": members,
         "spares": spares,
         "events": event_rows,
+        "goodput_nodes": goodput,
     }
 
 
@@ -286,7 +295,7 @@ def list_jobs(store: EtcdStore) -> List[Dict[str, Any]]:
     except StoreError as err:
         if "denied" not in str(err):
             raise
-        raise StoreError(f"{err}; a job's own etcd user may list nothing but its job: pass --rdzv-id") from None
+        raise StoreSetupError(f"{err}; a job's own etcd user may list nothing but its job: pass --rdzv-id") from None
     return summarise_jobs(kvs)
 
 

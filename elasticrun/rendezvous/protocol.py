@@ -26,6 +26,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from elasticrun.errors import ConfigError, RendezvousError, StoreError
+from elasticrun.job.exitcodes import ExitCode
 from elasticrun.job.keys import JobKeys
 from elasticrun.job.requests import utc
 from elasticrun.rendezvous.leader import Leadership
@@ -277,7 +278,7 @@ class Rendezvous(RoundMonitor):
                         f"{timeout:.0f}s"
                     ) if topo is None else self._lost_reason(topo, waiting, timeout)
                     if topo is not None:
-                        self._end_job(JobState.FAILED, reason, topo, rev)
+                        self._end_job(JobState.FAILED, reason, topo, rev, ExitCode.TRANSIENT)
                     raise RendezvousError(f"job {self.settings.job_id!r}: {reason}; start more nodes or lower --nnodes")
             version = self._wait_change(version)
 
@@ -425,8 +426,12 @@ class Rendezvous(RoundMonitor):
         except StoreError as err:  # the next round trims again
             log.warning("could not trim the job's round history: %s", err)
 
-    def _end_job(self, state: JobState, reason: str, topo: Topology, topo_rev: int) -> None:
+    def _end_job(self, state: JobState, reason: str, topo: Topology, topo_rev: int,
+                 exit_code: Optional[int] = None) -> None:
+        """Record the job's end; ``exit_code``: what every agent exits with (None: 0 or 1 by ``state``)."""
         record = {"state": state.value, "reason": reason, "round": topo.round, "time": time.time()}
+        if exit_code is not None:
+            record["exit_code"] = int(exit_code)
         self.store.txn_put_many((self.keys.topology, topo_rev), [(self.keys.state, json.dumps(record), None)])
 
 

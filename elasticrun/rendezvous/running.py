@@ -43,7 +43,8 @@ class RoundMonitor:
     def recently_unreachable(self) -> bool:  # pragma: no cover - provided by Rendezvous
         raise NotImplementedError
 
-    def _end_job(self, state: JobState, reason: str, topo: Topology, topo_rev: int) -> None:  # pragma: no cover
+    def _end_job(self, state: JobState, reason: str, topo: Topology, topo_rev: int,  # pragma: no cover
+                 exit_code: Optional[int] = None) -> None:
         raise NotImplementedError
 
     def view_version(self) -> int:

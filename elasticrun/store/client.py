@@ -23,9 +23,9 @@ from pyetcd import etcdrpc
 from pyetcd.client import MultiEndpointEtcd3Client
 from pyetcd.events import DeleteEvent
 
-from elasticrun.errors import StoreError, StoreFullError
+from elasticrun.errors import StoreError, StoreFullError, StoreSetupError
 from elasticrun.store.connection import TRANSIENT, client_args, keepalives, new_client, renew_token
-from elasticrun.store.explain import START_HINT, explain, out_of_space, tls_failure, token_rejected
+from elasticrun.store.explain import START_HINT, explain, out_of_space, refused, tls_failure, token_rejected
 from elasticrun.store.types import KeyValue, WatchEvent, parse_endpoints
 
 # A private generator for the retry jitter: never the global `random` a training script seeds.
@@ -79,6 +79,10 @@ class EtcdStore:
     def _explain(self, err: BaseException) -> str:
         return explain(err, self.endpoints, self._auth[0], transient=isinstance(err, TRANSIENT))
 
+    def _error(self, err: BaseException) -> StoreError:
+        """The error to raise for ``err``: StoreSetupError when etcd refused our TLS or credentials."""
+        return (StoreSetupError if refused(err) else StoreError)(self._explain(err))
+
     def _retry(self, fn: Callable[[], T], what: str) -> T:
         deadline = time.monotonic() + self.retry_timeout
         delay = 0.05
@@ -88,7 +92,7 @@ class EtcdStore:
                 return fn()
             except TRANSIENT as err:
                 if time.monotonic() + delay > deadline:
-                    raise StoreError(self._explain(err)) from None
+                    raise self._error(err) from None
             except grpc.RpcError as err:
                 if self._auth[0] is not None and token_rejected(err) and not renewed and what != "connect":
                     renewed = True  # once per call: a token refused twice in a row is not an expiry
@@ -104,17 +108,24 @@ class EtcdStore:
                 if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or tls_failure(
                     err.details() or ""
                 ):
-                    raise StoreError(self._explain(err)) from None
+                    raise self._error(err) from None
                 if time.monotonic() + delay > deadline:
-                    raise StoreError(self._explain(err)) from None
+                    raise self._error(err) from None
             except ValueError as err:  # pyetcd: "Trying to use a failed node"
                 if time.monotonic() + delay > deadline:
                     raise StoreError(f"cannot reach etcd at {self.endpoints} ({err}); {START_HINT}") from None
             time.sleep(delay * (0.5 + _JITTER.random()))
             delay = min(delay * 2, 1.0)
 
+    on_call: Optional[Callable[[str, float], None]] = None  # on_call(op, seconds) after every call (metrics)
+
     def _call(self, what: str, fn: Callable[[MultiEndpointEtcd3Client], T]) -> T:
-        return self._retry(lambda: fn(self._client), what)
+        start = time.monotonic()
+        try:
+            return self._retry(lambda: fn(self._client), what)
+        finally:
+            if self.on_call is not None:
+                self.on_call(what, time.monotonic() - start)
 
     # -- key/value ------------------------------------------------------------------
 
@@ -220,17 +231,25 @@ class EtcdStore:
         """A new lease of ``ttl`` seconds (etcd's minimum is about 2 s); returns its id."""
         return self._call("lease", lambda c: int(c.lease(int(ttl)).id))
 
-    def refresh_lease(self, lease_id: int) -> int:
-        """One keep-alive; returns the remaining TTL (<= 0: the lease is gone). Does not retry."""
-        return self.refresh_leases([lease_id]).get(lease_id, 0)
+    def refresh_lease(self, lease_id: int, timeout: Optional[float] = None) -> int:
+        """One keep-alive; returns the remaining TTL (<= 0: the lease is gone). Does not retry.
 
-    def refresh_leases(self, lease_ids: Sequence[int]) -> Dict[int, int]:
+        ``timeout`` (default: the store's), used with several endpoints only: keep it well below the
+        lease's TTL, so that a member that accepts connections but never answers (partitioned,
+        frozen) is left for another one while the lease is still alive. With one endpoint there is
+        nowhere to go, and a shorter deadline would only drop slow answers on a loaded machine.
+        """
+        return self.refresh_leases([lease_id], timeout).get(lease_id, 0)
+
+    def refresh_leases(self, lease_ids: Sequence[int], timeout: Optional[float] = None) -> Dict[int, int]:
         """One keep-alive per lease, all over one stream (a process holding many leases pays one round
-        trip, not one per lease); lease id -> remaining TTL (<= 0: gone). Does not retry."""
+        trip, not one per lease); lease id -> remaining TTL (<= 0: gone; absent: no answer).
+        ``timeout`` as for :meth:`refresh_lease`. Does not retry."""
         ids = list(lease_ids)
+        deadline = self.timeout if timeout is None or len(self._hosts) < 2 else min(timeout, self.timeout)
         for attempt in (0, 1):
             try:
-                return keepalives(self._client, ids) if ids else {}
+                return keepalives(self._client, ids, deadline) if ids else {}
             except grpc.RpcError as err:
                 if attempt == 0 and self._auth[0] is not None and token_rejected(err):
                     try:
@@ -239,10 +258,11 @@ class EtcdStore:
                         continue
                     except grpc.RpcError:
                         pass
-                raise StoreError(self._explain(err)) from None
+                raise self._error(err) from None
             except (ValueError, *TRANSIENT) as err:
-                raise StoreError(self._explain(err)) from None
+                raise self._error(err) from None
         return {}
+
 
     def lease_ttl(self, lease_id: int) -> Optional[Dict[str, int]]:
         """``{"ttl": seconds left, "granted_ttl": seconds}`` of a lease, or None when it is gone."""

@@ -79,6 +79,12 @@ class KeepAlive:
     def interval(self) -> float:
         return max(0.2, self.ttl / 3.0)
 
+    @property
+    def refresh_timeout(self) -> float:
+        """Deadline of a keep-alive (half a TTL at most: a member that never answers is failed over
+        from in time; see ``EtcdStore.refresh_lease``)."""
+        return max(1.0, self.ttl / 2.0)
+
     # -- liveness --------------------------------------------------------------------
 
     def beat(self, busy_for: float = 0.0) -> None:
@@ -115,7 +121,7 @@ class KeepAlive:
         """One refresh from the caller's thread: etcd, not the local clock, says if the lease lives."""
         sent = time.monotonic()
         try:
-            remaining = self.store.refresh_lease(self.lease_id)
+            remaining = self.store.refresh_lease(self.lease_id, timeout=self.refresh_timeout)
         except StoreError:
             self.last_unreachable = time.monotonic()
             if self._unreachable_since is None:

@@ -30,6 +30,9 @@ class Refreshable(Protocol):
     @property
     def interval(self) -> float: ...
 
+    @property
+    def refresh_timeout(self) -> float: ...
+
     def start_refresh(self, sent: float) -> bool: ...
 
     def refreshed(self, sent: float, remaining: int) -> None: ...
@@ -57,10 +60,10 @@ class Refresher:
                 self._leases.remove(lease)
         self._wake.set()
 
-    def _refresh(self, ids: Sequence[int]) -> Dict[int, int]:
+    def _refresh(self, ids: Sequence[int], timeout: float) -> Dict[int, int]:
         many = getattr(self.store, "refresh_leases", None)
         if many is not None:
-            return dict(many(ids))
+            return dict(many(ids, timeout))
         return {i: self.store.refresh_lease(i) for i in ids}
 
     def _run(self) -> None:
@@ -85,7 +88,7 @@ class Refresher:
                 continue
             self.batches += 1
             try:
-                answers = self._refresh([ka.lease_id for ka in batch])
+                answers = self._refresh([ka.lease_id for ka in batch], min(ka.refresh_timeout for ka in batch))
             except StoreError as err:
                 log.debug("keep-alive of %d lease(s) failed: %s", len(batch), err)
                 for ka in batch:

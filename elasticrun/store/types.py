@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, List, Tuple
 
-from elasticrun.errors import StoreError
+from elasticrun.errors import StoreSetupError
 
 
 @dataclass(frozen=True)
@@ -50,10 +50,10 @@ def parse_endpoints(endpoints: str) -> List[Tuple[str, int]]:
             host, port = item, "2379"
         host = host.strip("[]")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise StoreError(f"bad etcd endpoint {raw.strip()!r}: expected host:port, e.g. 127.0.0.1:2379")
+            raise StoreSetupError(f"bad etcd endpoint {raw.strip()!r}: expected host:port, e.g. 127.0.0.1:2379")
         result.append((host, int(port)))
     if not result:
-        raise StoreError("no etcd endpoint given: pass --rdzv-endpoint host:port[,host:port...]")
+        raise StoreSetupError("no etcd endpoint given: pass --rdzv-endpoint host:port[,host:port...]")
     return result
 
 

@@ -7,6 +7,7 @@
     lr = et.scale_lr(base_lr, base_world, ctx.world_size)   # the launcher's --lr-scaling
     requests = et.CheckpointRequests(ctx)            # `elasticrun ckpt save` + agreed stop
     progress = et.ProgressReporter(ctx)              # progress in etcd for `elasticrun status`
+    et.heartbeat(step)                               # or just this, once per step (also --hang-timeout)
     ckpt = et.load_latest(root, sampler=sampler)     # newest checkpoint (+ sampler, RNG), or None
     state["rng"] = et.capture_rng(seed)              # every rank's generators, in the checkpoint
 
@@ -32,7 +33,7 @@ from elasticrun.train.lr import (
     scale_lr,
     warmup_lr,
 )
-from elasticrun.train.progress import ProgressReporter
+from elasticrun.train.progress import ProgressReporter, heartbeat
 from elasticrun.train.resume import complete_checkpoints, load_latest
 from elasticrun.train.rng import capture_rng, derive_seed, restore_rng, seed_all
 from elasticrun.train.sampler import ElasticDistributedSampler, default_redistribution
@@ -58,6 +59,7 @@ __all__ = [
     "default_redistribution",
     "default_strategy",
     "derive_seed",
+    "heartbeat",
     "init",
     "load_latest",
     "micro_batch_for",

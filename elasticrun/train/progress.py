@@ -1,20 +1,24 @@
 """Training progress in etcd, for ``elasticrun status``.
 
 The node's local rank 0 writes ``/elasticrun/<job>/progress/<node-id>`` =
-``{"step", "loss", "samples_per_s", "rank", "round", "world_size", "time"}`` under its
+``{"step", "loss", "samples_per_s", "rank", "round", "world_size", "time", "stalls"}`` (and
+``"closed": true`` in the last report, written by :meth:`ProgressReporter.close`) under its
 own short lease (refreshed with every write), at most once per ``interval`` seconds.
 When the worker stops reporting (it exited, hung or died) the key vanishes after the
-lease TTL. :meth:`ProgressReporter.report` never blocks on etcd: a background thread
-does the writing, and an unreachable etcd only costs one warning.
+lease TTL. ``stalls`` (:meth:`ProgressReporter.stalled`) holds this worker's cumulative
+checkpoint and snapshot stalls, ``{"checkpoint": [count, seconds, last], ...}``, which the agent
+turns into goodput accounting and duration histograms. :meth:`ProgressReporter.report` never
+blocks on etcd: a background thread does the writing, and an unreachable etcd only costs one warning.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import threading
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from elasticrun.errors import ElasticrunError
 from elasticrun.train.env import ElasticState
@@ -56,6 +60,9 @@ class ProgressReporter:
         self._closed = threading.Event()
         self._lease: Optional[int] = None
         self._last_rate: Optional[tuple] = None  # (time, samples)
+        self._last_put: Optional[Dict[str, Any]] = None
+        self._stalls: Dict[str, List[float]] = {}  # kind -> [count, total seconds, last seconds]
+        self._sent: Optional[Dict[str, Any]] = None  # the latest report
         self._thread: Optional[threading.Thread] = None
         if self.active:
             self._thread = threading.Thread(target=self._run, name="elasticrun-progress", daemon=True)
@@ -84,13 +91,27 @@ class ProgressReporter:
             "world_size": self.state.world_size,
             "time": now,
         }
+        if self._stalls:
+            value["stalls"] = {k: [int(v[0]), round(v[1], 4), round(v[2], 4)] for k, v in self._stalls.items()}
         with self._lock:
-            self._latest = value
+            self._latest = self._sent = value
         self._wake.set()
 
+    def stalled(self, kind: str, seconds: float) -> None:
+        """Training was blocked ``seconds`` by a ``kind`` ("checkpoint" or "snapshot") save; sent with the
+        next :meth:`report` (goodput accounting and the agent's ``elasticrun_checkpoint_seconds``)."""
+        entry = self._stalls.setdefault(kind, [0, 0.0, 0.0])
+        entry[0] += 1
+        entry[1] += max(0.0, float(seconds))
+        entry[2] = max(0.0, float(seconds))
+        with self._lock:
+            last = self._sent
+        if last is not None:  # re-send the latest report with it: a worker that exits now still tells
+            self.report(last["step"], last["loss"], last["samples_per_s"])
+
     def close(self, timeout: float = 2.0) -> None:
-        """Write the last report (best effort, at most ``timeout`` s) and stop. The key then
-        expires with its lease."""
+        """Write the last report, marked ``"closed": true`` (best effort, at most ``timeout`` s), and
+        stop: ``--hang-timeout`` no longer judges this node's steps. The key then expires with its lease."""
         self._closed.set()
         self._wake.set()
         if self._thread is not None:
@@ -115,6 +136,8 @@ class ProgressReporter:
             self._wake.clear()
             with self._lock:
                 value, self._latest = self._latest, None
+            if closing and (value or self._last_put) is not None:
+                value = dict(value or self._last_put or {}, closed=True)  # the end of training, not a hang
             if value is not None:
                 self._put(value)
                 last_put = time.monotonic()
@@ -133,9 +156,30 @@ class ProgressReporter:
                 self._lease = store.grant_lease(self.ttl)
             store.put_json(self.key, value, lease=self._lease)
             self.puts += 1
+            self._last_put = value
         except ElasticrunError as err:
             self._lease = None
             self.link.failed(err)
 
 
-__all__ = ["PROGRESS_DIR", "ProgressReporter"]
+_HEARTBEAT: Optional[ProgressReporter] = None
+_heartbeat_lock = threading.Lock()
+
+
+def heartbeat(step: int, loss: Optional[float] = None) -> None:
+    """Report ``step`` (and ``loss``) with a process-wide :class:`ProgressReporter`, made on first use.
+
+    One call per training step is all an unmodified script needs for ``elasticrun status`` and for
+    ``--hang-timeout`` (a step that stops changing means a hang). Never blocks; a no-op outside
+    elasticrun and on ranks other than a node's local rank 0.
+    """
+    global _HEARTBEAT
+    if _HEARTBEAT is None:
+        with _heartbeat_lock:
+            if _HEARTBEAT is None:
+                _HEARTBEAT = ProgressReporter()
+                atexit.register(_HEARTBEAT.close)  # the script's end (teardown, last saves) is no hang
+    _HEARTBEAT.report(step, loss)
+
+
+__all__ = ["PROGRESS_DIR", "ProgressReporter", "heartbeat"]

@@ -9,6 +9,8 @@
   at restart 0 (exit 0 later).
 - ``gloo``: prints ``[rank<RANK>]: about to fail [bold]`` on stderr, then raises gloo's real timeout text
   (``RuntimeError: [/__w/pytorch/.../unbound_buffer.cc:78] Timed out ...``: brackets rich would read as markup).
+- ``many``: writes ``OUT_LINES`` lines ``rank=<RANK> line=<i> xxx…`` to stdout, each in two writes
+  (a line's end arrives separately, as ``print`` does unbuffered; every 4th after 2 ms), all ranks at once.
 - ``lines``: prints ``line-out rank=<RANK>`` to stdout and ``line-err rank=<RANK>`` to stderr.
 """
 
@@ -56,6 +58,13 @@ def main() -> int:
     elif mode == "gloo":
         print(f"[rank{rank}]: about to fail [bold]", file=sys.stderr, flush=True)
         raise RuntimeError(GLOO_TIMEOUT)
+    elif mode == "many":
+        for i in range(int(os.environ.get("OUT_LINES", "300"))):
+            sys.stdout.write(f"rank={rank} line={i} ")
+            if i % 4 == 0:
+                time.sleep(0.002)  # a short pause inside the line (well below the launcher's flush pause)
+            sys.stdout.write("x" * 40 + "\n")
+        sys.stdout.flush()
     elif mode == "bigerror":
         return _bigerror()
     elif mode == "whoami":

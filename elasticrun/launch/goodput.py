@@ -1,0 +1,244 @@
+"""Goodput accounting: how much of a node's wall time became training that was kept.
+
+Pure logic, fed by the agent (phase transitions) and by the workers' progress reports
+(step, cumulative checkpoint stall); the clock is injectable so tests drive it.
+
+Definitions (docs/observability.md):
+
+- wall time: since the accounting started (the agent started), split into phases
+  (:class:`Phase`); every second is in exactly one phase;
+- goodput: seconds in ``training`` spent on steps that were kept;
+- badput: every other second, by cause (:class:`Cause`): ``startup`` (rendezvous and start
+  before the first training), ``restart`` and ``rescale`` (stopping, re-forming and starting
+  again after a worker failure or a membership change), ``rollback`` (training time of steps
+  that a restore threw away), ``checkpoint_stall`` (training blocked on a checkpoint or
+  snapshot, as the workers report it), ``outage`` (etcd unreachable), ``shutdown`` (after the
+  last reported step of a job that ended: workers exiting, the agent finishing);
+- rollback: when a round's first report is step S after the job had reached step T > S, the
+  training time from when step S was first reached until training stopped is moved from
+  goodput to ``rollback``, and T - S steps are counted as lost.
+
+Invariant: ``goodput_s + sum(badput.values()) == wall_s``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+
+class Phase(str, enum.Enum):
+    """What a node is doing at a moment of wall time."""
+
+    RENDEZVOUS = "rendezvous"  # forming a round
+    STARTING = "starting"  # workers started, no progress report of this round yet
+    TRAINING = "training"  # workers report steps
+    RESTARTING = "restarting"  # a worker failed: stopping the round
+    RESCALING = "rescaling"  # membership changed: stopping the round
+    CHECKPOINT_STALL = "checkpoint_stall"  # training blocked on a checkpoint/snapshot (reported by workers)
+    OUTAGE = "outage"  # etcd unreachable
+    FINISHING = "finishing"  # the job's end: from the last reported step until the agent is done
+
+
+class Cause(str, enum.Enum):
+    """Why a second was not goodput."""
+
+    STARTUP = "startup"
+    RESTART = "restart"
+    RESCALE = "rescale"
+    ROLLBACK = "rollback"
+    CHECKPOINT_STALL = "checkpoint_stall"
+    OUTAGE = "outage"
+    SHUTDOWN = "shutdown"
+
+
+_FIXED_CAUSE = {Phase.RESTARTING: Cause.RESTART, Phase.RESCALING: Cause.RESCALE,
+                Phase.CHECKPOINT_STALL: Cause.CHECKPOINT_STALL, Phase.OUTAGE: Cause.OUTAGE,
+                Phase.FINISHING: Cause.SHUTDOWN}
+
+
+class Goodput:
+    """One node's accounting. Not thread-safe: the caller holds a lock."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.started = clock()
+        self.phase = Phase.RENDEZVOUS
+        self.cause = Cause.STARTUP  # what rendezvous/starting time is charged to now
+        self._since = self.started
+        self.phase_seconds: Dict[Phase, float] = {p: 0.0 for p in Phase}
+        self.badput: Dict[Cause, float] = {c: 0.0 for c in Cause}
+        self.steps_lost = 0
+        self.step: Optional[int] = None  # latest reported step
+        self.high_step: Optional[int] = None  # highest step the job reached (kept so far)
+        self._training = 0.0  # cumulative training seconds (before rollback), the x of _history
+        self._history: List[Tuple[int, float]] = []  # (step, _training when first reached), steps increasing
+        self._fresh_round = False  # the next report is the first of a round
+        self._stall_seen = 0.0  # the current round's cumulative stall already accounted
+        self._last_report = 0.0  # _training at the latest report
+        self.finished = False
+
+    # -- feeding ----------------------------------------------------------------------------
+
+    def enter(self, phase: Phase, cause: Optional[Cause] = None) -> None:
+        """Wall time from now on is in ``phase``; ``cause`` (if given) is what rendezvous and
+        start-up time is charged to from now on (restart, rescale)."""
+        self._flush()
+        if cause is not None:
+            self.cause = cause
+        if phase is Phase.STARTING:
+            self._fresh_round = True
+            self._stall_seen = 0.0
+        self.phase = phase
+
+    def report(self, step: int, stall_s: float = 0.0, at: Optional[float] = None) -> None:
+        """A progress report of the current round: latest ``step`` and the round's cumulative
+        checkpoint/snapshot stall ``stall_s``, made at clock time ``at`` (default: now; a report
+        read late is dated back to when it was made). The first one of a round starts ``training``."""
+        if self.finished:
+            return
+        now = self.clock()
+        at = now if at is None else min(now, max(at, self._since))
+        if self.phase is Phase.STARTING:
+            self._flush(at)
+            self.phase = Phase.TRAINING
+        self._flush(now)
+        self._stall(stall_s - self._stall_seen)  # it happened before this report
+        self._stall_seen = max(self._stall_seen, stall_s)
+        reached = self._training - ((now - at) if self.phase is Phase.TRAINING else 0.0)
+        if self._fresh_round:
+            self._fresh_round = False
+            if self.high_step is not None and step < self.high_step:
+                self._rollback(step, reached)
+        self._last_report = reached
+        if self.high_step is None or step > self.high_step:
+            self._history.append((step, reached))
+            self.high_step = step
+        self.step = step
+
+    def finish(self) -> None:
+        """The job ended: the clock stops here. Training time after the last report trained no
+        reported step: it moves to ``finishing`` (cause ``shutdown``)."""
+        self._flush()
+        if self.phase is Phase.TRAINING:
+            tail = min(max(0.0, self._training - self._last_report), self.phase_seconds[Phase.TRAINING])
+            self.phase_seconds[Phase.TRAINING] -= tail
+            self._training -= tail
+            self.phase_seconds[Phase.FINISHING] += tail
+            self.badput[Cause.SHUTDOWN] += tail
+            self.phase = Phase.FINISHING
+        self.finished = True
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def totals(self) -> Tuple[Dict[Phase, float], Dict[Cause, float]]:
+        """(seconds by phase, badput by cause) up to now, without moving the accounting's clock."""
+        phases, badput = dict(self.phase_seconds), dict(self.badput)
+        pending = self._pending()
+        phases[self.phase] += pending
+        if self.phase is not Phase.TRAINING:
+            badput[_FIXED_CAUSE.get(self.phase, self.cause)] += pending
+        return phases, badput
+
+    @property
+    def wall_s(self) -> float:
+        return sum(self.totals()[0].values())
+
+    @property
+    def goodput_s(self) -> float:
+        phases, badput = self.totals()
+        return max(0.0, phases[Phase.TRAINING] - badput[Cause.ROLLBACK])
+
+    @property
+    def ratio(self) -> float:
+        """Goodput over wall time (0 before any time passed)."""
+        wall = self.wall_s
+        return self.goodput_s / wall if wall > 0 else 0.0
+
+    def summary(self) -> Dict[str, object]:
+        """A JSON-able snapshot (what the agent publishes and ``status`` aggregates); read-only."""
+        phases, badput = self.totals()
+        wall = sum(phases.values())
+        good = max(0.0, phases[Phase.TRAINING] - badput[Cause.ROLLBACK])
+        return {
+            "wall_s": round(wall, 3),
+            "goodput_s": round(good, 3),
+            "goodput_ratio": round(good / wall, 5) if wall > 0 else 0.0,
+            "badput_s": {c.value: round(v, 3) for c, v in badput.items()},
+            "phase_s": {p.value: round(v, 3) for p, v in phases.items()},
+            "phase": self.phase.value,
+            "steps_lost": self.steps_lost,
+            "step": self.step,
+        }
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _pending(self) -> float:
+        return 0.0 if self.finished else max(0.0, self.clock() - self._since)
+
+    def _flush(self, now: Optional[float] = None) -> None:
+        now = self.clock() if now is None else now
+        dt = 0.0 if self.finished else max(0.0, now - self._since)
+        self._since = now
+        if not dt:
+            return
+        self.phase_seconds[self.phase] += dt
+        if self.phase is Phase.TRAINING:
+            self._training += dt
+        else:
+            self.badput[_FIXED_CAUSE.get(self.phase, self.cause)] += dt
+
+    def _stall(self, seconds: float) -> None:
+        """Move ``seconds`` of training (a worker-reported stall) to ``checkpoint_stall``."""
+        seconds = min(max(0.0, seconds), self.phase_seconds[Phase.TRAINING])
+        if seconds <= 0:
+            return
+        self.phase_seconds[Phase.TRAINING] -= seconds
+        self.phase_seconds[Phase.CHECKPOINT_STALL] += seconds
+        self.badput[Cause.CHECKPOINT_STALL] += seconds
+        self._training -= seconds
+
+    def _rollback(self, step: int, now_training: float) -> None:
+        """The round restarted from ``step`` below the high mark: training from when ``step`` was reached
+        until the previous round stopped (``now_training`` minus this round's) is lost."""
+        steps = [s for s, _ in self._history]
+        i = bisect.bisect_left(steps, step)  # the first point at or after ``step``
+        if i == len(steps):
+            return
+        reached = self._history[i][1]
+        if i > 0 and steps[i] != step:  # interpolate between the neighbours
+            s0, t0 = self._history[i - 1]
+            s1, t1 = self._history[i]
+            reached = t0 + (t1 - t0) * (step - s0) / (s1 - s0)
+        lost = max(0.0, now_training - reached)
+        lost = min(lost, self.phase_seconds[Phase.TRAINING] - self.badput[Cause.ROLLBACK])
+        self.badput[Cause.ROLLBACK] += lost
+        assert self.high_step is not None
+        self.steps_lost += self.high_step - step
+        del self._history[i:]
+        self.high_step = None if not self._history else self._history[-1][0]
+
+
+def aggregate(summaries: List[Dict[str, object]]) -> Dict[str, object]:
+    """The job's figures from its nodes' summaries: node-seconds summed (each node counts its own wall time)."""
+    wall = sum(float(s.get("wall_s") or 0.0) for s in summaries)  # type: ignore[arg-type]
+    good = sum(float(s.get("goodput_s") or 0.0) for s in summaries)  # type: ignore[arg-type]
+    badput: Dict[str, float] = {c.value: 0.0 for c in Cause}
+    for s in summaries:
+        for cause, v in dict(s.get("badput_s") or {}).items():  # type: ignore[call-overload]
+            badput[str(cause)] = badput.get(str(cause), 0.0) + float(v)
+    top = sorted(((c, v) for c, v in badput.items() if v > 0), key=lambda cv: -cv[1])
+    return {
+        "nodes": len(summaries),
+        "wall_s": round(wall, 3),
+        "goodput_s": round(good, 3),
+        "goodput_ratio": round(good / wall, 5) if wall > 0 else None,
+        "badput_s": {c: round(v, 3) for c, v in badput.items()},
+        "top_badput": [{"cause": c, "seconds": round(v, 3), "share": round(v / wall, 5)} for c, v in top[:3]],
+        "steps_lost": max((int(s.get("steps_lost") or 0) for s in summaries), default=0),  # type: ignore[call-overload]
+    }
+
+
+__all__ = ["Cause", "Goodput", "Phase", "aggregate"]

@@ -1,0 +1,134 @@
+"""Hang detection (``--hang-timeout S``): a round whose training stopped advancing is restarted.
+
+What counts as progress: the step that this node's local rank 0 reports with
+:class:`elasticrun.train.ProgressReporter` (or :func:`elasticrun.train.heartbeat`), read from
+``progress/<node-id>`` in etcd. Each agent watches its own node's key: once a report of the
+current round was seen, a step that has not changed for S seconds means the node's workers
+are stuck (a deadlock, a stuck collective, a device that stopped answering) — in a collective
+every node stalls, so every agent notices. A script that never reports is never judged hung,
+nor one whose reporter was closed (its last report says ``"closed": true``: training is over).
+
+The agent then has every local worker write its Python stacks (all threads) to its stderr —
+the worker bootstrap registers :mod:`faulthandler` for :data:`STACKS_SIGNAL` when hang
+detection is on — so they reach the log with the worker's prefix, then reports the round
+failed ("no progress for S s; stacks above") and stops it: the restart counts against
+``--max-restarts`` like any worker failure.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from elasticrun.errors import ElasticrunError
+from elasticrun.launch.failures import WorkerFailure, stderr_tail
+
+STACKS_SIGNAL = signal.SIGUSR1  # what makes a worker dump its stacks (faulthandler, registered by warm.py)
+STACKS_WAIT_S = 2.0  # how long the agent waits for the stacks to reach its log
+_STACK_HEAD = b"(most recent call first)"  # faulthandler's header of each thread's stack
+
+
+class HangWatch:
+    """Watch this node's progress key, one round at a time; :meth:`hung` once it stalled ``timeout`` s.
+
+    A background thread (:meth:`start`) reads the key every ``min(1 s, timeout/4)``, so a slow or
+    unreachable etcd never holds up the agent's loop; a stall is measured between reads that
+    succeeded and starts over after a failed one, so an etcd outage is never taken for a hang.
+    """
+
+    def __init__(self, read: Callable[[], Any], timeout: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._read = read  # returns the progress report (a dict) or None; may raise ElasticrunError
+        self.timeout = timeout
+        self._clock = clock
+        self.poll_every = min(1.0, timeout / 4)
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self.round = -1
+        self.step: Optional[int] = None  # the last step seen in this round
+        self._advanced_at: Optional[float] = None  # when it last changed (None: not judging)
+        self._seen_at = 0.0  # when the key was last read successfully
+        self._gap = False  # a read failed since the last successful one
+
+    def start_round(self, round_: int) -> None:
+        """Judge reports of ``round_`` from now on (nothing until its first report)."""
+        with self._lock:
+            self.round, self.step, self._advanced_at = round_, None, None
+
+    def start(self) -> HangWatch:
+        """Poll in a daemon thread until :meth:`close`."""
+        threading.Thread(target=self._run, name="elasticrun-hang-watch", daemon=True).start()
+        return self
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def _run(self) -> None:
+        while not self._closed.wait(self.poll_every):
+            self.poll()
+
+    def poll(self) -> None:
+        """Read the key once and note whether the step advanced."""
+        try:
+            value = self._read()
+        except (ElasticrunError, ValueError):
+            self._gap = True  # etcd trouble is the outage guard's business, not a hang
+            return
+        now = self._clock()
+        with self._lock:
+            self._seen_at = now
+            if self._gap and self._advanced_at is not None:
+                self._advanced_at = now  # the reporter could not write either: start over
+            self._gap = False
+            if not isinstance(value, dict) or value.get("round") != self.round:
+                return  # nothing yet, a previous round's report, or expired with a dead reporter
+            step = value.get("step")
+            if value.get("closed"):  # the reporter was closed: training is over, whatever comes next
+                self.step, self._advanced_at = step, None
+            elif step != self.step or self._advanced_at is None:
+                self.step, self._advanced_at = step, now
+
+    def stalled_for(self) -> float:
+        """Seconds the step stood still, as of the last successful read (0 when not judging)."""
+        with self._lock:
+            return 0.0 if self._advanced_at is None else max(0.0, self._seen_at - self._advanced_at)
+
+    def hung(self) -> bool:
+        """True once the step has not advanced for ``timeout`` seconds."""
+        return self.stalled_for() >= self.timeout
+
+
+def hang_message(timeout: float) -> str:
+    """The failure-summary line of a hang."""
+    return f"no progress for {timeout:g} s; stacks above"
+
+
+def _dumps(worker: Any) -> int:
+    return worker.err_pump.tail().count(_STACK_HEAD) if worker.err_pump is not None else 0
+
+
+def dump_stacks(workers: Sequence[Any], wait: float = STACKS_WAIT_S) -> None:
+    """Have each running worker (``WorkerGroup.running``) write every thread's stack to its stderr,
+    and wait (at most ``wait`` s) until each dump has come through its output pump to the log."""
+    before = [_dumps(w) for w in workers]
+    for w in workers:
+        w.proc.send_signal(STACKS_SIGNAL)
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and any(_dumps(w) <= n for w, n in zip(workers, before)):
+        time.sleep(0.05)
+
+
+def hang_failures(workers: Sequence[Any], timeout: float) -> List[Dict[str, Any]]:
+    """The failure rows of a hang, one per worker (exit column ``hung``), its stack in the stderr tail."""
+    now = time.time()
+    rows = []
+    for w in workers:
+        m, tail = w.spec.member, w.err_pump.tail() if w.err_pump is not None else b""
+        rows.append(WorkerFailure(m.node_id, m.host, w.spec.rank, w.spec.local_rank, 0, "hung",
+                                  hang_message(timeout), "", now, stderr_tail(tail) if tail else "").to_dict())
+    return rows
+
+
+__all__ = ["STACKS_SIGNAL", "STACKS_WAIT_S", "HangWatch", "dump_stacks", "hang_failures", "hang_message"]
