@@ -232,19 +232,13 @@ class EtcdStore:
         return self._call("lease", lambda c: int(c.lease(int(ttl)).id))
 
     def refresh_lease(self, lease_id: int, timeout: Optional[float] = None) -> int:
-        """One keep-alive; returns the remaining TTL (<= 0: the lease is gone). Does not retry.
-
-        ``timeout`` (default: the store's), used with several endpoints only: keep it well below the
-        lease's TTL, so that a member that accepts connections but never answers (partitioned,
-        frozen) is left for another one while the lease is still alive. With one endpoint there is
-        nowhere to go, and a shorter deadline would only drop slow answers on a loaded machine.
-        """
+        """One keep-alive; the remaining TTL (<= 0: the lease is gone). See :meth:`refresh_leases`."""
         return self.refresh_leases([lease_id], timeout).get(lease_id, 0)
 
     def refresh_leases(self, lease_ids: Sequence[int], timeout: Optional[float] = None) -> Dict[int, int]:
-        """One keep-alive per lease, all over one stream (a process holding many leases pays one round
-        trip, not one per lease); lease id -> remaining TTL (<= 0: gone; absent: no answer).
-        ``timeout`` as for :meth:`refresh_lease`. Does not retry."""
+        """One keep-alive per lease over one stream; lease id -> remaining TTL (<= 0: gone; absent: no
+        answer). Does not retry. ``timeout`` (default: the store's; used with several endpoints only):
+        below the TTL, a member that never answers (partitioned, frozen) is left for another in time."""
         ids = list(lease_ids)
         deadline = self.timeout if timeout is None or len(self._hosts) < 2 else min(timeout, self.timeout)
         for attempt in (0, 1):
