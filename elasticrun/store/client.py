@@ -10,7 +10,6 @@ Build a client from :class:`elasticrun.job.settings.EtcdSettings` (``settings.co
 
 from __future__ import annotations
 
-import json
 import random
 import threading
 import time
@@ -26,7 +25,7 @@ from pyetcd.events import DeleteEvent
 from elasticrun.errors import StoreError, StoreFullError, StoreSetupError
 from elasticrun.store.connection import TRANSIENT, client_args, keepalives, new_client, renew_token
 from elasticrun.store.explain import START_HINT, explain, out_of_space, refused, tls_failure, token_rejected
-from elasticrun.store.types import KeyValue, WatchEvent, parse_endpoints
+from elasticrun.store.types import KeyValue, WatchEvent, dumps, kv_from_pb, parse_endpoints, text_of
 
 # A private generator for the retry jitter: never the global `random` a training script seeds.
 _JITTER = random.Random()
@@ -136,7 +135,7 @@ class EtcdStore:
             resp = c.get_response(key)
             if resp.count < 1:
                 return None
-            return _kv(resp.kvs[0])
+            return kv_from_pb(resp.kvs[0])
 
         return self._call("get", op)
 
@@ -150,7 +149,7 @@ class EtcdStore:
 
         def op(c: MultiEndpointEtcd3Client) -> Tuple[List[KeyValue], int]:
             resp = c.get_prefix_response(prefix, sort_order="ascend", sort_target="key")
-            return [_kv(kv) for kv in resp.kvs], int(resp.header.revision)
+            return [kv_from_pb(kv) for kv in resp.kvs], int(resp.header.revision)
 
         return self._call("get_prefix", op)
 
@@ -159,7 +158,7 @@ class EtcdStore:
 
         def op(c: MultiEndpointEtcd3Client) -> Tuple[List[KeyValue], int]:
             resp = c.get_range_response(start, end, sort_order="ascend", sort_target="key")
-            return [_kv(kv) for kv in resp.kvs], int(resp.header.revision)
+            return [kv_from_pb(kv) for kv in resp.kvs], int(resp.header.revision)
 
         return self._call("get_range", op)
 
@@ -168,7 +167,7 @@ class EtcdStore:
         return self._call("put", lambda c: int(c.put(key, value, lease=lease).header.revision))
 
     def put_json(self, key: str, value: Any, lease: Optional[int] = None) -> int:
-        return self.put(key, _dumps(value), lease=lease)
+        return self.put(key, dumps(value), lease=lease)
 
     def create(self, key: str, value: bytes | str, lease: Optional[int] = None) -> bool:
         """Write ``key`` only if it does not exist; True when written."""
@@ -315,7 +314,7 @@ class EtcdStore:
                 return
             batch = [
                 WatchEvent(
-                    key=_s(ev.key),
+                    key=text_of(ev.key),
                     value=b"" if isinstance(ev, DeleteEvent) else bytes(ev.value),
                     deleted=isinstance(ev, DeleteEvent),
                     mod_revision=int(ev.mod_revision),
@@ -425,24 +424,6 @@ def connect(endpoints: str, *, check: bool = True, check_key: Optional[str] = No
             store.close()
             raise
     return store
-
-
-def _s(b: bytes | str) -> str:
-    return b.decode() if isinstance(b, (bytes, bytearray)) else b
-
-
-def _kv(kv: Any) -> KeyValue:
-    return KeyValue(
-        key=_s(kv.key),
-        value=bytes(kv.value),
-        mod_revision=int(kv.mod_revision),
-        create_revision=int(kv.create_revision),
-        lease=int(kv.lease),
-    )
-
-
-def _dumps(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
 
 
 __all__ = ["EtcdStore", "KeyValue", "WatchEvent", "connect", "parse_endpoints", "pyetcd"]

@@ -57,4 +57,25 @@ def parse_endpoints(endpoints: str) -> List[Tuple[str, int]]:
     return result
 
 
-__all__ = ["KeyValue", "WatchEvent", "parse_endpoints"]
+def text_of(b: bytes | str) -> str:
+    """etcd bytes (a key) as text."""
+    return b.decode() if isinstance(b, (bytes, bytearray)) else b
+
+
+def kv_from_pb(kv: Any) -> KeyValue:
+    """A :class:`KeyValue` from the etcd library's key-value message."""
+    return KeyValue(
+        key=text_of(kv.key),
+        value=bytes(kv.value),
+        mod_revision=int(kv.mod_revision),
+        create_revision=int(kv.create_revision),
+        lease=int(kv.lease),
+    )
+
+
+def dumps(value: Any) -> str:
+    """``value`` as the compact, key-sorted JSON every elasticrun record is stored as."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+
+
+__all__ = ["KeyValue", "WatchEvent", "dumps", "kv_from_pb", "parse_endpoints", "text_of"]
