@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from elasticrun.checkpoint import Shard, list_checkpoints, load, save
 
-from ckpt_helpers import cli
-from conftest import wait_until
+from helpers.ckpt import cli
+from helpers.procs import wait_until
 
 
 def _one_line_error(res, code, *fragments):
@@ -183,7 +183,7 @@ def test_save_to_a_finished_job_answers_at_once(etcd_server, etcd, job_id, agent
     with keys but no running node, and one without keys, say so too. Old code waited --timeout."""
     from elasticrun.job.keys import JobKeys
 
-    from launch_helpers import ECHO
+    from helpers.launch import ECHO
 
     pids = tmp_path / "pids"
     pids.mkdir()

@@ -15,8 +15,8 @@ from elasticrun.job.exitcodes import ExitCode
 from elasticrun.store.client import EtcdStore
 from elasticrun.store.server import EtcdServer, find_etcd_binary, free_port
 
-from conftest import Agent, wait_until
-from launch_helpers import ECHO, assert_one_line_error, node_ids, run_cli
+from helpers.launch import ECHO, assert_one_line_error, node_ids, run_cli
+from helpers.procs import Agent, wait_until
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,7 @@ from elasticrun.rendezvous.records import NodeInfo, Topology, WorkerStatus
 from elasticrun.store.client import EtcdStore
 from elasticrun.store.server import EtcdServer, free_port
 
-from conftest import REPO, SCRIPTS, wait_until, worker_env
+from helpers.procs import REPO, SCRIPTS, wait_until, worker_env
 
 
 def cli(argv: List[str], capsys: pytest.CaptureFixture[str]) -> tuple:

@@ -19,8 +19,8 @@ from elasticrun.job.exitcodes import ExitCode, for_signal
 from elasticrun.store.client import EtcdStore
 from elasticrun.store.server import EtcdServer, free_port
 
-from conftest import Agent, wait_until
-from launch_helpers import ECHO, REPORT_ENV, alive, assert_one_line_error, node_ids, reports, run_cli, wait_agents
+from helpers.launch import ECHO, REPORT_ENV, alive, assert_one_line_error, node_ids, reports, run_cli, wait_agents
+from helpers.procs import Agent, wait_until
 
 HOSTING = "hosting the job's etcd"
 SLACK = ["--heartbeat-timeout", "15"]  # 2 loaded cores: a 5 s lease can lapse before the first keep-alive

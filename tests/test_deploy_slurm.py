@@ -17,8 +17,8 @@ from typing import Dict, List
 from elasticrun.job.exitcodes import ExitCode
 from elasticrun.store.server import free_port
 
-from conftest import SCRIPTS, wait_until, worker_env
-from launch_helpers import REPO, REPORT_ENV, reports
+from helpers.launch import REPO, REPORT_ENV, reports
+from helpers.procs import SCRIPTS, wait_until, worker_env
 
 SLURM = REPO / "deploy" / "slurm"
 NODES = 2

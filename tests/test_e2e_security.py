@@ -22,7 +22,6 @@ from typing import Dict, Iterator, List
 
 import psutil
 import pytest
-from helpers.tls import ROOT_PASSWORD, Certs, SecureEtcd, start_secure_etcd
 
 from elasticrun.errors import StoreError
 from elasticrun.job import env as names
@@ -31,8 +30,9 @@ from elasticrun.job.settings import EtcdSettings
 from elasticrun.rendezvous.jobstatus import list_jobs
 from elasticrun.store.server import free_port
 
-from conftest import REPO, Agent, wait_until
-from launch_helpers import assert_one_line_error, run_cli, wait_agents
+from helpers.launch import assert_one_line_error, run_cli, wait_agents
+from helpers.procs import REPO, Agent, wait_until
+from helpers.tls import ROOT_PASSWORD, Certs, SecureEtcd, start_secure_etcd
 
 TOKEN_TTL = 2  # seconds an idle auth token stays valid (etcd --auth-token-ttl)
 EXAMPLE = REPO / "examples" / "train.py"

@@ -27,7 +27,7 @@ from elasticrun.job.exitcodes import RETRYABLE, ExitCode, for_error, for_signal
 from elasticrun.launch.agent import Agent
 from elasticrun.store.server import EtcdServer
 
-from launch_helpers import ECHO, REPO, assert_one_line_error, run_cli
+from helpers.launch import ECHO, REPO, assert_one_line_error, run_cli
 
 KUBEFLOW_RETRYABLE = {130, 137, 138, 143}  # PyTorchJob's ExitCode restart policy retries these, and no others
 

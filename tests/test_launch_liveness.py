@@ -13,13 +13,13 @@ import signal
 import time
 
 import pytest
-from test_elastic import HB, agent_args, all_gone, first_step, steps, worker_pids
 
 from elasticrun.job import env as names
 from elasticrun.job.exitcodes import ExitCode
 
-from conftest import SCRIPTS, wait_until
-from launch_helpers import alive, node_ids
+from helpers.elastic import HB, agent_args, all_gone, first_step, steps, worker_pids
+from helpers.launch import alive, node_ids
+from helpers.procs import SCRIPTS, wait_until
 
 TERM_SAVER = str(SCRIPTS / "term_saver.py")
 STALL_S = 15.0  # B's round loop stalls this long, at its first turn

@@ -16,14 +16,14 @@ import time
 from typing import Iterator
 
 import pytest
-from test_elastic import HB, agent_args, first_step, steps, worker_pids
 
 from elasticrun.job.exitcodes import ExitCode
 from elasticrun.job.keys import JobKeys
 from elasticrun.store.client import connect
 from elasticrun.store.server import EtcdServer
 
-from conftest import SCRIPTS, wait_until
+from helpers.elastic import HB, agent_args, first_step, steps, worker_pids
+from helpers.procs import SCRIPTS, wait_until
 
 TERM_SAVER = str(SCRIPTS / "term_saver.py")
 

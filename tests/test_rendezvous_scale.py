@@ -17,7 +17,6 @@ import uuid
 from typing import Any, Dict, List
 
 import pytest
-from helpers.procs import wait_until
 
 from elasticrun.rendezvous import protocol
 from elasticrun.rendezvous.protocol import Rendezvous, RendezvousSettings
@@ -25,6 +24,8 @@ from elasticrun.rendezvous.records import NodeInfo, WorkerStatus
 from elasticrun.store.client import connect
 from elasticrun.store.metrics import etcd_counters
 from elasticrun.store.server import EtcdServer
+
+from helpers.procs import wait_until
 
 SMALL, LARGE = 16, 64
 GROWTH = 2.0  # per-agent counts may grow this much from SMALL to LARGE agents (quadratic: LARGE / SMALL = 4)

@@ -12,15 +12,14 @@ import os
 import signal
 from pathlib import Path
 
-from helpers.tls import start_secure_cluster
-from test_elastic import agent_args, first_step, steps
-
 from elasticrun.job import env as names
 from elasticrun.job.keys import JobKeys
 from elasticrun.store.client import connect
 from elasticrun.store.server import EtcdCluster
 
-from conftest import wait_until
+from helpers.elastic import agent_args, first_step, steps
+from helpers.procs import wait_until
+from helpers.tls import start_secure_cluster
 
 
 def test_partitioned_leader_does_not_disturb_the_job(job_id: str, agents, tmp_path: Path) -> None:

@@ -4,8 +4,8 @@ Real etcd servers started by elasticrun's own server code; the load is many simu
 real :class:`~elasticrun.train.ProgressReporter` writes at a high rate. Run as a script to
 measure the figures of docs/reliability.md::
 
-    python tests/test_etcd_growth.py --nodes 64 --seconds 60 --retention 5s
-    python tests/test_etcd_growth.py --nodes 64 --seconds 60 --retention off   # without compaction
+    python tests/test_store_compaction.py --nodes 64 --seconds 60 --retention 5s
+    python tests/test_store_compaction.py --nodes 64 --seconds 60 --retention off   # without compaction
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ import time
 from typing import Dict, List, Optional
 
 import pytest
-from helpers.fake_store import FakeStore
-from helpers.procs import wait_until
 
 from elasticrun.errors import ConfigError, StoreFullError
 from elasticrun.job.exitcodes import ExitCode, for_error
@@ -27,6 +25,9 @@ from elasticrun.store.client import EtcdStore
 from elasticrun.store.compaction import Retention, db_status, parse_retention
 from elasticrun.store.server import EtcdServer
 from elasticrun.train import ElasticState, ProgressReporter
+
+from helpers.fake_store import FakeStore
+from helpers.procs import wait_until
 
 #: A conservative floor of what one progress write costs etcd's database file when it is kept
 #: (measured: about 245 bytes; see docs/reliability.md): the bound below is stricter with a floor.
@@ -121,7 +122,7 @@ def test_agent_says_etcd_is_full_not_unreachable(agents, job_id, tmp_path):
     """A real agent whose etcd fills up while its worker runs: reporting the worker's success is
     refused, and the agent says NOSPACE and what to run (old code: "etcd does not answer", then
     "etcd unreachable for 4s"), then gives up after --etcd-outage-grace with the retryable exit code 138."""
-    from launch_helpers import ECHO
+    from helpers.launch import ECHO
 
     pids = tmp_path / "pids"
     pids.mkdir()
