@@ -355,7 +355,9 @@ class Agent:
                 self.say(f"{hang_message(hang.timeout)}: stopping this round")
                 rows = hang_failures(workers_now, hang.timeout)
                 guard.call(lambda: rdzv.report_failure(topo, rows), "reporting a hang")  # noqa: B023 - called at once
-                stop_workers(rdzv, workers, self.cfg.shutdown_timeout)
+                # A hung worker (and its peers blocked in the collective) never reaches the step boundary
+                # where a graceful stop would end it: no --shutdown-timeout wait, kill them now.
+                stop_workers(rdzv, workers, 1.0, sig=signal.SIGKILL)
                 return RoundOutcome.NEXT
             if state is GroupState.SUCCEEDED and not done_reported:
                 guard.call(lambda: rdzv.report_done(topo), "reporting success")
@@ -367,14 +369,19 @@ class Agent:
                 stop_workers(rdzv, workers, self.cfg.shutdown_timeout)
                 return RoundOutcome.SUCCEEDED
             if change is not None:
+                hung = False
                 if hang is not None and hang.stalled_for() >= hang.timeout / 2:  # stuck here too (a collective)
                     self.say(f"round {topo.round}: our workers' step has not advanced for "
                              f"{hang.stalled_for():.0f} s either: dumping their Python stacks")
                     rdzv.beat(busy_for=STACKS_WAIT_S)
                     dump_stacks(workers.running)
+                    hung = True
                 self.say(f"round {topo.round} ended: {change}; stopping workers")
                 self.obs.round_changed(rdzv, topo)
-                stop_workers(rdzv, workers, self.cfg.shutdown_timeout)
+                if hung:  # stuck in a collective with the hung rank: a graceful stop would wait out its grace
+                    stop_workers(rdzv, workers, 1.0, sig=signal.SIGKILL)
+                else:
+                    stop_workers(rdzv, workers, self.cfg.shutdown_timeout)
                 return RoundOutcome.NEXT
             if not done_reported:
                 due = rdzv.maybe_scale_up(topo)
