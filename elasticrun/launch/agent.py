@@ -23,6 +23,7 @@ from rich.text import Text
 
 from elasticrun.errors import ElasticrunError, JobFailedError
 from elasticrun.job import env as env_names
+from elasticrun.job.exitcodes import ExitCode, for_signal
 from elasticrun.job.settings import drop_secrets_from_environment
 from elasticrun.job.settings import from_config as etcd_settings
 from elasticrun.launch.c10d import RoundStore
@@ -217,7 +218,7 @@ class Agent:
                         rdzv.publish(status=WorkerStatus.LEAVING)
                     except ElasticrunError:
                         pass
-                return 128 + sig.signum
+                return for_signal(sig.signum)  # drained: a retryable code (docs/deploy.md)
         raise AssertionError("unreachable")  # pragma: no cover - the block returns or raises
 
     # -- teardown steps of run() -----------------------------------------------------------------
@@ -281,18 +282,21 @@ class Agent:
             if outcome is RoundOutcome.SUCCEEDED:
                 self.obs.finish("succeeded")
                 self.say("all workers of all nodes finished: job succeeded")
-                return 0
+                return ExitCode.SUCCEEDED
 
     def _ended(self, rdzv: Rendezvous, ended: JobEnded) -> int:
         self.obs.finish("succeeded" if ended.succeeded else "failed")
         if ended.succeeded:
             self.say("the job has finished successfully")
-            return 0
+            return ExitCode.SUCCEEDED
         rows = rdzv.root_cause(int(ended.state.get("round", -1)))
         reason = ended.state.get("reason", "job failed")
         if rows:
             self.say.table(root_cause_table(rows, f"job {self.cfg.rdzv_id!r} failed: {reason}"))
-        raise JobFailedError(f"job {self.cfg.rdzv_id!r} failed: {reason}")
+        err = JobFailedError(f"job {self.cfg.rdzv_id!r} failed: {reason}")
+        code = ended.state.get("exit_code")  # the node that ended the job chose it (absent: 1)
+        err.exit_code = code if isinstance(code, int) else None
+        raise err
 
     def _run_round(self, rdzv: Rendezvous, workers: WorkerGroup, topo: Topology) -> RoundOutcome:
         """Run our workers for ``topo`` until the round ends."""
@@ -315,7 +319,7 @@ class Agent:
         done_reported = False
         hang = self._hang_watch(rdzv, topo)
         standby_at = time.monotonic() + STANDBY_DELAY_S
-        version = rdzv.view.version
+        version = rdzv.view_version()
         while True:
             joining = rdzv.scale_up_pending(topo)
             if standby_at and (time.monotonic() >= standby_at or joining):
@@ -378,7 +382,7 @@ class Agent:
                 timeout = 0.5 if due is None else min(0.5, max(0.01, due))
             else:
                 timeout = 0.5
-            version = rdzv.view.wait_change(version, timeout)
+            version = rdzv.wait_view(version, timeout)
 
 
     def _hang_watch(self, rdzv: Rendezvous, topo: Topology) -> Optional[HangWatch]:

@@ -16,13 +16,14 @@ import time
 from typing import Iterator
 
 import pytest
-from test_elastic import HB, agent_args, first_step, steps, worker_pids
 
+from elasticrun.job.exitcodes import ExitCode
 from elasticrun.job.keys import JobKeys
 from elasticrun.store.client import connect
 from elasticrun.store.server import EtcdServer
 
-from conftest import SCRIPTS, wait_until
+from helpers.elastic import HB, agent_args, first_step, steps, worker_pids
+from helpers.procs import SCRIPTS, wait_until
 
 TERM_SAVER = str(SCRIPTS / "term_saver.py")
 
@@ -83,7 +84,7 @@ def test_outage_past_the_grace_stops_workers_with_sigterm(private_etcd, job_id, 
     code = agent.wait(90)
     took = time.monotonic() - started
     err = agent.stderr()
-    assert code == 3, agent.output()
+    assert code == ExitCode.TRANSIENT, agent.output()  # 138: etcd lost beyond the grace is retryable
     assert "--etcd-outage-grace" in err, err
     for rank in (0, 1):
         assert (out / f"{rank}.SIGTERM").exists(), f"rank {rank} was not given SIGTERM (killed without a save)\n{err}"

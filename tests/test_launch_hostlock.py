@@ -15,7 +15,7 @@ import pytest
 
 from elasticrun.launch.hostlock import HostLock, private_dir
 
-from conftest import wait_until
+from helpers.procs import wait_until
 
 HOLD = """
 import fcntl, os, sys, time

@@ -15,8 +15,8 @@ from elasticrun.rendezvous.states import MemberStatus
 from elasticrun.store.client import EtcdStore
 from elasticrun.store.server import EtcdServer
 
-from conftest import REPO, wait_until, worker_env
-from launch_helpers import ECHO
+from helpers.launch import ECHO
+from helpers.procs import REPO, wait_until, worker_env
 
 
 def _job_visible(etcd: EtcdStore, job: str) -> bool:

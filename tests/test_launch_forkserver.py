@@ -20,8 +20,8 @@ from elasticrun.launch.forkserver import ForkedProcess, ForkServer, ServerState
 from elasticrun.launch.workers import WorkerGroup
 from elasticrun.rendezvous.records import Member, Topology
 
-from conftest import wait_until
-from launch_helpers import assert_one_line_error, run_cli
+from helpers.launch import assert_one_line_error, run_cli
+from helpers.procs import wait_until
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is Linux-only")
 

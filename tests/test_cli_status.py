@@ -23,6 +23,7 @@ import pytest
 
 from elasticrun.cli import console as console_mod
 from elasticrun.cli.main import main
+from elasticrun.job.exitcodes import ExitCode
 from elasticrun.job.keys import JobKeys
 from elasticrun.rendezvous.jobstatus import job_status, list_jobs
 from elasticrun.rendezvous.protocol import LeaseLost, Rendezvous, RendezvousSettings
@@ -30,7 +31,7 @@ from elasticrun.rendezvous.records import NodeInfo, Topology, WorkerStatus
 from elasticrun.store.client import EtcdStore
 from elasticrun.store.server import EtcdServer, free_port
 
-from conftest import REPO, SCRIPTS, wait_until, worker_env
+from helpers.procs import REPO, SCRIPTS, wait_until, worker_env
 
 
 def cli(argv: List[str], capsys: pytest.CaptureFixture[str]) -> tuple:
@@ -191,7 +192,7 @@ def test_unreachable_etcd_is_one_line(capsys: pytest.CaptureFixture[str]) -> Non
     endpoint = f"127.0.0.1:{free_port()}"
     started = time.monotonic()
     code, out, err = cli(["status", "--rdzv-endpoint", endpoint, "--rdzv-id", "x", "--timeout", "1"], capsys)
-    assert code == 3 and out == ""
+    assert code == ExitCode.TRANSIENT and out == ""
     assert "cannot reach etcd" in err and endpoint in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
     assert time.monotonic() - started < 10

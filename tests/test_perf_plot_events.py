@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from launch_helpers import SCRIPTS, run_cli
+from helpers.launch import SCRIPTS, run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("plot_events", ROOT / "scripts" / "perf" / "plot_events.py")

@@ -22,9 +22,9 @@ from elasticrun.checkpoint import Shard, save
 from elasticrun.job.shm import root_name
 from elasticrun.store.server import EtcdServer
 
-from ckpt_helpers import cli
-from conftest import Agent, wait_until
-from launch_helpers import assert_one_line_error, run_cli
+from helpers.ckpt import cli
+from helpers.launch import assert_one_line_error, run_cli
+from helpers.procs import Agent, wait_until
 
 EXAMPLE = str(Path(__file__).resolve().parent.parent / "examples" / "train.py")
 SHM = "/dev/shm"

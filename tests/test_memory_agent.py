@@ -26,7 +26,7 @@ import psutil
 
 from elasticrun.store.server import EtcdServer
 
-from conftest import Agent, wait_until
+from helpers.procs import Agent, wait_until
 
 EXAMPLE = str(Path(__file__).resolve().parent.parent / "examples" / "train.py")
 EVERY = 5

@@ -12,7 +12,7 @@ from elasticrun.store.client import connect, parse_endpoints
 from elasticrun.store.lease import KeepAlive
 from elasticrun.store.server import EtcdServer, find_etcd_binary
 
-from conftest import wait_until
+from helpers.procs import wait_until
 
 
 def test_parse_endpoints():

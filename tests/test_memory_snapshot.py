@@ -18,7 +18,7 @@ from elasticrun.job.shm import GENERATIONS, OWNER_FILE, PREFIX
 from elasticrun.launch.snapshots import SnapshotRoot, sweep
 from elasticrun.train import load_latest
 
-from conftest import wait_until
+from helpers.procs import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 

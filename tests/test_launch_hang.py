@@ -13,7 +13,7 @@ from elasticrun.cli.run_config import build_config
 from elasticrun.errors import StoreError
 from elasticrun.launch.hang import HangWatch
 
-from launch_helpers import SCRIPTS, run_cli
+from helpers.launch import SCRIPTS, run_cli
 
 WORKER = str(SCRIPTS / "hang_worker.py")
 

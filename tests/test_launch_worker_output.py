@@ -27,8 +27,8 @@ from elasticrun.launch.failures import (
 )
 from elasticrun.launch.logs import Console, add_prefix, line_prefix, split_line_end
 
-from conftest import wait_until, worker_env
-from launch_helpers import REPO, SCRIPTS, run_cli
+from helpers.launch import REPO, SCRIPTS, run_cli
+from helpers.procs import wait_until, worker_env
 
 WORKER = str(SCRIPTS / "output_worker.py")
 REL_WORKER = os.path.relpath(WORKER, REPO)

@@ -16,8 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from elasticrun.store.server import EtcdServer
 
-from conftest import SCRIPTS, Agent, wait_until
-from launch_helpers import assert_one_line_error, run_cli
+from helpers.launch import assert_one_line_error, run_cli
+from helpers.procs import SCRIPTS, Agent, wait_until
 
 STEPS, STEP_S, CKPT_EVERY, STALL_S, CRASH_AT = 40, 0.15, 10, 0.4, 25
 

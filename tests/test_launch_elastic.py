@@ -10,53 +10,13 @@ import json
 import re
 import signal
 import time
-from pathlib import Path
-from typing import List
 
 import pytest
 
 from elasticrun.job.keys import JobKeys
 
-from conftest import SCRIPTS, wait_until
-from launch_helpers import alive
-
-HB = 3  # heartbeat timeout (lease TTL) used by these tests
-
-
-def steps(out: Path) -> List[dict]:
-    path = out / "steps.log"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        m = re.match(r"step (\d+) world (\d+) round (\d+) time ([\d.]+)", line)
-        if m:
-            rows.append({"step": int(m[1]), "world": int(m[2]), "round": int(m[3]), "time": float(m[4])})
-    return rows
-
-
-def first_step(out: Path, world: int) -> float:
-    rows = [r for r in steps(out) if r["world"] == world]
-    return rows[0]["time"] if rows else 0.0
-
-
-def agent_args(
-    endpoint: str, job: str, node: str, nnodes: str, out: Path, total: int, extra: List[str] = ()
-) -> List[str]:
-    return [
-        "--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "--rdzv-id", job,
-        "--node-id", node, "--heartbeat-timeout", str(HB), "--stability-window", "0.5", "--shutdown-timeout", "2",
-        *extra, str(SCRIPTS / "train_loop.py"), str(out), str(total), "0.1",
-    ]
-
-
-def worker_pids(out: Path, node: str) -> List[int]:
-    """Pids of every worker that ran on ``node`` (train_loop.py records them)."""
-    return [int(p.name.rsplit("-", 1)[1]) for p in (out / "pids").glob(f"{node}-*")]
-
-
-def all_gone(pids: List[int]) -> bool:
-    return not any(alive(p) for p in pids)
+from helpers.elastic import HB, agent_args, all_gone, first_step, steps, worker_pids
+from helpers.procs import wait_until
 
 
 def test_sigkill_of_one_node_reforms_at_world_2(etcd_server, etcd, job_id, agents, tmp_path):

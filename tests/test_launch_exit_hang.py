@@ -20,8 +20,8 @@ import subprocess
 import sys
 import time
 
-from conftest import SCRIPTS
-from launch_helpers import run_cli
+from helpers.launch import run_cli
+from helpers.procs import SCRIPTS
 
 DDP = str(SCRIPTS / "ddp_snapshot.py")
 RUNS = 3

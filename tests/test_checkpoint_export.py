@@ -16,7 +16,7 @@ from elasticrun.checkpoint.export import parse_max_shard_size, split_shards
 from elasticrun.cli.main import main
 from elasticrun.errors import CheckpointError
 
-from ckpt_helpers import cli
+from helpers.ckpt import cli
 
 
 @pytest.fixture

@@ -22,7 +22,6 @@ from typing import Dict, Iterator, List
 
 import psutil
 import pytest
-from helpers.tls import ROOT_PASSWORD, Certs, SecureEtcd, start_secure_etcd
 
 from elasticrun.errors import StoreError
 from elasticrun.job import env as names
@@ -31,8 +30,9 @@ from elasticrun.job.settings import EtcdSettings
 from elasticrun.rendezvous.jobstatus import list_jobs
 from elasticrun.store.server import free_port
 
-from conftest import REPO, Agent, wait_until
-from launch_helpers import assert_one_line_error, run_cli, wait_agents
+from helpers.launch import assert_one_line_error, run_cli, wait_agents
+from helpers.procs import REPO, Agent, wait_until
+from helpers.tls import ROOT_PASSWORD, Certs, SecureEtcd, start_secure_etcd
 
 TOKEN_TTL = 2  # seconds an idle auth token stays valid (etcd --auth-token-ttl)
 EXAMPLE = REPO / "examples" / "train.py"
@@ -92,8 +92,9 @@ def test_wrong_or_missing_credentials_fail_at_once_with_one_line(secure: SecureE
     base = ["status", "--rdzv-endpoint", secure.server.endpoint, "--rdzv-id", job, *_tls_flags(secure)]
     env = {names.ETCD_PASSWORD: None, names.ETCD_USER: None}
     t0 = time.monotonic()
-    assert_one_line_error(run_cli([*base, "--etcd-user", job, "--etcd-password-file", str(wrong)], env=env),
-                          f"rejected user '{job}'", "wrong user name or password")
+    rejected = run_cli([*base, "--etcd-user", job, "--etcd-password-file", str(wrong)], env=env)
+    assert_one_line_error(rejected, f"rejected user '{job}'", "wrong user name or password")
+    assert rejected.returncode == 2, "a wrong password is permanent: not the retryable 138"
     assert_one_line_error(run_cli([*base, "--etcd-user", job], env=env), f"etcd user '{job}' has no password",
                           names.ETCD_PASSWORD, "--etcd-password-file")
     assert_one_line_error(run_cli([*base, "--etcd-user", job, "--etcd-password-file", str(tmp_path / "none")],

@@ -4,8 +4,8 @@ Real etcd servers started by elasticrun's own server code; the load is many simu
 real :class:`~elasticrun.train.ProgressReporter` writes at a high rate. Run as a script to
 measure the figures of docs/reliability.md::
 
-    python tests/test_etcd_growth.py --nodes 64 --seconds 60 --retention 5s
-    python tests/test_etcd_growth.py --nodes 64 --seconds 60 --retention off   # without compaction
+    python tests/test_store_compaction.py --nodes 64 --seconds 60 --retention 5s
+    python tests/test_store_compaction.py --nodes 64 --seconds 60 --retention off   # without compaction
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ import time
 from typing import Dict, List, Optional
 
 import pytest
-from helpers.fake_store import FakeStore
-from helpers.procs import wait_until
 
 from elasticrun.errors import ConfigError, StoreFullError
+from elasticrun.job.exitcodes import ExitCode, for_error
 from elasticrun.job.keys import JobKeys
 from elasticrun.rendezvous.protocol import EVENT_HISTORY, Rendezvous, RendezvousSettings
 from elasticrun.rendezvous.records import NodeInfo
@@ -26,6 +25,9 @@ from elasticrun.store.client import EtcdStore
 from elasticrun.store.compaction import Retention, db_status, parse_retention
 from elasticrun.store.server import EtcdServer
 from elasticrun.train import ElasticState, ProgressReporter
+
+from helpers.fake_store import FakeStore
+from helpers.procs import wait_until
 
 #: A conservative floor of what one progress write costs etcd's database file when it is kept
 #: (measured: about 245 bytes; see docs/reliability.md): the bound below is stricter with a floor.
@@ -110,7 +112,7 @@ def test_full_etcd_says_nospace_and_what_to_run():
         for what in ("alarm disarm", "defrag", "compact", "--quota-backend-bytes", server.endpoint):
             assert what in msg, (what, msg)
         assert "unreachable" not in msg and "\n" not in msg
-        assert err.exit_code == 3
+        assert for_error(err) == ExitCode.TRANSIENT  # retryable: the scheduler tries again once space is freed
         assert store.get("/fill/0") is not None  # reads still answer
         with pytest.raises(StoreFullError):
             store.grant_lease(5)  # an agent cannot even register: it says why
@@ -119,8 +121,8 @@ def test_full_etcd_says_nospace_and_what_to_run():
 def test_agent_says_etcd_is_full_not_unreachable(agents, job_id, tmp_path):
     """A real agent whose etcd fills up while its worker runs: reporting the worker's success is
     refused, and the agent says NOSPACE and what to run (old code: "etcd does not answer", then
-    "etcd unreachable for 4s"), then gives up after --etcd-outage-grace with exit code 3."""
-    from launch_helpers import ECHO
+    "etcd unreachable for 4s"), then gives up after --etcd-outage-grace with the retryable exit code 138."""
+    from helpers.launch import ECHO
 
     pids = tmp_path / "pids"
     pids.mkdir()
@@ -134,7 +136,7 @@ def test_agent_says_etcd_is_full_not_unreachable(agents, job_id, tmp_path):
             while i < 10_000:
                 store.put(f"/fill/{i}", "x" * 8192)
                 i += 1
-        assert agent.wait(60) == 3, agent.output()
+        assert agent.wait(60) == ExitCode.TRANSIENT, agent.output()
         err = agent.stderr()
         assert "is out of space (NOSPACE alarm" in err and "alarm disarm" in err, err
         assert "unreachable" not in err and "does not answer" not in err, err
