@@ -78,6 +78,10 @@ def test_bad_arguments_give_one_line():
                            "--faults", "meteor"], capture_output=True, text=True, timeout=60, cwd=str(REPO))
     assert proc.returncode == 2 and "unknown fault kind(s) meteor" in proc.stderr
     assert "Traceback" not in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "scripts.chaos", "--minutes", "1", "--seed", "1",
+                           "--faults", "leader_loss"], capture_output=True, text=True, timeout=60, cwd=str(REPO))
+    assert proc.returncode == 2 and "leader_loss need --etcd-members 3" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 @pytest.mark.timeout(1200)
@@ -98,3 +102,6 @@ def test_two_minute_soak_with_fixed_seed(tmp_path: Path):
     assert s["checkpoints"]["verified"] >= 1 and s["checkpoints"]["verify_failed"] == 0
     assert s["checkpoints"]["left_verified"] == s["checkpoints"]["left_at_end"] >= 1
     assert s["steps"]["final"] > 0
+    assert 0 < s["goodput"]["goodput_ratio"] <= 1, s["goodput"]
+    drawn = {f["kind"] for f in s["faults"] if not f["skipped"]}
+    assert all(s["by_kind"][k]["recovered"] == s["by_kind"][k]["faults"] > 0 for k in drawn), report
