@@ -349,6 +349,7 @@ class Agent:
             if hang is not None and state is GroupState.RUNNING and hang.hung():
                 self.say(f"round {topo.round}: the step reported by our workers (last {hang.step}) has not advanced "
                          f"for {hang.timeout:g} s: dumping every worker's Python stacks")
+                self.obs.hang(topo, hang.step, hang.stalled_for())
                 workers_now = workers.running
                 rdzv.beat(busy_for=STACKS_WAIT_S)
                 dump_stacks(workers_now)

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Does a scrape storm on the agent's /metrics slow training? Step rate with and without one.
 
-    python scripts/bench_metrics.py                                  # 3 pairs, 200 steps, 50 scrapers
-    python scripts/bench_metrics.py --runs 1 --steps 60 --threads 10 # a small version (~1 min)
-    python scripts/bench_metrics.py --interval 1                     # 50 scrapes/s (Prometheus: 1 per 15 s)
-    python scripts/bench_metrics.py --json /tmp/bench_metrics.json
+    python scripts/bench/bench_metrics.py                                  # 3 pairs, 200 steps, 50 scrapers
+    python scripts/bench/bench_metrics.py --runs 1 --steps 60 --threads 10 # a small version (~1 min)
+    python scripts/bench/bench_metrics.py --interval 1                     # 50 scrapes/s (Prometheus: 1 per 15 s)
+    python scripts/bench/bench_metrics.py --json /tmp/bench_metrics.json
 
 Each run is a real job: ``elasticrun --standalone --nproc-per-node N --metrics-port P``
 running ``examples/train.py`` (gloo, CPU) with ``--metrics-log``; the step rate is taken from
@@ -34,7 +34,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Dict, List
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _free_port() -> int:
@@ -98,11 +98,13 @@ def one_run(args: argparse.Namespace, storm: bool, workdir: Path, index: int) ->
     last_error = ""
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if storm:
+        scraper_cpu = time.process_time()
         with Storm(port, args.threads, args.interval) as s:
             cpu = _wait_cpu(proc, args.timeout)
+        scrapes["scraper_cpu_s"] = round(time.process_time() - scraper_cpu, 2)  # this process: the scrapers
         lat = sorted(s.latencies)
         errors, last_error = s.errors, s.last_error
-        scrapes = {"scrapes": len(lat), "p50_ms": round(1000 * lat[len(lat) // 2], 2) if lat else None,
+        scrapes = {**scrapes, "scrapes": len(lat), "p50_ms": round(1000 * lat[len(lat) // 2], 2) if lat else None,
                    "p99_ms": round(1000 * lat[int(len(lat) * 0.99)], 2) if lat else None}
     else:
         cpu = _wait_cpu(proc, args.timeout)
@@ -137,6 +139,15 @@ def _wait_cpu(proc: subprocess.Popen, timeout: float) -> float:
     proc.wait(max(1.0, deadline - time.monotonic()))
     return round(cpu, 2)
 
+def _rows(quiet: float, stormy: float, args: argparse.Namespace, command: str) -> List[Dict[str, Any]]:
+    """The ``"summary"`` rows (scripts/perf/perf_report.py's shape): step time with a storm vs without."""
+    how = f"every {args.interval:g} s" if args.interval else "back to back"
+    return [{"metric": f"median step time, {args.nproc} workers, {args.threads} scrapers {how}",
+             "elasticrun": stormy, "alternative": "no scrapes", "alt_value": quiet, "unit": "ms",
+             "better": "lower", "ratio": round(stormy / quiet, 3) if quiet else None, "device": "cpu",
+             "command": command}]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=3, help="pairs of runs (quiet, storm)")
@@ -158,7 +169,8 @@ def main() -> None:
                 print(json.dumps(r), flush=True)
     quiet = statistics.median(r["median_step_ms"] for r in results if not r["storm"])
     stormy = statistics.median(r["median_step_ms"] for r in results if r["storm"])
-    summary = {"quiet_median_step_ms": quiet, "storm_median_step_ms": stormy,
+    summary = {"summary": _rows(quiet, stormy, args, " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])),
+               "quiet_median_step_ms": quiet, "storm_median_step_ms": stormy,
                "slowdown_pct": round(100 * (stormy / quiet - 1), 1), "threads": args.threads,
                "interval": args.interval, "nproc": args.nproc, "steps": args.steps, "runs": results,
                "scrape_errors": sum(r.get("errors", 0) for r in results)}
