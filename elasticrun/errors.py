@@ -1,16 +1,19 @@
 """Exceptions that carry a one-line, user-facing message.
 
-The CLI prints ``str(err)`` of an :class:`ElasticrunError` as a single line and exits with
-``err.exit_code``; anything else is a bug and keeps its traceback.
+The CLI prints ``str(err)`` of an :class:`ElasticrunError` as a single line and exits with the
+code :func:`elasticrun.job.exitcodes.for_error` gives it (the one exit-code table); anything
+else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 
 class ElasticrunError(Exception):
     """Base for errors that are the user's to fix: the message says what and how."""
 
-    exit_code: int = 2
+    exit_code: Optional[int] = None  # None: the class's row of elasticrun.job.exitcodes; set to override
 
 
 class ConfigError(ElasticrunError):
@@ -18,9 +21,11 @@ class ConfigError(ElasticrunError):
 
 
 class StoreError(ElasticrunError):
-    """etcd is unreachable, refused us, or answered something unexpected."""
+    """etcd is unreachable or answered something unexpected: transient, a retry may succeed."""
 
-    exit_code = 3
+
+class StoreSetupError(StoreError):
+    """etcd settings are wrong (endpoint, certificates, credentials, permissions): no retry helps."""
 
 
 class StoreFullError(StoreError):
@@ -29,18 +34,12 @@ class StoreFullError(StoreError):
 
 
 class RendezvousError(ElasticrunError):
-    """The job could not form (or re-form) a round."""
-
-    exit_code = 4
+    """The job could not form (or re-form) a round (nodes may still come: transient)."""
 
 
 class JobFailedError(ElasticrunError):
-    """Workers failed and the restarts ran out."""
-
-    exit_code = 1
+    """Workers failed and the restarts ran out (or the job ended for another reason, see exit_code)."""
 
 
 class CheckpointError(ElasticrunError):
     """A checkpoint could not be saved, found, read or verified."""
-
-    exit_code = 5

@@ -64,6 +64,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=0, help="after a scale-up, ramp the LR up over this many steps")
     p.add_argument("--metrics-log", default="", help="rank 0 appends one JSON line per step to this file")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hidden", type=int, default=32, help="hidden width of the MLP: 18*H parameters, twice that "
+                   "in a checkpoint with SGD's momentum (H=2800000: about 0.4 GB)")
     p.add_argument("--ckpt-dir", default=os.environ.get(et.env.ENV_CHECKPOINT_DIR) or "./ckpts")
     p.add_argument("--ckpt-every", type=int, default=50, help="checkpoint every N steps (0: only on stop/request/end)")
     p.add_argument("--keep-last", type=int, default=3)
@@ -102,7 +104,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     torch.manual_seed(args.seed)
     x_all, y_all = make_data(args.dataset_size, args.seed)
     x_all, y_all = x_all.to(ctx.device), y_all.to(ctx.device)
-    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1)).to(ctx.device)
+    model = nn.Sequential(nn.Linear(16, args.hidden), nn.Tanh(), nn.Linear(args.hidden, 1)).to(ctx.device)
 
     if args.global_batch:
         accum = et.accumulation_steps(args.global_batch, args.batch_size, world)

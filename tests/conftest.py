@@ -1,7 +1,7 @@
 """Shared fixtures: a real etcd server, a job id, agents as real processes.
 
-The helpers (condition waits with deadlines, the Agent process wrapper, worker environments)
-live in tests/helpers/procs.py and are re-exported here: ``from conftest import wait_until``.
+Fixtures and hooks only: the helpers (condition waits with deadlines, the Agent process wrapper,
+worker environments, CLI runners) are imported from the ``helpers`` package (tests/helpers/).
 """
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Callable, Iterator, List, Optional
 
 import pytest
-from helpers.fake_store import FakeStore
-from helpers.procs import REPO, SCRIPTS, Agent, no_process_with_marker, wait_until, worker_env
 
 from elasticrun.rendezvous.protocol import Rendezvous
 from elasticrun.store.client import EtcdStore, connect
 from elasticrun.store.server import EtcdServer
+
+from helpers.fake_store import FakeStore
+from helpers.procs import Agent
 
 # Tests stop child processes with SIGINT/SIGQUIT. A shell that starts the suite in the
 # background (`cmd &` without job control) makes both signals ignored, and an ignored signal
@@ -59,9 +60,6 @@ def agents(tmp_path: Path) -> Iterator[Callable[..., Agent]]:
     yield start
     for a in started:
         a.close()
-
-
-__all__ = ["Agent", "REPO", "SCRIPTS", "no_process_with_marker", "signal", "wait_until", "worker_env"]
 
 
 @pytest.fixture

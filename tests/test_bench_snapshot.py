@@ -47,7 +47,7 @@ def test_bad_arguments_are_one_line(tmp_path: Path) -> None:
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs /dev/shm")
 def test_a_terminated_run_leaves_no_shared_memory(tmp_path: Path) -> None:
     """A time limit's SIGTERM (bench_all) ends the run through its cleanup."""
-    from conftest import wait_until
+    from helpers.procs import wait_until
 
     proc = subprocess.Popen([sys.executable, str(SCRIPT), "--mb", "32", "--repeat", "50"], cwd=tmp_path,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -15,7 +15,7 @@ from elasticrun.checkpoint import CheckpointError, Checksum, load, save, verify
 from elasticrun.checkpoint.checksum import Digest, digest_of, file_digest, parse_checksum
 from elasticrun.checkpoint.consolidate import import_file, reshard
 
-from ckpt_helpers import cli
+from helpers.ckpt import cli
 
 SHARD = "shard-00000-of-00001.safetensors"
 

@@ -13,9 +13,9 @@ import torch
 from elasticrun.checkpoint import list_checkpoints, load
 from elasticrun.checkpoint.commit import CRASH_ENV, PHASES
 
-from ckpt_helpers import REPO, child_env, run_group
+from helpers.ckpt import REPO, child_env, run_group
 
-CHILD = [sys.executable, str(REPO / "tests" / "ckpt_save_child.py")]
+CHILD = [sys.executable, str(REPO / "tests" / "scripts" / "ckpt_save_child.py")]
 
 
 def _save(root, name, step, crash=None):

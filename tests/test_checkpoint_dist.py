@@ -4,7 +4,7 @@ get bit-identical tensors; async saves with retention run beside training collec
 
 from __future__ import annotations
 
-from ckpt_helpers import run_group
+from helpers.ckpt import run_group
 
 
 def _check(results):

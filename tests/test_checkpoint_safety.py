@@ -21,7 +21,7 @@ from elasticrun.checkpoint import storage as storage_mod
 from elasticrun.checkpoint.format import INCOMPLETE_MARKER
 from elasticrun.checkpoint.temps import _boot_id
 
-from ckpt_helpers import child_env, cli
+from helpers.ckpt import child_env, cli
 
 
 def _steps(root, steps, size=4):

@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from elasticrun.checkpoint import Shard, list_checkpoints, load, save
 
-from ckpt_helpers import cli
-from conftest import wait_until
+from helpers.ckpt import cli
+from helpers.procs import wait_until
 
 
 def _one_line_error(res, code, *fragments):
@@ -154,8 +154,8 @@ def test_save_asks_a_running_job_through_etcd(etcd_server, etcd, job_id, tmp_pat
     _one_line_error(res, 5, "did not checkpoint within 1s")
     kvs, _ = etcd.get_prefix(prefix + "control/")
     assert kvs == []  # the answered request and its answer are deleted once read, the other withdrawn
-    _one_line_error(cli("save", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", "no-such-job"), 4,
-                    "no job 'no-such-job'")
+    _one_line_error(cli("save", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", "no-such-job"), 2,
+                    "no job 'no-such-job'")  # a wrong --rdzv-id is a usage error
 
 
 def test_save_reports_the_jobs_error(etcd_server, etcd, job_id):
@@ -183,7 +183,7 @@ def test_save_to_a_finished_job_answers_at_once(etcd_server, etcd, job_id, agent
     with keys but no running node, and one without keys, say so too. Old code waited --timeout."""
     from elasticrun.job.keys import JobKeys
 
-    from launch_helpers import ECHO
+    from helpers.launch import ECHO
 
     pids = tmp_path / "pids"
     pids.mkdir()
@@ -207,5 +207,5 @@ def test_save_to_a_finished_job_answers_at_once(etcd_server, etcd, job_id, agent
     etcd.put_json(JobKeys(stopped).config, {"job": stopped})
     _one_line_error(cli("save", "--rdzv-endpoint", ep, "--rdzv-id", stopped, "--timeout", "120"), 5,
                     "has no running node", "nothing to checkpoint")
-    _one_line_error(cli("save", "--rdzv-endpoint", ep, "--rdzv-id", f"{job_id}-none"), 4,
+    _one_line_error(cli("save", "--rdzv-endpoint", ep, "--rdzv-id", f"{job_id}-none"), 2,
                     f"no job '{job_id}-none' in etcd at {ep}")

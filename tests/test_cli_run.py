@@ -11,11 +11,12 @@ from typing import Callable, Iterator, List
 
 import pytest
 
+from elasticrun.job.exitcodes import ExitCode
 from elasticrun.store.client import EtcdStore
 from elasticrun.store.server import EtcdServer, find_etcd_binary, free_port
 
-from conftest import Agent, wait_until
-from launch_helpers import ECHO, assert_one_line_error, node_ids, run_cli
+from helpers.launch import ECHO, assert_one_line_error, node_ids, run_cli
+from helpers.procs import Agent, wait_until
 
 
 @pytest.mark.parametrize(
@@ -32,7 +33,7 @@ from launch_helpers import ECHO, assert_one_line_error, node_ids, run_cli
         (["--standalone", "--max-restarts", "-1", ECHO], ["--max-restarts"], 2),
         (["--standalone", "--heartbeat-timeout", "1", ECHO], ["--heartbeat-timeout", "at least 2"], 2),
         (["--standalone", "--rdzv-id", "bad/id", ECHO], ["--rdzv-id"], 2),
-        (["--rdzv-endpoint", "localhost:notaport", ECHO], ["localhost:notaport", "host:port"], 3),
+        (["--rdzv-endpoint", "localhost:notaport", ECHO], ["localhost:notaport", "host:port"], 2),  # usage (was 3)
     ],
     ids=["min>max", "nnodes0", "nnodes-text", "nproc0", "nproc-text", "no-script", "no-command", "redirects",
          "max-restarts", "heartbeat", "rdzv-id", "endpoint-syntax"],
@@ -56,7 +57,7 @@ def test_unreachable_etcd_names_the_endpoint_and_how_to_start_one(how: str) -> N
     proc = run_cli(args, timeout=30, env=env)
     took = time.monotonic() - started
     assert_one_line_error(proc, f"cannot reach etcd at {endpoint}", "elasticrun etcd", "--standalone")
-    assert proc.returncode == 3
+    assert proc.returncode == ExitCode.TRANSIENT == 138  # retryable: etcd may come up
     assert took < 8, f"--etcd-timeout 1 should give up after about a second, took {took:.1f}s"
 
 
@@ -113,7 +114,7 @@ def secured_etcd() -> Iterator[EtcdServer]:
 def test_secured_etcd_without_credentials(secured_etcd: EtcdServer) -> None:
     proc = run_cli(["--rdzv-endpoint", secured_etcd.endpoint, "--rdzv-id", "j", ECHO], timeout=60)
     assert_one_line_error(proc, secured_etcd.endpoint, "requires authentication", "--etcd-user", "--etcd-password")
-    assert proc.returncode == 3
+    assert proc.returncode == ExitCode.USAGE  # refused credentials: no retry fixes them
 
 
 def test_etcd_credentials_without_tls(secured_etcd: EtcdServer) -> None:
@@ -124,7 +125,7 @@ def test_etcd_credentials_without_tls(secured_etcd: EtcdServer) -> None:
         timeout=60,
     )
     assert_one_line_error(proc, "needs TLS", "--etcd-cacert")
-    assert proc.returncode == 3
+    assert proc.returncode == ExitCode.USAGE
 
 
 def test_help_lists_every_flag_documented_in_docs_cli() -> None:
@@ -137,3 +138,17 @@ def test_help_lists_every_flag_documented_in_docs_cli() -> None:
         assert flags, proc.stdout
         missing = sorted(f for f in flags if not re.search(rf"`{re.escape(f)}(?![\w-])", doc))
         assert not missing, f"docs/cli.md lacks {missing}"
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["-h"], []], ids=["--help", "-h", "no-args"])
+def test_top_level_help_shows_the_launcher_flags_then_the_commands(argv: List[str]) -> None:
+    """A torchrun user types ``elasticrun --help``: the launcher's flags come first, the sub-commands after."""
+    proc = run_cli(argv, timeout=30, env={"COLUMNS": "200", "TERM": "dumb", "NO_COLOR": "1"})
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    assert text.startswith("Usage: elasticrun [run] [OPTIONS] SCRIPT"), text[:200]
+    flags = [text.index(f) for f in ("--nproc-per-node", "--nnodes", "--rdzv-endpoint", "--max-restarts")]
+    commands = text.index("\nCommands")
+    assert max(flags) < commands, "the launcher's flags must come before the sub-commands"
+    listed = re.findall(r"^(\w+) +\S", text[commands:], re.M)
+    assert set(listed) >= {"run", "status", "etcd", "ckpt"}, text[commands:]

@@ -20,7 +20,7 @@ from elasticrun.launch.config import LaunchConfig, RdzvBackend
 from elasticrun.rendezvous.ranks import place_fixed_ranks, plan_members
 from elasticrun.rendezvous.records import NodeInfo
 
-from launch_helpers import ECHO, assert_one_line_error, run_cli
+from helpers.launch import ECHO, assert_one_line_error, run_cli
 
 ETCD = ["--rdzv-endpoint", "etcd-host:2379"]  # an external etcd: the rendezvous flags stay out of the way
 Check = Callable[[LaunchConfig], None]

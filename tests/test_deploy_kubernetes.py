@@ -20,14 +20,15 @@ from typing import Any, Dict, List, Tuple
 import jsonschema
 import kubernetes_validate
 import pytest
-from helpers import kube
-from helpers.procs import REPO, wait_until, worker_env
-from helpers.tls import Certs
 
 from elasticrun.cli.run_config import build_config
 from elasticrun.cli.torchrun_args import Parser
-from elasticrun.config import RdzvBackend
+from elasticrun.launch.config import RdzvBackend
 from elasticrun.store.server import EtcdServer, HealthTLS, ServerTLS
+
+from helpers import kube
+from helpers.procs import REPO, wait_until, worker_env
+from helpers.tls import Certs
 
 DEPLOY = REPO / "deploy" / "kubernetes"
 KUSTOMIZATIONS = ["base", "pytorchjob", "jobset", "monitoring", "overlays/example"]

@@ -27,7 +27,7 @@ from typing import Any, Dict, Iterator, List
 import pytest
 import torch
 
-from conftest import SCRIPTS, Agent, wait_until
+from helpers.procs import SCRIPTS, Agent, wait_until
 
 SCRIPT = SCRIPTS / "audit_train.py"
 N, G, EPOCHS, MICRO = 96, 12, 4, 2

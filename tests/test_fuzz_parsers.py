@@ -22,7 +22,7 @@ from elasticrun.checkpoint.shardfile import read_header
 from elasticrun.cli.main import main as cli_main
 from elasticrun.rendezvous.records import loads_record, parse_node, parse_topology
 
-from ckpt_helpers import cli
+from helpers.ckpt import cli
 
 FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 FUZZ_CLI = settings(FUZZ, max_examples=25)  # each run builds the typer app (~0.4 s)
@@ -332,7 +332,7 @@ def test_a_view_survives_garbage_written_by_another_agent(etcd, job_id):
                                               "group_rank": 0, "rank_offset": 0}],
                      "master_addr": "a", "master_port": 1}
         etcd.put(keys.topology, json.dumps(good_topo))
-        from conftest import wait_until
+        from helpers.procs import wait_until
 
         wait_until(lambda: view.topology()[0] is not None, 10, "the good topology")
         etcd.put(keys.topology, b"{not json")

@@ -23,7 +23,7 @@ from elasticrun.launch.preload import TorchPreload
 from elasticrun.store.client import connect
 from elasticrun.store.server import NO_FSYNC_FLAG, EtcdServer, find_etcd_binary, free_port
 
-from launch_helpers import run_cli
+from helpers.launch import run_cli
 
 # The worker: was torch already imported when the script started (a pre-warmed interpreter)? Then the
 # torchrun environment and one all_reduce, written to OUT/rank<R>.json.

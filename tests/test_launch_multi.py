@@ -11,8 +11,8 @@ import pytest
 from elasticrun.store.client import EtcdStore
 from elasticrun.store.server import EtcdServer
 
-from conftest import Agent, wait_until
-from launch_helpers import REPORT_ENV, node_ids, reports
+from helpers.launch import REPORT_ENV, node_ids, reports
+from helpers.procs import Agent, wait_until
 
 
 def _agent(agents: Callable[..., Agent], endpoint: str, job: str, nnodes: int, nproc: int, out: Path, i: int) -> Agent:

@@ -16,8 +16,8 @@ import pytest
 from elasticrun.store.client import EtcdStore
 from elasticrun.store.server import EtcdServer
 
-from conftest import Agent
-from launch_helpers import REPORT_ENV, node_ids, reports, wait_agents
+from helpers.launch import REPORT_ENV, node_ids, reports, wait_agents
+from helpers.procs import Agent
 
 REPS = 6
 

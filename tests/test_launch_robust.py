@@ -14,8 +14,8 @@ import pytest
 from elasticrun.launch.config import LaunchConfig
 from elasticrun.launch.workers import WorkerGroup
 
-from conftest import SCRIPTS, wait_until
-from launch_helpers import assert_one_line_error, run_cli
+from helpers.launch import assert_one_line_error, run_cli
+from helpers.procs import SCRIPTS, wait_until
 
 TERM_SAVER = str(SCRIPTS / "term_saver.py")
 
@@ -24,7 +24,7 @@ def test_big_argv_to_a_stalled_warm_worker_does_not_block(tmp_path: Path) -> Non
     big = [f"{i:04d}" + "x" * 4092 for i in range(50)]  # 200 KiB of arguments (each well below MAX_ARG_STRLEN)
     cfg = LaunchConfig(entrypoint=TERM_SAVER, args=[str(tmp_path), *big], nproc_per_node=1, standalone=True)
     group = WorkerGroup(cfg, "n", str(tmp_path), None, False, on_exit=lambda: None)
-    group._fork_unsafe = "this test: the spawned standby's path"  # not the fork server (tests/test_forkserver.py)
+    group._fork_unsafe = "this test: the spawned standby's path"  # not the fork server (test_launch_forkserver)
     group.prewarm()
     warm = group._warm[0]
     os.kill(warm.pid, signal.SIGSTOP)  # an interpreter that will not read its stdin for a while

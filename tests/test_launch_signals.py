@@ -13,8 +13,8 @@ import pytest
 from elasticrun.store.client import EtcdStore
 from elasticrun.store.server import EtcdServer
 
-from conftest import Agent, wait_until
-from launch_helpers import ECHO, alive, node_ids
+from helpers.launch import ECHO, alive, node_ids
+from helpers.procs import Agent, wait_until
 
 
 def _sleeping_job(

@@ -11,7 +11,7 @@ import shutil
 import socket
 from pathlib import Path
 
-from launch_helpers import ECHO, REPORT_ENV, SCRIPTS, reports, run_cli, worker_lines
+from helpers.launch import ECHO, REPORT_ENV, SCRIPTS, reports, run_cli, worker_lines
 
 TORCHRUN_VARS = [
     "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",

@@ -8,16 +8,15 @@ import threading
 import time
 from typing import Dict, List
 
-from helpers.fake_store import FakeStore
-from test_rendezvous_protocol import join, next_rounds, seen, settings
-
 from elasticrun.job.keys import JobKeys
 from elasticrun.rendezvous.protocol import Rendezvous
 from elasticrun.rendezvous.records import NodeInfo, RescaleType, Topology
 from elasticrun.rendezvous.view import JobView
 from elasticrun.store.client import EtcdStore
 
-from conftest import wait_until
+from helpers.fake_store import FakeStore
+from helpers.procs import wait_until
+from helpers.rdzv import join, next_rounds, seen, settings
 
 
 def leaders(nodes: List[Rendezvous]) -> List[str]:

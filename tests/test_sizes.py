@@ -2,7 +2,7 @@
 
 Before, ``--max-shard-size 5GB`` meant 5·10⁹ bytes and ``--snapshot-memory 5GB`` 5·2³⁰.
 Each flag is parsed here the way the CLI parses it; the worker-side variable
-``ELASTICRUN_SNAPSHOT_MEMORY`` is covered in test_snapshot.py (the cap message).
+``ELASTICRUN_SNAPSHOT_MEMORY`` is covered in test_memory_snapshot.py (the cap message).
 """
 
 from __future__ import annotations

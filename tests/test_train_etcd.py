@@ -13,7 +13,7 @@ from elasticrun.store.client import EtcdStore
 from elasticrun.store.server import EtcdServer, free_port
 from elasticrun.train import CheckpointRequests, ElasticState, ProgressReporter
 
-from conftest import wait_until as wait_for
+from helpers.procs import wait_until as wait_for
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import pytest
 from elasticrun.store.client import connect
 from elasticrun.store.server import EtcdServer, free_port
 
-from conftest import wait_until as wait_for
+from helpers.procs import wait_until as wait_for
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train.py"
 

@@ -7,18 +7,18 @@ exactly like ``torchrun``. Errors that are the user's to fix print one line, no 
 from __future__ import annotations
 
 import sys
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import typer
 
 from elasticrun import __version__
 from elasticrun.cli.console import fail
 from elasticrun.errors import ElasticrunError
+from elasticrun.job.exitcodes import ExitCode, for_error
 
 app = typer.Typer(
     name="elasticrun",
     help="Elastic distributed PyTorch launcher (torchrun-compatible) with an etcd v3 rendezvous.",
-    no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
@@ -35,6 +35,17 @@ def _register() -> None:
     app.add_typer(ckpt.app, name="ckpt")
     app.command("status", help=status.HELP)(status.status)
     app.command("etcd", help=etcd.HELP)(etcd.etcd)
+
+
+def _commands() -> List[Tuple[str, str]]:
+    """(name, first line of help) of every sub-command, for the top-level ``--help``."""
+    _register()
+    rows = []
+    for info in app.registered_commands:
+        rows.append((str(info.name), (info.help or "").strip().splitlines()[0]))
+    for group in app.registered_groups:
+        rows.append((str(group.name), (group.typer_instance.info.help or "").strip().splitlines()[0]))
+    return rows
 
 
 def _run_args(argv: List[str]) -> Optional[List[str]]:
@@ -54,8 +65,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args and args[0] == "--version":
         print(f"elasticrun {__version__}")
         return
-    if args and args[0] == "-h":
-        args[0] = "--help"
+    if not args or args[0] in ("-h", "--help"):
+        # A torchrun user's first question: the launcher's flags, then the other sub-commands.
+        from elasticrun.cli import run
+
+        run.show_help(_commands())
+        return
     try:
         run_args = _run_args(args)
         if run_args is not None:
@@ -65,6 +80,6 @@ def main(argv: Optional[List[str]] = None) -> None:
         _register()
         app(args=args, prog_name="elasticrun")
     except ElasticrunError as err:
-        fail(str(err), err.exit_code)
+        fail(str(err), for_error(err))
     except KeyboardInterrupt:
-        fail("interrupted", 130)
+        fail("interrupted", ExitCode.INTERRUPTED)

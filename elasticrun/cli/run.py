@@ -7,7 +7,7 @@ variables; both spellings of every torchrun flag.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from elasticrun.launch.config import LaunchConfig
 
@@ -36,11 +36,12 @@ def config_from_argv(argv: Sequence[str]) -> Optional[LaunchConfig]:
     return build_config(parsed)
 
 
-def show_help() -> None:
+def show_help(commands: Sequence[Tuple[str, str]] = ()) -> None:
+    """Print the launcher's help (``elasticrun [run] --help``), then ``commands`` (name, summary) if any."""
     from elasticrun.cli.console import console
     from elasticrun.cli.run_help import render
 
-    render(HELP, console)
+    render(HELP, console, commands)
 
 
 def main(argv: List[str]) -> int:

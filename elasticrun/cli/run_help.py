@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 from rich.console import Console
 from rich.table import Table
@@ -11,6 +11,7 @@ from rich.text import Text
 from elasticrun.cli.run_options import Kind, Opt, all_options
 
 USAGE = "Usage: elasticrun [run] [OPTIONS] SCRIPT [SCRIPT ARGS]..."
+COMMANDS_USAGE = "       elasticrun COMMAND [ARGS]...   (COMMAND --help for its own options)"
 
 
 def _names(opt: Opt) -> str:
@@ -31,9 +32,11 @@ def _env(opt: Opt) -> str:
     return f" \\[env: {', '.join(names)}]" if names else ""
 
 
-def render(help_text: str, console: Console) -> None:
-    """Print the usage line, ``help_text``, then one table of options per panel."""
+def render(help_text: str, console: Console, commands: Sequence[Tuple[str, str]] = ()) -> None:
+    """Print the usage line, ``help_text``, one table of options per panel, then ``commands`` (name, help)."""
     console.print(Text(USAGE))
+    if commands:
+        console.print(Text(COMMANDS_USAGE))
     console.print()
     console.print(Text(help_text.strip()))
     console.print()
@@ -54,5 +57,13 @@ def render(help_text: str, console: Console) -> None:
         for opt in opts:
             text = opt.help + _default(opt) + _env(opt)
             table.add_row(Text(_names(opt)), Text(text.replace("\\[", "[")))
+        console.print()
+        console.print(table)
+    if commands:
+        table = Table(title="Commands", title_justify="left", show_header=False, box=None, pad_edge=False)
+        table.add_column(no_wrap=True, style="bold cyan")
+        table.add_column()
+        for name, text in commands:
+            table.add_row(Text(name), Text(text))
         console.print()
         console.print(table)

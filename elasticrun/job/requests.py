@@ -22,7 +22,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
-from elasticrun.errors import CheckpointError, RendezvousError
+from elasticrun.errors import CheckpointError, ConfigError
 from elasticrun.job.keys import JobKeys, last_part
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ def _job_gone(store: EtcdStore, keys: JobKeys) -> Optional[str]:
 def request_checkpoint(store: EtcdStore, job_id: str, timeout: float, where: str = "") -> Dict[str, Any]:
     """Ask job ``job_id`` to checkpoint now and wait (watch) for rank 0's answer.
 
-    Raises RendezvousError when the job has no keys, CheckpointError at once when the job has
+    Raises ConfigError when the job has no keys, CheckpointError at once when the job has
     finished (or no agent of it runs), when it ends while we wait, when it did not answer within
     ``timeout`` (the request is withdrawn) or answered with an error. The request and its answer
     are deleted once read (rank 0 also puts its answer on a lease: a reader that died leaves
@@ -106,7 +106,7 @@ def request_checkpoint(store: EtcdStore, job_id: str, timeout: float, where: str
     keys = JobKeys(job_id)
     rid = new_request_id()
     if store.get(keys.config) is None and not store.get_prefix(keys.prefix)[0]:
-        raise RendezvousError(f"no job {job_id!r} in etcd{where}: check --rdzv-id (see `elasticrun status`)")
+        raise ConfigError(f"no job {job_id!r} in etcd{where}: check --rdzv-id (see `elasticrun status`)")
     gone = _job_gone(store, keys)
     if gone:
         raise CheckpointError(f"{gone}: nothing to checkpoint")

@@ -23,6 +23,7 @@ from rich.text import Text
 
 from elasticrun.errors import ElasticrunError, JobFailedError
 from elasticrun.job import env as env_names
+from elasticrun.job.exitcodes import ExitCode, for_signal
 from elasticrun.job.settings import drop_secrets_from_environment
 from elasticrun.job.settings import from_config as etcd_settings
 from elasticrun.launch.c10d import RoundStore
@@ -217,7 +218,7 @@ class Agent:
                         rdzv.publish(status=WorkerStatus.LEAVING)
                     except ElasticrunError:
                         pass
-                return 128 + sig.signum
+                return for_signal(sig.signum)  # drained: a retryable code (docs/deploy.md)
         raise AssertionError("unreachable")  # pragma: no cover - the block returns or raises
 
     # -- teardown steps of run() -----------------------------------------------------------------
@@ -281,18 +282,21 @@ class Agent:
             if outcome is RoundOutcome.SUCCEEDED:
                 self.obs.finish("succeeded")
                 self.say("all workers of all nodes finished: job succeeded")
-                return 0
+                return ExitCode.SUCCEEDED
 
     def _ended(self, rdzv: Rendezvous, ended: JobEnded) -> int:
         self.obs.finish("succeeded" if ended.succeeded else "failed")
         if ended.succeeded:
             self.say("the job has finished successfully")
-            return 0
+            return ExitCode.SUCCEEDED
         rows = rdzv.root_cause(int(ended.state.get("round", -1)))
         reason = ended.state.get("reason", "job failed")
         if rows:
             self.say.table(root_cause_table(rows, f"job {self.cfg.rdzv_id!r} failed: {reason}"))
-        raise JobFailedError(f"job {self.cfg.rdzv_id!r} failed: {reason}")
+        err = JobFailedError(f"job {self.cfg.rdzv_id!r} failed: {reason}")
+        code = ended.state.get("exit_code")  # the node that ended the job chose it (absent: 1)
+        err.exit_code = code if isinstance(code, int) else None
+        raise err
 
     def _run_round(self, rdzv: Rendezvous, workers: WorkerGroup, topo: Topology) -> RoundOutcome:
         """Run our workers for ``topo`` until the round ends."""
@@ -315,7 +319,7 @@ class Agent:
         done_reported = False
         hang = self._hang_watch(rdzv, topo)
         standby_at = time.monotonic() + STANDBY_DELAY_S
-        version = rdzv.view.version
+        version = rdzv.view_version()
         while True:
             joining = rdzv.scale_up_pending(topo)
             if standby_at and (time.monotonic() >= standby_at or joining):
@@ -345,13 +349,16 @@ class Agent:
             if hang is not None and state is GroupState.RUNNING and hang.hung():
                 self.say(f"round {topo.round}: the step reported by our workers (last {hang.step}) has not advanced "
                          f"for {hang.timeout:g} s: dumping every worker's Python stacks")
+                self.obs.hang(topo, hang.step, hang.stalled_for())
                 workers_now = workers.running
                 rdzv.beat(busy_for=STACKS_WAIT_S)
                 dump_stacks(workers_now)
                 self.say(f"{hang_message(hang.timeout)}: stopping this round")
                 rows = hang_failures(workers_now, hang.timeout)
                 guard.call(lambda: rdzv.report_failure(topo, rows), "reporting a hang")  # noqa: B023 - called at once
-                stop_workers(rdzv, workers, self.cfg.shutdown_timeout)
+                # A hung worker (and its peers blocked in the collective) never reaches the step boundary
+                # where a graceful stop would end it: no --shutdown-timeout wait, kill them now.
+                stop_workers(rdzv, workers, 1.0, sig=signal.SIGKILL)
                 return RoundOutcome.NEXT
             if state is GroupState.SUCCEEDED and not done_reported:
                 guard.call(lambda: rdzv.report_done(topo), "reporting success")
@@ -363,21 +370,26 @@ class Agent:
                 stop_workers(rdzv, workers, self.cfg.shutdown_timeout)
                 return RoundOutcome.SUCCEEDED
             if change is not None:
+                hung = False
                 if hang is not None and hang.stalled_for() >= hang.timeout / 2:  # stuck here too (a collective)
                     self.say(f"round {topo.round}: our workers' step has not advanced for "
                              f"{hang.stalled_for():.0f} s either: dumping their Python stacks")
                     rdzv.beat(busy_for=STACKS_WAIT_S)
                     dump_stacks(workers.running)
+                    hung = True
                 self.say(f"round {topo.round} ended: {change}; stopping workers")
                 self.obs.round_changed(rdzv, topo)
-                stop_workers(rdzv, workers, self.cfg.shutdown_timeout)
+                if hung:  # stuck in a collective with the hung rank: a graceful stop would wait out its grace
+                    stop_workers(rdzv, workers, 1.0, sig=signal.SIGKILL)
+                else:
+                    stop_workers(rdzv, workers, self.cfg.shutdown_timeout)
                 return RoundOutcome.NEXT
             if not done_reported:
                 due = rdzv.maybe_scale_up(topo)
                 timeout = 0.5 if due is None else min(0.5, max(0.01, due))
             else:
                 timeout = 0.5
-            version = rdzv.view.wait_change(version, timeout)
+            version = rdzv.wait_view(version, timeout)
 
 
     def _hang_watch(self, rdzv: Rendezvous, topo: Topology) -> Optional[HangWatch]:

@@ -13,7 +13,10 @@ Definitions (docs/observability.md):
   again after a worker failure or a membership change), ``rollback`` (training time of steps
   that a restore threw away), ``checkpoint_stall`` (training blocked on a checkpoint or
   snapshot, as the workers report it), ``outage`` (etcd unreachable), ``shutdown`` (after the
-  last reported step of a job that ended: workers exiting, the agent finishing);
+  last reported step of a job that ended: workers exiting, the agent finishing), ``hang``
+  (``--hang-timeout`` fired: the training time since the last reported step, and stopping,
+  re-forming and starting again after it — a cause of its own, not ``restart``, so an operator
+  sees hangs apart from crashes);
 - rollback: when a round's first report is step S after the job had reached step T > S, the
   training time from when step S was first reached until training stopped is moved from
   goodput to ``rollback``, and T - S steps are counted as lost.
@@ -52,9 +55,10 @@ class Cause(str, enum.Enum):
     CHECKPOINT_STALL = "checkpoint_stall"
     OUTAGE = "outage"
     SHUTDOWN = "shutdown"
+    HANG = "hang"
 
 
-_FIXED_CAUSE = {Phase.RESTARTING: Cause.RESTART, Phase.RESCALING: Cause.RESCALE,
+_FIXED_CAUSE = {Phase.RESCALING: Cause.RESCALE,  # restarting: the cause given (restart or hang)
                 Phase.CHECKPOINT_STALL: Cause.CHECKPOINT_STALL, Phase.OUTAGE: Cause.OUTAGE,
                 Phase.FINISHING: Cause.SHUTDOWN}
 
@@ -123,13 +127,24 @@ class Goodput:
         reported step: it moves to ``finishing`` (cause ``shutdown``)."""
         self._flush()
         if self.phase is Phase.TRAINING:
-            tail = min(max(0.0, self._training - self._last_report), self.phase_seconds[Phase.TRAINING])
-            self.phase_seconds[Phase.TRAINING] -= tail
-            self._training -= tail
-            self.phase_seconds[Phase.FINISHING] += tail
-            self.badput[Cause.SHUTDOWN] += tail
+            self._move_tail(Phase.FINISHING, Cause.SHUTDOWN)
             self.phase = Phase.FINISHING
         self.finished = True
+
+    def hang(self) -> None:
+        """``--hang-timeout`` fired: the training time since the last report trained nothing and
+        moves to ``restarting`` (cause ``hang``), as does the stopping and re-forming from now on."""
+        self._flush()
+        if self.phase is Phase.TRAINING:
+            self._move_tail(Phase.RESTARTING, Cause.HANG)
+        self.enter(Phase.RESTARTING, Cause.HANG)
+
+    def _move_tail(self, phase: Phase, cause: Cause) -> None:
+        tail = min(max(0.0, self._training - self._last_report), self.phase_seconds[Phase.TRAINING])
+        self.phase_seconds[Phase.TRAINING] -= tail
+        self._training -= tail
+        self.phase_seconds[phase] += tail
+        self.badput[cause] += tail
 
     # -- reading ----------------------------------------------------------------------------
 

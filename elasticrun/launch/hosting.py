@@ -29,7 +29,7 @@ import socket
 import time
 from typing import Callable, List, Optional, Tuple
 
-from elasticrun.errors import StoreError
+from elasticrun.errors import StoreError, StoreSetupError
 from elasticrun.job.settings import from_config as etcd_settings
 from elasticrun.launch.config import LaunchConfig, RdzvBackend
 from elasticrun.launch.hostlock import HostLock
@@ -97,8 +97,8 @@ def _try_host(cfg: LaunchConfig, host: str, port: int, forced: bool, say: Say) -
     if not lock.acquire() or _port_taken(ip, port):
         lock.release()
         if forced:
-            raise StoreError(f"cannot host the job's etcd at {host}:{port}: the port is in use on this machine; "
-                             "pick a free --master-port / endpoint port")
+            raise StoreSetupError(f"cannot host the job's etcd at {host}:{port}: the port is in use on this "
+                                  "machine; pick a free --master-port / endpoint port")
         return None  # another agent on this machine hosts it: join it
     server = EtcdServer(name="elasticrun", host=ip, client_port=port, peer_port=free_port(ip),
                         binary=cfg.etcd_binary, unsafe_no_fsync=True)

@@ -1,23 +1,25 @@
 """The agent's ``/metrics`` endpoint (``--metrics-port``): Prometheus text, OpenMetrics on request.
 
 Exposition is prometheus-client's: a private :class:`CollectorRegistry` (never the process-global
-one), served by its WSGI app on a threaded server in a daemon thread, so a slow or stormy scraper
-never touches the agent loop. Gauges and counters are read at scrape time from the agent's
-:class:`~elasticrun.launch.observe.Observer` snapshot (a dict copied under its lock); histograms
-are observed where the durations happen. Every series carries ``job_id`` and ``node_id``; the
-node's role (leader/member) is on ``elasticrun_agent_info`` so other series keep their identity
-when leadership moves. The metric list and their meaning: docs/observability.md.
+one), rendered at most once per :data:`CACHE_S` (a scrape storm shares one render) and served on a
+threaded server in a daemon thread, so a slow or stormy scraper never touches the agent loop. Gauges
+and counters are read at scrape time from the agent's :class:`~elasticrun.launch.observe.Observer`
+snapshot (a dict copied under its lock); histograms are observed where the durations happen. Every
+series carries ``job_id`` and ``node_id``; the node's role (leader/member) is on
+``elasticrun_agent_info`` so other series keep their identity when leadership moves. The metric list
+and their meaning: docs/observability.md.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Dict, Iterator, List, Optional
+import time
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
+from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler, make_server
+from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler, choose_encoder, make_server
 
 from elasticrun.errors import ConfigError
 from elasticrun.launch.goodput import Cause, Phase
@@ -26,6 +28,7 @@ PREFIX = "elasticrun_"
 ETCD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 SAVE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 LEASE_STATES = ("held", "in_doubt", "lost")
+CACHE_S = 0.5  # a rendered exposition serves every scrape for this long (concurrent scrapes share one render)
 
 
 class _StateCollector:
@@ -90,6 +93,38 @@ class _StateCollector:
                        {state: 1.0 if state == lease else 0.0 for state in LEASE_STATES})
 
 
+class _CachedApp:
+    """The WSGI app: ``/metrics`` rendered at most once per :data:`CACHE_S` per format (text or
+    OpenMetrics); concurrent scrapes wait for the one render in flight, so a scrape storm costs the
+    agent one render per half second, not one per scrape."""
+
+    def __init__(self, registry: CollectorRegistry, ttl: float = CACHE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.registry, self.ttl, self.clock = registry, ttl, clock
+        self._lock = threading.Lock()
+        self._cache: Dict[str, Tuple[float, bytes]] = {}  # content type -> (rendered at, body)
+        self.renders = 0
+
+    def render(self, accept: str) -> Tuple[str, bytes]:
+        """(content type, body) for an ``Accept`` header, from the cache while fresh."""
+        encoder, content_type = choose_encoder(accept)
+        with self._lock:
+            hit = self._cache.get(content_type)
+            if hit is None or self.clock() - hit[0] >= self.ttl:
+                hit = (self.clock(), encoder(self.registry))
+                self._cache[content_type] = hit
+                self.renders += 1
+        return content_type, hit[1]
+
+    def __call__(self, environ: Dict[str, Any], start_response: Callable[..., Any]) -> List[bytes]:
+        if environ.get("PATH_INFO", "/") not in ("/", "/metrics"):
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"not found: try /metrics\n"]
+        content_type, body = self.render(environ.get("HTTP_ACCEPT", ""))
+        start_response("200 OK", [("Content-Type", content_type), ("Content-Length", str(len(body)))])
+        return [body] if environ.get("REQUEST_METHOD") != "HEAD" else []
+
+
 class _Server(ThreadingWSGIServer):
     """One thread per scrape (daemon), and a listen backlog for a burst of concurrent scrapers."""
 
@@ -111,6 +146,7 @@ class Metrics:
                                     names, registry=self.registry, buckets=SAVE_BUCKETS).labels(**self.labels)
         self.snapshot = Histogram(PREFIX + "snapshot_seconds", "Workers' memory snapshots (blocking part).",
                                   names, registry=self.registry, buckets=SAVE_BUCKETS).labels(**self.labels)
+        self.app = _CachedApp(self.registry)
         self._server: Optional[WSGIServer] = None
         self._thread: Optional[threading.Thread] = None
 
@@ -122,7 +158,7 @@ class Metrics:
         """Serve ``/metrics`` on ``host:port`` in a daemon thread; the port bound (``port`` 0: any).
         ConfigError (one line) when the address cannot be bound."""
         try:
-            server = make_server(host, port, make_wsgi_app(self.registry), _Server, handler_class=_SilentHandler)
+            server = make_server(host, port, self.app, _Server, handler_class=_SilentHandler)
         except OSError as err:
             raise ConfigError(f"--metrics-port {port}: cannot listen on {host}:{port} ({err.strerror or err}); "
                               "pick a free port, or 0 to turn metrics off") from None

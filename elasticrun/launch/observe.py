@@ -117,6 +117,14 @@ class Observer:
         """A worker failed: the round is stopping for a restart."""
         self._enter(Phase.RESTARTING, Cause.RESTART)
 
+    def hang(self, topo: Topology, step: Optional[int], stalled_s: float) -> None:
+        """``--hang-timeout`` fired on our node: a ``hang`` event; the stalled time and the restart
+        after it are badput of cause ``hang`` (see launch/goodput.py)."""
+        with self._lock:
+            self.goodput.hang()
+        self.events.emit(EventKind.HANG, round=topo.round, step=step, stalled_s=round(stalled_s, 3))
+        self._publish.set()
+
     def round_changed(self, rdzv: Rendezvous, topo: Topology) -> None:
         """Round ``topo`` ended for another reason than our workers: another node's worker failed
         (a restart) or the membership changed (a rescale)."""

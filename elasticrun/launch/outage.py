@@ -8,7 +8,7 @@ The rule (docs/design.md, "etcd outages and liveness"):
   round the others may form: its stale workers have no peers left and cannot commit a
   checkpoint (the commit fence needs etcd). If the outage outlasts ``--etcd-outage-grace``
   the workers get SIGTERM and ``--shutdown-timeout`` to save (never SIGKILL first), and
-  the agent gives up (exit 3);
+  the agent gives up (exit 138, ExitCode.TRANSIENT);
 - lease LOST after an outage (etcd answered: the lease expired meanwhile): if the job is
   still at our round with no failure or end flag, re-register and keep the workers (the
   round's topology is updated to our new lease); otherwise a newer round exists: fence;

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
-from elasticrun.errors import ElasticrunError, StoreError
+from elasticrun.errors import ElasticrunError, StoreError, StoreSetupError
 from elasticrun.job.keys import ROOT, JobKeys, job_of
 from elasticrun.rendezvous.records import NodeInfo, RescaleEvent, Topology, WorkerStatus, loads_record
 from elasticrun.rendezvous.states import TERMINAL_PHASES, JobPhase, MemberStatus
@@ -295,7 +295,7 @@ def list_jobs(store: EtcdStore) -> List[Dict[str, Any]]:
     except StoreError as err:
         if "denied" not in str(err):
             raise
-        raise StoreError(f"{err}; a job's own etcd user may list nothing but its job: pass --rdzv-id") from None
+        raise StoreSetupError(f"{err}; a job's own etcd user may list nothing but its job: pass --rdzv-id") from None
     return summarise_jobs(kvs)
 
 

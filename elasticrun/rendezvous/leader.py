@@ -33,6 +33,7 @@ class Leadership:
         self.keys = keys
         self.view = view
         self.node_id = node_id
+        self.leads = False  # as of the last claim
 
     def holder(self) -> Optional[str]:
         """The node id in the leader key as our view has it (None when nobody leads)."""
@@ -42,6 +43,7 @@ class Leadership:
     def claim(self, lease_id: Optional[int]) -> bool:
         """Lead when nobody does; True while the key is ours (then the view mirrors every node)."""
         if lease_id is None:
+            self.leads = False
             return False
         kv = self.view.get(self.keys.leader)
         mine = kv is not None and kv.lease == lease_id
@@ -53,8 +55,10 @@ class Leadership:
                     mine = held is not None and held.lease == lease_id
             except StoreError as err:  # our lease just ended (we leave, or lost it): the caller finds out
                 log.debug("could not claim the leader key: %s", err)
+                self.leads = False
                 return False
             if mine and not self.view.mirrors_nodes:
                 log.info("%s leads the rendezvous (watches every node record)", self.node_id)
         self.view.mirror_nodes(mine)
+        self.leads = mine
         return mine

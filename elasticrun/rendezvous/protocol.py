@@ -26,6 +26,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from elasticrun.errors import ConfigError, RendezvousError, StoreError
+from elasticrun.job.exitcodes import ExitCode
 from elasticrun.job.keys import JobKeys
 from elasticrun.job.requests import utc
 from elasticrun.rendezvous.leader import Leadership
@@ -75,6 +76,7 @@ class Rendezvous(RoundMonitor):
         self._newcomers_since: Optional[float] = None
         self._last_eval = 0.0
         self._busy_since: Optional[Tuple[int, float]] = None  # (round, since) the previous members were busy
+        self._members_checked: Optional[Tuple[int, int]] = None  # (round, view.members_version) checked
         self.outage_over_at: Optional[float] = None  # when etcd answered again after an outage we noticed
 
     @property
@@ -231,7 +233,7 @@ class Rendezvous(RoundMonitor):
         last_waiting: List[str] = []
         changed_at = time.monotonic()
         said = ""
-        version = self.view.version
+        version = self.view_version()
         while True:
             self.beat()
             if not self.lease_valid():
@@ -254,7 +256,7 @@ class Rendezvous(RoundMonitor):
                 continue
             if not self.leading():  # the leader forms the round (and ends the job if too few join)
                 said = self._tell(said, f"waiting for round {target}, formed by {self.leadership.holder() or '?'}")
-                version = self.view.wait_change(version, 0.25)
+                version = self.wait_view(version, 0.25)
                 continue
             if topo is not None and topo.round < target and self.round_change(topo) is None:
                 # A round runs without us (we are a spare or a newcomer): as the leader we still end
@@ -276,7 +278,7 @@ class Rendezvous(RoundMonitor):
                         f"{timeout:.0f}s"
                     ) if topo is None else self._lost_reason(topo, waiting, timeout)
                     if topo is not None:
-                        self._end_job(JobState.FAILED, reason, topo, rev)
+                        self._end_job(JobState.FAILED, reason, topo, rev, ExitCode.TRANSIENT)
                     raise RendezvousError(f"job {self.settings.job_id!r}: {reason}; start more nodes or lower --nnodes")
             version = self._wait_change(version)
 
@@ -424,8 +426,12 @@ class Rendezvous(RoundMonitor):
         except StoreError as err:  # the next round trims again
             log.warning("could not trim the job's round history: %s", err)
 
-    def _end_job(self, state: JobState, reason: str, topo: Topology, topo_rev: int) -> None:
+    def _end_job(self, state: JobState, reason: str, topo: Topology, topo_rev: int,
+                 exit_code: Optional[int] = None) -> None:
+        """Record the job's end; ``exit_code``: what every agent exits with (None: 0 or 1 by ``state``)."""
         record = {"state": state.value, "reason": reason, "round": topo.round, "time": time.time()}
+        if exit_code is not None:
+            record["exit_code"] = int(exit_code)
         self.store.txn_put_many((self.keys.topology, topo_rev), [(self.keys.state, json.dumps(record), None)])
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import time
 from dataclasses import dataclass, field
@@ -92,8 +93,16 @@ class Member:
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> Member:
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = _MEMBER_FIELDS  # computed once: a round of thousands of members is parsed member by member
         return cls(**{k: v for k, v in d.items() if k in known})
+
+
+_MEMBER_FIELDS = frozenset(f.name for f in dataclasses.fields(Member))
+
+
+def _member_from_dict(m: Dict[str, Any]) -> Member:
+    """:meth:`Member.from_dict` by position: a round of thousands of members is read by every agent."""
+    return Member(m["node_id"], m["host"], m["addr"], m["nproc"], m["group_rank"], m["rank_offset"], m.get("lease", 0))
 
 
 @dataclass(frozen=True)
@@ -116,10 +125,12 @@ class Topology:
         return [m.node_id for m in self.members]
 
     def member(self, node_id: str) -> Optional[Member]:
-        for m in self.members:
-            if m.node_id == node_id:
-                return m
-        return None
+        """The member with this node id (a dict lookup: each agent asks for itself in rounds of thousands)."""
+        return self._by_node.get(node_id)
+
+    @functools.cached_property
+    def _by_node(self) -> Dict[str, Member]:
+        return {m.node_id: m for m in self.members}
 
     def to_dict(self) -> Dict[str, Any]:
         return {
@@ -136,7 +147,7 @@ class Topology:
     def from_dict(cls, d: Dict[str, Any]) -> Topology:
         return cls(
             round=int(d["round"]),
-            members=tuple(Member.from_dict(m) for m in d["members"]),
+            members=tuple(map(_member_from_dict, d["members"])),
             master_addr=d["master_addr"],
             master_port=int(d["master_port"]),
             restart_count=int(d.get("restart_count", 0)),
@@ -218,6 +229,15 @@ def parse_node(value: Any) -> Optional[NodeInfo]:
     return info if ok else None
 
 
+def _member_ok(m: Member) -> bool:
+    """A round member's fields have their types (``type() is``, not generators: a round of
+    thousands of members is checked by every agent that reads it)."""
+    return (type(m.node_id) is str and type(m.host) is str and type(m.addr) is str  # noqa: E721
+            and type(m.nproc) is int and type(m.group_rank) is int  # noqa: E721
+            and type(m.rank_offset) is int and type(m.lease) is int  # noqa: E721
+            and m.nproc > 0 and m.group_rank >= 0 and m.rank_offset >= 0)
+
+
 def parse_topology(value: Any) -> Optional[Topology]:
     """A round record, checked field by field; None when malformed."""
     d = loads_record(value)
@@ -229,11 +249,8 @@ def parse_topology(value: Any) -> Optional[Topology]:
         topo = Topology.from_dict(d)
     except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError):
         return None
-    for m in topo.members:
-        if not (all(isinstance(x, str) for x in (m.node_id, m.host, m.addr))
-                and all(_is_int(x) for x in (m.nproc, m.group_rank, m.rank_offset, m.lease))
-                and m.nproc > 0 and m.group_rank >= 0 and m.rank_offset >= 0):
-            return None
+    if not all(map(_member_ok, topo.members)):
+        return None
     if not isinstance(topo.master_addr, str) or not 0 <= topo.master_port < 65536 or topo.round < 0:
         return None
     return topo

@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from elasticrun.errors import StoreError
 from elasticrun.job.keys import JobKeys
+from elasticrun.rendezvous.leader import Leadership
 from elasticrun.rendezvous.records import RescaleEvent, Topology, loads_record
 from elasticrun.rendezvous.states import JobState, RoundOutcome
 from elasticrun.rendezvous.view import JobView
@@ -33,6 +34,8 @@ class RoundMonitor:
     node_id: str
     _say: Callable[[str], None]
     _newcomers_since: Optional[float]
+    _members_checked: Optional[Tuple[int, int]]
+    leadership: Leadership
 
     def leading(self) -> bool:  # pragma: no cover - provided by Rendezvous
         raise NotImplementedError
@@ -40,8 +43,21 @@ class RoundMonitor:
     def recently_unreachable(self) -> bool:  # pragma: no cover - provided by Rendezvous
         raise NotImplementedError
 
-    def _end_job(self, state: JobState, reason: str, topo: Topology, topo_rev: int) -> None:  # pragma: no cover
+    def _end_job(self, state: JobState, reason: str, topo: Topology, topo_rev: int,  # pragma: no cover
+                 exit_code: Optional[int] = None) -> None:
         raise NotImplementedError
+
+    def view_version(self) -> int:
+        """The view's version that :meth:`wait_view` waits on (see there)."""
+        return self.view.version if self.leadership.leads else self.view.job_version
+
+    def wait_view(self, since: int, timeout: float) -> int:
+        """Wait for a change of the view that matters to us (or ``timeout``); the new :meth:`view_version`.
+
+        The leader wakes on every change; the others not on node records alone (which a view shared
+        by several agents, as in the bench, would otherwise deliver to each of them).
+        """
+        return self.view.wait_change(since, timeout, nodes=self.leadership.leads)
 
     def rescale_event(self, round_: int) -> Optional[RescaleEvent]:
         """The event that formed round ``round_`` (None when absent or malformed)."""
@@ -76,18 +92,23 @@ class RoundMonitor:
         end = self.view.get_json(self.keys.end(topo.round))
         if end is not None:
             return str(end.get("reason", "round ended"))
-        if self.leading():  # only the leader sees the node records: it ends the round for everyone
+        # Only the leader sees the node records: it ends the round for everyone. It looks at them
+        # only when a record appeared, vanished or changed its lease (not for each Active report).
+        if self.leading() and self._members_checked != (topo.round, self.view.members_version):
+            checked = (topo.round, self.view.members_version)
             nodes = self.view.nodes()
             members = current.members  # the same round; a member may have rejoined after an outage (new lease)
             for m in members:
                 entry = nodes.get(m.node_id)
                 if entry is None or entry[1] != m.lease:
                     if self.recently_unreachable():
+                        checked = None  # look again: the member may still come back
                         continue  # after an etcd outage every lease may have expired: let members rejoin
                     reason = f"node {m.node_id} left or lost its lease"
                     record = {"reason": reason, "by": self.node_id, "lost": m.node_id, "time": time.time()}
                     self.store.create(self.keys.end(topo.round), json.dumps(record))
                     return reason
+            self._members_checked = checked
         if len(self.view.under(self.keys.dones(topo.round))) >= len(topo.members):
             return RoundOutcome.SUCCEEDED
         return None
@@ -104,6 +125,9 @@ class RoundMonitor:
         s = self.settings
         if (len(topo.members) >= s.max_nodes or self.view.under(self.keys.dones(topo.round))
                 or not self.view.mirrors_nodes):  # only the leader sees newcomers
+            self._newcomers_since = None
+            return None
+        if self.view.node_count() <= len(topo.members):  # no newcomer (a lost member ends the round instead)
             self._newcomers_since = None
             return None
         members = {m.node_id for m in topo.members}

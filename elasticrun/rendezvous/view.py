@@ -46,9 +46,14 @@ class JobView:
         self._data: Dict[str, KeyValue] = {}
         self._nodes: Dict[str, Tuple[NodeInfo, int]] = {}  # parsed nodes/*: node id -> (info, lease)
         self._topo: Tuple[Optional[Topology], int] = (None, 0)  # parsed topology and its mod revision
+        self._topo_lock = threading.Lock()
         self._ignored = (keys.progress,)
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)  # any change: the leader waits on this one
+        self._job_cond = threading.Condition(lock)  # changes of keys other than node records
         self._version = 0
+        self._job_version = 0
+        self._members_version = 0  # bumped when a node record appears, vanishes or changes lease
         self._closed = False
         self._healthy = False
         self._sync()
@@ -109,8 +114,8 @@ class JobView:
                     if not kv.key.startswith(skipped):
                         self._put(kv)
             self._healthy = True
-            self._version += 1
-            self._cond.notify_all()
+            self._members_version += 1
+            self._changed(job=True)
 
         def on_events(events: List[WatchEvent]) -> None:
             self._on_events(events, gen)
@@ -126,30 +131,50 @@ class JobView:
             self._cancels.append(self.store.watch_prefix(self.keys.prefix, on_events, on_error, revision + 1))
 
     def _put(self, kv: KeyValue) -> None:
-        """Mirror one key (lock held); node records are parsed here, once."""
-        self._data[kv.key] = kv
-        if kv.key.startswith(self.keys.nodes):
-            node_id = kv.key[len(self.keys.nodes):]
-            info = parse_node(kv.value)
-            if info is None:
-                self._nodes.pop(node_id, None)
-                log.warning("ignoring malformed node record %s", kv.key[:200])
-            else:
-                self._nodes[node_id] = (info, kv.lease)
+        """Mirror one key (lock held); node records are parsed here, once, and kept in ``_nodes`` only
+        (so that looking up the job's other keys never walks the node records)."""
+        if not kv.key.startswith(self.keys.nodes):
+            self._data[kv.key] = kv
+            return
+        node_id = kv.key[len(self.keys.nodes):]
+        info = parse_node(kv.value)
+        old = self._nodes.get(node_id)
+        if info is None:
+            self._drop_node(node_id)
+            log.warning("ignoring malformed node record %s", kv.key[:200])
+            return
+        self._nodes[node_id] = (info, kv.lease)
+        if old is None or old[1] != kv.lease:
+            self._members_version += 1
+
+    def _drop_node(self, node_id: str) -> None:
+        if self._nodes.pop(node_id, None) is not None:
+            self._members_version += 1
+
+    def _changed(self, job: bool) -> None:
+        """Wake the waiters (lock held): all of them, or (``job`` False: only node records changed)
+        those that watch the node records."""
+        self._version += 1
+        self._cond.notify_all()
+        if job:
+            self._job_version += 1
+            self._job_cond.notify_all()
 
     def _on_events(self, events: List[WatchEvent], gen: int) -> None:
         skipped = self._skipped()
         events = [ev for ev in events if not ev.key.startswith(skipped)]
         if not events:
             return
+        nodes = self.keys.nodes
         with self._cond:
             if gen != self._gen:
                 return  # a watch of an older sync
             for ev in events:
                 if ev.deleted:
-                    self._data.pop(ev.key, None)
-                    if ev.key.startswith(self.keys.nodes):
-                        self._nodes.pop(ev.key[len(self.keys.nodes):], None)
+                    if ev.key.startswith(nodes):
+                        self._drop_node(ev.key[len(nodes):])
+                    else:
+                        self._data.pop(ev.key, None)
                 else:
                     old = self._data.get(ev.key)
                     self._put(
@@ -161,8 +186,7 @@ class JobView:
                             lease=ev.lease,
                         )
                     )
-            self._version += 1
-            self._cond.notify_all()
+            self._changed(job=not all(ev.key.startswith(nodes) for ev in events))
 
     def _on_error(self, err: BaseException, gen: int) -> None:
         with self._cond:
@@ -173,8 +197,7 @@ class JobView:
                 return
             self._resyncing, self._error_again = True, False
             self._healthy = False
-            self._version += 1
-            self._cond.notify_all()
+            self._changed(job=True)
         threading.Thread(target=self._resync_loop, name="view-resync", daemon=True).start()
 
     def _resync_loop(self) -> None:
@@ -199,31 +222,48 @@ class JobView:
     def close(self) -> None:
         with self._cond:
             self._closed = True
-            self._cond.notify_all()
+            self._changed(job=True)
         self._stop_watches()
 
     # -- waiting --------------------------------------------------------------------------
 
     @property
     def version(self) -> int:
+        """Bumped by every change (see :meth:`wait_change`)."""
         return self._version
+
+    @property
+    def job_version(self) -> int:
+        """Bumped by every change but those of node records alone."""
+        return self._job_version
+
+    @property
+    def members_version(self) -> int:
+        """Bumped when a node record appears, vanishes or changes its lease — not when a node updates
+        its record: who is registered changed only when this did."""
+        return self._members_version
 
     @property
     def healthy(self) -> bool:
         return self._healthy
 
-    def wait_change(self, since: int, timeout: float) -> int:
-        """Block until the view changes after version ``since`` (or ``timeout``); return the version."""
+    def wait_change(self, since: int, timeout: float, nodes: bool = True) -> int:
+        """Block until the view changes after version ``since`` (or ``timeout``); return the version.
+
+        ``nodes=False``: wait for (and return) :attr:`job_version` instead: a change of node records
+        alone does not wake us. With many agents sharing one view (the bench), the agents that do not
+        lead thus sleep through the N registrations of a round instead of each waking N times.
+        """
+        cond = self._cond if nodes else self._job_cond
         with self._cond:
-            if self._version == since and not self._closed:
-                self._cond.wait(timeout)
-            return self._version
+            if (self._version if nodes else self._job_version) == since and not self._closed:
+                cond.wait(timeout)
+            return self._version if nodes else self._job_version
 
     def poke(self) -> None:
         """Wake up waiters (e.g. a local event such as a worker exit)."""
         with self._cond:
-            self._version += 1
-            self._cond.notify_all()
+            self._changed(job=True)
 
     # -- snapshot helpers -----------------------------------------------------------------
 
@@ -262,15 +302,19 @@ class JobView:
         if kv is None:
             return None, 0
         cached, rev = self._topo
-        if cached is not None and rev == kv.mod_revision:
+        if rev == kv.mod_revision:
             return cached, rev
-        topo = parse_topology(kv.value)  # frozen: safe to share between callers
-        if topo is None:
-            # A malformed round record: ignore it and keep the last good round (the next round's
-            # transaction, which compares this revision, replaces it).
-            log.warning("ignoring malformed topology record at revision %d", kv.mod_revision)
-            topo = cached
-        self._topo = (topo, kv.mod_revision)
+        with self._topo_lock:  # parsed once per revision, however many agents share this view
+            cached, rev = self._topo
+            if rev == kv.mod_revision:
+                return cached, rev
+            topo = parse_topology(kv.value)  # frozen: safe to share between callers
+            if topo is None:
+                # A malformed round record: ignore it and keep the last good round (the next round's
+                # transaction, which compares this revision, replaces it).
+                log.warning("ignoring malformed topology record at revision %d", kv.mod_revision)
+                topo = cached
+            self._topo = (topo, kv.mod_revision)
         return topo, kv.mod_revision
 
     def state(self) -> Optional[Dict[str, Any]]:

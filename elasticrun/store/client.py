@@ -10,11 +10,10 @@ Build a client from :class:`elasticrun.job.settings.EtcdSettings` (``settings.co
 
 from __future__ import annotations
 
-import json
 import random
 import threading
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
 
 import grpc
 import pyetcd
@@ -23,10 +22,10 @@ from pyetcd import etcdrpc
 from pyetcd.client import MultiEndpointEtcd3Client
 from pyetcd.events import DeleteEvent
 
-from elasticrun.errors import StoreError, StoreFullError
-from elasticrun.store.connection import TRANSIENT, client_args, new_client, renew_token
-from elasticrun.store.explain import START_HINT, explain, out_of_space, tls_failure, token_rejected
-from elasticrun.store.types import KeyValue, WatchEvent, parse_endpoints
+from elasticrun.errors import StoreError, StoreFullError, StoreSetupError
+from elasticrun.store.connection import TRANSIENT, client_args, keepalives, new_client, renew_token
+from elasticrun.store.explain import START_HINT, explain, out_of_space, refused, tls_failure, token_rejected
+from elasticrun.store.types import KeyValue, WatchEvent, dumps, kv_from_pb, parse_endpoints, text_of
 
 # A private generator for the retry jitter: never the global `random` a training script seeds.
 _JITTER = random.Random()
@@ -79,6 +78,10 @@ class EtcdStore:
     def _explain(self, err: BaseException) -> str:
         return explain(err, self.endpoints, self._auth[0], transient=isinstance(err, TRANSIENT))
 
+    def _error(self, err: BaseException) -> StoreError:
+        """The error to raise for ``err``: StoreSetupError when etcd refused our TLS or credentials."""
+        return (StoreSetupError if refused(err) else StoreError)(self._explain(err))
+
     def _retry(self, fn: Callable[[], T], what: str) -> T:
         deadline = time.monotonic() + self.retry_timeout
         delay = 0.05
@@ -88,7 +91,7 @@ class EtcdStore:
                 return fn()
             except TRANSIENT as err:
                 if time.monotonic() + delay > deadline:
-                    raise StoreError(self._explain(err)) from None
+                    raise self._error(err) from None
             except grpc.RpcError as err:
                 if self._auth[0] is not None and token_rejected(err) and not renewed and what != "connect":
                     renewed = True  # once per call: a token refused twice in a row is not an expiry
@@ -104,9 +107,9 @@ class EtcdStore:
                 if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or tls_failure(
                     err.details() or ""
                 ):
-                    raise StoreError(self._explain(err)) from None
+                    raise self._error(err) from None
                 if time.monotonic() + delay > deadline:
-                    raise StoreError(self._explain(err)) from None
+                    raise self._error(err) from None
             except ValueError as err:  # pyetcd: "Trying to use a failed node"
                 if time.monotonic() + delay > deadline:
                     raise StoreError(f"cannot reach etcd at {self.endpoints} ({err}); {START_HINT}") from None
@@ -132,7 +135,7 @@ class EtcdStore:
             resp = c.get_response(key)
             if resp.count < 1:
                 return None
-            return _kv(resp.kvs[0])
+            return kv_from_pb(resp.kvs[0])
 
         return self._call("get", op)
 
@@ -146,7 +149,7 @@ class EtcdStore:
 
         def op(c: MultiEndpointEtcd3Client) -> Tuple[List[KeyValue], int]:
             resp = c.get_prefix_response(prefix, sort_order="ascend", sort_target="key")
-            return [_kv(kv) for kv in resp.kvs], int(resp.header.revision)
+            return [kv_from_pb(kv) for kv in resp.kvs], int(resp.header.revision)
 
         return self._call("get_prefix", op)
 
@@ -155,7 +158,7 @@ class EtcdStore:
 
         def op(c: MultiEndpointEtcd3Client) -> Tuple[List[KeyValue], int]:
             resp = c.get_range_response(start, end, sort_order="ascend", sort_target="key")
-            return [_kv(kv) for kv in resp.kvs], int(resp.header.revision)
+            return [kv_from_pb(kv) for kv in resp.kvs], int(resp.header.revision)
 
         return self._call("get_range", op)
 
@@ -164,7 +167,7 @@ class EtcdStore:
         return self._call("put", lambda c: int(c.put(key, value, lease=lease).header.revision))
 
     def put_json(self, key: str, value: Any, lease: Optional[int] = None) -> int:
-        return self.put(key, _dumps(value), lease=lease)
+        return self.put(key, dumps(value), lease=lease)
 
     def create(self, key: str, value: bytes | str, lease: Optional[int] = None) -> bool:
         """Write ``key`` only if it does not exist; True when written."""
@@ -227,12 +230,19 @@ class EtcdStore:
         """A new lease of ``ttl`` seconds (etcd's minimum is about 2 s); returns its id."""
         return self._call("lease", lambda c: int(c.lease(int(ttl)).id))
 
-    def refresh_lease(self, lease_id: int) -> int:
-        """One keep-alive; returns the remaining TTL (<= 0: the lease is gone). Does not retry."""
+    def refresh_lease(self, lease_id: int, timeout: Optional[float] = None) -> int:
+        """One keep-alive; the remaining TTL (<= 0: the lease is gone). See :meth:`refresh_leases`."""
+        return self.refresh_leases([lease_id], timeout).get(lease_id, 0)
+
+    def refresh_leases(self, lease_ids: Sequence[int], timeout: Optional[float] = None) -> Dict[int, int]:
+        """One keep-alive per lease over one stream; lease id -> remaining TTL (<= 0: gone; absent: no
+        answer). Does not retry. ``timeout`` (default: the store's; used with several endpoints only):
+        below the TTL, a member that never answers (partitioned, frozen) is left for another in time."""
+        ids = list(lease_ids)
+        deadline = self.timeout if timeout is None or len(self._hosts) < 2 else min(timeout, self.timeout)
         for attempt in (0, 1):
             try:
-                for resp in self._client.refresh_lease(lease_id):
-                    return int(resp.TTL)
+                return keepalives(self._client, ids, deadline) if ids else {}
             except grpc.RpcError as err:
                 if attempt == 0 and self._auth[0] is not None and token_rejected(err):
                     try:
@@ -241,11 +251,11 @@ class EtcdStore:
                         continue
                     except grpc.RpcError:
                         pass
-                raise StoreError(self._explain(err)) from None
+                raise self._error(err) from None
             except (ValueError, *TRANSIENT) as err:
-                raise StoreError(self._explain(err)) from None
-            return 0
-        return 0
+                raise self._error(err) from None
+        return {}
+
 
     def lease_ttl(self, lease_id: int) -> Optional[Dict[str, int]]:
         """``{"ttl": seconds left, "granted_ttl": seconds}`` of a lease, or None when it is gone."""
@@ -304,7 +314,7 @@ class EtcdStore:
                 return
             batch = [
                 WatchEvent(
-                    key=_s(ev.key),
+                    key=text_of(ev.key),
                     value=b"" if isinstance(ev, DeleteEvent) else bytes(ev.value),
                     deleted=isinstance(ev, DeleteEvent),
                     mod_revision=int(ev.mod_revision),
@@ -414,24 +424,6 @@ def connect(endpoints: str, *, check: bool = True, check_key: Optional[str] = No
             store.close()
             raise
     return store
-
-
-def _s(b: bytes | str) -> str:
-    return b.decode() if isinstance(b, (bytes, bytearray)) else b
-
-
-def _kv(kv: Any) -> KeyValue:
-    return KeyValue(
-        key=_s(kv.key),
-        value=bytes(kv.value),
-        mod_revision=int(kv.mod_revision),
-        create_revision=int(kv.create_revision),
-        lease=int(kv.lease),
-    )
-
-
-def _dumps(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
 
 
 __all__ = ["EtcdStore", "KeyValue", "WatchEvent", "connect", "parse_endpoints", "pyetcd"]

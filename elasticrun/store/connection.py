@@ -17,7 +17,7 @@ import pyetcd.exceptions as etcd_exc
 from pyetcd import etcdrpc
 from pyetcd.client import Endpoint, EtcdTokenCallCredentials, MultiEndpointEtcd3Client
 
-from elasticrun.errors import StoreError
+from elasticrun.errors import StoreSetupError
 
 # Never draw from the global `random` the training script seeds and checkpoints (a background
 # thread drawing from it would change the script's random numbers): pyetcd's endpoint choice
@@ -47,7 +47,7 @@ def _read(path: Optional[str], what: str) -> Optional[bytes]:
         with open(path, "rb") as f:
             return f.read()
     except OSError as err:
-        raise StoreError(f"cannot read etcd {what} {path!r}: {err.strerror}") from None
+        raise StoreSetupError(f"cannot read etcd {what} {path!r}: {err.strerror}") from None
 
 
 def client_args(
@@ -60,17 +60,17 @@ def client_args(
     cert_cert: Optional[str],
 ) -> Dict[str, Any]:
     """The keyword arguments of a ``pyetcd`` client for ``hosts`` (TLS when any certificate is
-    given); StoreError, one line, for settings that cannot work."""
+    given); StoreSetupError, one line, for settings that cannot work."""
     creds = None
     if ca_cert or cert_cert or cert_key:
         if bool(cert_key) != bool(cert_cert):
-            raise StoreError("TLS client auth needs both --etcd-cert and --etcd-key")
+            raise StoreSetupError("TLS client auth needs both --etcd-cert and --etcd-key")
         creds = grpc.ssl_channel_credentials(
             _read(ca_cert, "CA certificate"), _read(cert_key, "key"), _read(cert_cert, "certificate")
         )
     if user is not None and creds is None:
         # gRPC sends call credentials only over TLS: fail here, not with a cryptic gRPC error later.
-        raise StoreError(
+        raise StoreSetupError(
             f"etcd user/password authentication needs TLS: also pass --etcd-cacert (etcd at {endpoints} "
             "must serve https)"
         )
@@ -84,7 +84,7 @@ def client_args(
 def new_client(args: Dict[str, Any], user: Optional[str], password: Optional[str]) -> MultiEndpointEtcd3Client:
     """A ``pyetcd`` client (it authenticates at once when a user is given)."""
     if (user is None) != (password is None):
-        raise StoreError("etcd authentication needs both --etcd-user and a password "
+        raise StoreSetupError("etcd authentication needs both --etcd-user and a password "
                          "($ELASTICRUN_ETCD_PASSWORD or --etcd-password-file)")
     return MultiEndpointEtcd3Client(**args, user=user, password=password)
 
@@ -100,4 +100,23 @@ def renew_token(client: MultiEndpointEtcd3Client, user: str, password: Optional[
         watcher._credentials = client.call_credentials
 
 
-__all__ = ["GRPC_OPTIONS", "TRANSIENT", "client_args", "new_client", "renew_token"]
+
+
+def keepalives(client: MultiEndpointEtcd3Client, ids: List[int], timeout: float) -> Dict[int, int]:
+    """Send one keep-alive per lease over one LeaseKeepAlive stream with deadline ``timeout``; the TTL
+    etcd answered for each (a lease without an answer is absent). An endpoint that times out or is
+    unavailable is failed over from (the library's error handling), and the error raised."""
+    requests = iter([etcdrpc.LeaseKeepAliveRequest(ID=i) for i in ids])
+    answers: Dict[int, int] = {}
+    try:
+        for resp in client.leasestub.LeaseKeepAlive(requests, timeout, credentials=client.call_credentials,
+                                                    metadata=client.metadata):
+            answers[int(resp.ID)] = int(resp.TTL)
+            if len(answers) == len(ids):
+                break
+    except grpc.RpcError as err:
+        client._manage_grpc_errors(err)  # UNAVAILABLE/DEADLINE_EXCEEDED: the member is failed over from
+    return answers
+
+
+__all__ = ["GRPC_OPTIONS", "TRANSIENT", "client_args", "keepalives", "new_client", "renew_token"]

@@ -52,6 +52,16 @@ def token_rejected(err: BaseException) -> bool:
     )
 
 
+def refused(err: BaseException) -> bool:
+    """True when etcd refused our TLS, credentials or permissions: a setup error no retry fixes."""
+    if not isinstance(err, grpc.RpcError) or not hasattr(err, "code"):
+        return False
+    details = err.details() or ""
+    return bool(tls_failure(details)) or err.code() in (
+        grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED
+    ) or AUTH_FAILED in details or "permission denied" in details or "user name is empty" in details
+
+
 def explain(err: BaseException, endpoints: str, user: Optional[str], *, transient: bool = False) -> str:
     """One line for ``err`` (``transient``: the library's connection error), for user ``user`` (None: none)."""
     if isinstance(err, grpc.RpcError) and hasattr(err, "code"):
@@ -89,5 +99,5 @@ def explain(err: BaseException, endpoints: str, user: Optional[str], *, transien
     return f"etcd at {endpoints} failed: {err!r}"
 
 
-__all__ = ["AUTH_FAILED", "NOSPACE_DETAIL", "START_HINT", "explain", "nospace_message", "out_of_space",
+__all__ = ["AUTH_FAILED", "NOSPACE_DETAIL", "START_HINT", "explain", "nospace_message", "out_of_space", "refused",
            "tls_failure", "token_rejected"]

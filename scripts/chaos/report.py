@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 from .audit import AuditResult
 from .faults import Kind
+from .goodput import goodput_text
 
 
 def _final_checks(soak: Any, audit: AuditResult) -> Dict[str, Any]:
@@ -34,8 +35,9 @@ def _final_checks(soak: Any, audit: AuditResult) -> Dict[str, Any]:
     return {"left": len(left), "left_verified": ok, "problems": problems}
 
 
-def summary(args: Any, soak: Any, audit: AuditResult, skipped: Dict[str, str], elapsed: float) -> Dict[str, Any]:
-    """Everything the table shows, plus every fault and violation."""
+def summary(args: Any, soak: Any, audit: AuditResult, skipped: Dict[str, str], elapsed: float,
+            goodput: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Everything the table shows, plus every fault and violation; ``goodput`` is ``status --json``'s."""
     done = [f for f in soak.faults if not f.skipped]
     by_kind: Dict[str, Dict[str, Any]] = {}
     groups: Dict[str, List[Any]] = defaultdict(list)
@@ -59,6 +61,7 @@ def summary(args: Any, soak: Any, audit: AuditResult, skipped: Dict[str, str], e
         violations.append("no checkpoint was committed")
     return {
         "seed": args.seed, "minutes": args.minutes, "elapsed_s": round(elapsed, 1), "nodes": args.nodes,
+        "etcd_members": getattr(args, "etcd_members", 1),
         "faults_total": len(done), "faults_needing_recovery": len(done), "recoveries": len(ttrs),
         "median_ttr_s": round(statistics.median(ttrs), 2) if ttrs else None,
         "worst_ttr_s": round(max(ttrs), 2) if ttrs else None,
@@ -70,6 +73,7 @@ def summary(args: Any, soak: Any, audit: AuditResult, skipped: Dict[str, str], e
                         "left_at_end": final["left"], "left_verified": final["left_verified"]},
         "samples": {"checked": audit.samples_checked, "epochs": audit.epochs_checked, "seen_twice": audit.samples_twice,
                     "skipped": audit.samples_skipped},
+        "goodput": goodput or {"error": "not read"},
         "faults": [f.to_json() for f in soak.faults],
         "violations": violations, "forced_restarts": soak.forced_restarts,
         "ok": not violations and not soak.aborted,
@@ -89,7 +93,8 @@ def render(res: Dict[str, Any], say: Callable[[str], None]) -> None:
                  _s(res["worst_ttr_s"]), ""])
     st, ck, sm = res["steps"], res["checkpoints"], res["samples"]
     facts = [
-        ("run", f"seed {res['seed']}, {res['minutes']:g} min of faults, {res['elapsed_s']:.0f} s in all"),
+        ("run", f"seed {res['seed']}, {res['minutes']:g} min of faults, {res['elapsed_s']:.0f} s in all, "
+                f"{res['etcd_members']} etcd member(s)"),
         ("steps", f"{st['final']} trained, {st['executed']} executed, {st['lost_to_rollbacks']} lost to rollbacks, "
                   f"{st['generations']} worker generations"),
         ("checkpoints", f"{ck['committed']} committed, {ck['verified']} verified right after commit "
@@ -98,6 +103,7 @@ def render(res: Dict[str, Any], say: Callable[[str], None]) -> None:
                         f"at the end verify"),
         ("samples", f"{sm['checked']} audited over {sm['epochs']} epochs: {sm['seen_twice']} seen twice, "
                     f"{sm['skipped']} skipped"),
+        ("goodput", goodput_text(res["goodput"])),
         ("violations", f"{len(res['violations'])} ({res['forced_restarts']} hangs ended by killing every agent, "
                        f"--keep-going)" if res["forced_restarts"] else str(len(res["violations"]))),
     ]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -15,37 +14,12 @@ from elasticrun.store.server import EtcdServer
 from .audit import Gen, gen_of
 from .env import AgentProc, Launcher, NetNs, Tmpfs, kill_tree
 from .faults import Fault, Kind, Recovery
+from .members import Members
+from .tail import Tail
 
 NODE_SLOTS = 4
-
-
-class Tail:
-    """Reads the workers' audit logs incrementally (complete lines only)."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self.offsets: Dict[str, int] = {}
-        self.records: List[dict] = []
-
-    def poll(self) -> List[dict]:
-        new: List[dict] = []
-        for name in sorted(os.listdir(self.directory)):
-            if not name.endswith(".jsonl"):
-                continue
-            path = self.directory / name
-            with open(path, "rb") as f:
-                f.seek(self.offsets.get(name, 0))
-                data = f.read()
-            end = data.rfind(b"\n") + 1
-            self.offsets[name] = self.offsets.get(name, 0) + end
-            for line in data[:end].splitlines():
-                try:
-                    new.append(json.loads(line))
-                except ValueError:
-                    continue
-        new.sort(key=lambda r: r["t"])
-        self.records.extend(new)
-        return new
+# what an agent's log shows when --hang-timeout stops a round: the failure line, the workers' stack dumps
+HANG_MARKS = ("no progress for", "(most recent call first)")
 
 
 @dataclass
@@ -53,7 +27,7 @@ class Soak:
     """State of one soak run; ``violations`` collects every broken invariant."""
 
     launcher: Launcher
-    etcd: EtcdServer
+    etcd: Optional[EtcdServer]  # the one member (None with --etcd-members 3: ``members``)
     tmpfs: Optional[Tmpfs]
     netns: Optional[NetNs]
     ckpt_root: Path
@@ -72,6 +46,9 @@ class Soak:
     finishing: bool = False
     keep_going: bool = False
     forced_restarts: int = 0
+    hang_file: Optional[Path] = None  # the workers' $CHAOS_HANG_FILE (the hang fault writes a PID there)
+    members: Optional[Members] = None  # the 3-member cluster of --etcd-members 3
+    shm_file: Optional[Path] = None  # the workers' $CHAOS_SHM_FULL_FILE (the shm_full fault writes a node id)
     _scan_from: int = 0
     gen_started: Dict[Gen, float] = field(default_factory=dict)  # first audit line of each generation
     _t0: float = 0.0
@@ -202,12 +179,20 @@ class Soak:
                 f.target = f"agent slot{agent.slot}.{agent.incarnation} (SIGTERM: all 4 slots were running)"
                 agent.expected_exit = True
                 _signal(agent.pid, signal.SIGTERM)
+        elif f.kind in (Kind.MEMBER_LOSS, Kind.LEADER_LOSS):
+            assert self.members is not None
+            steps0 = self._count("step")
+            self.members.lose(f, self.sleep, lambda: f.notes.append(
+                f"{self._count('step') - steps0} rank-steps trained while it was down"))
+            if f.skipped:
+                return
         elif f.kind is Kind.ETCD_RESTART:
+            assert self.etcd is not None
             f.target = f"etcd pid {self.etcd.proc.pid if self.etcd.proc else '?'}"
             self.etcd.stop(remove_data=False)
             self.etcd.start(timeout=60)
         elif f.kind is Kind.ETCD_OUTAGE:
-            assert self.etcd.proc is not None
+            assert self.etcd is not None and self.etcd.proc is not None
             f.target = f"etcd SIGSTOP for {f.duration:.1f}s"
             _signal(self.etcd.proc.pid, signal.SIGSTOP)
             try:
@@ -229,8 +214,38 @@ class Soak:
                 self.sleep(f.duration)
             finally:
                 self.netns.partition(False)
+        elif f.kind is Kind.HANG:
+            assert self.hang_file is not None
+            procs = self._current_workers()
+            if not procs:
+                f.skipped = "no live worker"
+                return
+            pid, node = pick(procs)
+            caught0 = self._hang_reports()
+            f.target = f"worker pid {pid} of {node} sleeps at its next step"
+            _write(self.hang_file, str(pid))
+        elif f.kind is Kind.SHM_FULL:
+            assert self.shm_file is not None
+            procs = self._current_workers()
+            if not procs:
+                f.skipped = "no live worker"
+                return
+            pid, node = pick(procs)
+            f.target = f"memory tier of {node} full (cap 1 byte); its worker pid {pid} SIGKILLed to restore"
+            refused0 = self._count("snapshot_failed")
+            _write(self.shm_file, node)
+            _signal(pid, signal.SIGKILL)
+            bit = self.wait("a snapshot to be refused", lambda: self._count("snapshot_failed") > refused0,
+                            f.duration)
+            f.notes.append("a snapshot was refused" if bit else "no snapshot was attempted while full")
+            self.shm_file.unlink(missing_ok=True)
         f.t_end = time.time()
         ok = self.wait("recovery", lambda: self._recovered(f, gen0, saves0), self.deadline_s)
+        if f.kind is Kind.HANG and self.hang_file is not None:
+            self.hang_file.unlink(missing_ok=True)
+            if f.recovered_at is not None and self._hang_reports() <= caught0:
+                self.violations.append(f"hang ({f.target}) at +{f.t_start - self.t0:.0f}s: the round restarted "
+                                       "but no agent reported it hung (--hang-timeout did not fire)")
         if not ok:
             self.hang(f"{f.kind.value} ({f.target}) at +{f.t_start - self.t0:.0f}s: no "
                       f"{f.recovery.value} within {self.deadline_s:.0f}s of the fault's end (hang)")
@@ -278,8 +293,22 @@ class Soak:
                 out.append((int(r["pid"]), str(r["node"])))
         return sorted(set(out))
 
+    def _hang_reports(self) -> int:
+        """How many times the agents' logs say a round was stopped as hung (so far)."""
+        n = 0
+        for a in self.launcher.agents:
+            try:
+                text = a.log_path.read_text(errors="replace")
+            except OSError:
+                continue
+            n += sum(text.count(m) for m in HANG_MARKS)
+        return n
+
     def _save_failures(self) -> int:
-        return sum(1 for r in self.tail.records if r["ev"] == "save_failed")
+        return self._count("save_failed")
+
+    def _count(self, event: str) -> int:
+        return sum(1 for r in self.tail.records if r["ev"] == event)
 
     def _recovered(self, f: Fault, gen0: Optional[Gen], saves0: int) -> bool:
         if f.recovery is Recovery.CHECKPOINT:
@@ -321,6 +350,13 @@ class Soak:
                                        f"{_last_lines(a.log_path, 3)}")
             a.expected_exit = True
         self.pump()
+
+
+def _write(path: Path, text: str) -> None:
+    """Replace ``path``'s content atomically (workers poll it)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _signal(pid: int, sig: int) -> None:

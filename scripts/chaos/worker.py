@@ -7,6 +7,12 @@ by patching the names the example looks up at call time:
   epoch, this rank's sample indices of the step, the sampler position after it, the round and restart
   count (the worker generation), rank, world size and wall-clock time;
 - ``resume`` (which checkpoint ``load_latest`` returned), ``save``/``save_failed`` lines;
+- a worker whose PID is written in ``$CHAOS_HANG_FILE`` stops making progress without dying: it
+  sleeps forever right after its next step (the ``hang`` fault; the agents' ``--hang-timeout`` must
+  notice and restart the round);
+- while ``$CHAOS_SHM_FULL_FILE`` names this node, ``ELASTICRUN_SNAPSHOT_MEMORY`` is lowered to 1 byte
+  in this worker (the memory tier is full: every snapshot and memory restore must be refused there
+  and training go on); ``snapshot``/``snapshot_failed`` lines record what the memory tier did;
 - ``--steps`` becomes the number in ``$CHAOS_STOP_FILE`` once that file exists, so the soak can end
   the job cleanly at a step every rank agrees on (the file is written once, ahead of every rank).
 
@@ -27,6 +33,7 @@ from typing import Any, Dict, List, Optional
 
 import elasticrun.checkpoint as ckpt_pkg
 import elasticrun.train as et
+from elasticrun.job import env as env_names
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train.py"
 
@@ -74,15 +81,67 @@ class AuditedSampler(et.ElasticDistributedSampler):
         if AUDIT is not None:
             AUDIT.step += 1
             AUDIT.write("step", step=AUDIT.step, epoch=self.epoch, idx=[int(i) for i in taken], after=after)
+        _hang_if_told()
+        _shm_full_if_told()
         return after
 
 
+_SHM_CAP = os.environ.get(env_names.SNAPSHOT_MEMORY)
+
+
+def _shm_full_if_told() -> None:
+    """Lower this worker's memory-tier cap to 1 byte while ``$CHAOS_SHM_FULL_FILE`` names its node."""
+    path = os.environ.get("CHAOS_SHM_FULL_FILE")
+    node = os.environ.get("ELASTICRUN_NODE_ID", "")
+    try:
+        full = bool(path) and Path(str(path)).read_text().strip() == node
+    except OSError:
+        full = False
+    if full:
+        os.environ[env_names.SNAPSHOT_MEMORY] = "1"
+    elif _SHM_CAP is None:
+        os.environ.pop(env_names.SNAPSHOT_MEMORY, None)
+    else:
+        os.environ[env_names.SNAPSHOT_MEMORY] = _SHM_CAP
+
+
+def _snapshot(self: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        out = _ORIG_SNAPSHOT(self, *args, **kwargs)
+    except BaseException as err:
+        if AUDIT is not None:
+            AUDIT.write("snapshot_failed", step=AUDIT.step, error=f"{type(err).__name__}: {err}"[:300])
+        raise
+    if AUDIT is not None:
+        AUDIT.write("snapshot", step=AUDIT.step)
+    return out
+
+
+def _hang_if_told() -> None:
+    """Sleep forever (alive, no progress) once ``$CHAOS_HANG_FILE`` names this process."""
+    path = os.environ.get("CHAOS_HANG_FILE")
+    if not path or not os.path.exists(path):
+        return
+    try:
+        target = Path(path).read_text().strip()
+    except OSError:
+        return
+    if target != str(os.getpid()):
+        return
+    if AUDIT is not None:
+        AUDIT.write("hang", step=AUDIT.step)
+    while True:  # the agent's hang detection ends this (stacks dump, then the round is stopped)
+        time.sleep(3600)
+
+
 def _load_latest(*args: Any, **kwargs: Any) -> Any:
+    _shm_full_if_told()
     ckpt = _ORIG_LOAD_LATEST(*args, **kwargs)
     if AUDIT is not None:
         step = ckpt.training_state.step if (ckpt is not None and ckpt.training_state) else 0
         AUDIT.step = step
-        AUDIT.write("resume", name=None if ckpt is None else ckpt.name, step=step)
+        AUDIT.write("resume", name=None if ckpt is None else ckpt.name, step=step,
+                    tier=getattr(ckpt, "tier", None) if ckpt is not None else None)
     return ckpt
 
 
@@ -121,6 +180,7 @@ class StopArgs(argparse.Namespace):
 
 _ORIG_LOAD_LATEST = et.load_latest
 _ORIG_SAVE = ckpt_pkg.save
+_ORIG_SNAPSHOT = ckpt_pkg.Snapshotter.snapshot
 
 
 def main() -> int:
@@ -136,6 +196,7 @@ def main() -> int:
     et.ElasticDistributedSampler = AuditedSampler  # type: ignore[misc]
     et.load_latest = _load_latest  # type: ignore[assignment]
     ckpt_pkg.save = _save  # type: ignore[attr-defined]
+    ckpt_pkg.Snapshotter.snapshot = _snapshot  # type: ignore[method-assign]
     orig_parse = example.parse_args
 
     def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:

@@ -1,8 +1,10 @@
 """Test helpers shared by several test modules (import as ``helpers.<module>``; tests/ is on sys.path).
 
-- ``helpers.procs``: condition waits with deadlines, agents as real processes (re-exported by conftest);
-- ``helpers.launch``: launcher-test helpers (``launch_helpers`` is its old name, kept importable);
-- ``helpers.ckpt``: checkpoint-test helpers (``ckpt_helpers`` is its old name, kept importable);
+- ``helpers.procs``: condition waits with deadlines, agents as real processes;
+- ``helpers.launch``: launcher-test helpers;
+- ``helpers.ckpt``: checkpoint-test helpers;
+- ``helpers.elastic``: real elastic jobs of ``tests/scripts/train_loop.py`` (agent lines, step log, pids);
+- ``helpers.rdzv``: the rendezvous protocol driven on the in-memory store;
 - ``helpers.tls``: certificates made with ``cryptography`` and a secured etcd (TLS, auth, job users);
 - ``helpers.fake_store``: an in-memory stand-in for the etcd client, for protocol unit tests.
 """

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 REPO = Path(__file__).resolve().parent.parent.parent
-WORKER = Path(__file__).resolve().parent.parent / "ckpt_dist_worker.py"
+WORKER = Path(__file__).resolve().parent.parent / "scripts" / "ckpt_dist_worker.py"
 
 
 def child_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:

@@ -1,4 +1,4 @@
-"""Helpers for the launcher tests (tests/test_launch_*.py, tests/test_cli_run.py); ``launch_helpers`` re-exports."""
+"""Helpers for the launcher tests (tests/test_launch_*.py, tests/test_cli_run.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Processes in tests: condition waits with deadlines, agents as real processes, their environment.
 
-``conftest`` re-exports these (tests import them from there or from ``helpers.procs``).
+Tests import them from ``helpers.procs``.
 """
 
 from __future__ import annotations

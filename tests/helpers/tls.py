@@ -16,7 +16,7 @@ from cryptography.x509.oid import NameOID
 
 from elasticrun.job.settings import EtcdSettings
 from elasticrun.store.admin import add_job_user, enable_auth
-from elasticrun.store.server import EtcdServer, HealthTLS, ServerTLS
+from elasticrun.store.server import EtcdCluster, EtcdServer, HealthTLS, ServerTLS
 
 ROOT_PASSWORD = "root-Secret-7f3a"
 
@@ -92,12 +92,14 @@ class SecureEtcd:
     server: EtcdServer
     certs: Certs
     passwords: Dict[str, str] = field(default_factory=dict)
+    endpoints: str = ""  # every member's endpoint, for a cluster (default: the server's)
 
     def settings(self, user: str = "", password_file: str = "", client: str = "elasticrun-client") -> EtcdSettings:
         """Connection settings for ``user`` (its password from ``password_file`` when given)."""
         crt, key = self.certs.client(client)
         return EtcdSettings(
-            self.server.endpoint, ca_cert=str(self.certs.ca), cert=str(crt), key=str(key), user=user or None,
+            self.endpoints or self.server.endpoint, ca_cert=str(self.certs.ca), cert=str(crt), key=str(key),
+            user=user or None,
             password=None if password_file or not user else self.passwords[user],
             password_file=password_file or None, retry_timeout=10.0,
         )
@@ -132,4 +134,22 @@ def start_secure_etcd(dir: Path, token_ttl: int) -> SecureEtcd:
     return secure
 
 
-__all__ = ["Certs", "ROOT_PASSWORD", "SecureEtcd", "start_secure_etcd"]
+def start_secure_cluster(dir: Path, size: int = 3) -> Tuple[EtcdCluster, SecureEtcd]:
+    """A ``size``-member etcd cluster with TLS (client certificates required) and authentication on."""
+    certs = Certs(dir)
+    crt, key = certs.server
+    admin_crt, admin_key = certs.client("elasticrun-client")
+    cluster = EtcdCluster(size, tls=ServerTLS(str(crt), str(key), client_ca=str(certs.ca)),
+                          health_tls=HealthTLS(str(certs.ca), str(admin_crt), str(admin_key))).start()
+    secure = SecureEtcd(next(iter(cluster.members.values())), certs, {"root": ROOT_PASSWORD},
+                        endpoints=cluster.endpoints)
+    try:
+        with secure.settings().connect() as store:
+            enable_auth(store, ROOT_PASSWORD)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster, secure
+
+
+__all__ = ["Certs", "ROOT_PASSWORD", "SecureEtcd", "start_secure_cluster", "start_secure_etcd"]

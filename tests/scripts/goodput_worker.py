@@ -1,4 +1,4 @@
-"""A worker with a known timeline, for the goodput ground-truth test (tests/test_goodput_run.py).
+"""A worker with a known timeline, for the goodput ground-truth test (tests/test_launch_goodput_run.py).
 
 ``goodput_worker.py OUT STEPS STEP_S CKPT_EVERY STALL_S CRASH_AT``: one worker per job (rank 0).
 Each step sleeps STEP_S; every CKPT_EVERY steps a "checkpoint" (a file with the step) blocks

@@ -1,0 +1,185 @@
+#!/usr/bin/env python
+"""Does a scrape storm on the agent's /metrics slow training? Step rate with and without one.
+
+    python scripts/bench/bench_metrics.py                                  # 3 pairs, 200 steps, 50 scrapers
+    python scripts/bench/bench_metrics.py --runs 1 --steps 60 --threads 10 # a small version (~1 min)
+    python scripts/bench/bench_metrics.py --interval 1                     # 50 scrapes/s (Prometheus: 1 per 15 s)
+    python scripts/bench/bench_metrics.py --json /tmp/bench_metrics.json
+
+Each run is a real job: ``elasticrun --standalone --nproc-per-node N --metrics-port P``
+running ``examples/train.py`` (gloo, CPU) with ``--metrics-log``; the step rate is taken from
+rank 0's per-step times, from step ``--skip`` on (start-up excluded): the median step time
+(robust to the machine's other load) and the mean rate. Runs alternate quiet /
+storm so that drifting machine load hits both alike. The storm: ``--threads`` threads, each
+scraping /metrics back to back (or every ``--interval`` s) for the whole run; scrape count,
+errors, latency percentiles and the agent's CPU seconds are reported. On a machine with fewer
+cores than workers + scrapers, a back-to-back storm measures CPU contention (the scrapers
+themselves eat the cores); ``--interval`` isolates the endpoint's own cost. A run on a shared
+2-core machine measures the machine too: compare the medians, and rerun on a quiet one to publish.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Dict, List
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Storm:
+    """``threads`` scrapers hitting ``http://127.0.0.1:port/metrics`` until stopped."""
+
+    def __init__(self, port: int, threads: int, interval: float) -> None:
+        self.interval = interval
+        self.last_error = ""
+        self.url = f"http://127.0.0.1:{port}/metrics"
+        self.stop = threading.Event()
+        self.latencies: List[float] = []
+        self.errors: List[float] = []  # times of failed scrapes after the first success
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            t0 = time.perf_counter()
+            try:
+                with urllib.request.urlopen(self.url, timeout=10) as resp:
+                    ok = resp.status == 200 and b"elasticrun_world_size" in resp.read()
+            except OSError as err:
+                ok = False
+                self.last_error = repr(err)
+            with self.lock:
+                if ok:
+                    self.latencies.append(time.perf_counter() - t0)
+                elif self.latencies:  # refused before the server is up: not an error
+                    self.errors.append(time.time())
+            if not ok:
+                time.sleep(0.05)  # the server is not up yet (or gone): do not spin
+            elif self.interval:
+                self.stop.wait(self.interval)
+
+    def __enter__(self) -> Storm:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(15)
+
+
+def one_run(args: argparse.Namespace, storm: bool, workdir: Path, index: int) -> Dict[str, Any]:
+    port = _free_port()
+    log = workdir / f"steps-{index}.jsonl"
+    cmd = [sys.executable, "-m", "elasticrun", "--standalone", "--nproc-per-node", str(args.nproc), "-q",
+           "--metrics-port", str(port), str(ROOT / "examples" / "train.py"), "--steps", str(args.steps),
+           "--no-checkpoint", "--metrics-log", str(log), "--dataset-size", "100000"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    scrapes: Dict[str, Any] = {}
+    errors: List[float] = []
+    last_error = ""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if storm:
+        scraper_cpu = time.process_time()
+        with Storm(port, args.threads, args.interval) as s:
+            cpu = _wait_cpu(proc, args.timeout)
+        scrapes["scraper_cpu_s"] = round(time.process_time() - scraper_cpu, 2)  # this process: the scrapers
+        lat = sorted(s.latencies)
+        errors, last_error = s.errors, s.last_error
+        scrapes = {**scrapes, "scrapes": len(lat), "p50_ms": round(1000 * lat[len(lat) // 2], 2) if lat else None,
+                   "p99_ms": round(1000 * lat[int(len(lat) * 0.99)], 2) if lat else None}
+    else:
+        cpu = _wait_cpu(proc, args.timeout)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench_metrics: run {index} failed (exit {proc.returncode}): {proc.stderr.read()[-2000:]}")
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    if storm:  # failed scrapes while the job trained (the agent's server closes just before it exits)
+        scrapes["errors"] = sum(1 for t in errors if t <= rows[-1]["time"])
+        if scrapes["errors"]:
+            scrapes["last_error"] = last_error
+    rows = [r for r in rows if r["step"] >= args.skip]
+    gaps = sorted(b["time"] - a["time"] for a, b in zip(rows, rows[1:]))
+    rate = (rows[-1]["step"] - rows[0]["step"]) / (rows[-1]["time"] - rows[0]["time"])
+    return {"storm": storm, "steps_per_s": round(rate, 3), "median_step_ms": round(1000 * gaps[len(gaps) // 2], 3),
+            "agent_cpu_s": cpu, **scrapes}
+
+
+def _wait_cpu(proc: subprocess.Popen, timeout: float) -> float:
+    """Wait for the agent; its own CPU seconds (user + system, sampled until just before it exits)."""
+    import psutil
+
+    agent = psutil.Process(proc.pid)
+    cpu = 0.0
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            t = agent.cpu_times()
+            cpu = t.user + t.system
+        except psutil.Error:
+            break
+        time.sleep(0.1)
+    proc.wait(max(1.0, deadline - time.monotonic()))
+    return round(cpu, 2)
+
+def _rows(quiet: float, stormy: float, args: argparse.Namespace, command: str) -> List[Dict[str, Any]]:
+    """The ``"summary"`` rows (scripts/perf/perf_report.py's shape): step time with a storm vs without."""
+    how = f"every {args.interval:g} s" if args.interval else "back to back"
+    return [{"metric": f"median step time, {args.nproc} workers, {args.threads} scrapers {how}",
+             "elasticrun": stormy, "alternative": "no scrapes", "alt_value": quiet, "unit": "ms",
+             "better": "lower", "ratio": round(stormy / quiet, 3) if quiet else None, "device": "cpu",
+             "command": command}]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=3, help="pairs of runs (quiet, storm)")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--skip", type=int, default=10, help="steps excluded at the start of each run")
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=50, help="concurrent scrapers during a storm run")
+    ap.add_argument("--interval", type=float, default=0.0,
+                    help="seconds each scraper waits between scrapes (0: back to back, the worst case)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
+    ap.add_argument("--json", default="", help="write the results to this file")
+    args = ap.parse_args()
+    results: List[Dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench-metrics-") as tmp:
+        for _ in range(args.runs):
+            for storm in (False, True):
+                r = one_run(args, storm, Path(tmp), len(results))
+                results.append(r)
+                print(json.dumps(r), flush=True)
+    quiet = statistics.median(r["median_step_ms"] for r in results if not r["storm"])
+    stormy = statistics.median(r["median_step_ms"] for r in results if r["storm"])
+    summary = {"summary": _rows(quiet, stormy, args, " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])),
+               "quiet_median_step_ms": quiet, "storm_median_step_ms": stormy,
+               "slowdown_pct": round(100 * (stormy / quiet - 1), 1), "threads": args.threads,
+               "interval": args.interval, "nproc": args.nproc, "steps": args.steps, "runs": results,
+               "scrape_errors": sum(r.get("errors", 0) for r in results)}
+    print(f"median step: {quiet:.2f} ms without, {stormy:.2f} ms with {args.threads} scrapers "
+          f"({summary['slowdown_pct']:+.1f}%); scrapes {sum(r.get('scrapes', 0) for r in results)}, "
+          f"errors while training {summary['scrape_errors']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""Child process of ``bench_rendezvous.py``: a shard of simulated agents, driven over stdin.
+
+Each simulated agent is a thread that runs the real protocol
+(:class:`elasticrun.rendezvous.protocol.Rendezvous`: view + watch, lease and keep-alive,
+``ensure_config``, ``register``, ``next_round``) and, while it holds a round, the agent's round
+loop without workers (publish Active, ``round_change``, ``maybe_scale_up``, wait for the view).
+
+Commands (one line each; every command but ``go`` answers one JSON line):
+
+- ``go``: the agents start;
+- ``wait R T``: wait up to T s until every live agent here holds round R or later; answers the
+  time each agent got it and the counters of the phase (CPU, watch events, loop turns, etcd
+  requests, records parsed); the counters start again from zero;
+- ``kill I``: agent I (if it is ours) dies like a SIGKILLed node: its thread stops and its
+  lease is no longer refreshed (etcd expires it after the heartbeat timeout);
+- ``join I``: start agent I here (a node joining the running job);
+- ``leave``: every agent leaves (revokes its lease); the process exits.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import faulthandler
+import json
+import marshal
+import os
+import pstats
+import signal
+import sys
+import threading
+import time
+from typing import Any, Dict, List, Optional
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+COUNTERS = ("watch_events", "loop_turns", "etcd_requests", "keepalives", "node_parses", "topology_parses",
+            "cas_won", "cas_lost")
+
+
+class Profiler:
+    """cProfile of every thread of this process (``--profile DIR``), merged and dumped per phase."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self.profiles: List[cProfile.Profile] = []
+        self.lock = threading.Lock()
+        threading.setprofile(self._start_here)
+        self._start_here()
+
+    def _start_here(self, *_args: Any) -> None:
+        sys.setprofile(None)
+        prof = cProfile.Profile(time.thread_time)  # CPU time: a thread waiting costs nothing
+        with self.lock:
+            self.profiles.append(prof)
+        prof.enable()
+
+    def dump(self, name: str) -> None:
+        merged: Dict[Any, Any] = {}
+        with self.lock:
+            profiles = list(self.profiles)
+        for prof in profiles:
+            prof.snapshot_stats()
+            for func, stat in prof.stats.items():  # type: ignore[attr-defined]
+                merged[func] = pstats.add_func_stats(merged[func], stat) if func in merged else stat
+        path = os.path.join(self.out, f"{name}.prof")
+        with open(path, "wb") as f:
+            marshal.dump(merged, f)
+
+
+class Shard:
+    """The agents of one child process."""
+
+    def __init__(self, endpoint: str, job: str, nodes: int, heartbeat: float, clients: str) -> None:
+        from elasticrun.job.keys import JobKeys
+        from elasticrun.rendezvous import protocol
+        from elasticrun.rendezvous.protocol import RendezvousSettings
+        from elasticrun.store.client import connect
+
+        self.endpoint, self.job, self.nodes, self.clients = endpoint, job, nodes, clients
+        self.lock = threading.Lock()
+        self.counts = dict.fromkeys(COUNTERS, 0)
+        self._count_parses()
+        self.connect = connect
+        self.shared = self._open_store() if clients in ("process", "shared") else None
+        self.shared_view = None
+        if clients == "shared":
+            view = protocol.JobView(self.shared, JobKeys(job))  # one mirror (with the nodes) for all ours
+            view.mirror_nodes = lambda _on: None  # type: ignore[method-assign]
+            protocol.JobView = lambda *_a, **_kw: view  # type: ignore[assignment,misc]
+            self.shared_view = view
+        # min = N - 1: a round re-forms without a lost node; max = N: round 0 forms once all wait.
+        self.settings = RendezvousSettings(
+            job_id=job, min_nodes=max(1, nodes - 1), max_nodes=nodes, max_restarts=0, heartbeat_timeout=heartbeat,
+            stability_window=0.5, rescale_timeout=120, join_timeout=120,
+        )
+        self.held: Dict[int, Dict[int, float]] = {}
+        self.started: set = set()
+        self.rdzv: Dict[int, Any] = {}
+        self.dead: set = set()
+        self.errors: List[str] = []
+        self.go = threading.Event()
+        self.cpu0 = time.process_time()
+
+    # -- counting ---------------------------------------------------------------------------
+
+    def _bump(self, name: str, n: int = 1) -> None:
+        with self.lock:
+            self.counts[name] += n
+
+    def _count_parses(self) -> None:
+        from elasticrun.rendezvous import protocol
+
+        view_mod = sys.modules[protocol.JobView.__module__]
+        real_events = protocol.JobView._on_events
+
+        def on_events(view: Any, events: Any, *args: Any) -> None:
+            self._bump("watch_events", len(events))
+            real_events(view, events, *args)
+
+        protocol.JobView._on_events = on_events  # type: ignore[method-assign]
+        for name, counter in (("parse_node", "node_parses"), ("parse_topology", "topology_parses")):
+            real = getattr(view_mod, name)
+
+            def counted(value: Any, _real: Any = real, _counter: str = counter) -> Any:
+                self._bump(_counter)
+                return _real(value)
+
+            setattr(view_mod, name, counted)
+        real_beat = protocol.Rendezvous.beat
+
+        def beat(rdzv: Any, busy_for: float = 0.0) -> None:
+            self._bump("loop_turns")
+            real_beat(rdzv, busy_for)
+
+        protocol.Rendezvous.beat = beat  # type: ignore[method-assign]
+
+    def _open_store(self) -> Any:
+        store = self.connect(self.endpoint, retry_timeout=60)
+        real_call, real_refresh, real_txn = store._call, store.refresh_lease, store.txn_put_many
+
+        def call(what: str, fn: Any) -> Any:
+            self._bump("etcd_requests")
+            return real_call(what, fn)
+
+        def refresh(lease_id: int) -> int:
+            self._bump("keepalives")
+            return real_refresh(lease_id)
+
+        def txn(guard: Any, puts: Any) -> bool:
+            ok = real_txn(guard, puts)
+            self._bump("cas_won" if ok else "cas_lost")
+            return ok
+
+        store._call, store.refresh_lease, store.txn_put_many = call, refresh, txn
+        return store
+
+    # -- agents -----------------------------------------------------------------------------
+
+    def start(self, i: int) -> None:
+        self.started.add(i)
+        threading.Thread(target=self._agent, args=(i,), name=f"sim{i}", daemon=True).start()
+
+    def _agent(self, i: int) -> None:
+        from elasticrun.rendezvous.protocol import Rendezvous
+        from elasticrun.rendezvous.records import NodeInfo, WorkerStatus
+
+        self.go.wait()
+        try:
+            info = NodeInfo(node_id=f"sim{i:05d}", host="sim", addr="127.0.0.1", nproc=1, pid=os.getpid())
+            store = self.shared or self._open_store()
+            rdzv = Rendezvous(store, self.settings, info, host_store=lambda: 20000 + i % 40000,
+                              on_progress=lambda _m: None)
+            with self.lock:
+                self.rdzv[i] = rdzv
+                self.held[i] = {}
+            rdzv.ensure_config({"nnodes": f"{self.settings.min_nodes}:{self.nodes}", "bench": True})
+            rdzv.register()
+            while i not in self.dead:
+                topo = rdzv.next_round()
+                with self.lock:
+                    self.held[i][topo.round] = time.time()
+                rdzv.publish(status=WorkerStatus.ACTIVE, waiting_for=-1)
+                version = view_version(rdzv)
+                while i not in self.dead:  # the agent's round loop, without workers
+                    rdzv.beat()
+                    if rdzv.round_change(topo) is not None:
+                        break
+                    due = rdzv.maybe_scale_up(topo)
+                    version = wait_view(rdzv, version, 0.5 if due is None else min(0.5, max(0.01, due)))
+        except Exception as err:  # noqa: BLE001 - reported to the parent
+            if i not in self.dead:
+                with self.lock:
+                    self.errors.append(f"agent {i}: {err!r}")
+
+    def kill(self, i: int) -> bool:
+        with self.lock:
+            rdzv = self.rdzv.get(i)
+            if rdzv is None:
+                return False
+            self.dead.add(i)
+        if rdzv.lease is not None:
+            rdzv.lease.stop()  # no revoke: etcd expires the lease after the TTL, as for a SIGKILL
+        return True
+
+    def wait(self, target: int, timeout: float) -> Dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                live = self.started - self.dead
+                if all(max(self.held.get(i, {}), default=-1) >= target for i in live):
+                    break
+                if self.errors:
+                    break
+            time.sleep(0.05)
+        with self.lock:
+            held = {i: min((t for r, t in h.items() if r >= target), default=None)
+                    for i, h in self.held.items() if i not in self.dead}
+            counts, self.counts = self.counts, dict.fromkeys(COUNTERS, 0)
+            errors = list(self.errors[:5])
+        cpu = time.process_time()
+        out = {"held": held, "errors": errors, "cpu_s": cpu - self.cpu0, **counts}
+        self.cpu0 = cpu
+        return out
+
+    def leave(self) -> None:
+        for i, rdzv in list(self.rdzv.items()):
+            if i not in self.dead:
+                try:
+                    rdzv.leave()
+                except Exception:  # noqa: BLE001 - leaving at the end of the bench
+                    pass
+
+
+def view_version(rdzv: Any) -> int:
+    """``rdzv.view_version()``; the view's version on revisions before it (to bench them too)."""
+    return rdzv.view_version() if hasattr(rdzv, "view_version") else rdzv.view.version
+
+
+def wait_view(rdzv: Any, version: int, timeout: float) -> int:
+    """``rdzv.wait_view()``, as the agent's round loop waits; the view's on older revisions."""
+    if hasattr(rdzv, "wait_view"):
+        return int(rdzv.wait_view(version, timeout))
+    return int(rdzv.view.wait_change(version, timeout))
+
+
+def main(argv: List[str]) -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: where every thread is
+    endpoint, job, nodes, first, count, heartbeat, clients = argv[:7]
+    profile: Optional[Profiler] = Profiler(argv[7]) if len(argv) > 7 and argv[7] else None
+    shard = Shard(endpoint, job, int(nodes), float(heartbeat), clients)
+    for i in range(int(first), int(first) + int(count)):
+        shard.start(i)
+    print("ready", flush=True)
+    phase = 0
+    for line in sys.stdin:
+        cmd, *args = line.split()
+        if cmd == "go":
+            shard.cpu0 = time.process_time()
+            shard.go.set()
+            continue
+        if cmd == "wait":
+            reply: Dict[str, Any] = shard.wait(int(args[0]), float(args[1]))
+            if profile is not None:
+                profile.dump(f"phase{phase}-{first}")
+            phase += 1
+        elif cmd == "kill":
+            reply = {"killed": shard.kill(int(args[0]))}
+        elif cmd == "join":
+            shard.start(int(args[0]))
+            reply = {"joined": True}
+        else:
+            shard.leave()
+            print(json.dumps({"left": True}), flush=True)
+            return
+        print(json.dumps(reply), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,195 @@
+"""Draw deploy/grafana/elasticrun.json's panels from scrapes of a real run (no Grafana needed).
+
+    python scripts/perf/plot_dashboard.py scrapes.jsonl -o docs/img/observability.png
+
+Input: ``scripts/perf/scrape_metrics.py``'s file. Each panel's PromQL (in the dashboard and
+docs/observability.md) is evaluated here by hand over the scrapes: sums and maxima across the
+agents at each scrape time, ``rate``/``deriv`` as differences over ``--window`` seconds, and
+``histogram_quantile`` by Prometheus's linear interpolation within the bucket. Needs matplotlib.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+Series = Dict[str, List[Tuple[float, float]]]
+
+
+def read_scrapes(path: Path) -> List[Dict[str, Any]]:
+    """The scrapes, in time order; SystemExit with one line for a file that is not scrape_metrics.py's."""
+    rows = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            rec = json.loads(line)
+            rows.append({"time": float(rec["time"]), "target": rec["target"], "samples": rec["samples"]})
+        except (ValueError, KeyError, TypeError):
+            raise SystemExit(f"plot_dashboard: {path}:{n} is not a scrape (give scrape_metrics.py's file)") from None
+    if not rows:
+        raise SystemExit(f"plot_dashboard: {path} holds no scrapes")
+    return sorted(rows, key=lambda r: r["time"])
+
+
+def values(scrapes: List[Dict[str, Any]], name: str, by: str = "", match: Optional[Dict[str, str]] = None,
+           how: str = "max") -> Series:
+    """``how by (by) (name{match})`` at each scrape time, over the latest scrape of every target."""
+    latest: Dict[str, Dict[str, float]] = {}
+    out: Series = defaultdict(list)
+    for s in scrapes:
+        picked: Dict[str, float] = defaultdict(float) if how == "sum" else {}
+        for sample_name, labels, value in s["samples"]:
+            if sample_name == name and all(labels.get(k) == v for k, v in (match or {}).items()):
+                key = labels.get(by, "") if by else ""
+                picked[key] = picked[key] + value if how == "sum" else value
+        latest[s["target"]] = dict(picked)
+        merged: Dict[str, float] = {}
+        for per_target in latest.values():
+            for key, v in per_target.items():
+                merged[key] = merged.get(key, 0.0) + v if how == "sum" else max(merged.get(key, -math.inf), v)
+        for key, v in merged.items():
+            out[key].append((s["time"], v))
+    return dict(out)
+
+
+def rate(series: Series, window: float) -> Series:
+    """Per-second change over ``window`` seconds (rate of a counter, deriv of a gauge)."""
+    out: Series = {}
+    for key, pts in series.items():
+        res, j = [], 0
+        for t, v in pts:
+            while pts[j][0] < t - window:
+                j += 1
+            t0, v0 = pts[j]
+            if t > t0:
+                res.append((t, (v - v0) / (t - t0)))
+        out[key] = res
+    return out
+
+
+def quantile(q: float, buckets: Dict[str, float]) -> float:
+    """Prometheus's histogram_quantile over cumulative bucket counts keyed by ``le``."""
+    bounds = sorted(((float(le), c) for le, c in buckets.items()), key=lambda bc: bc[0])
+    total = bounds[-1][1] if bounds else 0.0
+    if total <= 0:
+        return math.nan
+    rank, prev_le, prev_c = q * total, 0.0, 0.0
+    for le, c in bounds:
+        if c >= rank:
+            if math.isinf(le):
+                return prev_le
+            return prev_le + (le - prev_le) * (rank - prev_c) / (c - prev_c) if c > prev_c else le
+        prev_le, prev_c = le, c
+    return prev_le
+
+
+def quantiles(scrapes: List[Dict[str, Any]], name: str, q: float, window: float) -> List[Tuple[float, float]]:
+    """``histogram_quantile(q, sum by (le) (rate(name_bucket[window])))`` at each scrape time."""
+    buckets = rate(values(scrapes, name + "_bucket", by="le", how="sum"), window)
+    times = sorted({t for pts in buckets.values() for t, _ in pts})
+    at = {le: dict(pts) for le, pts in buckets.items()}
+    return [(t, quantile(q, {le: at[le].get(t, 0.0) for le in at})) for t in times]
+
+
+def plot(scrapes: List[Dict[str, Any]], out: Path, window: float, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = scrapes[0]["time"]
+    fig, axes = plt.subplots(5, 2, figsize=(13, 15))
+    ax = axes.flat
+
+    def draw(a: Any, series: Series, fmt: str = "{}", **kw: Any) -> None:
+        for key, pts in sorted(series.items()):
+            if pts:
+                a.plot([t - t0 for t, _ in pts], [v for _, v in pts], label=fmt.format(key), **kw)
+
+    def panel(a: Any, name: str, unit: str = "") -> None:
+        a.set_title(name, fontsize=10)
+        a.set_ylabel(unit)
+        a.grid(alpha=0.3)
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=7, loc="best")
+
+    a = next(ax)
+    draw(a, values(scrapes, "elasticrun_world_size"), "world size", drawstyle="steps-post")
+    draw(a, values(scrapes, "elasticrun_nodes"), "nodes", drawstyle="steps-post")
+    draw(a, values(scrapes, "elasticrun_round"), "round", drawstyle="steps-post")
+    panel(a, "World size, nodes and round")
+    a = next(ax)
+    draw(a, values(scrapes, "elasticrun_step"), "step")
+    b = a.twinx()
+    draw(b, rate(values(scrapes, "elasticrun_step"), 60), "steps/s (right)", color="tab:red")
+    b.legend(fontsize=7, loc="lower right")
+    panel(a, "Step and step rate", "step")
+    a = next(ax)
+    good, wall = values(scrapes, "elasticrun_goodput_seconds_total", how="sum")[""], \
+        values(scrapes, "elasticrun_phase_seconds_total", how="sum")[""]
+    a.plot([t - t0 for t, _ in good], [g / w if w else 0 for (_, g), (_, w) in zip(good, wall)], label="job", lw=2)
+    draw(a, values(scrapes, "elasticrun_goodput_ratio", by="node_id"), "node {}")
+    a.set_ylim(0, 1)
+    panel(a, "Goodput ratio")
+    a = next(ax)
+    bad = rate(values(scrapes, "elasticrun_badput_seconds_total", by="cause", how="sum"), window)
+    keys = [k for k in sorted(bad) if any(v > 0 for _, v in bad[k])]
+    if keys:
+        ts = [t - t0 for t, _ in bad[keys[0]]]
+        a.stackplot(ts, *[[v for _, v in bad[k]] for k in keys], labels=keys)
+    panel(a, f"Badput by cause (node-seconds per second, rate over {window:g} s)", "s/s")
+    a = next(ax)
+    final = {k: pts[-1][1] for k, pts in values(scrapes, "elasticrun_badput_seconds_total", by="cause",
+                                                 how="sum").items()}
+    a.barh(list(final), list(final.values()), color="tab:orange")
+    panel(a, "Badput so far by cause", "")
+    a.set_xlabel("node-seconds")
+    a = next(ax)
+    draw(a, values(scrapes, "elasticrun_restarts_total"), "restarts", drawstyle="steps-post")
+    draw(a, values(scrapes, "elasticrun_rescales_total", by="type"), "rescales {}", drawstyle="steps-post")
+    draw(a, values(scrapes, "elasticrun_steps_lost_total"), "steps lost", drawstyle="steps-post")
+    panel(a, "Restarts and rescales")
+    a = next(ax)
+    draw(a, rate(values(scrapes, "elasticrun_badput_seconds_total", by="node_id", how="sum",
+                        match={"cause": "checkpoint_stall"}), window), "stall s/s {}")
+    for hist in ("checkpoint", "snapshot"):
+        pts = quantiles(scrapes, f"elasticrun_{hist}_seconds", 0.9, 300)
+        a.plot([t - t0 for t, _ in pts], [v for _, v in pts], label=f"{hist} p90", ls="--")
+    panel(a, "Checkpoint stalls", "s")
+    a = next(ax)
+    for q in (0.5, 0.99):
+        pts = quantiles(scrapes, "elasticrun_etcd_request_seconds", q, window)
+        a.plot([t - t0 for t, _ in pts], [1000 * v for _, v in pts], label=f"p{int(q * 100)}")
+    panel(a, f"etcd request latency (rate over {window:g} s)", "ms")
+    a = next(ax)
+    lease = values(scrapes, "elasticrun_lease_state", by="node_id", how="sum", match={"state": "held"})
+    draw(a, lease, "{} lease held", drawstyle="steps-post")
+    draw(a, values(scrapes, "elasticrun_leader", by="node_id"), "{} leader", drawstyle="steps-post", ls=":")
+    a.set_ylim(-0.1, 1.1)
+    panel(a, "Lease state and leader")
+    next(ax).axis("off")
+    for a in axes.flat:
+        a.set_xlabel(a.get_xlabel() or "seconds since the first scrape")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("scrapes", type=Path, help="scripts/perf/scrape_metrics.py's output")
+    p.add_argument("-o", "--out", type=Path, default=Path("dashboard.png"))
+    p.add_argument("--window", type=float, default=5.0, help="seconds a rate() looks back")
+    p.add_argument("--title", default="elasticrun dashboard panels, drawn from a real run's scrapes")
+    args = p.parse_args(argv)
+    plot(read_scrapes(args.scrapes), args.out, args.window, args.title)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,145 @@
+"""A real job served metrics throughout a known crash, rollback and stall; its goodput matches the
+ground truth the worker wrote; ``status`` shows it; bad ``--metrics-port`` values get one line."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Callable, Dict, List, Tuple
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from elasticrun.store.server import EtcdServer
+
+from helpers.launch import assert_one_line_error, run_cli
+from helpers.procs import SCRIPTS, Agent, wait_until
+
+STEPS, STEP_S, CKPT_EVERY, STALL_S, CRASH_AT = 40, 0.15, 10, 0.4, 25
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _scrape(port: int) -> Dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    values: Dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name + "".join(f"|{v}" for k, v in sorted(sample.labels.items()) if k in ("cause", "phase"))
+            values[key] = sample.value
+    return values
+
+
+def _truth(path: Path) -> Dict[str, float]:
+    """Ground truth from the worker's own timeline: kept step time, stalls, rollback, steps lost."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    kept = stall = rollback = 0.0
+    prev = 0.0
+    crashed_round = True
+    for r in rows:
+        if r["event"] == "start":
+            crashed_round = r["round"] == 0
+            prev = r["time"]
+        elif r["event"] == "step":
+            lost = crashed_round and r["step"] > CRASH_AT // CKPT_EVERY * CKPT_EVERY
+            if lost:
+                rollback += r["time"] - prev
+            else:
+                kept += r["time"] - prev
+            prev = r["time"]
+        elif r["event"] == "stall":
+            stall += r["time"] - r["start"]
+            prev = r["time"]
+        elif r["event"] == "crashed":
+            rollback += r["time"] - prev  # the time after the last step until the worker died
+    return {"kept": kept, "stall": stall, "rollback": rollback}
+
+
+def test_goodput_of_a_job_with_a_crash_matches_its_ground_truth(
+    tmp_path: Path, agents: Callable[..., Agent], etcd_server: EtcdServer, job_id: str
+) -> None:
+    port = _free_port()
+    events = tmp_path / "events.jsonl"
+    agent = agents(["--nnodes", "1", "--nproc-per-node", "1", "--rdzv-endpoint", etcd_server.endpoint,
+                    "--rdzv-id", job_id, "--max-restarts", "1", "--shutdown-timeout", "2",
+                    "--metrics-port", str(port), "--events-file", str(events),
+                    str(SCRIPTS / "goodput_worker.py"), str(tmp_path),
+                    str(STEPS), str(STEP_S), str(CKPT_EVERY), str(STALL_S), str(CRASH_AT)])
+    scrapes: List[Dict[str, float]] = []
+    errors: List[Tuple[float, BaseException]] = []
+
+    def scraper() -> None:
+        while agent.proc.poll() is None:
+            try:
+                scrapes.append(_scrape(port))
+            except OSError as err:  # before the server is up / after the agent exited
+                if scrapes and agent.proc.poll() is None:
+                    errors.append((time.time(), err))
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=scraper, daemon=True)
+    thread.start()
+    wait_until(lambda: scrapes and scrapes[-1].get("elasticrun_restarts_total") == 1
+               and scrapes[-1].get("elasticrun_step", 0) > CRASH_AT, 120, "the restarted round to pass the crash")
+    status = run_cli(["status", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", job_id, "--json"])
+    assert status.returncode == 0, status.stderr
+    live = json.loads(status.stdout)["goodput"]
+    assert live["nodes"] == 1 and 0 < live["goodput_ratio"] < 1, live
+    assert live["top_badput"][0]["cause"] == "startup" and live["badput_s"]["restart"] > 0, live
+    text = run_cli(["status", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", job_id])
+    assert "goodput " in text.stdout and "badput: " in text.stdout, text.stdout
+    assert agent.wait(120) == 0, agent.output()
+    thread.join(10)
+    rows = [json.loads(line) for line in events.read_text().splitlines()]
+    ended_at = rows[-1]["time"]  # /metrics answers until the agent's last step; the interpreter's exit follows
+    assert [e for e in errors if e[0] < ended_at] == [], errors
+
+    steps = [s["elasticrun_step"] for s in scrapes if "elasticrun_step" in s]
+    assert steps and max(steps) >= STEPS - 5 and any(s < CRASH_AT for s in steps), steps
+    assert any(s.get("elasticrun_restarts_total") == 0 for s in scrapes), "scraped before the crash too"
+    ratios = [s["elasticrun_goodput_ratio"] for s in scrapes[-5:]]
+    assert all(0 < r < 1 for r in ratios), ratios
+
+    kinds = [r["event"] for r in rows]
+    assert kinds.count("round_formed") == 2 and kinds.count("restart") == 1, kinds
+    assert kinds.count("checkpoint_committed") == STEPS // CKPT_EVERY, kinds
+    final = rows[-1]
+    assert final["event"] == "job_ended" and final["outcome"] == "succeeded"
+    got, truth = final["goodput"], _truth(tmp_path / "truth.jsonl")
+    assert got["steps_lost"] == CRASH_AT - CRASH_AT // CKPT_EVERY * CKPT_EVERY
+    # Tolerances: checkpoint stalls are the workers' own measurements (exact up to rounding);
+    # goodput and rollback differ from the truth by what happens between the worker's events and
+    # the agent's clock: the end (the worker's exit → the agent's success report, ~0.1 s), the
+    # rollback point interpolated between reports of uniform steps (≤ one step, 0.15 s).
+    assert got["badput_s"]["checkpoint_stall"] == pytest.approx(truth["stall"], abs=0.05), (got, truth)
+    assert got["badput_s"]["rollback"] == pytest.approx(truth["rollback"], abs=0.4), (got, truth)
+    assert got["goodput_s"] == pytest.approx(truth["kept"], abs=0.6), (got, truth)
+    assert 0 < got["goodput_ratio"] < 1
+    assert got["goodput_ratio"] == pytest.approx(truth["kept"] / got["wall_s"], abs=0.6 / got["wall_s"])
+
+
+@pytest.mark.parametrize("value,needle", [("-1", "--metrics-port -1"), ("70000", "--metrics-port 70000"),
+                                          ("abc", "--metrics-port 'abc'")])
+def test_bad_metrics_port_is_one_line(value: str, needle: str) -> None:
+    proc = run_cli(["--standalone", "--metrics-port", value, str(SCRIPTS / "echo_worker.py")])
+    assert proc.returncode == 2
+    assert_one_line_error(proc, needle)
+
+
+def test_busy_metrics_port_is_one_line() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = run_cli(["--standalone", "--metrics-port", str(port), str(SCRIPTS / "echo_worker.py")])
+    assert proc.returncode == 2
+    assert_one_line_error(proc, f"--metrics-port {port}: cannot listen on 127.0.0.1:{port}")

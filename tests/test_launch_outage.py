@@ -1,0 +1,92 @@
+"""etcd outages with real agents, a real (private) etcd and real workers.
+
+An outage is etcd SIGSTOPped: every client call hangs until its deadline, the leases expire
+when etcd resumes. Workers must keep training through an outage shorter than
+``--etcd-outage-grace`` (same pids, steps advance while etcd is stopped, the job finishes at
+its first round), and get SIGTERM (the chance to save), never SIGKILL, when an outage lasts
+longer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from typing import Iterator
+
+import pytest
+
+from elasticrun.job.exitcodes import ExitCode
+from elasticrun.job.keys import JobKeys
+from elasticrun.store.client import connect
+from elasticrun.store.server import EtcdServer
+
+from helpers.elastic import HB, agent_args, first_step, steps, worker_pids
+from helpers.procs import SCRIPTS, wait_until
+
+TERM_SAVER = str(SCRIPTS / "term_saver.py")
+
+
+@pytest.fixture
+def private_etcd() -> Iterator[EtcdServer]:
+    """An etcd of this test alone (stopping the shared one would disturb other tests)."""
+    server = EtcdServer().start()
+    try:
+        yield server
+    finally:
+        if server.proc is not None and server.proc.poll() is None:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        server.stop()
+
+
+def test_workers_train_through_an_etcd_outage(private_etcd, job_id, agents, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    extra = ["--etcd-outage-grace", "30", "--etcd-timeout", "3"]
+    a = [agents(agent_args(private_etcd.endpoint, job_id, n, "2", out, 220, extra), name=n) for n in "AB"]
+    wait_until(lambda: first_step(out, 2), 60, "training at world size 2")
+    pids = {n: worker_pids(out, n) for n in "AB"}
+    assert all(len(p) == 1 for p in pids.values()), pids
+    os.kill(private_etcd.proc.pid, signal.SIGSTOP)
+    stopped_at = time.time()
+    try:
+        time.sleep(2 * HB)  # the outage itself: etcd stopped for twice the lease TTL
+        during = [r for r in steps(out) if r["time"] > stopped_at + HB]
+    finally:
+        os.kill(private_etcd.proc.pid, signal.SIGCONT)
+    assert len(during) >= 5, f"training must go on while etcd is stopped: {len(during)} step(s) after the TTL"
+    for ag in a:
+        assert ag.wait(120) == 0, ag.output()
+    assert (out / "finished").exists()
+    assert {n: worker_pids(out, n) for n in "AB"} == pids, "the workers must not have been restarted"
+    assert {r["round"] for r in steps(out)} == {0}, "the job must finish in its first round"
+    store = connect(private_etcd.endpoint)
+    try:
+        assert json.loads(store.get(JobKeys(job_id).topology).value)["round"] == 0
+    finally:
+        store.close()
+    err = a[0].stderr() + a[1].stderr()
+    assert "etcd does not answer" in err, err
+
+
+def test_outage_past_the_grace_stops_workers_with_sigterm(private_etcd, job_id, agents, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    agent = agents(
+        ["--nnodes", "1", "--nproc-per-node", "2", "--rdzv-endpoint", private_etcd.endpoint, "--rdzv-id", job_id,
+         "--node-id", "g0", "--heartbeat-timeout", str(HB), "--shutdown-timeout", "5", "--etcd-outage-grace", "3",
+         "--etcd-timeout", "2", TERM_SAVER, str(out)],
+    )
+    wait_until(lambda: (out / "0.pid").exists() and (out / "1.pid").exists(), 60, "two running workers")
+    os.kill(private_etcd.proc.pid, signal.SIGSTOP)
+    started = time.monotonic()
+    code = agent.wait(90)
+    took = time.monotonic() - started
+    err = agent.stderr()
+    assert code == ExitCode.TRANSIENT, agent.output()  # 138: etcd lost beyond the grace is retryable
+    assert "--etcd-outage-grace" in err, err
+    for rank in (0, 1):
+        assert (out / f"{rank}.SIGTERM").exists(), f"rank {rank} was not given SIGTERM (killed without a save)\n{err}"
+    assert took >= 3, f"workers stopped before the outage grace ({took:.1f}s)"
+    assert "Traceback" not in err, err

@@ -1,0 +1,116 @@
+"""The etcd client wrapper and the embedded server, against a real etcd."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from elasticrun.errors import StoreError
+from elasticrun.store.client import connect, parse_endpoints
+from elasticrun.store.lease import KeepAlive
+from elasticrun.store.server import EtcdServer, find_etcd_binary
+
+from helpers.procs import wait_until
+
+
+def test_parse_endpoints():
+    assert parse_endpoints("a:1,http://b:2379/, https://c:3") == [("a", 1), ("b", 2379), ("c", 3)]
+    assert parse_endpoints("hostonly") == [("hostonly", 2379)]
+    for bad in ("", "a:b", "a:0", ":12"):
+        with pytest.raises(StoreError):
+            parse_endpoints(bad)
+
+
+def test_kv_cas_and_json(etcd, job_id):
+    key = f"/test/{job_id}/k"
+    assert etcd.get(key) is None
+    assert etcd.create(key, "1") and not etcd.create(key, "2")
+    kv = etcd.get(key)
+    assert kv.value == b"1"
+    assert etcd.cas(key, "3", kv.mod_revision)
+    assert not etcd.cas(key, "4", kv.mod_revision), "a stale revision must lose"
+    etcd.put_json(key, {"a": [1, 2]})
+    assert etcd.get_json(key) == {"a": [1, 2]}
+    kvs, rev = etcd.get_prefix(f"/test/{job_id}/")
+    assert [k.key for k in kvs] == [key] and rev >= kv.mod_revision
+    assert etcd.txn_delete_prefix_if(f"/test/{job_id}/", guard=(key, etcd.get(key).mod_revision))
+    assert etcd.get(key) is None
+
+
+def test_concurrent_cas_has_one_winner(etcd, job_id):
+    key = f"/test/{job_id}/round"
+    wins = []
+
+    def contend(i: int) -> None:
+        if etcd.cas(key, str(i), 0):
+            wins.append(i)
+
+    threads = [threading.Thread(target=contend, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(wins) == 1
+    assert etcd.get(key).value == str(wins[0]).encode()
+
+
+def test_watch_sees_puts_and_deletes(etcd, job_id):
+    prefix = f"/test/{job_id}/"
+    seen = []
+    cancel = etcd.watch_prefix(prefix, seen.extend, lambda err: None)
+    try:
+        etcd.put(prefix + "a", "x")
+        etcd.delete(prefix + "a")
+        wait_until(lambda: len(seen) >= 2, 5, "two watch events")
+        assert [(e.key, e.deleted) for e in seen[:2]] == [(prefix + "a", False), (prefix + "a", True)]
+    finally:
+        cancel()
+
+
+def test_lease_keepalive_and_expiry(etcd, job_id):
+    key = f"/test/{job_id}/node"
+    lost = []
+    ka = KeepAlive(etcd, 2, on_lost=lost.append)
+    etcd.put(key, "alive", lease=ka.lease_id)
+    time.sleep(3.0)  # longer than the TTL: only the keep-alive can keep the key (the thing under test)
+    assert etcd.get(key) is not None and ka.valid() and not lost
+    ka.stop()  # stop refreshing: etcd expires the lease, the watch-able key goes away
+    wait_until(lambda: etcd.get(key) is None, 6, "the key to expire with its lease")
+    ka2 = KeepAlive(etcd, 2)
+    etcd.put(key, "x", lease=ka2.lease_id)
+    ka2.revoke()
+    assert etcd.get(key) is None, "revoke removes the keys at once"
+
+
+def test_unreachable_etcd_is_one_clear_error():
+    with pytest.raises(StoreError) as err:
+        connect("127.0.0.1:1", retry_timeout=0.5)
+    assert "cannot reach etcd at 127.0.0.1:1" in str(err.value)
+    assert "elasticrun etcd" in str(err.value)
+
+
+def test_restart_keeps_data_and_client_recovers(tmp_path):
+    server = EtcdServer(data_dir=str(tmp_path / "data")).start()
+    try:
+        store = connect(server.endpoint)
+        store.put("/test/restart", "kept")
+        server.kill()
+        server.restart()
+        assert store.get("/test/restart").value == b"kept"
+        store.close()
+    finally:
+        server.stop()
+
+
+def test_binary_lookup_order(tmp_path, monkeypatch):
+    fake = tmp_path / "etcd"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    assert find_etcd_binary(str(fake)) == str(fake)
+    monkeypatch.setenv("ELASTICRUN_ETCD_BINARY", str(tmp_path / "missing"))
+    with pytest.raises(StoreError, match="ELASTICRUN_ETCD_BINARY"):
+        find_etcd_binary()
+    monkeypatch.delenv("ELASTICRUN_ETCD_BINARY")
+    assert find_etcd_binary().endswith("etcd")
