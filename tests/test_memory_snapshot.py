@@ -3,6 +3,7 @@ resume, persistence to disk, and the agent-side directory (creation, watchdog, s
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import stat
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from elasticrun.checkpoint import SnapshotMemoryError, Snapshotter, list_checkpoints, save, verify
-from elasticrun.job.shm import GENERATIONS, OWNER_FILE, PREFIX
+from elasticrun.job.shm import GENERATIONS, LOCK_FILE, OWNER_FILE, PREFIX
 from elasticrun.launch.snapshots import SnapshotRoot, sweep
 from elasticrun.train import load_latest
 
@@ -172,15 +173,17 @@ def test_sweep_removes_only_roots_of_dead_agents(tmp_path: Path):
     dead.wait()
     stale = tmp_path / f"{PREFIX}j-abc-{dead.pid}"
     stale.mkdir()
-    (stale / OWNER_FILE).write_text(f"{dead.pid} 1\n")
+    (stale / LOCK_FILE).write_text("")  # nobody holds its lock
     alive = tmp_path / f"{PREFIX}j-abc-{os.getpid()}"
     alive.mkdir()
-    started = Path(f"/proc/{os.getpid()}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    (alive / OWNER_FILE).write_text(f"{os.getpid()} {started}\n")
-    reused = tmp_path / f"{PREFIX}k-abc-{os.getpid()}"  # our pid, but another process's start time
+    (alive / LOCK_FILE).write_text("")
+    held = open(alive / LOCK_FILE, "rb")
+    fcntl.flock(held, fcntl.LOCK_EX)
+    reused = tmp_path / f"{PREFIX}k-abc-{os.getpid()}"  # our pid, but its lock is free
     reused.mkdir()
-    (reused / OWNER_FILE).write_text(f"{os.getpid()} 1\n")
+    (reused / LOCK_FILE).write_text("")
     other = tmp_path / "not-ours-123"
     other.mkdir()
     assert sorted(sweep(str(tmp_path))) == sorted([str(stale), str(reused)])
+    held.close()
     assert alive.exists() and other.exists()

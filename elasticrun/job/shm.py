@@ -3,7 +3,8 @@
 Every agent owns one snapshot directory (``ELASTICRUN_SNAPSHOT_DIR``)::
 
     /dev/shm/elasticrun-snap-<job>-<node hash>-<agent pid>/
-        owner           the agent's pid and start time (for the sweep of dead agents' directories)
+        owner           the agent's pid and start time (informational)
+        lock            flocked by the agent while it lives (the sweep's liveness test)
         generations/    committed memory generations (a checkpoint root in the disk format)
         replicas/       copies of the ring predecessor node's parts of its generations
         restore/        a restore's view of one generation: local hard links plus fetched parts
@@ -30,6 +31,8 @@ SHM_DIR = "/dev/shm"
 PREFIX = "elasticrun-snap-"
 #: The file in a snapshot directory naming the agent that owns it.
 OWNER_FILE = "owner"
+#: The file in a snapshot directory the owning agent holds an exclusive flock on for its lifetime.
+LOCK_FILE = "lock"
 
 GENERATIONS = "generations"
 REPLICAS = "replicas"

@@ -11,22 +11,28 @@ the agent exits. It is removed
   process) that blocks reading a pipe whose write end only the agent holds; when the
   agent dies the kernel closes the pipe, the read returns, and the watchdog removes the
   directory;
-- by the next agent on the machine, as a last resort (:func:`sweep`): directories whose
-  owner pid is dead (or was reused by another process) are removed at start.
+- by the next agent on the machine, as a last resort (:func:`sweep`): a directory is removed
+  at start only when it belongs to this user, is a real directory (not a link) and its
+  ``lock`` file can be flocked without blocking: the owning agent holds that lock for its
+  lifetime, so liveness is decided by the kernel, not by a pid (which means nothing to an
+  agent in another pid namespace sharing ``/dev/shm``). The sweep opens nothing but that
+  lock, with ``O_NOFOLLOW|O_NONBLOCK``, and only when it is a regular file: it never blocks
+  on a FIFO nor reads a device.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
-from elasticrun.job.shm import OWNER_FILE, PREFIX, SHM_DIR, root_name
-from elasticrun.proc import pid_alive
+from elasticrun.job.shm import LOCK_FILE, OWNER_FILE, PREFIX, SHM_DIR, root_name
 
 _NAME_RE = re.compile(r"^" + re.escape(PREFIX) + r".*-(\d+)$")
 
@@ -54,12 +60,37 @@ def _start_time(pid: int) -> Optional[str]:
     return fields[19] if len(fields) > 19 else None
 
 
-def _alive(pid: int, started: Optional[str]) -> bool:
-    """Whether the process that wrote an owner file still runs (pid reuse detected by start time)."""
-    if not pid_alive(pid):
+def _open_lock(path: str, create: bool = False) -> Optional[int]:
+    """An fd on the regular file ``path`` (never a FIFO, device or link: no blocking, no reads)."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError:
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
+
+
+def _dead(path: str) -> bool:
+    """Whether the snapshot root ``path`` is ours to remove: our uid, a real directory, its lock free."""
+    try:
+        st = os.lstat(path)
+    except OSError:
         return False
-    now = _start_time(pid)
-    return started is None or now is None or now == started
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        return False
+    fd = _open_lock(os.path.join(path, LOCK_FILE))
+    if fd is None:
+        return False  # no lock (an agent still creating it, or not a root we understand): keep it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # its agent holds the lock: alive, whatever pid namespace it runs in
+    finally:
+        os.close(fd)
+    return True
 
 
 def sweep(base: str = SHM_DIR) -> List[str]:
@@ -70,18 +101,10 @@ def sweep(base: str = SHM_DIR) -> List[str]:
     except OSError:
         return removed
     for entry in entries:
-        m = _NAME_RE.match(entry)
-        if not m:
+        if not _NAME_RE.match(entry):
             continue
         path = os.path.join(base, entry)
-        try:
-            with open(os.path.join(path, OWNER_FILE), encoding="utf-8") as f:
-                owner = f.read().split()
-        except OSError:
-            owner = []
-        pid = int(m.group(1))
-        started = owner[1] if len(owner) > 1 and owner[0] == str(pid) else None
-        if not _alive(pid, started):
+        if _dead(path):
             shutil.rmtree(path, ignore_errors=True)
             if not os.path.exists(path):
                 removed.append(path)
@@ -94,6 +117,7 @@ class SnapshotRoot:
 
     path: str
     watchdog: Optional[subprocess.Popen] = None
+    lock_fd: Optional[int] = None
 
     @classmethod
     def create(cls, job_id: str, node_id: str, base: str = SHM_DIR,
@@ -111,10 +135,14 @@ class SnapshotRoot:
             os.mkdir(path, 0o700)
             with open(os.path.join(path, OWNER_FILE), "w", encoding="utf-8") as f:
                 f.write(f"{pid} {_start_time(pid) or ''}\n")
+            lock_fd = _open_lock(os.path.join(path, LOCK_FILE), create=True)
+            if lock_fd is None:
+                raise OSError(f"cannot create {LOCK_FILE}")
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until this process exits
         except OSError as err:
             say(f"no memory snapshots on this node: cannot create {path} ({err.strerror or err})")
             return None
-        root = cls(path)
+        root = cls(path, lock_fd=lock_fd)
         root.watchdog = subprocess.Popen(
             [sys.executable, "-S", "-c", _WATCHDOG, path], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True,
@@ -124,6 +152,9 @@ class SnapshotRoot:
     def remove(self) -> None:
         """Remove the directory now and let the watchdog exit."""
         shutil.rmtree(self.path, ignore_errors=True)
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)
+            self.lock_fd = None
         if self.watchdog is not None:
             if self.watchdog.stdin is not None:
                 try:
