@@ -48,16 +48,11 @@ def _dir_bytes(path: str) -> int:
     return total
 
 
-def check_memory(state_dict: Mapping[str, Any], placements: Optional[Mapping[str, Placement]], comm: Comm,
-                 base: Optional[str], generations: int) -> int:
-    """Collective: the bytes of one generation; raises on every rank alike when a rank has no
-    memory tier or when ``generations`` of a node's share do not fit in its free space or the cap."""
-    return plan_memory(state_dict, placements, comm, base, generations)[0]
-
-
 def plan_memory(state_dict: Mapping[str, Any], placements: Optional[Mapping[str, Placement]], comm: Comm,
                 base: Optional[str], generations: int) -> Tuple[int, NodeLayout]:
-    """:func:`check_memory`, also returning which ranks share a node (a snapshot directory).
+    """Collective: the bytes of one generation and which ranks share a node (a snapshot directory);
+    raises on every rank alike when a rank has no memory tier or when ``generations`` of a node's
+    share do not fit in its free space or the cap.
 
     A node holds, per generation, the parts its ranks write (their shards, and their share of
     the replicated tensors) plus, when there are several nodes, its ring predecessor's parts
@@ -129,4 +124,4 @@ def plan_memory(state_dict: Mapping[str, Any], placements: Optional[Mapping[str,
     return gen, layout
 
 
-__all__ = ["SnapshotMemoryError", "SnapshotUnavailable", "check_memory", "human", "plan_memory"]
+__all__ = ["SnapshotMemoryError", "SnapshotUnavailable", "human", "plan_memory"]

@@ -68,11 +68,6 @@ class MemoryGeneration:
     bytes: int  # bytes of files_present
     meta: CheckpointMeta = field(repr=False)
 
-    @property
-    def complete_here(self) -> bool:
-        """Whether this directory alone holds every file (loadable without peers)."""
-        return len(self.files_present) == self.files_total
-
 
 def files_digest(meta: CheckpointMeta) -> str:
     """Identifies a generation's content: its file names and checksums."""
