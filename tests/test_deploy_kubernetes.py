@@ -24,6 +24,7 @@ import pytest
 from elasticrun.cli.run_config import build_config
 from elasticrun.cli.torchrun_args import Parser
 from elasticrun.launch.config import RdzvBackend
+from elasticrun.sizes import parse_size
 from elasticrun.store.server import EtcdServer, HealthTLS, ServerTLS
 
 from helpers import kube
@@ -57,10 +58,8 @@ def flag(args: List[str], name: str) -> str:
 
 
 def size(text: str) -> float:
-    units = {"": 1, "G": 2**30, "Gi": 2**30, "M": 2**20, "Mi": 2**20}  # elasticrun: G = GiB
-    m = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", text)
-    assert m, text
-    return float(m[1]) * units[m[2]]
+    """A size as elasticrun reads it (``6GiB``) or a Kubernetes quantity (``8Gi``): the same one parser."""
+    return float(parse_size(text))
 
 
 def test_every_manifest_validates_offline_and_a_typo_fails() -> None:

@@ -289,6 +289,8 @@ class Rendezvous(RoundMonitor):
         if not lost:
             return f"only {len(waiting)} of at least {self.settings.min_nodes} nodes joined within {timeout:.0f}s"
         at = end.get("time") if end.get("lost") in lost else None
+        if at is None:  # the round ended first through a worker failure (a collective with the lost node)
+            at = (self.view.get_json(self.keys.failed(prev.round)) or {}).get("time")
         when = f" at {utc(float(at))}" if isinstance(at, (int, float)) else ""
         who = f"node {lost[0]}" if len(lost) == 1 else f"nodes {', '.join(lost)}"
         return (
