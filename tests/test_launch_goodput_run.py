@@ -104,7 +104,9 @@ def test_goodput_of_a_job_with_a_crash_matches_its_ground_truth(
     assert [e for e in errors if e[0] < ended_at] == [], errors
 
     steps = [s["elasticrun_step"] for s in scrapes if "elasticrun_step" in s]
-    assert steps and max(steps) >= STEPS - 5 and any(s < CRASH_AT for s in steps), steps
+    # Served before the crash and after the restart (how close to the end the last scrape lands
+    # depends on the load: the reporter writes at most once a second and the agent exits at once).
+    assert steps and max(steps) > CRASH_AT and any(s < CRASH_AT for s in steps), steps
     assert any(s.get("elasticrun_restarts_total") == 0 for s in scrapes), "scraped before the crash too"
     ratios = [s["elasticrun_goodput_ratio"] for s in scrapes[-5:]]
     assert all(0 < r < 1 for r in ratios), ratios

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import threading
 import time
+from socketserver import ThreadingMixIn
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
-from wsgiref.simple_server import WSGIServer
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler, choose_encoder, make_server
+from prometheus_client.exposition import choose_encoder
 
 from elasticrun.errors import ConfigError
 from elasticrun.launch.goodput import Cause, Phase
@@ -125,11 +126,18 @@ class _CachedApp:
         return [body] if environ.get("REQUEST_METHOD") != "HEAD" else []
 
 
-class _Server(ThreadingWSGIServer):
+class _Server(ThreadingMixIn, WSGIServer):
     """One thread per scrape (daemon), and a listen backlog for a burst of concurrent scrapers."""
 
     daemon_threads = True
     request_queue_size = 128
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log on the agent's stderr (a scrape every few seconds would drown the workers' lines)."""
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's signature
+        pass
 
 
 class Metrics:
@@ -158,7 +166,7 @@ class Metrics:
         """Serve ``/metrics`` on ``host:port`` in a daemon thread; the port bound (``port`` 0: any).
         ConfigError (one line) when the address cannot be bound."""
         try:
-            server = make_server(host, port, self.app, _Server, handler_class=_SilentHandler)
+            server = make_server(host, port, self.app, _Server, handler_class=_QuietHandler)
         except OSError as err:
             raise ConfigError(f"--metrics-port {port}: cannot listen on {host}:{port} ({err.strerror or err}); "
                               "pick a free port, or 0 to turn metrics off") from None

@@ -60,9 +60,8 @@ class ProgressReporter:
         self._closed = threading.Event()
         self._lease: Optional[int] = None
         self._last_rate: Optional[tuple] = None  # (time, samples)
-        self._last_put: Optional[Dict[str, Any]] = None
         self._stalls: Dict[str, List[float]] = {}  # kind -> [count, total seconds, last seconds]
-        self._sent: Optional[Dict[str, Any]] = None  # the latest report
+        self._last_report: Optional[Dict[str, Any]] = None  # the latest report (written or queued)
         self._thread: Optional[threading.Thread] = None
         if self.active:
             self._thread = threading.Thread(target=self._run, name="elasticrun-progress", daemon=True)
@@ -94,7 +93,7 @@ class ProgressReporter:
         if self._stalls:
             value["stalls"] = {k: [int(v[0]), round(v[1], 4), round(v[2], 4)] for k, v in self._stalls.items()}
         with self._lock:
-            self._latest = self._sent = value
+            self._latest = self._last_report = value
         self._wake.set()
 
     def stalled(self, kind: str, seconds: float) -> None:
@@ -105,7 +104,7 @@ class ProgressReporter:
         entry[1] += max(0.0, float(seconds))
         entry[2] = max(0.0, float(seconds))
         with self._lock:
-            last = self._sent
+            last = self._last_report
         if last is not None:  # re-send the latest report with it: a worker that exits now still tells
             self.report(last["step"], last["loss"], last["samples_per_s"])
 
@@ -136,8 +135,8 @@ class ProgressReporter:
             self._wake.clear()
             with self._lock:
                 value, self._latest = self._latest, None
-            if closing and (value or self._last_put) is not None:
-                value = dict(value or self._last_put or {}, closed=True)  # the end of training, not a hang
+            if closing and (value or self._last_report) is not None:
+                value = dict(value or self._last_report or {}, closed=True)  # the end of training, not a hang
             if value is not None:
                 self._put(value)
                 last_put = time.monotonic()
@@ -156,7 +155,6 @@ class ProgressReporter:
                 self._lease = store.grant_lease(self.ttl)
             store.put_json(self.key, value, lease=self._lease)
             self.puts += 1
-            self._last_put = value
         except ElasticrunError as err:
             self._lease = None
             self.link.failed(err)
