@@ -41,9 +41,10 @@ from elasticrun.store.metrics import etcd_counters
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = os.path.join(HERE, "rendezvous_agents.py")
-COUNTERS = ("watch_events", "loop_turns", "etcd_requests", "keepalives", "node_parses", "topology_parses",
-            "cas_won", "cas_lost")
-MAXIMA = ("ka_batch_max_s", "ka_gap_max_s")  # keep-alives: longest batch, longest a lease waited between two
+COUNTERS = ("watch_events", "loop_turns", "etcd_requests", "keepalives", "keepalives_failed", "node_parses",
+            "topology_parses", "cas_won", "cas_lost")
+# Keep-alives: the longest batch, the longest a lease waited between two, the longest it went unconfirmed.
+MAXIMA = ("ka_batch_max_s", "ka_gap_max_s", "ka_age_max_s")
 PHASES = ("loss", "join")  # after round 0, which always runs
 
 
@@ -176,19 +177,20 @@ def summary_rows(rows: List[Dict[str, Any]], sizes: List[int], command: str) -> 
 
 HEADER = (f"{'nodes':>6} {'phase':>8} {'all hold':>9} {'CPU/agent':>10} {'etcd CPU':>9} {'writes':>7} "
           f"{'etcd reqs':>9} {'ev sent':>8} {'ev/agent':>9} {'turns/agent':>12} {'reqs/agent':>11} {'CAS lost':>8} "
-          f"{'KA batch':>8} {'KA gap':>7}")
+          f"{'KA batch':>8} {'KA gap':>7} {'KA age':>7}")
 
 
 def format_row(r: Dict[str, Any]) -> str:
     if "failed" in r:
         return (f"{r['nodes']:>6} {r['phase']:>8} FAILED: {r['failed']} (keep-alive batch up to "
-                f"{r['ka_batch_max_s']:.1f} s, a lease waited up to {r['ka_gap_max_s']:.1f} s between two); "
+                f"{r['ka_batch_max_s']:.1f} s, a lease waited up to {r['ka_gap_max_s']:.1f} s between two and went "
+                f"unconfirmed up to {r['ka_age_max_s']:.1f} s; {r['keepalives_failed']} failed); "
                 + "; ".join(r["errors"][:3]))
     return (f"{r['nodes']:>6} {r['phase']:>8} {r['all_hold_s']:>8.2f}s {r['cpu_per_agent_ms']:>8.1f}ms "
             f"{r.get('etcd_cpu_s', 0):>8.2f}s {r.get('etcd_writes', 0):>7} {r.get('etcd_requests', 0):>9} "
             f"{r.get('etcd_events_sent', 0):>8} {r['watch_events_per_agent']:>9.1f} {r['loop_turns_per_agent']:>12.1f} "
             f"{r['etcd_requests_per_agent']:>11.1f} {r['cas_lost']:>8} {r['ka_batch_max_s']:>7.2f}s "
-            f"{r['ka_gap_max_s']:>6.2f}s")
+            f"{r['ka_gap_max_s']:>6.2f}s {r['ka_age_max_s']:>6.2f}s")
 
 
 def main() -> None:

@@ -33,10 +33,12 @@ from typing import Any, Dict, List, Optional
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-COUNTERS = ("watch_events", "loop_turns", "etcd_requests", "keepalives", "node_parses", "topology_parses",
-            "cas_won", "cas_lost")
+COUNTERS = ("watch_events", "loop_turns", "etcd_requests", "keepalives", "keepalives_failed", "node_parses",
+            "topology_parses", "cas_won", "cas_lost")
 # Keep-alives: the longest batch (sent -> every answer), the longest a lease waited between two.
-MAXIMA = ("ka_batch_max_s", "ka_gap_max_s")
+# ka_age_max_s: the longest a lease went unconfirmed (from its grant or last confirmed keep-alive to
+# the next answer); at the TTL an agent counts its lease as lost.
+MAXIMA = ("ka_batch_max_s", "ka_gap_max_s", "ka_age_max_s")
 
 
 class Profiler:
@@ -83,6 +85,7 @@ class Shard:
         self.counts = dict.fromkeys(COUNTERS, 0)
         self.maxima = dict.fromkeys(MAXIMA, 0.0)
         self.ka_last: Dict[int, float] = {}  # lease id -> when its last keep-alive was sent
+        self.ka_confirmed: Dict[int, float] = {}  # lease id -> when it was granted or last confirmed (sent)
         self._count_parses()
         self.connect = connect
         self.shared = self._open_store() if clients in ("process", "shared") else None
@@ -145,6 +148,14 @@ class Shard:
     def _open_store(self) -> Any:
         store = self.connect(self.endpoint, retry_timeout=60)
         real_call, real_txn, real_many = store._call, store.txn_put_many, store.refresh_leases
+        real_grant = store.grant_lease
+
+        def grant(ttl: int) -> int:
+            t0 = time.monotonic()
+            lease_id = real_grant(ttl)
+            with self.lock:
+                self.ka_confirmed[lease_id] = t0
+            return int(lease_id)
 
         def refresh_many(ids: Any, timeout: Any = None) -> Any:
             # How the keep-alives fare: a batch's time in gRPC and etcd, and per lease the time
@@ -155,10 +166,24 @@ class Shard:
                 self.ka_last.update(dict.fromkeys(ids, t0))
             self._top("ka_gap_max_s", max(gaps, default=0.0))
             self._bump("keepalives", len(ids))
+            answers: Dict[int, int] = {}
             try:
-                return real_many(ids, timeout)
+                answers = real_many(ids, timeout)
+                return answers
+            except Exception as err:
+                with self.lock:
+                    if len(self.errors) < 50:
+                        self.errors.append(f"keep-alive batch of {len(ids)} failed after "
+                                           f"{time.monotonic() - t0:.2f} s: {err}")
+                raise
             finally:
-                self._top("ka_batch_max_s", time.monotonic() - t0)
+                now = time.monotonic()
+                self._top("ka_batch_max_s", now - t0)
+                with self.lock:
+                    ages = [now - self.ka_confirmed.get(i, now) for i in ids]
+                    self.ka_confirmed.update((i, t0) for i in ids if answers.get(i, 0) > 0)
+                    self.counts["keepalives_failed"] += sum(1 for i in ids if i not in answers)
+                self._top("ka_age_max_s", max(ages, default=0.0))
 
         def call(what: str, fn: Any) -> Any:
             self._bump("etcd_requests")
@@ -169,7 +194,7 @@ class Shard:
             self._bump("cas_won" if ok else "cas_lost")
             return ok
 
-        store._call, store.txn_put_many, store.refresh_leases = call, txn, refresh_many
+        store._call, store.txn_put_many, store.refresh_leases, store.grant_lease = call, txn, refresh_many, grant
         return store
 
     # -- agents -----------------------------------------------------------------------------
