@@ -208,6 +208,8 @@ def main() -> None:
     ap.add_argument("--profile", default="", metavar="DIR",
                     help="cProfile every child's threads; one marshalled pstats file per child and phase in DIR")
     ap.add_argument("--json", action="store_true", help="print the raw rows as JSON too")
+    ap.add_argument("--out", default="", metavar="FILE",
+                    help="also write the rows as JSON to FILE (scripts/perf/plot_rendezvous.py draws them)")
     args = ap.parse_args()
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
@@ -231,9 +233,14 @@ def main() -> None:
                     r["load"] = os.getloadavg()[0]
                     rows.append(r)
                     print(format_row(r), flush=True)
+        command = " ".join(["python", "scripts/bench/bench_rendezvous.py", *sys.argv[1:]])
+        result = {"rows": rows, "summary": summary_rows(rows, args.nodes, command), "command": command,
+                  "cpus": os.cpu_count(), "load_at_start": load}
         if args.json:
-            command = " ".join(["python", "scripts/bench/bench_rendezvous.py", *sys.argv[1:]])
-            print(json.dumps({"rows": rows, "summary": summary_rows(rows, args.nodes, command)}, indent=2))
+            print(json.dumps(result, indent=2))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
     finally:
         if server is not None:
             server.stop()
