@@ -136,6 +136,8 @@ def keepalives(client: MultiEndpointEtcd3Client, ids: List[int], timeout: float)
             if len(answers) == len(ids):
                 break
     except grpc.RpcError as err:
+        if answers and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return answers  # a busy etcd answered part of the batch: those leases are confirmed, the rest failed
         client._manage_grpc_errors(err)  # UNAVAILABLE/DEADLINE_EXCEEDED: the member is failed over from
     return answers
 
