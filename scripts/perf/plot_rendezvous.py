@@ -72,6 +72,9 @@ def draw(data: Dict[str, Any], out: Path) -> Path:
     failed = sorted({f"{r['nodes']} ({r['phase']})" for r in rows if "failed" in r})
     title = (f"Rendezvous at scale — SIMULATED: all agents on one {data.get('cpus', '?')}-core machine with one etcd"
              + (f"; did not complete: {', '.join(failed)}" if failed else ""))
+    loads = [r["load"] for r in rows if isinstance(r.get("load"), (int, float))]
+    if loads:
+        title += f"\nload average {min(loads):.0f}–{max(loads):.0f} on the shared machine during the run"
     fig.suptitle(title, fontsize=10)
     fig.text(0.5, 0.005, data.get("command", ""), ha="center", fontsize=7, family="monospace")
     fig.tight_layout(rect=(0, 0.02, 1, 0.97))
