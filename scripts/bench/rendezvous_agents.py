@@ -296,7 +296,7 @@ def main(argv: List[str]) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: where every thread is
     # The simulated agents yield the CPU to etcd: on a real cluster they run on machines of their own,
     # and etcd starved by its own clients' simulation turns its answers into the bench's bottleneck.
-    os.nice(int(os.environ.get("ELASTICRUN_BENCH_AGENT_NICE", "10")))
+    os.nice(int(os.environ.get("BENCH_RENDEZVOUS_NICE", "10")))
     endpoint, job, nodes, first, count, heartbeat, clients = argv[:7]
     profile: Optional[Profiler] = Profiler(argv[7]) if len(argv) > 7 and argv[7] else None
     shard = Shard(endpoint, job, int(nodes), float(heartbeat), clients)
