@@ -24,7 +24,7 @@ from pyetcd.events import DeleteEvent
 
 from elasticrun.errors import StoreError, StoreFullError, StoreSetupError
 from elasticrun.store.connection import TRANSIENT, client_args, keepalives, new_client, renew_token
-from elasticrun.store.explain import START_HINT, explain, out_of_space, refused, tls_failure, token_rejected
+from elasticrun.store.explain import START_HINT, explain, out_of_space, overloaded, refused, tls_failure, token_rejected
 from elasticrun.store.types import KeyValue, WatchEvent, dumps, kv_from_pb, parse_endpoints, text_of
 
 # A private generator for the retry jitter: never the global `random` a training script seeds.
@@ -104,9 +104,8 @@ class EtcdStore:
                 if out_of_space(err):
                     raise StoreFullError(self._explain(err)) from None
                 code = err.code() if hasattr(err, "code") else None
-                if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or tls_failure(
-                    err.details() or ""
-                ):
+                transient = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or overloaded(err)
+                if not transient or tls_failure(err.details() or ""):
                     raise self._error(err) from None
                 if time.monotonic() + delay > deadline:
                     raise self._error(err) from None

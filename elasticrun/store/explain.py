@@ -30,6 +30,12 @@ def out_of_space(err: BaseException) -> bool:
     return NOSPACE_DETAIL in details or (err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "NOSPACE" in details)
 
 
+def overloaded(err: BaseException) -> bool:
+    """True when etcd turned a request away because it is behind (its apply lags its log by thousands of
+    entries: ``too many requests``); it did nothing with it, so the request may be sent again later."""
+    return isinstance(err, grpc.RpcError) and "too many requests" in (getattr(err, "details", lambda: "")() or "")
+
+
 def nospace_message(endpoints: str) -> str:
     """What an operator runs when etcd at ``endpoints`` is full (one line)."""
     ep = endpoints.split(",")[0]

@@ -33,8 +33,12 @@ from typing import Any, Dict, List, Optional
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-COUNTERS = ("watch_events", "loop_turns", "etcd_requests", "keepalives", "node_parses", "topology_parses",
-            "cas_won", "cas_lost")
+COUNTERS = ("watch_events", "loop_turns", "etcd_requests", "keepalives", "keepalives_failed", "node_parses",
+            "topology_parses", "cas_won", "cas_lost")
+# Keep-alives: the longest batch (sent -> every answer), the longest a lease waited between two.
+# ka_age_max_s: the longest a lease went unconfirmed (from its grant or last confirmed keep-alive to
+# the next answer); at the TTL an agent counts its lease as lost.
+MAXIMA = ("ka_batch_max_s", "ka_gap_max_s", "ka_age_max_s")
 
 
 class Profiler:
@@ -79,6 +83,9 @@ class Shard:
         self.endpoint, self.job, self.nodes, self.clients = endpoint, job, nodes, clients
         self.lock = threading.Lock()
         self.counts = dict.fromkeys(COUNTERS, 0)
+        self.maxima = dict.fromkeys(MAXIMA, 0.0)
+        self.ka_last: Dict[int, float] = {}  # lease id -> when its last keep-alive was sent
+        self.ka_confirmed: Dict[int, float] = {}  # lease id -> when it was granted or last confirmed (sent)
         self._count_parses()
         self.connect = connect
         self.shared = self._open_store() if clients in ("process", "shared") else None
@@ -134,24 +141,60 @@ class Shard:
 
         protocol.Rendezvous.beat = beat  # type: ignore[method-assign]
 
+    def _top(self, name: str, value: float) -> None:
+        with self.lock:
+            self.maxima[name] = max(self.maxima[name], value)
+
     def _open_store(self) -> Any:
         store = self.connect(self.endpoint, retry_timeout=60)
-        real_call, real_refresh, real_txn = store._call, store.refresh_lease, store.txn_put_many
+        real_call, real_txn, real_many = store._call, store.txn_put_many, store.refresh_leases
+        real_grant = store.grant_lease
+
+        def grant(ttl: int) -> int:
+            t0 = time.monotonic()
+            lease_id = real_grant(ttl)
+            with self.lock:
+                self.ka_confirmed[lease_id] = t0
+            return int(lease_id)
+
+        def refresh_many(ids: Any, timeout: Any = None) -> Any:
+            # How the keep-alives fare: a batch's time in gRPC and etcd, and per lease the time
+            # since its last one (the refresher thread's turns; the TTL / 3 interval when on time).
+            t0 = time.monotonic()
+            with self.lock:
+                gaps = [t0 - self.ka_last[i] for i in ids if i in self.ka_last]
+                self.ka_last.update(dict.fromkeys(ids, t0))
+            self._top("ka_gap_max_s", max(gaps, default=0.0))
+            self._bump("keepalives", len(ids))
+            answers: Dict[int, int] = {}
+            try:
+                answers = real_many(ids, timeout)
+                return answers
+            except Exception as err:
+                with self.lock:
+                    if len(self.errors) < 50:
+                        self.errors.append(f"keep-alive batch of {len(ids)} failed after "
+                                           f"{time.monotonic() - t0:.2f} s: {err}")
+                raise
+            finally:
+                now = time.monotonic()
+                self._top("ka_batch_max_s", now - t0)
+                with self.lock:
+                    ages = [now - self.ka_confirmed.get(i, now) for i in ids]
+                    self.ka_confirmed.update((i, t0) for i in ids if answers.get(i, 0) > 0)
+                    self.counts["keepalives_failed"] += sum(1 for i in ids if i not in answers)
+                self._top("ka_age_max_s", max(ages, default=0.0))
 
         def call(what: str, fn: Any) -> Any:
             self._bump("etcd_requests")
             return real_call(what, fn)
-
-        def refresh(lease_id: int) -> int:
-            self._bump("keepalives")
-            return real_refresh(lease_id)
 
         def txn(guard: Any, puts: Any) -> bool:
             ok = real_txn(guard, puts)
             self._bump("cas_won" if ok else "cas_lost")
             return ok
 
-        store._call, store.refresh_lease, store.txn_put_many = call, refresh, txn
+        store._call, store.txn_put_many, store.refresh_leases, store.grant_lease = call, txn, refresh_many, grant
         return store
 
     # -- agents -----------------------------------------------------------------------------
@@ -189,8 +232,11 @@ class Shard:
                     version = wait_view(rdzv, version, 0.5 if due is None else min(0.5, max(0.01, due)))
         except Exception as err:  # noqa: BLE001 - reported to the parent
             if i not in self.dead:
+                lease = getattr(self.rdzv.get(i), "lease", None)
+                more = "" if lease is None else (f" (lease {lease.health().value}, unconfirmed for "
+                                                 f"{lease.unconfirmed_for():.1f} s)")
                 with self.lock:
-                    self.errors.append(f"agent {i}: {err!r}")
+                    self.errors.append(f"agent {i}: {err!r}{more}")
 
     def kill(self, i: int) -> bool:
         with self.lock:
@@ -216,19 +262,22 @@ class Shard:
             held = {i: min((t for r, t in h.items() if r >= target), default=None)
                     for i, h in self.held.items() if i not in self.dead}
             counts, self.counts = self.counts, dict.fromkeys(COUNTERS, 0)
-            errors = list(self.errors[:5])
+            maxima, self.maxima = self.maxima, dict.fromkeys(MAXIMA, 0.0)
+            errors = list(self.errors[:5]) + ([f"... {len(self.errors)} errors in all"] if len(self.errors) > 5 else [])
         cpu = time.process_time()
-        out = {"held": held, "errors": errors, "cpu_s": cpu - self.cpu0, **counts}
+        out = {"held": held, "errors": errors, "cpu_s": cpu - self.cpu0, **counts, **maxima}
         self.cpu0 = cpu
         return out
 
     def leave(self) -> None:
-        for i, rdzv in list(self.rdzv.items()):
-            if i not in self.dead:
-                try:
-                    rdzv.leave()
-                except Exception:  # noqa: BLE001 - leaving at the end of the bench
-                    pass
+        with self.lock:  # first every loop stops: agents that see the others leave must not re-form meanwhile
+            alive = [(i, rdzv) for i, rdzv in self.rdzv.items() if i not in self.dead]
+            self.dead.update(self.rdzv)
+        for _i, rdzv in alive:
+            try:
+                rdzv.leave()
+            except Exception:  # noqa: BLE001 - leaving at the end of the bench
+                pass
 
 
 def view_version(rdzv: Any) -> int:
@@ -245,6 +294,9 @@ def wait_view(rdzv: Any, version: int, timeout: float) -> int:
 
 def main(argv: List[str]) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: where every thread is
+    # The simulated agents yield the CPU to etcd: on a real cluster they run on machines of their own,
+    # and etcd starved by its own clients' simulation turns its answers into the bench's bottleneck.
+    os.nice(int(os.environ.get("BENCH_RENDEZVOUS_NICE", "10")))
     endpoint, job, nodes, first, count, heartbeat, clients = argv[:7]
     profile: Optional[Profiler] = Profiler(argv[7]) if len(argv) > 7 and argv[7] else None
     shard = Shard(endpoint, job, int(nodes), float(heartbeat), clients)
