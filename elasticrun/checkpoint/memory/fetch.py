@@ -67,16 +67,14 @@ def files_needed(meta: CheckpointMeta, names: Optional[Sequence[str]], placement
 
 def _room_problem(base: str, name: str, node: int, nbytes: int) -> Optional[str]:
     """Why this node cannot take ``nbytes`` more for restoring ``name`` (the cap, or free space)."""
-    if not nbytes:
-        return None
     try:
         cap, label = memory_cap(base)
         used, st = dir_bytes(base), os.statvfs(base)
     except (OSError, ValueError) as err:
         return f"memory snapshot {name!r}: cannot size its restore on node {node}: {err}"
     if used + nbytes > cap:
-        return (f"memory snapshot {name!r}: fetching {human(nbytes)} from peers would take node {node}'s memory "
-                f"tier to {human(used + nbytes)}, over {label} ({human(cap)})")
+        return (f"memory snapshot {name!r}: restoring it on node {node} takes {human(nbytes)} more (files fetched "
+                f"from peers, its metadata), {human(used + nbytes)} in all, over {label} ({human(cap)})")
     if nbytes > st.f_bavail * st.f_frsize:
         return f"memory snapshot {name!r}: node {node} has {human(st.f_bavail * st.f_frsize)} of shared memory free"
     return None
@@ -135,7 +133,7 @@ def materialize(name: str, process_group: Any = None, names: Optional[Sequence[s
     restore = os.path.join(ShmLayout(base).restore, name)
     problem: Optional[str] = None
     if leader and not local_all[me]:
-        problem = _room_problem(base, name, me, sum(meta.files[f].size for f, _s, d in transfers if d == me))
+        problem = _room_problem(base, name, me, len(raw) + sum(meta.files[f].size for f, _s, d in transfers if d == me))
         try:
             shutil.rmtree(restore, ignore_errors=True)
             os.makedirs(restore)
