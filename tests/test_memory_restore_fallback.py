@@ -17,15 +17,12 @@ Two "nodes" (separate snapshot directories), one rank each, snapshot a sharded s
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Dict, List, Sequence
 
-from elasticrun.store.server import free_port
+from helpers.ckpt import node_results, run_nodes
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -113,39 +110,14 @@ else:
 
 def _run(phase: str, disk: Path, dirs: Sequence[Path], env_of: Sequence[Dict[str, str]] = ({}, {}),
          timeout: float = 120) -> List[subprocess.CompletedProcess]:
-    port = str(free_port())
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTICRUN_", "TORCHELASTIC_"))}
-    procs = []
-    for rank, d in enumerate(dirs):
-        env = dict(base, RANK=str(rank), WORLD_SIZE=str(len(dirs)), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                   LOCAL_RANK="0", OMP_NUM_THREADS="1", ELASTICRUN_SNAPSHOT_DIR=str(d), **env_of[rank])
-        procs.append(subprocess.Popen([sys.executable, "-c", WORKER, phase, str(disk)], env=env, cwd=REPO,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            outs.append(subprocess.CompletedProcess(p.args, p.returncode, out))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return outs
-
-
-def _results(outs: List[subprocess.CompletedProcess]) -> List[Dict]:
-    assert all(o.returncode == 0 for o in outs), [o.stdout[-3000:] for o in outs]
-    res = [json.loads(ln[7:]) for o in outs for ln in o.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert len(res) == len(outs), [o.stdout[-3000:] for o in outs]
-    return res
+    return run_nodes(WORKER, [phase, str(disk)], dirs, timeout, env_of)
 
 
 def test_memory_restores_fall_back_together_and_replicas_stay_in_step(tmp_path: Path) -> None:
     disk, n0, n1 = tmp_path / "disk", tmp_path / "node0", tmp_path / "node1"
     for d in (n0, n1):
         d.mkdir()
-    r0, r1 = _results(_run("save", disk, [n0, n1]))
+    r0, r1 = node_results(_run("save", disk, [n0, n1]))
     g2, g3, g4 = r0["gens"]
     # (e) node 1's failed receipt: reported, drained (step 3 then replicates on both), nothing left behind.
     assert "cannot store" in r1["errors"].get(g2, ""), r1
@@ -162,18 +134,18 @@ def test_memory_restores_fall_back_together_and_replicas_stay_in_step(tmp_path: 
 
     # (b, f) same-size restart: each rank reads only its own parts: nothing fetched, nothing left mapped.
     outs = _run("same-size", disk, [n0, n1])
-    for r in _results(outs):
+    for r in node_results(outs):
         assert (r["tier"], r["step"], r["ok"]) == ("memory", 3, True), r
         assert r["maps"] == [], r["maps"]
     assert all("0 file(s), 0 bytes fetched" in o.stdout for o in outs), [o.stdout[-2000:] for o in outs]
 
     # (a) the peer fetch of step 3 fails on node 1 only: both ranks fall back to step 2, step 3 is marked.
-    for r in _results(_run("fail-fetch", disk, [n0, n1])):
+    for r in node_results(_run("fail-fetch", disk, [n0, n1])):
         assert (r["tier"], r["step"], r["ok"], r["failed"]) == ("memory", 2, True, [g3]), r
 
     # The restarted round never tries step 3 again; node 1's cap refuses step 2's fetch: disk step 1.
     outs = _run("restart", disk, [n0, n1], env_of=({}, {"ELASTICRUN_SNAPSHOT_MEMORY": "1KiB"}))
-    for r in _results(outs):
+    for r in node_results(outs):
         assert (r["tier"], r["step"], r["ok"]) == ("disk", 1, True), r
     log = "\n".join(ln for ln in outs[0].stdout.splitlines() if ln.startswith("LOG "))
     assert g3 not in log and "over ELASTICRUN_SNAPSHOT_MEMORY (1.0 KiB)" in log, log[-3000:]
