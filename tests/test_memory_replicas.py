@@ -13,12 +13,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import List, Sequence
 
 from elasticrun.checkpoint.format import CheckpointMeta
-from elasticrun.store.server import free_port
+
+from helpers.ckpt import node_results, run_nodes
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -68,34 +68,7 @@ else:
 
 def _run(phase: str, disk: Path, dirs: Sequence[Path], timeout: float = 180) -> List[subprocess.CompletedProcess]:
     """One process per entry of ``dirs`` (its node's snapshot directory); ranks in order."""
-    port = str(free_port())
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTICRUN_", "TORCHELASTIC_"))}
-    procs = []
-    for rank, d in enumerate(dirs):
-        local = sum(1 for x in dirs[:rank] if x == d)
-        env = dict(base, RANK=str(rank), WORLD_SIZE=str(len(dirs)), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                   LOCAL_RANK=str(local), OMP_NUM_THREADS="1", ELASTICRUN_SNAPSHOT_DIR=str(d))
-        procs.append(subprocess.Popen([sys.executable, "-c", WORKER, phase, str(disk), str(disk) + "-persisted"],
-                                      env=env, cwd=REPO,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            outs.append(subprocess.CompletedProcess(p.args, p.returncode, out))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return outs
-
-
-def _results(outs: List[subprocess.CompletedProcess]) -> List[Dict]:
-    assert all(o.returncode == 0 for o in outs), [o.stdout[-3000:] for o in outs]
-    res = [json.loads(ln[7:]) for o in outs for ln in o.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert len(res) == len(outs), [o.stdout[-3000:] for o in outs]
-    return res
+    return run_nodes(WORKER, [phase, str(disk), str(disk) + "-persisted"], dirs, timeout)
 
 
 def _committed(d: Path) -> List[str]:
@@ -144,7 +117,7 @@ def test_replicas_survive_a_node_loss_and_restore_at_any_world_size(tmp_path: Pa
     n2 = tmp_path / "node2"
     n2.mkdir()
     for dirs in ([n0, n2], [n0, n0, n2]):
-        res = _results(_run("load", disk, dirs))
+        res = node_results(_run("load", disk, dirs))
         assert all((r["tier"], r["step"], r["w"], r["b"]) == ("memory", 3, True, True) for r in res), (dirs, res)
         assert not (n2 / "restore").exists() or not os.listdir(n2 / "restore"), "the fetched copy is released"
 

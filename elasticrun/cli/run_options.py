@@ -177,8 +177,8 @@ OWN_OPTIONS: Tuple[Opt, ...] = (
         "600s): at most N restarts in any such window (0: the whole job).", ELASTIC, metavar="DURATION",
         default="0"),
     Opt("snapshot_memory", ("--snapshot-memory",), "Cap on this node's shared memory for memory snapshots "
-        "(bytes, or 512MB, 8GiB: GB = 10⁹ bytes, GiB = 2³⁰; ELASTICRUN_SNAPSHOT_MEMORY) \\[default: what /dev/shm "
-        "has free].", ELASTIC,
+        "(bytes, or 512MB, 8GiB: GB = 10⁹ bytes, GiB = 2³⁰; ELASTICRUN_SNAPSHOT_MEMORY) \\[default: half of "
+        "/dev/shm, at most half of the container's memory limit].", ELASTIC,
         metavar="SIZE", envvars=(job_env.SNAPSHOT_MEMORY,)),
     Opt("snapshots", ("--snapshots",), "Give workers a memory tier for snapshots (a private /dev/shm directory "
         "the agent owns) \\[default: on; --no-snapshots turns it off].", ELASTIC, kind=Kind.FLAG, default=True,

@@ -10,6 +10,7 @@ Every agent owns one snapshot directory (``ELASTICRUN_SNAPSHOT_DIR``)::
         restore/        a restore's view of one generation: local hard links plus fetched parts
         outgoing/       hard links pinning a generation while its replica is sent
         persist/        hard links pinning a generation while it is copied to disk
+        failed-restores names of generations whose restore failed (one a line; never tried again)
 
 This module is the only place that spells these names; ``generations/`` and ``replicas/``
 hold checkpoints, the other three are transient (a new worker removes what a dead one left).
@@ -33,6 +34,9 @@ PREFIX = "elasticrun-snap-"
 OWNER_FILE = "owner"
 #: The file in a snapshot directory the owning agent holds an exclusive flock on for its lifetime.
 LOCK_FILE = "lock"
+
+#: The file in a snapshot directory listing the generations whose restore failed.
+FAILED_RESTORES_FILE = "failed-restores"
 
 GENERATIONS = "generations"
 REPLICAS = "replicas"
@@ -104,9 +108,14 @@ class ShmLayout:
         return os.path.join(self.base, PERSIST)
 
     @property
+    def failed_restores(self) -> str:
+        return os.path.join(self.base, FAILED_RESTORES_FILE)
+
+    @property
     def owner(self) -> str:
         return os.path.join(self.base, OWNER_FILE)
 
 
-__all__ = ["GENERATIONS", "KINDS", "OUTGOING", "OWNER_FILE", "PERSIST", "PREFIX", "REPLICAS", "RESTORE", "SHM_DIR",
+__all__ = ["FAILED_RESTORES_FILE", "GENERATIONS", "KINDS",
+           "OUTGOING", "OWNER_FILE", "PERSIST", "PREFIX", "REPLICAS", "RESTORE", "SHM_DIR",
            "TRANSIENT", "ShmLayout", "generations_root", "job_part", "parse_root_name", "root_name", "snapshot_dir"]

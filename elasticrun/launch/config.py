@@ -151,7 +151,7 @@ class LaunchConfig:
     prewarm: bool = True  # start worker interpreters (import torch) while the rendezvous settles
     standby: int = 1  # --standby N: warm interpreters per node (1: one fork server; 0: none)
     snapshots: bool = True  # --no-snapshots: no memory tier (no ELASTICRUN_SNAPSHOT_DIR for workers)
-    snapshot_memory: Optional[int] = None  # --snapshot-memory: the memory tier's cap in bytes (None: /dev/shm)
+    snapshot_memory: Optional[int] = None  # --snapshot-memory: the memory tier's cap in bytes (None: the default cap)
     hang_timeout: float = 0.0  # --hang-timeout: restart a round whose progress stalled this long (0: off)
     metrics_port: int = 0  # --metrics-port: serve /metrics there (0: off)
     metrics_host: str = "127.0.0.1"  # --metrics-host: the address /metrics listens on

@@ -57,7 +57,8 @@ def load_latest(
     With ``memory`` (default) the job's memory snapshots (:mod:`elasticrun.checkpoint.memory`:
     every node's parts and peer replicas together, at any world size; missing parts are fetched
     from peers' memory) compete with ``root`` by training step, memory first at equal steps;
-    the result's ``.tier`` says which one was loaded.
+    the result's ``.tier`` says which one was loaded. A memory restore that fails in any way
+    falls back to the next candidate on every rank alike, and that generation is not tried again.
     Raises :class:`CheckpointError` when checkpoints exist but none can be loaded (or the
     newest cannot, with ``fallback=False``).
     """
@@ -70,15 +71,18 @@ def load_latest(
         return None
     failures = []
     for tier, where, name in names if fallback else names[:1]:
+        error: Optional[str] = None
         try:
             if tier is Tier.MEMORY:
-                ckpt, _loaded_from = _load_memory(name, state_dict, placements, process_group)
+                ckpt, error = _try_memory(name, state_dict, placements, process_group)
             else:
                 ckpt = load(where, name, state_dict=state_dict, placements=placements, process_group=process_group)
         except CheckpointError as err:  # raised on every rank alike, so all ranks move on together
-            failures.append(f"{name}: {err}")
+            error = str(err)
+        if error is not None:
+            failures.append(f"{name}: {error}")
             if fallback and len(failures) < len(names):
-                log.warning("checkpoint %s cannot be loaded (%s); trying the previous one", name, err)
+                log.warning("checkpoint %s cannot be loaded (%s); trying the previous one", name, error)
             continue
         _restore_extras(ckpt, sampler, restore_rng, process_group)
         drop_newer_generations(ckpt.training_state.step if ckpt.training_state is not None else None)
@@ -88,24 +92,61 @@ def load_latest(
     )
 
 
+def _try_memory(name: str, state_dict: Optional[Dict[str, Any]], placements: Optional[Mapping[str, Any]],
+                process_group: Any) -> Tuple[Optional[LoadedCheckpoint], Optional[str]]:
+    """Restore memory generation ``name``: ``(checkpoint, None)``, or ``(None, why)`` on every rank
+    alike when it failed on any rank in any way (a full ``/dev/shm``, a gloo error or time-out
+    during a peer fetch): the ranks agree in one collective, so none loads another step, and
+    the generation is marked failed, so no later restore tries it again. When the ranks cannot
+    even agree (the process group is broken) it is marked failed here and CheckpointError is
+    raised: the restarted round skips it."""
+    from elasticrun.checkpoint.comm import Comm
+    from elasticrun.checkpoint.memory import mark_failed
+    from elasticrun.checkpoint.storage import describe
+
+    ckpt: Optional[LoadedCheckpoint] = None
+    error: Optional[str] = None
+    try:
+        ckpt = _load_memory(name, state_dict, placements, process_group)
+    except CheckpointError as err:
+        error = str(err)
+    except Exception as err:  # noqa: BLE001 - any failure of the memory path falls back to the next candidate
+        error = f"memory snapshot {name!r} could not be restored: {describe(err)}"
+    try:
+        errors = Comm(process_group).all_gather(error)
+    except Exception as err:  # noqa: BLE001 - the group is broken: this round cannot go on
+        mark_failed(name)
+        raise CheckpointError(f"memory snapshot {name!r} could not be restored ({error or describe(err)}) and the "
+                              "ranks cannot agree on a fallback; the restarted round skips it") from None
+    first = next((e for e in errors if e), None)
+    if first is not None:
+        mark_failed(name)
+        return None, first
+    return ckpt, None
+
+
 def _load_memory(name: str, state_dict: Optional[Dict[str, Any]], placements: Optional[Mapping[str, Any]],
-                 process_group: Any) -> Tuple[LoadedCheckpoint, str]:
-    """Load memory generation ``name``: its parts are first gathered on every node from peers'
-    memory where missing (:func:`~elasticrun.checkpoint.memory.fetch.materialize`). Files are
-    not re-hashed: each was hashed when written or received (see that module)."""
+                 process_group: Any) -> LoadedCheckpoint:
+    """Load memory generation ``name``: the files each node's ranks will read are first gathered
+    there from peers' memory where missing (:func:`~elasticrun.checkpoint.memory.fetch.materialize`).
+    Files are not re-hashed: each was hashed when written or received (see that module). Tensors
+    are private copies, not maps of the files: once loaded, nothing keeps a generation's shared
+    memory alive after retention removes it."""
     from elasticrun.checkpoint import load
     from elasticrun.checkpoint.memory import materialize, release
+    from elasticrun.checkpoint.tree import flatten
 
     t0 = time.perf_counter()
-    where, fetched = materialize(name, process_group)
+    names = list(flatten(state_dict)[0]) if state_dict is not None else None
+    where, fetched = materialize(name, process_group, names, placements)
     try:
         ckpt = load(where, name, state_dict=state_dict, placements=placements, process_group=process_group,
-                    verify=False)
+                    verify=False, mmap=False)
     finally:
         release(name)
     log.info("restored memory snapshot %s in %.2fs (%d file(s), %d bytes fetched from peers)", name,
              time.perf_counter() - t0, fetched["files"], fetched["bytes"])
-    return ckpt, where
+    return ckpt
 
 
 def _restore_extras(ckpt: LoadedCheckpoint, sampler: Any, restore_rng: bool, process_group: Any) -> None:

@@ -70,7 +70,8 @@ def summary(args: Any, soak: Any, audit: AuditResult, skipped: Dict[str, str], e
                   "generations": audit.generations},
         "checkpoints": {"committed": len(audit.saves), "verified": soak.verified, "verify_failed": soak.verify_failed,
                         "retired_before_verify": soak.retired, "save_failures": len(audit.save_failures),
-                        "left_at_end": final["left"], "left_verified": final["left_verified"]},
+                        "left_at_end": final["left"], "left_verified": final["left_verified"],
+                        "restore_fallbacks": getattr(soak, "restore_fallbacks", lambda: 0)()},
         "samples": {"checked": audit.samples_checked, "epochs": audit.epochs_checked, "seen_twice": audit.samples_twice,
                     "skipped": audit.samples_skipped},
         "goodput": goodput or {"error": "not read"},
@@ -100,7 +101,7 @@ def render(res: Dict[str, Any], say: Callable[[str], None]) -> None:
         ("checkpoints", f"{ck['committed']} committed, {ck['verified']} verified right after commit "
                         f"({ck['retired_before_verify']} retired first), {ck['verify_failed']} failed; "
                         f"{ck['save_failures']} saves refused; {ck['left_verified']}/{ck['left_at_end']} left "
-                        f"at the end verify"),
+                        f"at the end verify; {ck.get('restore_fallbacks', 0)} restores fell back"),
         ("samples", f"{sm['checked']} audited over {sm['epochs']} epochs: {sm['seen_twice']} seen twice, "
                     f"{sm['skipped']} skipped"),
         ("goodput", goodput_text(res["goodput"])),

@@ -232,12 +232,14 @@ class Soak:
                 return
             pid, node = pick(procs)
             f.target = f"memory tier of {node} full (cap 1 byte); its worker pid {pid} SIGKILLed to restore"
-            refused0 = self._count("snapshot_failed")
+            refused0, fell0 = self._count("snapshot_failed"), self.restore_fallbacks()
             _write(self.shm_file, node)
             _signal(pid, signal.SIGKILL)
             bit = self.wait("a snapshot to be refused", lambda: self._count("snapshot_failed") > refused0,
                             f.duration)
             f.notes.append("a snapshot was refused" if bit else "no snapshot was attempted while full")
+            if self.restore_fallbacks() > fell0:
+                f.notes.append(f"{self.restore_fallbacks() - fell0} memory restore(s) refused: fell back")
             self.shm_file.unlink(missing_ok=True)
         f.t_end = time.time()
         ok = self.wait("recovery", lambda: self._recovered(f, gen0, saves0), self.deadline_s)
@@ -306,6 +308,10 @@ class Soak:
 
     def _save_failures(self) -> int:
         return self._count("save_failed")
+
+    def restore_fallbacks(self) -> int:
+        """Checkpoints that workers' ``load_latest`` gave up on (then loaded an older one)."""
+        return self._count("restore_fallback")
 
     def _count(self, event: str) -> int:
         return sum(1 for r in self.tail.records if r["ev"] == event)

@@ -11,8 +11,9 @@ by patching the names the example looks up at call time:
   sleeps forever right after its next step (the ``hang`` fault; the agents' ``--hang-timeout`` must
   notice and restart the round);
 - while ``$CHAOS_SHM_FULL_FILE`` names this node, ``ELASTICRUN_SNAPSHOT_MEMORY`` is lowered to 1 byte
-  in this worker (the memory tier is full: every snapshot and memory restore must be refused there
-  and training go on); ``snapshot``/``snapshot_failed`` lines record what the memory tier did;
+  in this worker (the memory tier is full: every snapshot and memory restore that needs space there
+  must be refused and training go on); ``snapshot``/``snapshot_failed`` lines record what the memory
+  tier did, ``restore_fallback`` lines each checkpoint ``load_latest`` gave up on (then took an older one);
 - ``--steps`` becomes the number in ``$CHAOS_STOP_FILE`` once that file exists, so the soak can end
   the job cleanly at a step every rank agrees on (the file is written once, ahead of every rank).
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import logging
 import os
 import sys
 import time
@@ -134,9 +136,22 @@ def _hang_if_told() -> None:
         time.sleep(3600)
 
 
+class _Fallbacks(logging.Handler):
+    """Audits each checkpoint ``load_latest`` gave up on (a ``restore_fallback`` line)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if AUDIT is not None and record.levelno >= logging.WARNING and "cannot be loaded" in record.getMessage():
+            AUDIT.write("restore_fallback", error=record.getMessage()[:300])
+
+
 def _load_latest(*args: Any, **kwargs: Any) -> Any:
     _shm_full_if_told()
-    ckpt = _ORIG_LOAD_LATEST(*args, **kwargs)
+    log, handler = logging.getLogger("elasticrun.train.resume"), _Fallbacks()
+    log.addHandler(handler)
+    try:
+        ckpt = _ORIG_LOAD_LATEST(*args, **kwargs)
+    finally:
+        log.removeHandler(handler)
     if AUDIT is not None:
         step = ckpt.training_state.step if (ckpt is not None and ckpt.training_state) else 0
         AUDIT.step = step

@@ -31,6 +31,7 @@ _LAZY = {
     "Tier": "elasticrun.checkpoint.memory.restore",
     "candidates": "elasticrun.checkpoint.memory.restore",
     "drop_newer_generations": "elasticrun.checkpoint.memory.restore",
+    "mark_failed": "elasticrun.checkpoint.memory.restore",
     "materialize": "elasticrun.checkpoint.memory.fetch",
     "release": "elasticrun.checkpoint.memory.fetch",
 }
@@ -45,4 +46,4 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["ResumedCheckpoint", "SnapshotMemoryError", "SnapshotUnavailable", "Snapshotter", "Tier", "candidates",
-           "drop_newer_generations", "materialize", "release", "snapshot"]
+           "drop_newer_generations", "mark_failed", "materialize", "release", "snapshot"]

@@ -2,8 +2,9 @@
 
 A node holds, per generation, the parts its ranks write plus (on several nodes) a replica of
 its ring predecessor's parts; :func:`plan_memory` sizes that on every rank, collectively, and
-checks it against the node's free shared memory and the ``--snapshot-memory`` cap
-(``ELASTICRUN_SNAPSHOT_MEMORY``, a size as :func:`elasticrun.sizes.parse_size` reads it).
+checks it against the node's free shared memory and the cap: ``--snapshot-memory``
+(``ELASTICRUN_SNAPSHOT_MEMORY``, a size as :func:`elasticrun.sizes.parse_size` reads it), or
+the default cap of :mod:`~.space` (half of shared memory and of the container's memory limit).
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from typing import Any, Mapping, Optional, Tuple
 from elasticrun.checkpoint.comm import Comm
 from elasticrun.checkpoint.format import Placement, Shard
 from elasticrun.checkpoint.memory.commit import NodeLayout
+from elasticrun.checkpoint.memory.space import dir_bytes, memory_cap
 from elasticrun.errors import CheckpointError
 from elasticrun.job import env as env_names
-from elasticrun.sizes import parse_size
 
 
 class SnapshotUnavailable(CheckpointError):
@@ -37,17 +38,6 @@ def human(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def _dir_bytes(path: str) -> int:
-    total = 0
-    for dirpath, _dirs, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
-            except OSError:
-                pass
-    return total
-
-
 def plan_memory(state_dict: Mapping[str, Any], placements: Optional[Mapping[str, Placement]], comm: Comm,
                 base: Optional[str], generations: int) -> Tuple[int, NodeLayout]:
     """Collective: the bytes of one generation and which ranks share a node (a snapshot directory);
@@ -61,7 +51,8 @@ def plan_memory(state_dict: Mapping[str, Any], placements: Optional[Mapping[str,
 
     error: Optional[str] = None
     rep = shard = 0
-    free = used = -1
+    free = used = cap = -1
+    cap_from = cap_error = ""
     if base is None:
         missing = f"no memory tier: {env_names.SNAPSHOT_DIR} is not set (run under elasticrun on Linux, or pass base=)"
     else:
@@ -77,15 +68,21 @@ def plan_memory(state_dict: Mapping[str, Any], placements: Optional[Mapping[str,
                 rep += n
         if base is not None:
             st = os.statvfs(base)
-            free, used = st.f_bavail * st.f_frsize, _dir_bytes(base)
+            free, used = st.f_bavail * st.f_frsize, dir_bytes(base)
+            cap, cap_from = memory_cap(base)
+    except ValueError as err:  # the cap is not a size
+        cap_error = f"{env_names.SNAPSHOT_MEMORY}: {err}"
     except Exception as err:  # noqa: BLE001 - reported collectively below
         error = f"cannot size the snapshot: {err}"
     mine = {"dir": os.path.realpath(base or "."), "rep": rep, "shard": shard, "free": free, "used": used,
-            "error": error, "missing": missing}
+            "cap": cap, "cap_from": cap_from, "cap_error": cap_error, "error": error, "missing": missing}
     everyone = comm.all_gather(mine)
     for r, g in enumerate(everyone):
         if g["missing"]:
             raise SnapshotUnavailable(g["missing"] if comm.world_size == 1 else f"rank {r}: {g['missing']}")
+    for g in everyone:
+        if g["cap_error"]:
+            raise SnapshotMemoryError(g["cap_error"])
     for r, g in enumerate(everyone):
         if g["error"]:
             raise CheckpointError(f"rank {r}: {g['error']}")
@@ -95,25 +92,20 @@ def plan_memory(state_dict: Mapping[str, Any], placements: Optional[Mapping[str,
     parts = [everyone[0]["rep"] * len(ranks) // world + sum(everyone[r]["shard"] for r in ranks)
              for ranks in layout.nodes]
     several = len(layout.nodes) > 1
-    cap_text = os.environ.get(env_names.SNAPSHOT_MEMORY, "").strip()
-    cap: Optional[int] = None
-    if cap_text:
-        try:
-            cap = parse_size(cap_text)
-        except ValueError as err:
-            raise SnapshotMemoryError(f"{env_names.SNAPSHOT_MEMORY}: {err}") from None
     for i, ranks in enumerate(layout.nodes):
         per_gen = parts[i] + (parts[layout.predecessor(i)] if several else 0)
         need = per_gen * generations
         what = (f"{generations} generations of {human(per_gen)}" if not several else
                 f"{generations} generations of {human(per_gen)}: its parts and a peer's replica")
         where = f" on node {i}" if several else ""
-        if cap is not None and need > cap:
-            raise SnapshotMemoryError(
-                f"memory snapshots need {human(need)}{where} ({what}) but {env_names.SNAPSHOT_MEMORY} caps them at "
-                f"{human(cap)}: raise the cap or snapshot less state"
-            )
         g = everyone[ranks[0]]
+        if need > g["cap"]:
+            how = ("raise the cap" if g["cap_from"] == env_names.SNAPSHOT_MEMORY else
+                   f"raise it with --snapshot-memory ({env_names.SNAPSHOT_MEMORY})")
+            raise SnapshotMemoryError(
+                f"memory snapshots need {human(need)}{where} ({what}) but {g['cap_from']} caps them at "
+                f"{human(g['cap'])}: {how} or snapshot less state"
+            )
         room = g["free"] + g["used"]
         if need > room:
             raise SnapshotMemoryError(

@@ -1,13 +1,18 @@
-"""Bring every file of a memory generation onto every node, from its peers' memory.
+"""Bring the files of a memory generation that each node will read onto it, from its peers' memory.
 
-:func:`materialize` (collective) runs before a memory generation is loaded. A node that
-holds every file in its own ``generations/<name>/`` loads from there (a worker restarted
-on the same node). Any other node — one that lost a peer (its parts are in a survivor's
-``replicas/``), or a newcomer after a scale-up (it has nothing) — gets
-``<snapshot dir>/restore/<name>/``: hard links to what it holds locally, plus the missing
-files fetched from the first node that holds each one, over the process group
+:func:`materialize` (collective) runs before a memory generation is loaded. Each rank works
+out which files it will read (:func:`files_needed`: the chunks that overlap its part of each
+tensor at the new world size); a node whose own ``generations/<name>/`` holds every file its
+ranks read loads from there (e.g. a worker restarted on the same node: nothing moves). Any
+other node — one that lost a peer (its parts are in a survivor's ``replicas/``), or a
+newcomer after a scale-up (it has nothing) — gets ``<snapshot dir>/restore/<name>/``: hard
+links to the files it needs and holds, plus the missing ones it needs fetched from the
+first node that holds each one, over the process group
 (point-to-point, in one global order that every rank computes alike: deadlock-free). The
-normal resharding reader then loads from there at any world size.
+normal resharding reader then loads from there at any world size. What a node fetches counts
+against the memory tier's cap (:mod:`~.space`) and must fit in its free shared memory: a
+restore that would not fit fails (on every rank alike) before any byte moves, and
+``load_latest`` falls back to the next checkpoint.
 
 Integrity: every file of a memory generation was hashed once — by the rank that wrote it
 (the checksum in ``metadata.json`` is computed over the bytes written) or on receipt (a
@@ -21,13 +26,17 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from elasticrun.checkpoint.comm import Comm
 from elasticrun.checkpoint.format import METADATA_FILE, CheckpointMeta
+from elasticrun.checkpoint.memory.budget import human
 from elasticrun.checkpoint.memory.commit import NodeLayout
 from elasticrun.checkpoint.memory.replicas import recv_file, send_file
 from elasticrun.checkpoint.memory.restore import gather_inventories
+from elasticrun.checkpoint.memory.space import dir_bytes, memory_cap
+from elasticrun.checkpoint.regions import region_for
+from elasticrun.checkpoint.storage import describe
 from elasticrun.errors import CheckpointError
 from elasticrun.job.shm import GENERATIONS, REPLICAS, ShmLayout, snapshot_dir
 
@@ -40,10 +49,44 @@ def _local_path(base: str, name: str, fname: str) -> Optional[str]:
     return None
 
 
-def materialize(name: str, process_group: Any = None) -> Tuple[str, Dict[str, int]]:
-    """Make generation ``name`` loadable on every node (collective). Returns the checkpoint
-    root to load it from on this rank and what was fetched (``{"files": n, "bytes": b}`` for
-    this node). Raises :class:`CheckpointError` on every rank alike when it cannot."""
+def files_needed(meta: CheckpointMeta, names: Optional[Sequence[str]], placements: Mapping[str, Any], rank: int,
+                 world: int) -> Set[str]:
+    """The files of ``meta`` that ``rank`` of ``world`` reads to load ``names`` (None: every
+    tensor) under ``placements``: those holding a chunk that overlaps the rank's region."""
+    out: Set[str] = set()
+    for n in meta.tensors if names is None else names:
+        entry = meta.tensors.get(n)
+        if entry is None:
+            continue  # the load reports it
+        offsets, shape = region_for(entry, placements.get(n, entry.placement), rank, world)
+        for c in entry.chunks:
+            if all(max(o, co) < min(o + s, co + cs) for o, s, co, cs in zip(offsets, shape, c.offsets, c.shape)):
+                out.add(c.file)
+    return out
+
+
+def _room_problem(base: str, name: str, node: int, nbytes: int) -> Optional[str]:
+    """Why this node cannot take ``nbytes`` more for restoring ``name`` (the cap, or free space)."""
+    try:
+        cap, label = memory_cap(base)
+        used, st = dir_bytes(base), os.statvfs(base)
+    except (OSError, ValueError) as err:
+        return f"memory snapshot {name!r}: cannot size its restore on node {node}: {err}"
+    if used + nbytes > cap:
+        return (f"memory snapshot {name!r}: restoring it on node {node} takes {human(nbytes)} more (files fetched "
+                f"from peers, its metadata), {human(used + nbytes)} in all, over {label} ({human(cap)})")
+    if nbytes > st.f_bavail * st.f_frsize:
+        return f"memory snapshot {name!r}: node {node} has {human(st.f_bavail * st.f_frsize)} of shared memory free"
+    return None
+
+
+def materialize(name: str, process_group: Any = None, names: Optional[Sequence[str]] = None,
+                placements: Optional[Mapping[str, Any]] = None) -> Tuple[str, Dict[str, int]]:
+    """Make generation ``name`` loadable on every node (collective): each node gets the files its
+    ranks will read to load ``names`` (None: every tensor) under ``placements``. Returns the
+    checkpoint root to load it from on this rank and what was fetched (``{"files": n, "bytes":
+    b}`` for this node). Raises :class:`CheckpointError` on every rank alike when it cannot
+    (a local I/O error never leaves a peer waiting); a transport error (gloo) escapes."""
     comm = Comm(process_group)
     dirs, invs = gather_inventories(comm)
     if any(d is None for d in dirs):
@@ -56,23 +99,31 @@ def materialize(name: str, process_group: Any = None) -> Tuple[str, Dict[str, in
     if comm.rank == holder:
         p = next((os.path.join(base, sub, name, METADATA_FILE) for sub in (GENERATIONS, REPLICAS)
                   if os.path.exists(os.path.join(base, sub, name, METADATA_FILE))), None)
-        if p is not None:
-            with open(p, "rb") as f:
+        try:
+            with open(p or "", "rb") as f:
                 meta_bytes = f.read()
+        except OSError:
+            meta_bytes = None
     got = comm.all_gather(meta_bytes if comm.rank == holder else None)
     raw = got[holder] if holder is not None else None
     if raw is None:
         raise CheckpointError(f"memory snapshot {name!r} is no longer in memory")
     meta = CheckpointMeta.loads(raw, f"memory snapshot {name}")
+    try:
+        mine = sorted(files_needed(meta, names, placements or {}, comm.rank, comm.world_size))
+    except CheckpointError:
+        mine = sorted(meta.files)  # the load itself says what is wrong
+    wanted = comm.all_gather(mine)
+    need = [set().union(*(wanted[r] for r in ranks)) for ranks in layout.nodes]
 
     # Every transfer (file, from node, to node), in one order computed alike on every rank.
-    local_all = [set(h["gen"]) == set(meta.files) for h in have]
+    local_all = [need[n] <= set(h["gen"]) for n, h in enumerate(have)]
     present = [set(h["gen"]) | set(h["rep"]) for h in have]
     transfers: List[Tuple[str, int, int]] = []
     for n in range(len(layout.nodes)):
         if local_all[n]:
             continue
-        for fname in sorted(set(meta.files) - present[n]):
+        for fname in sorted(need[n] - present[n]):
             src = next((m for m in range(len(layout.nodes)) if fname in present[m]), None)
             if src is None:
                 raise CheckpointError(f"memory snapshot {name!r}: {fname} is on no node any more")
@@ -80,26 +131,36 @@ def materialize(name: str, process_group: Any = None) -> Tuple[str, Dict[str, in
 
     me, leader = layout.me, layout.leader
     restore = os.path.join(ShmLayout(base).restore, name)
+    problem: Optional[str] = None
+    if leader and not local_all[me]:
+        problem = _room_problem(base, name, me, len(raw) + sum(meta.files[f].size for f, _s, d in transfers if d == me))
+        try:
+            shutil.rmtree(restore, ignore_errors=True)
+            os.makedirs(restore)
+        except OSError as err:
+            problem = problem or f"memory snapshot {name!r}: cannot create its restore directory on node {me}: {err}"
+    _raise_first(name, comm.all_gather(problem))  # before any transfer: every rank alike
+
     problems: List[str] = []
     fetched = {"files": 0, "bytes": 0}
-    if leader and not local_all[me]:
-        shutil.rmtree(restore, ignore_errors=True)
-        os.makedirs(restore)
     for fname, src, dst in transfers:
         entry = meta.files[fname]
-        if leader and me == src:
-            problem = send_file(_local_path(base, name, fname), entry.size, layout.nodes[dst][0], comm.group)
-            if problem:
-                problems.append(f"memory snapshot {name!r}: {problem}")
-        elif leader and me == dst:
-            problem = recv_file(os.path.join(restore, fname), entry, layout.nodes[src][0], comm.group)
-            if problem:
-                problems.append(f"memory snapshot {name!r}: {problem}")
-            fetched["files"] += 1
-            fetched["bytes"] += entry.size
+        if not leader or me not in (src, dst):
+            continue
+        try:  # a failure (a full /dev/shm, a gloo error or time-out) becomes a problem: the collectives stay in step
+            if me == src:
+                p = send_file(_local_path(base, name, fname), entry.size, layout.nodes[dst][0], comm.group)
+            else:
+                p = recv_file(os.path.join(restore, fname), entry, layout.nodes[src][0], comm.group)
+                fetched["files"] += 1
+                fetched["bytes"] += entry.size
+        except Exception as err:  # noqa: BLE001 - reported to every rank below
+            p = f"{fname}: {describe(err)}"
+        if p:
+            problems.append(f"memory snapshot {name!r}: {p}")
     if leader and not local_all[me] and not problems:
         try:
-            for fname in sorted(present[me]):
+            for fname in sorted(need[me] & present[me]):
                 src_path = _local_path(base, name, fname)
                 if src_path is None:
                     raise CheckpointError(f"memory snapshot {name!r}: {fname} vanished from this node")
@@ -108,13 +169,17 @@ def materialize(name: str, process_group: Any = None) -> Tuple[str, Dict[str, in
                 f.write(raw)
         except (OSError, CheckpointError) as err:
             problems.append(f"memory snapshot {name!r} cannot be assembled on node {me}: {err}")
-    everyone = comm.all_gather(problems)
-    for p in everyone:
-        if p:
-            release(name)
-            raise CheckpointError(p[0])
+    _raise_first(name, comm.all_gather(problems[0] if problems else None))
     root = ShmLayout(base).generations if local_all[me] else ShmLayout(base).restore
     return root, fetched
+
+
+def _raise_first(name: str, problems: List[Optional[str]]) -> None:
+    """Raise the first of every rank's problems, on every rank (releasing this node's copy)."""
+    for p in problems:
+        if p:
+            release(name)
+            raise CheckpointError(p)
 
 
 def release(name: str) -> None:
@@ -124,4 +189,4 @@ def release(name: str) -> None:
         shutil.rmtree(os.path.join(ShmLayout(base).restore, name), ignore_errors=True)
 
 
-__all__ = ["materialize", "release"]
+__all__ = ["files_needed", "materialize", "release"]

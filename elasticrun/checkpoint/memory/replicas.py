@@ -33,6 +33,7 @@ from elasticrun.checkpoint.checksum import Digest
 from elasticrun.checkpoint.commit import new_token
 from elasticrun.checkpoint.format import METADATA_FILE, CheckpointMeta, FileEntry, tmp_dir_name
 from elasticrun.checkpoint.memory.commit import NodeLayout, retain
+from elasticrun.checkpoint.memory.restore import files_digest
 from elasticrun.errors import CheckpointError
 from elasticrun.job import env as env_names
 from elasticrun.job.shm import ShmLayout
@@ -80,25 +81,76 @@ def send_file(path: Optional[str], size: int, dst: int, group: Any) -> Optional[
 
 def recv_file(path: str, entry: FileEntry, src: int, group: Any) -> Optional[str]:
     """Receive ``entry.size`` bytes from group rank ``src`` into ``path``; the problem or None
-    (its checksum checked against ``entry``)."""
+    (its checksum checked against ``entry``). A local write error (a full ``/dev/shm``) still
+    receives every byte, so the sender and later transfers stay in step; the file is removed."""
     import torch.distributed as dist
 
-    digest = Digest(entry.algo)
-    with open(path, "wb") as f:
+    sink = FileSink(os.path.dirname(path), [entry])
+    try:
         for _off, n in _chunks(entry.size):
             t = torch.empty(n, dtype=torch.uint8)
             dist.recv(t, src=_global(group, src), group=group)
-            view = memoryview(t.numpy()).cast("B")
-            digest.update(view)
-            f.write(view)
-    return None if digest.hexdigest() == entry.digest else f"{entry.name} arrived corrupt ({entry.algo.value} mismatch)"
+            sink(0, memoryview(t.numpy()).cast("B"))
+    finally:
+        sink.close()
+    problem = sink.problem([entry])
+    if problem:
+        sink.discard()
+    return problem
+
+
+class FileSink:
+    """Writes received files into ``folder`` while hashing them; a write error is remembered
+    (later bytes are hashed and dropped) rather than raised, so a transfer is always drained."""
+
+    def __init__(self, folder: str, entries: Sequence[FileEntry]) -> None:
+        self.folder, self.entries = folder, list(entries)
+        self.hashes = [Digest(e.algo) for e in entries]
+        self.handles: dict = {}
+        self.error: Optional[str] = None
+
+    def __call__(self, i: int, data: memoryview) -> None:
+        self.hashes[i].update(data)
+        if self.error is not None:
+            return
+        try:
+            f = self.handles.get(i) or self.handles.setdefault(
+                i, open(os.path.join(self.folder, self.entries[i].name), "wb"))  # noqa: SIM115 - closed by close()
+            f.write(data)
+        except OSError as err:
+            self.error = f"cannot store {self.entries[i].name}: {err.strerror or err}"
+
+    def close(self) -> None:
+        for f in self.handles.values():
+            try:
+                f.close()
+            except OSError as err:
+                self.error = self.error or f"cannot store a received file: {err.strerror or err}"
+        self.handles.clear()
+
+    def problem(self, expected: Sequence[FileEntry]) -> Optional[str]:
+        """The write error, or the first file whose checksum differs from ``expected`` (same order)."""
+        if self.error:
+            return self.error
+        for e, h in zip(expected, self.hashes):
+            if h.hexdigest() != e.digest:
+                return f"{e.name} arrived corrupt ({e.algo.value} mismatch)"
+        return None
+
+    def discard(self) -> None:
+        for e in self.entries:
+            try:
+                os.unlink(os.path.join(self.folder, e.name))
+            except OSError:
+                pass
 
 
 def exchange(group: Any, dst: Optional[int], outgoing: Sequence[Tuple[str, int]], src: Optional[int],
-             incoming: Sequence[int], sink: Callable[[int, memoryview], None]) -> None:
+             incoming: Sequence[int], sink: Callable[[int, memoryview], None], tag: int = 0) -> None:
     """Send the files ``outgoing`` ([(path, size)]) to ``dst`` while receiving ``incoming``
     (sizes) from ``src``: per chunk, the send is posted before the receive (deadlock-free on a
-    ring). ``sink(file index, bytes)`` gets the received bytes in order."""
+    ring). ``sink(file index, bytes)`` gets the received bytes in order. ``tag`` keeps this
+    exchange's messages apart from any other's (e.g. one an error cut short)."""
     import torch.distributed as dist
 
     sends = [(path, off, n) for path, size in outgoing for off, n in _chunks(size)]
@@ -114,11 +166,12 @@ def exchange(group: Any, dst: Optional[int], outgoing: Sequence[Tuple[str, int]]
                 f.seek(off)
                 if f.readinto(buf) != n:
                     raise CheckpointError(f"{path} is shorter than expected")
-                work = dist.isend(torch.frombuffer(buf, dtype=torch.uint8), dst=_global(group, dst), group=group)
+                work = dist.isend(torch.frombuffer(buf, dtype=torch.uint8), dst=_global(group, dst), group=group,
+                                  tag=tag)
             if k < len(recvs) and src is not None:
                 i, n = recvs[k]
                 t = torch.empty(n, dtype=torch.uint8)
-                dist.recv(t, src=_global(group, src), group=group)
+                dist.recv(t, src=_global(group, src), group=group, tag=tag)
                 sink(i, memoryview(t.numpy()).cast("B"))
             if work is not None:
                 work.wait()
@@ -127,34 +180,52 @@ def exchange(group: Any, dst: Optional[int], outgoing: Sequence[Tuple[str, int]]
             f.close()
 
 
-def _send_header(group: Any, dst: Optional[int], src: Optional[int], meta: Optional[bytes]) -> Optional[bytes]:
+def _send_header(group: Any, dst: Optional[int], src: Optional[int], meta: Optional[bytes],
+                 tag: int = 0) -> Optional[bytes]:
     """Exchange ``[ok, len(metadata)]`` + metadata bytes with the ring neighbours; the predecessor's
     metadata (None when it has nothing to send)."""
     import torch.distributed as dist
 
     head = torch.tensor([1 if meta else 0, len(meta or b"")], dtype=torch.int64)
-    work = dist.isend(head, dst=_global(group, dst), group=group) if dst is not None else None
+    work = dist.isend(head, dst=_global(group, dst), group=group, tag=tag) if dst is not None else None
     theirs = torch.zeros(2, dtype=torch.int64)
     if src is not None:
-        dist.recv(theirs, src=_global(group, src), group=group)
+        dist.recv(theirs, src=_global(group, src), group=group, tag=tag)
     if work is not None:
         work.wait()
     body_work, out = None, torch.frombuffer(bytearray(meta or b"\0"), dtype=torch.uint8)
     if dst is not None and meta:
-        body_work = dist.isend(out, dst=_global(group, dst), group=group)
+        body_work = dist.isend(out, dst=_global(group, dst), group=group, tag=tag)
     got: Optional[bytes] = None
     if src is not None and int(theirs[0]):
         body = torch.empty(int(theirs[1]), dtype=torch.uint8)
-        dist.recv(body, src=_global(group, src), group=group)
+        dist.recv(body, src=_global(group, src), group=group, tag=tag)
         got = bytes(body.numpy())
     if body_work is not None:
         body_work.wait()
     return got
 
 
-def replicate_generation(base: str, name: str, layout: NodeLayout, group: Any, keep: int) -> Optional[str]:
+def _expected(own: Optional[CheckpointMeta], sent: CheckpointMeta, layout: NodeLayout,
+              entries: List[FileEntry]) -> Tuple[List[FileEntry], Optional[str]]:
+    """The entries to check the received files against: this node's own copy of the
+    generation's metadata (committed here by the same collective), not only the sender's."""
+    if own is None:
+        return entries, "this node has no copy of the generation's metadata to check it against"
+    mine = layout.files_of_node(own, layout.predecessor(layout.me))
+    if files_digest(own) != files_digest(sent) or [e.name for e in mine] != [e.name for e in entries]:
+        return entries, "the sender's metadata differs from this node's copy"
+    return mine, None
+
+
+def replicate_generation(base: str, name: str, layout: NodeLayout, group: Any, keep: int,
+                         tag: int = 0) -> Optional[str]:
     """Leaders only, on every leader at once: send this node's parts of ``name`` to the next node
-    and store the previous node's parts as a replica. Returns the replica's name or None."""
+    and store the previous node's parts as a replica. Returns the replica's name or None.
+    A failed receipt (a write error, a checksum that differs from this node's own metadata)
+    still drains the transfer, so the pair stays in step, and leaves no temporary directory;
+    ``tag`` (the same on both sides) keeps a transfer that a transport error cut short from
+    mixing with the next one."""
     me = layout.me
     if len(layout.nodes) < 2 or not layout.leader:
         return None
@@ -162,58 +233,56 @@ def replicate_generation(base: str, name: str, layout: NodeLayout, group: Any, k
     gen = os.path.join(ShmLayout(base).generations, name)
     stage = os.path.join(ShmLayout(base).outgoing, name)
     meta_bytes: Optional[bytes] = None
+    own: Optional[CheckpointMeta] = None
     outgoing: List[Tuple[str, int]] = []
     try:  # hard links pin the files: retention may remove the generation meanwhile
         shutil.rmtree(stage, ignore_errors=True)
         os.makedirs(stage)
         with open(os.path.join(gen, METADATA_FILE), "rb") as f:
             meta_bytes = f.read()
-        mine = CheckpointMeta.loads(meta_bytes, gen)
-        for e in layout.files_of_node(mine, me):
+        own = CheckpointMeta.loads(meta_bytes, gen)
+        for e in layout.files_of_node(own, me):
             os.link(os.path.join(gen, e.name), os.path.join(stage, e.name))
             outgoing.append((os.path.join(stage, e.name), e.size))
     except (OSError, CheckpointError) as err:
         log.warning("snapshot %s is gone before its replica was sent (%s): skipped", name, err)
         meta_bytes, outgoing = None, []
+    root = ShmLayout(base).replicas
+    tmp = os.path.join(root, tmp_dir_name(name, new_token()))
     try:
-        theirs = _send_header(group, dst, src, meta_bytes)
-        meta = CheckpointMeta.loads(theirs, f"replica of {name}") if theirs else None
-        entries = layout.files_of_node(meta, layout.predecessor(me)) if meta is not None else []
-        root = ShmLayout(base).replicas
-        tmp = os.path.join(root, tmp_dir_name(name, new_token()))
+        theirs = _send_header(group, dst, src, meta_bytes, tag)
+        sent = CheckpointMeta.loads(theirs, f"replica of {name}") if theirs else None
+        entries = layout.files_of_node(sent, layout.predecessor(me)) if sent is not None else []
+        sink = FileSink(tmp, entries)
         if entries:
-            os.makedirs(tmp)
-        hashes = [Digest(e.algo) for e in entries]
-        handles: dict = {}
-
-        def sink(i: int, data: memoryview) -> None:
-            f = handles.get(i) or handles.setdefault(i, open(os.path.join(tmp, entries[i].name), "wb"))  # noqa: SIM115
-            hashes[i].update(data)
-            f.write(data)
-
+            try:
+                os.makedirs(tmp)
+            except OSError as err:
+                sink.error = f"cannot create {tmp}: {err.strerror or err}"
         try:
             exchange(group, dst if outgoing else None, outgoing, src if entries else None,
-                     [e.size for e in entries], sink)
+                     [e.size for e in entries], sink, tag)
         finally:
-            for f in handles.values():
-                f.close()
-        if not entries:
+            sink.close()
+        if sent is None or not entries:
             return None
-        bad = [e for e, h in zip(entries, hashes) if h.hexdigest() != e.digest]
-        if bad:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(f"{bad[0].name} arrived corrupt ({bad[0].algo.value} mismatch)")
+        expected, mismatch = _expected(own, sent, layout, entries)
+        problem = mismatch or sink.problem(expected)
+        if problem:
+            raise CheckpointError(f"replica of {name} from node {layout.predecessor(me)} rejected: {problem}")
         with open(os.path.join(tmp, REPLICA_FILE), "w", encoding="utf-8") as f:
             json.dump({"from_node": layout.predecessor(me), "to_node": me,
                        "files": [e.name for e in entries]}, f)
-        assert theirs is not None
         with open(os.path.join(tmp, METADATA_FILE), "wb") as f:
-            f.write(theirs)
+            f.write(meta_bytes or b"")  # this node's own copy: the one the files were checked against
         final = os.path.join(root, name)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)
         retain(root, keep, protect=name)
         return name
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     finally:
         shutil.rmtree(stage, ignore_errors=True)
 
@@ -234,6 +303,7 @@ class Replicator:
         self.last: Optional[str] = None
         self.persisted: Optional[str] = None  # the generation persisted to disk last (rank 0)
         self.errors: List[str] = []
+        self._seq = 0  # generations handled: the same count on every rank (each submits the same ones)
         self._thread = threading.Thread(target=self._loop, name="snapshot-replicas", daemon=True)
         self._thread.start()
 
@@ -255,9 +325,10 @@ class Replicator:
                 return
             what, layout, persist = item
             name: Optional[str] = None
+            self._seq += 1
             try:
                 name = what if isinstance(what, str) else what.result()
-                got = replicate_generation(self.base, name, layout, self.group, self.keep)
+                got = replicate_generation(self.base, name, layout, self.group, self.keep, tag=self._seq % (1 << 24))
                 if got:
                     self.last = got
             except Exception as err:  # noqa: BLE001 - a lost replica must not stop training
@@ -287,4 +358,4 @@ class Replicator:
         self._queue.put(None)
 
 
-__all__ = ["REPLICA_FILE", "Replicator", "exchange", "recv_file", "replicate_generation", "send_file"]
+__all__ = ["REPLICA_FILE", "FileSink", "Replicator", "exchange", "recv_file", "replicate_generation", "send_file"]

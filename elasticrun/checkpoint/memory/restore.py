@@ -16,17 +16,20 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import logging
 import os
 import shutil
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from elasticrun.checkpoint.format import METADATA_FILE, CheckpointMeta
 from elasticrun.checkpoint.memory.commit import committed
 from elasticrun.checkpoint.reader import LoadedCheckpoint
 from elasticrun.checkpoint.validate import CheckpointStatus
 from elasticrun.job import env as env_names
-from elasticrun.job.shm import GENERATIONS, REPLICAS, generations_root, snapshot_dir
+from elasticrun.job.shm import GENERATIONS, REPLICAS, ShmLayout, generations_root, snapshot_dir
+
+log = logging.getLogger(__name__)
 
 
 class Tier(str, enum.Enum):
@@ -102,9 +105,33 @@ def memory_inventory(base: Optional[str] = None) -> List[MemoryGeneration]:
     return out
 
 
+def failed_restores(base: Optional[str] = None) -> Set[str]:
+    """The generations whose restore failed on this node (:func:`mark_failed`)."""
+    base = base or snapshot_dir()
+    try:
+        with open(ShmLayout(base or "").failed_restores, encoding="utf-8") as f:
+            return {line.strip() for line in f if line.strip()}
+    except OSError:
+        return set()
+
+
+def mark_failed(name: str, base: Optional[str] = None) -> None:
+    """Record that restoring generation ``name`` failed: no restore of this job tries it again
+    (:func:`gather_inventories` leaves out a generation that any node marked)."""
+    base = base or snapshot_dir()
+    if base is None or name in failed_restores(base):
+        return
+    try:
+        with open(ShmLayout(base).failed_restores, "a", encoding="utf-8") as f:
+            f.write(name + "\n")
+    except OSError as err:  # the collective decision still skips it in this restore
+        log.warning("cannot record the failed restore of %s: %s", name, err)
+
+
 def gather_inventories(comm: Any, memory: bool = True) -> Tuple[List[Optional[str]], List[Dict[str, Any]]]:
     """Collective: every rank's snapshot directory (real path, or None) and a summary of its
-    inventory: ``{name: {"step", "digest", "seq", "gen": [files], "rep": [files], "files": n}}``."""
+    inventory: ``{name: {"step", "digest", "seq", "gen": [files], "rep": [files], "files": n}}``;
+    a generation whose restore failed on any node (:func:`mark_failed`) is left out everywhere."""
     base = snapshot_dir() if memory else None
     summary: Dict[str, Any] = {}
     for g in memory_inventory(base) if base else []:
@@ -113,8 +140,10 @@ def gather_inventories(comm: Any, memory: bool = True) -> Tuple[List[Optional[st
         if s["digest"] != files_digest(g.meta):
             s["conflict"] = True
         s["gen" if g.kind is PartKind.GENERATION else "rep"] += g.files_present
-    gathered = comm.all_gather({"dir": os.path.realpath(base) if base else None, "inv": summary})
-    return [g["dir"] for g in gathered], [g["inv"] for g in gathered]
+    failed = sorted(failed_restores(base)) if base else []
+    gathered = comm.all_gather({"dir": os.path.realpath(base) if base else None, "inv": summary, "failed": failed})
+    skip = {n for g in gathered for n in g["failed"]}
+    return [g["dir"] for g in gathered], [{n: s for n, s in g["inv"].items() if n not in skip} for g in gathered]
 
 
 def complete_generations(dirs: List[Optional[str]], invs: List[Dict[str, Any]]) -> List[Tuple[int, int, str]]:
@@ -185,4 +214,5 @@ def drop_newer_generations(step: Optional[int]) -> List[str]:
 
 
 __all__ = ["MemoryGeneration", "PartKind", "ResumedCheckpoint", "Tier", "candidates", "complete_generations",
-           "drop_newer_generations", "files_digest", "gather_inventories", "memory_inventory"]
+           "drop_newer_generations", "failed_restores", "files_digest", "gather_inventories", "mark_failed",
+           "memory_inventory"]
