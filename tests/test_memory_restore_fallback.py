@@ -22,6 +22,8 @@ import subprocess
 from pathlib import Path
 from typing import Dict, List, Sequence
 
+import pytest
+
 from helpers.ckpt import node_results, run_nodes
 
 REPO = Path(__file__).resolve().parent.parent
@@ -113,6 +115,7 @@ def _run(phase: str, disk: Path, dirs: Sequence[Path], env_of: Sequence[Dict[str
     return run_nodes(WORKER, [phase, str(disk)], dirs, timeout, env_of)
 
 
+@pytest.mark.timeout(600)  # four two-process gloo runs; ~40 s alone, more on a loaded machine
 def test_memory_restores_fall_back_together_and_replicas_stay_in_step(tmp_path: Path) -> None:
     disk, n0, n1 = tmp_path / "disk", tmp_path / "node0", tmp_path / "node1"
     for d in (n0, n1):
