@@ -44,7 +44,7 @@ def test_a_watch_on_a_frozen_member_moves_to_another_and_misses_nothing(tmp_path
             others.put(keys.topology, '{"round": 7}')
             wait_until(lambda: view.get(keys.topology) is not None and view.get(keys.state) is not None, 30,
                        "the view to see the changes made while its member was frozen")
-            assert store.watchdog.failovers == 1
+            assert store.watchdog.failovers >= 1
             assert store._client.watchers[-1].label != on
             others.delete(keys.state)
             wait_until(lambda: view.get(keys.state) is None, 10, "the moved watch to deliver a later change")

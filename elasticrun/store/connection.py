@@ -150,6 +150,21 @@ class Client(MultiEndpointEtcd3Client):
         self._on = threading.local()  # .label: the member this thread's call went to
         super().__init__(**kwargs)
 
+    @property
+    def channel(self) -> grpc.Channel:
+        """The channel of the member in use; when it failed, of the member whose last failure is the
+        oldest (pyetcd takes the first in the list that is not failed right now: after half a second, the
+        frozen member we just left)."""
+        try:
+            return self.endpoint_in_use.use()
+        except ValueError:
+            pass
+        for label, endpoint in sorted(self.endpoints.items(), key=lambda item: item[1].last_failed):
+            if not endpoint.is_failed():
+                self._current_endpoint_label = label
+                return endpoint.use()
+        raise etcd_exc.NoServerAvailableError("No endpoint available and not failed")
+
     def call(self, fn: Callable[[Client], T]) -> T:
         """``fn(self)``, remembering the member it is sent to (see :meth:`_manage_grpc_errors`)."""
         self._on.label = self._current_endpoint_label
