@@ -10,7 +10,7 @@ one unanswered for the store's call deadline is failed over from and the stream 
 watch on it gets its ``on_error``: its owner reads again — from a member that answers — and
 watches from that read's revision, so no change is missed. A stream left behind by a failover
 (pyetcd half-closes it, a frozen member never ends it) is ended the same way at the next check.
-One thread per store, only while it has watches.
+One thread per store with several endpoints, only while it has watches.
 """
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ class WatchDog:
         self._stop = threading.Event()
 
     def watching(self) -> None:
-        """A watch was made: check the streams until none carries a watch."""
+        """A watch was made: check the streams until none carries a watch (with several members only:
+        a single etcd has no other member to move to, and its stream resumes when it does)."""
         with self._lock:
-            if self._running:
+            if self._running or len(self.store._hosts) < 2:
                 return
             self._running = True
         threading.Thread(target=self._run, name="etcd-watchdog", daemon=True).start()
