@@ -102,6 +102,7 @@ class _CallRecorder:
         self._stub, self._owner = stub, owner
 
     def Watch(self, requests: Any, **kwargs: Any) -> Any:  # noqa: N802 - the gRPC method's name
+        self._owner.probed = 0.0  # a new stream (pyetcd reopens one on the same watcher): no probe pending
         call = self._owner.call = self._stub.Watch(requests, **kwargs)
         return call
 
