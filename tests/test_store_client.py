@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+import grpc
 import pytest
 
 from elasticrun.errors import StoreError
@@ -114,3 +115,40 @@ def test_binary_lookup_order(tmp_path, monkeypatch):
         find_etcd_binary()
     monkeypatch.delenv("ELASTICRUN_ETCD_BINARY")
     assert find_etcd_binary().endswith("etcd")
+
+
+def test_a_late_time_out_fails_the_member_it_went_to_and_failover_avoids_the_newest_failure() -> None:
+    """No etcd needed (gRPC channels connect lazily): a call that timed out on member a, sent before the
+    client moved to b, marks a failed — not b; and with b failing too, the client goes to c (never
+    failed), not back to a (pyetcd takes the first member not failed right now: a, half a second on)."""
+    from pyetcd.exceptions import ConnectionTimeoutError
+
+    from elasticrun.store.connection import client_args, new_client
+
+    hosts = [("127.0.0.1", 1), ("127.0.0.1", 2), ("127.0.0.1", 3)]
+    client = new_client(client_args("x", hosts, 1.0, None, None, None, None), None, None)
+    a, b, c = (f"127.0.0.1:{p}" for p in (1, 2, 3))
+
+    class Late(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    try:
+        client._current_endpoint_label = a
+        client.call(lambda _c: None)  # a call goes to a ...
+        client.endpoints[a].fail()
+        client.endpoints[a].last_failed -= 1.0  # ... a keep-alive failed over from it a second ago
+        client._current_endpoint_label = b
+        with pytest.raises(ConnectionTimeoutError):
+            try:
+                raise Late()
+            except Late as err:
+                client._manage_grpc_errors(err)  # ... and the call's deadline runs out now
+        assert client.endpoints[a].is_failed() and not client.endpoints[b].is_failed()
+        client.endpoints[a].last_failed -= 1.0  # a's failure is past its retry time
+        client.call(lambda _c: None)
+        client.endpoints[b].fail()
+        client.channel  # noqa: B018 - the property picks the member
+        assert client._current_endpoint_label == c
+    finally:
+        client.close()

@@ -4,7 +4,7 @@
 #   node.sh SCRIPT [SCRIPT ARGS...]
 #
 # Every node must meet in the same etcd: the endpoint is the FIRST node of the allocation
-# (`scontrol show hostnames "$SLURM_JOB_NODELIST" | head -1`), the same name on every node. A
+# (the first line of `scontrol show hostnames "$SLURM_JOB_NODELIST"`), the same name on every node. A
 # per-node value such as `localhost`, `$(hostname)` or `--standalone` gives each node its own
 # etcd, and each node forms a world of one. With ELASTICRUN_ETCD_ENDPOINTS set (a replicated
 # etcd, "a:2379,b:2379,c:2379"), the agents meet there instead and no node hosts etcd.
@@ -20,7 +20,14 @@ set -euo pipefail
 : "${SLURM_NODEID:?run this under srun (SLURM_NODEID is not set)}"
 
 nodes="${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}"
-head_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+# The whole list, then its first line: `scontrol ... | head -n 1` would close the pipe while scontrol
+# still writes (any allocation whose list outgrows one write), scontrol would die of SIGPIPE, and
+# with pipefail this script would exit 141 without a word.
+hosts="$(scontrol show hostnames "$SLURM_JOB_NODELIST")" || {
+    echo "node.sh: 'scontrol show hostnames $SLURM_JOB_NODELIST' failed" >&2
+    exit 2
+}
+head_node="${hosts%%$'\n'*}"
 if [[ -z "$head_node" ]]; then
     echo "node.sh: scontrol returned no host for SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST" >&2
     exit 2

@@ -26,6 +26,7 @@ from elasticrun.errors import StoreError, StoreFullError, StoreSetupError
 from elasticrun.store.connection import TRANSIENT, client_args, keepalives, new_client, renew_token
 from elasticrun.store.explain import START_HINT, explain, out_of_space, overloaded, refused, tls_failure, token_rejected
 from elasticrun.store.types import KeyValue, WatchEvent, dumps, kv_from_pb, parse_endpoints, text_of
+from elasticrun.store.watchdog import WatchDog
 
 # A private generator for the retry jitter: never the global `random` a training script seeds.
 _JITTER = random.Random()
@@ -61,6 +62,7 @@ class EtcdStore:
         self._lock = threading.Lock()
         self.token_renewals = 0  # how often etcd refused our token and we got a new one
         self._client = self._retry(self._new_client, "connect")
+        self.watchdog = WatchDog(self)  # moves the watches off a member that stops answering
 
     # -- plumbing -----------------------------------------------------------------
 
@@ -120,7 +122,7 @@ class EtcdStore:
     def _call(self, what: str, fn: Callable[[MultiEndpointEtcd3Client], T]) -> T:
         start = time.monotonic()
         try:
-            return self._retry(lambda: fn(self._client), what)
+            return self._retry(lambda: self._client.call(fn), what)
         finally:
             if self.on_call is not None:
                 self.on_call(what, time.monotonic() - start)
@@ -255,7 +257,6 @@ class EtcdStore:
                 raise self._error(err) from None
         return {}
 
-
     def lease_ttl(self, lease_id: int) -> Optional[Dict[str, int]]:
         """``{"ttl": seconds left, "granted_ttl": seconds}`` of a lease, or None when it is gone."""
 
@@ -290,8 +291,9 @@ class EtcdStore:
     ) -> Callable[[], None]:
         """Call ``on_events`` for every batch of changes under ``prefix``; returns a cancel function.
 
-        ``on_error`` is called once if the watch dies (etcd restarted, revision compacted):
-        the caller re-reads and watches again from the new revision.
+        ``on_error`` is called once if the watch dies (etcd restarted, revision compacted, the
+        member stopped answering: :mod:`elasticrun.store.watchdog`): the caller re-reads and
+        watches again from the new revision.
         """
         end = pyetcd.utils.prefix_range_end(pyetcd.utils.to_bytes(prefix))  # bytes: may not be UTF-8
         return self.watch_range(prefix, end, on_events, on_error, start_revision)
@@ -308,8 +310,8 @@ class EtcdStore:
         outside the range cost the watcher nothing."""
 
         def callback(resp: Any) -> None:
-            if isinstance(resp, BaseException):
-                on_error(resp)
+            if resp is None or isinstance(resp, BaseException):  # None: the stream ended without an error
+                on_error(resp if resp is not None else StoreError(f"etcd at {self.endpoints} ended a watch"))
                 return
             batch = [
                 WatchEvent(
@@ -332,13 +334,15 @@ class EtcdStore:
             # etcd answers a watch made with an expired token with "created, canceled", which the
             # library takes for success (a silent, dead watch): a read first renews the token.
             c.get_response(start)
-            return c.add_watch_callback(start, callback, **kwargs)
+            return c.add_watch_callback(start, callback, **kwargs), c._stubs.get("watcher")
 
-        watch_id = self._call("watch", op)
+        # The stream it is on: after a failover, the same id on the new stream is another watch.
+        watch_id, stream = self._call("watch", op)
+        self.watchdog.watching()
 
         def cancel() -> None:
             try:
-                self._client.cancel_watch(watch_id)
+                stream.cancel(watch_id)
             except Exception:  # noqa: BLE001 - cancelling a dead watch is fine
                 pass
 
@@ -395,6 +399,7 @@ class EtcdStore:
         return self._call("status", op)
 
     def close(self) -> None:
+        self.watchdog.close()
         with self._lock:
             try:
                 self._client.close()

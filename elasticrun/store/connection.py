@@ -8,14 +8,24 @@ auth token. With :mod:`elasticrun.store.client`, the only modules that import th
 
 from __future__ import annotations
 
+import queue
 import random
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
 import grpc
 import pyetcd.exceptions as etcd_exc
 from pyetcd import etcdrpc
-from pyetcd.client import _EXCEPTIONS_BY_CODE, Endpoint, EtcdTokenCallCredentials, MultiEndpointEtcd3Client
+from pyetcd.client import (
+    _EXCEPTIONS_BY_CODE,
+    _FAILED_EP_CODES,
+    Endpoint,
+    EtcdTokenCallCredentials,
+    MultiEndpointEtcd3Client,
+)
+from pyetcd.watch import Watcher
 
 from elasticrun.errors import StoreSetupError
 
@@ -81,33 +91,146 @@ def client_args(
     return dict(endpoints=eps, timeout=timeout, failover=True)
 
 
-class _Client(MultiEndpointEtcd3Client):  # type: ignore[misc]
-    """pyetcd's client, except that a call's error on the only endpoint fails neither the endpoint nor the
-    watches.
+T = TypeVar("T")
+_PROGRESS = etcdrpc.WatchRequest(progress_request=etcdrpc.WatchProgressRequest())
 
-    pyetcd answers an UNAVAILABLE or DEADLINE_EXCEEDED call by marking the endpoint failed (every call of
-    the client then fails at once until ``time_retry``) and closing the client's watch stream (every
-    watch re-reads). With several endpoints that moves the client to another member; with one there is
-    none to move to, and one slow call on a busy etcd made every agent that shares the client fail its
-    calls and every view re-read the job — more load on the etcd that was slow (measured: 4,096
-    simulated agents lost their leases in that loop). A dead etcd breaks the watch stream by itself.
-    """
+
+class _CallRecorder:
+    """A Watch stub that remembers the stream it opened, so that the stream can be ended from outside."""
+
+    def __init__(self, stub: Any, owner: LiveWatcher) -> None:
+        self._stub, self._owner = stub, owner
+
+    def Watch(self, requests: Any, **kwargs: Any) -> Any:  # noqa: N802 - the gRPC method's name
+        self._owner.probed = 0.0  # a new stream (pyetcd reopens one on the same watcher): no probe pending
+        call = self._owner.call = self._stub.Watch(requests, **kwargs)
+        return call
+
+
+class LiveWatcher(Watcher):
+    """pyetcd's watch stream (every watch of a client shares one), made observable: the member it
+    is on (``label``), when that member last answered on it (``heard``), a progress request that
+    asks it to answer (:meth:`probe`) and :meth:`end`, which ends the stream: each of its watches
+    gets the error (its ``on_error``). A frozen or partitioned member keeps a stream open forever
+    and silent; this is how :mod:`elasticrun.store.watchdog` notices and moves the watches."""
+
+    def __init__(self, stub: Any, label: str, **kwargs: Any) -> None:
+        super().__init__(_CallRecorder(stub, self), **kwargs)
+        self.label = label
+        self.call: Any = None
+        self.heard = self.probed = 0.0
+
+    def _handle_response(self, rs: Any) -> None:
+        self.heard = time.monotonic()
+        super()._handle_response(rs)
+
+    @property
+    def active(self) -> bool:
+        """Whether the stream carries watches (and has not ended)."""
+        return bool(self._callbacks) and not self._stopping
+
+    def probe(self) -> None:
+        """Ask the member for a progress answer (etcd answers at once, even with no change)."""
+        self.probed = time.monotonic()
+        try:
+            self._request_queue.put_nowait(_PROGRESS)
+        except queue.Full:
+            pass
+
+    def end(self) -> None:
+        """End the stream now (its watches get a CANCELLED error)."""
+        if self.call is not None:
+            self.call.cancel()
+
+
+class Client(MultiEndpointEtcd3Client):
+    """The ``pyetcd`` client, with watch streams that :meth:`check_watches` can tell silent."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.watchers: List[LiveWatcher] = []  # streams that may still carry watches
+        self._on = threading.local()  # .label: the member this thread's call went to
+        super().__init__(**kwargs)
+
+    @property
+    def channel(self) -> grpc.Channel:
+        """The channel of the member in use; when it failed, of the member whose last failure is the
+        oldest (pyetcd takes the first in the list that is not failed right now: after half a second, the
+        frozen member we just left)."""
+        try:
+            return self.endpoint_in_use.use()
+        except ValueError:
+            pass
+        for label, endpoint in sorted(self.endpoints.items(), key=lambda item: item[1].last_failed):
+            if not endpoint.is_failed():
+                self._current_endpoint_label = label
+                return endpoint.use()
+        raise etcd_exc.NoServerAvailableError("No endpoint available and not failed")
+
+    def call(self, fn: Callable[[Client], T]) -> T:
+        """``fn(self)``, remembering the member it is sent to (see :meth:`_manage_grpc_errors`)."""
+        self._on.label = self._current_endpoint_label
+        return fn(self)
 
     def _manage_grpc_errors(self, exc: grpc.RpcError) -> None:
-        if len(self.endpoints) > 1:
+        """pyetcd fails over from the member in use when a call fails; a call still waiting on a member
+        we already left (frozen: its deadline runs out seconds later) must not fail the healthy one in
+        use since — nor send us back to the frozen member: the member it went to is failed instead.
+
+        With a single endpoint there is no member to move to: a call's error fails neither the endpoint
+        (pyetcd would fail every call of the client until ``time_retry``) nor the watches (every watch
+        would re-read) — one slow call on a busy etcd made every agent sharing the client fail and every
+        view re-read the job, more load on the etcd that was slow (measured: 4,096 simulated agents lost
+        their leases in that loop). A dead etcd breaks the watch stream by itself."""
+        if len(self.endpoints) == 1:
+            exception = _EXCEPTIONS_BY_CODE.get(exc.code())
+            if exception is None:
+                raise exc
+            raise exception()
+        label = getattr(self._on, "label", None)
+        if label is None or label == self._current_endpoint_label or exc.code() not in _FAILED_EP_CODES:
             super()._manage_grpc_errors(exc)
-        exception = _EXCEPTIONS_BY_CODE.get(exc.code())
-        if exception is None:
-            raise exc
-        raise exception()
+            return
+        self.endpoints[label].fail()
+        raise _EXCEPTIONS_BY_CODE[exc.code()]()
+
+    def get_watcher(self) -> LiveWatcher:
+        channel = self.channel  # may fail over: the label after it is the member the stream is on
+        watcher = LiveWatcher(etcdrpc.WatchStub(channel), self._current_endpoint_label, timeout=self.timeout,
+                              call_credentials=self.call_credentials, metadata=self.metadata)
+        self.watchers = [w for w in self.watchers if not w._stopping] + [watcher]
+        return watcher
+
+    def watching(self) -> bool:
+        """Whether any stream carries watches."""
+        return any(w.active for w in self.watchers)
+
+    def check_watches(self, silence: float) -> List[str]:
+        """Probe the watch stream; end each stream that cannot carry events any more, so that its
+        watches get their error and are made again (on another member): a stream whose member left
+        a progress request unanswered for ``silence`` seconds (that member is failed over from, as
+        after a call's deadline), and a stream left behind by a failover (a keep-alive or a call
+        that timed out: pyetcd half-closes it, a frozen member never ends it). The silent members."""
+        now, current, silent = time.monotonic(), self._stubs.get("watcher"), []
+        for w in [w for w in self.watchers if w.active]:
+            if w is not current:
+                w.end()
+            elif w.probed > w.heard and now - w.probed > silence:
+                silent.append(w.label)
+                if self._current_endpoint_label == w.label:
+                    self.endpoints[w.label].fail()
+                    self._clear_old_stubs()
+                w.end()
+            elif w.probed <= w.heard:
+                w.probe()
+        return silent
 
 
-def new_client(args: Dict[str, Any], user: Optional[str], password: Optional[str]) -> MultiEndpointEtcd3Client:
+def new_client(args: Dict[str, Any], user: Optional[str], password: Optional[str]) -> Client:
     """A ``pyetcd`` client (it authenticates at once when a user is given)."""
     if (user is None) != (password is None):
         raise StoreSetupError("etcd authentication needs both --etcd-user and a password "
                          "($ELASTICRUN_ETCD_PASSWORD or --etcd-password-file)")
-    return _Client(**args, user=user, password=password)
+    return Client(**args, user=user, password=password)
 
 
 def renew_token(client: MultiEndpointEtcd3Client, user: str, password: Optional[str], timeout: float) -> None:
@@ -128,6 +251,7 @@ def keepalives(client: MultiEndpointEtcd3Client, ids: List[int], timeout: float)
     etcd answered for each (a lease without an answer is absent). An endpoint that times out or is
     unavailable is failed over from (the library's error handling), and the error raised."""
     requests = iter([etcdrpc.LeaseKeepAliveRequest(ID=i) for i in ids])
+    client.call(lambda _c: None)  # remembers the member this stream goes to
     answers: Dict[int, int] = {}
     try:
         for resp in client.leasestub.LeaseKeepAlive(requests, timeout, credentials=client.call_credentials,
@@ -142,4 +266,5 @@ def keepalives(client: MultiEndpointEtcd3Client, ids: List[int], timeout: float)
     return answers
 
 
-__all__ = ["GRPC_OPTIONS", "TRANSIENT", "client_args", "keepalives", "new_client", "renew_token"]
+__all__ = ["GRPC_OPTIONS", "TRANSIENT", "Client", "LiveWatcher", "client_args", "keepalives", "new_client",
+           "renew_token"]
