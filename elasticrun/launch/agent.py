@@ -272,10 +272,11 @@ class Agent:
             workers.prewarm()
             self.obs.rendezvous(rdzv)
             assert self.inplace is not None
-            guard.call(lambda: self.inplace.before_round(rdzv), "forming a round")  # type: ignore[union-attr]
             try:
+                guard.call(lambda: self.inplace.before_round(rdzv), "forming a round")  # type: ignore[union-attr]
                 topo = guard.call(rdzv.next_round, "forming a round")
             except LeaseLost as lost:
+                self.inplace.drop()  # fencing: workers kept for an in-place re-form stop too
                 self.say(f"lost our etcd lease ({lost}); rejoining")
                 guard.call(rdzv.reregister, "rejoining")
                 continue

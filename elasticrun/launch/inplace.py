@@ -63,6 +63,12 @@ class InPlaceRounds:
             rdzv.publish(inplace=False)
             self._told = False
 
+    def drop(self) -> None:
+        """Stop workers kept through a round change (our lease was lost: no re-form, no stale worker)."""
+        if self.carrying:
+            self.carrying = False
+            self.workers.stop(self.cfg.shutdown_timeout)
+
     def start(self, rdzv: Rendezvous, topo: Topology, me: Member, event: Optional[RescaleEvent]) -> str:
         """Place the kept workers in ``topo`` or start new ones; how, for the agent's log line."""
         if self.carrying:
