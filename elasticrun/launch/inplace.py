@@ -82,6 +82,7 @@ class InPlaceRounds:
             self.workers.stop(self.cfg.shutdown_timeout)
             rdzv.publish(inplace=False)
             self._told = False
+        self._round = -1  # fresh workers: nothing of an earlier re-form is pending
         for local_rank in range(me.nproc):
             reform.clear(self.workers.reform_file(local_rank))
         join = self.enabled and bool(topo.inplace) and me.node_id not in topo.inplace
