@@ -22,8 +22,9 @@ pytestmark = pytest.mark.timeout(400)
 
 
 def _args(endpoint: str, job: str, node: str) -> List[str]:
-    return ["--nnodes", "2:3", "--max-restarts", "2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "--rdzv-id", job,
-            "--node-id", node, "--heartbeat-timeout", "3", "--stability-window", "0.5", "--shutdown-timeout", "2",
+    return ["--nnodes", "2:3", "--max-restarts", "2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
+            "--rdzv-id", job, "--node-id", node, "--heartbeat-timeout", "3", "--stability-window", "0.5",
+            "--shutdown-timeout", "2",
             str(SCRIPTS / "inplace_worker.py")]
 
 
