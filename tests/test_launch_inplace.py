@@ -1,8 +1,8 @@
 """In-place re-forming with real agents, real etcd and real gloo workers (tests/scripts/inplace_worker.py).
 
 A join (2 → 3) and a graceful leave (3 → 2) keep the survivors' worker processes, run no step
-twice and see every sample once; a newcomer that dies while receiving the state makes the round
-fail and the job restarts as today, then completes.
+twice and see every sample once; a newcomer that dies while receiving the state, or a survivor
+that dies inside its re-form, makes the round fail and the job restarts as today, then completes.
 """
 
 from __future__ import annotations
@@ -83,16 +83,22 @@ def test_join_and_graceful_leave_reform_in_place(etcd_server, etcd, job_id, agen
     assert "re-formed in place" in a["A"].stderr()
 
 
-def test_newcomer_failing_mid_sync_falls_back_to_restart(etcd_server, etcd, job_id, agents, tmp_path):
+@pytest.mark.parametrize("failure", ["newcomer-sync", "survivor-reform"])
+def test_failed_reform_falls_back_to_restart(etcd_server, etcd, job_id, agents, tmp_path, failure):
     log = tmp_path / "steps.jsonl"
     fast = tmp_path / "fast"
     env = {"INPLACE_LOG": str(log), "INPLACE_DATASET": "2000", "INPLACE_PACE": "0.1", "INPLACE_JOIN_TIMEOUT": "15",
            "INPLACE_FAST_FILE": str(fast)}
-    a = {n: agents(_args(etcd_server.endpoint, job_id, n), name=n, env=env) for n in "AB"}
+    die = {"C": "sync", "B": "reform:0"}["C" if failure == "newcomer-sync" else "B"]
+    dying = "C" if failure == "newcomer-sync" else "B"
+    a = {n: agents(_args(etcd_server.endpoint, job_id, n), name=n,
+                   env={**env, **({"INPLACE_DIE": die} if n == dying else {})}) for n in "AB"}
     wait_until(lambda: _at(log, 2, 4), 150, "steps at world size 2")
     survivors = {r["pid"] for r in _steps(log)}
-    a["C"] = agents(_args(etcd_server.endpoint, job_id, "C"), name="C", env={**env, "INPLACE_DIE": "sync"})
-    # The newcomer dies receiving the state: the round fails, every worker restarts (new processes).
+    a["C"] = agents(_args(etcd_server.endpoint, job_id, "C"), name="C",
+                    env={**env, **({"INPLACE_DIE": die} if dying == "C" else {})})
+    # The newcomer dies receiving the state, or survivor B inside its re-form (after leaving the old
+    # group): the round fails, every worker restarts (new processes), the job completes.
     wait_until(lambda: any(r["world"] == 3 and r["pid"] not in survivors and r["round"] >= 2 for r in _steps(log)),
                150, "a restarted round at world size 3")
     fast.touch()
