@@ -315,6 +315,7 @@ def build_config(p: Parsed) -> LaunchConfig:
         etcd_binary=v["etcd_binary"],
         quiet=bool(v["quiet"]),
         prewarm=bool(v["prewarm"]),
+        inplace=bool(v["inplace"]),
         standby=int(v["standby"]),
         snapshots=bool(v["snapshots"]),
         snapshot_memory=_snapshot_memory(p),

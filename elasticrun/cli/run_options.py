@@ -153,6 +153,9 @@ OWN_OPTIONS: Tuple[Opt, ...] = (
     Opt("prewarm", ("--prewarm",), "Pre-start worker interpreters (torch imported) during the rendezvous "
         "\\[default: on; --no-prewarm turns it off].", WORKERS, kind=Kind.FLAG, default=True,
         negative=("--no-prewarm",)),
+    Opt("inplace", ("--inplace",), "Let workers that opted in (elasticrun.train.InPlace) re-form in place at a "
+        "join or a graceful leave instead of restarting \\[default: on; --no-inplace turns it off].", WORKERS,
+        kind=Kind.FLAG, default=True, negative=("--no-inplace",)),
     Opt("standby", ("--standby",), "Warm standby interpreters (torch and DDP's modules imported) per node: "
         "1 is a fork server every worker of every round is forked from in milliseconds, its memory shared "
         "with the workers; where forking is unsafe, up to N spawned ones; 0: none.", WORKERS,

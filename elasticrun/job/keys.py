@@ -119,6 +119,20 @@ class JobKeys:
     def done(self, n: int, node_id: str) -> str:
         return self.dones(n) + node_id
 
+    def readies(self, n: int) -> str:
+        """In-place re-forming: newcomers of round n whose workers are ready to join (``ready/<node>``)."""
+        return self.round(n) + "ready/"
+
+    def ready(self, n: int, node_id: str) -> str:
+        return self.readies(n) + node_id
+
+    def lefts(self, n: int) -> str:
+        """Nodes that left round n gracefully (written before their lease is revoked): ``left/<node>``."""
+        return self.round(n) + "left/"
+
+    def left(self, n: int, node_id: str) -> str:
+        return self.lefts(n) + node_id
+
     @property
     def events(self) -> str:
         return self.prefix + "events/"

@@ -31,6 +31,7 @@ from elasticrun.launch.config import LaunchConfig, Std, signal_number
 from elasticrun.launch.failures import root_cause_table
 from elasticrun.launch.hang import STACKS_WAIT_S, HangWatch, dump_stacks, hang_failures, hang_message
 from elasticrun.launch.hosting import open_store, wait_others_left
+from elasticrun.launch.inplace import InPlaceRounds
 from elasticrun.launch.node import local_address
 from elasticrun.launch.observe import Observer
 from elasticrun.launch.outage import STOP_SLACK_S, OutageGuard, stop_workers
@@ -108,6 +109,8 @@ class Agent:
         self._wake: Callable[[], None] = lambda: None
         self._hang: Optional[HangWatch] = None  # --hang-timeout: made with the first round
         self.obs = Observer(cfg)  # /metrics, goodput accounting, --events-file
+        self.inplace: Optional[InPlaceRounds] = None  # in-place re-forming (made with the workers)
+        self._round = -1  # the round our workers run in (a graceful leave marks it)
 
     # -- signals ----------------------------------------------------------------------------
 
@@ -169,6 +172,7 @@ class Agent:
                     self.say(f"worker logs in {log_dir}")
                 drop_secrets_from_environment(cfg, self.say)  # before any child process starts
                 workers = WorkerGroup(cfg, self.label, files_dir, log_dir, False, on_exit=lambda: self._wake())
+                self.inplace = InPlaceRounds(cfg, workers, self.say)
                 if cfg.snapshots:
                     snapshots = SnapshotRoot.create(cfg.rdzv_id, cfg.node_id, say=self.say)  # the memory tier, ours
                 if snapshots is not None:
@@ -215,6 +219,8 @@ class Agent:
                     workers.stop(cfg.shutdown_timeout, sig=worker_signal(sig.signum))
                 if rdzv is not None and rdzv.lease is not None:
                     try:
+                        if self._round >= 0:  # before the lease goes: survivors may re-form in place
+                            rdzv.mark_left(self._round)
                         rdzv.publish(status=WorkerStatus.LEAVING)
                     except ElasticrunError:
                         pass
@@ -265,9 +271,12 @@ class Agent:
         while True:
             workers.prewarm()
             self.obs.rendezvous(rdzv)
+            assert self.inplace is not None
             try:
+                guard.call(lambda: self.inplace.before_round(rdzv), "forming a round")  # type: ignore[union-attr]
                 topo = guard.call(rdzv.next_round, "forming a round")
             except LeaseLost as lost:
+                self.inplace.drop()  # fencing: workers kept for an in-place re-form stop too
                 self.say(f"lost our etcd lease ({lost}); rejoining")
                 guard.call(rdzv.reregister, "rejoining")
                 continue
@@ -311,9 +320,11 @@ class Agent:
         )
         rdzv.beat(busy_for=SERVER_WAIT_S)  # the start may wait for the fork server's imports (bounded)
         self.obs.round_started(topo, event)
-        workers.start(topo, me, event)
+        assert self.inplace is not None
+        how = self.inplace.start(rdzv, topo, me, event)
+        self._round = topo.round
         rdzv.beat()
-        self.say(f"round {topo.round}: workers started ({workers.started_how})")
+        self.say(f"round {topo.round}: workers started ({how})")
         guard = OutageGuard(self.cfg, rdzv, workers, self.say)
         guard.call(lambda: rdzv.publish(status=WorkerStatus.ACTIVE, waiting_for=-1), "starting a round")
         done_reported = False
@@ -346,6 +357,8 @@ class Agent:
                 guard.call(lambda: rdzv.report_failure(topo, rows), "reporting a failure")  # noqa: B023 - called at once
                 stop_workers(rdzv, workers, self.cfg.shutdown_timeout)
                 return RoundOutcome.NEXT
+            if state is GroupState.RUNNING and self.inplace.tick(rdzv, topo):
+                return RoundOutcome.NEXT  # the re-form failed: reported as a failure, workers stopped
             if hang is not None and state is GroupState.RUNNING and hang.hung():
                 self.say(f"round {topo.round}: the step reported by our workers (last {hang.step}) has not advanced "
                          f"for {hang.timeout:g} s: dumping every worker's Python stacks")
@@ -377,8 +390,12 @@ class Agent:
                     rdzv.beat(busy_for=STACKS_WAIT_S)
                     dump_stacks(workers.running)
                     hung = True
-                self.say(f"round {topo.round} ended: {change}; stopping workers")
+                keep = not hung and self.inplace.keep(rdzv, topo)
+                self.say(f"round {topo.round} ended: {change}; " + ("workers keep training until they re-form in place"
+                                                                   if keep else "stopping workers"))
                 self.obs.round_changed(rdzv, topo)
+                if keep:
+                    return RoundOutcome.NEXT
                 if hung:  # stuck in a collective with the hung rank: a graceful stop would wait out its grace
                     stop_workers(rdzv, workers, 1.0, sig=signal.SIGKILL)
                 else:
@@ -389,7 +406,7 @@ class Agent:
                 timeout = 0.5 if due is None else min(0.5, max(0.01, due))
             else:
                 timeout = 0.5
-            version = rdzv.wait_view(version, timeout)
+            version = rdzv.wait_view(version, 0.02 if self.inplace.busy else timeout)
 
 
     def _hang_watch(self, rdzv: Rendezvous, topo: Topology) -> Optional[HangWatch]:

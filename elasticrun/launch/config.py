@@ -149,6 +149,7 @@ class LaunchConfig:
     etcd_outage_grace: float = 60.0  # seconds workers keep training while etcd is unreachable
     quiet: bool = False
     prewarm: bool = True  # start worker interpreters (import torch) while the rendezvous settles
+    inplace: bool = True  # --no-inplace: every membership change restarts the workers (no in-place re-forming)
     standby: int = 1  # --standby N: warm interpreters per node (1: one fork server; 0: none)
     snapshots: bool = True  # --no-snapshots: no memory tier (no ELASTICRUN_SNAPSHOT_DIR for workers)
     snapshot_memory: Optional[int] = None  # --snapshot-memory: the memory tier's cap in bytes (None: the default cap)

@@ -93,6 +93,7 @@ class WorkerGroup:
         self._redirects, self._tee = cfg.std_streams()
         self.etcd_settings_file: Optional[str] = None  # the agent's 0600 EtcdSettings file, for workers
         self.extra_env: Dict[str, str] = {}  # more variables for every worker (e.g. the memory-tier directory)
+        self.inplace = False  # name an assignment file to each worker (in-place re-forming)
 
     def command(self) -> List[str]:
         cfg = self.cfg
@@ -288,13 +289,29 @@ class WorkerGroup:
     def start(self, topo: Topology, member: Member, event: Optional[RescaleEvent]) -> None:
         """Spawn ``member.nproc`` workers for round ``topo``."""
         assert not self._workers, "stop the previous workers first"
+        began = time.monotonic()
+        self._how = {"forked": 0, "pre-warmed": 0, "fresh": 0}
+        planned = self._plan(topo, member, event)
+        for (spec, _, rank_dir), proc in zip(planned, self._spawn_all([env for _, env, _ in planned])):
+            log_dir = rank_dir if self.log_dir is not None else None
+            err_pump = self._pump(proc, log_dir, spec.rank, spec.local_rank)
+            self._workers.append(_Worker(spec, proc, err_pump))
+            threading.Thread(target=self._wait, args=(proc,), daemon=True).start()
+        kinds = ", ".join(f"{n} {kind}" for kind, n in self._how.items() if n)
+        self.started_how = f"{kinds} in {(time.monotonic() - began) * 1000:.0f} ms"
+        server = self._server
+        why = self._fork_unsafe or (server.why_gone if server is not None else "")
+        if why and not self._how["forked"] and self.cfg.prewarm and self.cfg.standby > 0:
+            self.started_how += f"; no fork server: {why}"
+
+    def _plan(self, topo: Topology, member: Member,
+              event: Optional[RescaleEvent]) -> List[Tuple[WorkerSpec, Dict[str, str], str]]:
+        """Each local worker's place and environment in round ``topo`` (its files made)."""
         round_dir = os.path.join(self.files_dir, f"attempt_{topo.round}")
         os.makedirs(round_dir, exist_ok=True)
         event_file = os.path.join(round_dir, "rescale_event.json")
         with open(event_file, "w") as f:
             json.dump(event.to_dict() if event else {}, f)
-        began = time.monotonic()
-        self._how = {"forked": 0, "pre-warmed": 0, "fresh": 0}
         planned: List[Tuple[WorkerSpec, Dict[str, str], str]] = []
         for local_rank in range(member.nproc):
             rank = member.rank_offset + local_rank
@@ -319,18 +336,22 @@ class WorkerGroup:
                 },
                 etcd_settings_file=self.etcd_settings_file,
             )
+            if self.inplace:  # the assignment file of in-place re-forming (elasticrun.train.InPlace)
+                env[names.REFORM_FILE] = self.reform_file(local_rank)
             planned.append((spec, env, rank_dir))
-        for (spec, _, rank_dir), proc in zip(planned, self._spawn_all([env for _, env, _ in planned])):
-            log_dir = rank_dir if self.log_dir is not None else None
-            err_pump = self._pump(proc, log_dir, spec.rank, spec.local_rank)
-            self._workers.append(_Worker(spec, proc, err_pump))
-            threading.Thread(target=self._wait, args=(proc,), daemon=True).start()
-        kinds = ", ".join(f"{n} {kind}" for kind, n in self._how.items() if n)
-        self.started_how = f"{kinds} in {(time.monotonic() - began) * 1000:.0f} ms"
-        server = self._server
-        why = self._fork_unsafe or (server.why_gone if server is not None else "")
-        if why and not self._how["forked"] and self.cfg.prewarm and self.cfg.standby > 0:
-            self.started_how += f"; no fork server: {why}"
+        return planned
+
+    def reform_file(self, local_rank: int) -> str:
+        """Where local worker ``local_rank`` finds its next assignment (stable across rounds)."""
+        return os.path.join(self.files_dir, f"reform-{local_rank}")
+
+    def adopt(self, topo: Topology, member: Member, event: Optional[RescaleEvent]) -> List[Dict[str, str]]:
+        """Keep the running workers for round ``topo`` (in-place re-forming): their new environments."""
+        planned = self._plan(topo, member, event)
+        assert len(planned) == len(self._workers), "in place only with the same local workers"
+        for w, (spec, _, _) in zip(self._workers, planned):
+            w.spec = spec
+        return [env for _, env, _ in planned]
 
     def _worker_dir(self, round_dir: str, round_: int, rank: int, local_rank: int) -> str:
         """Where a worker's error.json (and, with a log dir, its stdout/stderr.log) go."""

@@ -29,6 +29,7 @@ from elasticrun.errors import ConfigError, RendezvousError, StoreError
 from elasticrun.job.exitcodes import ExitCode
 from elasticrun.job.keys import JobKeys
 from elasticrun.job.requests import utc
+from elasticrun.rendezvous.inplace import plan_inplace
 from elasticrun.rendezvous.leader import Leadership
 from elasticrun.rendezvous.ranks import classify, plan_members
 from elasticrun.rendezvous.records import NodeInfo, RescaleEvent, RescaleType, Topology, WorkerStatus
@@ -376,6 +377,7 @@ class Rendezvous(RoundMonitor):
             master_addr=leader_info.addr,
             master_port=leader_info.store_port,
             restart_count=restarts,
+            inplace=plan_inplace(prev, members, kind, failed, nodes, self.store, self.keys),
         )
         if failed and kind in (RescaleType.SCALE_DOWN, RescaleType.SCALE_UP, RescaleType.REPLACE):
             reason = f"worker failure in round {prev.round if prev else '?'} and membership change"

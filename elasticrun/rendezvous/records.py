@@ -50,6 +50,7 @@ class NodeInfo:
     waiting_for: int = -1  # round this idle agent is ready to join; -1 while it runs workers
     store_port: int = 0  # port of the c10d TCPStore this agent hosts if it becomes group rank 0
     node_rank: int = -1  # --node-rank: the group rank this node keeps in every round; -1 = any
+    inplace: bool = False  # every local worker opted in to in-place re-forming (elasticrun.train.InPlace)
     registered_at: float = field(default_factory=time.time)
     heartbeat_at: float = field(default_factory=time.time)
 
@@ -115,6 +116,7 @@ class Topology:
     master_port: int
     restart_count: int = 0
     created_at: float = field(default_factory=time.time)
+    inplace: Tuple[str, ...] = ()  # members whose workers re-form in place; the others start (REFORM_JOIN)
 
     @property
     def world_size(self) -> int:
@@ -141,6 +143,7 @@ class Topology:
             "master_port": self.master_port,
             "restart_count": self.restart_count,
             "created_at": self.created_at,
+            **({"inplace": list(self.inplace)} if self.inplace else {}),
         }
 
     @classmethod
@@ -152,6 +155,7 @@ class Topology:
             master_port=int(d["master_port"]),
             restart_count=int(d.get("restart_count", 0)),
             created_at=float(d.get("created_at", 0.0)),
+            inplace=tuple(str(n) for n in d.get("inplace", ())),
         )
 
 

@@ -158,6 +158,10 @@ class RoundMonitor:
         flag = {"node": self.node_id, "rank": first.get("rank"), "time": time.time()}
         self.store.create(self.keys.failed(topo.round), json.dumps(flag))
 
+    def mark_left(self, round_: int) -> None:
+        """A graceful leave of round ``round_`` (before the lease is revoked): survivors may re-form in place."""
+        self.store.put_json(self.keys.left(round_, self.node_id), {"time": time.time()})
+
     def report_done(self, topo: Topology) -> None:
         self.store.put_json(self.keys.done(topo.round, self.node_id), {"time": time.time()})
 

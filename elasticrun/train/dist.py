@@ -122,6 +122,13 @@ def _collect_before_shutdown() -> None:
     gc.collect()
 
 
+def _mark_ready() -> None:
+    """``<ELASTICRUN_REFORM_FILE>.ready`` for a newcomer of an in-place round (ELASTICRUN_REFORM_JOIN=1)."""
+    path = os.environ.get(job_env.REFORM_FILE, "").strip()
+    if path and os.environ.get(job_env.REFORM_JOIN) == "1":
+        open(path + ".ready", "w").close()
+
+
 def default_backend() -> str:
     """``nccl`` when CUDA is usable, else ``gloo``."""
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
@@ -164,6 +171,7 @@ def init(
     td = datetime.timedelta(seconds=timeout)
     if not dist.is_initialized():
         if state.launched:
+            _mark_ready()  # an in-place newcomer: its start-up is over, the survivors may re-form now
             dist.init_process_group(backend=backend, init_method="env://", timeout=td)
             owns = True
         elif single_process_group:

@@ -26,34 +26,33 @@ from __future__ import annotations
 
 import datetime
 import enum
-import json
 import logging
 import os
 import sys
 import time
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
 
 from elasticrun.job import env as names
+from elasticrun.job.reform import (
+    ASSIGNED,
+    EXIT_REFORM_FAILED,
+    formed_round,
+    opted_in,
+    read_assignment,
+    write_assignment,
+)
 from elasticrun.train.dist import ElasticContext
 from elasticrun.train.env import ElasticState
 from elasticrun.train.sampler import ElasticDistributedSampler
 
 log = logging.getLogger(__name__)
 
-EXIT_REFORM_FAILED = 75  # the worker could not re-form: the agent restarts the round as today
 DEFAULT_REFORM_TIMEOUT_S = 30.0
 DEFAULT_JOIN_TIMEOUT_S = 120.0
 _STOP = 2  # flag value: this rank leaves (SIGTERM); 1: an assignment is pending; 0: nothing
-
-#: The variables an assignment carries (the rest of the environment stays as it was).
-ASSIGNED = (
-    names.RANK, names.WORLD_SIZE, names.LOCAL_RANK, names.LOCAL_WORLD_SIZE, names.GROUP_RANK,
-    names.GROUP_WORLD_SIZE, names.ROLE_RANK, names.ROLE_WORLD_SIZE, names.MASTER_ADDR, names.MASTER_PORT,
-    names.RESTART_COUNT, names.ROUND, names.PREV_WORLD_SIZE, names.RESCALE_TYPE, names.RESCALE_EVENT_FILE,
-)
 
 
 class Reform(enum.Enum):
@@ -62,30 +61,6 @@ class Reform(enum.Enum):
     CONTINUE = "continue"  # nothing changed
     REFORMED = "reformed"  # now in the next round's group, state synchronised
     STOP = "stop"  # this worker leaves (SIGTERM): save if you must, then exit 0
-
-
-def write_assignment(path: str, env: Mapping[str, str], leave: bool = False) -> None:
-    """Agent side: atomically publish a worker's next assignment (``env``: the new worker variables)."""
-    body = {"round": int(env.get(names.ROUND, "-1")), "leave": leave,
-            "env": {k: str(env[k]) for k in ASSIGNED if k in env}}
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(body, f)
-    os.replace(tmp, path)
-
-
-def read_assignment(path: str) -> Optional[Dict[str, Any]]:
-    """The assignment at ``path``, or None (absent or not yet complete)."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def opted_in(path: str) -> bool:
-    """Agent side: True once the worker whose assignment file is ``path`` opted in."""
-    return os.path.exists(path + ".optin")
 
 
 def rebuild_ddp(module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
@@ -130,7 +105,7 @@ class InPlace:
             if os.environ.get(names.REFORM_JOIN) == "1":
                 os.environ.pop(names.REFORM_JOIN, None)
                 self._guarded(self.sync, "receiving the state from the survivors")
-            open(self.path + ".optin", "w").close()  # tell the agent: restart not needed
+            self._mark()  # tell the agent: restart not needed
 
     @property
     def enabled(self) -> bool:
@@ -200,6 +175,7 @@ class InPlace:
         self._guarded(self.sync, "sending the state to newcomers")
         self.reforms += 1
         self.last_pause_s = time.monotonic() - began
+        self._mark()
         log.info("elasticrun: re-formed in place: round %d, rank %d of %d (%.3f s)",
                  state.round, state.rank, state.world_size, self.last_pause_s)
 
@@ -227,6 +203,13 @@ class InPlace:
                 o.num_replicas, o.rank = state.world_size, state.rank
                 o.load_state_dict(saved)  # FullReshuffle: the saved world differs, the rest is dealt anew
 
+    def _mark(self) -> None:
+        """``<file>.optin`` holds the round this worker runs in: opted in, and (re-)formed for that round."""
+        tmp = f"{self.path}.optin.tmp"
+        with open(tmp, "w") as f:
+            f.write(str(self.ctx.round))
+        os.replace(tmp, self.path + ".optin")
+
     def _new_group(self) -> None:
         self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
 
@@ -242,5 +225,5 @@ class InPlace:
         os._exit(EXIT_REFORM_FAILED)  # no atexit: a half-made group must not hang the exit
 
 
-__all__ = ["ASSIGNED", "EXIT_REFORM_FAILED", "InPlace", "Reform", "opted_in", "read_assignment",
+__all__ = ["ASSIGNED", "EXIT_REFORM_FAILED", "InPlace", "Reform", "formed_round", "opted_in", "read_assignment",
            "rebuild_ddp", "write_assignment"]

@@ -30,6 +30,11 @@ Variants run interleaved (run 1 of every variant, then run 2, ...). ``--json PAT
     python scripts/bench/bench_elastic.py --runs 1 --quick
     python scripts/bench/bench_elastic.py --runs 3 --scenario all --launcher all
     python scripts/bench/bench_elastic.py --scenario join --quick --nodes 3 --nproc 1 --client plain bench example
+    python scripts/bench/bench_elastic.py --scenario join --quick --nodes 3 --nproc 1 --client inplace
+
+``join`` also reports the survivors' *pause* (``phases.pause``: the last step at the old world size to
+the first at the new one). With ``--client inplace`` the ``elasticrun sw=1 prewarm`` rows re-form the
+survivors in place, ``... no-inplace`` rows take the restart path, torchrun restarts.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ class Variant:
     heartbeat: float = 5.0  # elasticrun --heartbeat-timeout
     prewarm: bool = True  # elasticrun --prewarm / --no-prewarm
     tuned: bool = False  # torchrun: tuned timeouts + TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    inplace: bool = True  # elasticrun: --inplace / --no-inplace (matters for the ``inplace`` client)
 
     def target(self, scenario: str) -> Optional[float]:
         """elasticrun's target in seconds (kill: heartbeat + 2 s; join: window + 2 s); None for torchrun."""
@@ -88,11 +94,13 @@ VARIANTS: Dict[str, List[Variant]] = {
     "join": [
         Variant("elasticrun", "elasticrun sw=1 prewarm", 3.0, True),
         Variant("elasticrun", "elasticrun sw=1 no-prewarm", 3.0, False),
+        Variant("elasticrun", "elasticrun sw=1 prewarm no-inplace", 3.0, True, inplace=False),
         Variant("torchrun", "torchrun c10d default"),
         Variant("torchrun", "torchrun c10d tuned", tuned=True),
     ],
 }
-QUICK_LABELS = {"elasticrun hb=3 prewarm", "elasticrun sw=1 prewarm", "torchrun c10d tuned"}
+QUICK_LABELS = {"elasticrun hb=3 prewarm", "elasticrun sw=1 prewarm", "elasticrun sw=1 prewarm no-inplace",
+                "torchrun c10d tuned"}
 
 
 class Run:
@@ -145,7 +153,7 @@ class Run:
                 "--rdzv-endpoint", self.etcd.endpoint, "--rdzv-id", self.job, "--node-id", name,
                 "--local-addr", "127.0.0.1", "--heartbeat-timeout", str(v.heartbeat),
                 "--stability-window", str(STABILITY_WINDOW), "--max-restarts", "100",
-                "--prewarm" if v.prewarm else "--no-prewarm", *train,
+                "--prewarm" if v.prewarm else "--no-prewarm", "--inplace" if v.inplace else "--no-inplace", *train,
             ]
         conf = f"is_host={'true' if name == 'A' else 'false'}"
         if v.tuned:
@@ -257,6 +265,11 @@ def measure(run: Run, args: argparse.Namespace) -> Outcome:
         at = joiner.mark(text)
         if at is not None:
             outcome.phases[phase] = round(at - joiner.started, 3)
+    if outcome.status == "ok":  # the survivors' pause: last step at the old size -> first step at the new
+        rows = sorted((t, w) for n in run.nodes.values() for (_, w, t) in n.steps())
+        first_new = min(t for t, w in rows if w == full and t >= joiner.started)
+        last_old = max((t for t, w in rows if w == less and t <= first_new), default=first_new)
+        outcome.phases["pause"] = round(first_new - last_old, 3)
     return outcome
 
 

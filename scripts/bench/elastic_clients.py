@@ -10,6 +10,8 @@ Clients (all CPU, gloo, launcher-agnostic):
              script starts and ``PG`` once the process group is up, so the logs show where a
              restart spends its time.
 ``example``  ``examples/train.py`` (DDP, elastic sampler, checkpoint on SIGTERM, control polling).
+``inplace``  ``scripts/bench/inplace_train.py``: the ``bench`` loop with ``elasticrun.train.InPlace``
+             (survivors re-form in place at a join under elasticrun; restarts elsewhere).
 
 A step line yields ``(step, world size, unix time)``; a client that prints no time gets the
 time the benchmark read the line.
@@ -49,6 +51,8 @@ class Client:
         """The script and its arguments (after the launcher's own options)."""
         if self.name == "bench":
             return [str(HERE / "elastic_train.py"), str(out_dir)]
+        if self.name == "inplace":
+            return [str(HERE / "inplace_train.py"), str(out_dir)]
         if self.name == "plain":
             return [str(Path(__file__).resolve()), "plain"]
         return [str(REPO / "examples" / "train.py"), "--epochs", "1000000", "--ckpt-dir", str(out_dir / "ckpt"),
@@ -62,7 +66,7 @@ class Client:
         return [(int(m[1]), int(m[2]), float(m[3])) for m in STEP_RE.finditer(line)]
 
 
-CLIENTS = {name: Client(name) for name in ("bench", "plain", "example")}
+CLIENTS = {name: Client(name) for name in ("bench", "plain", "example", "inplace")}
 
 
 class Node:

@@ -2,7 +2,8 @@
 
 Appends one JSON line per step to ``$INPLACE_LOG`` (pid, rank, world, round, step, indices, time).
 ``INPLACE_DIE=sync`` (newcomer: dies before receiving the state) or ``INPLACE_DIE=reform:STEP``
-(survivor: dies inside the re-form after STEP) simulate failures.
+(survivor: dies inside the re-form after STEP) simulate failures. ``INPLACE_DATASET``: samples per
+epoch (120); ``INPLACE_PACE``: seconds between steps, none once ``INPLACE_FAST_FILE`` exists.
 """
 
 import json
@@ -15,7 +16,7 @@ import torch.distributed as dist
 import elasticrun.train as et
 from elasticrun.train import inplace
 
-DATASET = 120
+DATASET = int(os.environ.get("INPLACE_DATASET", "120"))
 LOCAL_BATCH = 2
 
 die = os.environ.get("INPLACE_DIE", "")
@@ -45,6 +46,7 @@ g = torch.Generator().manual_seed(7)
 X = torch.randn(DATASET, 4, generator=g)
 Y = torch.randn(DATASET, 1, generator=g)
 pace = float(os.environ.get("INPLACE_PACE", "0.05"))
+fast = os.environ.get("INPLACE_FAST_FILE", "")  # once this file exists: no pause between steps
 with open(os.environ["INPLACE_LOG"], "a") as log:
     while not sampler.epoch_done:
         idx = list(iter(sampler))[:LOCAL_BATCH]
@@ -61,7 +63,7 @@ with open(os.environ["INPLACE_LOG"], "a") as log:
                               "step": reform.step, "idx": idx, "t": time.time(),
                               "w": model.weight.detach().flatten().tolist()}) + "\n")
         log.flush()
-        time.sleep(pace)
+        time.sleep(0.0 if fast and os.path.exists(fast) else pace)
         result = reform.check()
         if result is et.Reform.STOP:
             break

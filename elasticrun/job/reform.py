@@ -1,0 +1,77 @@
+"""In-place re-forming: the files an agent and its workers share (see :mod:`elasticrun.train.inplace`).
+
+Per local worker the agent names a file in ``ELASTICRUN_REFORM_FILE``. The agent writes the next
+round's assignment there (write + rename); the worker writes ``<file>.optin`` (the round it runs
+in: it opted in, and re-formed for that round) and, as a newcomer, ``<file>.ready`` just before it
+joins the group (its start-up is over: the survivors may re-form now).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, Mapping, Optional
+
+from elasticrun.job import env as names
+
+EXIT_REFORM_FAILED = 75  # the worker could not re-form: the agent restarts the round as today
+
+#: The variables an assignment carries (the rest of the environment stays as it was).
+ASSIGNED = (
+    names.RANK, names.WORLD_SIZE, names.LOCAL_RANK, names.LOCAL_WORLD_SIZE, names.GROUP_RANK,
+    names.GROUP_WORLD_SIZE, names.ROLE_RANK, names.ROLE_WORLD_SIZE, names.MASTER_ADDR, names.MASTER_PORT,
+    names.RESTART_COUNT, names.ROUND, names.PREV_WORLD_SIZE, names.RESCALE_TYPE, names.RESCALE_EVENT_FILE,
+)
+
+
+def write_assignment(path: str, env: Mapping[str, str], leave: bool = False) -> None:
+    """Agent side: atomically publish a worker's next assignment (``env``: the new worker variables)."""
+    body = {"round": int(env.get(names.ROUND, "-1")), "leave": leave,
+            "env": {k: str(env[k]) for k in ASSIGNED if k in env}}
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(body, f)
+    os.replace(tmp, path)
+
+
+def read_assignment(path: str) -> Optional[Dict[str, Any]]:
+    """The assignment at ``path``, or None (absent or not yet complete)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def opted_in(path: str) -> bool:
+    """Agent side: True once the worker whose assignment file is ``path`` opted in."""
+    return os.path.exists(path + ".optin")
+
+
+def formed_round(path: str) -> int:
+    """Agent side: the round the worker whose assignment file is ``path`` last (re-)formed for (-1: none)."""
+    try:
+        with open(path + ".optin") as f:
+            return int(f.read().strip() or -1)
+    except (OSError, ValueError):
+        return -1
+
+
+
+
+def ready(path: str) -> bool:
+    """Agent side: True once the newcomer worker whose assignment file is ``path`` is about to join."""
+    return os.path.exists(path + ".ready")
+
+
+def clear(path: str) -> None:
+    """Agent side: remove a worker's assignment files before a fresh worker starts with ``path``."""
+    for suffix in ("", ".optin", ".ready"):
+        try:
+            os.remove(path + suffix)
+        except OSError:
+            pass
+
+
+__all__ = ["ASSIGNED", "EXIT_REFORM_FAILED", "clear", "formed_round", "opted_in", "read_assignment", "ready",
+           "write_assignment"]

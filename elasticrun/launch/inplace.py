@@ -1,0 +1,156 @@
+"""The agent's side of in-place re-forming (the workers' side is :mod:`elasticrun.train.inplace`).
+
+    opt-in reported → round ends (join, graceful leave) → workers kept → next round formed
+      survivor: newcomers ready? → write assignments → workers re-formed?   (else: restart path)
+      newcomer: start workers with ELASTICRUN_REFORM_JOIN=1 → their ``.ready`` files → ``ready/<node>``
+
+An agent keeps its workers through a round change only when every local worker opted in
+(``<reform file>.optin``), the round did not fail, no hang was seen and the workers still run.
+The leader decides from the node records who re-forms (:func:`~elasticrun.rendezvous.inplace.plan_inplace`,
+``Topology.inplace``); a kept worker the new round does not re-form in place is stopped and
+restarted as today. A newcomer that is not ready within :data:`READY_WAIT_S`, or a survivor that
+has not re-formed :data:`REFORM_DEADLINE_S` after its assignment (or exits 75), ends the round
+as a worker failure: today's restart path.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Callable, List, Optional
+
+from elasticrun.job import env as names
+from elasticrun.job import reform
+from elasticrun.launch.config import LaunchConfig
+from elasticrun.launch.failures import make_failure
+from elasticrun.launch.outage import stop_workers
+from elasticrun.launch.workers import GroupState, WorkerGroup
+from elasticrun.rendezvous.protocol import Rendezvous
+from elasticrun.rendezvous.records import Member, RescaleEvent, Topology
+
+READY_WAIT_S = 120.0  # newcomers' start-up (interpreter, imports, up to init_process_group)
+REFORM_DEADLINE_S = 60.0  # assignment written → every local worker re-formed
+
+
+class InPlaceRounds:
+    """Per agent: keeps workers through planned rescales and places them in the next round."""
+
+    def __init__(self, cfg: LaunchConfig, workers: WorkerGroup, say: Callable[[str], None]) -> None:
+        self.cfg = cfg
+        self.enabled = cfg.inplace
+        self.workers = workers
+        workers.inplace = cfg.inplace
+        self.say = say
+        self.carrying = False  # workers kept through a round change, not yet placed in the next round
+        self._told = False  # our node record says inplace=True
+        self._round = -1  # the round our survivors re-form for (-1: none pending)
+        self._envs: List[dict] = []
+        self._published = 0.0  # when the assignments were written (0: not yet)
+        self._deadline = 0.0
+        self._joining = -1  # the round our newcomer workers join (-1: none)
+
+    @property
+    def busy(self) -> bool:
+        """A re-form or a newcomer's start is under way: the agent loop should turn often."""
+        return self._round >= 0 or self._joining >= 0
+
+    def _files(self) -> List[str]:
+        return [self.workers.reform_file(w.spec.local_rank) for w in self.workers.running]
+
+    def before_round(self, rdzv: Rendezvous) -> None:
+        """Before waiting for the next round: a node whose workers stopped no longer offers in-place."""
+        if self._told and not self.carrying:
+            rdzv.publish(inplace=False)
+            self._told = False
+
+    def drop(self) -> None:
+        """Stop workers kept through a round change (our lease was lost: no re-form, no stale worker)."""
+        if self.carrying:
+            self.carrying = False
+            self.workers.stop(self.cfg.shutdown_timeout)
+
+    def start(self, rdzv: Rendezvous, topo: Topology, me: Member, event: Optional[RescaleEvent]) -> str:
+        """Place the kept workers in ``topo`` or start new ones; how, for the agent's log line."""
+        if self.carrying:
+            self.carrying = False
+            if me.node_id in topo.inplace:
+                self._envs = self.workers.adopt(topo, me, event)
+                self._round, self._published = topo.round, 0.0
+                self._deadline = time.monotonic() + READY_WAIT_S
+                return f"{len(self._envs)} kept, re-forming in place"
+            self.say(f"round {topo.round} restarts every worker: stopping the kept ones")
+            self.workers.stop(self.cfg.shutdown_timeout)
+            rdzv.publish(inplace=False)
+            self._told = False
+        self._round = -1  # fresh workers: nothing of an earlier re-form is pending
+        for local_rank in range(me.nproc):
+            reform.clear(self.workers.reform_file(local_rank))
+        join = self.enabled and bool(topo.inplace) and me.node_id not in topo.inplace
+        if join:
+            self.workers.extra_env[names.REFORM_JOIN] = "1"
+        try:
+            self.workers.start(topo, me, event)
+        finally:
+            self.workers.extra_env.pop(names.REFORM_JOIN, None)
+        self._joining = topo.round if join else -1
+        self._deadline = time.monotonic() + READY_WAIT_S
+        return self.workers.started_how + (", joining in-place survivors" if join else "")
+
+    def keep(self, rdzv: Rendezvous, topo: Topology) -> bool:
+        """At the end of round ``topo``: True to keep our workers for the next round (no stop)."""
+        if not (self.enabled and self._told) or self.busy:
+            return False
+        if rdzv.view.get(rdzv.keys.failed(topo.round)) is not None:
+            return False
+        if self.workers.poll() is not GroupState.RUNNING:
+            return False
+        self.carrying = True
+        return True
+
+    def tick(self, rdzv: Rendezvous, topo: Topology) -> bool:
+        """One turn of the agent loop; True when a re-form failed and the restart path was taken."""
+        if not self.enabled:
+            return False
+        files = self._files()
+        if not self._told and files and not self.busy and all(reform.opted_in(f) for f in files):
+            rdzv.publish(inplace=True)
+            self._told = True
+        now = time.monotonic()
+        if self._joining >= 0:
+            if files and all(reform.ready(f) or reform.formed_round(f) >= self._joining for f in files):
+                rdzv.store.put_json(rdzv.keys.ready(self._joining, rdzv.node_id), {"time": time.time()})
+                self._joining = -1
+            elif now > self._deadline:
+                self._joining = -1  # the survivors give up on us: their round fails
+        if self._round < 0:
+            return False
+        if not self._published:
+            need = [m.node_id for m in topo.members if m.node_id not in topo.inplace]
+            have = rdzv.view.under(rdzv.keys.readies(self._round))
+            if all(rdzv.keys.ready(self._round, n) in have for n in need):
+                for w, env in zip(self.workers.running, self._envs):
+                    reform.write_assignment(self.workers.reform_file(w.spec.local_rank), env)
+                self._published = now
+                self._deadline = now + REFORM_DEADLINE_S
+                return False
+            if now > self._deadline:
+                return self._fail(rdzv, topo, f"newcomers {', '.join(need)} not ready within {READY_WAIT_S:g} s")
+            return False
+        if all(reform.formed_round(f) >= self._round for f in files):
+            self.say(f"round {self._round}: workers re-formed in place in {now - self._published:.2f} s")
+            self._round = -1
+        elif now > self._deadline:
+            return self._fail(rdzv, topo, f"workers did not re-form within {REFORM_DEADLINE_S:g} s")
+        return False
+
+    def _fail(self, rdzv: Rendezvous, topo: Topology, why: str) -> bool:
+        self.say(f"round {topo.round}: in-place re-form failed ({why}): restarting the round")
+        rows = [make_failure(w.spec.member.node_id, w.spec.member.host, w.spec.rank, w.spec.local_rank,
+                             reform.EXIT_REFORM_FAILED, w.spec.error_file).to_dict() for w in self.workers.running]
+        self._round = -1
+        rdzv.report_failure(topo, rows)
+        stop_workers(rdzv, self.workers, 1.0, sig=signal.SIGKILL)  # a half-made group: no graceful stop
+        return True
+
+
+__all__ = ["READY_WAIT_S", "REFORM_DEADLINE_S", "InPlaceRounds"]

@@ -1,0 +1,52 @@
+"""Which members of a new round re-form in place (see docs/design.md, "In-place re-forming").
+
+A planned change only: a join (``ScaleUp``) or a graceful leave (``ScaleDown`` where every removed
+node wrote ``rounds/<n>/left/<node>`` before revoking its lease), with no worker failure, and every
+survivor's agent reported that all its workers opted in (:class:`~elasticrun.rendezvous.records.NodeInfo`
+``inplace``). All survivors re-form or none does: a crash, a lost node (lease expiry), a hang, a
+replacement, or one survivor without opt-in keeps today's restart path for the whole round.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+from elasticrun.job.keys import JobKeys
+from elasticrun.rendezvous.records import Member, RescaleType, Topology
+from elasticrun.store.client import EtcdStore
+
+
+def plan_inplace(
+    prev: Optional[Topology],
+    members: Sequence[Member],
+    kind: RescaleType,
+    failed: bool,
+    nodes: Dict[str, Any],
+    store: EtcdStore,
+    keys: JobKeys,
+) -> Tuple[str, ...]:
+    """The node ids of ``members`` that keep their workers (empty: every member starts workers).
+
+    ``nodes``: node id → (NodeInfo, lease) as the leader sees them; the graceful-leave markers
+    of round ``prev`` are read from ``store`` (only for a scale-down).
+    """
+    if prev is None or failed or kind not in (RescaleType.SCALE_UP, RescaleType.SCALE_DOWN):
+        return ()
+    old = {(m.node_id, m.lease) for m in prev.members}
+    survivors = [m.node_id for m in members if (m.node_id, m.lease) in old]
+    removed = {m.node_id for m in prev.members} - {m.node_id for m in members}
+    if not survivors:
+        return ()
+    if removed:
+        prefix = keys.lefts(prev.round)
+        kvs, _ = store.get_prefix(prefix)
+        if not removed <= {kv.key[len(prefix):] for kv in kvs}:
+            return ()
+    if not all(n in nodes and getattr(nodes[n][0], "inplace", False) for n in survivors):
+        return ()
+    if members[0].node_id not in survivors:  # the state is broadcast from rank 0: it must be a survivor
+        return ()
+    return tuple(survivors)
+
+
+__all__ = ["plan_inplace"]

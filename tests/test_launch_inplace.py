@@ -1,0 +1,110 @@
+"""In-place re-forming with real agents, real etcd and real gloo workers (tests/scripts/inplace_worker.py).
+
+A join (2 → 3) and a graceful leave (3 → 2) keep the survivors' worker processes, run no step
+twice and see every sample once; a newcomer that dies while receiving the state, or a survivor
+that dies inside its re-form, makes the round fail and the job restarts as today, then completes.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+
+from elasticrun.job.keys import JobKeys
+
+from helpers.procs import SCRIPTS, wait_until
+
+pytestmark = pytest.mark.timeout(400)
+
+
+def _args(endpoint: str, job: str, node: str) -> List[str]:
+    return ["--nnodes", "2:3", "--max-restarts", "2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
+            "--rdzv-id", job, "--node-id", node, "--heartbeat-timeout", "3", "--stability-window", "0.5",
+            "--shutdown-timeout", "2",
+            str(SCRIPTS / "inplace_worker.py")]
+
+
+def _records(log: Path) -> List[dict]:
+    if not log.exists():
+        return []
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip().endswith("}")]
+
+
+def _steps(log: Path) -> List[dict]:
+    return [r for r in _records(log) if "step" in r]
+
+
+def _at(log: Path, world: int, n: int, after_round: int = -1) -> bool:
+    return sum(1 for r in _steps(log) if r["world"] == world and r["round"] > after_round) >= n
+
+
+def test_join_and_graceful_leave_reform_in_place(etcd_server, etcd, job_id, agents, tmp_path):
+    log = tmp_path / "steps.jsonl"
+    fast = tmp_path / "fast"
+    env = {"INPLACE_LOG": str(log), "INPLACE_DATASET": "2000", "INPLACE_PACE": "0.1", "INPLACE_FAST_FILE": str(fast)}
+    keys = JobKeys(job_id)
+    a = {n: agents(_args(etcd_server.endpoint, job_id, n), name=n, env=env) for n in "AB"}
+    wait_until(lambda: _at(log, 2, 6), 150, "steps at world size 2")
+    a["C"] = agents(_args(etcd_server.endpoint, job_id, "C"), name="C", env=env)
+    wait_until(lambda: _at(log, 3, 6), 150, "steps at world size 3")
+    join_round = etcd.get_json(keys.topology)
+    assert join_round["inplace"] == ["A", "B"], "the round record names the survivors that re-form in place"
+    a["B"].signal(signal.SIGTERM)  # graceful leave of the middle rank
+    wait_until(lambda: _at(log, 2, 6, after_round=join_round["round"]), 150, "steps at world size 2 again")
+    leave_round = etcd.get_json(keys.topology)
+    assert leave_round["inplace"] == ["A", "C"]
+    fast.touch()  # the rest of the epoch without pauses
+    for n in "AC":
+        assert a[n].wait(120) == 0, a[n].output()
+    steps = _steps(log)
+    by_node: Dict[int, List[dict]] = {}
+    for r in steps:
+        by_node.setdefault(r["pid"], []).append(r)
+    # One worker process per node for the whole job: nothing was restarted.
+    assert len(by_node) == 3, sorted(by_node)
+    # No step twice, none skipped: each process counts on by one, and all ranks agree per step.
+    for rows in by_node.values():
+        seq = [r["step"] for r in rows]
+        assert seq == list(range(seq[0], seq[0] + len(seq)))
+    newcomers = [rows[0] for rows in by_node.values() if rows[0]["round"] > 0]
+    assert len(newcomers) == 1
+    assert newcomers[0]["step"] == max(r["step"] for r in steps if r["round"] == 0) + 1, "the newcomer got the step"
+    assert sorted(i for r in steps for i in r["idx"]) == list(range(2000)), "every sample exactly once"
+    for step in {r["step"] for r in steps}:
+        ws = [r["w"] for r in steps if r["step"] == step]
+        assert all(w == pytest.approx(ws[0]) for w in ws)
+    assert {r["world"] for r in steps} == {2, 3}
+    pauses = [r["reformed"] for r in _records(log) if "reformed" in r]
+    assert len(pauses) == 4, pauses  # A, B at the join; A, C at the leave
+    assert "re-formed in place" in a["A"].stderr()
+
+
+@pytest.mark.parametrize("failure", ["newcomer-sync", "survivor-reform"])
+def test_failed_reform_falls_back_to_restart(etcd_server, etcd, job_id, agents, tmp_path, failure):
+    log = tmp_path / "steps.jsonl"
+    fast = tmp_path / "fast"
+    env = {"INPLACE_LOG": str(log), "INPLACE_DATASET": "2000", "INPLACE_PACE": "0.1", "INPLACE_JOIN_TIMEOUT": "15",
+           "INPLACE_FAST_FILE": str(fast)}
+    die = {"C": "sync", "B": "reform:0"}["C" if failure == "newcomer-sync" else "B"]
+    dying = "C" if failure == "newcomer-sync" else "B"
+    a = {n: agents(_args(etcd_server.endpoint, job_id, n), name=n,
+                   env={**env, **({"INPLACE_DIE": die} if n == dying else {})}) for n in "AB"}
+    wait_until(lambda: _at(log, 2, 4), 150, "steps at world size 2")
+    survivors = {r["pid"] for r in _steps(log)}
+    a["C"] = agents(_args(etcd_server.endpoint, job_id, "C"), name="C",
+                    env={**env, **({"INPLACE_DIE": die} if dying == "C" else {})})
+    # The newcomer dies receiving the state, or survivor B inside its re-form (after leaving the old
+    # group): the round fails, every worker restarts (new processes), the job completes.
+    wait_until(lambda: any(r["world"] == 3 and r["pid"] not in survivors and r["round"] >= 2 for r in _steps(log)),
+               150, "a restarted round at world size 3")
+    fast.touch()
+    for ag in a.values():
+        assert ag.wait(120) == 0, ag.output()
+    topo = etcd.get_json(JobKeys(job_id).topology)
+    assert not topo.get("inplace"), "the restart round re-forms nothing in place"
+    assert topo["restart_count"] == 1
+    assert "worker failure" in a["A"].stderr()

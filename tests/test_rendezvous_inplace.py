@@ -1,0 +1,43 @@
+"""Who re-forms in place: the leader's rule (elasticrun.rendezvous.inplace.plan_inplace) and the round record."""
+
+from __future__ import annotations
+
+from elasticrun.job.keys import JobKeys
+from elasticrun.rendezvous.inplace import plan_inplace
+from elasticrun.rendezvous.records import Member, NodeInfo, RescaleType, Topology
+
+
+def _member(nid: str, rank: int) -> Member:
+    return Member(nid, "h", "127.0.0.1", 1, rank, rank, lease=ord(nid))
+
+
+def _topo(ids: str, round_: int = 0) -> Topology:
+    return Topology(round_, tuple(_member(n, i) for i, n in enumerate(ids)), "127.0.0.1", 1)
+
+
+def _nodes(opted: str, ids: str = "ABC"):
+    return {n: (NodeInfo(n, "h", "127.0.0.1", 1, 1, inplace=n in opted), ord(n)) for n in ids}
+
+
+def test_join_reforms_survivors_only_when_all_opted_in(store):
+    keys = JobKeys("j")
+    prev, new = _topo("AB"), _topo("ABC", 1).members
+    assert plan_inplace(prev, new, RescaleType.SCALE_UP, False, _nodes("AB"), store, keys) == ("A", "B")
+    assert plan_inplace(prev, new, RescaleType.SCALE_UP, False, _nodes("A"), store, keys) == ()
+    assert plan_inplace(prev, new, RescaleType.SCALE_UP, True, _nodes("AB"), store, keys) == (), "a failure restarts"
+    assert plan_inplace(prev, new, RescaleType.RESTART, False, _nodes("AB"), store, keys) == ()
+    assert plan_inplace(None, new, RescaleType.START, False, _nodes("ABC"), store, keys) == ()
+
+
+def test_leave_reforms_only_when_graceful(store):
+    keys = JobKeys("j")
+    prev, new = _topo("ABC"), (_member("A", 0), _member("C", 1))
+    assert plan_inplace(prev, new, RescaleType.SCALE_DOWN, False, _nodes("AC"), store, keys) == (), "lost, not left"
+    store.put_json(keys.left(0, "B"), {"time": 0})
+    assert plan_inplace(prev, new, RescaleType.SCALE_DOWN, False, _nodes("AC"), store, keys) == ("A", "C")
+
+
+def test_round_record_carries_the_inplace_members():
+    topo = Topology(3, (_member("A", 0),), "127.0.0.1", 1, inplace=("A",))
+    assert Topology.from_dict(topo.to_dict()).inplace == ("A",)
+    assert "inplace" not in _topo("A").to_dict(), "absent when nothing re-forms in place"
