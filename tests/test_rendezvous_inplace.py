@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from elasticrun.job.keys import JobKeys
-from elasticrun.rendezvous.inplace import plan_inplace
+from elasticrun.job.reform import EXIT_REFORM_FAILED, REFORM_WINDOW_S
+from elasticrun.rendezvous.inplace import plan_inplace, reform_failed
 from elasticrun.rendezvous.records import Member, NodeInfo, RescaleType, Topology
 
 
@@ -41,3 +42,23 @@ def test_round_record_carries_the_inplace_members():
     topo = Topology(3, (_member("A", 0),), "127.0.0.1", 1, inplace=("A",))
     assert Topology.from_dict(topo.to_dict()).inplace == ("A",)
     assert "inplace" not in _topo("A").to_dict(), "absent when nothing re-forms in place"
+
+
+def test_only_a_failed_reform_of_an_inplace_round_is_free(store):
+    """The restart after a failed in-place re-form is not charged; a crash in an ordinary round, or
+    long after the re-form, is."""
+    keys = JobKeys("j")
+    members = (_member("A", 0), _member("B", 1))
+    inplace = Topology(4, members, "127.0.0.1", 1, created_at=1000.0, inplace=("A",))
+    ordinary = Topology(4, members, "127.0.0.1", 1, created_at=1000.0)
+    assert not reform_failed(inplace, store, keys), "no failure recorded"
+    store.put_json(keys.failed(4), {"node": "B", "rank": 1, "time": 1000.0 + REFORM_WINDOW_S + 3600})
+    store.put_json(keys.failure(4, "B"), [{"rank": 1, "exitcode": 1}])
+    assert not reform_failed(inplace, store, keys), "a crash an hour into the round is charged"
+    store.put_json(keys.failure(4, "A"), [{"rank": 0, "exitcode": EXIT_REFORM_FAILED}])
+    assert reform_failed(inplace, store, keys), "a worker that could not re-form"
+    assert not reform_failed(ordinary, store, keys), "exit 75 outside an in-place round is a plain failure"
+    store.delete(keys.failure(4, "A"))
+    store.put_json(keys.failed(4), {"node": "C", "rank": 2, "time": 1000.0 + 5})
+    assert reform_failed(inplace, store, keys), "a newcomer dying while it receives the state"
+    assert not reform_failed(None, store, keys)

@@ -21,15 +21,13 @@ from typing import Callable, List, Optional
 
 from elasticrun.job import env as names
 from elasticrun.job import reform
+from elasticrun.job.reform import READY_WAIT_S, REFORM_DEADLINE_S
 from elasticrun.launch.config import LaunchConfig
 from elasticrun.launch.failures import make_failure
 from elasticrun.launch.outage import stop_workers
 from elasticrun.launch.workers import GroupState, WorkerGroup
 from elasticrun.rendezvous.protocol import Rendezvous
 from elasticrun.rendezvous.records import Member, RescaleEvent, Topology
-
-READY_WAIT_S = 120.0  # newcomers' start-up (interpreter, imports, up to init_process_group)
-REFORM_DEADLINE_S = 60.0  # assignment written → every local worker re-formed
 
 
 class InPlaceRounds:
@@ -153,4 +151,4 @@ class InPlaceRounds:
         return True
 
 
-__all__ = ["READY_WAIT_S", "REFORM_DEADLINE_S", "InPlaceRounds"]
+__all__ = ["InPlaceRounds"]

@@ -5,6 +5,12 @@ node wrote ``rounds/<n>/left/<node>`` before revoking its lease), with no worker
 survivor's agent reported that all its workers opted in (:class:`~elasticrun.rendezvous.records.NodeInfo`
 ``inplace``). All survivors re-form or none does: a crash, a lost node (lease expiry), a hang, a
 replacement, or one survivor without opt-in keeps today's restart path for the whole round.
+
+A round whose in-place re-form failed (a worker exited :data:`~elasticrun.job.reform.EXIT_REFORM_FAILED`,
+its agent gave up waiting, or any worker failed within :data:`~elasticrun.job.reform.REFORM_WINDOW_S`
+of the round's start: a newcomer dying while it receives the state) falls back to the restart path
+*without* using a restart: the change was planned, and the next round is never in place (it follows
+a failure), so this cannot loop.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 from elasticrun.job.keys import JobKeys
+from elasticrun.job.reform import EXIT_REFORM_FAILED, REFORM_WINDOW_S
 from elasticrun.rendezvous.records import Member, RescaleType, Topology
 from elasticrun.store.client import EtcdStore
 
@@ -49,4 +56,23 @@ def plan_inplace(
     return tuple(survivors)
 
 
-__all__ = ["plan_inplace"]
+def reform_failed(prev: Optional[Topology], store: EtcdStore, keys: JobKeys) -> bool:
+    """True when round ``prev`` re-formed in place and failed in that re-form (a failure row with
+    exit code :data:`EXIT_REFORM_FAILED`, or the round's failure flag within :data:`REFORM_WINDOW_S`
+    of its start): the restart that follows is not charged to the budget."""
+    if prev is None or not prev.inplace:
+        return False
+    flag = store.get_json(keys.failed(prev.round))
+    failed_at = float(flag.get("time") or 0) if isinstance(flag, dict) else 0.0
+    if failed_at and failed_at - prev.created_at < REFORM_WINDOW_S:
+        return True
+    kvs, _ = store.get_prefix(keys.failures(prev.round))
+    for kv in kvs:
+        rows = kv.json()
+        if isinstance(rows, list) and any(isinstance(r, dict) and r.get("exitcode") == EXIT_REFORM_FAILED
+                                          for r in rows):
+            return True
+    return False
+
+
+__all__ = ["plan_inplace", "reform_failed"]

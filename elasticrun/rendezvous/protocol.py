@@ -29,7 +29,7 @@ from elasticrun.errors import ConfigError, RendezvousError, StoreError
 from elasticrun.job.exitcodes import ExitCode
 from elasticrun.job.keys import JobKeys
 from elasticrun.job.requests import utc
-from elasticrun.rendezvous.inplace import plan_inplace
+from elasticrun.rendezvous.inplace import plan_inplace, reform_failed
 from elasticrun.rendezvous.leader import Leadership
 from elasticrun.rendezvous.ranks import classify, plan_members
 from elasticrun.rendezvous.records import NodeInfo, RescaleEvent, RescaleType, Topology, WorkerStatus
@@ -360,7 +360,9 @@ class Rendezvous(RoundMonitor):
         kind = classify(prev, members, failed)
         # A worker failure that comes with a lost node is the node's loss (its peers' collectives
         # broke), a membership change: it does not use up a restart.
-        counts = failed and kind in (RescaleType.RESTART, RescaleType.SCALE_UP)
+        # A failed in-place re-form (a planned change) falls back to a restart that is not charged.
+        counts = failed and kind in (RescaleType.RESTART, RescaleType.SCALE_UP) and not reform_failed(
+            prev, self.store, self.keys)
         restarts = 0 if prev is None else prev.restart_count + (1 if counts else 0)
         budget = RestartBudget(s.max_restarts, s.restart_window)
         history = (self.store.get_json(self.keys.restarts) or {}).get("times", []) if counts else []
