@@ -238,7 +238,7 @@ class Rendezvous(RoundMonitor):
         while True:
             self.beat()
             if not self.lease_valid():
-                raise LeaseLost(self.lease.lost_reason if self.lease else "no lease")
+                raise LeaseLost((self.lease.lost_reason if self.lease else None) or "etcd did not confirm it in time")
             if not port:
                 port = self._store_host.port()
                 if port:
