@@ -11,11 +11,9 @@ See docs/checkpoints.md for the format.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from elasticrun.checkpoint.checksum import Checksum
 from elasticrun.checkpoint.format import LATEST, CheckpointMeta, Replicate, Shard
+from elasticrun.checkpoint.lazy import lazy_exports
 from elasticrun.checkpoint.retention import delete
 from elasticrun.checkpoint.validate import CheckpointInfo, CheckpointStatus, VerifyResult, list_checkpoints, verify
 from elasticrun.errors import CheckpointError
@@ -35,12 +33,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY, globals())
 
 
 __all__ = [

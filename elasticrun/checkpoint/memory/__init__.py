@@ -19,8 +19,7 @@ imported lazily (most need torch).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from elasticrun.checkpoint.lazy import lazy_exports
 
 _LAZY = {
     "Snapshotter": "elasticrun.checkpoint.memory.snapshotter",
@@ -37,12 +36,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY, globals())
 
 
 __all__ = ["ResumedCheckpoint", "SnapshotMemoryError", "SnapshotUnavailable", "Snapshotter", "Tier", "candidates",
