@@ -179,3 +179,17 @@ def test_failure_during_reform_exits_for_restart(harness: Harness, failure: str)
         assert h.procs[2].wait(timeout=60) != 0  # the newcomer's own init times out: a normal failure
         codes = [h.procs[0].wait(timeout=60)]
     assert all(c == EXIT_REFORM_FAILED for c in codes), codes
+
+
+def test_sigterm_while_waiting_for_an_assignment_leaves(harness: Harness) -> None:
+    """A worker that agreed to re-form, then is told to leave while no assignment comes (its agent
+    left the job first), leaves with STOP (exit 0) instead of waiting out its timeout (exit 75)."""
+    h = harness
+    h.first_round([0, 1])
+    wait_until(lambda: h.at_world(2, 2), 60, "steps at world 2")
+    h.round += 1
+    write_assignment(h.reform_file(0), h._env(0, 1, h._store(), 2))  # only slot 0 has a place
+    wait_until(lambda: any("reformed" in r for r in h.records()), 60, "slot 0 re-formed alone")
+    h.procs[1].send_signal(signal.SIGTERM)  # slot 1 left the old group at the same step and waits
+    assert h.procs[1].wait(timeout=30) == 0
+    assert h.procs[0].wait(timeout=60) == 0  # the survivor finishes the epoch alone
