@@ -127,4 +127,6 @@ def test_failed_reform_falls_back_to_restart(etcd_server, etcd, job_id, agents, 
     topo = etcd.get_json(JobKeys(job_id).topology)
     assert not topo.get("inplace"), "the restart round re-forms nothing in place"
     assert topo["restart_count"] == 0, "a failed re-form is not charged to the restart budget"
-    assert "worker failure" in a["A"].stderr()
+    # A sees the failure as the round's (flagged by another node) or as its own worker's exit 75,
+    # whichever comes first: both end the round.
+    assert "worker failure" in a["A"].stderr() or "failed (75)" in a["A"].stderr()
