@@ -107,9 +107,10 @@ class InPlaceRounds:
         """Graceful leave of round ``round_``: signal our workers, mark the leave and revoke our lease
         without waiting for the workers to exit. True once the workers were signalled: the caller must
         not signal them again (a second SIGTERM kills); False: nothing done, the caller leaves as before."""
-        if not (self.enabled and self._told and round_ >= 0 and sig == signal.SIGTERM) or self.busy:
+        if not (self.enabled and round_ >= 0 and sig == signal.SIGTERM) or self.busy or self.carrying:
             return False
-        if self.carrying or rdzv.lease is None:
+        files = self._files()  # opted in, even if the next tick would only now say so in our node record
+        if rdzv.lease is None or not files or not all(reform.opted_in(f) for f in files):
             return False
         for pid in self.workers.pids:
             kill_process_group(pid, sig)  # InPlace.check() turns it into STOP at the next step boundary
