@@ -42,6 +42,18 @@ def _at(log: Path, world: int, n: int, after_round: int = -1) -> bool:
     return sum(1 for r in _steps(log) if r["world"] == world and r["round"] > after_round) >= n
 
 
+def _pause(log: Path, old_round: int, new_round: int) -> float:
+    """The survivors' pause: per worker, its last step in ``old_round`` → its first in ``new_round``; the longest."""
+    last: Dict[int, float] = {}
+    first: Dict[int, float] = {}
+    for r in _steps(log):
+        if r["round"] == old_round:
+            last[r["pid"]] = max(last.get(r["pid"], 0.0), r["t"])
+        elif r["round"] == new_round:
+            first.setdefault(r["pid"], r["t"])
+    return max(first[p] - last[p] for p in first.keys() & last.keys())
+
+
 def test_join_and_graceful_leave_reform_in_place(etcd_server, etcd, job_id, agents, tmp_path):
     log = tmp_path / "steps.jsonl"
     fast = tmp_path / "fast"
@@ -49,7 +61,7 @@ def test_join_and_graceful_leave_reform_in_place(etcd_server, etcd, job_id, agen
     keys = JobKeys(job_id)
     a = {n: agents(_args(etcd_server.endpoint, job_id, n), name=n, env=env) for n in "AB"}
     wait_until(lambda: _at(log, 2, 6), 150, "steps at world size 2")
-    a["C"] = agents(_args(etcd_server.endpoint, job_id, "C", 0), name="C", env=env)
+    a["C"] = agents(_args(etcd_server.endpoint, job_id, "C"), name="C", env=env)  # same flags as A, B
     wait_until(lambda: _at(log, 3, 6), 150, "steps at world size 3")
     join_round = etcd.get_json(keys.topology)
     assert join_round["inplace"] == ["A", "B"], "the round record names the survivors that re-form in place"
@@ -57,6 +69,13 @@ def test_join_and_graceful_leave_reform_in_place(etcd_server, etcd, job_id, agen
     wait_until(lambda: _at(log, 2, 6, after_round=join_round["round"]), 150, "steps at world size 2 again")
     leave_round = etcd.get_json(keys.topology)
     assert leave_round["inplace"] == ["A", "C"]
+    join_pause = _pause(log, 0, join_round["round"])
+    leave_pause = _pause(log, join_round["round"], leave_round["round"])
+    print(f"survivors' pause (incl. the script's 0.1 s sleep): join {join_pause:.2f} s, leave {leave_pause:.2f} s")
+    # The leaver's agent leaves the job before its worker has exited, so the survivors do not wait for
+    # that exit (interpreter and torch shutdown). Measured on the 2-core test machine: 0.13 s; 1.04 s
+    # when the agent stopped its worker first (0.75-1.8 s in earlier runs). A bound with room for load:
+    assert leave_pause < 0.75, f"graceful-leave pause {leave_pause:.2f} s"
     fast.touch()  # the rest of the epoch without pauses
     for n in "AC":
         assert a[n].wait(120) == 0, a[n].output()
@@ -108,4 +127,6 @@ def test_failed_reform_falls_back_to_restart(etcd_server, etcd, job_id, agents, 
     topo = etcd.get_json(JobKeys(job_id).topology)
     assert not topo.get("inplace"), "the restart round re-forms nothing in place"
     assert topo["restart_count"] == 0, "a failed re-form is not charged to the restart budget"
-    assert "worker failure" in a["A"].stderr()
+    # A sees the failure as the round's (flagged by another node) or as its own worker's exit 75,
+    # whichever comes first: both end the round.
+    assert "worker failure" in a["A"].stderr() or "failed (75)" in a["A"].stderr()

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 import torch.distributed as dist
@@ -136,6 +136,29 @@ def test_join_then_graceful_leave_keeps_survivors_and_exactly_once(harness: Harn
     pauses = [r["reformed"] for r in h.records() if "reformed" in r]
     assert len(pauses) == 4  # two survivors re-formed twice each
     print(f"in-place re-form pauses (s): {sorted(pauses)}")
+    # The restart path with the same global batch, changing world size after the same steps: fresh
+    # processes per round, the state handed over through a file. Same parameters after every step.
+    changes = [max(r["step"] for r in steps if r["round"] == n) for n in (0, 1)]
+    ref = restart_reference(h, [(2, changes[0]), (3, changes[1]), (2, 0)])
+    mine = {r["step"]: r["w"] for r in steps if r["rank"] == 0}
+    assert sorted(ref) == sorted(mine), "the same steps on both paths"
+    for step, w in mine.items():
+        assert w == pytest.approx(ref[step], rel=1e-5, abs=1e-6), f"step {step}: in place != restart path"
+
+
+def restart_reference(h: Harness, segments: List[Tuple[int, int]]) -> Dict[int, List[float]]:
+    """Run ``segments`` of (world size, last step; 0: to the end) as fresh workers each; step → rank 0's weights."""
+    log, state = h.tmp / "reference.jsonl", h.tmp / "reference.pt"
+    for world, stop_after in segments:
+        h.round += 1
+        port = h._store()
+        slots = [100 + h.round * 10 + rank for rank in range(world)]
+        for rank, slot in enumerate(slots):
+            h.start(slot, rank, world, port, **{names.REFORM_FILE: "", "INPLACE_LOG": str(log), "INPLACE_PACE": "0",
+                                                "INPLACE_RESUME": str(state), "INPLACE_STOP_AFTER": str(stop_after)})
+        assert [h.procs[s].wait(timeout=60) for s in slots] == [0] * world
+    rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    return {r["step"]: r["w"] for r in rows if r["rank"] == 0}
 
 
 @pytest.mark.parametrize("failure", ["newcomer-sync", "survivor-reform"])
@@ -156,3 +179,17 @@ def test_failure_during_reform_exits_for_restart(harness: Harness, failure: str)
         assert h.procs[2].wait(timeout=60) != 0  # the newcomer's own init times out: a normal failure
         codes = [h.procs[0].wait(timeout=60)]
     assert all(c == EXIT_REFORM_FAILED for c in codes), codes
+
+
+def test_sigterm_while_waiting_for_an_assignment_leaves(harness: Harness) -> None:
+    """A worker that agreed to re-form, then is told to leave while no assignment comes (its agent
+    left the job first), leaves with STOP (exit 0) instead of waiting out its timeout (exit 75)."""
+    h = harness
+    h.first_round([0, 1])
+    wait_until(lambda: h.at_world(2, 2), 60, "steps at world 2")
+    h.round += 1
+    write_assignment(h.reform_file(0), h._env(0, 1, h._store(), 2))  # only slot 0 has a place
+    wait_until(lambda: any("reformed" in r for r in h.records()), 60, "slot 0 re-formed alone")
+    h.procs[1].send_signal(signal.SIGTERM)  # slot 1 left the old group at the same step and waits
+    assert h.procs[1].wait(timeout=30) == 0
+    assert h.procs[0].wait(timeout=60) == 0  # the survivor finishes the epoch alone

@@ -215,8 +215,11 @@ class Agent:
             except AgentSignal as sig:
                 self._stopping = True
                 self.say(f"received {sig}: stopping workers and leaving the job")
+                wsig = worker_signal(sig.signum)
+                if rdzv is not None and self.inplace is not None and self.inplace.leave_first(rdzv, self._round, wsig):
+                    wsig = 0  # signalled once already (a second SIGTERM kills); leave_first left the job
                 if workers is not None:
-                    workers.stop(cfg.shutdown_timeout, sig=worker_signal(sig.signum))
+                    workers.stop(cfg.shutdown_timeout, sig=wsig)
                 if rdzv is not None and rdzv.lease is not None:
                     try:
                         if self._round >= 0:  # before the lease goes: survivors may re-form in place

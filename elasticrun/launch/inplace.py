@@ -11,6 +11,13 @@ The leader decides from the node records who re-forms (:func:`~elasticrun.rendez
 restarted as today. A newcomer that is not ready within :data:`READY_WAIT_S`, or a survivor that
 has not re-formed :data:`REFORM_DEADLINE_S` after its assignment (or exits 75), ends the round
 as a worker failure: today's restart path.
+
+A graceful leave (SIGTERM to the agent) of a node whose workers opted in leaves the job *first*
+(:meth:`InPlaceRounds.leave_first`): SIGTERM to the workers, the ``left`` marker, the lease revoked,
+and only then the wait for the workers to exit. The survivors' round forms while the leaver's
+workers are still shutting down; those left the old group at the same step boundary as everyone
+(their ``check()`` returns STOP), and their round is stale at once, so the commit fence refuses
+any save they attempt.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import signal
 import time
 from typing import Callable, List, Optional
 
+from elasticrun.errors import ElasticrunError
 from elasticrun.job import env as names
 from elasticrun.job import reform
 from elasticrun.job.reform import READY_WAIT_S, REFORM_DEADLINE_S
@@ -26,6 +34,7 @@ from elasticrun.launch.config import LaunchConfig
 from elasticrun.launch.failures import make_failure
 from elasticrun.launch.outage import stop_workers
 from elasticrun.launch.workers import GroupState, WorkerGroup
+from elasticrun.proc import kill_process_group
 from elasticrun.rendezvous.protocol import Rendezvous
 from elasticrun.rendezvous.records import Member, RescaleEvent, Topology
 
@@ -93,6 +102,24 @@ class InPlaceRounds:
         self._joining = topo.round if join else -1
         self._deadline = time.monotonic() + READY_WAIT_S
         return self.workers.started_how + (", joining in-place survivors" if join else "")
+
+    def leave_first(self, rdzv: Rendezvous, round_: int, sig: int) -> bool:
+        """Graceful leave of round ``round_``: signal our workers, mark the leave and revoke our lease
+        without waiting for the workers to exit. True once the workers were signalled: the caller must
+        not signal them again (a second SIGTERM kills); False: nothing done, the caller leaves as before."""
+        if not (self.enabled and round_ >= 0 and sig == signal.SIGTERM) or self.busy or self.carrying:
+            return False
+        files = self._files()  # opted in, even if the next tick would only now say so in our node record
+        if rdzv.lease is None or not files or not all(reform.opted_in(f) for f in files):
+            return False
+        for pid in self.workers.pids:
+            kill_process_group(pid, sig)  # InPlace.check() turns it into STOP at the next step boundary
+        try:
+            rdzv.mark_left(round_)  # before the lease goes: the leader plans the survivors' re-form on it
+            rdzv.leave()  # the survivors' next round forms now, not once our workers have exited
+        except ElasticrunError:
+            pass  # etcd unreachable: the caller's own leave (lease still held) tries again
+        return True
 
     def keep(self, rdzv: Rendezvous, topo: Topology) -> bool:
         """At the end of round ``topo``: True to keep our workers for the next round (no stop)."""

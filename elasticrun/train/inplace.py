@@ -143,18 +143,21 @@ class InPlace:
             dist.destroy_process_group()
             self.ctx.owns_group = False
             return Reform.STOP
-        self._reform()
-        return Reform.REFORMED
+        return Reform.REFORMED if self._reform() else Reform.STOP
 
     # -- the re-form ----------------------------------------------------------------------------
 
-    def _reform(self) -> None:
+    def _reform(self) -> bool:
+        """Leave the old group, join the next round's; False: SIGTERM came while waiting (leave)."""
         began = time.monotonic()
         old = self.ctx.round
         dist.destroy_process_group()  # every group of the old round, ours included
         deadline = began + self.timeout
         a = read_assignment(self.path)
         while a is None or int(a["round"]) <= old:
+            if self.ctx.should_stop:  # our node leaves too (its agent left first): no assignment will come
+                self.ctx.owns_group = False
+                return False
             if time.monotonic() >= deadline:
                 self._fail(f"no assignment for a round after {old} within {self.timeout:g} s")
             time.sleep(0.005)
@@ -178,6 +181,7 @@ class InPlace:
         self._mark()
         log.info("elasticrun: re-formed in place: round %d, rank %d of %d (%.3f s)",
                  state.round, state.rank, state.world_size, self.last_pause_s)
+        return True
 
     def sync(self) -> None:
         """Broadcast the registered state from rank 0 to every rank of the current group."""

@@ -9,6 +9,8 @@ Scenarios (CPU, gloo, ``OMP_NUM_THREADS=1``; ``--nodes`` N, default 2, ``--nproc
           Measured: from the kill to the first step logged at world size (N-1)*P.
 ``join``  N-1 nodes train at world size (N-1)*P (``--nnodes 1:N``). The last node's agent starts.
           Measured: from its start to the first step at world size N*P (it trains in the job).
+``leave`` N nodes train at world size N*P; the last node's agent gets SIGTERM (a graceful leave).
+          Measured: from the SIGTERM to the first step at world size (N-1)*P.
 
 Training scripts (``--client``, several allowed; see ``scripts/bench/elastic_clients.py``): ``bench``
 (``scripts/bench/elastic_train.py``, the default), ``plain`` (a tight all-reduce loop that never polls
@@ -31,8 +33,9 @@ Variants run interleaved (run 1 of every variant, then run 2, ...). ``--json PAT
     python scripts/bench/bench_elastic.py --runs 3 --scenario all --launcher all
     python scripts/bench/bench_elastic.py --scenario join --quick --nodes 3 --nproc 1 --client plain bench example
     python scripts/bench/bench_elastic.py --scenario join --quick --nodes 3 --nproc 1 --client inplace
+    python scripts/bench/bench_elastic.py --scenario leave --quick --nodes 3 --nproc 1 --client inplace
 
-``join`` also reports the survivors' *pause* (``phases.pause``: the last step at the old world size to
+``join`` and ``leave`` also report the survivors' *pause* (``phases.pause``: the last step at the old world size to
 the first at the new one). With ``--client inplace`` the ``elasticrun sw=1 prewarm`` rows re-form the
 survivors in place, ``... no-inplace`` rows take the restart path, torchrun restarts.
 """
@@ -99,6 +102,7 @@ VARIANTS: Dict[str, List[Variant]] = {
         Variant("torchrun", "torchrun c10d tuned", tuned=True),
     ],
 }
+VARIANTS["leave"] = VARIANTS["join"]
 QUICK_LABELS = {"elasticrun hb=3 prewarm", "elasticrun sw=1 prewarm", "elasticrun sw=1 prewarm no-inplace",
                 "torchrun c10d tuned"}
 
@@ -198,6 +202,21 @@ class Run:
         node.proc.wait(10)
         return at
 
+    def leave(self, name: str) -> float:
+        """SIGTERM node ``name``'s agent (a graceful leave); returns the signal's time."""
+        node = self.nodes[name]
+        at = time.time()
+        node.proc.send_signal(signal.SIGTERM)
+        node.dead = True  # no longer counted among the live agents
+        self.events.append(f"{at - self.epoch:8.3f} bench: SIGTERM node {name}")
+        return at
+
+    def pause(self, old: int, new: int, since: float) -> float:
+        """The survivors' pause: the last step at world ``old`` → the first at ``new`` (after ``since``)."""
+        rows = sorted((t, w) for n in self.nodes.values() for (_, w, t) in n.steps())
+        first_new = min(t for t, w in rows if w == new and t >= since)
+        return round(first_new - max((t for t, w in rows if w == old and t <= first_new), default=first_new), 3)
+
     def wait_step(self, world: int, after: float, timeout: float, count: int = 1) -> Outcome:
         """Wait until ``count`` steps at ``world`` with time >= ``after`` appear in any node's output."""
         deadline = time.time() + timeout
@@ -245,14 +264,19 @@ def measure(run: Run, args: argparse.Namespace) -> Outcome:
     settle = args.warm_steps
     names = [chr(ord("A") + i) for i in range(run.nnodes)]
     full, less = run.nnodes * run.nproc, (run.nnodes - 1) * run.nproc
-    if run.scenario == "kill":
+    if run.scenario in ("kill", "leave"):
         for name in names:
             run.start(name)
         ready = run.wait_step(full, 0.0, args.timeout, count=settle)
         if ready.status != "ok":
             return Outcome(ready.status, None, "setup: " + ready.detail)
-        at = run.kill(names[-1], args.kill_mode)
-        return run.wait_step(less, at, args.timeout)
+        if run.scenario == "kill":
+            return run.wait_step(less, run.kill(names[-1], args.kill_mode), args.timeout)
+        at = run.leave(names[-1])
+        outcome = run.wait_step(less, at, args.timeout)
+        if outcome.status == "ok":
+            outcome.phases["pause"] = run.pause(full, less, at)
+        return outcome
     for name in names[:-1]:
         run.start(name)
     ready = run.wait_step(less, 0.0, args.timeout, count=settle)
@@ -266,10 +290,7 @@ def measure(run: Run, args: argparse.Namespace) -> Outcome:
         if at is not None:
             outcome.phases[phase] = round(at - joiner.started, 3)
     if outcome.status == "ok":  # the survivors' pause: last step at the old size -> first step at the new
-        rows = sorted((t, w) for n in run.nodes.values() for (_, w, t) in n.steps())
-        first_new = min(t for t, w in rows if w == full and t >= joiner.started)
-        last_old = max((t for t, w in rows if w == less and t <= first_new), default=first_new)
-        outcome.phases["pause"] = round(first_new - last_old, 3)
+        outcome.phases["pause"] = run.pause(less, full, joiner.started)
     return outcome
 
 
@@ -277,7 +298,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """Command-line options."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=3, help="runs per variant and scenario")
-    ap.add_argument("--scenario", choices=["kill", "join", "all"], default="all")
+    ap.add_argument("--scenario", choices=["kill", "join", "leave", "all"], default="all")
     ap.add_argument("--launcher", choices=["elasticrun", "torchrun", "all"], default="all")
     ap.add_argument("--quick", action="store_true", help="only elasticrun hb=3/sw=1 prewarm and tuned torchrun")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per phase before a run counts as hung")
@@ -306,7 +327,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGINT too: may be ignored when backgrounded
         signal.signal(sig, _interrupt)
-    scenarios = ["kill", "join"] if args.scenario == "all" else [args.scenario]
+    scenarios = ["kill", "join", "leave"] if args.scenario == "all" else [args.scenario]
     own_logs = args.log_dir is None
     log_root = Path(tempfile.mkdtemp(prefix="bench_elastic-")) if own_logs else args.log_dir
     log_root.mkdir(parents=True, exist_ok=True)

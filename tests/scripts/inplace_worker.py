@@ -4,6 +4,8 @@ Appends one JSON line per step to ``$INPLACE_LOG`` (pid, rank, world, round, ste
 ``INPLACE_DIE=sync`` (newcomer: dies before receiving the state) or ``INPLACE_DIE=reform:STEP``
 (survivor: dies inside the re-form after STEP) simulate failures. ``INPLACE_DATASET``: samples per
 epoch (120); ``INPLACE_PACE``: seconds between steps, none once ``INPLACE_FAST_FILE`` exists.
+The restart path by hand: ``INPLACE_RESUME=PATH`` loads the state saved at ``PATH`` (if it exists),
+``INPLACE_STOP_AFTER=STEP`` saves it there after STEP (rank 0) and exits 0.
 """
 
 import json
@@ -42,6 +44,13 @@ opt = torch.optim.SGD(model.parameters(), lr=0.1)
 sampler = et.ElasticDistributedSampler(DATASET, seed=1)
 reform = et.InPlace(ctx, timeout=5, join_timeout=float(os.environ.get("INPLACE_JOIN_TIMEOUT", "40")),
                     model=model, optimizer=opt, sampler=sampler)
+resume = os.environ.get("INPLACE_RESUME", "")
+stop_after = int(os.environ.get("INPLACE_STOP_AFTER", "0"))
+if resume and os.path.exists(resume):
+    saved = torch.load(resume)
+    for name, obj in (("model", model), ("opt", opt), ("sampler", sampler)):
+        obj.load_state_dict(saved[name])
+    reform.step = saved["step"]
 g = torch.Generator().manual_seed(7)
 X = torch.randn(DATASET, 4, generator=g)
 Y = torch.randn(DATASET, 1, generator=g)
@@ -63,6 +72,12 @@ with open(os.environ["INPLACE_LOG"], "a") as log:
                               "step": reform.step, "idx": idx, "t": time.time(),
                               "w": model.weight.detach().flatten().tolist()}) + "\n")
         log.flush()
+        if reform.step == stop_after:
+            if ctx.rank == 0:
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sampler": sampler.state_dict(),
+                            "step": reform.step}, resume)
+            dist.barrier()
+            break
         time.sleep(0.0 if fast and os.path.exists(fast) else pace)
         result = reform.check()
         if result is et.Reform.STOP:
