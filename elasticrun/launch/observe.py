@@ -152,7 +152,9 @@ class Observer:
             self.state.update(lease=_LEASE.get(rdzv.lease_health(), "lost"), role="leader" if leader else "member")
 
     def finish(self, outcome: str) -> None:
-        """The job ended (``succeeded``/``failed``): the accounting stops; one last report."""
+        """The job ended (``succeeded``/``failed``): the workers' last progress report is read (a save
+        reported just before they exited counts), the accounting stops; one last report."""
+        self._poll_progress()
         with self._lock:
             self.goodput.finish()
         self.events.emit(EventKind.JOB_ENDED, outcome=outcome, goodput=self.summary())
