@@ -7,6 +7,7 @@ import os
 import re
 import stat
 from pathlib import Path
+from typing import Callable, List
 
 import pytest
 
@@ -30,40 +31,35 @@ def _docstring_ids(tree: ast.AST) -> set:
     return ids
 
 
-def test_no_module_outside_the_contract_builds_keys_or_env_names():
-    """A string literal that is an etcd key (``/elasticrun/...`` not followed by a ``<placeholder>``
-    in a message) or an ``ELASTICRUN_*`` name is allowed in elasticrun/job/ only."""
-    offenders = []
+def _literals_outside_job(matches: Callable[[str], bool]) -> List[str]:
+    """Every string literal (docstrings aside) of elasticrun/ outside elasticrun/job/ that ``matches``."""
+    found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         if path.relative_to(PACKAGE).parts[0] == "job":
             continue
         tree = ast.parse(path.read_text(), str(path))
         docs = _docstring_ids(tree)
         for node in ast.walk(tree):
-            if not (isinstance(node, ast.Constant) and isinstance(node.value, str)) or id(node) in docs:
-                continue
-            text = node.value
-            if re.search(r"/elasticrun/(?!<)", text) or re.fullmatch(r"ELASTICRUN_[A-Z0-9_]*", text):
-                offenders.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {text!r}")
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs \
+                    and matches(node.value):
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {node.value!r}")
+    return found
+
+
+def test_no_module_outside_the_contract_builds_keys_or_env_names():
+    """A string literal that is an etcd key (``/elasticrun/...`` not followed by a ``<placeholder>``
+    in a message) or an ``ELASTICRUN_*`` name is allowed in elasticrun/job/ only."""
+    offenders = _literals_outside_job(lambda text: bool(
+        re.search(r"/elasticrun/(?!<)", text) or re.fullmatch(r"ELASTICRUN_[A-Z0-9_]*", text)))
     assert not offenders, "build keys and env names with elasticrun.job:\n" + "\n".join(offenders)
 
 
 def test_the_shared_memory_layout_is_spelled_in_job_shm_only():
     """The snapshot directory's name and its subdirectories (``generations``, ``replicas``, ...)
     are spelled in elasticrun/job/shm.py only; everyone else uses its names."""
-    offenders = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if path.relative_to(PACKAGE).parts[0] == "job":
-            continue
-        tree = ast.parse(path.read_text(), str(path))
-        docs = _docstring_ids(tree)
-        for node in ast.walk(tree):
-            if not (isinstance(node, ast.Constant) and isinstance(node.value, str)) or id(node) in docs:
-                continue
-            text = node.value
-            if re.fullmatch(r"(generations|replicas|restore|outgoing|persist)/?", text) or "elasticrun-snap-" in text \
-                    or text == "/dev/shm":
-                offenders.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {text!r}")
+    offenders = _literals_outside_job(lambda text: bool(
+        re.fullmatch(r"(generations|replicas|restore|outgoing|persist)/?", text) or "elasticrun-snap-" in text
+        or text == "/dev/shm"))
     assert not offenders, "use elasticrun.job.shm for the shared-memory layout:\n" + "\n".join(offenders)
 
 
