@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
+
+from elasticrun.errors import ConfigError
 from elasticrun.job.keys import JobKeys
-from elasticrun.job.reform import EXIT_REFORM_FAILED, REFORM_WINDOW_S
+from elasticrun.job.reform import EXIT_REFORM_FAILED, READY_WAIT_S, REFORM_WINDOW_S, reform_window
+from elasticrun.launch.config import LaunchConfig
 from elasticrun.rendezvous.inplace import plan_inplace, reform_failed
 from elasticrun.rendezvous.records import Member, NodeInfo, RescaleType, Topology
+from elasticrun.rendezvous.settings import describe_mismatch
 
 
 def _member(nid: str, rank: int) -> Member:
@@ -62,3 +67,15 @@ def test_only_a_failed_reform_of_an_inplace_round_is_free(store):
     store.put_json(keys.failed(4), {"node": "C", "rank": 2, "time": 1000.0 + 5})
     assert reform_failed(inplace, store, keys), "a newcomer dying while it receives the state"
     assert not reform_failed(None, store, keys)
+    store.put_json(keys.failed(4), {"node": "C", "rank": 2, "time": 1000.0 + 400})
+    assert not reform_failed(inplace, store, keys), "past the default window (300 s start-up + 60 s re-form)"
+    assert reform_failed(inplace, store, keys, window=reform_window(900)), "a job that allows 900 s of start-up"
+
+
+def test_inplace_ready_timeout_is_a_job_setting_and_validated():
+    a = LaunchConfig(entrypoint="t.py").job_settings()
+    b = LaunchConfig(entrypoint="t.py", inplace_ready_timeout=900).job_settings()
+    assert a["inplace_ready_timeout"] == READY_WAIT_S and "inplace_ready_timeout: job has 300.0" in (
+        describe_mismatch(a, b) or ""), "every agent (any may lead) must judge a failed re-form alike"
+    with pytest.raises(ConfigError, match="--inplace-ready-timeout 0"):
+        LaunchConfig(entrypoint=__file__, standalone=True, inplace_ready_timeout=0).validate()

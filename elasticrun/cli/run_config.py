@@ -316,6 +316,7 @@ def build_config(p: Parsed) -> LaunchConfig:
         quiet=bool(v["quiet"]),
         prewarm=bool(v["prewarm"]),
         inplace=bool(v["inplace"]),
+        inplace_ready_timeout=float(v["inplace_ready_timeout"]),
         standby=int(v["standby"]),
         snapshots=bool(v["snapshots"]),
         snapshot_memory=_snapshot_memory(p),

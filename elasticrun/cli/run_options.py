@@ -156,6 +156,9 @@ OWN_OPTIONS: Tuple[Opt, ...] = (
     Opt("inplace", ("--inplace",), "Let workers that opted in (elasticrun.train.InPlace) re-form in place at a "
         "join or a graceful leave instead of restarting \\[default: on; --no-inplace turns it off].", WORKERS,
         kind=Kind.FLAG, default=True, negative=("--no-inplace",)),
+    Opt("inplace_ready_timeout", ("--inplace-ready-timeout",), "Seconds the survivors of an in-place join keep "
+        "training at the old size while the newcomers' workers start (up to et.init()); past it the round "
+        "restarts every worker.", WORKERS, type=Type.FLOAT, metavar="S", default=300.0),
     Opt("standby", ("--standby",), "Warm standby interpreters (torch and DDP's modules imported) per node: "
         "1 is a fork server every worker of every round is forked from in milliseconds, its memory shared "
         "with the workers; where forking is unsafe, up to N spawned ones; 0: none.", WORKERS,

@@ -15,10 +15,18 @@ from typing import Any, Dict, Mapping, Optional
 from elasticrun.job import env as names
 
 EXIT_REFORM_FAILED = 75  # the worker could not re-form: the agent restarts the round as today
-READY_WAIT_S = 120.0  # newcomers' start-up (interpreter, imports, up to init_process_group)
+#: Default of ``--inplace-ready-timeout``: newcomers' start-up (interpreter, imports, model, up to
+#: ``init_process_group``) while the survivors keep training at the old size.
+READY_WAIT_S = 300.0
 REFORM_DEADLINE_S = 60.0  # assignment written → every local worker re-formed
-#: A failure this soon after an in-place round formed is a failed re-form (not charged to the budget).
-REFORM_WINDOW_S = READY_WAIT_S + REFORM_DEADLINE_S
+
+
+def reform_window(ready_wait: float = READY_WAIT_S) -> float:
+    """A failure this soon after an in-place round formed is a failed re-form (not charged to the budget)."""
+    return ready_wait + REFORM_DEADLINE_S
+
+
+REFORM_WINDOW_S = reform_window()
 
 #: The variables an assignment carries (the rest of the environment stays as it was).
 ASSIGNED = (

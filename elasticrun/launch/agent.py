@@ -24,6 +24,7 @@ from rich.text import Text
 from elasticrun.errors import ElasticrunError, JobFailedError
 from elasticrun.job import env as env_names
 from elasticrun.job.exitcodes import ExitCode, for_signal
+from elasticrun.job.reform import reform_window
 from elasticrun.job.settings import drop_secrets_from_environment
 from elasticrun.job.settings import from_config as etcd_settings
 from elasticrun.launch.c10d import RoundStore
@@ -267,6 +268,7 @@ class Agent:
             join_timeout=c.join_timeout,
             stall_after=max(2.0, c.heartbeat_timeout / 2),
             busy_timeout=c.shutdown_timeout + c.heartbeat_timeout + STOP_SLACK_S,
+            reform_window=reform_window(c.inplace_ready_timeout),
         )
 
     def _loop(self, rdzv: Rendezvous, workers: WorkerGroup) -> int:

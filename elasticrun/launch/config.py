@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from elasticrun.errors import ConfigError
 from elasticrun.job.hints import AdaptationStrategy, RedistributionType
+from elasticrun.job.reform import READY_WAIT_S
 
 _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@:-]{0,200}$")
@@ -150,6 +151,7 @@ class LaunchConfig:
     quiet: bool = False
     prewarm: bool = True  # start worker interpreters (import torch) while the rendezvous settles
     inplace: bool = True  # --no-inplace: every membership change restarts the workers (no in-place re-forming)
+    inplace_ready_timeout: float = READY_WAIT_S  # --inplace-ready-timeout: newcomers' start-up allowance
     standby: int = 1  # --standby N: warm interpreters per node (1: one fork server; 0: none)
     snapshots: bool = True  # --no-snapshots: no memory tier (no ELASTICRUN_SNAPSHOT_DIR for workers)
     snapshot_memory: Optional[int] = None  # --snapshot-memory: the memory tier's cap in bytes (None: the default cap)
@@ -191,6 +193,8 @@ class LaunchConfig:
             raise ConfigError(
                 f"--heartbeat-timeout {self.heartbeat_timeout}: etcd leases need at least 2 seconds"
             )
+        if self.inplace_ready_timeout <= 0:
+            raise ConfigError(f"--inplace-ready-timeout {self.inplace_ready_timeout}: must be more than 0 seconds")
         if self.etcd_timeout <= 0:
             raise ConfigError(f"--etcd-timeout {self.etcd_timeout}: must be more than 0 seconds")
         for name in ("stability_window", "rescale_timeout", "join_timeout", "shutdown_timeout", "monitor_interval"):
@@ -249,6 +253,7 @@ class LaunchConfig:
             "max_restarts": self.max_restarts,
             "restart_window": self.restart_window,
             "heterogeneous": self.heterogeneous,
+            "inplace_ready_timeout": self.inplace_ready_timeout,
         }
         if not self.heterogeneous:
             settings["nproc_per_node"] = self.nproc_per_node

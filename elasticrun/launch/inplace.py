@@ -8,7 +8,7 @@ An agent keeps its workers through a round change only when every local worker o
 (``<reform file>.optin``), the round did not fail, no hang was seen and the workers still run.
 The leader decides from the node records who re-forms (:func:`~elasticrun.rendezvous.inplace.plan_inplace`,
 ``Topology.inplace``); a kept worker the new round does not re-form in place is stopped and
-restarted as today. A newcomer that is not ready within :data:`READY_WAIT_S`, or a survivor that
+restarted as today. A newcomer not ready within ``--inplace-ready-timeout``, or a survivor that
 has not re-formed :data:`REFORM_DEADLINE_S` after its assignment (or exits 75), ends the round
 as a worker failure: today's restart path.
 
@@ -29,7 +29,7 @@ from typing import Callable, List, Optional
 from elasticrun.errors import ElasticrunError
 from elasticrun.job import env as names
 from elasticrun.job import reform
-from elasticrun.job.reform import READY_WAIT_S, REFORM_DEADLINE_S
+from elasticrun.job.reform import REFORM_DEADLINE_S
 from elasticrun.launch.config import LaunchConfig
 from elasticrun.launch.failures import make_failure
 from elasticrun.launch.outage import stop_workers
@@ -83,7 +83,7 @@ class InPlaceRounds:
             if me.node_id in topo.inplace:
                 self._envs = self.workers.adopt(topo, me, event)
                 self._round, self._published = topo.round, 0.0
-                self._deadline = time.monotonic() + READY_WAIT_S
+                self._deadline = time.monotonic() + self.cfg.inplace_ready_timeout
                 return f"{len(self._envs)} kept, re-forming in place"
             self.say(f"round {topo.round} restarts every worker: stopping the kept ones")
             self.workers.stop(self.cfg.shutdown_timeout)
@@ -100,7 +100,7 @@ class InPlaceRounds:
         finally:
             self.workers.extra_env.pop(names.REFORM_JOIN, None)
         self._joining = topo.round if join else -1
-        self._deadline = time.monotonic() + READY_WAIT_S
+        self._deadline = time.monotonic() + self.cfg.inplace_ready_timeout
         return self.workers.started_how + (", joining in-place survivors" if join else "")
 
     def leave_first(self, rdzv: Rendezvous, round_: int, sig: int) -> bool:
@@ -159,7 +159,8 @@ class InPlaceRounds:
                 self._deadline = now + REFORM_DEADLINE_S
                 return False
             if now > self._deadline:
-                return self._fail(rdzv, topo, f"newcomers {', '.join(need)} not ready within {READY_WAIT_S:g} s")
+                wait = self.cfg.inplace_ready_timeout
+                return self._fail(rdzv, topo, f"newcomers {', '.join(need)} not ready within {wait:g} s")
             return False
         if all(reform.formed_round(f) >= self._round for f in files):
             self.say(f"round {self._round}: workers re-formed in place in {now - self._published:.2f} s")

@@ -56,15 +56,16 @@ def plan_inplace(
     return tuple(survivors)
 
 
-def reform_failed(prev: Optional[Topology], store: EtcdStore, keys: JobKeys) -> bool:
+def reform_failed(prev: Optional[Topology], store: EtcdStore, keys: JobKeys, window: float = REFORM_WINDOW_S) -> bool:
     """True when round ``prev`` re-formed in place and failed in that re-form (a failure row with
-    exit code :data:`EXIT_REFORM_FAILED`, or the round's failure flag within :data:`REFORM_WINDOW_S`
-    of its start): the restart that follows is not charged to the budget."""
+    exit code :data:`EXIT_REFORM_FAILED`, or the round's failure flag within ``window`` seconds of
+    its start: the job's newcomer start-up allowance plus the re-form deadline): the restart that
+    follows is not charged to the budget."""
     if prev is None or not prev.inplace:
         return False
     flag = store.get_json(keys.failed(prev.round))
     failed_at = float(flag.get("time") or 0) if isinstance(flag, dict) else 0.0
-    if failed_at and failed_at - prev.created_at < REFORM_WINDOW_S:
+    if failed_at and failed_at - prev.created_at < window:
         return True
     kvs, _ = store.get_prefix(keys.failures(prev.round))
     for kv in kvs:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
+from elasticrun.job.reform import REFORM_WINDOW_S
 from elasticrun.rendezvous.states import JobState
 
 
@@ -44,6 +45,8 @@ class RendezvousSettings:
     # How long to wait for the members of the previous round to stop their workers before
     # forming the next round without them (a node that neither stops nor loses its lease).
     busy_timeout: float = 60.0
+    # After an in-place round forms, a failure this soon is a failed re-form: not charged to max_restarts.
+    reform_window: float = REFORM_WINDOW_S
 
     @property
     def rejoin_grace(self) -> float:
