@@ -2,7 +2,9 @@
 
     elasticrun --nnodes 1:4 --nproc-per-node 1 --rdzv-endpoint HOST:2379 examples/inplace.py
 
-Under torchrun or plain python it trains exactly as it would without ``InPlace``.
+Under torchrun or plain python it trains exactly as it would without ``InPlace``. ``InPlace`` comes
+before DDP (or any other collective): a newcomer receives the survivors' state inside it, in the same
+order of collectives as the survivors' re-form. On a GPU node the model trains on ``ctx.device``.
 """
 
 import torch
@@ -12,12 +14,12 @@ import elasticrun.train as et
 
 ctx = et.init()
 torch.manual_seed(0)
-model = torch.nn.Linear(16, 1)
-ddp = torch.nn.parallel.DistributedDataParallel(model)
+model = torch.nn.Linear(16, 1).to(ctx.device)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
-data = torch.randn(4096, 17)
+data = torch.randn(4096, 17).to(ctx.device)
 sampler = et.ElasticDistributedSampler(len(data), seed=0)
 reform = et.InPlace(ctx, model=model, optimizer=opt, sampler=sampler)  # opts in; newcomers get the state here
+ddp = torch.nn.parallel.DistributedDataParallel(model)  # after InPlace: its collectives come first
 
 while not sampler.epoch_done:
     batch = data[list(iter(sampler))[:32]]

@@ -2,10 +2,22 @@
 
 Fixtures and hooks only: the helpers (condition waits with deadlines, the Agent process wrapper,
 worker environments, CLI runners) are imported from the ``helpers`` package (tests/helpers/).
+
+GPUs: the suite simulates several nodes on one host, each agent running workers with LOCAL_RANK 0.
+On a GPU host those agents would pick NCCL and bind every node's worker to ``cuda:0`` ("Duplicate GPU
+detected"). So every test runs with ``CUDA_VISIBLE_DEVICES=""`` in ``os.environ`` — set before its
+setup (module- and session-scoped fixtures it starts included) and restored after its teardown —
+and everything it starts inherits it: agents, workers, ``torch.multiprocessing`` children, scripts,
+in-process CLI calls (workers train on the CPU over gloo). A test that passes its own
+``CUDA_VISIBLE_DEVICES`` to a child keeps it. Tests marked ``@pytest.mark.gpu`` see the host's GPUs
+(and give each simulated node its own device); they skip where the GPUs they need are absent.
+The pytest process's own CUDA view is fixed with the host's GPUs before any test runs when gpu
+tests were collected (``torch.cuda`` reads the variable once, at its first use).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import uuid
 from pathlib import Path
@@ -26,6 +38,33 @@ from helpers.procs import Agent
 for _sig in (signal.SIGINT, signal.SIGQUIT):
     if signal.getsignal(_sig) == signal.SIG_IGN:
         signal.signal(_sig, signal.default_int_handler if _sig == signal.SIGINT else signal.SIG_DFL)
+
+HIDE_GPUS = "CUDA_VISIBLE_DEVICES"
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """With gpu tests to run, let torch.cuda see the host's GPUs first (it reads the variable once)."""
+    if any(item.get_closest_marker("gpu") for item in session.items):
+        import torch
+
+        torch.cuda.is_available()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: Optional[pytest.Item]) -> Iterator[None]:
+    """``CUDA_VISIBLE_DEVICES=""`` around every test not marked ``gpu`` (setup, call and teardown)."""
+    if item.get_closest_marker("gpu") is not None:
+        yield
+        return
+    before = os.environ.get(HIDE_GPUS)
+    os.environ[HIDE_GPUS] = ""
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(HIDE_GPUS, None)
+        else:
+            os.environ[HIDE_GPUS] = before
 
 
 @pytest.fixture(scope="session")

@@ -212,6 +212,7 @@ def test_a_save_that_crosses_the_writeback_batch_reads_back(tmp_path, monkeypatc
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+@pytest.mark.gpu
 @cuda
 def test_cuda_state_saves_and_loads_into_cuda_tensors(tmp_path, monkeypatch):
     monkeypatch.setattr(staging, "STAGE_BYTES", 4096)
@@ -225,6 +226,7 @@ def test_cuda_state_saves_and_loads_into_cuda_tensors(tmp_path, monkeypatch):
     assert all(t.is_cuda and torch.equal(t, state[k]) for k, t in target.items())
 
 
+@pytest.mark.gpu
 @cuda
 def test_cuda_async_save_snapshots_into_reused_pinned_buffers(tmp_path):
     state = _mixed(6, "cuda")

@@ -3,6 +3,7 @@
 A join (2 → 3) and a graceful leave (3 → 2) keep the survivors' worker processes, run no step
 twice and see every sample once; a newcomer that dies while receiving the state, or a survivor
 that dies inside its re-form, makes the round fail and the job restarts as today, then completes.
+On a GPU host (marked ``gpu``) the join and the leave run over NCCL, one GPU per simulated node.
 """
 
 from __future__ import annotations
@@ -13,16 +14,20 @@ from pathlib import Path
 from typing import Dict, List
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from elasticrun.job.keys import JobKeys
 
 from helpers.procs import SCRIPTS, wait_until
 
 pytestmark = pytest.mark.timeout(400)
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0  # read at collection: the host's GPUs
+NCCL = dist.is_available() and dist.is_nccl_available()
 
 
-def _args(endpoint: str, job: str, node: str, max_restarts: int = 2) -> List[str]:
-    return ["--nnodes", "2:3", "--max-restarts", str(max_restarts), "--nproc-per-node", "1",
+def _args(endpoint: str, job: str, node: str, max_restarts: int = 2, nnodes: str = "2:3") -> List[str]:
+    return ["--nnodes", nnodes, "--max-restarts", str(max_restarts), "--nproc-per-node", "1",
             "--rdzv-endpoint", endpoint, "--rdzv-id", job, "--node-id", node, "--heartbeat-timeout", "3",
             "--stability-window", "0.5", "--shutdown-timeout", "2",
             str(SCRIPTS / "inplace_worker.py")]
@@ -130,3 +135,64 @@ def test_failed_reform_falls_back_to_restart(etcd_server, etcd, job_id, agents, 
     # A sees the failure as the round's (flagged by another node) or as its own worker's exit 75,
     # whichever comes first: both end the round.
     assert "worker failure" in a["A"].stderr() or "failed (75)" in a["A"].stderr()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS < 2 or not NCCL, reason=f"in-place re-forming over NCCL needs 2 CUDA GPUs and NCCL "
+                                                  f"(this host: {GPUS} GPUs, NCCL {'yes' if NCCL else 'no'})")
+def test_join_and_graceful_leave_reform_in_place_over_nccl(etcd_server, etcd, job_id, agents, tmp_path):
+    """The join and the graceful leave over NCCL, with DDP rebuilt at every re-form. Each simulated
+    node's agent sees one GPU (``CUDA_VISIBLE_DEVICES=<i>``: its LOCAL_RANK 0 is GPU i) and picks
+    nccl by itself. Two GPUs: 1 → 2 → 1 nodes (the newcomer leaves); three or more: 2 → 3 → 2
+    (the middle rank leaves)."""
+    n = min(GPUS, 3)
+    nodes = "ABC"[:n]
+    leaver = nodes[1]
+    log = tmp_path / "steps.jsonl"
+    fast = tmp_path / "fast"
+    env = {"INPLACE_LOG": str(log), "INPLACE_DATASET": "2000", "INPLACE_PACE": "0.1", "INPLACE_FAST_FILE": str(fast),
+           "INPLACE_DDP": "1"}
+    keys = JobKeys(job_id)
+
+    def start(i: int):
+        return agents(_args(etcd_server.endpoint, job_id, nodes[i], nnodes=f"{n - 1}:{n}"), name=nodes[i],
+                      env={**env, "CUDA_VISIBLE_DEVICES": str(i)})
+
+    a = {nodes[i]: start(i) for i in range(n - 1)}
+    wait_until(lambda: _at(log, n - 1, 3 * (n - 1)), 150, f"steps at world size {n - 1}")
+    a[nodes[-1]] = start(n - 1)
+    wait_until(lambda: _at(log, n, 3 * n), 150, f"steps at world size {n}")
+    join_round = etcd.get_json(keys.topology)
+    assert sorted(join_round["inplace"]) == list(nodes[:-1]), "the survivors re-form in place"
+    a[leaver].signal(signal.SIGTERM)
+    wait_until(lambda: _at(log, n - 1, 3 * (n - 1), after_round=join_round["round"]), 150,
+               f"steps at world size {n - 1} again")
+    leave_round = etcd.get_json(keys.topology)
+    assert sorted(leave_round["inplace"]) == [x for x in nodes if x != leaver]
+    fast.touch()
+    for x in nodes:
+        if x != leaver:
+            assert a[x].wait(120) == 0, a[x].output()
+    steps = _steps(log)
+    assert {r["backend"] for r in steps} == {"nccl"}, "every step ran over NCCL"
+    by_pid: Dict[int, List[dict]] = {}
+    for r in steps:
+        by_pid.setdefault(r["pid"], []).append(r)
+    assert len(by_pid) == n, "one worker process per node for the whole job: nothing was restarted"
+    gpus = {pid: {r["gpus"] for r in rows} for pid, rows in by_pid.items()}
+    assert sorted(g for s in gpus.values() for g in s) == [str(i) for i in range(n)], f"one GPU per node: {gpus}"
+    for rows in by_pid.values():
+        seq = [r["step"] for r in rows]
+        assert seq == list(range(seq[0], seq[0] + len(seq))), "no step twice, none skipped"
+    newcomers = [rows[0] for rows in by_pid.values() if rows[0]["round"] > 0]
+    assert len(newcomers) == 1
+    assert newcomers[0]["step"] == max(r["step"] for r in steps if r["round"] == 0) + 1, "the newcomer got the step"
+    assert sorted(i for r in steps for i in r["idx"]) == list(range(2000)), "every sample exactly once"
+    for step in {r["step"] for r in steps}:
+        ws = [r["w"] for r in steps if r["step"] == step]
+        assert all(w == pytest.approx(ws[0]) for w in ws), f"step {step}: ranks differ"
+    assert {r["world"] for r in steps} == {n - 1, n}
+    pauses = [r["reformed"] for r in _records(log) if "reformed" in r]
+    assert len(pauses) == 2 * (n - 1), pauses  # the survivors at the join, then at the leave
+    assert "re-formed in place" in a["A"].stderr()
+    print(f"NCCL in-place re-form pauses (s): {sorted(pauses)}")

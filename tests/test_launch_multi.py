@@ -47,6 +47,9 @@ def test_agents_form_one_job(
         assert r["sum"] == r["expected_sum"] == world * (world - 1) / 2
         assert r["TORCHELASTIC_RESTART_COUNT"] == "0"
         assert len(r["gathered"]) == world
+        # The suite hides GPUs from the simulated nodes (tests/conftest.py): on a GPU host, NCCL would
+        # bind every node's LOCAL_RANK 0 to the same device.
+        assert (r["CUDA_VISIBLE_DEVICES"], r["ELASTICRUN_BACKEND"]) == ("", "gloo")
     assert sorted(by_node) == [f"node{i}" for i in range(nnodes)]
     group_ranks = set()
     for node, node_rows in by_node.items():

@@ -1,6 +1,7 @@
 """One node: the torchrun environment, -m / --no-python, output prefixes, --log-dir, --redirects.
 
-Real etcd (``--standalone`` or the session server), real worker processes; gloo where torch is involved.
+Real etcd (``--standalone`` or the session server), real worker processes; gloo where torch is involved,
+NCCL in the test marked ``gpu`` (a GPU host: one worker per GPU).
 """
 
 from __future__ import annotations
@@ -11,7 +12,16 @@ import shutil
 import socket
 from pathlib import Path
 
-from helpers.launch import ECHO, REPORT_ENV, SCRIPTS, reports, run_cli, worker_lines
+import pytest
+import torch
+import torch.distributed as dist
+
+from elasticrun.checkpoint import list_checkpoints
+
+from helpers.launch import ECHO, REPO, REPORT_ENV, SCRIPTS, reports, run_cli, worker_lines
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0  # read at collection: the host's GPUs
+NCCL = dist.is_available() and dist.is_nccl_available()
 
 TORCHRUN_VARS = [
     "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
@@ -63,6 +73,23 @@ def test_standalone_two_workers_get_the_torchrun_environment(tmp_path: Path) -> 
     # The workers' gathered pids are the two processes that wrote the reports.
     assert sorted(g["pid"] for g in rows[0]["gathered"]) == sorted(r["pid"] for r in rows)
     assert "started a private etcd" in proc.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS < 1 or not NCCL, reason=f"needs a CUDA GPU and NCCL (this host: {GPUS} GPUs, "
+                                                  f"NCCL {'yes' if NCCL else 'no'})")
+def test_gpu_node_runs_one_nccl_worker_per_gpu_and_checkpoints(tmp_path: Path) -> None:
+    """``--nproc-per-node gpu`` on this host: one worker per GPU, each bound to GPU LOCAL_RANK, nccl
+    chosen by the agent, an all-reduce on the GPUs and a checkpoint of CUDA tensors saved and loaded
+    back bit-identically (scripts/bench/gpu_check.py). One GPU: world 1 (no in-place re-forming)."""
+    ckpt = tmp_path / "ckpt"
+    proc = run_cli(["--standalone", "--nproc-per-node", "gpu", str(REPO / "scripts" / "bench" / "gpu_check.py"),
+                    str(ckpt)], timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    ok = [ln for ln in proc.stdout.splitlines() if "GPU_CHECK_OK" in ln]
+    assert len(ok) == GPUS and all(f"world={GPUS} " in ln and "backend=nccl" in ln for ln in ok), out
+    assert [(c.name, c.latest) for c in list_checkpoints(str(ckpt))] == [("gpu-r0", True)]
 
 
 def test_omp_num_threads_is_left_alone_when_set(tmp_path: Path, etcd_server) -> None:

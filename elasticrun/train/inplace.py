@@ -2,6 +2,7 @@
 
     ctx = et.init()
     reform = et.InPlace(ctx, model=model, optimizer=opt, sampler=sampler)   # opts in
+    ddp = DDP(model)                       # after InPlace, as every other collective
     while ...:
         train_one_step(); reform.step += 1
         result = reform.check()            # a step boundary: one tiny all-reduce
@@ -16,14 +17,17 @@ file named by ``ELASTICRUN_REFORM_FILE`` (write + rename) instead of restarting 
 step through a MAX all-reduce of a local "pending" flag over a short-timeout gloo group, tear
 the old group down, join the new round's group and broadcast the registered state from the new
 rank 0 (always a survivor: ranks are stable) to newcomers, which receive it in the constructor
-(``ELASTICRUN_REFORM_JOIN=1``). Any failure (a peer gone, no assignment before ``timeout``)
-exits the worker with :data:`EXIT_REFORM_FAILED`: the agent then takes the normal restart path.
+(``ELASTICRUN_REFORM_JOIN=1``): create it before DDP or any other collective, so that a
+newcomer's first collectives are the survivors' re-form (else both wait and the re-form fails).
+Any failure (a peer gone, no assignment before ``timeout``) exits the worker with
+:data:`EXIT_REFORM_FAILED`: the agent then takes the normal restart path.
 Without ``ELASTICRUN_REFORM_FILE`` (torchrun, plain python) nothing changes: ``check()`` is a
 no-op returning ``CONTINUE`` unless SIGTERM arrived.
 """
 
 from __future__ import annotations
 
+import copy
 import datetime
 import enum
 import logging
@@ -140,8 +144,7 @@ class InPlace:
         if int(flag.item()) == 0:
             return Reform.CONTINUE
         if stopping:
-            dist.destroy_process_group()
-            self.ctx.owns_group = False
+            self._leave_group()
             return Reform.STOP
         return Reform.REFORMED if self._reform() else Reform.STOP
 
@@ -151,7 +154,7 @@ class InPlace:
         """Leave the old group, join the next round's; False: SIGTERM came while waiting (leave)."""
         began = time.monotonic()
         old = self.ctx.round
-        dist.destroy_process_group()  # every group of the old round, ours included
+        self._leave_group()
         deadline = began + self.timeout
         a = read_assignment(self.path)
         while a is None or int(a["round"]) <= old:
@@ -166,14 +169,11 @@ class InPlace:
             self._fail(f"round {a['round']} has no place for this worker")
         os.environ.update(a["env"])
         state = ElasticState.from_env()
+        if self.ctx.device.type == "cuda" and state.local_rank != self.ctx.device.index:
+            self._fail(f"LOCAL_RANK changed from {self.ctx.device.index} to {state.local_rank} (its GPU is bound)")
         self.ctx.state = state
-        td = datetime.timedelta(seconds=self.join_timeout)
-        self._guarded(lambda: dist.init_process_group(backend=self.ctx.backend, init_method="env://", timeout=td),
-                      "joining the new round's group")
-        self.ctx.owns_group = True
-        if "nccl" in str(self.ctx.backend):
-            self.ctx.cpu_group = dist.new_group(backend="gloo")
-        self._new_group()
+        self._guarded(self._join_group, "joining the new round's group (a newcomer that ran DDP or another "
+                      "collective before creating InPlace blocks it)")
         self._repoint_samplers(state)
         self._guarded(self.sync, "sending the state to newcomers")
         self.reforms += 1
@@ -183,12 +183,34 @@ class InPlace:
                  state.round, state.rank, state.world_size, self.last_pause_s)
         return True
 
+    def _leave_group(self) -> None:
+        """Destroy every group of the old round (ours included), after the device's queued work."""
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize(self.ctx.device)  # no NCCL kernel of the last step still runs
+        dist.destroy_process_group()
+        self.ctx.owns_group = False
+        self.ctx.cpu_group = None
+
+    def _join_group(self) -> None:
+        """The new round's default group, then (same order as :func:`init` and the constructor on a
+        newcomer) its gloo group for CPU collectives when the backend is nccl, then ours."""
+        td = datetime.timedelta(seconds=self.join_timeout)
+        dist.init_process_group(backend=self.ctx.backend, init_method="env://", timeout=td)
+        self.ctx.owns_group = True
+        if "nccl" in str(self.ctx.backend):
+            self.ctx.cpu_group = dist.new_group(backend="gloo")
+        self._new_group()
+
     def sync(self) -> None:
-        """Broadcast the registered state from rank 0 to every rank of the current group."""
+        """Broadcast the registered state from rank 0 to every rank of the current group.
+
+        Tensors travel as CPU copies (over the gloo group); each object's ``load_state_dict`` puts
+        them on its own device (a GPU tensor would otherwise be rebuilt on rank 0's device index).
+        """
         payload = [None]
         if dist.get_rank() == 0:
             payload = [{"step": self.step, "extra": self.extra,
-                        "objects": {k: o.state_dict() for k, o in self.objects.items()}}]
+                        "objects": {k: _on_cpu(o.state_dict()) for k, o in self.objects.items()}}]
         dist.broadcast_object_list(payload, src=0, group=self._group)
         got = payload[0]
         assert got is not None
@@ -227,6 +249,20 @@ class InPlace:
         sys.stderr.write(f"elasticrun: in-place re-form failed ({why}); exiting for a restart\n")
         sys.stderr.flush()
         os._exit(EXIT_REFORM_FAILED)  # no atexit: a half-made group must not hang the exit
+
+
+def _on_cpu(value: Any) -> Any:
+    """``value`` with every tensor in its dicts, lists and tuples on the CPU (CPU tensors unchanged)."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        out = copy.copy(value)  # the same type and attributes (a module state_dict's ``_metadata``)
+        for k, v in value.items():
+            out[k] = _on_cpu(v)
+        return out
+    if type(value) in (list, tuple):
+        return type(value)(_on_cpu(v) for v in value)
+    return value
 
 
 __all__ = ["ASSIGNED", "EXIT_REFORM_FAILED", "InPlace", "Reform", "formed_round", "opted_in", "read_assignment",

@@ -140,7 +140,8 @@ class Run:
         """Environment of every agent: one thread per worker, unbuffered output, our marker."""
         env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTICRUN_", "TORCHELASTIC_"))}
         env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
-        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{TAG_VAR: self.tag})
+        # CUDA hidden: the simulated nodes share this host (on a GPU host, NCCL would put each on cuda:0).
+        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", **{TAG_VAR: self.tag})
         if self.variant.tuned:
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         return env

@@ -221,7 +221,8 @@ def run(args: argparse.Namespace, say: Any, cleanup: Cleanup) -> int:
     (run_dir / "tmp").mkdir(exist_ok=True)  # temp folders of killed agents stay in the run folder
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CHAOS_AUDIT_DIR=str(audit_dir),
                CHAOS_STOP_FILE=str(stop_file), CHAOS_HANG_FILE=str(run_dir / "hang-pid"),
-               CHAOS_SHM_FULL_FILE=str(run_dir / "shm-full-node"), TMPDIR=str(run_dir / "tmp"))
+               CHAOS_SHM_FULL_FILE=str(run_dir / "shm-full-node"), TMPDIR=str(run_dir / "tmp"),
+               CUDA_VISIBLE_DEVICES="")  # simulated nodes share this host: CPU and gloo (NCCL: one GPU each)
     worker_args = ["--epochs", "1000000", "--dataset-size", str(DATASET), "--seed", str(SEED_DATA),
                    "--ckpt-dir", str(ckpt_root), "--ckpt-every", "20", "--keep-last", "4", "--step-sleep", "0.1"]
     if Kind.SHM_FULL in kinds:

@@ -32,6 +32,8 @@ def wait_until(predicate: Callable[[], T], timeout: float, what: str, interval: 
 
 
 def worker_env(extra: Optional[dict] = None) -> dict:
+    """The test's environment plus ``extra``: ``CUDA_VISIBLE_DEVICES=""`` comes with it outside ``gpu``
+    tests (tests/conftest.py); an ``extra`` that sets it (one GPU per simulated node) wins."""
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONUNBUFFERED"] = "1"

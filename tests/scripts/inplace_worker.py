@@ -1,6 +1,9 @@
 """Test worker for in-place re-forming: a tiny model trained over an elastic sampler.
 
-Appends one JSON line per step to ``$INPLACE_LOG`` (pid, rank, world, round, step, indices, time).
+Appends one JSON line per step to ``$INPLACE_LOG`` (pid, rank, world, round, step, indices, time,
+weights, backend, CUDA_VISIBLE_DEVICES). Trains on ``ctx.device``: the CPU under gloo, its GPU under
+nccl. ``INPLACE_DDP=1``: gradients through DDP, rebuilt with ``et.rebuild_ddp`` after each re-form
+(else an all-reduce per parameter on the default group).
 ``INPLACE_DIE=sync`` (newcomer: dies before receiving the state) or ``INPLACE_DIE=reform:STEP``
 (survivor: dies inside the re-form after STEP) simulate failures. ``INPLACE_DATASET``: samples per
 epoch (120); ``INPLACE_PACE``: seconds between steps, none once ``INPLACE_FAST_FILE`` exists.
@@ -39,37 +42,41 @@ if die.startswith("reform:"):
 
 ctx = et.init(timeout=float(os.environ.get("INPLACE_JOIN_TIMEOUT", "40")))
 torch.manual_seed(0)
-model = torch.nn.Linear(4, 1)
+model = torch.nn.Linear(4, 1).to(ctx.device)  # cpu (gloo) or this worker's GPU (nccl)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 sampler = et.ElasticDistributedSampler(DATASET, seed=1)
 reform = et.InPlace(ctx, timeout=5, join_timeout=float(os.environ.get("INPLACE_JOIN_TIMEOUT", "40")),
                     model=model, optimizer=opt, sampler=sampler)
+# DDP after InPlace: a newcomer's first collectives must be the re-form's (the state it receives).
+ddp = torch.nn.parallel.DistributedDataParallel(model) if os.environ.get("INPLACE_DDP") == "1" else None
 resume = os.environ.get("INPLACE_RESUME", "")
 stop_after = int(os.environ.get("INPLACE_STOP_AFTER", "0"))
 if resume and os.path.exists(resume):
-    saved = torch.load(resume)
+    saved = torch.load(resume, map_location=ctx.device)
     for name, obj in (("model", model), ("opt", opt), ("sampler", sampler)):
         obj.load_state_dict(saved[name])
     reform.step = saved["step"]
 g = torch.Generator().manual_seed(7)
-X = torch.randn(DATASET, 4, generator=g)
-Y = torch.randn(DATASET, 1, generator=g)
+X = torch.randn(DATASET, 4, generator=g).to(ctx.device)
+Y = torch.randn(DATASET, 1, generator=g).to(ctx.device)
 pace = float(os.environ.get("INPLACE_PACE", "0.05"))
 fast = os.environ.get("INPLACE_FAST_FILE", "")  # once this file exists: no pause between steps
 with open(os.environ["INPLACE_LOG"], "a") as log:
     while not sampler.epoch_done:
         idx = list(iter(sampler))[:LOCAL_BATCH]
-        loss = torch.nn.functional.mse_loss(model(X[idx]), Y[idx])
+        loss = torch.nn.functional.mse_loss((ddp or model)(X[idx]), Y[idx])
         opt.zero_grad()
         loss.backward()
-        for p in model.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= dist.get_world_size()
+        if ddp is None:
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
         opt.step()
         sampler.advance(LOCAL_BATCH)
         reform.step += 1
         log.write(json.dumps({"pid": os.getpid(), "rank": ctx.rank, "world": ctx.world_size, "round": ctx.round,
-                              "step": reform.step, "idx": idx, "t": time.time(),
+                              "step": reform.step, "idx": idx, "t": time.time(), "backend": ctx.backend,
+                              "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),
                               "w": model.weight.detach().flatten().tolist()}) + "\n")
         log.flush()
         if reform.step == stop_after:
@@ -83,6 +90,8 @@ with open(os.environ["INPLACE_LOG"], "a") as log:
         if result is et.Reform.STOP:
             break
         if result is et.Reform.REFORMED:
+            if ddp is not None:
+                ddp = et.rebuild_ddp(ddp)
             log.write(json.dumps({"pid": os.getpid(), "reformed": reform.last_pause_s, "round": ctx.round}) + "\n")
             log.flush()
 ctx.close()
