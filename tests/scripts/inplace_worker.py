@@ -4,6 +4,8 @@ Appends one JSON line per step to ``$INPLACE_LOG`` (pid, rank, world, round, ste
 ``INPLACE_DIE=sync`` (newcomer: dies before receiving the state) or ``INPLACE_DIE=reform:STEP``
 (survivor: dies inside the re-form after STEP) simulate failures. ``INPLACE_DATASET``: samples per
 epoch (120); ``INPLACE_PACE``: seconds between steps, none once ``INPLACE_FAST_FILE`` exists.
+``INPLACE_JOIN_TIMEOUT``: seconds to wait for the first group and for a re-formed one;
+``INPLACE_REFORM_TIMEOUT`` (default: the same) for a re-formed one only.
 The restart path by hand: ``INPLACE_RESUME=PATH`` loads the state saved at ``PATH`` (if it exists),
 ``INPLACE_STOP_AFTER=STEP`` saves it there after STEP (rank 0) and exits 0.
 """
@@ -42,7 +44,8 @@ torch.manual_seed(0)
 model = torch.nn.Linear(4, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 sampler = et.ElasticDistributedSampler(DATASET, seed=1)
-reform = et.InPlace(ctx, timeout=5, join_timeout=float(os.environ.get("INPLACE_JOIN_TIMEOUT", "40")),
+reform = et.InPlace(ctx, timeout=5, join_timeout=float(os.environ.get("INPLACE_REFORM_TIMEOUT", os.environ.get(
+                        "INPLACE_JOIN_TIMEOUT", "40"))),
                     model=model, optimizer=opt, sampler=sampler)
 resume = os.environ.get("INPLACE_RESUME", "")
 stop_after = int(os.environ.get("INPLACE_STOP_AFTER", "0"))
