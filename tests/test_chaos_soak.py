@@ -1,4 +1,4 @@
-"""The seeded chaos soak (python -m scripts.chaos): a 2-minute run in CI, and the audit that judges it.
+"""The seeded chaos soak (python -m scripts.chaos): a 1-minute run in CI, and the audit that judges it.
 
 The soak starts real agents, a real etcd, real gloo workers of examples/train.py; it needs root for the
 tmpfs (disk_full) and the network namespace (partition) and skips those faults otherwise.
@@ -84,10 +84,16 @@ def test_bad_arguments_give_one_line():
     assert "Traceback" not in proc.stderr
 
 
+# Seed 1614 draws partition, disk_full, worker_kill, etcd_restart, agent_kill, etcd_outage, shm_full, hang
+# first (node_join and agent_stop last: tests/test_launch_elastic.py covers both with real agents), so one
+# minute reaches most kinds, and the two that only this soak injects (partition, disk_full) come first.
+SOAK_SEED = 1614
+
+
 @pytest.mark.timeout(1200)
-def test_two_minute_soak_with_fixed_seed(tmp_path: Path):
+def test_one_minute_soak_with_fixed_seed(tmp_path: Path):
     out = tmp_path / "summary.json"
-    proc = subprocess.run([sys.executable, "-m", "scripts.chaos", "--minutes", "2", "--seed", "7",
+    proc = subprocess.run([sys.executable, "-m", "scripts.chaos", "--minutes", "1", "--seed", str(SOAK_SEED),
                            "--json", "--json-file", str(out), "--workdir", str(tmp_path / "run")],
                           capture_output=True, text=True, timeout=1100, cwd=str(REPO))
     report = proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -104,4 +110,5 @@ def test_two_minute_soak_with_fixed_seed(tmp_path: Path):
     assert s["steps"]["final"] > 0
     assert 0 < s["goodput"]["goodput_ratio"] <= 1, s["goodput"]
     drawn = {f["kind"] for f in s["faults"] if not f["skipped"]}
+    assert len(drawn) >= 3, f"at least 3 kinds of fault in one minute: {sorted(drawn)}"
     assert all(s["by_kind"][k]["recovered"] == s["by_kind"][k]["faults"] > 0 for k in drawn), report

@@ -144,6 +144,12 @@ def test_live_job_memory_tier_listed_and_cap_reaches_workers(
         assert res.returncode == 0, res.stderr
         return [r for r in json.loads(res.stdout) if r["status"] == "complete" and r["step"] and r["step"] >= 4]
 
+    def live_step() -> int:
+        found = re.findall(r"^step (\d+) ", _rank0(live), re.M)
+        return int(found[-1]) if found else 0
+
+    # its output first (cheap), then the CLI (a process per poll, competing with the three jobs for CPU)
+    wait_until(lambda: live_step() >= 6, 180, "the live job at step 6\n" + live.output()[-3000:])
     wait_until(lambda: memory_rows(), 180, "the live job's memory generations\n" + live.output()[-3000:])
     rows = memory_rows()
     assert all(r["tier"] == "memory" and r["agent_pid"] == live.pid and r["agent_alive"] for r in rows), rows

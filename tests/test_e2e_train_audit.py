@@ -15,6 +15,7 @@ exactly once, every step exactly once, each step with exactly the global batch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -143,6 +144,7 @@ def chaos_run(request, etcd_server, tmp_path_factory) -> Iterator[Dict[str, Any]
     out.mkdir()
     job = f"audit-{os.getpid()}-{num_workers}"
     started: List[Agent] = []
+    ref_proc = None
 
     def start(node: str) -> Agent:
         agent = Agent(agent_args(etcd_server.endpoint, job, node, out, num_workers), base, node,
@@ -160,10 +162,19 @@ def chaos_run(request, etcd_server, tmp_path_factory) -> Iterator[Dict[str, Any]
             return pred()
         return check
 
+    stack = contextlib.ExitStack()
     try:
         agents = {n: start(n) for n in "ABC"}
         wait_until(alive(lambda: any(r["step"] >= 3 for r in step_rows(out, world=3))), 90, "3 steps at world 3")
         agents["C"].proc.kill()  # SIGKILL: its worker dies with it (parent-death), mid-epoch
+        # the uninterrupted reference run, meanwhile (the job waits for C's lease to expire)
+        ref = base / "ref"
+        ref.mkdir()
+        ref_log = stack.enter_context(open(base / "ref.err", "wb"))
+        ref_proc = subprocess.Popen([sys.executable, str(SCRIPT), str(ref), "--epochs", str(EPOCHS), "--dataset",
+                                     str(N), "--micro", str(MICRO), "--num-workers", str(num_workers)],
+                                    env=clean_env(ELASTICRUN_GLOBAL_BATCH_SIZE=str(G)), stdout=subprocess.DEVNULL,
+                                    stderr=ref_log)
         wait_until(alive(lambda: len({r["step"] for r in step_rows(out, world=2)}) >= 3), HB + 60, "3 steps at world 2")
         r2 = max(r["round"] for r in step_rows(out, world=2))
         (out / "hold").write_text("")  # keep the job mid-epoch until D has joined
@@ -180,15 +191,13 @@ def chaos_run(request, etcd_server, tmp_path_factory) -> Iterator[Dict[str, Any]
                    "training after the crash")
         codes = {n: agents[n].wait(150) for n in "ABD"}
         assert codes == {"A": 0, "B": 0, "D": 0}, agents["A"].output()[-3000:]
-        ref = base / "ref"
-        ref.mkdir()
-        proc = subprocess.run([sys.executable, str(SCRIPT), str(ref), "--epochs", str(EPOCHS), "--dataset", str(N),
-                               "--micro", str(MICRO), "--num-workers", str(num_workers)],
-                              env=clean_env(ELASTICRUN_GLOBAL_BATCH_SIZE=str(G)), capture_output=True, text=True,
-                              timeout=120)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert ref_proc.wait(timeout=120) == 0, (base / "ref.err").read_text()[-3000:]
         yield {"out": out, "ref": ref, "crash": crash, "job": job}
     finally:
+        if ref_proc is not None and ref_proc.poll() is None:
+            ref_proc.kill()
+            ref_proc.wait()
+        stack.close()
         for agent in started:
             agent.close()
 

@@ -44,7 +44,9 @@ def test_workers_train_through_an_etcd_outage(private_etcd, job_id, agents, tmp_
     out = tmp_path / "out"
     out.mkdir()
     extra = ["--etcd-outage-grace", "30", "--etcd-timeout", "3"]
-    a = [agents(agent_args(private_etcd.endpoint, job_id, n, "2", out, 220, extra), name=n) for n in "AB"]
+    # 150 steps: the outage (2 * HB) plus >= 6 s of training after it (checked below), past the lease the
+    # agents must grant again and the store's call deadline, so a re-formed job would show
+    a = [agents(agent_args(private_etcd.endpoint, job_id, n, "2", out, 150, extra), name=n) for n in "AB"]
     wait_until(lambda: first_step(out, 2), 60, "training at world size 2")
     pids = {n: worker_pids(out, n) for n in "AB"}
     assert all(len(p) == 1 for p in pids.values()), pids
@@ -55,12 +57,15 @@ def test_workers_train_through_an_etcd_outage(private_etcd, job_id, agents, tmp_
         during = [r for r in steps(out) if r["time"] > stopped_at + HB]
     finally:
         os.kill(private_etcd.proc.pid, signal.SIGCONT)
+    resumed_at = time.time()
     assert len(during) >= 5, f"training must go on while etcd is stopped: {len(during)} step(s) after the TTL"
     for ag in a:
         assert ag.wait(120) == 0, ag.output()
     assert (out / "finished").exists()
     assert {n: worker_pids(out, n) for n in "AB"} == pids, "the workers must not have been restarted"
     assert {r["round"] for r in steps(out)} == {0}, "the job must finish in its first round"
+    after = steps(out)[-1]["time"] - resumed_at
+    assert after >= 6, f"the job ended {after:.1f}s after the outage: too soon to see the agents recover"
     store = connect(private_etcd.endpoint)
     try:
         assert json.loads(store.get(JobKeys(job_id).topology).value)["round"] == 0

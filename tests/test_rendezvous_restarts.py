@@ -104,13 +104,15 @@ def test_window_lets_rare_crashes_through_real_agents(etcd_server, etcd, job_id,
     """--max-restarts 1: two crashes 1.5 s apart pass a 1 s window, and the 2nd crash ends a 1h one."""
     from elasticrun.job.keys import JobKeys
 
+    # two independent jobs (their own ids and folders) at the same time: most of each is waiting
     agent, runs = _flaky_job(etcd_server, job_id, agents, tmp_path, "1s")
+    agent_h, runs_h = _flaky_job(etcd_server, job_id, agents, tmp_path, "1h")
     assert agent.wait(120) == 0, agent.output()[-3000:]
     assert len(list(runs.iterdir())) == 3, "2 failed attempts and the one that succeeded"
     times = etcd.get_json(JobKeys(f"{job_id}-1s").restarts)["times"]
     assert 1 <= len(times) <= 2 and times == sorted(times), times
 
-    agent, runs = _flaky_job(etcd_server, job_id, agents, tmp_path, "1h")
+    agent, runs = agent_h, runs_h
     assert agent.wait(120) != 0
     assert len(list(runs.iterdir())) == 2, "one restart, then the budget for the hour is used up"
     assert "all 1 restart(s) within 1h are used up" in agent.output()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 from typing import List
 
@@ -74,12 +75,15 @@ def test_a_frozen_member_under_an_agents_watch_does_not_disturb_the_job(job_id: 
         store = connect(cluster.endpoints)
         stopped = None
         try:
-            a = [agents(agent_args(cluster.endpoints, job_id, n, "2", out, 250), name=n) for n in "AB"]
+            # 120 steps: still >= 10 s of training after the freeze, past the lease (3 s) and the agents'
+            # call deadline (5 s), so a keep-alive or a watch left on the frozen member would show
+            a = [agents(agent_args(cluster.endpoints, job_id, n, "2", out, 120), name=n) for n in "AB"]
             wait_until(lambda: first_step(out, 2), 90, "training at world size 2")
             used = wait_until(lambda: _members_used_by(a[0].pid, cluster), 10, "agent A's etcd connection")
             assert len(used) == 1, f"agent A talks to one member at a time, not {used}"
             stopped = cluster.members[used[0]].proc
             os.kill(stopped.pid, signal.SIGSTOP)
+            frozen_at = time.time()
             at_stop = len(steps(out))
             wait_until(lambda: len(steps(out)) >= at_stop + 30, 60, "training to go on with A's member frozen")
             for ag in a:
@@ -87,6 +91,8 @@ def test_a_frozen_member_under_an_agents_watch_does_not_disturb_the_job(job_id: 
             os.kill(stopped.pid, signal.SIGCONT)
             stopped = None
             assert {r["round"] for r in steps(out)} == {0}, "a frozen etcd member must not re-form the job"
+            trained = steps(out)[-1]["time"] - frozen_at
+            assert trained >= 6, f"the job ended {trained:.1f}s after the freeze: too soon to test the failover"
             kv = store.get(JobKeys(job_id).topology)
             assert kv is not None and kv.json()["round"] == 0
         finally:

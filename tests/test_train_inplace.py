@@ -166,15 +166,17 @@ def test_failure_during_reform_exits_for_restart(harness: Harness, failure: str)
     h = harness
     quick = {"INPLACE_JOIN_TIMEOUT": "15"}  # bounds the wait for a peer that will never come
     die = {"INPLACE_DIE": "reform:0"} if failure == "survivor-reform" else {}
-    h.first_round([0, 1], {0: quick, 1: {**quick, **die}})
+    short = {"INPLACE_REFORM_TIMEOUT": "6"} if failure == "survivor-reform" else {}
+    h.first_round([0, 1], {0: {**quick, **short}, 1: {**quick, **die, **short}})
     wait_until(lambda: h.at_world(2, 2), 60, "steps at world 2")
     if failure == "newcomer-sync":
         h.next_round([0, 1], [2], prev=2, INPLACE_DIE="sync", **quick)
         assert h.procs[2].wait(timeout=60) == 3
         codes = [h.procs[s].wait(timeout=60) for s in (0, 1)]
     else:
-        # Survivor 1 dies inside its re-form; the others cannot complete the new group.
-        h.next_round([0, 1], [2], prev=2, **quick)
+        # Survivor 1 dies inside its re-form; the others cannot complete the new group. Nobody comes: the
+        # waits are shorter (survivor 0 set INPLACE_REFORM_TIMEOUT at its start, the newcomer its init's).
+        h.next_round([0, 1], [2], prev=2, INPLACE_JOIN_TIMEOUT="6")
         assert h.procs[1].wait(timeout=60) == 4
         assert h.procs[2].wait(timeout=60) != 0  # the newcomer's own init times out: a normal failure
         codes = [h.procs[0].wait(timeout=60)]

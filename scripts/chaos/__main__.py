@@ -1,7 +1,7 @@
 """Seeded chaos soak: a 3-4 node elasticrun job of examples/train.py on this machine, under faults.
 
     sudo python -m scripts.chaos --minutes 30 --seed 7            # the table (from the repository root)
-    python -m scripts.chaos --minutes 2 --seed 7 --json           # + the summary as JSON (CI)
+    python -m scripts.chaos --minutes 1 --seed 1614 --json        # + the summary as JSON (CI)
     python -m scripts.chaos --minutes 1 --faults worker_kill,etcd_outage
     python -m scripts.chaos --minutes 1 --seed 7 --etcd-members 3  # a 3-member etcd: member and leader loss
 

@@ -7,6 +7,8 @@ nccl. ``INPLACE_DDP=1``: gradients through DDP, rebuilt with ``et.rebuild_ddp`` 
 ``INPLACE_DIE=sync`` (newcomer: dies before receiving the state) or ``INPLACE_DIE=reform:STEP``
 (survivor: dies inside the re-form after STEP) simulate failures. ``INPLACE_DATASET``: samples per
 epoch (120); ``INPLACE_PACE``: seconds between steps, none once ``INPLACE_FAST_FILE`` exists.
+``INPLACE_JOIN_TIMEOUT``: seconds to wait for the first group and for a re-formed one;
+``INPLACE_REFORM_TIMEOUT`` (default: the same) for a re-formed one only.
 The restart path by hand: ``INPLACE_RESUME=PATH`` loads the state saved at ``PATH`` (if it exists),
 ``INPLACE_STOP_AFTER=STEP`` saves it there after STEP (rank 0) and exits 0.
 """
@@ -45,7 +47,8 @@ torch.manual_seed(0)
 model = torch.nn.Linear(4, 1).to(ctx.device)  # cpu (gloo) or this worker's GPU (nccl)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 sampler = et.ElasticDistributedSampler(DATASET, seed=1)
-reform = et.InPlace(ctx, timeout=5, join_timeout=float(os.environ.get("INPLACE_JOIN_TIMEOUT", "40")),
+reform = et.InPlace(ctx, timeout=5, join_timeout=float(os.environ.get("INPLACE_REFORM_TIMEOUT", os.environ.get(
+                        "INPLACE_JOIN_TIMEOUT", "40"))),
                     model=model, optimizer=opt, sampler=sampler)
 # DDP after InPlace: a newcomer's first collectives must be the re-form's (the state it receives).
 ddp = torch.nn.parallel.DistributedDataParallel(model) if os.environ.get("INPLACE_DDP") == "1" else None
