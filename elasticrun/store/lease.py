@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import random
 import threading
 import time
 from typing import Callable, Optional
@@ -35,6 +36,7 @@ from elasticrun.store.client import EtcdStore
 from elasticrun.store.refresher import refresher_for
 
 log = logging.getLogger(__name__)
+_JITTER = random.Random()  # private: never the global `random` a training script seeds
 
 
 class LeaseHealth(str, enum.Enum):
@@ -72,7 +74,9 @@ class KeepAlive:
         self._unreachable_since: Optional[float] = None  # first failed attempt since the last confirmation
         self.last_unreachable: Optional[float] = None  # last time etcd did not answer a refresh
         self._said_stalled = False
-        self.next_due = now + self.interval  # when the refresher sends our next keep-alive
+        # When the refresher sends our next keep-alive: the first within the second half of the interval, so
+        # that leases granted at once are refreshed in several smaller batches (earlier is always safe).
+        self.next_due = now + self.interval * (0.5 + 0.5 * _JITTER.random())
         self._refresher = refresher_for(store, self)
 
     @property
