@@ -1,8 +1,9 @@
 """A lease kept alive by a background thread, with local expiry for fencing and a liveness gate.
 
 etcd clients do not refresh leases on their own. :class:`KeepAlive` is refreshed every
-``ttl / 3`` seconds (by its store's :class:`~elasticrun.store.refresher.Refresher`: one thread
-and one batch per turn for all the leases of a client) and tracks when it was last confirmed.
+``ttl / 3`` seconds, the first time at a random point of the second half of that (by its store's
+:class:`~elasticrun.store.refresher.Refresher`: one thread and one batch per turn for all the leases
+of a client that are due) and tracks when it was last confirmed.
 Its :meth:`health` is one of:
 
 - ``HELD``: confirmed within the last TTL;
