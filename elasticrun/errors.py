@@ -33,6 +33,11 @@ class StoreFullError(StoreError):
     compacts, defragments and disarms it."""
 
 
+class LeaseGoneError(StoreError):
+    """etcd refused a write under a lease it no longer knows (``requested lease not found``): the lease
+    expired or was revoked before the write reached etcd. Take a new lease and write again."""
+
+
 class RendezvousError(ElasticrunError):
     """The job could not form (or re-form) a round (nodes may still come: transient)."""
 

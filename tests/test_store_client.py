@@ -152,3 +152,22 @@ def test_a_late_time_out_fails_the_member_it_went_to_and_failover_avoids_the_new
         assert client._current_endpoint_label == c
     finally:
         client.close()
+
+
+def test_keepalives_of_many_leases_go_over_streams_side_by_side(etcd, monkeypatch):
+    from elasticrun.store import connection
+
+    monkeypatch.setattr(connection, "KEEPALIVE_STREAM_LEASES", 16)
+    monkeypatch.setattr(connection, "KEEPALIVE_STREAMS_MAX", 4)
+    streams = []
+    stub = etcd._client.leasestub
+    real = stub.LeaseKeepAlive
+    monkeypatch.setattr(stub, "LeaseKeepAlive", lambda reqs, *a, **kw: streams.append(1) or real(reqs, *a, **kw))
+    leases = [etcd.grant_lease(30) for _ in range(100)]
+    etcd.revoke_lease(leases[37])
+    answers = etcd.refresh_leases(leases, timeout=5)
+    assert len(streams) == 4, "100 leases: 4 streams of 25 (at most 4 streams, at least 16 leases each)"
+    assert sorted(answers) == sorted(leases), "every lease answered"
+    assert answers[leases[37]] <= 0 and all(answers[i] > 0 for i in leases if i != leases[37])
+    for i in leases:
+        etcd.revoke_lease(i)

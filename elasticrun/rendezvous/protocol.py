@@ -33,6 +33,7 @@ from elasticrun.rendezvous.inplace import plan_inplace, reform_failed
 from elasticrun.rendezvous.leader import Leadership
 from elasticrun.rendezvous.ranks import classify, plan_members
 from elasticrun.rendezvous.records import NodeInfo, RescaleEvent, RescaleType, Topology, WorkerStatus
+from elasticrun.rendezvous.register import register_node
 from elasticrun.rendezvous.restarts import RestartBudget
 from elasticrun.rendezvous.running import RoundMonitor
 from elasticrun.rendezvous.settings import JobEnded, LeaseLost, RendezvousSettings, describe_mismatch
@@ -110,58 +111,10 @@ class Rendezvous(RoundMonitor):
             log.info("removed the keys of the finished job %s", self.settings.job_id)
 
     def register(self, wait_for_old: bool = False) -> None:
-        """Take a lease and publish our node record under it.
-
-        A record with our id held by another lease means another agent uses our id
-        (ConfigError) — unless ``wait_for_old``: then it is our own previous incarnation,
-        and we wait for its lease to expire.
-        """
-        key = self.keys.node(self.node_id)
-        ttl = self.settings.heartbeat_timeout
-        lease = KeepAlive(
-            self.store, ttl, on_lost=lambda _reason: self.view.poke(), stall_after=self.settings.stall_after
-        )
-        record = json.dumps(self.node.replace(heartbeat_at=time.time()).to_dict())
-        deadline = time.monotonic() + ttl + 5
-        lease.beat(busy_for=ttl + 5)  # the wait below is bounded by that
-        while not self.store.create(key, record, lease=lease.lease_id):
-            mine = self.store.get(key)
-            if mine is None:
-                continue  # gone meanwhile (an old record expired): try again
-            if mine.lease == lease.lease_id:
-                break  # our create went through but its reply was lost; the store's retry then saw the key
-            if not wait_for_old:
-                lease.revoke()
-                raise ConfigError(
-                    f"node id {self.node_id!r} is already registered in job {self.settings.job_id!r} by a "
-                    "running agent; give every node a unique --node-id"
-                )
-            try:
-                self.store.wait_for(key, lambda kv: kv is None, max(0.1, deadline - time.monotonic()))
-            except TimeoutError:
-                lease.revoke()
-                raise RendezvousError(
-                    f"could not re-register node {self.node_id!r}: its old record never expired"
-                ) from None
-        self._claim_node_rank(lease)
-        self.lease = lease
-
-    def _claim_node_rank(self, lease: KeepAlive) -> None:
-        """``--node-rank R``: hold ``node-ranks/R`` under our lease; a second node with R is refused."""
-        rank = self.node.node_rank
-        if rank < 0:
-            return
-        key = self.keys.node_rank(rank)
-        if self.store.create(key, self.node_id, lease=lease.lease_id):
-            return
-        holder = self.store.get(key)
-        if holder is not None and holder.lease == lease.lease_id:
-            return
-        lease.revoke()
-        owner = holder.value.decode(errors="replace") if holder is not None else "another node"
-        raise ConfigError(
-            f"--node-rank {rank} is already taken in job {self.settings.job_id!r} by node {owner!r}; give every "
-            "node its own --node-rank (0 .. nnodes-1)"
+        """Take a lease and publish our node record under it (see :func:`register_node`)."""
+        self.lease = register_node(
+            self.store, self.keys, self.settings, self.node, on_lost=lambda _reason: self.view.poke(),
+            wait_for_old=wait_for_old,
         )
 
     def reregister(self) -> None:

@@ -22,9 +22,17 @@ from pyetcd import etcdrpc
 from pyetcd.client import MultiEndpointEtcd3Client
 from pyetcd.events import DeleteEvent
 
-from elasticrun.errors import StoreError, StoreFullError, StoreSetupError
+from elasticrun.errors import StoreError, StoreFullError
 from elasticrun.store.connection import TRANSIENT, client_args, keepalives, new_client, renew_token
-from elasticrun.store.explain import START_HINT, explain, out_of_space, overloaded, refused, tls_failure, token_rejected
+from elasticrun.store.explain import (
+    START_HINT,
+    error_class,
+    explain,
+    out_of_space,
+    overloaded,
+    tls_failure,
+    token_rejected,
+)
 from elasticrun.store.types import KeyValue, WatchEvent, dumps, kv_from_pb, parse_endpoints, text_of
 from elasticrun.store.watchdog import WatchDog
 
@@ -81,8 +89,8 @@ class EtcdStore:
         return explain(err, self.endpoints, self._auth[0], transient=isinstance(err, TRANSIENT))
 
     def _error(self, err: BaseException) -> StoreError:
-        """The error to raise for ``err``: StoreSetupError when etcd refused our TLS or credentials."""
-        return (StoreSetupError if refused(err) else StoreError)(self._explain(err))
+        """The error to raise for ``err`` (see :func:`~elasticrun.store.explain.error_class`)."""
+        return error_class(err)(self._explain(err))
 
     def _retry(self, fn: Callable[[], T], what: str) -> T:
         deadline = time.monotonic() + self.retry_timeout

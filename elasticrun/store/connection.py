@@ -246,23 +246,47 @@ def renew_token(client: MultiEndpointEtcd3Client, user: str, password: Optional[
 
 
 
+# Leases per LeaseKeepAlive stream, and the most streams one batch is sent over. etcd answers the
+# keep-alives of one stream one after the other, each only once its apply has caught up with its log
+# (up to 1 s each when it lags): a batch of 1,000 leases on one stream ran past its deadline as a
+# whole. Streams are answered side by side.
+KEEPALIVE_STREAM_LEASES = 64
+KEEPALIVE_STREAMS_MAX = 16
+
+
 def keepalives(client: MultiEndpointEtcd3Client, ids: List[int], timeout: float) -> Dict[int, int]:
-    """Send one keep-alive per lease over one LeaseKeepAlive stream with deadline ``timeout``; the TTL
-    etcd answered for each (a lease without an answer is absent). An endpoint that times out or is
-    unavailable is failed over from (the library's error handling), and the error raised."""
-    requests = iter([etcdrpc.LeaseKeepAliveRequest(ID=i) for i in ids])
-    client.call(lambda _c: None)  # remembers the member this stream goes to
+    """Send one keep-alive per lease, over LeaseKeepAlive streams of up to KEEPALIVE_STREAM_LEASES leases
+    (at most KEEPALIVE_STREAMS_MAX streams, side by side) with deadline ``timeout``; the TTL etcd answered
+    for each (a lease without an answer is absent). A stream that times out after some answers keeps
+    them (the rest failed); an endpoint that times out with no answer, or is unavailable, is failed over
+    from (the library's error handling), and the error raised."""
+    client.call(lambda _c: None)  # remembers the member these streams go to
+    per_stream = max(KEEPALIVE_STREAM_LEASES, -(-len(ids) // KEEPALIVE_STREAMS_MAX))
+    calls = [
+        client.leasestub.LeaseKeepAlive(
+            iter([etcdrpc.LeaseKeepAliveRequest(ID=i) for i in ids[at:at + per_stream]]), timeout,
+            credentials=client.call_credentials, metadata=client.metadata,
+        )
+        for at in range(0, len(ids), per_stream)
+    ]
     answers: Dict[int, int] = {}
-    try:
-        for resp in client.leasestub.LeaseKeepAlive(requests, timeout, credentials=client.call_credentials,
-                                                    metadata=client.metadata):
-            answers[int(resp.ID)] = int(resp.TTL)
-            if len(answers) == len(ids):
-                break
-    except grpc.RpcError as err:
-        if answers and err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return answers  # a busy etcd answered part of the batch: those leases are confirmed, the rest failed
-        client._manage_grpc_errors(err)  # UNAVAILABLE/DEADLINE_EXCEEDED: the member is failed over from
+    error: Optional[grpc.RpcError] = None
+    for call, at in zip(calls, range(0, len(ids), per_stream)):
+        want = min(per_stream, len(ids) - at)
+        got = 0
+        try:
+            for resp in call:
+                answers[int(resp.ID)] = int(resp.TTL)
+                got += 1
+                if got == want:
+                    break
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED or error is None:
+                error = err
+    if error is not None and (not answers or error.code() != grpc.StatusCode.DEADLINE_EXCEEDED):
+        for call in calls:
+            call.cancel()
+        client._manage_grpc_errors(error)  # UNAVAILABLE/DEADLINE_EXCEEDED: the member is failed over from
     return answers
 
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Type
 
 import grpc
 
+from elasticrun.errors import LeaseGoneError, StoreError, StoreSetupError
 from elasticrun.job.keys import ROOT
 
 START_HINT = "start one with `elasticrun etcd`, or run with --standalone"
@@ -34,6 +35,14 @@ def overloaded(err: BaseException) -> bool:
     """True when etcd turned a request away because it is behind (its apply lags its log by thousands of
     entries: ``too many requests``); it did nothing with it, so the request may be sent again later."""
     return isinstance(err, grpc.RpcError) and "too many requests" in (getattr(err, "details", lambda: "")() or "")
+
+
+def error_class(err: BaseException) -> Type[StoreError]:
+    """What to raise for ``err``: StoreSetupError when etcd refused our TLS or credentials (no retry helps),
+    LeaseGoneError when the lease a request named is gone (expired or revoked), else StoreError."""
+    if isinstance(err, grpc.RpcError) and "requested lease not found" in (getattr(err, "details", lambda: "")() or ""):
+        return LeaseGoneError
+    return StoreSetupError if refused(err) else StoreError
 
 
 def nospace_message(endpoints: str) -> str:

@@ -1,8 +1,9 @@
 """A lease kept alive by a background thread, with local expiry for fencing and a liveness gate.
 
 etcd clients do not refresh leases on their own. :class:`KeepAlive` is refreshed every
-``ttl / 3`` seconds (by its store's :class:`~elasticrun.store.refresher.Refresher`: one thread
-and one batch per turn for all the leases of a client) and tracks when it was last confirmed.
+``ttl / 3`` seconds, the first time at a random point of the second half of that (by its store's
+:class:`~elasticrun.store.refresher.Refresher`: one thread and one batch per turn for all the leases
+of a client that are due) and tracks when it was last confirmed.
 Its :meth:`health` is one of:
 
 - ``HELD``: confirmed within the last TTL;
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import random
 import threading
 import time
 from typing import Callable, Optional
@@ -35,6 +37,7 @@ from elasticrun.store.client import EtcdStore
 from elasticrun.store.refresher import refresher_for
 
 log = logging.getLogger(__name__)
+_JITTER = random.Random()  # private: never the global `random` a training script seeds
 
 
 class LeaseHealth(str, enum.Enum):
@@ -72,7 +75,9 @@ class KeepAlive:
         self._unreachable_since: Optional[float] = None  # first failed attempt since the last confirmation
         self.last_unreachable: Optional[float] = None  # last time etcd did not answer a refresh
         self._said_stalled = False
-        self.next_due = now + self.interval  # when the refresher sends our next keep-alive
+        # When the refresher sends our next keep-alive: the first within the second half of the interval, so
+        # that leases granted at once are refreshed in several smaller batches (earlier is always safe).
+        self.next_due = now + self.interval * (0.5 + 0.5 * _JITTER.random())
         self._refresher = refresher_for(store, self)
 
     @property

@@ -5,8 +5,11 @@ A real node runs one agent and holds one lease; a process that simulates hundred
 cost that process a thread switch and a stream set-up per lease and turn — work that grows
 with the number of leases and starves their refreshes. Here every
 :class:`~elasticrun.store.lease.KeepAlive` of a client joins that client's :class:`Refresher`:
-one thread sends the keep-alives that are due over one stream (``EtcdStore.refresh_leases``)
-and hands each lease its answer. A store without ``refresh_leases`` is refreshed one lease at a time.
+one thread sends the keep-alives that are due (``EtcdStore.refresh_leases``: a few streams side by
+side for hundreds of leases) and hands each lease its answer. Leases granted at once (a burst of
+registrations) are due at spread times (see ``KeepAlive``) and keep their phase, so that a turn sends
+the leases of a fraction of the interval, not every lease of the process at once. A store without
+``refresh_leases`` is refreshed one lease at a time.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ class Refreshable(Protocol):
     def refresh_failed(self, sent: float, err: StoreError) -> None: ...
 
 
+# Leases due within this many seconds of the first go in the same batch.
+COALESCE_S = 0.2
 _LOCK = threading.Lock()
 _REFRESHERS: Dict[int, Refresher] = {}  # id(store) -> its refresher, while it has leases
 
@@ -75,13 +80,13 @@ class Refresher:
                     return
                 leases = list(self._leases)
             now = time.monotonic()
-            due = [ka for ka in leases if ka.next_due <= now]
+            due = [ka for ka in leases if ka.next_due <= now + COALESCE_S]
             if not due:
                 self._wake.wait(max(0.0, min(ka.next_due for ka in leases) - now))
                 self._wake.clear()
                 continue
-            for ka in due:
-                ka.next_due = now + ka.interval
+            for ka in due:  # each lease keeps its phase: leases granted at once stay spread over the interval
+                ka.next_due = max(ka.next_due + ka.interval, now + ka.interval / 2)
             sent = time.monotonic()
             batch = [ka for ka in due if ka.start_refresh(sent)]
             if not batch:

@@ -45,7 +45,10 @@ COUNTERS = ("watch_events", "loop_turns", "etcd_requests", "keepalives", "keepal
             "topology_parses", "cas_won", "cas_lost")
 # Keep-alives: the longest batch, the longest a lease waited between two, the longest it went unconfirmed.
 MAXIMA = ("ka_batch_max_s", "ka_gap_max_s", "ka_age_max_s")
-PHASES = ("loss", "join")  # after round 0, which always runs
+PHASES = ("loss", "join")
+# --clients agent: a gRPC channel and its threads per agent; more agents per process queue their threads
+# for the process's GIL (keep-alives then wait seconds), so they are spread over more processes.
+AGENTS_PER_PROC = 32  # after round 0, which always runs
 
 
 class Children:
@@ -196,7 +199,9 @@ def format_row(r: Dict[str, Any]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, nargs="+", default=[8, 32, 128, 256])
-    ap.add_argument("--procs", type=int, default=4, help="child processes the agents are sharded over")
+    ap.add_argument("--procs", type=int, default=0,
+                    help="child processes the agents are sharded over (default: 4; with --clients agent, one per "
+                    f"{AGENTS_PER_PROC} agents, at least 4)")
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--clients", choices=["agent", "process", "shared"], default="agent",
                     help="agent: an etcd client per simulated agent, like real nodes; process: one client per "
@@ -224,13 +229,14 @@ def main() -> None:
     rows: List[Dict[str, Any]] = []
     try:
         load = os.getloadavg()[0]
-        print(f"etcd {endpoint}; {os.cpu_count()} CPUs, load {load:.1f}; simulated agents over up to {args.procs} "
+        print(f"etcd {endpoint}; {os.cpu_count()} CPUs, load {load:.1f}; simulated agents over {args.procs or 'auto'} "
               f"processes; --clients {args.clients}; heartbeat {args.heartbeat:g} s")
         print(HEADER)
         for n in args.nodes:
             for _ in range(args.runs):
-                for r in run_once(endpoint, n, args.procs, args.heartbeat, args.clients, args.phases, args.profile):
-                    r["load"] = os.getloadavg()[0]
+                procs = args.procs or (max(4, -(-n // AGENTS_PER_PROC)) if args.clients == "agent" else 4)
+                for r in run_once(endpoint, n, procs, args.heartbeat, args.clients, args.phases, args.profile):
+                    r["load"], r["procs"] = os.getloadavg()[0], procs
                     rows.append(r)
                     print(format_row(r), flush=True)
         command = " ".join(["python", "scripts/bench/bench_rendezvous.py", *sys.argv[1:]])

@@ -5,9 +5,15 @@ Each simulated agent is a thread that runs the real protocol
 ``ensure_config``, ``register``, ``next_round``) and, while it holds a round, the agent's round
 loop without workers (publish Active, ``round_change``, ``maybe_scale_up``, wait for the view).
 
+Before it prints ``ready``, every agent of the shard is connected, untimed: its etcd client (with
+``--clients agent``: a gRPC channel per agent) and its view, whose read and watch are set up, in
+batches of PREPARE_BATCH at a time — so the timed phases measure the protocol, not the harness
+opening a thousand channels at once. An agent that joins later (``join``) connects when it starts,
+as a real node does.
+
 Commands (one line each; every command but ``go`` answers one JSON line):
 
-- ``go``: the agents start;
+- ``go``: the agents start (``ensure_config``, ``register``, ``next_round``...);
 - ``wait R T``: wait up to T s until every live agent here holds round R or later; answers the
   time each agent got it and the counters of the phase (CPU, watch events, loop turns, etcd
   requests, records parsed); the counters start again from zero;
@@ -39,6 +45,7 @@ COUNTERS = ("watch_events", "loop_turns", "etcd_requests", "keepalives", "keepal
 # ka_age_max_s: the longest a lease went unconfirmed (from its grant or last confirmed keep-alive to
 # the next answer); at the TTL an agent counts its lease as lost.
 MAXIMA = ("ka_batch_max_s", "ka_gap_max_s", "ka_age_max_s")
+PREPARE_BATCH = 16  # agents connected at once before ``ready``
 
 
 class Profiler:
@@ -82,6 +89,7 @@ class Shard:
 
         self.endpoint, self.job, self.nodes, self.clients = endpoint, job, nodes, clients
         self.lock = threading.Lock()
+        self.top_lock = threading.Lock()
         self.counts = dict.fromkeys(COUNTERS, 0)
         self.maxima = dict.fromkeys(MAXIMA, 0.0)
         self.ka_last: Dict[int, float] = {}  # lease id -> when its last keep-alive was sent
@@ -111,8 +119,9 @@ class Shard:
     # -- counting ---------------------------------------------------------------------------
 
     def _bump(self, name: str, n: int = 1) -> None:
-        with self.lock:
-            self.counts[name] += n
+        # No lock: one dict item += int is not interrupted by another thread (the GIL switches at calls
+        # and jumps), and a lock taken by every agent's every request queued the threads of a process.
+        self.counts[name] += n
 
     def _count_parses(self) -> None:
         from elasticrun.rendezvous import protocol
@@ -142,7 +151,7 @@ class Shard:
         protocol.Rendezvous.beat = beat  # type: ignore[method-assign]
 
     def _top(self, name: str, value: float) -> None:
-        with self.lock:
+        with self.top_lock:
             self.maxima[name] = max(self.maxima[name], value)
 
     def _open_store(self) -> Any:
@@ -199,23 +208,47 @@ class Shard:
 
     # -- agents -----------------------------------------------------------------------------
 
-    def start(self, i: int) -> None:
-        self.started.add(i)
-        threading.Thread(target=self._agent, args=(i,), name=f"sim{i}", daemon=True).start()
-
-    def _agent(self, i: int) -> None:
+    def prepare(self, i: int) -> None:
+        """Connect agent ``i``: its etcd client (``--clients agent``) and its view (read and watch)."""
         from elasticrun.rendezvous.protocol import Rendezvous
-        from elasticrun.rendezvous.records import NodeInfo, WorkerStatus
+        from elasticrun.rendezvous.records import NodeInfo
 
-        self.go.wait()
         try:
             info = NodeInfo(node_id=f"sim{i:05d}", host="sim", addr="127.0.0.1", nproc=1, pid=os.getpid())
             store = self.shared or self._open_store()
             rdzv = Rendezvous(store, self.settings, info, host_store=lambda: 20000 + i % 40000,
                               on_progress=lambda _m: None)
+        except Exception as err:  # noqa: BLE001 - reported to the parent
             with self.lock:
-                self.rdzv[i] = rdzv
-                self.held[i] = {}
+                self.errors.append(f"agent {i}: could not connect: {err!r}")
+            return
+        with self.lock:
+            self.rdzv[i] = rdzv
+            self.held[i] = {}
+
+    def prepare_all(self, agents: List[int]) -> None:
+        """Connect ``agents`` before the timed phases, PREPARE_BATCH at a time (see the module docstring)."""
+        for at in range(0, len(agents), PREPARE_BATCH):
+            threads = [threading.Thread(target=self.prepare, args=(i,)) for i in agents[at:at + PREPARE_BATCH]]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+
+    def start(self, i: int) -> None:
+        self.started.add(i)
+        threading.Thread(target=self._agent, args=(i,), name=f"sim{i}", daemon=True).start()
+
+    def _agent(self, i: int) -> None:
+        from elasticrun.rendezvous.records import WorkerStatus
+
+        self.go.wait()
+        if i not in self.rdzv:
+            self.prepare(i)  # a node joining the running job connects as it starts
+        rdzv = self.rdzv.get(i)
+        if rdzv is None:
+            return
+        try:
             rdzv.ensure_config({"nnodes": f"{self.settings.min_nodes}:{self.nodes}", "bench": True})
             rdzv.register()
             while i not in self.dead:
@@ -232,7 +265,7 @@ class Shard:
                     version = wait_view(rdzv, version, 0.5 if due is None else min(0.5, max(0.01, due)))
         except Exception as err:  # noqa: BLE001 - reported to the parent
             if i not in self.dead:
-                lease = getattr(self.rdzv.get(i), "lease", None)
+                lease = getattr(rdzv, "lease", None)
                 more = "" if lease is None else (f" (lease {lease.health().value}, unconfirmed for "
                                                  f"{lease.unconfirmed_for():.1f} s)")
                 with self.lock:
@@ -292,15 +325,29 @@ def wait_view(rdzv: Any, version: int, timeout: float) -> int:
     return int(rdzv.view.wait_change(version, timeout))
 
 
+def quiet_grpc_waits() -> None:
+    """gRPC's Python threads that wait for a streaming call's next message (each watch stream) wake every
+    0.1 s so that a main thread can run its signal handlers (``grpc._common.MAXIMUM_WAIT_TIMEOUT``). A
+    real agent has one such thread; hundreds of simulated agents in one process had thousands of
+    wake-ups a second queue for the GIL, and the keep-alives waited behind them for seconds. No agent
+    thread here is the main thread: they wait until they are notified (or 5 s)."""
+    import grpc._common
+
+    grpc._common.MAXIMUM_WAIT_TIMEOUT = 5.0
+
+
 def main(argv: List[str]) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: where every thread is
     # The simulated agents yield the CPU to etcd: on a real cluster they run on machines of their own,
     # and etcd starved by its own clients' simulation turns its answers into the bench's bottleneck.
     os.nice(int(os.environ.get("BENCH_RENDEZVOUS_NICE", "10")))
+    quiet_grpc_waits()
     endpoint, job, nodes, first, count, heartbeat, clients = argv[:7]
     profile: Optional[Profiler] = Profiler(argv[7]) if len(argv) > 7 and argv[7] else None
     shard = Shard(endpoint, job, int(nodes), float(heartbeat), clients)
-    for i in range(int(first), int(first) + int(count)):
+    mine = list(range(int(first), int(first) + int(count)))
+    shard.prepare_all(mine)
+    for i in mine:
         shard.start(i)
     print("ready", flush=True)
     phase = 0
