@@ -87,11 +87,15 @@ def test_outage_past_the_grace_stops_workers_with_sigterm(private_etcd, job_id, 
     os.kill(private_etcd.proc.pid, signal.SIGSTOP)
     started = time.monotonic()
     code = agent.wait(90)
-    took = time.monotonic() - started
+    took, exited = time.monotonic() - started, time.time()
     err = agent.stderr()
     assert code == ExitCode.TRANSIENT, agent.output()  # 138: etcd lost beyond the grace is retryable
     assert "--etcd-outage-grace" in err, err
     for rank in (0, 1):
         assert (out / f"{rank}.SIGTERM").exists(), f"rank {rank} was not given SIGTERM (killed without a save)\n{err}"
     assert took >= 3, f"workers stopped before the outage grace ({took:.1f}s)"
+    # Leaving on an etcd error, the teardown waits on no etcd call (no final report, no revoke: each
+    # would wait out a whole call deadline; the exit came 10.5-11 s after the workers' SIGTERM then).
+    after_term = exited - (out / "0.SIGTERM").stat().st_mtime
+    assert after_term < 6, f"the agent exited {after_term:.1f}s after its workers' SIGTERM\n{err}"
     assert "Traceback" not in err, err

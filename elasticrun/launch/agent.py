@@ -21,7 +21,7 @@ from typing import Any, Callable, List, Optional
 
 from rich.text import Text
 
-from elasticrun.errors import ElasticrunError, JobFailedError
+from elasticrun.errors import ElasticrunError, JobFailedError, StoreError
 from elasticrun.job import env as env_names
 from elasticrun.job.exitcodes import ExitCode, for_signal
 from elasticrun.job.reform import reform_window
@@ -107,6 +107,7 @@ class Agent:
         self.say = Reporter(self.label, quiet=cfg.quiet)
         self._signal: Optional[int] = None
         self._stopping = False  # set once the agent is stopping: no signal is raised again
+        self._etcd_failed = False  # leaving on an etcd error: the teardown makes no call that waits on etcd
         self._wake: Callable[[], None] = lambda: None
         self._hang: Optional[HangWatch] = None  # --hang-timeout: made with the first round
         self.obs = Observer(cfg)  # /metrics, goodput accounting, --events-file
@@ -158,8 +159,8 @@ class Agent:
             teardown.callback(lambda: etcd is not None and etcd.stop())
             teardown.callback(lambda: store is not None and store.close())
             teardown.callback(lambda: self._wait_others_left(etcd, store, rdzv))
-            teardown.callback(lambda: rdzv is not None and rdzv.leave())
-            teardown.callback(self.obs.detach)
+            teardown.callback(lambda: rdzv is not None and rdzv.leave(revoke=not self._etcd_failed))
+            teardown.callback(lambda: self.obs.detach(wait=0.0 if self._etcd_failed else 5.0))
             teardown.callback(lambda: self._hang is not None and self._hang.close())
             teardown.callback(round_store.close)
             teardown.callback(lambda: workers is not None and self._stop_workers(workers))
@@ -213,6 +214,9 @@ class Agent:
                     f"(nnodes {cfg.nnodes_min}:{cfg.nnodes_max}, {cfg.nproc_per_node} workers)"
                 )
                 return self._loop(rdzv, workers)
+            except StoreError:
+                self._etcd_failed = True  # no final report, no revoke (the lease expires on its own)
+                raise
             except AgentSignal as sig:
                 self._stopping = True
                 self.say(f"received {sig}: stopping workers and leaving the job")

@@ -69,12 +69,13 @@ class Observer:
         self._thread = threading.Thread(target=self._run, name="elasticrun-observe", daemon=True)
         self._thread.start()
 
-    def detach(self) -> None:
-        """Stop the progress/report thread and the etcd timing (before the store closes)."""
+    def detach(self, wait: float = 5.0) -> None:
+        """Stop the progress/report thread and the etcd timing (before the store closes), waiting up to
+        ``wait`` s for its last report (0 when etcd is failing: a call in flight would hold the exit)."""
         self._closed.set()
         self._publish.set()
-        if self._thread is not None:
-            self._thread.join(5.0)
+        if self._thread is not None and wait > 0:
+            self._thread.join(wait)
         if self._store is not None:
             self._store.on_call = None
             self._store = None

@@ -132,10 +132,11 @@ class Rendezvous(RoundMonitor):
         self.node = self.node.replace(heartbeat_at=time.time(), **changes)
         self.store.put_json(self.keys.node(self.node_id), self.node.to_dict(), lease=self.lease.lease_id)
 
-    def leave(self) -> None:
-        """Leave the job at once: revoke the lease so our keys vanish."""
+    def leave(self, revoke: bool = True) -> None:
+        """Leave the job at once: revoke the lease so our keys vanish (``revoke=False``, etcd failing:
+        only stop refreshing it; it expires on its own and the exit waits on no etcd call)."""
         if self.lease is not None:
-            self.lease.revoke()
+            self.lease.revoke() if revoke else self.lease.stop()
             self.lease = None
         self.view.close()
 
