@@ -59,6 +59,31 @@ def _pause(log: Path, old_round: int, new_round: int) -> float:
     return max(first[p] - last[p] for p in first.keys() & last.keys())
 
 
+def _check_kept_in_place(log: Path, steps: List[dict], nodes: int) -> Dict[int, List[dict]]:
+    """A join then a graceful leave of the last of ``nodes`` nodes, every change in place: one worker
+    process per node for the whole job, no step twice or skipped, the newcomer got the step, every
+    sample once, ranks agree per step, both world sizes trained, and every survivor re-formed at both
+    changes. Returns the step records by worker pid."""
+    by_pid: Dict[int, List[dict]] = {}
+    for r in steps:
+        by_pid.setdefault(r["pid"], []).append(r)
+    assert len(by_pid) == nodes, f"one worker process per node, nothing restarted: {sorted(by_pid)}"
+    for rows in by_pid.values():
+        seq = [r["step"] for r in rows]
+        assert seq == list(range(seq[0], seq[0] + len(seq))), "no step twice, none skipped"
+    newcomers = [rows[0] for rows in by_pid.values() if rows[0]["round"] > 0]
+    assert len(newcomers) == 1
+    assert newcomers[0]["step"] == max(r["step"] for r in steps if r["round"] == 0) + 1, "the newcomer got the step"
+    assert sorted(i for r in steps for i in r["idx"]) == list(range(2000)), "every sample exactly once"
+    for step in {r["step"] for r in steps}:
+        ws = [r["w"] for r in steps if r["step"] == step]
+        assert all(w == pytest.approx(ws[0]) for w in ws), f"step {step}: ranks differ"
+    assert {r["world"] for r in steps} == {nodes - 1, nodes}
+    pauses = [r["reformed"] for r in _records(log) if "reformed" in r]
+    assert len(pauses) == 2 * (nodes - 1), pauses
+    return by_pid
+
+
 def test_join_and_graceful_leave_reform_in_place(etcd_server, etcd, job_id, agents, tmp_path):
     log = tmp_path / "steps.jsonl"
     fast = tmp_path / "fast"
@@ -85,25 +110,7 @@ def test_join_and_graceful_leave_reform_in_place(etcd_server, etcd, job_id, agen
     for n in "AC":
         assert a[n].wait(120) == 0, a[n].output()
     steps = _steps(log)
-    by_node: Dict[int, List[dict]] = {}
-    for r in steps:
-        by_node.setdefault(r["pid"], []).append(r)
-    # One worker process per node for the whole job: nothing was restarted.
-    assert len(by_node) == 3, sorted(by_node)
-    # No step twice, none skipped: each process counts on by one, and all ranks agree per step.
-    for rows in by_node.values():
-        seq = [r["step"] for r in rows]
-        assert seq == list(range(seq[0], seq[0] + len(seq)))
-    newcomers = [rows[0] for rows in by_node.values() if rows[0]["round"] > 0]
-    assert len(newcomers) == 1
-    assert newcomers[0]["step"] == max(r["step"] for r in steps if r["round"] == 0) + 1, "the newcomer got the step"
-    assert sorted(i for r in steps for i in r["idx"]) == list(range(2000)), "every sample exactly once"
-    for step in {r["step"] for r in steps}:
-        ws = [r["w"] for r in steps if r["step"] == step]
-        assert all(w == pytest.approx(ws[0]) for w in ws)
-    assert {r["world"] for r in steps} == {2, 3}
-    pauses = [r["reformed"] for r in _records(log) if "reformed" in r]
-    assert len(pauses) == 4, pauses  # A, B at the join; A, C at the leave
+    _check_kept_in_place(log, steps, nodes=3)  # A, B re-formed at the join; A, C at the leave
     assert "re-formed in place" in a["A"].stderr()
 
 
@@ -175,24 +182,9 @@ def test_join_and_graceful_leave_reform_in_place_over_nccl(etcd_server, etcd, jo
             assert a[x].wait(120) == 0, a[x].output()
     steps = _steps(log)
     assert {r["backend"] for r in steps} == {"nccl"}, "every step ran over NCCL"
-    by_pid: Dict[int, List[dict]] = {}
-    for r in steps:
-        by_pid.setdefault(r["pid"], []).append(r)
-    assert len(by_pid) == n, "one worker process per node for the whole job: nothing was restarted"
+    by_pid = _check_kept_in_place(log, steps, nodes=n)  # the survivors re-formed at the join, then at the leave
     gpus = {pid: {r["gpus"] for r in rows} for pid, rows in by_pid.items()}
     assert sorted(g for s in gpus.values() for g in s) == [str(i) for i in range(n)], f"one GPU per node: {gpus}"
-    for rows in by_pid.values():
-        seq = [r["step"] for r in rows]
-        assert seq == list(range(seq[0], seq[0] + len(seq))), "no step twice, none skipped"
-    newcomers = [rows[0] for rows in by_pid.values() if rows[0]["round"] > 0]
-    assert len(newcomers) == 1
-    assert newcomers[0]["step"] == max(r["step"] for r in steps if r["round"] == 0) + 1, "the newcomer got the step"
-    assert sorted(i for r in steps for i in r["idx"]) == list(range(2000)), "every sample exactly once"
-    for step in {r["step"] for r in steps}:
-        ws = [r["w"] for r in steps if r["step"] == step]
-        assert all(w == pytest.approx(ws[0]) for w in ws), f"step {step}: ranks differ"
-    assert {r["world"] for r in steps} == {n - 1, n}
     pauses = [r["reformed"] for r in _records(log) if "reformed" in r]
-    assert len(pauses) == 2 * (n - 1), pauses  # the survivors at the join, then at the leave
     assert "re-formed in place" in a["A"].stderr()
     print(f"NCCL in-place re-form pauses (s): {sorted(pauses)}")
