@@ -136,7 +136,10 @@ class Rendezvous(RoundMonitor):
         """Leave the job at once: revoke the lease so our keys vanish (``revoke=False``, etcd failing:
         only stop refreshing it; it expires on its own and the exit waits on no etcd call)."""
         if self.lease is not None:
-            self.lease.revoke() if revoke else self.lease.stop()
+            if revoke:
+                self.lease.revoke()
+            else:
+                self.lease.stop()
             self.lease = None
         self.view.close()
 
