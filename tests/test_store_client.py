@@ -85,6 +85,27 @@ def test_lease_keepalive_and_expiry(etcd, job_id):
     assert etcd.get(key) is None, "revoke removes the keys at once"
 
 
+def test_a_lease_counts_as_confirmed_when_its_grant_was_sent(etcd, monkeypatch):
+    """etcd counts the TTL from its grant; an answer that reaches a busy process late must not move the
+    local deadline later than etcd's (fencing), and the first keep-alive is then due at once."""
+    real_grant = etcd.grant_lease
+
+    def late_answer(ttl: int) -> int:
+        lease_id = real_grant(ttl)
+        time.sleep(1.5)  # the answer waits for this process (a starved thread, a paused VM)
+        return lease_id
+
+    monkeypatch.setattr(etcd, "grant_lease", late_answer)
+    sent = time.monotonic()
+    ka = KeepAlive(etcd, 30)  # first keep-alive 5-10 s after the grant: none has confirmed it yet below
+    try:
+        assert ka.unconfirmed_for() >= 1.5, "confirmed as of the grant, not of its late answer"
+        assert sent + ka.interval / 2 <= ka.next_due <= sent + ka.interval, "first keep-alive counted from the grant"
+        assert ka.valid()
+    finally:
+        ka.revoke()
+
+
 def test_unreachable_etcd_is_one_clear_error():
     with pytest.raises(StoreError) as err:
         connect("127.0.0.1:1", retry_timeout=0.5)

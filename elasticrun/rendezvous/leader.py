@@ -21,6 +21,7 @@ from elasticrun.errors import StoreError
 from elasticrun.job.keys import JobKeys
 from elasticrun.rendezvous.view import JobView
 from elasticrun.store.client import EtcdStore
+from elasticrun.store.types import KeyValue
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,9 @@ class Leadership:
         self.view = view
         self.node_id = node_id
         self.leads = False  # as of the last claim
+        # The leader key as our last read found it, held by another agent: believed while our view has not
+        # caught up with its revision (a view seconds behind must not cost a read per loop turn).
+        self._read: Optional[KeyValue] = None
 
     def holder(self) -> Optional[str]:
         """The node id in the leader key as our view has it (None when nobody leads)."""
@@ -46,13 +50,20 @@ class Leadership:
             self.leads = False
             return False
         kv = self.view.get(self.keys.leader)
+        if kv is None and self._read is not None and self.view.revision < self._read.mod_revision:
+            kv = self._read
         mine = kv is not None and kv.lease == lease_id
         if kv is None:
             try:
-                mine = self.store.create(self.keys.leader, self.node_id, lease=lease_id)
-                if not mine:  # another agent won, or our create went through and its reply was lost
-                    held = self.store.get(self.keys.leader)
-                    mine = held is not None and held.lease == lease_id
+                # A read first: when N agents find the key gone at once (the job starts, the leader died),
+                # a read that sees the winner's key costs etcd no raft entry, a failed create does.
+                held = self.store.get(self.keys.leader)
+                if held is None:
+                    mine = self.store.create(self.keys.leader, self.node_id, lease=lease_id)
+                    if not mine:  # another agent won, or our create went through and its reply was lost
+                        held = self.store.get(self.keys.leader)
+                mine = mine or (held is not None and held.lease == lease_id)
+                self._read = None if mine else held
             except StoreError as err:  # our lease just ended (we leave, or lost it): the caller finds out
                 log.debug("could not claim the leader key: %s", err)
                 self.leads = False

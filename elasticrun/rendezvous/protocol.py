@@ -50,6 +50,10 @@ EVENT_HISTORY = 50  # rescale events kept in etcd
 # a look costs O(nodes), so this keeps an agent's CPU per second flat as the job grows.
 EVAL_PER_NODE = 0.0005
 EVAL_INTERVAL_MAX = 0.2
+# A node that does not lead waits this long at most between two looks while a round forms: everything
+# it waits for wakes it (the round record, the leader key, the job's state, its lease lost, its store
+# up); the bound only keeps its liveness beat (``stall_after`` >= 2 s) going.
+FOLLOWER_WAIT_S = 1.0
 
 
 class Rendezvous(RoundMonitor):
@@ -90,10 +94,13 @@ class Rendezvous(RoundMonitor):
     def ensure_config(self, settings: Dict[str, Any]) -> None:
         """Create the job's settings, or check ours against them (ConfigError on mismatch)."""
         self._clear_finished_job()
-        payload = json.dumps(settings, sort_keys=True)
-        if self.store.create(self.keys.config, payload):
-            return
-        existing = self.store.get_json(self.keys.config) or {}
+        # Our view has the settings when another node wrote them first (every node but one): comparing
+        # there costs etcd nothing, where a create per node would be a failed write (a raft entry) each.
+        existing = self.view.get_json(self.keys.config) if self.view.get(self.keys.config) else None
+        if existing is None:
+            if self.store.create(self.keys.config, json.dumps(settings, sort_keys=True)):
+                return
+            existing = self.store.get_json(self.keys.config) or {}
         diff = describe_mismatch(existing, settings)
         if diff:
             raise ConfigError(
@@ -103,6 +110,8 @@ class Rendezvous(RoundMonitor):
 
     def _clear_finished_job(self) -> None:
         """A finished job's keys are removed when a new job reuses its id and nobody is left."""
+        if self.view.get(self.keys.state) is None:  # the view read the job when it started: no request
+            return
         kv = self.store.get(self.keys.state)
         if kv is None or self.store.get_prefix(self.keys.nodes)[0]:
             return
@@ -214,7 +223,7 @@ class Rendezvous(RoundMonitor):
                 continue
             if not self.leading():  # the leader forms the round (and ends the job if too few join)
                 said = self._tell(said, f"waiting for round {target}, formed by {self.leadership.holder() or '?'}")
-                version = self.wait_view(version, 0.25)
+                version = self.wait_view(version, FOLLOWER_WAIT_S)
                 continue
             if topo is not None and topo.round < target and self.round_change(topo) is None:
                 # A round runs without us (we are a spare or a newcomer): as the leader we still end

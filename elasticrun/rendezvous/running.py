@@ -35,6 +35,7 @@ class RoundMonitor:
     _say: Callable[[str], None]
     _newcomers_since: Optional[float]
     _members_checked: Optional[Tuple[int, int]]
+    _quiet_since: Optional[Tuple[int, int]] = None  # (round, view.job_version) when it was last found running
     leadership: Leadership
 
     def leading(self) -> bool:  # pragma: no cover - provided by Rendezvous
@@ -80,6 +81,16 @@ class RoundMonitor:
 
     def round_change(self, topo: Topology) -> Optional[str]:
         """Why round ``topo`` is over (None while it runs); RoundOutcome.SUCCEEDED when every member finished."""
+        # A node that does not lead learns everything from the job's keys: while they did not change
+        # since we last found the round running, it still runs (no lookups at each turn of our loop).
+        quiet = (topo.round, self.view.job_version)
+        if quiet == self._quiet_since and not self.leadership.leads:
+            return None
+        why = self._round_change(topo)
+        self._quiet_since = quiet if why is None else None
+        return why
+
+    def _round_change(self, topo: Topology) -> Optional[str]:
         state = self.view.state()
         if state:
             return f"job {state.get('state')}"
@@ -123,8 +134,8 @@ class RoundMonitor:
         Returns the seconds until the window closes (to wake up in time), or None.
         """
         s = self.settings
-        if (len(topo.members) >= s.max_nodes or self.view.under(self.keys.dones(topo.round))
-                or not self.view.mirrors_nodes):  # only the leader sees newcomers
+        if (not self.view.mirrors_nodes  # only the leader sees newcomers
+                or len(topo.members) >= s.max_nodes or self.view.under(self.keys.dones(topo.round))):
             self._newcomers_since = None
             return None
         if self.view.node_count() <= len(topo.members):  # no newcomer (a lost member ends the round instead)

@@ -27,6 +27,10 @@ class StoreHost:
         self._port = 0
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+        # Someone asked for the port before the store was up: tell them when it is (a store that was
+        # ready at once wakes nobody; agents that share a view, as in the bench, would all wake).
+        self._late = False
 
     def start(self) -> None:
         """Start hosting a fresh store (the previous one is closed by ``host_store``).
@@ -36,22 +40,32 @@ class StoreHost:
         if self._thread is not None and self._thread.is_alive():
             return
         self._done.clear()
-        self._port, self._error = 0, None
+        self._port, self._error, self._late = 0, None, False
         self._thread = threading.Thread(target=self._run, name="round-store", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        port, error = 0, None
         try:
-            self._port = int(self._host_store())
+            port = int(self._host_store())
         except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread by port()
-            self._error = err
-        self._done.set()
-        self._on_ready()
+            error = err
+        with self._lock:
+            self._port, self._error = port, error
+            self._done.set()
+            late = self._late
+        if late:
+            self._on_ready()
 
     def port(self, wait: float = 0.0) -> int:
-        """The store's port; 0 while it is starting. Raises what ``host_store`` raised."""
+        """The store's port; 0 while it is starting (then ``on_ready`` is called once it is up).
+        Raises what ``host_store`` raised."""
         self._done.wait(wait)
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise err
-        return self._port if self._done.is_set() else 0
+        with self._lock:
+            if self._error is not None:
+                err, self._error = self._error, None
+                raise err
+            if self._done.is_set():
+                return self._port
+            self._late = True
+            return 0

@@ -53,6 +53,7 @@ class JobView:
         self._job_cond = threading.Condition(lock)  # changes of keys other than node records
         self._version = 0
         self._job_version = 0
+        self._revision = 0  # the newest etcd revision this view has read or been sent
         self._members_version = 0  # bumped when a node record appears, vanishes or changes lease
         self._closed = False
         self._healthy = False
@@ -109,6 +110,7 @@ class JobView:
             gen = self._gen
             self._data = {}
             self._nodes = {}
+            self._revision = max([self._revision] + [rev for _, rev in reads])
             for kvs, _ in reads:
                 for kv in kvs:
                     if not kv.key.startswith(skipped):
@@ -162,13 +164,18 @@ class JobView:
 
     def _on_events(self, events: List[WatchEvent], gen: int) -> None:
         skipped = self._skipped()
+        newest = max((ev.mod_revision for ev in events), default=0)
         events = [ev for ev in events if not ev.key.startswith(skipped)]
         if not events:
+            with self._cond:
+                if gen == self._gen:
+                    self._revision = max(self._revision, newest)
             return
         nodes = self.keys.nodes
         with self._cond:
             if gen != self._gen:
                 return  # a watch of an older sync
+            self._revision = max(self._revision, newest)
             for ev in events:
                 if ev.deleted:
                     if ev.key.startswith(nodes):
@@ -231,6 +238,11 @@ class JobView:
     def version(self) -> int:
         """Bumped by every change (see :meth:`wait_change`)."""
         return self._version
+
+    @property
+    def revision(self) -> int:
+        """The newest etcd revision this view has caught up with (its reads' and watch events')."""
+        return self._revision
 
     @property
     def job_version(self) -> int:

@@ -66,18 +66,22 @@ class KeepAlive:
         self._stop = threading.Event()
         self._lost_reason: Optional[str] = None
         self._lock = threading.Lock()
+        # etcd counts the TTL from when it granted the lease, which may be long before its answer reaches
+        # a busy process: the lease counts as confirmed when the grant was sent, never later (fencing).
+        asked = time.monotonic()
         self.lease_id = store.grant_lease(self.ttl)
         now = time.monotonic()
-        self._confirmed = now
+        self._confirmed = asked
         self._alive_until = now + (stall_after or 0.0)
         self._attempted = now  # last refresh attempt (sent)
         self._pending: Optional[float] = None  # when the refresh now waiting for etcd was sent
         self._unreachable_since: Optional[float] = None  # first failed attempt since the last confirmation
         self.last_unreachable: Optional[float] = None  # last time etcd did not answer a refresh
         self._said_stalled = False
-        # When the refresher sends our next keep-alive: the first within the second half of the interval, so
-        # that leases granted at once are refreshed in several smaller batches (earlier is always safe).
-        self.next_due = now + self.interval * (0.5 + 0.5 * _JITTER.random())
+        # When the refresher sends our next keep-alive: the first within the second half of the interval
+        # after the grant was sent (at once if its answer came later), so that leases granted at once are
+        # refreshed in several smaller batches (earlier is always safe).
+        self.next_due = asked + self.interval * (0.5 + 0.5 * _JITTER.random())
         self._refresher = refresher_for(store, self)
 
     @property

@@ -22,6 +22,7 @@ also one view (one watch) per process.
 
     python scripts/bench/bench_rendezvous.py --clients shared --nodes 256 1024 4096
     python scripts/bench/bench_rendezvous.py --clients agent --nodes 8 32 128 256 --runs 1 --json
+    python scripts/bench/bench_rendezvous.py --clients shared --nodes 4096 --ramp 20
 """
 
 from __future__ import annotations
@@ -135,6 +136,7 @@ def phase(children: Children, endpoint: str, name: str, target: int, start_cmd: 
     if before and after:
         row["etcd_cpu_s"] = after["cpu_s"] - before["cpu_s"]
         row["etcd_writes"] = int(after["revision"] - before["revision"])
+        row["etcd_proposals"] = int(after.get("proposals", 0) - before.get("proposals", 0))
         row["etcd_events_sent"] = int(after["events_sent"] - before["events_sent"])
         row["etcd_requests"] = int(after["requests"] - before["requests"])
         row["etcd_db_bytes"] = int(after["db_bytes"])
@@ -178,7 +180,7 @@ def summary_rows(rows: List[Dict[str, Any]], sizes: List[int], command: str) -> 
     return out
 
 
-HEADER = (f"{'nodes':>6} {'phase':>8} {'all hold':>9} {'CPU/agent':>10} {'etcd CPU':>9} {'writes':>7} "
+HEADER = (f"{'nodes':>6} {'phase':>8} {'all hold':>9} {'CPU/agent':>10} {'etcd CPU':>9} {'writes':>7} {'raft':>7} "
           f"{'etcd reqs':>9} {'ev sent':>8} {'ev/agent':>9} {'turns/agent':>12} {'reqs/agent':>11} {'CAS lost':>8} "
           f"{'KA batch':>8} {'KA gap':>7} {'KA age':>7}")
 
@@ -190,7 +192,8 @@ def format_row(r: Dict[str, Any]) -> str:
                 f"unconfirmed up to {r['ka_age_max_s']:.1f} s; {r['keepalives_failed']} failed); "
                 + "; ".join(r["errors"][:3]))
     return (f"{r['nodes']:>6} {r['phase']:>8} {r['all_hold_s']:>8.2f}s {r['cpu_per_agent_ms']:>8.1f}ms "
-            f"{r.get('etcd_cpu_s', 0):>8.2f}s {r.get('etcd_writes', 0):>7} {r.get('etcd_requests', 0):>9} "
+            f"{r.get('etcd_cpu_s', 0):>8.2f}s {r.get('etcd_writes', 0):>7} {r.get('etcd_proposals', 0):>7} "
+            f"{r.get('etcd_requests', 0):>9} "
             f"{r.get('etcd_events_sent', 0):>8} {r['watch_events_per_agent']:>9.1f} {r['loop_turns_per_agent']:>12.1f} "
             f"{r['etcd_requests_per_agent']:>11.1f} {r['cas_lost']:>8} {r['ka_batch_max_s']:>7.2f}s "
             f"{r['ka_gap_max_s']:>6.2f}s {r['ka_age_max_s']:>6.2f}s")
@@ -209,6 +212,9 @@ def main() -> None:
     ap.add_argument("--phases", nargs="*", choices=PHASES, default=list(PHASES),
                     help="after round 0 (always): loss: one node dies; join: one node joins")
     ap.add_argument("--heartbeat", type=float, default=10.0, help="lease TTL of the simulated agents")
+    ap.add_argument("--ramp", type=float, default=0.0, metavar="S",
+                    help="round 0's agents start spread evenly over S seconds after go, as the nodes of a real job "
+                    "start over seconds (default 0: all at once); the time is still counted from go")
     ap.add_argument("--endpoint", default="", help="use this etcd instead of starting one")
     ap.add_argument("--profile", default="", metavar="DIR",
                     help="cProfile every child's threads; one marshalled pstats file per child and phase in DIR")
@@ -218,6 +224,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
+    os.environ["BENCH_RENDEZVOUS_RAMP"] = str(args.ramp)  # read by the child processes
 
     from elasticrun.store.server import EtcdServer
 
@@ -230,7 +237,7 @@ def main() -> None:
     try:
         load = os.getloadavg()[0]
         print(f"etcd {endpoint}; {os.cpu_count()} CPUs, load {load:.1f}; simulated agents over {args.procs or 'auto'} "
-              f"processes; --clients {args.clients}; heartbeat {args.heartbeat:g} s")
+              f"processes; --clients {args.clients}; heartbeat {args.heartbeat:g} s; ramp {args.ramp:g} s")
         print(HEADER)
         for n in args.nodes:
             for _ in range(args.runs):

@@ -11,6 +11,10 @@ batches of PREPARE_BATCH at a time — so the timed phases measure the protocol,
 opening a thousand channels at once. An agent that joins later (``join``) connects when it starts,
 as a real node does.
 
+The agents run at ``SCHED_IDLE`` and their keep-alives go through a helper process of normal
+priority (``rendezvous_keeper.py``): on a real cluster neither etcd nor an agent's keep-alive shares
+its CPU with a thousand other agents.
+
 Commands (one line each; every command but ``go`` answers one JSON line):
 
 - ``go``: the agents start (``ensure_config``, ``register``, ``next_round``...);
@@ -32,6 +36,7 @@ import marshal
 import os
 import pstats
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -46,6 +51,10 @@ COUNTERS = ("watch_events", "loop_turns", "etcd_requests", "keepalives", "keepal
 # the next answer); at the TTL an agent counts its lease as lost.
 MAXIMA = ("ka_batch_max_s", "ka_gap_max_s", "ka_age_max_s")
 PREPARE_BATCH = 16  # agents connected at once before ``ready``
+# The agent's round loop looks at its workers every 0.5 s; a simulated agent has none, so it waits for
+# the view to change (or this long): 4,096 agents waking twice a second cost this machine a core.
+IDLE_WAIT_S = 5.0
+KEEPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rendezvous_keeper.py")
 
 
 class Profiler:
@@ -78,16 +87,56 @@ class Profiler:
             marshal.dump(merged, f)
 
 
+class Keeper:
+    """The shard's keep-alive process (``rendezvous_keeper.py``): ``refresh`` is ``refresh_leases`` there."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.lock = threading.Lock()
+        self.proc = subprocess.Popen([sys.executable, KEEPER, endpoint], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        if self.proc.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
+            raise RuntimeError("the keep-alive process failed to start")
+
+    def refresh(self, ids: Any, timeout: Any = None) -> Dict[int, int]:
+        from elasticrun.errors import StoreError
+
+        request = json.dumps({"ids": [int(i) for i in ids], "timeout": timeout}) + "\n"
+        with self.lock:  # one batch at a time (with --clients agent, every agent's refresher calls here)
+            try:
+                self.proc.stdin.write(request)  # type: ignore[union-attr]
+                self.proc.stdin.flush()  # type: ignore[union-attr]
+                reply = self.proc.stdout.readline()  # type: ignore[union-attr]
+            except (OSError, ValueError):  # closed at the end of the bench
+                reply = ""
+        if not reply:
+            raise StoreError("the bench's keep-alive process died")
+        out = json.loads(reply)
+        if "error" in out:
+            raise StoreError(out["error"])
+        return {int(k): int(v) for k, v in out["answers"].items()}
+
+    def close(self) -> None:
+        try:
+            with self.lock:
+                self.proc.stdin.close()  # type: ignore[union-attr]
+            self.proc.wait(10)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+
+
 class Shard:
     """The agents of one child process."""
 
-    def __init__(self, endpoint: str, job: str, nodes: int, heartbeat: float, clients: str) -> None:
+    def __init__(self, endpoint: str, job: str, nodes: int, heartbeat: float, clients: str,
+                 keeper: Optional[Keeper] = None) -> None:
         from elasticrun.job.keys import JobKeys
         from elasticrun.rendezvous import protocol
         from elasticrun.rendezvous.protocol import RendezvousSettings
         from elasticrun.store.client import connect
 
         self.endpoint, self.job, self.nodes, self.clients = endpoint, job, nodes, clients
+        self.keeper = keeper
+        self.ramp = float(os.environ.get("BENCH_RENDEZVOUS_RAMP", "0"))  # --ramp of bench_rendezvous.py
         self.lock = threading.Lock()
         self.top_lock = threading.Lock()
         self.counts = dict.fromkeys(COUNTERS, 0)
@@ -156,7 +205,8 @@ class Shard:
 
     def _open_store(self) -> Any:
         store = self.connect(self.endpoint, retry_timeout=60)
-        real_call, real_txn, real_many = store._call, store.txn_put_many, store.refresh_leases
+        real_call, real_txn = store._call, store.txn_put_many
+        real_many = store.refresh_leases if self.keeper is None else self.keeper.refresh
         real_grant = store.grant_lease
 
         def grant(ttl: int) -> int:
@@ -243,6 +293,8 @@ class Shard:
         from elasticrun.rendezvous.records import WorkerStatus
 
         self.go.wait()
+        if self.ramp > 0 and i < self.nodes:  # round 0's agents start spread over the ramp, as nodes do
+            time.sleep(self.ramp * i / self.nodes)
         if i not in self.rdzv:
             self.prepare(i)  # a node joining the running job connects as it starts
         rdzv = self.rdzv.get(i)
@@ -262,7 +314,7 @@ class Shard:
                     if rdzv.round_change(topo) is not None:
                         break
                     due = rdzv.maybe_scale_up(topo)
-                    version = wait_view(rdzv, version, 0.5 if due is None else min(0.5, max(0.01, due)))
+                    version = wait_view(rdzv, version, IDLE_WAIT_S if due is None else min(IDLE_WAIT_S, max(0.01, due)))
         except Exception as err:  # noqa: BLE001 - reported to the parent
             if i not in self.dead:
                 lease = getattr(rdzv, "lease", None)
@@ -338,13 +390,19 @@ def quiet_grpc_waits() -> None:
 
 def main(argv: List[str]) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: where every thread is
-    # The simulated agents yield the CPU to etcd: on a real cluster they run on machines of their own,
-    # and etcd starved by its own clients' simulation turns its answers into the bench's bottleneck.
-    os.nice(int(os.environ.get("BENCH_RENDEZVOUS_NICE", "10")))
-    quiet_grpc_waits()
     endpoint, job, nodes, first, count, heartbeat, clients = argv[:7]
+    keeper = None if os.environ.get("BENCH_RENDEZVOUS_KEEPER") == "0" else Keeper(endpoint)  # before: normal priority
+    # The simulated agents yield the CPU to etcd and to the keep-alives: on a real cluster they run on
+    # machines of their own, and etcd starved by its own clients' simulation turns its answers into the
+    # bench's bottleneck. SCHED_IDLE: they run when nothing else wants the CPU; else nice 10.
+    priority = os.environ.get("BENCH_RENDEZVOUS_PRIORITY", "idle")
+    if priority == "idle" and hasattr(os, "SCHED_IDLE"):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    else:
+        os.nice(10 if priority == "idle" else int(priority))
+    quiet_grpc_waits()
     profile: Optional[Profiler] = Profiler(argv[7]) if len(argv) > 7 and argv[7] else None
-    shard = Shard(endpoint, job, int(nodes), float(heartbeat), clients)
+    shard = Shard(endpoint, job, int(nodes), float(heartbeat), clients, keeper)
     mine = list(range(int(first), int(first) + int(count)))
     shard.prepare_all(mine)
     for i in mine:
@@ -369,6 +427,8 @@ def main(argv: List[str]) -> None:
             reply = {"joined": True}
         else:
             shard.leave()
+            if keeper is not None:
+                keeper.close()
             print(json.dumps({"left": True}), flush=True)
             return
         print(json.dumps(reply), flush=True)
