@@ -96,7 +96,7 @@ class Rendezvous(RoundMonitor):
         self._clear_finished_job()
         # Our view has the settings when another node wrote them first (every node but one): comparing
         # there costs etcd nothing, where a create per node would be a failed write (a raft entry) each.
-        existing = self.view.get_json(self.keys.config) if self.view.get(self.keys.config) else None
+        existing = self.view.get_json(self.keys.config)
         if existing is None:
             if self.store.create(self.keys.config, json.dumps(settings, sort_keys=True)):
                 return
