@@ -56,7 +56,7 @@ class Children:
     """The child processes of one run and the commands to them."""
 
     def __init__(self, endpoint: str, nodes: int, procs: int, heartbeat: float, clients: str,
-                 profile: str) -> None:
+                 profile: str, ramp: float = 0.0) -> None:
         job = f"bench-{nodes}-{uuid.uuid4().hex[:6]}"
         procs = max(1, min(procs, nodes))
         self.procs = []
@@ -64,7 +64,7 @@ class Children:
         for p in range(procs):
             count = nodes // procs + (1 if p < nodes % procs else 0)
             cmd = [sys.executable, CHILD, endpoint, job, str(nodes), str(first), str(count), str(heartbeat), clients,
-                   profile]
+                   profile, str(ramp)]
             self.procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
             first += count
         for c in self.procs:
@@ -147,9 +147,9 @@ def phase(children: Children, endpoint: str, name: str, target: int, start_cmd: 
 
 
 def run_once(endpoint: str, nodes: int, procs: int, heartbeat: float, clients: str, phases: List[str],
-             profile: str = "") -> Iterator[Dict[str, Any]]:
+             profile: str = "", ramp: float = 0.0) -> Iterator[Dict[str, Any]]:
     """The phases of one run of ``nodes`` agents; one row per phase, as each ends."""
-    children = Children(endpoint, nodes, procs, heartbeat, clients, profile)
+    children = Children(endpoint, nodes, procs, heartbeat, clients, profile, ramp)
     timeout = 60 + nodes * 0.05
     try:
         row = phase(children, endpoint, "round 0", 0, "go", nodes, timeout)
@@ -224,7 +224,6 @@ def main() -> None:
     args = ap.parse_args()
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
-    os.environ["BENCH_RENDEZVOUS_RAMP"] = str(args.ramp)  # read by the child processes
 
     from elasticrun.store.server import EtcdServer
 
@@ -242,7 +241,8 @@ def main() -> None:
         for n in args.nodes:
             for _ in range(args.runs):
                 procs = args.procs or (max(4, -(-n // AGENTS_PER_PROC)) if args.clients == "agent" else 4)
-                for r in run_once(endpoint, n, procs, args.heartbeat, args.clients, args.phases, args.profile):
+                for r in run_once(endpoint, n, procs, args.heartbeat, args.clients, args.phases, args.profile,
+                                  args.ramp):
                     r["load"], r["procs"] = os.getloadavg()[0], procs
                     rows.append(r)
                     print(format_row(r), flush=True)

@@ -36,11 +36,12 @@ import marshal
 import os
 import pstats
 import signal
-import subprocess
 import sys
 import threading
 import time
 from typing import Any, Dict, List, Optional
+
+from rendezvous_keeper import Keeper  # noqa: E402 - a sibling file of this script
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -54,7 +55,6 @@ PREPARE_BATCH = 16  # agents connected at once before ``ready``
 # The agent's round loop looks at its workers every 0.5 s; a simulated agent has none, so it waits for
 # the view to change (or this long): 4,096 agents waking twice a second cost this machine a core.
 IDLE_WAIT_S = 5.0
-KEEPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rendezvous_keeper.py")
 
 
 class Profiler:
@@ -87,48 +87,11 @@ class Profiler:
             marshal.dump(merged, f)
 
 
-class Keeper:
-    """The shard's keep-alive process (``rendezvous_keeper.py``): ``refresh`` is ``refresh_leases`` there."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.lock = threading.Lock()
-        self.proc = subprocess.Popen([sys.executable, KEEPER, endpoint], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
-        if self.proc.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
-            raise RuntimeError("the keep-alive process failed to start")
-
-    def refresh(self, ids: Any, timeout: Any = None) -> Dict[int, int]:
-        from elasticrun.errors import StoreError
-
-        request = json.dumps({"ids": [int(i) for i in ids], "timeout": timeout}) + "\n"
-        with self.lock:  # one batch at a time (with --clients agent, every agent's refresher calls here)
-            try:
-                self.proc.stdin.write(request)  # type: ignore[union-attr]
-                self.proc.stdin.flush()  # type: ignore[union-attr]
-                reply = self.proc.stdout.readline()  # type: ignore[union-attr]
-            except (OSError, ValueError):  # closed at the end of the bench
-                reply = ""
-        if not reply:
-            raise StoreError("the bench's keep-alive process died")
-        out = json.loads(reply)
-        if "error" in out:
-            raise StoreError(out["error"])
-        return {int(k): int(v) for k, v in out["answers"].items()}
-
-    def close(self) -> None:
-        try:
-            with self.lock:
-                self.proc.stdin.close()  # type: ignore[union-attr]
-            self.proc.wait(10)
-        except (OSError, subprocess.TimeoutExpired):
-            self.proc.kill()
-
-
 class Shard:
     """The agents of one child process."""
 
     def __init__(self, endpoint: str, job: str, nodes: int, heartbeat: float, clients: str,
-                 keeper: Optional[Keeper] = None) -> None:
+                 keeper: Optional[Keeper] = None, ramp: float = 0.0) -> None:
         from elasticrun.job.keys import JobKeys
         from elasticrun.rendezvous import protocol
         from elasticrun.rendezvous.protocol import RendezvousSettings
@@ -136,7 +99,7 @@ class Shard:
 
         self.endpoint, self.job, self.nodes, self.clients = endpoint, job, nodes, clients
         self.keeper = keeper
-        self.ramp = float(os.environ.get("BENCH_RENDEZVOUS_RAMP", "0"))  # --ramp of bench_rendezvous.py
+        self.ramp = ramp  # --ramp of bench_rendezvous.py: round 0's agents start over this many seconds
         self.lock = threading.Lock()
         self.top_lock = threading.Lock()
         self.counts = dict.fromkeys(COUNTERS, 0)
@@ -401,8 +364,8 @@ def main(argv: List[str]) -> None:
     else:
         os.nice(10 if priority == "idle" else int(priority))
     quiet_grpc_waits()
-    profile: Optional[Profiler] = Profiler(argv[7]) if len(argv) > 7 and argv[7] else None
-    shard = Shard(endpoint, job, int(nodes), float(heartbeat), clients, keeper)
+    profile: Optional[Profiler] = Profiler(argv[7]) if argv[7] else None
+    shard = Shard(endpoint, job, int(nodes), float(heartbeat), clients, keeper, float(argv[8]))
     mine = list(range(int(first), int(first) + int(count)))
     shard.prepare_all(mine)
     for i in mine:
