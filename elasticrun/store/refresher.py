@@ -14,10 +14,12 @@ the leases of a fraction of the interval, not every lease of the process at once
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import threading
 import time
-from typing import Any, Dict, List, Protocol, Sequence
+from typing import Any, Dict, List, Protocol, Sequence, Tuple
 
 from elasticrun.errors import StoreError
 
@@ -54,16 +56,26 @@ class Refresher:
 
     def __init__(self, store: Any) -> None:
         self.store = store
-        self._leases: List[Refreshable] = []
+        # Every lease by when it is due next: a turn costs O(due x log leases), not a scan of all leases.
+        self._due: List[Tuple[float, int, Refreshable]] = []  # heap of (next_due, entry number, lease)
+        self._entry: Dict[Refreshable, int] = {}  # lease -> number of its live entry in the heap
+        self._numbers = itertools.count()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lease-keepalive", daemon=True)
         self.batches = 0  # how many batches were sent (for tests and benches)
 
+    def _schedule(self, lease: Refreshable) -> None:
+        """(Re)enter ``lease`` at its ``next_due``; its older entry, if any, is skipped when popped. Under _LOCK."""
+        number = next(self._numbers)
+        self._entry[lease] = number
+        heapq.heappush(self._due, (lease.next_due, number, lease))
+
     def remove(self, lease: Refreshable) -> None:
         with _LOCK:
-            if lease in self._leases:
-                self._leases.remove(lease)
-        self._wake.set()
+            self._entry.pop(lease, None)  # its heap entry is dropped when it comes up
+            empty = not self._entry
+        if empty:
+            self._wake.set()  # the thread ends
 
     def _refresh(self, ids: Sequence[int], timeout: float) -> Dict[int, int]:
         many = getattr(self.store, "refresh_leases", None)
@@ -71,22 +83,34 @@ class Refresher:
             return dict(many(ids, timeout))
         return {i: self.store.refresh_lease(i) for i in ids}
 
+    def _take_due(self, now: float) -> Tuple[List[Refreshable], float]:
+        """The leases due by ``now`` + COALESCE_S (out of the heap), and how long until the next one."""
+        due: List[Refreshable] = []
+        heap = self._due
+        while heap and heap[0][0] <= now + COALESCE_S:
+            _, number, lease = heapq.heappop(heap)
+            if self._entry.get(lease) == number:
+                due.append(lease)
+        return due, (heap[0][0] - now if heap else 0.0)
+
     def _run(self) -> None:
         while True:
+            self._wake.clear()  # before looking: a lease added from now on wakes the wait below
             with _LOCK:
-                if not self._leases:
+                if not self._entry:
                     if _REFRESHERS.get(id(self.store)) is self:
                         del _REFRESHERS[id(self.store)]
                     return
-                leases = list(self._leases)
-            now = time.monotonic()
-            due = [ka for ka in leases if ka.next_due <= now + COALESCE_S]
+                now = time.monotonic()
+                due, until_next = self._take_due(now)
             if not due:
-                self._wake.wait(max(0.0, min(ka.next_due for ka in leases) - now))
-                self._wake.clear()
+                self._wake.wait(max(0.0, until_next))
                 continue
-            for ka in due:  # each lease keeps its phase: leases granted at once stay spread over the interval
-                ka.next_due = max(ka.next_due + ka.interval, now + ka.interval / 2)
+            with _LOCK:
+                for ka in due:  # each lease keeps its phase: leases granted at once stay spread over the interval
+                    ka.next_due = max(ka.next_due + ka.interval, now + ka.interval / 2)
+                    if ka in self._entry:
+                        self._schedule(ka)
             sent = time.monotonic()
             batch = [ka for ka in due if ka.start_refresh(sent)]
             if not batch:
@@ -113,7 +137,7 @@ def refresher_for(store: Any, lease: Refreshable) -> Refresher:
         start = ref is None or ref.store is not store
         if start:
             ref = _REFRESHERS[id(store)] = Refresher(store)
-        ref._leases.append(lease)
+        ref._schedule(lease)
     if start:
         ref._thread.start()
     ref._wake.set()

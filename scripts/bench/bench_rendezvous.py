@@ -8,7 +8,8 @@ from the command to the moment every live agent holds the new round:
 - ``round 0``: every agent registers and the first round forms (``--nnodes N-1:N``, so it
   forms as soon as all N wait);
 - ``loss``: one agent dies like a SIGKILLed node (its keep-alive stops; etcd expires its
-  lease after ``--heartbeat`` s) and the survivors re-form without it;
+  lease after ``--heartbeat`` s) and the survivors re-form without it (``re-form``: from when the
+  leader saw the loss — the time in its end record — to every survivor holding the new round);
 - ``join``: a new agent starts and the round re-forms with it (after the 0.5 s stability window).
 
 Per phase: the time, the agents' CPU per agent, etcd's CPU, the writes etcd committed
@@ -37,15 +38,13 @@ import time
 import uuid
 from typing import Any, Dict, Iterator, List, Optional
 
+from rendezvous_agents import COUNTERS, MAXIMA  # noqa: E402 - the child's counters (a sibling file of this script)
+
 from elasticrun.store.metrics import etcd_counters
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = os.path.join(HERE, "rendezvous_agents.py")
-COUNTERS = ("watch_events", "loop_turns", "etcd_requests", "keepalives", "keepalives_failed", "node_parses",
-            "topology_parses", "cas_won", "cas_lost")
-# Keep-alives: the longest batch, the longest a lease waited between two, the longest it went unconfirmed.
-MAXIMA = ("ka_batch_max_s", "ka_gap_max_s", "ka_age_max_s")
 PHASES = ("loss", "join")
 # --clients agent: a gRPC channel and its threads per agent; more agents per process queue their threads
 # for the process's GIL (keep-alives then wait seconds), so they are spread over more processes.
@@ -57,7 +56,7 @@ class Children:
 
     def __init__(self, endpoint: str, nodes: int, procs: int, heartbeat: float, clients: str,
                  profile: str, ramp: float = 0.0) -> None:
-        job = f"bench-{nodes}-{uuid.uuid4().hex[:6]}"
+        job = self.job = f"bench-{nodes}-{uuid.uuid4().hex[:6]}"
         procs = max(1, min(procs, nodes))
         self.procs = []
         first = 0
@@ -140,10 +139,28 @@ def phase(children: Children, endpoint: str, name: str, target: int, start_cmd: 
         row["etcd_events_sent"] = int(after["events_sent"] - before["events_sent"])
         row["etcd_requests"] = int(after["requests"] - before["requests"])
         row["etcd_db_bytes"] = int(after["db_bytes"])
+    if start_cmd.startswith("kill"):  # when the leader saw the lost node (etcd expired its lease): the
+        ended = ended_at(endpoint, children.job, target - 1)  # rest of the phase is the re-form itself
+        if ended is not None:
+            row["noticed_s"] = ended - t0
+            row["reform_s"] = row["all_hold_s"] - row["noticed_s"]
     if missing or errors:  # the row still says how far it got and how the keep-alives fared
         row["failed"] = f"{missing} of {agents} agents never held round {target}"
-        row["errors"] = errors[:5]
+        row["errors"] = (errors + [e for r in replies for e in r.get("ka_errors", [])])[:5]
     return row
+
+
+def ended_at(endpoint: str, job: str, round_: int) -> Optional[float]:
+    """When the leader ended round ``round_`` (the ``time`` of its end record; None when absent)."""
+    from elasticrun.job.keys import JobKeys
+    from elasticrun.store.client import connect
+
+    store = connect(endpoint)
+    try:
+        at = (store.get_json(JobKeys(job).end(round_)) or {}).get("time")
+    finally:
+        store.close()
+    return float(at) if isinstance(at, (int, float)) else None
 
 
 def run_once(endpoint: str, nodes: int, procs: int, heartbeat: float, clients: str, phases: List[str],
@@ -182,21 +199,23 @@ def summary_rows(rows: List[Dict[str, Any]], sizes: List[int], command: str) -> 
 
 HEADER = (f"{'nodes':>6} {'phase':>8} {'all hold':>9} {'CPU/agent':>10} {'etcd CPU':>9} {'writes':>7} {'raft':>7} "
           f"{'etcd reqs':>9} {'ev sent':>8} {'ev/agent':>9} {'turns/agent':>12} {'reqs/agent':>11} {'CAS lost':>8} "
-          f"{'KA batch':>8} {'KA gap':>7} {'KA age':>7}")
+          f"{'rejoins':>7} {'KA batch':>8} {'KA gap':>7} {'KA age':>7} {'re-form':>8}")
 
 
 def format_row(r: Dict[str, Any]) -> str:
     if "failed" in r:
         return (f"{r['nodes']:>6} {r['phase']:>8} FAILED: {r['failed']} (keep-alive batch up to "
                 f"{r['ka_batch_max_s']:.1f} s, a lease waited up to {r['ka_gap_max_s']:.1f} s between two and went "
-                f"unconfirmed up to {r['ka_age_max_s']:.1f} s; {r['keepalives_failed']} failed); "
+                f"unconfirmed up to {r['ka_age_max_s']:.1f} s; {r['keepalives_failed']} failed; "
+                f"{r['rejoins']} rejoins); "
                 + "; ".join(r["errors"][:3]))
     return (f"{r['nodes']:>6} {r['phase']:>8} {r['all_hold_s']:>8.2f}s {r['cpu_per_agent_ms']:>8.1f}ms "
             f"{r.get('etcd_cpu_s', 0):>8.2f}s {r.get('etcd_writes', 0):>7} {r.get('etcd_proposals', 0):>7} "
             f"{r.get('etcd_requests', 0):>9} "
             f"{r.get('etcd_events_sent', 0):>8} {r['watch_events_per_agent']:>9.1f} {r['loop_turns_per_agent']:>12.1f} "
-            f"{r['etcd_requests_per_agent']:>11.1f} {r['cas_lost']:>8} {r['ka_batch_max_s']:>7.2f}s "
-            f"{r['ka_gap_max_s']:>6.2f}s {r['ka_age_max_s']:>6.2f}s")
+            f"{r['etcd_requests_per_agent']:>11.1f} {r['cas_lost']:>8} {r['rejoins']:>7} {r['ka_batch_max_s']:>7.2f}s "
+            f"{r['ka_gap_max_s']:>6.2f}s {r['ka_age_max_s']:>6.2f}s "
+            + (f"{r['reform_s']:>7.2f}s" if "reform_s" in r else f"{'-':>8}"))
 
 
 def main() -> None:

@@ -11,9 +11,9 @@ batches of PREPARE_BATCH at a time — so the timed phases measure the protocol,
 opening a thousand channels at once. An agent that joins later (``join``) connects when it starts,
 as a real node does.
 
-The agents run at ``SCHED_IDLE`` and their keep-alives go through a helper process of normal
-priority (``rendezvous_keeper.py``): on a real cluster neither etcd nor an agent's keep-alive shares
-its CPU with a thousand other agents.
+The agents run at ``SCHED_IDLE``; their leases are granted and kept alive by a helper process of
+normal priority (``rendezvous_keeper.py``): on a real cluster neither etcd nor an agent's keep-alive
+shares its CPU with a thousand other agents.
 
 Commands (one line each; every command but ``go`` answers one JSON line):
 
@@ -46,7 +46,7 @@ from rendezvous_keeper import Keeper  # noqa: E402 - a sibling file of this scri
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 COUNTERS = ("watch_events", "loop_turns", "etcd_requests", "keepalives", "keepalives_failed", "node_parses",
-            "topology_parses", "cas_won", "cas_lost")
+            "topology_parses", "cas_won", "cas_lost", "rejoins")
 # Keep-alives: the longest batch (sent -> every answer), the longest a lease waited between two.
 # ka_age_max_s: the longest a lease went unconfirmed (from its grant or last confirmed keep-alive to
 # the next answer); at the TTL an agent counts its lease as lost.
@@ -87,6 +87,48 @@ class Profiler:
             marshal.dump(merged, f)
 
 
+class SharedView:
+    """The job view of a ``--clients shared`` process: it mirrors the node records while one of the
+    process's agents leads (the others need none: the leader's process alone receives the node
+    records' watch events, as the leader's machine alone does on a real cluster)."""
+
+    def __init__(self, view: Any) -> None:
+        self.view = view
+        self.leaders: set = set()
+        self.lock = threading.Lock()
+
+    def set_leading(self, agent: AgentView, on: bool) -> None:
+        with self.lock:
+            (self.leaders.add if on else self.leaders.discard)(agent)
+            agent.leads = on
+            if self.view.mirrors_nodes != bool(self.leaders):
+                self.view.mirror_nodes(bool(self.leaders))
+
+
+class AgentView:
+    """One agent's handle on its process's :class:`SharedView`: the view's methods, but the node records
+    are mirrored *for this agent* only while it leads (``mirror_nodes`` is the agent's leadership)."""
+
+    def __init__(self, shared: SharedView) -> None:
+        self._shared = shared
+        self.leads = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._shared.view, name)
+
+    @property
+    def mirrors_nodes(self) -> bool:
+        return self.leads and self._shared.view.mirrors_nodes
+
+    def mirror_nodes(self, on: bool) -> None:
+        if on != self.leads:
+            self._shared.set_leading(self, on)
+
+    def close(self) -> None:
+        """An agent that leaves does not close the view of those that stay."""
+        self._shared.set_leading(self, False)
+
+
 class Shard:
     """The agents of one child process."""
 
@@ -109,12 +151,9 @@ class Shard:
         self._count_parses()
         self.connect = connect
         self.shared = self._open_store() if clients in ("process", "shared") else None
-        self.shared_view = None
-        if clients == "shared":
-            view = protocol.JobView(self.shared, JobKeys(job))  # one mirror (with the nodes) for all ours
-            view.mirror_nodes = lambda _on: None  # type: ignore[method-assign]
-            protocol.JobView = lambda *_a, **_kw: view  # type: ignore[assignment,misc]
-            self.shared_view = view
+        if clients == "shared":  # one mirror of the job for all our agents, each with its own handle on it
+            shared = SharedView(protocol.JobView(self.shared, JobKeys(job), nodes=False))
+            protocol.JobView = lambda *_a, **_kw: AgentView(shared)  # type: ignore[assignment,misc]
         # min = N - 1: a round re-forms without a lost node; max = N: round 0 forms once all wait.
         self.settings = RendezvousSettings(
             job_id=job, min_nodes=max(1, nodes - 1), max_nodes=nodes, max_restarts=0, heartbeat_timeout=heartbeat,
@@ -124,7 +163,8 @@ class Shard:
         self.started: set = set()
         self.rdzv: Dict[int, Any] = {}
         self.dead: set = set()
-        self.errors: List[str] = []
+        self.errors: List[str] = []  # agents that failed: the phase fails
+        self.ka_errors: List[str] = []  # keep-alive batches that failed (first ones), shown with a failed phase
         self.go = threading.Event()
         self.cpu0 = time.process_time()
 
@@ -170,7 +210,7 @@ class Shard:
         store = self.connect(self.endpoint, retry_timeout=60)
         real_call, real_txn = store._call, store.txn_put_many
         real_many = store.refresh_leases if self.keeper is None else self.keeper.refresh
-        real_grant = store.grant_lease
+        real_grant = store.grant_lease if self.keeper is None else self.keeper.grant
 
         def grant(ttl: int) -> int:
             t0 = time.monotonic()
@@ -194,8 +234,8 @@ class Shard:
                 return answers
             except Exception as err:
                 with self.lock:
-                    if len(self.errors) < 50:
-                        self.errors.append(f"keep-alive batch of {len(ids)} failed after "
+                    if len(self.ka_errors) < 50:  # counted, not an agent's failure: its lease logic copes
+                        self.ka_errors.append(f"keep-alive batch of {len(ids)} failed after "
                                            f"{time.monotonic() - t0:.2f} s: {err}")
                 raise
             finally:
@@ -253,6 +293,7 @@ class Shard:
         threading.Thread(target=self._agent, args=(i,), name=f"sim{i}", daemon=True).start()
 
     def _agent(self, i: int) -> None:
+        from elasticrun.rendezvous.protocol import LeaseLost
         from elasticrun.rendezvous.records import WorkerStatus
 
         self.go.wait()
@@ -267,7 +308,12 @@ class Shard:
             rdzv.ensure_config({"nnodes": f"{self.settings.min_nodes}:{self.nodes}", "bench": True})
             rdzv.register()
             while i not in self.dead:
-                topo = rdzv.next_round()
+                try:
+                    topo = rdzv.next_round()
+                except LeaseLost:  # as the agent does: fence, and join again under a new lease
+                    self._bump("rejoins")
+                    rdzv.reregister()
+                    continue
                 with self.lock:
                     self.held[i][topo.round] = time.time()
                 rdzv.publish(status=WorkerStatus.ACTIVE, waiting_for=-1)
@@ -294,6 +340,8 @@ class Shard:
             self.dead.add(i)
         if rdzv.lease is not None:
             rdzv.lease.stop()  # no revoke: etcd expires the lease after the TTL, as for a SIGKILL
+            if self.keeper is not None:
+                self.keeper.drop([rdzv.lease.lease_id])
         return True
 
     def wait(self, target: int, timeout: float) -> Dict[str, Any]:
@@ -312,8 +360,9 @@ class Shard:
             counts, self.counts = self.counts, dict.fromkeys(COUNTERS, 0)
             maxima, self.maxima = self.maxima, dict.fromkeys(MAXIMA, 0.0)
             errors = list(self.errors[:5]) + ([f"... {len(self.errors)} errors in all"] if len(self.errors) > 5 else [])
+            ka_errors, self.ka_errors = self.ka_errors[:3], []
         cpu = time.process_time()
-        out = {"held": held, "errors": errors, "cpu_s": cpu - self.cpu0, **counts, **maxima}
+        out = {"held": held, "errors": errors, "ka_errors": ka_errors, "cpu_s": cpu - self.cpu0, **counts, **maxima}
         self.cpu0 = cpu
         return out
 

@@ -7,7 +7,7 @@ etcd's CPU and committed writes per round. Grey dotted guides: linear in the nod
 smallest run (time, etcd) or flat (per agent). The figure is labelled as simulated, with the
 machine's CPU count and the command of the run.
 
-    python scripts/bench/bench_rendezvous.py --clients shared --nodes 256 512 1024 2048 --out rdzv.json
+    python scripts/bench/bench_rendezvous.py --clients shared --nodes 256 512 1024 2048 4096 --out rdzv.json
     python scripts/perf/plot_rendezvous.py rdzv.json -o docs/img/rendezvous-scaling.png
 """
 
