@@ -6,11 +6,13 @@
   has caught up with it (a view seconds behind cost a read per loop turn).
 - The round's c10d store: an agent whose store was up at once wakes nobody (agents sharing a view,
   as in the bench, all woke for each one).
+- A node waiting for a round that another node forms sleeps until something changes (no timer).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, List, Optional
 
 from elasticrun.job.keys import JobKeys
@@ -111,3 +113,34 @@ def test_a_store_up_at_once_wakes_nobody_and_a_late_one_wakes_its_waiter():
     release.set()
     wait_until(lambda: pokes == [2], 5, "the waiter to be told that the store is up")
     assert host.port() == 4321
+
+
+def test_a_waiting_follower_sleeps_until_something_changes(cleanup):
+    """N followers waiting for a round wake when something they wait for changes, not on a timer: a
+    timer costs every waiting node a turn per tick, N x the time the round takes to form (that grows
+    with N). Two of three nodes joined: the round cannot form, nothing changes for 3 s."""
+    store = FakeStore()
+    try:
+        nodes = [join(store, n, min_nodes=3, join_timeout=30.0) for n in "ab"]
+        cleanup += nodes
+        turns = {r.node_id: 0 for r in nodes}
+        for r in nodes:
+            r.on_beat = lambda _id=r.node_id: turns.__setitem__(_id, turns[_id] + 1)
+        for r in nodes:
+            threading.Thread(target=lambda r=r: _quietly(r.next_round), daemon=True).start()
+        wait_until(lambda: sum(r.leadership.leads for r in nodes) == 1 and all(turns.values()), 10,
+                   "a leader, and both nodes waiting")
+        follower = next(r for r in nodes if not r.leadership.leads)
+        before = turns[follower.node_id]
+        time.sleep(3.0)  # the window observed: nothing changes in the job during it
+        assert turns[follower.node_id] - before <= 1, (
+            f"a waiting follower turned {turns[follower.node_id] - before} times in 3 s with nothing changing")
+    finally:
+        store.close()
+
+
+def _quietly(fn) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - the node leaves at the end of the test: its wait ends with an error
+        pass

@@ -225,7 +225,8 @@ class Rendezvous(RoundMonitor):
                 continue
             if not self.leading():  # the leader forms the round (and ends the job if too few join)
                 said = self._tell(said, f"waiting for round {target}, formed by {self.leadership.holder() or '?'}")
-                self.beat(busy_for=FOLLOWER_WAIT_S)
+                if self.lease is not None:  # this turn's beat (above) now covers the wait
+                    self.lease.beat(busy_for=FOLLOWER_WAIT_S)
                 version = self.wait_view(version, FOLLOWER_WAIT_S)
                 continue
             if topo is not None and topo.round < target and self.round_change(topo) is None:
