@@ -9,7 +9,8 @@ from the command to the moment every live agent holds the new round:
   forms as soon as all N wait);
 - ``loss``: one agent dies like a SIGKILLed node (its keep-alive stops; etcd expires its
   lease after ``--heartbeat`` s) and the survivors re-form without it (``re-form``: from when the
-  leader saw the loss — the time in its end record — to every survivor holding the new round);
+  leader saw the loss — the time in its end record — to every survivor holding the new round;
+  ``formed``: from the command to the leader writing the round's record);
 - ``join``: a new agent starts and the round re-forms with it (after the 0.5 s stability window).
 
 Per phase: the time, the agents' CPU per agent, etcd's CPU, the writes etcd committed
@@ -139,6 +140,9 @@ def phase(children: Children, endpoint: str, name: str, target: int, start_cmd: 
         row["etcd_events_sent"] = int(after["events_sent"] - before["events_sent"])
         row["etcd_requests"] = int(after["requests"] - before["requests"])
         row["etcd_db_bytes"] = int(after["db_bytes"])
+    formed = formed_at(endpoint, children.job, target)
+    if formed is not None:  # the round record written: what comes after is every agent seeing it
+        row["formed_s"] = formed - t0
     if start_cmd.startswith("kill"):  # when the leader saw the lost node (etcd expired its lease): the
         ended = ended_at(endpoint, children.job, target - 1)  # rest of the phase is the re-form itself
         if ended is not None:
@@ -160,6 +164,20 @@ def ended_at(endpoint: str, job: str, round_: int) -> Optional[float]:
         at = (store.get_json(JobKeys(job).end(round_)) or {}).get("time")
     finally:
         store.close()
+    return float(at) if isinstance(at, (int, float)) else None
+
+
+def formed_at(endpoint: str, job: str, round_: int) -> Optional[float]:
+    """When the leader wrote round ``round_``'s record (its ``created_at``; None when another round is there)."""
+    from elasticrun.job.keys import JobKeys
+    from elasticrun.store.client import connect
+
+    store = connect(endpoint)
+    try:
+        topo = store.get_json(JobKeys(job).topology) or {}
+    finally:
+        store.close()
+    at = topo.get("created_at") if topo.get("round") == round_ else None
     return float(at) if isinstance(at, (int, float)) else None
 
 
@@ -199,7 +217,7 @@ def summary_rows(rows: List[Dict[str, Any]], sizes: List[int], command: str) -> 
 
 HEADER = (f"{'nodes':>6} {'phase':>8} {'all hold':>9} {'CPU/agent':>10} {'etcd CPU':>9} {'writes':>7} {'raft':>7} "
           f"{'etcd reqs':>9} {'ev sent':>8} {'ev/agent':>9} {'turns/agent':>12} {'reqs/agent':>11} {'CAS lost':>8} "
-          f"{'rejoins':>7} {'KA batch':>8} {'KA gap':>7} {'KA age':>7} {'re-form':>8}")
+          f"{'rejoins':>7} {'retries':>7} {'KA batch':>8} {'KA gap':>7} {'KA age':>7} {'formed':>7} {'re-form':>8}")
 
 
 def format_row(r: Dict[str, Any]) -> str:
@@ -207,14 +225,16 @@ def format_row(r: Dict[str, Any]) -> str:
         return (f"{r['nodes']:>6} {r['phase']:>8} FAILED: {r['failed']} (keep-alive batch up to "
                 f"{r['ka_batch_max_s']:.1f} s, a lease waited up to {r['ka_gap_max_s']:.1f} s between two and went "
                 f"unconfirmed up to {r['ka_age_max_s']:.1f} s; {r['keepalives_failed']} failed; "
-                f"{r['rejoins']} rejoins); "
+                f"{r['rejoins']} rejoins, {r['etcd_retries']} retried etcd errors); "
                 + "; ".join(r["errors"][:3]))
     return (f"{r['nodes']:>6} {r['phase']:>8} {r['all_hold_s']:>8.2f}s {r['cpu_per_agent_ms']:>8.1f}ms "
             f"{r.get('etcd_cpu_s', 0):>8.2f}s {r.get('etcd_writes', 0):>7} {r.get('etcd_proposals', 0):>7} "
             f"{r.get('etcd_requests', 0):>9} "
             f"{r.get('etcd_events_sent', 0):>8} {r['watch_events_per_agent']:>9.1f} {r['loop_turns_per_agent']:>12.1f} "
-            f"{r['etcd_requests_per_agent']:>11.1f} {r['cas_lost']:>8} {r['rejoins']:>7} {r['ka_batch_max_s']:>7.2f}s "
+            f"{r['etcd_requests_per_agent']:>11.1f} {r['cas_lost']:>8} {r['rejoins']:>7} {r['etcd_retries']:>7} "
+            f"{r['ka_batch_max_s']:>7.2f}s "
             f"{r['ka_gap_max_s']:>6.2f}s {r['ka_age_max_s']:>6.2f}s "
+            + (f"{r['formed_s']:>6.2f}s " if "formed_s" in r else f"{'-':>7} ")
             + (f"{r['reform_s']:>7.2f}s" if "reform_s" in r else f"{'-':>8}"))
 
 

@@ -44,7 +44,7 @@ from rendezvous_views import AgentView, Profiler, SharedView  # noqa: E402
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 COUNTERS = ("watch_events", "loop_turns", "etcd_requests", "keepalives", "keepalives_failed", "node_parses",
-            "topology_parses", "cas_won", "cas_lost", "rejoins")
+            "topology_parses", "cas_won", "cas_lost", "rejoins", "etcd_retries")
 # Keep-alives: the longest batch (sent -> every answer), the longest a lease waited between two.
 # ka_age_max_s: the longest a lease went unconfirmed (from its grant or last confirmed keep-alive to
 # the next answer); at the TTL an agent counts its lease as lost.
@@ -235,20 +235,20 @@ class Shard:
             rdzv.register()
             while i not in self.dead:
                 try:
-                    topo = rdzv.next_round()
+                    topo = self._retrying(rdzv, rdzv.next_round)
                 except LeaseLost:  # as the agent does: fence, and join again under a new lease
                     self._bump("rejoins")
                     rdzv.reregister()
                     continue
                 with self.lock:
                     self.held[i][topo.round] = time.time()
-                rdzv.publish(status=WorkerStatus.ACTIVE, waiting_for=-1)
+                self._retrying(rdzv, rdzv.publish, status=WorkerStatus.ACTIVE, waiting_for=-1)
                 version = view_version(rdzv)
                 while i not in self.dead:  # the agent's round loop, without workers
                     rdzv.beat()
-                    if rdzv.round_change(topo) is not None:
+                    if self._retrying(rdzv, rdzv.round_change, topo) is not None:
                         break
-                    due = rdzv.maybe_scale_up(topo)
+                    due = self._retrying(rdzv, rdzv.maybe_scale_up, topo)
                     version = wait_view(rdzv, version, IDLE_WAIT_S if due is None else min(IDLE_WAIT_S, max(0.01, due)))
         except Exception as err:  # noqa: BLE001 - reported to the parent
             if i not in self.dead:
@@ -257,6 +257,23 @@ class Shard:
                                                  f"{lease.unconfirmed_for():.1f} s)")
                 with self.lock:
                     self.errors.append(f"agent {i}: {err!r}{more}")
+
+    def _retrying(self, rdzv: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``, retried through etcd errors as the agent's outage guard retries them
+        (``etcd_retries``); LeaseLost once etcd says our lease is gone."""
+        from elasticrun.errors import StoreError
+        from elasticrun.rendezvous.protocol import LeaseLost
+        from elasticrun.store.lease import LeaseHealth
+
+        while True:
+            try:
+                return fn(*args, **kwargs)
+            except StoreError as err:
+                lease = rdzv.lease
+                if lease is None or lease.health() is LeaseHealth.LOST:
+                    raise LeaseLost((lease.lost_reason if lease else None) or str(err)) from None
+                self._bump("etcd_retries")
+                time.sleep(0.5)
 
     def kill(self, i: int) -> bool:
         with self.lock:
