@@ -220,7 +220,6 @@ class Shard:
 
     def _agent(self, i: int) -> None:
         from elasticrun.rendezvous.protocol import LeaseLost
-        from elasticrun.rendezvous.records import WorkerStatus
 
         self.go.wait()
         if self.ramp > 0 and i < self.nodes:  # round 0's agents start spread over the ramp, as nodes do
@@ -235,21 +234,10 @@ class Shard:
             rdzv.register()
             while i not in self.dead:
                 try:
-                    topo = self._retrying(rdzv, rdzv.next_round)
+                    self._one_round(i, rdzv)
                 except LeaseLost:  # as the agent does: fence, and join again under a new lease
                     self._bump("rejoins")
                     rdzv.reregister()
-                    continue
-                with self.lock:
-                    self.held[i][topo.round] = time.time()
-                self._retrying(rdzv, rdzv.publish, status=WorkerStatus.ACTIVE, waiting_for=-1)
-                version = view_version(rdzv)
-                while i not in self.dead:  # the agent's round loop, without workers
-                    rdzv.beat()
-                    if self._retrying(rdzv, rdzv.round_change, topo) is not None:
-                        break
-                    due = self._retrying(rdzv, rdzv.maybe_scale_up, topo)
-                    version = wait_view(rdzv, version, IDLE_WAIT_S if due is None else min(IDLE_WAIT_S, max(0.01, due)))
         except Exception as err:  # noqa: BLE001 - reported to the parent
             if i not in self.dead:
                 lease = getattr(rdzv, "lease", None)
@@ -257,6 +245,23 @@ class Shard:
                                                  f"{lease.unconfirmed_for():.1f} s)")
                 with self.lock:
                     self.errors.append(f"agent {i}: {err!r}{more}")
+
+    def _one_round(self, i: int, rdzv: Any) -> None:
+        """Agent ``i`` joins the next round, holds it, and runs the agent's round loop (without workers)
+        until the round is over; LeaseLost when its lease is gone."""
+        from elasticrun.rendezvous.records import WorkerStatus
+
+        topo = self._retrying(rdzv, rdzv.next_round)
+        with self.lock:
+            self.held[i][topo.round] = time.time()
+        self._retrying(rdzv, rdzv.publish, status=WorkerStatus.ACTIVE, waiting_for=-1)
+        version = view_version(rdzv)
+        while i not in self.dead:
+            rdzv.beat()
+            if self._retrying(rdzv, rdzv.round_change, topo) is not None:
+                return
+            due = self._retrying(rdzv, rdzv.maybe_scale_up, topo)
+            version = wait_view(rdzv, version, IDLE_WAIT_S if due is None else min(IDLE_WAIT_S, max(0.01, due)))
 
     def _retrying(self, rdzv: Any, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)``, retried through etcd errors as the agent's outage guard retries them
