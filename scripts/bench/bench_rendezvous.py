@@ -41,6 +41,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 from rendezvous_agents import COUNTERS, MAXIMA  # noqa: E402 - the child's counters (a sibling file of this script)
 
+from elasticrun.job.keys import JobKeys
 from elasticrun.store.metrics import etcd_counters
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -154,29 +155,26 @@ def phase(children: Children, endpoint: str, name: str, target: int, start_cmd: 
     return row
 
 
-def ended_at(endpoint: str, job: str, round_: int) -> Optional[float]:
-    """When the leader ended round ``round_`` (the ``time`` of its end record; None when absent)."""
-    from elasticrun.job.keys import JobKeys
+def read_json(endpoint: str, key: str) -> Dict[str, Any]:
+    """The record at ``key`` ({} when absent or not an object), read with a client of its own."""
     from elasticrun.store.client import connect
 
     store = connect(endpoint)
     try:
-        at = (store.get_json(JobKeys(job).end(round_)) or {}).get("time")
+        return store.get_json(key) or {}
     finally:
         store.close()
+
+
+def ended_at(endpoint: str, job: str, round_: int) -> Optional[float]:
+    """When the leader ended round ``round_`` (the ``time`` of its end record; None when absent)."""
+    at = read_json(endpoint, JobKeys(job).end(round_)).get("time")
     return float(at) if isinstance(at, (int, float)) else None
 
 
 def formed_at(endpoint: str, job: str, round_: int) -> Optional[float]:
     """When the leader wrote round ``round_``'s record (its ``created_at``; None when another round is there)."""
-    from elasticrun.job.keys import JobKeys
-    from elasticrun.store.client import connect
-
-    store = connect(endpoint)
-    try:
-        topo = store.get_json(JobKeys(job).topology) or {}
-    finally:
-        store.close()
+    topo = read_json(endpoint, JobKeys(job).topology)
     at = topo.get("created_at") if topo.get("round") == round_ else None
     return float(at) if isinstance(at, (int, float)) else None
 
