@@ -12,8 +12,9 @@ opening a thousand channels at once. An agent that joins later (``join``) connec
 as a real node does.
 
 The agents run at ``SCHED_IDLE``; their leases are granted and kept alive by a helper process of
-normal priority (``rendezvous_keeper.py``): on a real cluster neither etcd nor an agent's keep-alive
-shares its CPU with a thousand other agents.
+higher priority (``rendezvous_keeper.py``): on a real cluster neither etcd nor an agent's keep-alive
+shares its CPU with a thousand other agents. With ``--clients agent`` the leases of a process's agents
+share one keep-alive thread, as the leases of one client do (see ``Shard._one_keepalive_thread``).
 
 Commands (one line each; every command but ``go`` answers one JSON line):
 
@@ -36,6 +37,7 @@ import signal
 import sys
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any, Dict, List, Optional
 
 from rendezvous_keeper import Keeper  # noqa: E402 - sibling files of this script
@@ -77,6 +79,8 @@ class Shard:
         self._count_parses()
         self.connect = connect
         self.shared = self._open_store() if clients in ("process", "shared") else None
+        if clients == "agent" and keeper is not None:
+            self._one_keepalive_thread(keeper)
         if clients == "shared":  # one mirror of the job for all our agents, each with its own handle on it
             shared = SharedView(protocol.JobView(self.shared, JobKeys(job), nodes=False))
             protocol.JobView = lambda *_a, **_kw: AgentView(shared)  # type: ignore[assignment,misc]
@@ -128,6 +132,30 @@ class Shard:
 
         protocol.Rendezvous.beat = beat  # type: ignore[method-assign]
 
+    def _one_keepalive_thread(self, keeper: Keeper) -> None:
+        """``--clients agent``: every agent's keep-alives go to etcd through this process's keeper; its
+        agents' leases share one keep-alive thread and batch (as the leases of a shared client do), not
+        a thread per agent's client: 32 such threads of a process queued for its interpreter lock past
+        the heartbeat. Each agent keeps its own lease logic, gRPC channel, view and watch."""
+        from elasticrun.store import lease as lease_mod
+
+        route = SimpleNamespace(refresh_leases=self._counted_refresh(keeper.refresh))
+        real = lease_mod.refresher_for
+        raised: set = set()
+
+        def refresher_for(_store: Any, lease: Any) -> Any:
+            ref = real(route, lease)
+            thread = ref._thread.native_id  # started by an agent thread: SCHED_IDLE, as that thread
+            if thread is not None and thread not in raised:  # back to normal: its turns come on time, as a
+                raised.add(thread)  # real agent's do, while the agents here queue for the CPU
+                try:
+                    os.sched_setscheduler(thread, os.SCHED_OTHER, os.sched_param(0))
+                except (OSError, AttributeError):
+                    pass
+            return ref
+
+        lease_mod.refresher_for = refresher_for  # type: ignore[assignment]
+
     def _top(self, name: str, value: float) -> None:
         with self.top_lock:
             self.maxima[name] = max(self.maxima[name], value)
@@ -145,9 +173,24 @@ class Shard:
                 self.ka_confirmed[lease_id] = t0
             return int(lease_id)
 
+        def call(what: str, fn: Any) -> Any:
+            self._bump("etcd_requests")
+            return real_call(what, fn)
+
+        def txn(guard: Any, puts: Any) -> bool:
+            ok = real_txn(guard, puts)
+            self._bump("cas_won" if ok else "cas_lost")
+            return ok
+
+        store._call, store.txn_put_many, store.grant_lease = call, txn, grant
+        store.refresh_leases = self._counted_refresh(real_many)
+        return store
+
+    def _counted_refresh(self, real_many: Any) -> Any:
+        """``refresh_leases`` that counts how the keep-alives fare: a batch's time in gRPC and etcd, and per
+        lease the time since its last one (the refresher thread's turns; the TTL / 3 interval when on time)."""
+
         def refresh_many(ids: Any, timeout: Any = None) -> Any:
-            # How the keep-alives fare: a batch's time in gRPC and etcd, and per lease the time
-            # since its last one (the refresher thread's turns; the TTL / 3 interval when on time).
             t0 = time.monotonic()
             with self.lock:
                 gaps = [t0 - self.ka_last[i] for i in ids if i in self.ka_last]
@@ -173,17 +216,7 @@ class Shard:
                     self.counts["keepalives_failed"] += sum(1 for i in ids if i not in answers)
                 self._top("ka_age_max_s", max(ages, default=0.0))
 
-        def call(what: str, fn: Any) -> Any:
-            self._bump("etcd_requests")
-            return real_call(what, fn)
-
-        def txn(guard: Any, puts: Any) -> bool:
-            ok = real_txn(guard, puts)
-            self._bump("cas_won" if ok else "cas_lost")
-            return ok
-
-        store._call, store.txn_put_many, store.refresh_leases, store.grant_lease = call, txn, refresh_many, grant
-        return store
+        return refresh_many
 
     # -- agents -----------------------------------------------------------------------------
 
@@ -351,7 +384,7 @@ def quiet_grpc_waits() -> None:
 def main(argv: List[str]) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 <pid>: where every thread is
     endpoint, job, nodes, first, count, heartbeat, clients = argv[:7]
-    keeper = None if os.environ.get("BENCH_RENDEZVOUS_KEEPER") == "0" else Keeper(endpoint)  # before: normal priority
+    keeper = None if os.environ.get("BENCH_RENDEZVOUS_KEEPER") == "0" else Keeper(endpoint)  # before SCHED_IDLE
     # The simulated agents yield the CPU to etcd and to the keep-alives: on a real cluster they run on
     # machines of their own, and etcd starved by its own clients' simulation turns its answers into the
     # bench's bottleneck. SCHED_IDLE: they run when nothing else wants the CPU; else nice 10.
@@ -365,6 +398,8 @@ def main(argv: List[str]) -> None:
     shard = Shard(endpoint, job, int(nodes), float(heartbeat), clients, keeper, float(argv[8]))
     mine = list(range(int(first), int(first) + int(count)))
     shard.prepare_all(mine)
+    if profile is not None:  # the untimed connecting, apart: a phase's profile is this one's difference
+        profile.dump(f"prepare-{first}")
     for i in mine:
         shard.start(i)
     print("ready", flush=True)
@@ -373,6 +408,7 @@ def main(argv: List[str]) -> None:
         cmd, *args = line.split()
         if cmd == "go":
             shard.cpu0 = time.process_time()
+            shard.counts = dict.fromkeys(COUNTERS, 0)  # round 0's, not the connecting's requests
             shard.go.set()
             continue
         if cmd == "wait":

@@ -4,7 +4,7 @@ On a real cluster each agent's keep-alive thread shares its machine with one age
 simulated agents share a process and 2 cores at the lowest priority: the agents' own keep-alive
 thread (``store/refresher.py``) can be starved for longer than a heartbeat, and etcd then expires
 leases of agents that a real cluster would have kept (4,096 agents: a thousand leases lost in round
-0). So this process, at normal priority:
+0). So this process, above the agents' priority (nice -5 where allowed, else 0):
 
 - grants the shard's leases (a grant's answer that waits seconds for the agents' GIL no longer lets
   the lease expire before the agent's first keep-alive);
@@ -40,6 +40,7 @@ WORKERS = 8  # grants the keeper process sends at once (agents that start togeth
 # A lease nobody refreshed for this fraction of its TTL is refreshed here. Later than the agents' own
 # keep-alives (every third of the TTL): while their refresher runs on time, this sends nothing more.
 BACKSTOP = 0.5
+KEEPER_NICE = -5  # below etcd's priority, above the agents'
 
 
 class Keeper:
@@ -169,6 +170,10 @@ def main(endpoint: str) -> None:
     from elasticrun.errors import StoreError
     from elasticrun.store.client import connect
 
+    try:  # above the agents' threads too (see bench_rendezvous.raise_priority); threads made later inherit it
+        os.setpriority(os.PRIO_PROCESS, 0, KEEPER_NICE)
+    except OSError:
+        pass  # not root: nice 0, still above the agents' SCHED_IDLE
     store = connect(endpoint, retry_timeout=60)
     leases = Leases(store)
     threading.Thread(target=leases.keep_alive, name="keep-alive", daemon=True).start()
