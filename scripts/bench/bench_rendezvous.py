@@ -274,8 +274,8 @@ def raise_priority(pid: int, nice: int) -> bool:
 
     The simulated agents run at ``SCHED_IDLE`` so that etcd is not starved by its own clients'
     simulation, but the scheduler weighs each runnable thread: a thousand agents' threads at the idle
-    weight (3) together outweigh etcd's few threads at nice 0 (1,024 each), and etcd then answered
-    keep-alives 5-20 s late. On a real cluster etcd has machines of its own.
+    weight (3) together outweigh etcd's few threads at nice 0 (1,024 each). On a real cluster etcd
+    has machines of its own.
     """
     try:
         for tid in os.listdir(f"/proc/{pid}/task"):  # Linux: a nice value is per thread; new ones inherit it

@@ -134,9 +134,10 @@ class Shard:
 
     def _one_keepalive_thread(self, keeper: Keeper) -> None:
         """``--clients agent``: every agent's keep-alives go to etcd through this process's keeper; its
-        agents' leases share one keep-alive thread and batch (as the leases of a shared client do), not
-        a thread per agent's client: 32 such threads of a process queued for its interpreter lock past
-        the heartbeat. Each agent keeps its own lease logic, gRPC channel, view and watch."""
+        agents' leases share one keep-alive thread and batch (as the leases of a shared client do), at
+        normal priority, not a thread per agent's client at ``SCHED_IDLE``: 32 such threads of a process
+        queued for the CPU and its interpreter lock past the heartbeat, and the lost leases cascaded into
+        rejoins. Each agent keeps its own lease logic, gRPC channel, view and watch."""
         from elasticrun.store import lease as lease_mod
 
         route = SimpleNamespace(refresh_leases=self._counted_refresh(keeper.refresh))
