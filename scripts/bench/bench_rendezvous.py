@@ -45,7 +45,7 @@ import time
 import uuid
 from typing import Any, Dict, Iterator, List, Optional
 
-from rendezvous_agents import COUNTERS, MAXIMA  # noqa: E402 - the child's counters (a sibling file of this script)
+from rendezvous_counts import COUNTERS, MAXIMA  # noqa: E402 - the children's counters (a sibling file of this script)
 
 from elasticrun.job.keys import JobKeys
 from elasticrun.store.metrics import etcd_counters

@@ -14,7 +14,8 @@ as a real node does.
 The agents run at ``SCHED_IDLE``; their leases are granted and kept alive by a helper process of
 higher priority (``rendezvous_keeper.py``): on a real cluster neither etcd nor an agent's keep-alive
 shares its CPU with a thousand other agents. With ``--clients agent`` the leases of a process's agents
-share one keep-alive thread, as the leases of one client do (see ``Shard._one_keepalive_thread``).
+share one keep-alive thread, as the leases of one client do (``rendezvous_counts.py``, which also
+counts what the agents do).
 
 Commands (one line each; every command but ``go`` answers one JSON line):
 
@@ -37,20 +38,14 @@ import signal
 import sys
 import threading
 import time
-from types import SimpleNamespace
 from typing import Any, Dict, List, Optional
 
-from rendezvous_keeper import Keeper  # noqa: E402 - sibling files of this script
+from rendezvous_counts import Counts  # noqa: E402 - sibling files of this script
+from rendezvous_keeper import Keeper  # noqa: E402
 from rendezvous_views import AgentView, Profiler, SharedView  # noqa: E402
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-COUNTERS = ("watch_events", "loop_turns", "etcd_requests", "keepalives", "keepalives_failed", "node_parses",
-            "topology_parses", "cas_won", "cas_lost", "rejoins", "etcd_retries")
-# Keep-alives: the longest batch (sent -> every answer), the longest a lease waited between two.
-# ka_age_max_s: the longest a lease went unconfirmed (from its grant or last confirmed keep-alive to
-# the next answer); at the TTL an agent counts its lease as lost.
-MAXIMA = ("ka_batch_max_s", "ka_gap_max_s", "ka_age_max_s")
 PREPARE_BATCH = 16  # agents connected at once before ``ready``
 # The agent's round loop looks at its workers every 0.5 s; a simulated agent has none, so it waits for
 # the view to change (or this long): 4,096 agents waking twice a second cost this machine a core.
@@ -71,16 +66,11 @@ class Shard:
         self.keeper = keeper
         self.ramp = ramp  # --ramp of bench_rendezvous.py: round 0's agents start over this many seconds
         self.lock = threading.Lock()
-        self.top_lock = threading.Lock()
-        self.counts = dict.fromkeys(COUNTERS, 0)
-        self.maxima = dict.fromkeys(MAXIMA, 0.0)
-        self.ka_last: Dict[int, float] = {}  # lease id -> when its last keep-alive was sent
-        self.ka_confirmed: Dict[int, float] = {}  # lease id -> when it was granted or last confirmed (sent)
-        self._count_parses()
+        self.counts = Counts(keeper)  # what the phases report
         self.connect = connect
         self.shared = self._open_store() if clients in ("process", "shared") else None
         if clients == "agent" and keeper is not None:
-            self._one_keepalive_thread(keeper)
+            self.counts.one_keepalive_thread(keeper)
         if clients == "shared":  # one mirror of the job for all our agents, each with its own handle on it
             shared = SharedView(protocol.JobView(self.shared, JobKeys(job), nodes=False))
             protocol.JobView = lambda *_a, **_kw: AgentView(shared)  # type: ignore[assignment,misc]
@@ -94,130 +84,11 @@ class Shard:
         self.rdzv: Dict[int, Any] = {}
         self.dead: set = set()
         self.errors: List[str] = []  # agents that failed: the phase fails
-        self.ka_errors: List[str] = []  # keep-alive batches that failed (first ones), shown with a failed phase
         self.go = threading.Event()
         self.cpu0 = time.process_time()
 
-    # -- counting ---------------------------------------------------------------------------
-
-    def _bump(self, name: str, n: int = 1) -> None:
-        # No lock: one dict item += int is not interrupted by another thread (the GIL switches at calls
-        # and jumps), and a lock taken by every agent's every request queued the threads of a process.
-        self.counts[name] += n
-
-    def _count_parses(self) -> None:
-        from elasticrun.rendezvous import protocol
-
-        view_mod = sys.modules[protocol.JobView.__module__]
-        real_events = protocol.JobView._on_events
-
-        def on_events(view: Any, events: Any, *args: Any) -> None:
-            self._bump("watch_events", len(events))
-            real_events(view, events, *args)
-
-        protocol.JobView._on_events = on_events  # type: ignore[method-assign]
-        for name, counter in (("parse_node", "node_parses"), ("parse_topology", "topology_parses")):
-            real = getattr(view_mod, name)
-
-            def counted(value: Any, _real: Any = real, _counter: str = counter) -> Any:
-                self._bump(_counter)
-                return _real(value)
-
-            setattr(view_mod, name, counted)
-        real_beat = protocol.Rendezvous.beat
-
-        def beat(rdzv: Any, busy_for: float = 0.0) -> None:
-            self._bump("loop_turns")
-            real_beat(rdzv, busy_for)
-
-        protocol.Rendezvous.beat = beat  # type: ignore[method-assign]
-
-    def _one_keepalive_thread(self, keeper: Keeper) -> None:
-        """``--clients agent``: every agent's keep-alives go to etcd through this process's keeper; its
-        agents' leases share one keep-alive thread and batch (as the leases of a shared client do), at
-        normal priority, not a thread per agent's client at ``SCHED_IDLE``: 32 such threads of a process
-        queued for the CPU and its interpreter lock past the heartbeat, and the lost leases cascaded into
-        rejoins. Each agent keeps its own lease logic, gRPC channel, view and watch."""
-        from elasticrun.store import lease as lease_mod
-
-        route = SimpleNamespace(refresh_leases=self._counted_refresh(keeper.refresh))
-        real = lease_mod.refresher_for
-        raised: set = set()
-
-        def refresher_for(_store: Any, lease: Any) -> Any:
-            ref = real(route, lease)
-            thread = ref._thread.native_id  # started by an agent thread: SCHED_IDLE, as that thread
-            if thread is not None and thread not in raised:  # back to normal: its turns come on time, as a
-                raised.add(thread)  # real agent's do, while the agents here queue for the CPU
-                try:
-                    os.sched_setscheduler(thread, os.SCHED_OTHER, os.sched_param(0))
-                except (OSError, AttributeError):
-                    pass
-            return ref
-
-        lease_mod.refresher_for = refresher_for  # type: ignore[assignment]
-
-    def _top(self, name: str, value: float) -> None:
-        with self.top_lock:
-            self.maxima[name] = max(self.maxima[name], value)
-
     def _open_store(self) -> Any:
-        store = self.connect(self.endpoint, retry_timeout=60)
-        real_call, real_txn = store._call, store.txn_put_many
-        real_many = store.refresh_leases if self.keeper is None else self.keeper.refresh
-        real_grant = store.grant_lease if self.keeper is None else self.keeper.grant
-
-        def grant(ttl: int) -> int:
-            t0 = time.monotonic()
-            lease_id = real_grant(ttl)
-            with self.lock:
-                self.ka_confirmed[lease_id] = t0
-            return int(lease_id)
-
-        def call(what: str, fn: Any) -> Any:
-            self._bump("etcd_requests")
-            return real_call(what, fn)
-
-        def txn(guard: Any, puts: Any) -> bool:
-            ok = real_txn(guard, puts)
-            self._bump("cas_won" if ok else "cas_lost")
-            return ok
-
-        store._call, store.txn_put_many, store.grant_lease = call, txn, grant
-        store.refresh_leases = self._counted_refresh(real_many)
-        return store
-
-    def _counted_refresh(self, real_many: Any) -> Any:
-        """``refresh_leases`` that counts how the keep-alives fare: a batch's time in gRPC and etcd, and per
-        lease the time since its last one (the refresher thread's turns; the TTL / 3 interval when on time)."""
-
-        def refresh_many(ids: Any, timeout: Any = None) -> Any:
-            t0 = time.monotonic()
-            with self.lock:
-                gaps = [t0 - self.ka_last[i] for i in ids if i in self.ka_last]
-                self.ka_last.update(dict.fromkeys(ids, t0))
-            self._top("ka_gap_max_s", max(gaps, default=0.0))
-            self._bump("keepalives", len(ids))
-            answers: Dict[int, int] = {}
-            try:
-                answers = real_many(ids, timeout)
-                return answers
-            except Exception as err:
-                with self.lock:
-                    if len(self.ka_errors) < 50:  # counted, not an agent's failure: its lease logic copes
-                        self.ka_errors.append(f"keep-alive batch of {len(ids)} failed after "
-                                           f"{time.monotonic() - t0:.2f} s: {err}")
-                raise
-            finally:
-                now = time.monotonic()
-                self._top("ka_batch_max_s", now - t0)
-                with self.lock:
-                    ages = [now - self.ka_confirmed.get(i, now) for i in ids]
-                    self.ka_confirmed.update((i, t0) for i in ids if answers.get(i, 0) > 0)
-                    self.counts["keepalives_failed"] += sum(1 for i in ids if i not in answers)
-                self._top("ka_age_max_s", max(ages, default=0.0))
-
-        return refresh_many
+        return self.counts.instrument(self.connect(self.endpoint, retry_timeout=60))
 
     # -- agents -----------------------------------------------------------------------------
 
@@ -270,7 +141,7 @@ class Shard:
                 try:
                     self._one_round(i, rdzv)
                 except LeaseLost:  # as the agent does: fence, and join again under a new lease
-                    self._bump("rejoins")
+                    self.counts.bump("rejoins")
                     rdzv.reregister()
         except Exception as err:  # noqa: BLE001 - reported to the parent
             if i not in self.dead:
@@ -311,7 +182,7 @@ class Shard:
                 lease = rdzv.lease
                 if lease is None or lease.health() is LeaseHealth.LOST:
                     raise LeaseLost((lease.lost_reason if lease else None) or str(err)) from None
-                self._bump("etcd_retries")
+                self.counts.bump("etcd_retries")
                 time.sleep(0.5)
 
     def kill(self, i: int) -> bool:
@@ -339,10 +210,8 @@ class Shard:
         with self.lock:
             held = {i: min((t for r, t in h.items() if r >= target), default=None)
                     for i, h in self.held.items() if i not in self.dead}
-            counts, self.counts = self.counts, dict.fromkeys(COUNTERS, 0)
-            maxima, self.maxima = self.maxima, dict.fromkeys(MAXIMA, 0.0)
+            counts, maxima, ka_errors = self.counts.take()
             errors = list(self.errors[:5]) + ([f"... {len(self.errors)} errors in all"] if len(self.errors) > 5 else [])
-            ka_errors, self.ka_errors = self.ka_errors[:3], []
         cpu = time.process_time()
         out = {"held": held, "errors": errors, "ka_errors": ka_errors, "cpu_s": cpu - self.cpu0, **counts, **maxima}
         self.cpu0 = cpu
@@ -409,7 +278,7 @@ def main(argv: List[str]) -> None:
         cmd, *args = line.split()
         if cmd == "go":
             shard.cpu0 = time.process_time()
-            shard.counts = dict.fromkeys(COUNTERS, 0)  # round 0's, not the connecting's requests
+            shard.counts.take()  # round 0's counts, not the connecting's requests
             shard.go.set()
             continue
         if cmd == "wait":
