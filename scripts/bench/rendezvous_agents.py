@@ -70,7 +70,7 @@ class Shard:
         self.connect = connect
         self.shared = self._open_store() if clients in ("process", "shared") else None
         if clients == "agent" and keeper is not None:
-            self.counts.one_keepalive_thread(keeper)
+            self.counts.one_keepalive_thread()
         if clients == "shared":  # one mirror of the job for all our agents, each with its own handle on it
             shared = SharedView(protocol.JobView(self.shared, JobKeys(job), nodes=False))
             protocol.JobView = lambda *_a, **_kw: AgentView(shared)  # type: ignore[assignment,misc]

@@ -83,7 +83,7 @@ class Counts:
 
         protocol.Rendezvous.beat = beat  # type: ignore[method-assign]
 
-    def one_keepalive_thread(self, keeper: Keeper) -> None:
+    def one_keepalive_thread(self) -> None:
         """``--clients agent``: every agent's keep-alives go to etcd through this process's keeper; its
         agents' leases share one keep-alive thread and batch (as the leases of a shared client do), at
         normal priority, not a thread per agent's client at ``SCHED_IDLE``: 32 such threads of a process
@@ -91,15 +91,17 @@ class Counts:
         rejoins. Each agent keeps its own lease logic, gRPC channel, view and watch."""
         from elasticrun.store import lease as lease_mod
 
-        route = SimpleNamespace(refresh_leases=self.counted_refresh(keeper.refresh))
+        assert self.keeper is not None, "the agents' keep-alives go through the keeper"
+        route = SimpleNamespace(refresh_leases=self.counted_refresh(self.keeper.refresh))
         real = lease_mod.refresher_for
-        raised: set = set()
 
         def refresher_for(_store: Any, lease: Any) -> Any:
             ref = real(route, lease)
-            thread = ref._thread.native_id  # started by an agent thread: SCHED_IDLE, as that thread
-            if thread is not None and thread not in raised:  # back to normal: its turns come on time, as a
-                raised.add(thread)  # real agent's do, while the agents here queue for the CPU
+            # Started by an agent thread, the keep-alive thread is SCHED_IDLE as that thread; back to normal
+            # (once per lease: the thread ends with its last lease, and a new one may reuse its id), so that
+            # its turns come on time, as a real agent's do, while the agents here queue for the CPU.
+            thread = ref._thread.native_id  # set once the thread started (0 would mean the caller)
+            if thread is not None:
                 try:
                     os.sched_setscheduler(thread, os.SCHED_OTHER, os.sched_param(0))
                 except (OSError, AttributeError):
