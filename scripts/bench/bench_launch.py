@@ -114,10 +114,13 @@ def _free_port() -> int:
 
 
 def _commands(launcher: str, nodes: int, procs: int, endpoint: str, job: str, c10d: bool = False) -> List[List[str]]:
-    """One command per node; ``c10d``: elasticrun on torchrun's c10d line too (one agent hosts etcd there)."""
+    """One command per node; ``c10d``: elasticrun on torchrun's c10d line too (one agent hosts etcd there).
+
+    Every launcher may restart the workers (``--max-restarts 3``): the restart scenario crashes one.
+    """
     if launcher == "elasticrun":
         if nodes == 1 and not endpoint:
-            return [["elasticrun", "--standalone", "--nproc-per-node", str(procs), WORKER]]
+            return [["elasticrun", "--standalone", "--nproc-per-node", str(procs), "--max-restarts", "3", WORKER]]
         backend = ["--rdzv-backend", "c10d"] if c10d else []
         return [
             ["elasticrun", "--nnodes", str(nodes), "--nproc-per-node", str(procs), *backend,
@@ -126,7 +129,7 @@ def _commands(launcher: str, nodes: int, procs: int, endpoint: str, job: str, c1
         ]
     conf = ["--rdzv-conf", BEST_CONF] if launcher == "torchrun-best" else []
     if nodes == 1 and not endpoint:
-        return [["torchrun", "--standalone", "--nproc-per-node", str(procs), *conf, WORKER]]
+        return [["torchrun", "--standalone", "--nproc-per-node", str(procs), "--max-restarts", "3", *conf, WORKER]]
     return [
         ["torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(procs), "--rdzv-backend", "c10d",
          "--rdzv-endpoint", endpoint, "--rdzv-id", job, "--max-restarts", "3", *conf, WORKER]

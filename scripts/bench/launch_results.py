@@ -36,8 +36,8 @@ def restart_summary(runs: List[Run], procs: int, nodes: int, timeout: float, com
     A torchrun with no good run is given ``timeout`` (a lower bound on its time) and says so.
     """
     rows: List[Dict] = []
-    for label in dict.fromkeys(label(r) for r in runs if r.scenario == "restart"):
-        mine = [r for r in runs if label(r) == label]
+    for name in dict.fromkeys(label(r) for r in runs if r.scenario == "restart"):
+        mine = [r for r in runs if label(r) == name]
         ours = [r.seconds for r in mine if r.launcher == "elasticrun" and r.outcome == "ok" and r.seconds]
         if not ours:
             continue
@@ -53,7 +53,7 @@ def restart_summary(runs: List[Run], procs: int, nodes: int, timeout: float, com
             continue
         alt_value, alt = min(alts)
         value = statistics.median(ours)
-        moment = "step 3" if label == "restart" else label.split("@")[1]
+        moment = "step 3" if name == "restart" else name.split("@")[1]
         rows.append({"metric": f"worker crash ({moment} into the round) -> first step, {nodes} x {procs}",
                      "elasticrun": value, "alternative": alt, "alt_value": alt_value, "unit": "s",
                      "better": "lower", "ratio": round(alt_value / value, 3), "device": "cpu", "command": command})
