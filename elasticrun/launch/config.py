@@ -71,9 +71,9 @@ def parse_nproc(spec: str) -> Tuple[int, str]:
     if text == "xpu":
         raise ConfigError("--nproc-per-node xpu: elasticrun places workers on CUDA GPUs or CPUs; give a number")
     if text in ("gpu", "auto", "cpu"):
-        import torch
+        from elasticrun.launch.gpus import visible_gpu_count  # torchrun's torch.cuda.device_count(), without torch
 
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        gpus = visible_gpu_count() if text != "cpu" else 0
         if text == "gpu":
             if gpus == 0:
                 raise ConfigError("--nproc-per-node gpu: no CUDA GPU visible on this node; use a number or 'cpu'")
