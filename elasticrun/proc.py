@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from typing import List, Sequence
+from typing import Iterable, List, Sequence
 
 import psutil
 
@@ -27,15 +27,26 @@ _SHIM = (
     "    pass\n"
     "if os.getppid() != int(sys.argv[1]):\n"
     "    os._exit(137)\n"
-    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+    "if sys.argv[2]:\n"
+    "    try:\n"
+    "        os.sched_setaffinity(0, [int(c) for c in sys.argv[2].split(',')])\n"
+    "    except OSError as e:\n"
+    "        sys.stderr.write(f'elasticrun: cannot bind to CPUs {sys.argv[2]}: {e}\\n')\n"
+    "        os._exit(1)\n"
+    "os.execvp(sys.argv[3], sys.argv[3:])\n"
 )
 
 
-def with_parent_death_signal(cmd: Sequence[str]) -> List[str]:
-    """Wrap ``cmd`` so that it is SIGKILLed when this process dies (Linux only; no-op elsewhere)."""
+def with_parent_death_signal(cmd: Sequence[str], cpus: Iterable[int] = ()) -> List[str]:
+    """Wrap ``cmd`` so that it is SIGKILLed when this process dies (Linux only; no-op elsewhere).
+
+    ``cpus``: the program runs bound to these CPUs (its affinity is set before the ``exec``, as
+    ``numactl --physcpubind`` does); a binding the kernel refuses is one line on stderr and exit 1.
+    """
     if not sys.platform.startswith("linux"):
         return list(cmd)
-    return [sys.executable, "-S", "-I", "-c", _SHIM, str(os.getpid()), *cmd]
+    bound = ",".join(str(c) for c in sorted(set(cpus)))
+    return [sys.executable, "-S", "-I", "-c", _SHIM, str(os.getpid()), bound, *cmd]
 
 
 def pid_alive(pid: int) -> bool:

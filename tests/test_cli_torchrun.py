@@ -59,8 +59,8 @@ ROWS: Dict[str, Tuple[Optional[str], List[str], Any]] = {
     "redirects": ("0:3,1:1", ETCD, expect(redirects="0:3,1:1")),
     "tee": ("2", ETCD, expect(tee="2")),
     "local_ranks_filter": ("2,0", ETCD, expect(local_ranks_filter=[0, 2])),
-    "duplicate_stdout_filters": ("apple,orange", ETCD, "duplicating filtered lines is not supported"),
-    "duplicate_stderr_filters": ("apple", ETCD, "duplicating filtered lines is not supported"),
+    "duplicate_stdout_filters": ("apple,orange", ETCD, expect(duplicate_stdout_filters=["apple", "orange"])),
+    "duplicate_stderr_filters": ("a,,b,c", ETCD, expect(duplicate_stderr_filters=["a,b", "c"])),
     "node_rank": ("1", [*ETCD, "--nnodes", "2"], expect(node_rank=1, rdzv_backend=RdzvBackend.ETCD)),
     "master_addr": ("10.1.2.3", ["--nnodes", "2"],
                     expect(rdzv_backend=RdzvBackend.STATIC, rdzv_endpoint="10.1.2.3:29500", node_rank=0,
@@ -68,11 +68,11 @@ ROWS: Dict[str, Tuple[Optional[str], List[str], Any]] = {
     "master_port": ("29555", ["--nnodes", "2"], expect(rdzv_backend=RdzvBackend.STATIC,
                                                        rdzv_endpoint="127.0.0.1:29555")),
     "local_addr": ("10.0.0.9", ETCD, expect(local_addr="10.0.0.9")),
-    "logs_specs": ("mine", ETCD, "custom LogsSpecs are not supported"),
-    "numa_binding": ("node", ETCD, "NUMA binding is not supported"),
+    "logs_specs": ("default", ETCD, expect(log_dir=None)),
+    "numa_binding": ("core-complex", ETCD, expect(numa_binding="core-complex")),
     "signals_to_handle": ("SIGTERM,SIGUSR1", ETCD, expect(signals_to_handle=["SIGTERM", "SIGUSR1"])),
     "shutdown_timeout": ("7", ETCD, expect(shutdown_timeout=7.0)),
-    "virtual_local_rank": (None, ETCD, "virtual local ranks are not supported"),
+    "virtual_local_rank": (None, ETCD, expect(virtual_local_rank=True)),
 }
 
 
@@ -106,6 +106,8 @@ def test_table_has_a_row_for_every_torchrun_flag_and_matches_torchruns_parser() 
         for name in action.option_strings:
             assert name in ours, f"torchrun flag {name} is missing from elasticrun"
             assert ours[name].dest == action.dest, f"{name}: PET_{action.dest.upper()} expected"
+        if action.choices:
+            assert ours[action.option_strings[0]].choices == tuple(action.choices), action.dest
         default = action.default if action.dest not in ("nnodes",) else "1"
         if action.dest in ("standalone", "module", "no_python", "run_path", "virtual_local_rank"):
             assert ours[action.option_strings[0]].kind is Kind.FLAG
@@ -182,6 +184,8 @@ def test_c10d_endpoint_without_port_gets_torchruns_default_and_is_host_override(
         (["--rdzv-backend", "zookeeper", ECHO], "unknown backend"),
         (["--rdzv-backend", "c10d", ECHO], "needs --rdzv-endpoint"),
         (["--rdzv-conf", "nosuchkey=1", *ETCD, ECHO], "unknown key 'nosuchkey'"),
+        (["--logs-specs", "mine", *ETCD, ECHO], "--logs-specs 'mine': only torchrun's default LogsSpecs"),
+        (["--numa-binding", "cores", *ETCD, ECHO], "node, socket, exclusive, core-complex"),
         (["--rdzv-conf", "join_timeout", *ETCD, ECHO], "use key=value"),
         (["--rdzv-conf", "join_timeout=soon", *ETCD, ECHO], "join_timeout='soon'"),
         (["--rdzv-conf", "etcd_prefix=/x", *ETCD, ECHO], "etcd_prefix is not supported"),

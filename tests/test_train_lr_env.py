@@ -72,6 +72,16 @@ def test_state_under_torchrun_restart():
     assert s.round == 2 and s.rescale_type is RescaleType.RESTART and s.rdzv_id == "abc"
 
 
+def test_virtual_local_ranks_keep_the_nodes_first_worker():
+    """--virtual-local-rank: LOCAL_RANK is 0 everywhere (the device); ELASTICRUN_LOCAL_RANK says who is first."""
+    base = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
+    second = ElasticState.from_env({**base, "ELASTICRUN_LOCAL_RANK": "1"})
+    assert second.local_rank == 0 and not second.is_local_rank0
+    assert ElasticState.from_env({**base, "ELASTICRUN_LOCAL_RANK": "0"}).is_local_rank0
+    assert ElasticState.from_env(base).is_local_rank0, "under torchrun: LOCAL_RANK decides"
+    assert not ElasticState.from_env({**base, "LOCAL_RANK": "1"}).is_local_rank0
+
+
 def test_state_under_elasticrun_with_event_file(tmp_path):
     ev = RescaleEvent(type=RescaleType.SCALE_DOWN, round=3, old_members=["a", "b"], new_members=["a"],
                       old_world_size=4, new_world_size=2, reason="node b lost its lease")

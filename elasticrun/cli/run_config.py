@@ -7,7 +7,8 @@ Decides what each torchrun flag means here (see docs/cli.md, "torchrun flags"):
   endpoint's host hosts the job's etcd there) and ``static``, torchrun's default (node rank 0
   hosts it at ``--master-addr:--master-port``, default port 29500);
 - ``--rdzv-conf`` keys, torchrun's mapped to elasticrun's settings, elasticrun's own added;
-- flags that cannot mean here what they mean in torchrun are refused with one line.
+- values elasticrun has no equivalent of (a custom ``--logs-specs``, an unknown event handler) are
+  refused with one line.
 """
 
 from __future__ import annotations
@@ -110,26 +111,43 @@ def _conf_value(key: str, kind: str, value: str, where: str) -> Any:
     return value
 
 
-def _refuse(p: Parsed) -> None:
-    """One line for torchrun flags that cannot mean the same here."""
+DEFAULT_LOGS_SPECS = "torch.distributed.elastic.multiprocessing:DefaultLogsSpecs"  # torchrun's "default" entry point
+
+
+def _default_logs_specs(name: str) -> bool:
+    """Whether ``--logs-specs NAME`` names torchrun's own DefaultLogsSpecs (the layout elasticrun writes)."""
+    if name == "default":
+        return True
+    from importlib import metadata
+
+    found = metadata.entry_points().select(group="torchrun.logs_specs", name=name)
+    return any(ep.value.replace(".api:", ":") == DEFAULT_LOGS_SPECS for ep in found)
+
+
+def _check_torchrun_choices(p: Parsed) -> None:
+    """One line for torchrun values elasticrun has no equivalent of (a custom LogsSpecs, an event handler)."""
     if p.given("logs_specs"):
-        raise ConfigError(f"{p.where('logs_specs')}: custom LogsSpecs are not supported (elasticrun has one log "
-                          "layout, see --log-dir, -r, -t); remove it")
-    if p.given("numa_binding"):
-        raise ConfigError(f"{p.where('numa_binding')}: NUMA binding is not supported; bind in a --no-python "
-                          "wrapper (e.g. numactl) or remove it")
-    if p.values["virtual_local_rank"]:
-        raise ConfigError(f"{p.where('virtual_local_rank')}: virtual local ranks are not supported (workers see "
-                          "LOCAL_RANK 0..N-1 and every GPU of the node); select the device with LOCAL_RANK, or "
-                          "remove it")
-    for dest in ("duplicate_stdout_filters", "duplicate_stderr_filters"):
-        if str(p.values[dest] or "").strip():
-            raise ConfigError(f"{p.where(dest)}: duplicating filtered lines is not supported; use --tee with "
-                              "--log-dir and grep the files")
+        name = str(p.values["logs_specs"] or "").strip()
+        if not _default_logs_specs(name):
+            where = p.where("logs_specs")
+            where += f" {name!r}" if where.startswith("-") else ""
+            raise ConfigError(f"{where}: only torchrun's default LogsSpecs ('default') is supported: "
+                              "elasticrun writes that layout itself (see --log-dir, -r, -t); remove it")
     handler = str(p.values["event_log_handler"]).strip()
     if handler not in EVENT_HANDLERS:
         raise ConfigError(f"{p.where('event_log_handler')}: elasticrun records events in etcd (`elasticrun "
                           f"status`) and on stderr; use one of {', '.join(EVENT_HANDLERS)}")
+
+
+def line_filters(text: Optional[str]) -> List[str]:
+    """torchrun's ``--duplicate-*-filters`` list: split at commas, ``,,`` a literal comma; absent: none.
+
+    As in torchrun, an empty entry (``""``, a trailing comma) matches every line.
+    """
+    if text is None:
+        return []
+    placeholder = "\0"
+    return [item.replace(placeholder, ",") for item in str(text).replace(",,", placeholder).split(",")]
 
 
 def _ranks_filter(p: Parsed) -> Optional[List[int]]:
@@ -268,7 +286,7 @@ def _apply_rdzv_conf(p: Parsed, settings: Dict[str, Any]) -> None:
 def build_config(p: Parsed) -> LaunchConfig:
     """The launch configuration the parsed arguments ask for (not yet validated)."""
     v = p.values
-    _refuse(p)
+    _check_torchrun_choices(p)
     nmin, nmax = parse_nnodes(v["nnodes"])
     nproc, kind = parse_nproc(v["nproc_per_node"])
     module, no_python = bool(v["module"]), bool(v["no_python"])
@@ -304,6 +322,10 @@ def build_config(p: Parsed) -> LaunchConfig:
         redirects=str(v["redirects"]),
         tee=str(v["tee"]),
         local_ranks_filter=_ranks_filter(p),
+        duplicate_stdout_filters=line_filters(v["duplicate_stdout_filters"]),
+        duplicate_stderr_filters=line_filters(v["duplicate_stderr_filters"]),
+        numa_binding=v["numa_binding"] or None,
+        virtual_local_rank=bool(v["virtual_local_rank"]),
         signals_to_handle=[s.strip().upper() for s in str(v["signals_to_handle"]).split(",") if s.strip()],
         event_log_handler=str(v["event_log_handler"]).strip(),
         role=str(v["role"]),

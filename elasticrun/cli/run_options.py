@@ -119,10 +119,11 @@ TORCHRUN_OPTIONS: Tuple[Opt, ...] = (
        metavar="SPEC", default="0"),
     _t("local_ranks_filter", _both("--local-ranks-filter"), "Show only these local ranks' output on the console "
        "(e.g. 0,1); files keep everything.", LOGS, metavar="R,...", default=""),
-    _t("duplicate_stdout_filters", _both("--duplicate-stdout-filters"), "Not supported (only the default, "
-       "empty, is accepted): use --tee and grep the files.", LOGS, metavar="F,...", default=""),
-    _t("duplicate_stderr_filters", _both("--duplicate-stderr-filters"), "Not supported (only the default, "
-       "empty, is accepted): use --tee and grep the files.", LOGS, metavar="F,...", default=""),
+    _t("duplicate_stdout_filters", _both("--duplicate-stdout-filters"), "Copy the tee'd stdout lines (--tee 1 "
+       "or 3) that contain any of these strings to <log dir>/<run>/attempt_<round>/filtered_stdout.log (',,' is "
+       "a literal comma).", LOGS, metavar="F,..."),
+    _t("duplicate_stderr_filters", _both("--duplicate-stderr-filters"), "The same for stderr (--tee 2 or 3), "
+       "into filtered_stderr.log.", LOGS, metavar="F,..."),
     _t("node_rank", _both("--node-rank"), "Group rank this node keeps in every round (static: also picks the "
        "node that hosts the job's etcd, rank 0) \\[default: static 0, else any].", RDZV, type=Type.INT,
        metavar="R"),
@@ -132,16 +133,18 @@ TORCHRUN_OPTIONS: Tuple[Opt, ...] = (
        "29500].", RDZV, type=Type.INT, metavar="PORT"),
     _t("local_addr", _both("--local-addr"), "Address other nodes reach this one at \\[default: route to etcd].",
        RDZV, metavar="ADDR"),
-    _t("logs_specs", _both("--logs-specs"), "Not supported: elasticrun has one log layout (see --log-dir).",
-       LOGS, metavar="NAME"),
-    _t("numa_binding", _both("--numa-binding"), "Not supported: bind CPUs in a --no-python wrapper (numactl).",
+    _t("logs_specs", _both("--logs-specs"), "torchrun's LogsSpecs entry point: only its default (\"default\"), "
+       "the layout elasticrun writes (see --log-dir).", LOGS, metavar="NAME"),
+    _t("numa_binding", _both("--numa-binding"), "Bind each worker to CPUs near its GPU (local rank r: GPU r), as "
+       "torchrun: node, socket, exclusive (a share of the node's cores) or core-complex (one L3 group).",
        WORKERS, choices=("node", "socket", "exclusive", "core-complex"), metavar="MODE"),
     _t("signals_to_handle", _both("--signals-to-handle"), "Signals the agent forwards to the workers before "
        "leaving the job.", WORKERS, metavar="SIG,...", default=SIGNALS_DEFAULT),
     _t("shutdown_timeout", _both("--shutdown-timeout"), "Seconds between SIGTERM and SIGKILL for workers "
        "\\[default: $TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30].", ELASTIC, type=Type.FLOAT, metavar="S"),
-    _t("virtual_local_rank", _both("--virtual-local-rank"), "Not supported: workers see LOCAL_RANK and every "
-       "GPU of the node.", WORKERS, kind=Kind.FLAG, default=False),
+    _t("virtual_local_rank", _both("--virtual-local-rank"), "Each worker sees only its GPU, as device 0: "
+       "LOCAL_RANK=0 and CUDA_VISIBLE_DEVICES=its GPU (ELASTICRUN_LOCAL_RANK keeps its place on the node).",
+       WORKERS, kind=Kind.FLAG, default=False),
 )
 
 OWN_OPTIONS: Tuple[Opt, ...] = (

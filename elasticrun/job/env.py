@@ -35,6 +35,9 @@ LOG_LINE_PREFIX_TEMPLATE = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"  # read by th
 
 # -- elasticrun's worker variables (set by the agent) ------------------------------------------
 ROUND = PREFIX + "ROUND"  # the rendezvous round this worker belongs to (the commit fence)
+#: The worker's index on its node (0..LOCAL_WORLD_SIZE-1), always: with ``--virtual-local-rank``
+#: LOCAL_RANK is 0 in every worker, and this still tells the node's first worker from the others.
+NODE_LOCAL_RANK = PREFIX + "LOCAL_RANK"
 PREV_WORLD_SIZE = PREFIX + "PREV_WORLD_SIZE"
 RESCALE_TYPE = PREFIX + "RESCALE_TYPE"
 RESCALE_EVENT_FILE = PREFIX + "RESCALE_EVENT_FILE"

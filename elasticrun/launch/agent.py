@@ -28,12 +28,14 @@ from elasticrun.job.reform import reform_window
 from elasticrun.job.settings import drop_secrets_from_environment
 from elasticrun.job.settings import from_config as etcd_settings
 from elasticrun.launch.c10d import RoundStore
-from elasticrun.launch.config import LaunchConfig, Std, signal_number
+from elasticrun.launch.config import LaunchConfig, signal_number
 from elasticrun.launch.failures import root_cause_table
 from elasticrun.launch.hang import STACKS_WAIT_S, HangWatch, dump_stacks, hang_failures, hang_message
 from elasticrun.launch.hosting import open_store, wait_others_left
 from elasticrun.launch.inplace import InPlaceRounds
+from elasticrun.launch.logfilter import unfed_warnings
 from elasticrun.launch.node import local_address
+from elasticrun.launch.numa import AffinityMode, describe_binding, worker_cpus
 from elasticrun.launch.observe import Observer
 from elasticrun.launch.outage import STOP_SLACK_S, OutageGuard, stop_workers
 from elasticrun.launch.preload import TorchPreload
@@ -168,12 +170,17 @@ class Agent:
             try:
                 self.obs.start()  # a busy --metrics-port: one line, before anything started
                 log_dir = cfg.log_dir
-                if log_dir is None and (cfg.redirects != Std.NONE or cfg.tee != Std.NONE):
+                if log_dir is None and cfg.keeps_log_files():
                     # Not under files_dir: that one is removed at exit, and these logs must outlive us.
                     log_dir = tempfile.mkdtemp(prefix=f"elasticrun-logs-{cfg.rdzv_id}-")
                     self.say(f"worker logs in {log_dir}")
                 drop_secrets_from_environment(cfg, self.say)  # before any child process starts
                 workers = WorkerGroup(cfg, self.label, files_dir, log_dir, False, on_exit=lambda: self._wake())
+                if cfg.numa_binding:  # torchrun's choice of each local rank's CPUs, once, before the job starts
+                    workers.cpus = worker_cpus(AffinityMode(cfg.numa_binding), cfg.nproc_per_node)
+                    self.say(describe_binding(AffinityMode(cfg.numa_binding), workers.cpus))
+                for line in unfed_warnings(cfg):
+                    self.say(line)
                 self.inplace = InPlaceRounds(cfg, workers, self.say)
                 if cfg.snapshots:
                     snapshots = SnapshotRoot.create(cfg.rdzv_id, cfg.node_id, say=self.say)  # the memory tier, ours

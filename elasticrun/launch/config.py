@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from elasticrun.errors import ConfigError
 from elasticrun.job.hints import AdaptationStrategy, RedistributionType
 from elasticrun.job.reform import READY_WAIT_S
+from elasticrun.launch.gpus import VISIBLE_DEVICES, virtual_visible_device, visible_gpu_count
 
 _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@:-]{0,200}$")
@@ -71,9 +72,7 @@ def parse_nproc(spec: str) -> Tuple[int, str]:
     if text == "xpu":
         raise ConfigError("--nproc-per-node xpu: elasticrun places workers on CUDA GPUs or CPUs; give a number")
     if text in ("gpu", "auto", "cpu"):
-        from elasticrun.launch.gpus import visible_gpu_count  # torchrun's torch.cuda.device_count(), without torch
-
-        gpus = visible_gpu_count() if text != "cpu" else 0
+        gpus = visible_gpu_count() if text != "cpu" else 0  # torch.cuda.device_count(), without torch
         if text == "gpu":
             if gpus == 0:
                 raise ConfigError("--nproc-per-node gpu: no CUDA GPU visible on this node; use a number or 'cpu'")
@@ -131,6 +130,10 @@ class LaunchConfig:
     redirects: str = Std.NONE.value  # torchrun's spec: one code, or per rank like 0:3,1:2
     tee: str = Std.NONE.value
     local_ranks_filter: Optional[List[int]] = None  # local ranks whose output the console shows; None = all
+    duplicate_stdout_filters: List[str] = field(default_factory=list)  # tee'd lines containing one → a file
+    duplicate_stderr_filters: List[str] = field(default_factory=list)
+    numa_binding: Optional[str] = None  # --numa-binding mode (elasticrun.launch.numa); None: no binding
+    virtual_local_rank: bool = False  # every worker: LOCAL_RANK=0, CUDA_VISIBLE_DEVICES=its GPU
     signals_to_handle: List[str] = field(default_factory=lambda: list(DEFAULT_SIGNALS))
     event_log_handler: str = "null"
     role: str = "default"
@@ -213,7 +216,15 @@ class LaunchConfig:
             )
         for name in ("redirects", "tee"):
             _parse_std_streams(getattr(self, name), f"--{name}")
+        if self.virtual_local_rank:
+            for local_rank in range(self.nproc_per_node):
+                virtual_visible_device(local_rank, os.environ.get(VISIBLE_DEVICES))
         return self
+
+    def keeps_log_files(self) -> bool:
+        """Whether workers' output goes to files too (-r, -t, --duplicate-*-filters): they need a log dir."""
+        return (self.redirects != Std.NONE.value or self.tee != Std.NONE.value
+                or bool(self.duplicate_stdout_filters or self.duplicate_stderr_filters))
 
     def _check_ranks(self) -> None:
         if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes_max:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Dict, Mapping, Optional
 
 from elasticrun.job import env as names
+from elasticrun.launch.gpus import VISIBLE_DEVICES, virtual_visible_device
 from elasticrun.rendezvous.records import Member, RescaleEvent, Topology
 
 
@@ -43,17 +44,21 @@ def worker_env(
     use_gpu: bool = False,
     extra: Optional[Mapping[str, str]] = None,
     etcd_settings_file: Optional[str] = None,
+    virtual_local_rank: bool = False,
 ) -> Dict[str, str]:
     """Build the environment for ``spec``'s worker from ``base`` (normally ``os.environ``).
 
     ``run_id`` is the job id; ``etcd_settings_file`` the agent's 0600 file of
     :class:`~elasticrun.job.settings.EtcdSettings` (needed when etcd uses TLS or auth).
+    ``virtual_local_rank`` (torchrun's ``--virtual-local-rank``): LOCAL_RANK is 0 and
+    ``CUDA_VISIBLE_DEVICES`` names only the worker's own GPU (:func:`virtual_visible_device`).
     """
     topo, member = spec.topology, spec.member
     env = names.without_secrets(base)
     env.update(
         {
-            names.LOCAL_RANK: str(spec.local_rank),
+            names.LOCAL_RANK: "0" if virtual_local_rank else str(spec.local_rank),
+            names.NODE_LOCAL_RANK: str(spec.local_rank),
             names.RANK: str(spec.rank),
             names.GROUP_RANK: str(member.group_rank),
             names.ROLE_RANK: str(spec.rank),
@@ -80,6 +85,8 @@ def worker_env(
             names.BACKEND: backend or ("nccl" if use_gpu else "gloo"),
         }
     )
+    if virtual_local_rank:
+        env[VISIBLE_DEVICES] = virtual_visible_device(spec.local_rank, base.get(VISIBLE_DEVICES))
     if etcd_settings_file:
         env[names.ETCD_SETTINGS_FILE] = etcd_settings_file
     else:

@@ -27,6 +27,8 @@ import os
 from dataclasses import dataclass
 from typing import List, Mapping, Optional, Sequence, Tuple, Union
 
+from elasticrun.errors import ConfigError
+
 VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 NVML_LIBRARY = "libnvidia-ml.so.1"
 PROC_GPUS = "/proc/driver/nvidia/gpus"
@@ -207,5 +209,20 @@ def visible_gpu_count(environ: Optional[Mapping[str, str]] = None, driver: Optio
     return count_visible(visible, driver if driver is not None else driver_gpus())
 
 
+def virtual_visible_device(local_rank: int, parent: Optional[str]) -> str:
+    """``--virtual-local-rank``: the ``CUDA_VISIBLE_DEVICES`` of local rank ``local_rank``'s worker.
+
+    torchrun's rule: entry ``local_rank`` of the agent's own ``CUDA_VISIBLE_DEVICES`` as written
+    (split at commas, stripped), or the local rank itself when the agent's is unset.
+    """
+    if parent is None:
+        return str(local_rank)
+    entries = parent.split(",")
+    if local_rank >= len(entries):
+        raise ConfigError(f"--virtual-local-rank: local rank {local_rank} has no device in {VISIBLE_DEVICES}="
+                          f"{parent!r} ({len(entries)} listed); list one per worker or lower --nproc-per-node")
+    return entries[local_rank].strip()
+
+
 __all__ = ["DriverGpus", "count_visible", "driver_gpus", "nvml_gpus", "parse_visible_devices", "proc_gpus",
-           "uuids_to_ordinals", "visible_gpu_count"]
+           "uuids_to_ordinals", "virtual_visible_device", "visible_gpu_count"]

@@ -25,7 +25,7 @@ import sys
 import tempfile
 import threading
 from string import Template
-from typing import IO, BinaryIO, Dict, List, Optional, Sequence, Set, Tuple
+from typing import IO, BinaryIO, Dict, List, Optional, Protocol, Sequence, Set, Tuple
 
 from elasticrun.job import env as names
 from elasticrun.launch.config import Std
@@ -133,8 +133,16 @@ def console_for(stream: int) -> Console:
         return _CONSOLES[stream]
 
 
+class Tap(Protocol):
+    """A third copy of a worker's stream (the bytes as they arrive, then the end), e.g. filtered lines."""
+
+    def feed(self, data: bytes) -> None: ...
+
+    def finish(self) -> None: ...
+
+
 class OutputPump:
-    """Copy one pipe to the console (prefixed) and/or a file as bytes arrive, in a thread."""
+    """Copy one pipe to the console (prefixed) and/or a file as bytes arrive, in a thread (and to ``tap``)."""
 
     def __init__(
         self,
@@ -143,8 +151,10 @@ class OutputPump:
         console: Optional[Console],
         file_path: Optional[str],
         keep_tail: int = 0,
+        tap: Optional[Tap] = None,
     ) -> None:
         self._pipe = pipe
+        self._tap = tap
         self._prefix = prefix.encode()
         self._console = console
         self._file: Optional[IO[bytes]] = None
@@ -187,6 +197,8 @@ class OutputPump:
                 if self._file is not None:
                     self._file.write(data)
                     self._file.flush()
+                if self._tap is not None:
+                    self._tap.feed(data)
                 if self._keep:
                     with self._tail_lock:
                         self._tail += data
@@ -203,6 +215,8 @@ class OutputPump:
                 pass
             if self._file is not None:
                 self._file.close()
+            if self._tap is not None:
+                self._tap.finish()
 
     def tail(self) -> bytes:
         """The last bytes read (up to ``keep_tail``)."""

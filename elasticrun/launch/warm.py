@@ -80,7 +80,29 @@ def _retain_destroyed_groups() -> None:
     dist.destroy_process_group = destroy_process_group
 
 
+def _bind_cpus(cpus: list) -> None:
+    """Bind this process to ``cpus`` before the script runs (``--numa-binding``), as torch binds a
+    worker it starts itself: the calling thread, then every other thread still on the old CPUs
+    (one that set its own affinity keeps it). A refused binding fails the worker, as in torchrun."""
+    wanted = {int(c) for c in cpus}
+    original = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, wanted)
+    except OSError as err:
+        sys.stderr.write(f"elasticrun: cannot bind to CPUs {sorted(wanted)}: {err}\n")
+        sys.stderr.flush()
+        os._exit(1)
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            if os.sched_getaffinity(int(tid)) == original:
+                os.sched_setaffinity(int(tid), wanted)
+        except OSError:
+            pass  # the thread ended meanwhile
+
+
 def _become(order: dict) -> None:
+    if order.get("cpus"):
+        _bind_cpus(order["cpus"])
     if order.get("stacks_signal"):  # --hang-timeout: the agent asks for every thread's stack with it
         import faulthandler
 

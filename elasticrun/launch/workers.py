@@ -18,7 +18,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from elasticrun.job import env as names
 from elasticrun.job.env import without_secrets
@@ -27,6 +27,7 @@ from elasticrun.launch.env import WorkerSpec, worker_env
 from elasticrun.launch.failures import WorkerFailure, bounded, make_failure
 from elasticrun.launch.forkserver import ForkServer, ServerState
 from elasticrun.launch.hang import STACKS_SIGNAL
+from elasticrun.launch.logfilter import FilteredCopy, feeder_for, open_filtered
 from elasticrun.launch.logs import (
     STREAMS,
     TAIL_KEEP,
@@ -94,6 +95,8 @@ class WorkerGroup:
         self.etcd_settings_file: Optional[str] = None  # the agent's 0600 EtcdSettings file, for workers
         self.extra_env: Dict[str, str] = {}  # more variables for every worker (e.g. the memory-tier directory)
         self.inplace = False  # name an assignment file to each worker (in-place re-forming)
+        self.cpus: Dict[int, FrozenSet[int]] = {}  # --numa-binding: local rank → the CPUs its worker is bound to
+        self._filtered: Dict[int, FilteredCopy] = {}  # this round's --duplicate-*-filters files, by stream
 
     def command(self) -> List[str]:
         cfg = self.cfg
@@ -170,7 +173,7 @@ class WorkerGroup:
         """The fork server, when this group has one (started by :meth:`prewarm`)."""
         return self._server
 
-    def _fork(self, env: Dict[str, str]) -> Optional[subprocess.Popen]:
+    def _fork(self, env: Dict[str, str], cpus: Optional[FrozenSet[int]]) -> Optional[subprocess.Popen]:
         """A worker forked from the fork server (waiting for its imports), or None."""
         server = self._server
         if server is None:
@@ -180,21 +183,23 @@ class WorkerGroup:
                 server.close()
                 self._server = None
             return None
-        forked = server.spawn(self._order(env))
+        forked = server.spawn(self._order(env, cpus))
         if forked is None:  # gone (or closed by a spawn that timed out): no late child may run
             server.close()
             self._server = None
         return forked  # type: ignore[return-value]  # Popen's interface, as used here
 
-    def _spawn_all(self, envs: List[Dict[str, str]]) -> List[subprocess.Popen]:
-        """A worker per environment: all forked, else all started another way (:meth:`_spawn`).
+    def _spawn_all(self, envs: List[Dict[str, str]],
+                   cpus: Sequence[Optional[FrozenSet[int]]]) -> List[subprocess.Popen]:
+        """A worker per environment (bound to its ``cpus`` when given): all forked, else all started
+        another way (:meth:`_spawn`).
 
         When the fork server fails part-way, the workers it already forked die with it (it is
         closed): they are killed and started anew with the others, never left to die mid-round.
         """
         forked: List[subprocess.Popen] = []
-        for env in envs:
-            proc = self._fork(env)
+        for env, bound in zip(envs, cpus):
+            proc = self._fork(env, bound)
             if proc is None:
                 break
             forked.append(proc)
@@ -206,16 +211,16 @@ class WorkerGroup:
             for pipe in (proc.stdout, proc.stderr):
                 if pipe is not None:
                     pipe.close()
-        return [self._spawn(env) for env in envs]
+        return [self._spawn(env, bound) for env, bound in zip(envs, cpus)]
 
-    def _spawn(self, env: Dict[str, str]) -> subprocess.Popen:
+    def _spawn(self, env: Dict[str, str], cpus: Optional[FrozenSet[int]] = None) -> subprocess.Popen:
         """A worker process for ``env`` without the fork server: a pre-warmed one, else a fresh one."""
         while self._warm:
             proc = self._warm.pop(0)
             if proc.poll() is not None or proc.stdin is None:
                 continue
             try:
-                proc.stdin.write(self._order_line(self._order(env)))
+                proc.stdin.write(self._order_line(self._order(env, cpus)))
                 proc.stdin.close()
                 self._how["pre-warmed"] += 1
                 return proc
@@ -228,7 +233,7 @@ class WorkerGroup:
         cmd = [sys.executable, "-u", "-m", "elasticrun.launch.warm", "--fresh", "--", self.cfg.entrypoint,
                *self.cfg.args] if boot else self.command()
         proc = subprocess.Popen(
-            with_parent_death_signal(cmd),
+            with_parent_death_signal(cmd, cpus=cpus or ()),
             env=env,
             stdin=subprocess.PIPE if boot else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
@@ -236,16 +241,19 @@ class WorkerGroup:
             start_new_session=True,
         )
         if boot and proc.stdin is not None:
-            proc.stdin.write(self._order_line(self._order(env)))
+            proc.stdin.write(self._order_line(self._order(env, cpus)))
             proc.stdin.close()
         return proc
 
-    def _order(self, env: Dict[str, str]) -> Dict[str, object]:
-        """What warm.py runs: the script, its environment, and (``--hang-timeout``) the stack-dump signal."""
+    def _order(self, env: Dict[str, str], cpus: Optional[FrozenSet[int]] = None) -> Dict[str, object]:
+        """What warm.py runs: the script, its environment, (``--hang-timeout``) the stack-dump signal and
+        (``--numa-binding``) the CPUs to bind to first."""
         order: Dict[str, object] = {"env": env, "argv": [self.cfg.entrypoint, *self.cfg.args],
                                     "module": self.cfg.module, "cwd": os.getcwd()}
         if self.cfg.hang_timeout > 0:
             order["stacks_signal"] = int(STACKS_SIGNAL)
+        if cpus:
+            order["cpus"] = sorted(cpus)
         return order
 
     def _order_line(self, order: Dict[str, object]) -> bytes:
@@ -292,7 +300,10 @@ class WorkerGroup:
         began = time.monotonic()
         self._how = {"forked": 0, "pre-warmed": 0, "fresh": 0}
         planned = self._plan(topo, member, event)
-        for (spec, _, rank_dir), proc in zip(planned, self._spawn_all([env for _, env, _ in planned])):
+        if self._run_log_dir is not None:  # torchrun's filtered_{stdout,stderr}.log, made at the attempt's start
+            self._filtered = open_filtered(self.cfg, os.path.join(self._run_log_dir, f"attempt_{topo.round}"))
+        procs = self._spawn_all([env for _, env, _ in planned], [self.cpus.get(s.local_rank) for s, _, _ in planned])
+        for (spec, _, rank_dir), proc in zip(planned, procs):
             log_dir = rank_dir if self.log_dir is not None else None
             err_pump = self._pump(proc, log_dir, spec.rank, spec.local_rank)
             self._workers.append(_Worker(spec, proc, err_pump))
@@ -335,6 +346,7 @@ class WorkerGroup:
                     **self.extra_env,
                 },
                 etcd_settings_file=self.etcd_settings_file,
+                virtual_local_rank=self.cfg.virtual_local_rank,
             )
             if self.inplace:  # the assignment file of in-place re-forming (elasticrun.train.InPlace)
                 env[names.REFORM_FILE] = self.reform_file(local_rank)
@@ -379,7 +391,8 @@ class WorkerGroup:
             path = os.path.join(log_dir, f"{STREAMS[stream]}.log") if log_dir is not None else None
             on = shown and not stream_selected(self._redirects, local_rank, stream)
             console = console_for(stream) if on else None
-            pumps.append(OutputPump(pipe, prefix, console, path, keep_tail=TAIL_KEEP if stream == 2 else 0))
+            tap = feeder_for(self._filtered, self.cfg, local_rank, stream, prefix)
+            pumps.append(OutputPump(pipe, prefix, console, path, keep_tail=TAIL_KEEP if stream == 2 else 0, tap=tap))
         self._pumps.extend(pumps)
         return pumps[1]
 
@@ -426,5 +439,7 @@ class WorkerGroup:
                 w.proc.kill()
                 w.proc.wait()
         join_all(self._pumps)
-        self._workers, self._pumps = [], []
+        for copy in self._filtered.values():
+            copy.close()
+        self._workers, self._pumps, self._filtered = [], [], {}
 

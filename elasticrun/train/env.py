@@ -50,7 +50,7 @@ class ElasticState:
     """
 
     rank: int = 0
-    local_rank: int = 0
+    local_rank: int = 0  # LOCAL_RANK: the GPU to use (0 in every worker with --virtual-local-rank)
     world_size: int = 1
     local_world_size: int = 1
     group_rank: int = 0
@@ -65,6 +65,7 @@ class ElasticState:
     launched: bool = False  # started by elasticrun or torchrun (RANK/WORLD_SIZE set)
     elastic: bool = False  # started by elasticrun (ELASTICRUN_ROUND set)
     extra: Dict[str, Any] = field(default_factory=dict)
+    node_local_rank: Optional[int] = None  # the worker's index on its node (ELASTICRUN_LOCAL_RANK); None: local_rank
 
     @property
     def is_first_round(self) -> bool:
@@ -87,7 +88,8 @@ class ElasticState:
 
     @property
     def is_local_rank0(self) -> bool:
-        return self.local_rank == 0
+        """The node's first worker (with ``--virtual-local-rank`` too, where every LOCAL_RANK is 0)."""
+        return (self.local_rank if self.node_local_rank is None else self.node_local_rank) == 0
 
     @property
     def progress_id(self) -> str:
@@ -141,6 +143,7 @@ class ElasticState:
         return cls(
             rank=rank,
             local_rank=local_rank,
+            node_local_rank=_int(env, job_env.NODE_LOCAL_RANK, local_rank) if job_env.NODE_LOCAL_RANK in env else None,
             world_size=world,
             local_world_size=local_world,
             group_rank=_int(env, job_env.GROUP_RANK, 0),

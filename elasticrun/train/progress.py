@@ -52,7 +52,7 @@ class ProgressReporter:
             "progress reports",
         )
         self.key = self.link.keys.progress_of(self.state.progress_id)
-        self.active = self.link.enabled and self.state.local_rank == 0
+        self.active = self.link.enabled and self.state.is_local_rank0
         self.puts = 0
         self._latest: Optional[Dict[str, Any]] = None
         self._lock = threading.Lock()

@@ -199,7 +199,8 @@ def drop_newer_generations(step: Optional[int]) -> List[str]:
     """After resuming at ``step``: remove this node's memory generations and replicas of later
     steps (they belong to a timeline the job just abandoned, e.g. when their parts on another
     node were gone). Done by local rank 0 only; returns the names removed."""
-    if os.environ.get(env_names.LOCAL_RANK, "0") != "0" or step is None:
+    local_rank = os.environ.get(env_names.NODE_LOCAL_RANK, os.environ.get(env_names.LOCAL_RANK, "0"))
+    if local_rank != "0" or step is None:
         return []
     removed = []
     for g in memory_inventory():
