@@ -25,7 +25,7 @@ from elasticrun.launch.failures import (
     make_failure,
     stderr_tail,
 )
-from elasticrun.launch.logs import Console, add_prefix, line_prefix, split_line_end
+from elasticrun.launch.logs import Console, LineState, add_prefix, line_prefix, split_line_end
 
 from helpers.launch import REPO, SCRIPTS, run_cli
 from helpers.procs import wait_until, worker_env
@@ -168,13 +168,25 @@ def test_root_cause_table_and_errors_show_bracketed_text_verbatim() -> None:
 
 
 def test_prefix_goes_after_newlines_and_carriage_returns() -> None:
-    out, start = add_prefix(b"a\rb\nc", b"[p]:", True)
-    assert (out, start) == (b"[p]:a\r[p]:b\n[p]:c", False)
-    out, start = add_prefix(b"d\r", b"[p]:", start)
-    assert (out, start) == (b"d\r", True)
-    out, start = add_prefix(b"\ne", b"[p]:", start)  # \r\n split across chunks: no prefix before \n
+    out, state = add_prefix(b"a\rb\nc", b"[p]:", LineState.START)
+    assert (out, state) == (b"[p]:a\r[p]:b\n[p]:c", LineState.MID)
+    out, state = add_prefix(b"d\r", b"[p]:", state)
+    assert (out, state) == (b"d\r", LineState.AFTER_CR)
+    out, state = add_prefix(b"\ne", b"[p]:", state)  # \r\n split across chunks: no prefix before \n
     assert out == b"\n[p]:e"
-    assert add_prefix(b"x\n", b"", False) == (b"x\n", True)
+    assert add_prefix(b"x\n", b"", LineState.MID) == (b"x\n", LineState.START)
+
+
+def test_empty_lines_keep_their_prefix_as_under_torchrun() -> None:
+    """``print("a"); print(); print("b")`` shows three prefixed lines, also when the empty line
+    arrives in a chunk of its own or as a CRLF; a \r\n pair never makes an empty line."""
+    out, state = add_prefix(b"a\n\nb\n", b"[p]:", LineState.START)
+    assert out == b"[p]:a\n[p]:\n[p]:b\n"
+    out, state = add_prefix(b"\n", b"[p]:", state)
+    assert (out, state) == (b"[p]:\n", LineState.START)
+    assert add_prefix(b"\r\n", b"[p]:", state)[0] == b"[p]:\r\n"
+    assert add_prefix(b"x\r\ny\n", b"[p]:", LineState.START)[0] == b"[p]:x\r\n[p]:y\n"
+    assert add_prefix(b"\n", b"[p]:", LineState.START)[0] == b"[p]:\n"  # the stream starts with an empty line
 
 
 def test_a_line_cut_by_another_workers_text_continues_with_its_prefix() -> None:
@@ -182,7 +194,7 @@ def test_a_line_cut_by_another_workers_text_continues_with_its_prefix() -> None:
     buf = io.BytesIO()
     console = Console(buf)  # type: ignore[arg-type]
     a, b = object(), object()
-    out, start = add_prefix(b"hel", b"[a]:", True)
+    out, start = add_prefix(b"hel", b"[a]:", LineState.START)
     console.write(a, out, False, False, b"[a]:")
     console.write(b, b"[b]:one\n", True, False, b"[b]:")
     out, start = add_prefix(b"lo\nnext", b"[a]:", start)

@@ -1,8 +1,8 @@
 """Worker output: pass each worker's stdout/stderr through live, optionally copied to files.
 
 Output is copied as the bytes arrive (not line by line), so a ``\\r``-updated progress bar
-(tqdm) shows as it updates. Each console line starts with a prefix, ``[node/rank]:`` by
-default; torchrun's ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` (``${role_name}``,
+(tqdm) shows as it updates. Each console line, an empty one too, starts with a prefix,
+``[node/rank]:`` by default; torchrun's ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` (``${role_name}``,
 ``${local_rank}``, ``${rank}``, and here also ``${node}``) replaces it, and an empty
 template turns prefixes off. A ``\\r`` starts a line too, so a redrawn bar keeps its prefix.
 A line is shown whole: an unfinished line waits for its end, and only a pause inside it
@@ -18,6 +18,7 @@ local ranks off the console (their files are still written).
 
 from __future__ import annotations
 
+import enum
 import os
 import re
 import select
@@ -56,25 +57,38 @@ def line_prefix(node: str, rank: int, local_rank: int, role: str, environ: Optio
     return Template(template).safe_substitute(values)
 
 
-def add_prefix(data: bytes, prefix: bytes, at_line_start: bool) -> Tuple[bytes, bool]:
-    """``data`` with ``prefix`` before every line's first byte (after ``\\n`` or ``\\r``).
+class LineState(enum.IntEnum):
+    """Where a worker's output stands between two chunks (for :func:`add_prefix`)."""
 
-    ``at_line_start`` carries over from the previous chunk; returns (output, at_line_start).
+    MID = 0  # inside a line
+    START = 1  # at the start of a line: the stream's start or after ``\n``
+    AFTER_CR = 2  # after ``\r``: a redraw starts here, or ``\n`` completes a ``\r\n``
+
+
+def add_prefix(data: bytes, prefix: bytes, state: LineState) -> Tuple[bytes, LineState]:
+    """``data`` with ``prefix`` before every line's first byte (after ``\n`` or ``\r``), empty
+    lines included (as torchrun does): a ``\n`` at a line's start gets the prefix too, unless it
+    completes a ``\r\n``.
+
+    ``state`` carries over from the previous chunk; returns (output, state).
     """
     if not prefix:
-        return data, data.endswith((b"\n", b"\r")) if data else at_line_start
+        return data, (LineState.START if data.endswith(b"\n") else LineState.AFTER_CR if data.endswith(b"\r")
+                      else LineState.MID) if data else state
     out = bytearray()
     for m in _PIECES.finditer(data):
         piece = m.group()
-        if piece[0] in (10, 13):  # \n or \r
+        if piece[0] in (10, 13):  # \n, \r or \r\n
+            if state is LineState.START and piece != b"\r":
+                out += prefix  # an empty line
             out += piece
-            at_line_start = True
+            state = LineState.AFTER_CR if piece == b"\r" else LineState.START
         else:
-            if at_line_start:
+            if state is not LineState.MID:
                 out += prefix
             out += piece
-            at_line_start = False
-    return bytes(out), at_line_start
+            state = LineState.MID
+    return bytes(out), state
 
 
 def split_line_end(data: bytes) -> Tuple[bytes, bytes]:
@@ -161,13 +175,13 @@ class OutputPump:
         """Prefix ``data`` and write it to the console (whole lines, or a line's start after a pause)."""
         if not data or self._console is None:
             return
-        continues = not self._at_start
-        out, self._at_start = add_prefix(data, self._prefix, self._at_start)
+        continues = self._at is LineState.MID
+        out, self._at = add_prefix(data, self._prefix, self._at)
         self._line_open = not out.endswith(b"\n")
         self._console.write(self, out, not self._line_open, continues, self._prefix)
 
     def _run(self) -> None:
-        self._at_start = True
+        self._at = LineState.START
         self._line_open = False  # the console line we last wrote has no newline yet
         pending = b""  # an unfinished line, held back until its end or a pause
         try:
