@@ -129,7 +129,7 @@ def _load_memory(name: str, state_dict: Optional[Dict[str, Any]], placements: Op
                  process_group: Any) -> LoadedCheckpoint:
     """Load memory generation ``name``: the files each node's ranks will read are first gathered
     there from peers' memory where missing (:func:`~elasticrun.checkpoint.memory.fetch.materialize`).
-    Files are not re-hashed: each was hashed when written or received (see that module). Tensors
+    Local files are hashed there first and fetched ones on receipt (see that module). Tensors
     are private copies, not maps of the files: once loaded, nothing keeps a generation's shared
     memory alive after retention removes it."""
     from elasticrun.checkpoint import load
