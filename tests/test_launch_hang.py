@@ -172,6 +172,7 @@ def test_a_hang_names_the_rank_that_stopped_first_and_shows_the_scripts_frames()
     assert "0 (local 0)" in rows[1] and " waiting " in rows[1] and "root cause" not in summary, summary
     assert "in stuck_here" in summary, summary
     assert "warm.py" not in summary and "runpy" not in summary and "progress.py" not in summary, summary
+    assert "warm.py" not in err and "runpy" not in err, "the dumps in the log show the script's frames: " + err
 
 
 def test_only_a_detected_hang_skips_the_shutdown_grace() -> None:

@@ -25,7 +25,7 @@ from elasticrun.launch.failures import (
     make_failure,
     stderr_tail,
 )
-from elasticrun.launch.logs import Console, LineState, add_prefix, line_prefix, split_line_end
+from elasticrun.launch.logs import Console, DumpFilter, LineState, add_prefix, line_prefix, split_line_end
 
 from helpers.launch import REPO, SCRIPTS, run_cli
 from helpers.procs import wait_until, worker_env
@@ -187,6 +187,26 @@ def test_empty_lines_keep_their_prefix_as_under_torchrun() -> None:
     assert add_prefix(b"\r\n", b"[p]:", state)[0] == b"[p]:\r\n"
     assert add_prefix(b"x\r\ny\n", b"[p]:", LineState.START)[0] == b"[p]:x\r\n[p]:y\n"
     assert add_prefix(b"\n", b"[p]:", LineState.START)[0] == b"[p]:\n"  # the stream starts with an empty line
+
+
+def test_stack_dumps_reach_the_console_without_elasticruns_own_frames() -> None:
+    import elasticrun.launch.logs as logs
+
+    pkg = Path(logs.__file__).resolve().parent.parent
+    dump = (
+        "Current thread 0x00007f00 (most recent call first):\n"
+        '  File "/job/train.py", line 19 in stuck_here\n'
+        '  File "/job/train.py", line 42 in <module>\n'
+        f'  File "{pkg}/launch/warm.py", line 132 in _run_script\n'
+        '  File "<frozen runpy>", line 88 in _run_code\n'
+    ).encode()
+    traceback = f'Traceback (most recent call last):\n  File "{pkg}/launch/warm.py", line 132 in x\n'.encode()
+    f = DumpFilter()
+    assert f(b"step 1\n") == b"step 1\n"
+    out = f(dump[:90]) + f(dump[90:]) + f(b"\n") + f(b"after the dump\n") + f(traceback)
+    assert b"stuck_here" in out and b"<module>" in out and b"after the dump" in out
+    assert b"warm.py\", line 132 in _run_script" not in out and b"runpy" not in out, out
+    assert out.endswith(traceback), "a traceback is not a dump: shown whole"
 
 
 def test_a_line_cut_by_another_workers_text_continues_with_its_prefix() -> None:

@@ -37,11 +37,10 @@ from elasticrun.launch.failures import (
     is_hang_row,
     stderr_tail,
 )
-from elasticrun.launch.stacks import collective_waited_in, last_dump, user_view
+from elasticrun.launch.stacks import THREAD_MARK, collective_waited_in, last_dump, user_view
 
 STACKS_SIGNAL = signal.SIGUSR1  # what makes a worker dump its stacks (faulthandler, registered by warm.py)
 STACKS_WAIT_S = 2.0  # how long the agent waits for the stacks to reach its log
-_STACK_HEAD = b"(most recent call first)"  # faulthandler's header of each thread's stack
 
 
 class HangWatch:
@@ -120,7 +119,7 @@ def hang_message(timeout: float) -> str:
 
 
 def _dumps(worker: Any) -> int:
-    return worker.err_pump.tail().count(_STACK_HEAD) if worker.err_pump is not None else 0
+    return worker.err_pump.tail().count(THREAD_MARK) if worker.err_pump is not None else 0
 
 
 def dump_stacks(workers: Sequence[Any], wait: float = STACKS_WAIT_S) -> None:

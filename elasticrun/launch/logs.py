@@ -5,6 +5,8 @@ Output is copied as the bytes arrive (not line by line), so a ``\\r``-updated pr
 ``[node/rank]:`` by default; torchrun's ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` (``${role_name}``,
 ``${local_rank}``, ``${rank}``, and here also ``${node}``) replaces it, and an empty
 template turns prefixes off. A ``\\r`` starts a line too, so a redrawn bar keeps its prefix.
+The Python stacks a hung worker dumps (``--hang-timeout``) reach the console without
+elasticrun's own frames (:class:`DumpFilter`); files keep every byte.
 A line is shown whole: an unfinished line waits for its end, and only a pause inside it
 (:data:`FLUSH_PAUSE_S`, e.g. a bar without a newline) shows its start early. When another
 worker's text interrupts it meanwhile, its continuation starts a new line with the prefix again.
@@ -30,6 +32,7 @@ from typing import IO, BinaryIO, Dict, List, Optional, Sequence, Set, Tuple
 
 from elasticrun.job import env as names
 from elasticrun.launch.config import Std
+from elasticrun.launch.stacks import THREAD_MARK, is_dump_header, is_own_frame_line
 
 STREAMS = {1: "stdout", 2: "stderr"}
 DEFAULT_PREFIX = "[${node}/${rank}]:"
@@ -95,6 +98,36 @@ def split_line_end(data: bytes) -> Tuple[bytes, bytes]:
     """``data`` cut after its last ``\\n`` or ``\\r``: (finished lines, the unfinished rest)."""
     end = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1
     return data[:end], data[end:]
+
+
+class DumpFilter:
+    """Leaves elasticrun's own frames (the bootstrap that runs the script, ``runpy``) out of the
+    Python stack dumps a hung worker writes (``--hang-timeout``) on their way to the console, so
+    they show the script's frames. Everything else passes untouched; files keep every byte."""
+
+    def __init__(self) -> None:
+        self.in_dump = False
+        self.mid_line = False  # the last chunk ended inside a line (shown early, after a pause)
+
+    def __call__(self, data: bytes) -> bytes:
+        if not self.in_dump and THREAD_MARK not in data:
+            self.mid_line = not data.endswith((b"\n", b"\r")) if data else self.mid_line
+            return data
+        out = []
+        for i, line in enumerate(data.splitlines(keepends=True)):
+            text = line.rstrip(b"\r\n").decode("utf-8", "replace")
+            if i == 0 and self.mid_line:
+                pass  # the end of a line shown in part already: passes as it is
+            elif is_dump_header(text):
+                self.in_dump = True
+            elif self.in_dump and text.startswith("  "):
+                if is_own_frame_line(text):
+                    continue
+            elif self.in_dump and text.strip():
+                self.in_dump = False  # the worker writes something else: the dump is over
+            out.append(line)
+        self.mid_line = not data.endswith((b"\n", b"\r"))
+        return b"".join(out)
 
 
 class Console:
@@ -165,6 +198,7 @@ class OutputPump:
         self._keep = keep_tail
         self._tail = bytearray()
         self._tail_lock = threading.Lock()
+        self._dumps = DumpFilter()
         if file_path:
             os.makedirs(os.path.dirname(file_path), exist_ok=True)
             self._file = open(file_path, "ab")
@@ -173,6 +207,8 @@ class OutputPump:
 
     def _show(self, data: bytes) -> None:
         """Prefix ``data`` and write it to the console (whole lines, or a line's start after a pause)."""
+        if self._console is not None:
+            data = self._dumps(data)
         if not data or self._console is None:
             return
         continues = self._at is LineState.MID

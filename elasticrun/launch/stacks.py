@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass
 from typing import List, Optional
 
+#: faulthandler's mark at the end of each thread's header line.
+THREAD_MARK = b"(most recent call first):"
 _HEAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+) \(most recent call first\):$")
 _FRAME = re.compile(r'^\s+File "(?P<path>.*)", line (?P<line>\d+) in (?P<name>.*)$')
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../elasticrun
@@ -119,6 +121,17 @@ def is_own_frame(frame: Frame) -> bool:
             or os.path.basename(path) == "runpy.py")
 
 
+def is_own_frame_line(line: str) -> bool:
+    """Whether one line of a dump is a frame of elasticrun's own code or of ``runpy``."""
+    m = _FRAME.match(line)
+    return m is not None and is_own_frame(Frame(m.group("path"), int(m.group("line")), m.group("name"), ""))
+
+
+def is_dump_header(line: str) -> bool:
+    """Whether ``line`` starts one thread's stack in a faulthandler dump."""
+    return _HEAD.match(line.strip()) is not None
+
+
 def user_view(threads: List[ThreadStack]) -> str:
     """The dump as text, main thread first, without elasticrun's and runpy's frames and without the
     threads that then have nothing of the script's (elasticrun's reporters, idle pool threads)."""
@@ -132,4 +145,5 @@ def user_view(threads: List[ThreadStack]) -> str:
     return "\n\n".join(blocks)
 
 
-__all__ = ["Frame", "ThreadStack", "collective_waited_in", "is_own_frame", "last_dump", "main_thread", "user_view"]
+__all__ = ["THREAD_MARK", "Frame", "ThreadStack", "collective_waited_in", "is_dump_header", "is_own_frame",
+           "is_own_frame_line", "last_dump", "main_thread", "user_view"]
