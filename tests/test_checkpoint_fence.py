@@ -11,6 +11,7 @@ Either way the stale checkpoint is never committed and never "latest".
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -88,7 +89,8 @@ def _frozen_writer(root: Path, stall: str, env: dict) -> subprocess.Popen:
     raise AssertionError(f"the writer never froze at {stall}: {proc.communicate()[0][-3000:]}")
 
 
-def _resume(proc: subprocess.Popen) -> str:
+def _thaw(proc: subprocess.Popen) -> str:
+    """SIGCONT the frozen writer; its output once it is done."""
     os.kill(proc.pid, signal.SIGCONT)
     out, _ = proc.communicate(timeout=120)
     return out
@@ -111,7 +113,7 @@ def test_a_writer_frozen_in_its_commit_never_publishes_a_stale_round(
             resumed = load_latest(str(root))
             assert resumed is not None and resumed.training_state.step == 4
     finally:
-        out = _resume(writer)
+        out = _thaw(writer)
     assert "REFUSED" in out and "a stale round must not commit" in out, out
     complete = [i.name for i in list_checkpoints(str(root)) if i.status == "complete"]
     assert complete == ["step-00000004"], complete
@@ -123,8 +125,6 @@ def test_a_writer_frozen_in_its_commit_never_publishes_a_stale_round(
 
 def test_only_older_rounds_of_the_same_job_are_fenced(tmp_path: Path, round_env: dict,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    import json
-
     root = tmp_path / "ckpts"
     root.mkdir()
 
