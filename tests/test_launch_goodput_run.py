@@ -145,3 +145,18 @@ def test_busy_metrics_port_is_one_line() -> None:
         proc = run_cli(["--standalone", "--metrics-port", str(port), str(SCRIPTS / "echo_worker.py")])
     assert proc.returncode == 2
     assert_one_line_error(proc, f"--metrics-port {port}: cannot listen on 127.0.0.1:{port}")
+
+
+def test_steps_lost_are_the_steps_redone_not_the_reports_seen(
+    tmp_path: Path, agents: Callable[..., Agent], etcd_server: EtcdServer, job_id: str
+) -> None:
+    """The worker dies right after step 37 (its last reports never reached etcd) and the next round
+    resumes from the step-30 checkpoint, first reporting step 31: 7 steps were lost, exactly."""
+    events = tmp_path / "events.jsonl"
+    agent = agents(["--nnodes", "1", "--nproc-per-node", "1", "--rdzv-endpoint", etcd_server.endpoint,
+                    "--rdzv-id", job_id, "--max-restarts", "1", "--events-file", str(events),
+                    str(SCRIPTS / "rollback_worker.py"), str(tmp_path)])
+    assert agent.wait(180) == 0, agent.output()
+    assert "round 1 resumed at 30" in agent.stdout(), agent.output()
+    final = [json.loads(line) for line in events.read_text().splitlines()][-1]
+    assert final["event"] == "job_ended" and final["goodput"]["steps_lost"] == 7, final

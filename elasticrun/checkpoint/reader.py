@@ -36,6 +36,7 @@ from elasticrun.checkpoint.shardfile import PIECE, Hasher, torch_dtype
 from elasticrun.checkpoint.staging import byte_view, readinto_exact
 from elasticrun.checkpoint.state import TrainingState
 from elasticrun.checkpoint.storage import default_io_threads, describe, get_storage
+from elasticrun.checkpoint.temps import fence_older_saves
 from elasticrun.checkpoint.tree import check_fits, fill_in_place, flatten, unflatten
 from elasticrun.checkpoint.validate import (
     checksum_mismatch,
@@ -224,6 +225,8 @@ def load(
     parsed: Optional[CheckpointMeta] = None
     if comm.rank == 0:
         try:
+            if name == LATEST:
+                fence_older_saves(storage)  # no save of an older round becomes "latest" after this
             resolved = resolve_name(storage, name)
             raw = read_meta_bytes(storage, resolved)
             parsed = CheckpointMeta.loads(raw, meta_path(storage, resolved))  # clear errors before the others parse

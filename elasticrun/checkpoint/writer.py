@@ -42,7 +42,7 @@ from elasticrun.checkpoint.format import (
 from elasticrun.checkpoint.plan import LocalInfo, SavePlan, WriteItem, make_plan
 from elasticrun.checkpoint.shardfile import dtype_code, write_shard
 from elasticrun.checkpoint.storage import Storage, cpu_share, default_io_threads, describe, get_storage, retry
-from elasticrun.checkpoint.temps import is_disk_full, reclaim_stale_temps, write_marker
+from elasticrun.checkpoint.temps import fence_older_saves, is_disk_full, reclaim_stale_temps, write_marker
 from elasticrun.checkpoint.tree import flatten
 from elasticrun.checkpoint.validate import next_seq
 from elasticrun.errors import CheckpointError
@@ -298,6 +298,7 @@ def prepare(
         if comm.rank == 0:
             created = time.time()
             final_name = validate_name(name if name is not None else default_name(ts, created))
+            fence_older_saves(storage)  # a newer round opens the root: older rounds' saves can no longer commit
             _check_free(storage, final_name)
             head = {"name": final_name, "token": new_token(), "created": created, "checksum": algo.value}
     except CheckpointError as err:

@@ -2,10 +2,15 @@
 
 Every worker knows its round (``ELASTICRUN_ROUND``), its job (``ELASTICRUN_RDZV_ID``)
 and how to reach the job's etcd (:class:`~elasticrun.job.settings.EtcdSettings`, from the
-agent's settings file). Right before the commit marker is written, the committing rank
-reads the job's current round (:attr:`JobKeys.fence`); if a newer round exists (this
-worker's node was presumed dead, e.g. frozen past its lease) or etcd cannot confirm it,
-the save is refused and rolled back. Outside elasticrun this is a no-op.
+agent's settings file). Right before the commit — after the shards and ``metadata.json`` are
+written and synced, just before the rename that makes the checkpoint visible — the committing
+rank reads the job's current round (:attr:`JobKeys.fence`); if a newer round exists (this
+worker's node was presumed dead, e.g. frozen past its lease) or etcd cannot confirm it, the
+save is refused and rolled back. What remains between that read and the rename (a few system
+calls; a process frozen exactly there) is closed on the storage side: a save's temporary
+directory records :func:`fence_identity`, and a newer round's rank 0 renames the older rounds'
+temporary directories aside when it opens the root (``checkpoint.temps.fence_older_saves``),
+so the late rename finds nothing to publish. Outside elasticrun this is a no-op.
 """
 
 from __future__ import annotations
@@ -33,6 +38,14 @@ def fenced_round(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
     if not (mine and env.get(names.RDZV_ID, "").strip() and EtcdSettings.from_env(env)):
         return None
     return int(mine)
+
+
+def fence_identity(env: Optional[Mapping[str, str]] = None) -> Optional[Tuple[str, int]]:
+    """``(job id, round)`` of this worker when the commit fence applies, else None: what a save's
+    temporary directory records so that a newer round can fence it (``checkpoint.temps``)."""
+    env = os.environ if env is None else env
+    mine = fenced_round(env)
+    return None if mine is None else (env[names.RDZV_ID].strip(), mine)
 
 
 def current_round(topology: Any) -> Optional[int]:
@@ -89,4 +102,4 @@ def check_round_is_current(env: Optional[Mapping[str, str]] = None) -> None:
         )
 
 
-__all__ = ["FENCE_TIMEOUT", "check_round_is_current", "current_round", "fenced_round"]
+__all__ = ["FENCE_TIMEOUT", "check_round_is_current", "current_round", "fence_identity", "fenced_round"]

@@ -30,7 +30,7 @@ from elasticrun.job.settings import from_config as etcd_settings
 from elasticrun.launch.c10d import RoundStore
 from elasticrun.launch.config import LaunchConfig, signal_number
 from elasticrun.launch.failures import root_cause_table
-from elasticrun.launch.hang import STACKS_WAIT_S, HangWatch, dump_stacks, hang_failures, hang_message
+from elasticrun.launch.hang import STACKS_WAIT_S, HangWatch, dump_stacks, hang_failures, hang_line, skip_grace
 from elasticrun.launch.hosting import open_store, wait_others_left
 from elasticrun.launch.inplace import InPlaceRounds
 from elasticrun.launch.logfilter import unfed_warnings
@@ -382,8 +382,8 @@ class Agent:
                 workers_now = workers.running
                 rdzv.beat(busy_for=STACKS_WAIT_S)
                 dump_stacks(workers_now)
-                self.say(f"{hang_message(hang.timeout)}: stopping this round")
                 rows = hang_failures(workers_now, hang.timeout)
+                self.say(f"{hang_line(rows, hang.timeout)}: stopping this round")
                 guard.call(lambda: rdzv.report_failure(topo, rows), "reporting a hang")  # noqa: B023 - called at once
                 # A hung worker (and its peers blocked in the collective) never reaches the step boundary
                 # where a graceful stop would end it: no --shutdown-timeout wait, kill them now.
@@ -399,13 +399,16 @@ class Agent:
                 stop_workers(rdzv, workers, self.cfg.shutdown_timeout)
                 return RoundOutcome.SUCCEEDED
             if change is not None:
-                hung = False
-                if hang is not None and hang.stalled_for() >= hang.timeout / 2:  # stuck here too (a collective)
+                hung = hang is not None and self._hung_with_the_round(rdzv, topo, hang)
+                if hung:  # another node saw the hang; ours wait in the collective with it
+                    assert hang is not None
                     self.say(f"round {topo.round}: our workers' step has not advanced for "
                              f"{hang.stalled_for():.0f} s either: dumping their Python stacks")
+                    workers_now = workers.running
                     rdzv.beat(busy_for=STACKS_WAIT_S)
-                    dump_stacks(workers.running)
-                    hung = True
+                    dump_stacks(workers_now)
+                    rows = hang_failures(workers_now, hang.timeout)
+                    guard.call(lambda: rdzv.report_failure(topo, rows), "reporting a hang")  # noqa: B023 - called at once
                 keep = not hung and self.inplace.keep(rdzv, topo)
                 self.say(f"round {topo.round} ended: {change}; " + ("workers keep training until they re-form in place"
                                                                    if keep else "stopping workers"))
@@ -424,6 +427,17 @@ class Agent:
                 timeout = 0.5
             version = rdzv.wait_view(version, 0.02 if self.inplace.busy else timeout)
 
+
+    def _hung_with_the_round(self, rdzv: Rendezvous, topo: Topology, hang: HangWatch) -> bool:
+        """The round ended for a hang that another node detected, and our step stands still too: our
+        workers are stuck with it and get no shutdown grace. Every other end gets the grace."""
+        if hang.stalled_for() < hang.timeout / 2:
+            return False
+        try:
+            rows = rdzv.root_cause(topo.round)
+        except (ElasticrunError, ValueError, TypeError):
+            return False  # cannot tell: the graceful stop (SIGKILL after the grace) is the safe side
+        return skip_grace(hang.stalled_for(), hang.timeout, rows)
 
     def _hang_watch(self, rdzv: Rendezvous, topo: Topology) -> Optional[HangWatch]:
         """``--hang-timeout``: watch the progress our node's local rank 0 reports (see launch/hang.py)."""

@@ -17,9 +17,11 @@ Definitions (docs/observability.md):
   (``--hang-timeout`` fired: the training time since the last reported step, and stopping,
   re-forming and starting again after it — a cause of its own, not ``restart``, so an operator
   sees hangs apart from crashes);
-- rollback: when a round's first report is step S after the job had reached step T > S, the
-  training time from when step S was first reached until training stopped is moved from
-  goodput to ``rollback``, and T - S steps are counted as lost.
+- rollback: when a round resumed from step S (the step its workers report they restored, else
+  its first report's step) after the job had reached step T > S (the last step the workers
+  reached, which they keep on the node, else the highest reported), the training time from
+  when step S was first reached until training stopped is moved from goodput to ``rollback``,
+  and T - S steps are counted as lost.
 
 Invariant: ``goodput_s + sum(badput.values()) == wall_s``.
 """
@@ -97,10 +99,15 @@ class Goodput:
             self._stall_seen = 0.0
         self.phase = phase
 
-    def report(self, step: int, stall_s: float = 0.0, at: Optional[float] = None) -> None:
+    def report(self, step: int, stall_s: float = 0.0, at: Optional[float] = None, *,
+               restored: Optional[int] = None, reached: Optional[int] = None) -> None:
         """A progress report of the current round: latest ``step`` and the round's cumulative
         checkpoint/snapshot stall ``stall_s``, made at clock time ``at`` (default: now; a report
-        read late is dated back to when it was made). The first one of a round starts ``training``."""
+        read late is dated back to when it was made). The first one of a round starts ``training``.
+        ``restored``: the step the round's workers resumed from; ``reached``: the last step the
+        previous round's workers reached on this node (both as the reporter knows them, see
+        :func:`rollback_marks`) — the rollback is counted from them rather than from the round's
+        first report and the last one seen, which are up to a report interval off each."""
         if self.finished:
             return
         now = self.clock()
@@ -111,14 +118,19 @@ class Goodput:
         self._flush(now)
         self._stall(stall_s - self._stall_seen)  # it happened before this report
         self._stall_seen = max(self._stall_seen, stall_s)
-        reached = self._training - ((now - at) if self.phase is Phase.TRAINING else 0.0)
+        reached_at = self._training - ((now - at) if self.phase is Phase.TRAINING else 0.0)
         if self._fresh_round:
             self._fresh_round = False
-            if self.high_step is not None and step < self.high_step:
-                self._rollback(step, reached)
-        self._last_report = reached
+            base = step if restored is None else min(step, restored)
+            if reached is not None and (self.high_step is None or reached > self.high_step):
+                self._history.append((reached, reached_at))  # reached by the time training stopped
+                self.high_step = reached
+            if self.high_step is not None and base < self.high_step:
+                self.steps_lost += self.high_step - base
+                self._rollback(base, reached_at)
+        self._last_report = reached_at
         if self.high_step is None or step > self.high_step:
-            self._history.append((step, reached))
+            self._history.append((step, reached_at))
             self.high_step = step
         self.step = step
 
@@ -230,10 +242,18 @@ class Goodput:
         lost = max(0.0, now_training - reached)
         lost = min(lost, self.phase_seconds[Phase.TRAINING] - self.badput[Cause.ROLLBACK])
         self.badput[Cause.ROLLBACK] += lost
-        assert self.high_step is not None
-        self.steps_lost += self.high_step - step
         del self._history[i:]
         self.high_step = None if not self._history else self._history[-1][0]
+
+
+def rollback_marks(report: Dict[str, object]) -> Dict[str, Optional[int]]:
+    """``restored`` and ``reached`` of a progress report (``elasticrun.train.ProgressReporter``) for
+    :meth:`Goodput.report`; a missing or malformed one is None (the report's own step is used)."""
+    def step(key: str) -> Optional[int]:
+        v = report.get(key)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+    return {"restored": step("restored"), "reached": step("reached")}
 
 
 def aggregate(summaries: List[Dict[str, object]]) -> Dict[str, object]:
@@ -256,4 +276,4 @@ def aggregate(summaries: List[Dict[str, object]]) -> Dict[str, object]:
     }
 
 
-__all__ = ["Cause", "Goodput", "Phase", "aggregate"]
+__all__ = ["Cause", "Goodput", "Phase", "aggregate", "rollback_marks"]

@@ -19,7 +19,7 @@ from elasticrun.errors import ElasticrunError
 from elasticrun.job.keys import JobKeys
 from elasticrun.launch.config import LaunchConfig
 from elasticrun.launch.events import EventKind, EventLog
-from elasticrun.launch.goodput import Cause, Goodput, Phase
+from elasticrun.launch.goodput import Cause, Goodput, Phase, rollback_marks
 from elasticrun.launch.metrics import Metrics
 from elasticrun.rendezvous.protocol import Rendezvous
 from elasticrun.rendezvous.records import RescaleEvent, RescaleType, Topology
@@ -212,7 +212,7 @@ class Observer:
                 at = time.monotonic() - max(0.0, time.time() - float(p.get("time") or time.time()))
             except (TypeError, ValueError):
                 at = None
-            self.goodput.report(int(p["step"]), stall_s, at)
+            self.goodput.report(int(p["step"]), stall_s, at, **rollback_marks(p))
             self.state["samples_per_s"] = p.get("samples_per_s")
             for kind, value in stalls.items():
                 if not isinstance(value, list) or len(value) != 3:
