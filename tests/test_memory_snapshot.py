@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from elasticrun.checkpoint import SnapshotMemoryError, Snapshotter, list_checkpoints, save, verify
+from elasticrun.checkpoint import Checksum, SnapshotMemoryError, Snapshotter, list_checkpoints, save, verify
 from elasticrun.job.shm import GENERATIONS, LOCK_FILE, OWNER_FILE, PREFIX
 from elasticrun.launch.snapshots import SnapshotRoot, sweep
 from elasticrun.train import load_latest
@@ -131,6 +131,9 @@ def test_every_kth_generation_is_persisted_to_disk(base: Path, tmp_path: Path, a
     on_disk = [i for i in list_checkpoints(disk) if i.status == "complete"]
     assert [i.meta.step for i in on_disk] == [2, 4]
     assert all(verify(disk, i.name).ok for i in on_disk)
+    # Memory carries the memory tier's checksum; the disk copies only the public format's CRC-32.
+    assert {e.algo for g in _gens(base) for e in g.meta.files.values()} == {Checksum.WORDSUM}
+    assert {e.algo for i in on_disk for e in i.meta.files.values()} == {Checksum.CRC32}
     assert not os.listdir(base / "persist"), "the hard-linked staging copies are removed"
     ckpt = load_latest(disk, memory=False)
     assert float(ckpt.state_dict["w"][0, 0]) == 4.0
