@@ -4,6 +4,7 @@ back to the next checkpoint (disk). Real files, real gloo processes for the two-
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 from pathlib import Path
@@ -36,19 +37,26 @@ def _shards(gen: Path) -> list:
     return sorted(p for p in gen.iterdir() if p.name.endswith(".safetensors"))
 
 
-def test_a_changed_local_generation_is_not_loaded_and_disk_is_next(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_changed_local_generation_is_not_loaded_and_disk_is_next(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
     base, disk = tmp_path / "shm", str(tmp_path / "disk")
     base.mkdir()
     monkeypatch.setenv("ELASTICRUN_SNAPSHOT_DIR", str(base))
     save({"w": torch.full((256,), 1.0)}, disk, training_state={"step": 1})
     Snapshotter().snapshot({"w": torch.full((256,), 2.0)}, training_state={"step": 2})
     gen = next(i for i in list_checkpoints(str(base / GENERATIONS)) if i.status == "complete")
-    _spoil(_shards(base / GENERATIONS / gen.name)[0])
+    shard = _shards(base / GENERATIONS / gen.name)[0]
+    _spoil(shard)
     target = {"w": torch.zeros(256)}
-    ckpt = load_latest(disk, state_dict=target)
+    with caplog.at_level(logging.WARNING, logger="elasticrun"):
+        ckpt = load_latest(disk, state_dict=target)
     assert (ckpt.tier, ckpt.training_state.step) == ("disk", 1), "the changed memory generation was loaded"
     assert torch.equal(target["w"], torch.full((256,), 1.0)) and not torch.isnan(target["w"]).any()
+    # One clear line names the file that failed and why, another the fallback.
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(shard.name in ln and "fails its checksum" in ln and "changed in shared memory" in ln
+               for ln in lines), lines
+    assert any(gen.name in ln and "trying the previous one" in ln for ln in lines), lines
     # No later restore tries it again.
     assert load_latest(disk).tier == "disk"
 
@@ -56,7 +64,7 @@ def test_a_changed_local_generation_is_not_loaded_and_disk_is_next(tmp_path: Pat
 WORKER = r"""
 import json, os, sys
 import torch, torch.distributed as dist
-from elasticrun.checkpoint import Shard, Snapshotter
+from elasticrun.checkpoint import Shard, Snapshotter, save
 from elasticrun.train import load_latest
 
 phase, disk = sys.argv[1], sys.argv[2]
@@ -65,6 +73,7 @@ rank, world = dist.get_rank(), dist.get_world_size()
 pl = {"w": Shard(0)}
 full = torch.arange(64, dtype=torch.float32).reshape(32, 2)
 if phase == "save":
+    save({"w": torch.tensor_split(-full, world)[rank].clone()}, disk, training_state={"step": 1}, placements=pl)
     snaps = Snapshotter()
     snaps.snapshot({"w": torch.tensor_split(full, world)[rank].clone()}, training_state={"step": 5}, placements=pl)
     snaps.wait()
@@ -72,7 +81,8 @@ if phase == "save":
 else:
     target = {"w": torch.zeros_like(torch.tensor_split(full, world)[rank])}
     ck = load_latest(disk, state_dict=target, placements=pl)
-    ok = torch.equal(target["w"], torch.tensor_split(full, world)[rank])
+    want = full if ck.tier == "memory" else -full
+    ok = torch.equal(target["w"], torch.tensor_split(want, world)[rank])
     print("RESULT " + json.dumps({"rank": rank, "tier": ck.tier, "step": ck.training_state.step, "ok": ok}), flush=True)
     dist.barrier()
 dist.destroy_process_group()
@@ -95,6 +105,29 @@ def test_a_changed_part_is_fetched_from_the_replica_on_the_next_node(tmp_path: P
     # Both ranks restored the memory step with the right values: node 0's part came from node 1's replica.
     assert all((r["tier"], r["step"], r["ok"]) == ("memory", 5, True) for r in res), res
     assert "fails its checksum" in outs[0].stdout, outs[0].stdout[-3000:]
+
+
+def test_a_changed_part_whose_replica_changed_too_falls_back_to_disk_on_every_rank(tmp_path: Path) -> None:
+    """No good copy left anywhere: the replica fetched from node 1 fails its check on receipt, the
+    restore fails on both ranks alike with a line naming the file, and both load the disk checkpoint."""
+    disk, n0, n1 = tmp_path / "disk", tmp_path / "node0", tmp_path / "node1"
+    for d in (n0, n1):
+        d.mkdir()
+    saved = run_nodes(WORKER, ["save", str(disk)], [n0, n1])
+    assert all(o.returncode == 0 for o in saved), [o.stdout[-2000:] for o in saved]
+    (gen,) = [p for p in (n0 / GENERATIONS).iterdir() if (p / "metadata.json").exists()]
+    meta = CheckpointMeta.loads((gen / "metadata.json").read_bytes(), str(gen))
+    mine = [gen / n for n, e in meta.files.items() if e.rank == 0]
+    replica = n1 / "replicas" / gen.name / mine[0].name
+    assert mine and replica.exists(), "node 1 holds node 0's replica"
+    _spoil(mine[0])
+    _spoil(replica)
+    outs = run_nodes(WORKER, ["load", str(disk)], [n0, n1])
+    res = node_results(outs)
+    assert all((r["tier"], r["step"], r["ok"]) == ("disk", 1, True) for r in res), res
+    said = outs[0].stdout
+    assert f"{mine[0].name} on this node fails its checksum" in said, said[-3000:]
+    assert f"checkpoint {gen.name} cannot be loaded" in said and "trying the previous one" in said, said[-3000:]
 
 
 def test_bytes_changed_after_a_check_would_have_run_are_still_caught(tmp_path: Path,
