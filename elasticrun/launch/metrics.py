@@ -23,7 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import choose_encoder
 
 from elasticrun.errors import ConfigError
-from elasticrun.launch.goodput import Cause, Phase
+from elasticrun.launch.goodput import LOST_CAUSES, Cause, Phase
 from elasticrun.launch.httpserve import BoundedHTTPServer
 
 PREFIX = "elasticrun_"
@@ -69,10 +69,12 @@ class _StateCollector:
             g("samples_per_second", "Samples per second (global) at the latest report.", s.get("samples_per_s")),
             g("goodput_ratio", "Wall time that became kept training, over wall time since the agent started.",
               s.get("goodput_ratio", 0.0)),
+            g("goodput_seconds", "Seconds of kept training so far (a gauge: falls when a restore throws "
+              "training away; rates: phase_seconds_total{phase=\"training\"} - training_lost_seconds_total).",
+              s.get("goodput_s", 0.0)),
             g("leader", "1 while this agent leads the rendezvous.", 1.0 if s.get("role") == "leader" else 0.0),
             self._counter("restarts_total", "Worker-failure restarts of the job.", s.get("restarts", 0)),
             self._counter("steps_lost_total", "Steps thrown away by restores (rollback).", s.get("steps_lost", 0)),
-            self._counter("goodput_seconds_total", "Seconds of kept training.", s.get("goodput_s", 0.0)),
         ]
         yield from (m for m in found if m is not None)
         info = GaugeMetricFamily(PREFIX + "agent_info", "This agent: its role (leader or member).",
@@ -81,14 +83,19 @@ class _StateCollector:
         yield info
         yield self._by(CounterMetricFamily(PREFIX + "rescales_total", "Rounds formed by a membership change.",
                                            labels=[*self.names, "type"]), "type", s.get("rescales", {}))
-        phases = s.get("phase_s", {})
-        yield self._by(CounterMetricFamily(PREFIX + "phase_seconds_total", "Wall seconds spent in each phase.",
+        counters = s.get("counters", {})
+        phases, badput, lost = (counters.get(k, {}) for k in ("phase_s", "badput_s", "lost_s"))
+        yield self._by(CounterMetricFamily(PREFIX + "phase_seconds_total", "Wall seconds spent in each phase, "
+                                           "as lived (training includes what was found lost afterwards).",
                                            labels=[*self.names, "phase"]), "phase",
-                       {p.value: phases.get(p.value, 0.0) for p in Phase})
-        badput = s.get("badput_s", {})
+                       {p.value: phases.get(p.value, 0.0) for p in Phase if p is not Phase.CHECKPOINT_STALL})
         yield self._by(CounterMetricFamily(PREFIX + "badput_seconds_total", "Wall seconds not kept, by cause.",
                                            labels=[*self.names, "cause"]), "cause",
                        {c.value: badput.get(c.value, 0.0) for c in Cause})
+        yield self._by(CounterMetricFamily(PREFIX + "training_lost_seconds_total", "Training seconds found "
+                                           "afterwards not kept, by cause (goodput = training - these).",
+                                           labels=[*self.names, "cause"]), "cause",
+                       {c.value: lost.get(c.value, 0.0) for c in LOST_CAUSES})
         lease = s.get("lease", "lost")
         yield self._by(GaugeMetricFamily(PREFIX + "lease_state", "1 for the state the agent's etcd lease is in.",
                                          labels=[*self.names, "state"]), "state",
