@@ -252,3 +252,19 @@ def test_status_extends_each_live_account_to_the_time_it_is_read() -> None:
     starting = dict(fresh.summary(), time=1000.0)  # an agent whose script has not reported yet
     assert with_goodput({"time": 1004.0, "goodput_nodes": {"n1": starting}})["goodput"]["badput_s"]["unknown"] == \
         pytest.approx(4.0)
+
+
+def test_the_promql_helper_reads_a_drop_as_a_reset_and_extrapolates_as_prometheus() -> None:
+    """The helper the tests above judge the counters with, on cases worked out by hand from
+    Prometheus' extrapolatedRate."""
+    dropped = [(0.0, 0.0), (15.0, 10.0), (30.0, 20.0), (45.0, 5.0), (60.0, 15.0)]
+    assert promql.increase(dropped, 60.0, 60.0) == pytest.approx(15.0 + 20.0)  # 20 -> 5 is a reset: +20
+    # samples 5 s after the range's start and 10 s before its end, 15 s apart: both edges within
+    # 1.1 intervals, the zero point (15 s before the first) further than the start: 30 * 60 / 45
+    inner = [(5.0, 10.0), (20.0, 20.0), (35.0, 30.0), (50.0, 40.0)]
+    assert promql.increase(inner, 60.0, 60.0) == pytest.approx(40.0)
+    assert promql.rate(inner, 60.0, 60.0) == pytest.approx(40.0 / 60.0)
+    # the counter started at 0 just before the first sample: no extrapolation past its zero point
+    fresh = [(30.0, 1.0), (45.0, 16.0), (60.0, 31.0)]
+    assert promql.increase(fresh, 60.0, 60.0) == pytest.approx(30.0 * (30.0 + 1.0) / 30.0)
+    assert promql.increase([(1.0, 5.0)], 60.0, 60.0) is None
