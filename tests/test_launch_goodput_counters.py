@@ -268,3 +268,20 @@ def test_the_promql_helper_reads_a_drop_as_a_reset_and_extrapolates_as_prometheu
     fresh = [(30.0, 1.0), (45.0, 16.0), (60.0, 31.0)]
     assert promql.increase(fresh, 60.0, 60.0) == pytest.approx(30.0 * (30.0 + 1.0) / 30.0)
     assert promql.increase([(1.0, 5.0)], 60.0, 60.0) is None
+
+
+def test_an_outage_returns_to_the_phase_it_interrupted() -> None:
+    c, g = _first_report_at(1.0)
+    g.enter(Phase.RESTARTING, Cause.RESTART)
+    g.outage(True)
+    c.t = 3.0
+    g.outage(False)
+    assert g.phase is Phase.RESTARTING, "stopping the workers goes on: not training"
+    c.t = 4.0
+    g.enter(Phase.STARTING)
+    g.outage(True)
+    c.t = 5.0
+    g.report(3)  # read while etcd answered for a moment: the round trains once the outage ends
+    g.outage(False)
+    c.t = 6.0
+    assert g.phase is Phase.TRAINING and g.badput[Cause.OUTAGE] == pytest.approx(3.0)

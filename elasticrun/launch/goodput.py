@@ -124,13 +124,15 @@ class Goodput:
         self.phase = phase
 
     def outage(self, on: bool) -> None:
-        """etcd stopped (``on``) or started again answering during a round: ``outage`` until it
-        answers, then back to where the round was (starting, or training once it reported)."""
-        if on and self.phase is not Phase.OUTAGE:
-            self._resume = Phase.STARTING if self._fresh_round else Phase.TRAINING
-            self.enter(Phase.OUTAGE)
-        elif not on and self.phase is Phase.OUTAGE:
-            self.enter(self._resume)
+        """etcd stopped (``on``) or started again answering: ``outage`` until it answers, then back
+        to the phase it interrupted (training, if the round's first report came meanwhile)."""
+        if on == (self.phase is Phase.OUTAGE):
+            return
+        self._flush()
+        if on:
+            self._resume, self.phase = self.phase, Phase.OUTAGE
+        else:
+            self.phase = self._resume
 
     def report(self, step: int, stall_s: float = 0.0, at: Optional[float] = None) -> None:
         """A progress report of the current round: latest ``step`` and the round's cumulative
@@ -143,7 +145,7 @@ class Goodput:
         if self.phase is Phase.STARTING:
             self._flush(at)
             self.phase = Phase.TRAINING
-        elif self.phase is Phase.OUTAGE:
+        elif self.phase is Phase.OUTAGE and self._resume is Phase.STARTING:
             self._resume = Phase.TRAINING
         self._flush(now)
         if not self.reported:
