@@ -200,3 +200,22 @@ def test_past_the_cap_the_oldest_half_open_connection_makes_room(server: Bounded
     finally:
         for s in socks:
             s.close()
+
+
+def test_a_large_answer_reaches_a_slow_reader_whole(server: BoundedHTTPServerFixture) -> None:
+    """The connection closes only once the whole answer is sent: a reader that takes its time (but
+    less than the write deadline) gets every byte of a body larger than the socket buffers."""
+    big = b"x" * (16 << 20)
+    srv, port = server()
+    srv.handler = lambda method, path, headers: ("200 OK", [("Content-Type", "text/plain")], big)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+        s.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
+        time.sleep(0.5)  # the server has written what the buffers hold, the rest waits in its transport
+        got = b""
+        while True:
+            chunk = s.recv(1 << 16)
+            if not chunk:
+                break
+            got += chunk
+    assert got.endswith(big) and len(got.split(b"\r\n\r\n", 1)[1]) == len(big)

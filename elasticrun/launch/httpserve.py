@@ -122,6 +122,7 @@ class BoundedHTTPServer:
         asyncio.get_running_loop().call_soon(asyncio.get_running_loop().stop)
 
     def _drop(self, conn: _Conn) -> None:
+        """Close ``conn`` at once, discarding what it has not sent (a slow, evicted or failed client)."""
         if not conn.closed:
             conn.closed = True
             conn.writer.transport.abort()
@@ -183,7 +184,9 @@ class BoundedHTTPServer:
         if "content-length" not in names:
             lines.append(f"Content-Length: {len(body)}")
         conn.writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
-        await asyncio.wait_for(conn.writer.drain(), self.write_timeout)
+        conn.writer.close()  # after the buffered bytes are sent (an abort would drop them)
+        await asyncio.wait_for(conn.writer.wait_closed(), self.write_timeout)
+        conn.closed = True
 
 
 async def _read_head(reader: asyncio.StreamReader) -> Tuple[str, str, Dict[str, str]]:
