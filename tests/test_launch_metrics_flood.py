@@ -166,7 +166,7 @@ def test_answers_get_and_head_and_refuses_what_is_not_http(server: BoundedHTTPSe
     assert _exchange(port, b"\x16\x03\x01 not http\r\n\r\n").startswith(b"HTTP/1.1 400 ")
     assert _exchange(port, b"GET / HTTP/1.1\r\n" + b"X: " + b"a" * 20000 + b"\r\n\r\n").startswith(b"HTTP/1.1 400 ")
     assert _exchange(port, b"GET /boom HTTP/1.1\r\n\r\n").startswith(b"HTTP/1.1 500 ")
-    assert srv.counts.bad == 2 and srv.counts.served == 3
+    wait_until(lambda: srv.counts.bad == 2 and srv.counts.served == 3, 10, f"the server to count them: {srv.counts}")
 
 
 def test_a_trickling_client_is_cut_off_at_the_read_deadline(server: BoundedHTTPServerFixture) -> None:
