@@ -219,3 +219,15 @@ def test_a_large_answer_reaches_a_slow_reader_whole(server: BoundedHTTPServerFix
                 break
             got += chunk
     assert got.endswith(big) and len(got.split(b"\r\n\r\n", 1)[1]) == len(big)
+
+
+def test_every_interface_of_both_families_with_double_colon() -> None:
+    srv = BoundedHTTPServer(_hello)
+    port = srv.start("::", 0)
+    try:
+        for host in ("127.0.0.1", "::1"):
+            with socket.create_connection((host, port), timeout=10) as s:
+                s.sendall(b"GET / HTTP/1.1\r\n\r\n")
+                assert s.recv(100).startswith(b"HTTP/1.1 200 OK"), host
+    finally:
+        srv.close()

@@ -74,15 +74,23 @@ class BoundedHTTPServer:
         """Listen on ``host:port`` (``port`` 0: any free one) and serve from a daemon thread; the port
         bound. OSError when the address cannot be bound (raised here, in the caller's thread)."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.create_server((host, port), family=family, backlog=BACKLOG)
+        dualstack = host == "::" and socket.has_dualstack_ipv6()  # "::": IPv4 clients too, as "0.0.0.0" is
+        sock = socket.create_server((host, port), family=family, backlog=BACKLOG, dualstack_ipv6=dualstack)
         loop = asyncio.new_event_loop()
         self._loop = loop
         started = threading.Event()
+        failed: List[BaseException] = []
 
         def run() -> None:
             asyncio.set_event_loop(loop)
-            self._server = loop.run_until_complete(
-                asyncio.start_server(self._client, sock=sock, limit=MAX_HEAD_BYTES, backlog=BACKLOG))
+            try:
+                self._server = loop.run_until_complete(
+                    asyncio.start_server(self._client, sock=sock, limit=MAX_HEAD_BYTES, backlog=BACKLOG))
+            except BaseException as err:  # noqa: BLE001 - reported to start()'s caller
+                failed.append(err)
+                started.set()
+                loop.close()
+                return
             started.set()
             try:
                 loop.run_forever()
@@ -92,7 +100,10 @@ class BoundedHTTPServer:
 
         self._thread = threading.Thread(target=run, name=self.name, daemon=True)
         self._thread.start()
-        started.wait(10)
+        if not started.wait(30) or failed:
+            self._loop = self._thread = None
+            sock.close()
+            raise OSError(f"the HTTP server did not start: {failed[0] if failed else 'no answer in 30 s'}")
         return int(sock.getsockname()[1])
 
     def close(self, wait: float = 5.0) -> None:
