@@ -202,7 +202,8 @@ OWN_OPTIONS: Tuple[Opt, ...] = (
     Opt("metrics_host", ("--metrics-host",), "Address /metrics listens on (0.0.0.0: every interface).", LOGS,
         metavar="ADDR", default="127.0.0.1", envvars=(job_env.METRICS_HOST,)),
     Opt("events_file", ("--events-file",), "Append the agent's events (rounds, restarts, rescales, checkpoints, "
-        "outages) to this file as JSON lines.", LOGS, metavar="PATH", envvars=(job_env.EVENTS_FILE,)),
+        "outages) to this file as JSON lines (created 0600; a link or another user's file is refused).", LOGS,
+        metavar="PATH", envvars=(job_env.EVENTS_FILE,)),
     Opt("quiet", ("-q", "--quiet"), "No agent progress lines.", LOGS, kind=Kind.FLAG, default=False),
     Opt("etcd_binary", ("--etcd-binary",), "etcd executable for an etcd this node starts.", ETCD,
         metavar="PATH"),

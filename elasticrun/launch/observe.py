@@ -141,8 +141,7 @@ class Observer:
             if outage == self._outage:
                 return
             self._outage = outage
-            self.goodput.enter(Phase.OUTAGE if outage else Phase.TRAINING if self.goodput.step is not None
-                               else Phase.STARTING)
+            self.goodput.outage(outage)
         self.events.emit(EventKind.OUTAGE_BEGIN if outage else EventKind.OUTAGE_END)
 
     def _see(self, rdzv: Rendezvous) -> None:
@@ -172,6 +171,7 @@ class Observer:
         with self._lock:
             doc = dict(self.state, rescales=dict(self.state["rescales"]))
             doc.update(self.goodput.summary())
+            doc["counters"] = self.goodput.counters()
         return doc
 
     # -- the thread -----------------------------------------------------------------------------
@@ -212,7 +212,10 @@ class Observer:
                 at = time.monotonic() - max(0.0, time.time() - float(p.get("time") or time.time()))
             except (TypeError, ValueError):
                 at = None
+            phase = self.goodput.phase
             self.goodput.report(int(p["step"]), stall_s, at, **rollback_marks(p))
+            if self.goodput.phase is not phase:
+                self._publish.set()  # the round's first report: ``status`` shows training from now on
             self.state["samples_per_s"] = p.get("samples_per_s")
             for kind, value in stalls.items():
                 if not isinstance(value, list) or len(value) != 3:
