@@ -9,7 +9,7 @@ import grpc
 from elasticrun.errors import LeaseGoneError, StoreError, StoreSetupError
 from elasticrun.job.keys import ROOT
 
-START_HINT = "start one with `elasticrun etcd`, or run with --standalone"
+START_HINT = "is it running? start one with `elasticrun etcd`"
 AUTH_FAILED = "authentication failed"
 NOSPACE_DETAIL = "database space exceeded"  # etcdserver: mvcc: database space exceeded
 
