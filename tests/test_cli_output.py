@@ -147,3 +147,9 @@ def test_every_default_is_said_once() -> None:
     for opt in all_options():
         text = option_entry(opt).help
         assert text.count("[default") <= 1 and text.count("(default") + text.count("[default") <= 1, text
+
+
+def test_a_group_without_its_command_shows_its_help(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = cli(["ckpt"], capsys)
+    assert code == 2 and err == "" and out.startswith("Usage: elasticrun ckpt [OPTIONS] COMMAND [ARGS]..."), (out, err)
+    assert re.search(r"^  verify +Re-hash", out, re.M), out

@@ -89,7 +89,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         code = app(args=args, prog_name="elasticrun", standalone_mode=False)
         raise SystemExit(code if isinstance(code, int) else 0)
     except ClickException as err:  # a bad flag or argument of a typer command: one line, like ours
-        if not err.format_message().strip():  # a group called without a command: its help is shown
+        if type(err).__name__ == "NoArgsIsHelpError" or not err.format_message().strip():
+            _show_help(err)  # a group called without a command: its help, as for --help (exit 2)
             raise SystemExit(ExitCode.USAGE) from None
         fail(_usage_line(err), ExitCode.USAGE)
     except typer.Abort:  # a prompt answered with Ctrl-D or Ctrl-C
@@ -98,6 +99,13 @@ def main(argv: Optional[List[str]] = None) -> None:
         fail(str(err), for_error(err))
     except KeyboardInterrupt:
         fail("interrupted", ExitCode.INTERRUPTED)
+
+
+def _show_help(err: Any) -> None:
+    ctx = getattr(err, "ctx", None)
+    if ctx is not None:
+        sys.stdout.write(ctx.get_help().rstrip("\n") + "\n")
+        sys.stdout.flush()
 
 
 def _usage_line(err: Any) -> str:
