@@ -166,7 +166,7 @@ def test_goodput_of_a_job_with_a_crash_matches_its_ground_truth(
         span["kept"] / (times[end] - times[0]), abs=1.0 / (times[end] - times[0]))
 
 
-@pytest.mark.parametrize("value,needle", [("-1", "--metrics-port -1"), ("70000", "--metrics-port 70000"),
+@pytest.mark.parametrize("value,needle", [("-1", "--metrics-port '-1'"), ("70000", "--metrics-port '70000'"),
                                           ("abc", "--metrics-port 'abc'")])
 def test_bad_metrics_port_is_one_line(value: str, needle: str) -> None:
     proc = run_cli(["--standalone", "--metrics-port", value, str(SCRIPTS / "echo_worker.py")])

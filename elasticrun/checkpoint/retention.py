@@ -94,6 +94,7 @@ def delete(
     *,
     force: bool = False,
     storage_options: Optional[Dict[str, Any]] = None,
+    force_hint: str = "force=True",
 ) -> List[str]:
     """Delete the named checkpoints under ``root`` (complete, incomplete, corrupt, or aliases).
 
@@ -101,6 +102,7 @@ def delete(
     touched) and, unless ``force``, deleting every complete checkpoint there is or a
     checkpoint that an alias points to. Deleting an alias removes the link only.
     Returns the names deleted. Temporary directories are deleted by their directory name.
+    ``force_hint`` is how a refusal names the override (the CLI: ``--force``).
     """
     storage = get_storage(root, storage_options)
     infos = {i.dirname: i for i in scan(storage)}
@@ -119,14 +121,14 @@ def delete(
         if links and not force:
             raise CheckpointError(
                 f"refusing to delete {d}: the alias(es) {', '.join(links)} point to it; delete them too, or "
-                "pass --force (force=True) to leave them dangling"
+                f"pass {force_hint} to leave them dangling"
             )
     remaining = [i for d, i in infos.items() if is_ordered(i) and d not in targets]
     doomed_complete = [d for d in targets if infos[d].status == CheckpointStatus.COMPLETE and infos[d].alias_of is None]
     if doomed_complete and not remaining and not force:
         raise CheckpointError(
             f"refusing to delete {', '.join(doomed_complete)}: no complete checkpoint would be left in "
-            f"{storage.display(storage.root)}; pass --force (force=True) if you mean it"
+            f"{storage.display(storage.root)}; pass {force_hint} if you mean it"
         )
     for d in targets:
         remove_entry(storage, d)

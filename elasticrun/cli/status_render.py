@@ -11,11 +11,10 @@ from collections import Counter
 from typing import Any, Dict, List, Optional
 
 from rich.console import Group, RenderableType
-from rich.markup import escape
-from rich.table import Table
 from rich.text import Text
 
 from elasticrun.cli.goodput_view import goodput_line
+from elasticrun.cli.tables import Column, DataTable
 from elasticrun.rendezvous.jobstatus import job_phase
 from elasticrun.rendezvous.records import WorkerStatus
 from elasticrun.rendezvous.states import JobPhase, MemberStatus
@@ -144,40 +143,39 @@ def render_job(doc: Dict[str, Any], endpoint: str = "", error: str = "") -> Rend
         lines.append(Text(f"finished: {', '.join(end['done'])}", style="green"))
 
     if doc.get("members"):
-        t = Table(title="members", title_justify="left", expand=False)
-        for col in ("grank", "node", "host", "address", "status", "ranks", "accelerators", "heartbeat", "lease",
-                    "progress"):
-            t.add_column(col, overflow="fold")
+        t = DataTable([Column("grank", "right"), Column("node", name=True), Column("host", name=True),
+                       Column("address", name=True), Column("status"), Column("ranks"),
+                       Column("accelerators", prose=True), Column("heartbeat"), Column("lease"),
+                       Column("progress", prose=True)], title="members")
         for m in doc["members"]:
             t.add_row(
-                str(m["group_rank"]), escape(m["node_id"]), escape(str(m.get("host") or "-")),
-                escape(str(m.get("addr") or "-")), _status(m["status"]), _ranks(m["ranks"]),
-                _accelerators(m.get("accelerators") or []), _heartbeat(m, now), _lease(m),
-                _progress(m.get("progress"), now),
+                str(m["group_rank"]), str(m["node_id"]), str(m.get("host") or "-"), str(m.get("addr") or "-"),
+                _status(m["status"]), _ranks(m["ranks"]), _accelerators(m.get("accelerators") or []),
+                _heartbeat(m, now), _lease(m), _progress(m.get("progress"), now),
             )
         lines.append(t)
     if doc.get("spares"):
         title = "waiting nodes (not in the round)" if doc.get("round") is not None else "registered nodes"
-        t = Table(title=title, title_justify="left")
-        for col in ("node", "host", "address", "status", "nproc", "waiting for", "registered", "lease"):
-            t.add_column(col, overflow="fold")
+        t = DataTable([Column("node", name=True), Column("host", name=True), Column("address", name=True),
+                       Column("status"), Column("nproc", "right"), Column("waiting for"), Column("registered"),
+                       Column("lease")], title=title)
         for s in doc["spares"]:
             wf = s.get("waiting_for")
             t.add_row(
-                escape(s["node_id"]), escape(str(s.get("host") or "-")), escape(str(s.get("addr") or "-")),
-                _status(s["status"]), str(s.get("nproc")), f"round {wf}" if wf is not None and wf >= 0 else "-",
+                str(s["node_id"]), str(s.get("host") or "-"), str(s.get("addr") or "-"), _status(s["status"]),
+                str(s.get("nproc")), f"round {wf}" if wf is not None and wf >= 0 else "-",
                 _ago(s.get("registered_at"), now), _lease(s),
             )
         lines.append(t)
     if doc.get("events"):
-        t = Table(title="rescale events (newest first)", title_justify="left")
-        for col in ("round", "type", "world", "added", "removed", "reason", "when"):
-            t.add_column(col, overflow="fold")
+        t = DataTable([Column("round", "right"), Column("type"), Column("world"), Column("added", name=True),
+                       Column("removed", name=True), Column("reason", prose=True), Column("when")],
+                      title="rescale events (newest first)")
         for e in doc["events"]:
             t.add_row(
-                str(e["round"]), e["type"], f"{e['old_world_size']}→{e['new_world_size']}",
-                escape(", ".join(e["added"]) or "-"), escape(", ".join(e["removed"]) or "-"),
-                escape(e.get("reason") or ""), _ago(e.get("time"), now),
+                str(e["round"]), str(e["type"]), f"{e['old_world_size']}→{e['new_world_size']}",
+                ", ".join(e["added"]) or "-", ", ".join(e["removed"]) or "-", str(e.get("reason") or ""),
+                _ago(e.get("time"), now),
             )
         lines.append(t)
     return Group(*lines)
@@ -187,13 +185,13 @@ def render_jobs(rows: List[Dict[str, Any]], endpoint: str = "") -> RenderableTyp
     """The table of jobs."""
     if not rows:
         return Text(f"no elasticrun jobs in etcd at {endpoint}")
-    t = Table(title=f"jobs in etcd at {endpoint}", title_justify="left")
-    for col in ("job", "state", "round", "world size", "nodes", "restarts", "nnodes"):
-        t.add_column(col, overflow="fold")
+    t = DataTable([Column("job", name=True), Column("state"), Column("round", "right"),
+                   Column("world size", "right"), Column("nodes", "right"), Column("restarts", "right"),
+                   Column("nnodes")], title=f"jobs in etcd at {endpoint}")
     for r in rows:
         mr = r.get("max_restarts")
         t.add_row(
-            escape(r["job"]), Text(r["phase"], style=_PHASE_STYLE.get(r["phase"], "")),
+            str(r["job"]), Text(r["phase"], style=_PHASE_STYLE.get(r["phase"], "")),
             "-" if r["round"] is None else str(r["round"]), str(r["world_size"]), str(r["nodes"]),
             f"{r['restart_count']}/{mr if mr is not None else '?'}", str(r.get("nnodes") or "-"),
         )

@@ -218,7 +218,8 @@ class Agent:
                 rdzv.publish(accelerators=accs)
                 self.say(
                     f"joined job {cfg.rdzv_id!r} at {cfg.rdzv_endpoint} as {cfg.node_id} "
-                    f"(nnodes {cfg.nnodes_min}:{cfg.nnodes_max}, {cfg.nproc_per_node} workers)"
+                    f"(nnodes {cfg.nnodes_min}:{cfg.nnodes_max}, {cfg.nproc_per_node} "
+                    f"worker{'s' * (cfg.nproc_per_node != 1)})"
                 )
                 return self._loop(rdzv, workers)
             except StoreError:

@@ -42,6 +42,7 @@ from elasticrun.rendezvous.storehost import QUICK_WAIT_S, StoreHost
 from elasticrun.rendezvous.view import JobView
 from elasticrun.store.client import EtcdStore
 from elasticrun.store.lease import KeepAlive, LeaseHealth
+from elasticrun.waiting import Reminder
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class Rendezvous(RoundMonitor):
         self.node = node
         self._host_store = host_store
         self._say = on_progress or (lambda msg: log.info(msg))
+        self._reminder = Reminder(self._say, "", every=5.0, max_every=60.0)  # re-says a long wait (_tell)
         # Called at every turn of the owner's loops (see beat): the agent raises a pending signal there.
         self.on_beat: Callable[[], None] = lambda: None
         self.lease: Optional[KeepAlive] = None
@@ -202,6 +204,7 @@ class Rendezvous(RoundMonitor):
         last_waiting: List[str] = []
         changed_at = time.monotonic()
         said = ""
+        deadline = started + timeout  # when the leader gives up on too few nodes
         version = self.view_version()
         while True:
             self.beat()
@@ -221,10 +224,11 @@ class Rendezvous(RoundMonitor):
                     return topo
                 target = topo.round + 1  # not chosen (spare): wait for the next round
                 self.publish(waiting_for=target, status=WorkerStatus.JOINING)
-                said = self._tell(said, f"waiting as a spare: round {topo.round} is full")
+                said = self._tell(said, f"waiting as a spare: round {topo.round} is full", None)
                 continue
             if not self.leading():  # the leader forms the round (and ends the job if too few join)
-                said = self._tell(said, f"waiting for round {target}, formed by {self.leadership.holder() or '?'}")
+                said = self._tell(said, f"waiting for round {target}, formed by {self.leadership.holder() or '?'}",
+                                  deadline)
                 if self.lease is not None:  # this turn's beat (above) now covers the wait
                     self.lease.beat(busy_for=FOLLOWER_WAIT_S)
                 version = self.wait_view(version, FOLLOWER_WAIT_S)
@@ -242,7 +246,7 @@ class Rendezvous(RoundMonitor):
                 last_waiting, changed_at = waiting, time.monotonic()
             wait_msg = self._try_form(target, topo, rev, nodes, changed_at)
             if wait_msg:
-                said = self._tell(said, wait_msg)
+                said = self._tell(said, wait_msg, deadline)
                 if len(waiting) < self.settings.min_nodes and time.monotonic() - started > timeout:
                     reason = (
                         f"only {len(waiting)} of at least {self.settings.min_nodes} nodes joined within "
@@ -286,9 +290,14 @@ class Rendezvous(RoundMonitor):
         self._last_eval = time.monotonic()
         return self.view.version
 
-    def _tell(self, said: str, msg: str) -> str:
+    def _tell(self, said: str, msg: str, deadline: Optional[float]) -> str:
+        """Say ``msg`` when it differs from ``said``; while it stays the same, say it again now and
+        then with the time left until ``deadline`` (none: the time waited)."""
         if msg != said:
             self._say(msg)
+            self._reminder.restart(msg, deadline)
+        else:
+            self._reminder.tick()
         return msg
 
     def _try_form(

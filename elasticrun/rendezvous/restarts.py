@@ -24,15 +24,17 @@ _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$", re.IGNORECASE)
 
 
-def parse_window(text: Optional[str]) -> float:
+def parse_window(text: Optional[str], shown: str = "") -> float:
     """``"1h"`` → 3600.0, ``"90m"``, ``"30s"``, ``"2d"``, ``"600"`` (seconds); ``""``/``"0"`` → 0
-    (no window: the budget is for the whole job). Raises :class:`ConfigError`."""
+    (no window: the budget is for the whole job). Raises :class:`ConfigError` naming ``shown``
+    (default ``--restart-window 'text'``)."""
     if text is None or str(text).strip() in ("", "0"):
         return 0.0
     m = _DURATION.match(str(text))
     if not m:
         raise ConfigError(
-            f"--restart-window {text!r}: give a duration like 1h, 30m, 90s or 2d (or 0 for the whole job)"
+            f"{shown or f'--restart-window {text!r}'}: give a duration like 1h, 30m, 90s or 2d (or 0 for the "
+            "whole job)"
         )
     return float(m[1]) * _UNITS[m[2].lower()]
 
