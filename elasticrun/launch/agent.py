@@ -24,6 +24,7 @@ from rich.text import Text
 from elasticrun.errors import ElasticrunError, JobFailedError, StoreError
 from elasticrun.job import env as env_names
 from elasticrun.job.exitcodes import ExitCode, for_signal
+from elasticrun.job.records import progress_record
 from elasticrun.job.reform import reform_window
 from elasticrun.job.settings import drop_secrets_from_environment
 from elasticrun.job.settings import from_config as etcd_settings
@@ -196,7 +197,8 @@ class Agent:
                     pid=os.getpid(),
                     node_rank=-1 if cfg.node_rank is None else cfg.node_rank,
                 )
-                rdzv = Rendezvous(store, self._settings(), node, round_store.fresh, on_progress=self.say)
+                rdzv = Rendezvous(store, self._settings(hosted=etcd is not None), node, round_store.fresh,
+                                  on_progress=self.say)
                 self._wake = rdzv.view.poke
                 rdzv.on_beat = self._raise_pending_signal
                 rdzv.ensure_config(cfg.job_settings())
@@ -225,6 +227,8 @@ class Agent:
                     wsig = 0  # signalled once already (a second SIGTERM kills); leave_first left the job
                 if workers is not None:
                     workers.stop(cfg.shutdown_timeout, sig=wsig)
+                if rdzv is not None:  # the job's end if we are its last node (rendezvous/ended.py)
+                    rdzv.leaving(f"received {sig}", for_signal(sig.signum))
                 if rdzv is not None and rdzv.lease is not None:
                     try:
                         if self._round >= 0:  # before the lease goes: survivors may re-form in place
@@ -258,7 +262,9 @@ class Agent:
         if etcd is not None and store is not None and rdzv is not None and self._signal is None:
             wait_others_left(store, rdzv.keys.nodes, self.cfg.rdzv_close_timeout, self.say)
 
-    def _settings(self) -> RendezvousSettings:
+    def _settings(self, hosted: bool = False) -> RendezvousSettings:
+        """The protocol's settings (``hosted``: this agent runs the job's etcd, removed at the end, so
+        nothing it leaves there needs to expire)."""
         c = self.cfg
         return RendezvousSettings(
             job_id=c.rdzv_id,
@@ -273,6 +279,7 @@ class Agent:
             stall_after=max(2.0, c.heartbeat_timeout / 2),
             busy_timeout=c.shutdown_timeout + c.heartbeat_timeout + STOP_SLACK_S,
             reform_window=reform_window(c.inplace_ready_timeout),
+            ended_ttl=0.0 if hosted else c.ended_job_ttl,
         )
 
     def _loop(self, rdzv: Rendezvous, workers: WorkerGroup) -> int:
@@ -424,7 +431,7 @@ class Agent:
             return None
         if self._hang is None:
             key = rdzv.keys.progress_of(self.cfg.node_id)
-            self._hang = HangWatch(lambda: rdzv.store.get_json(key), self.cfg.hang_timeout).start()
+            self._hang = HangWatch(lambda: rdzv.store.get_record(key, progress_record), self.cfg.hang_timeout).start()
         self._hang.start_round(topo.round)
         return self._hang
 

@@ -28,6 +28,11 @@ class LeaseLost(Exception):
     """Our lease expired or could not be confirmed: we must fence ourselves and rejoin."""
 
 
+class JobChanged(Exception):
+    """A registration found the job's ``config`` or ``state`` changed since this node checked them
+    (the job ended, or was replaced by another under the same id): check again."""
+
+
 @dataclass
 class RendezvousSettings:
     """What the protocol needs from the launch configuration."""
@@ -47,12 +52,13 @@ class RendezvousSettings:
     busy_timeout: float = 60.0
     # After an in-place round forms, a failure this soon is a failed re-form: not charged to max_restarts.
     reform_window: float = REFORM_WINDOW_S
+    restart_window: float = 0.0  # --restart-window: count max_restarts within this many seconds (0: whole job)
+    ended_ttl: float = 0.0  # --ended-job-ttl: seconds an ended job's keys stay in etcd (0: forever)
 
     @property
     def rejoin_grace(self) -> float:
         """After an etcd outage, how long a member may be missing before its round is over."""
         return 2.0 * self.heartbeat_timeout
-    restart_window: float = 0.0  # --restart-window: count max_restarts within this many seconds (0: whole job)
 
 
 def describe_mismatch(existing: Dict[str, Any], mine: Dict[str, Any]) -> Optional[str]:

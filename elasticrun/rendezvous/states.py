@@ -18,6 +18,7 @@ class JobState(str, enum.Enum):
 
     SUCCEEDED = "succeeded"
     FAILED = "failed"
+    STOPPED = "stopped"  # its last node left before an outcome (a signal, or it gave up waiting for nodes)
 
 
 class JobPhase(str, enum.Enum):
@@ -28,17 +29,19 @@ class JobPhase(str, enum.Enum):
     RESCALING = "rescaling"  # the round is ending (a failure, an end marker, a lost or failed member)
     SUCCEEDED = "succeeded"  # terminal: the job's JobState
     FAILED = "failed"  # terminal: the job's JobState
+    STOPPED = "stopped"  # terminal: every node left before an outcome (its id is free again)
     GONE = "gone"  # ``status --watch`` only: the job's keys were deleted while watched
 
 
-TERMINAL_PHASES = (JobPhase.SUCCEEDED, JobPhase.FAILED)  # the phases of a job that has ended
+TERMINAL_PHASES = (JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.STOPPED)  # the phases of a job that has ended
 
 
 class MemberStatus(str, enum.Enum):
     """A round member's status in a status document beyond its node record's
     :class:`~elasticrun.rendezvous.records.WorkerStatus` (``Active``, ``Failed``, ...)."""
 
-    LOST = "Lost"  # its node record is gone (it left, or its lease expired)
+    LOST = "Lost"  # its node record is gone without a word (its lease expired: death, pause, partition)
+    LEFT = "Left"  # it left the round on a signal (SIGTERM, Ctrl-C: ``rounds/<n>/left/<node>``)
     FINISHED = "Finished"  # its workers all exited 0, or it left a job that ended
 
 
