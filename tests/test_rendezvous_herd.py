@@ -36,10 +36,10 @@ class Counted(FakeStore):
         self.creates.append(key)
         return super().create(key, value, lease)
 
-    def txn(self, guards: Any, puts: Any = (), delete_prefixes: Any = ()) -> bool:
+    def txn(self, guards: Any, puts: Any = (), delete_prefixes: Any = (), deletes: Any = ()) -> bool:
         puts = list(puts)
         self.creates.extend(k for k, _, _ in puts)
-        return super().txn(guards, puts, delete_prefixes)
+        return super().txn(guards, puts, delete_prefixes, deletes)
 
     def get(self, key: str) -> Any:
         self.reads.append(key)

@@ -40,10 +40,10 @@ class LeaseDroppedBeforeCreate(EtcdStore):
         self._before(lease)
         return super().create(key, value, lease=lease)
 
-    def txn(self, guards, puts=(), delete_prefixes=()) -> bool:
+    def txn(self, guards, puts=(), delete_prefixes=(), deletes=()) -> bool:
         puts = list(puts)
         self._before(next((lease for _, _, lease in puts if lease), None))
-        return super().txn(guards, puts, delete_prefixes)
+        return super().txn(guards, puts, delete_prefixes, deletes)
 
 
 def rendezvous(store: EtcdStore, job_id: str) -> Rendezvous:

@@ -19,6 +19,7 @@ functions; checkpoint requests and answers in :mod:`elasticrun.job.requests`.
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import math
@@ -184,10 +185,23 @@ def config_record(value: Any) -> Dict[str, Any]:
     return obj(value)
 
 
+class JobState(str, enum.Enum):
+    """A job's terminal state (the ``state`` record's ``state`` field)."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"  # its last node left before an outcome (a signal, or it gave up waiting for nodes)
+
+
+_JOB_STATES = frozenset(s.value for s in JobState)
+
+
 def state_record(value: Any) -> Dict[str, Any]:
-    """``state``: ``{state, reason, round, time[, exit_code]}`` — the job's end."""
+    """``state``: ``{state, reason, round, time[, exit_code]}`` — the job's end (``state`` one of
+    :class:`JobState`: a value this version does not know ends nothing)."""
     d = obj(value)
-    field(d, "state", is_text)
+    if field(d, "state", is_text) not in _JOB_STATES:
+        raise BadRecord(f"field 'state': {_show(d['state'])} is none of {', '.join(sorted(_JOB_STATES))}")
     field(d, "reason", is_text, default="")
     field(d, "round", is_int, default=-1)
     field(d, "time", is_number, default=0.0)
@@ -307,7 +321,7 @@ def expiry_record(value: Any) -> Dict[str, Any]:
 
 
 __all__ = [
-    "BadRecord", "MAX_RECORD", "config_record", "decode", "end_flag", "expiry_record", "failed_flag",
+    "BadRecord", "JobState", "MAX_RECORD", "config_record", "decode", "end_flag", "expiry_record", "failed_flag",
     "failure_rows", "field", "goodput_record", "is_bool", "is_int", "is_list", "is_number", "is_object", "is_text",
     "items", "joining_flag", "obj",
     "parse", "progress_record", "read", "report", "restart_history", "state_record", "time_mark",

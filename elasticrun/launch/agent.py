@@ -311,6 +311,9 @@ class Agent:
 
     def _ended(self, rdzv: Rendezvous, ended: JobEnded) -> int:
         self.obs.finish("succeeded" if ended.succeeded else "failed")
+        outcome = str(ended.state.get("state", "failed"))
+        if ended.spare:  # exits with the job's outcome, as its other nodes do (docs/deploy.md)
+            self.say(f"job {self.cfg.rdzv_id!r} {outcome} while this node waited as a spare: it ran no worker")
         if ended.succeeded:
             self.say("the job has finished successfully")
             return ExitCode.SUCCEEDED
@@ -318,7 +321,7 @@ class Agent:
         reason = ended.state.get("reason", "job failed")
         if rows:
             self.say.table(root_cause_table(rows, f"job {self.cfg.rdzv_id!r} failed: {reason}"))
-        err = JobFailedError(f"job {self.cfg.rdzv_id!r} failed: {reason}")
+        err = JobFailedError(f"job {self.cfg.rdzv_id!r} {'stopped' if ended.stopped else 'failed'}: {reason}")
         code = ended.state.get("exit_code")  # the node that ended the job chose it (absent: 1)
         err.exit_code = code if isinstance(code, int) else None
         raise err

@@ -94,6 +94,7 @@ class Rendezvous(RoundMonitor):
         self._job_settings: Dict[str, Any] = {}
         self._head: Optional[Head] = None  # the job's settings and end as ensure_config found them
         self._stop: Tuple[str, Optional[int]] = ("it stopped", None)  # why we leave (see leaving)
+        self._ran = False  # a round included this node (else it ends as a spare that ran nothing)
 
     @property
     def node_id(self) -> str:
@@ -250,18 +251,19 @@ class Rendezvous(RoundMonitor):
                     self.publish(store_port=port)
             state = self.view.state()
             if state:
-                raise JobEnded(state)
+                raise JobEnded(state, spare=not self._ran)
             topo, rev = self.view.topology()
             if topo is not None and topo.round >= target:
                 me = topo.member(self.node_id)
                 if me is not None and self.lease is not None and me.lease == self.lease.lease_id:
+                    self._ran = True
                     return topo
                 target = topo.round + 1  # not chosen (spare): wait for the next round
                 self.publish(waiting_for=target, status=WorkerStatus.JOINING)
-                said = self._tell(said, f"waiting as a spare: round {topo.round} is full")
+                said = self._tell(said, self._waiting(topo, target))
                 continue
             if not self.leading():  # the leader forms the round (and ends the job if too few join)
-                said = self._tell(said, f"waiting for round {target}, formed by {self.leadership.holder() or '?'}")
+                said = self._tell(said, self._waiting(topo, target))
                 if self.lease is not None:  # this turn's beat (above) now covers the wait
                     self.lease.beat(busy_for=FOLLOWER_WAIT_S)
                 version = self.wait_view(version, FOLLOWER_WAIT_S)
@@ -290,6 +292,17 @@ class Rendezvous(RoundMonitor):
                     self.leaving(f"gave up: {reason}", ExitCode.TRANSIENT)
                     raise RendezvousError(f"job {self.settings.job_id!r}: {reason}; start more nodes or lower --nnodes")
             version = self._wait_change(version)
+
+    def _waiting(self, topo: Optional[Topology], target: int) -> str:
+        """What this node says while it waits for round ``target`` that another node forms."""
+        s = self.settings
+        if topo is not None and len(topo.members) >= s.max_nodes and topo.member(self.node_id) is None:
+            return (f"job {s.job_id!r} is full: round {topo.round} runs with its maximum of {s.max_nodes} node(s) "
+                    f"(--nnodes {s.min_nodes}:{s.max_nodes}); this node waits as a spare, runs no worker until a "
+                    "node leaves or fails, and exits with the job's outcome")
+        if topo is not None and topo.round >= target - 1 and topo.member(self.node_id) is None:
+            return f"round {topo.round} formed without this node; waiting for round {target}"
+        return f"waiting for round {target}, formed by {self.leadership.holder() or '?'}"
 
     def _lost_reason(self, prev: Topology, waiting: List[str], timeout: float) -> str:
         """Why a running job fails for want of nodes: which member(s) of ``prev`` were lost, and when."""

@@ -15,6 +15,7 @@ import time
 from typing import Callable, Sequence
 
 from elasticrun.errors import ConfigError, LeaseGoneError, RendezvousError
+from elasticrun.job import records
 from elasticrun.job.keys import JobKeys
 from elasticrun.rendezvous.records import NodeInfo
 from elasticrun.rendezvous.settings import JobChanged, RendezvousSettings
@@ -124,6 +125,11 @@ def _claim_node_rank(
     holder = store.get(key)
     if holder is not None and holder.lease == lease.lease_id:
         return
+    if holder is not None and not holder.lease:  # on no lease: no agent wrote it, and it would never expire
+        records.report(key, "not held on an agent's lease (written by hand?); replaced by this node's claim")
+        if store.cas(key, node.node_id, holder.mod_revision, lease=lease.lease_id):
+            return
+        holder = store.get(key)
     lease.revoke()
     owner = holder.value.decode(errors="replace") if holder is not None else "another node"
     raise ConfigError(

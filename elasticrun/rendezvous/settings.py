@@ -13,15 +13,22 @@ from elasticrun.rendezvous.states import JobState
 
 
 class JobEnded(Exception):
-    """The job reached a terminal state (``state`` key): succeeded or failed."""
+    """The job reached a terminal state (``state`` key): succeeded, failed or stopped. ``spare``: no
+    round included this node (it waited as a spare and ran no worker)."""
 
-    def __init__(self, state: Dict[str, Any]) -> None:
+    def __init__(self, state: Dict[str, Any], spare: bool = False) -> None:
         super().__init__(state.get("reason", state.get("state", "")))
         self.state = state
+        self.spare = spare
 
     @property
     def succeeded(self) -> bool:
         return self.state.get("state") == JobState.SUCCEEDED.value
+
+    @property
+    def stopped(self) -> bool:
+        """Every node left before an outcome (see :mod:`elasticrun.rendezvous.ended`)."""
+        return self.state.get("state") == JobState.STOPPED.value
 
 
 class LeaseLost(Exception):

@@ -1,9 +1,12 @@
 """The rendezvous's state vocabularies, as enums (``str`` enums: they compare equal to their
-values, and the values are what etcd and ``elasticrun status --json`` carry)."""
+values, and the values are what etcd and ``elasticrun status --json`` carry). :class:`JobState`,
+what the ``state`` record holds, is defined with that record's check in :mod:`elasticrun.job.records`."""
 
 from __future__ import annotations
 
 import enum
+
+from elasticrun.job.records import JobState  # the state record's vocabulary, with its check
 
 
 class RoundOutcome(str, enum.Enum):
@@ -11,14 +14,6 @@ class RoundOutcome(str, enum.Enum):
 
     SUCCEEDED = "succeeded"  # every node's workers finished: the job is done
     NEXT = "next"  # the round ended (failure, membership change, fencing): form the next one
-
-
-class JobState(str, enum.Enum):
-    """A job's terminal state (the ``state`` key's ``state`` field)."""
-
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    STOPPED = "stopped"  # its last node left before an outcome (a signal, or it gave up waiting for nodes)
 
 
 class JobPhase(str, enum.Enum):

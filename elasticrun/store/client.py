@@ -229,10 +229,11 @@ class EtcdStore:
         guards: Sequence[Guard],
         puts: Iterable[Tuple[str, bytes | str, Optional[int]]] = (),
         delete_prefixes: Iterable[str] = (),
+        deletes: Iterable[str] = (),
     ) -> bool:
-        """Atomically write ``puts`` (key, value, lease) and delete every key under ``delete_prefixes`` if
-        every guard holds; True when it did."""
-        puts, deletes = list(puts), list(delete_prefixes)
+        """Atomically delete ``deletes`` and every key under ``delete_prefixes``, then write ``puts`` (key,
+        value, lease), if every guard holds; True when it did."""
+        puts, prefixes = list(puts), list(delete_prefixes)
 
         def op(c: MultiEndpointEtcd3Client) -> bool:
             compare = []
@@ -244,7 +245,8 @@ class EtcdStore:
                     compare.append(c.transactions.create(g.key) == 0)
                 else:
                     compare.append(c.transactions.mod(g.key) == g.mod_revision)
-            ops = [c.transactions.delete(p, range_end=pyetcd.utils.prefix_range_end(p.encode())) for p in deletes]
+            ops = [c.transactions.delete(p, range_end=pyetcd.utils.prefix_range_end(p.encode())) for p in prefixes]
+            ops += [c.transactions.delete(k) for k in deletes]
             ops += [c.transactions.put(k, v, lease=lease) for k, v, lease in puts]
             ok, _ = c.transaction(compare=compare, success=ops, failure=[])
             return bool(ok)

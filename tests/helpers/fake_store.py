@@ -125,11 +125,12 @@ class FakeStore:
             return True
 
     def txn(self, guards: Sequence[Guard], puts: Iterable[Tuple[str, Any, Optional[int]]] = (),
-            delete_prefixes: Iterable[str] = ()) -> bool:
+            delete_prefixes: Iterable[str] = (), deletes: Iterable[str] = ()) -> bool:
         with self._lock:
             if not all(self._holds(g) for g in guards):
                 return False
             events = [self._remove(k) for p in delete_prefixes for k in sorted(self._kv) if k.startswith(p)]
+            events += [self._remove(k) for k in deletes if k in self._kv]
             self._publish(events + [self._write(k, v, lease) for k, v, lease in puts])
             return True
 
