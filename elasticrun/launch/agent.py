@@ -29,7 +29,7 @@ from elasticrun.job.reform import reform_window
 from elasticrun.job.settings import drop_secrets_from_environment
 from elasticrun.job.settings import from_config as etcd_settings
 from elasticrun.launch.c10d import RoundStore
-from elasticrun.launch.config import LaunchConfig, Std, signal_number
+from elasticrun.launch.config import LaunchConfig, RdzvBackend, Std, signal_number
 from elasticrun.launch.failures import root_cause_table
 from elasticrun.launch.hang import STACKS_WAIT_S, HangWatch, dump_stacks, hang_failures, hang_message
 from elasticrun.launch.hosting import open_store, wait_others_left
@@ -197,7 +197,7 @@ class Agent:
                     pid=os.getpid(),
                     node_rank=-1 if cfg.node_rank is None else cfg.node_rank,
                 )
-                rdzv = Rendezvous(store, self._settings(hosted=etcd is not None), node, round_store.fresh,
+                rdzv = Rendezvous(store, self._settings(hosting=etcd is not None), node, round_store.fresh,
                                   on_progress=self.say)
                 self._wake = rdzv.view.poke
                 rdzv.on_beat = self._raise_pending_signal
@@ -262,10 +262,12 @@ class Agent:
         if etcd is not None and store is not None and rdzv is not None and self._signal is None:
             wait_others_left(store, rdzv.keys.nodes, self.cfg.rdzv_close_timeout, self.say)
 
-    def _settings(self, hosted: bool = False) -> RendezvousSettings:
-        """The protocol's settings (``hosted``: this agent runs the job's etcd, removed at the end, so
-        nothing it leaves there needs to expire)."""
+    def _settings(self, hosting: bool = False) -> RendezvousSettings:
+        """The protocol's settings. ``hosting``: this agent runs the job's etcd (``--standalone``, or the
+        host of a c10d/static line): it goes with the job, so nothing there needs to expire; the other
+        agents of a hosted etcd record nothing when they leave (their host may stop it as they go)."""
         c = self.cfg
+        hosted_elsewhere = not hosting and c.rdzv_backend in (RdzvBackend.C10D, RdzvBackend.STATIC)
         return RendezvousSettings(
             job_id=c.rdzv_id,
             min_nodes=c.nnodes_min,
@@ -279,7 +281,8 @@ class Agent:
             stall_after=max(2.0, c.heartbeat_timeout / 2),
             busy_timeout=c.shutdown_timeout + c.heartbeat_timeout + STOP_SLACK_S,
             reform_window=reform_window(c.inplace_ready_timeout),
-            ended_ttl=0.0 if hosted else c.ended_job_ttl,
+            ended_ttl=0.0 if hosting or hosted_elsewhere else c.ended_job_ttl,
+            record_end=not hosted_elsewhere,
         )
 
     def _loop(self, rdzv: Rendezvous, workers: WorkerGroup) -> int:

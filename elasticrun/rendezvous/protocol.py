@@ -182,6 +182,8 @@ class Rendezvous(RoundMonitor):
         self.view.close()
 
     def _after_leaving(self) -> None:
+        if not self.settings.record_end:
+            return
         reason, code = self._stop
         try:
             guards = [] if self._head is None else self._head.guards(self.keys)[:1]  # the config we joined under

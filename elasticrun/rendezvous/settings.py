@@ -61,6 +61,7 @@ class RendezvousSettings:
     reform_window: float = REFORM_WINDOW_S
     restart_window: float = 0.0  # --restart-window: count max_restarts within this many seconds (0: whole job)
     ended_ttl: float = 0.0  # --ended-job-ttl: seconds an ended job's keys stay in etcd (0: forever)
+    record_end: bool = True  # a leaving node records a stopped job (False: the job's etcd may be gone by then)
 
     @property
     def rejoin_grace(self) -> float:

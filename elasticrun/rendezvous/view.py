@@ -295,14 +295,9 @@ class JobView:
         with self._cond:
             return self._data.get(key)
 
-    def get_json(self, key: str) -> Any:
-        """The record at ``key`` as a JSON object; None when absent or not one (reported once and
-        ignored: another agent's bad value must never crash this one)."""
-        return self.record(key, records.obj)
-
     def record(self, key: str, check: records.Check[T]) -> Optional[T]:
         """The record at ``key`` checked by ``check`` (an :mod:`elasticrun.job.records` check); None when
-        absent or malformed (reported once)."""
+        absent or malformed (reported once and ignored: another agent's bad value never crashes this one)."""
         return records.read(self.get(key), check)
 
     def under(self, prefix: str) -> Dict[str, KeyValue]:
