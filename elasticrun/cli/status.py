@@ -256,20 +256,26 @@ class _JobFollower:
         try:
             self.last = with_goodput(job_status(self.store, self.job, events=self.events))
         except JobNotFoundError:
+            if self.end is not None:  # ended, and its keys removed since (a new job took the id)
+                return self._final()
             gone = build_job_status(self.job, [], 0, None, self.events)
             gone["phase"] = JobPhase.GONE.value
             return gone
         except StoreError:
             if self.end is None:
                 raise
-            final = dict(self.last, state=self.end)
-            final["phase"] = job_phase(final)
-            return final
+            return self._final()
         return self.last
+
+    def _final(self) -> Dict[str, Any]:
+        """The last document read, with the end the watch was sent."""
+        final = dict(self.last, state=self.end)
+        final["phase"] = job_phase(final)
+        return final
 
 
 def ended(doc: Dict[str, Any]) -> bool:
-    """Has the job of status document ``doc`` ended (succeeded or failed)?"""
+    """Has the job of status document ``doc`` ended (succeeded, failed or stopped)?"""
     return doc.get("phase") in TERMINAL_PHASES
 
 

@@ -262,7 +262,7 @@ class Rendezvous(RoundMonitor):
                     return topo
                 target = topo.round + 1  # not chosen (spare): wait for the next round
                 self.publish(waiting_for=target, status=WorkerStatus.JOINING)
-                said = self._tell(said, self._waiting(topo, target))
+                said = self._tell(said, self._waiting(topo, target, passed_over=True))
                 continue
             if not self.leading():  # the leader forms the round (and ends the job if too few join)
                 said = self._tell(said, self._waiting(topo, target))
@@ -295,14 +295,15 @@ class Rendezvous(RoundMonitor):
                     raise RendezvousError(f"job {self.settings.job_id!r}: {reason}; start more nodes or lower --nnodes")
             version = self._wait_change(version)
 
-    def _waiting(self, topo: Optional[Topology], target: int) -> str:
-        """What this node says while it waits for round ``target`` that another node forms."""
+    def _waiting(self, topo: Optional[Topology], target: int, passed_over: bool = False) -> str:
+        """What this node says while it waits for round ``target`` (``passed_over``: round ``topo`` just
+        formed without it)."""
         s = self.settings
         if topo is not None and len(topo.members) >= s.max_nodes and topo.member(self.node_id) is None:
             return (f"job {s.job_id!r} is full: round {topo.round} runs with its maximum of {s.max_nodes} node(s) "
                     f"(--nnodes {s.min_nodes}:{s.max_nodes}); this node waits as a spare, runs no worker until a "
                     "node leaves or fails, and exits with the job's outcome")
-        if topo is not None and topo.round >= target - 1 and topo.member(self.node_id) is None:
+        if topo is not None and passed_over:
             return f"round {topo.round} formed without this node; waiting for round {target}"
         return f"waiting for round {target}, formed by {self.leadership.holder() or '?'}"
 
