@@ -84,10 +84,11 @@ def test_bad_arguments_give_one_line():
     assert "Traceback" not in proc.stderr
 
 
-# Seed 1614 draws partition, disk_full, worker_kill, etcd_restart, agent_kill, etcd_outage, shm_full, hang
-# first (node_join and agent_stop last: tests/test_launch_elastic.py covers both with real agents), so one
-# minute reaches most kinds, and the two that only this soak injects (partition, disk_full) come first.
-SOAK_SEED = 1614
+# Seed 11490 draws bad_record, partition, slow_metrics, job_reuse, disk_full, etcd_outage first as root (without
+# root: bad_record, hang, slow_metrics, job_reuse, shm_full, etcd_outage), so one minute reaches the faults from
+# outside the job (a malformed record, stalled metrics clients, a reused job id) and the two that only this soak
+# injects (partition, disk_full); the agent and worker kinds are covered with real agents in tests/test_launch_*.
+SOAK_SEED = 11490
 
 
 @pytest.mark.timeout(1200)

@@ -20,7 +20,7 @@ from elasticrun.cli.torchrun_args import Parsed
 from elasticrun.errors import ConfigError, StoreError
 from elasticrun.job.hints import AdaptationStrategy, RedistributionType
 from elasticrun.launch.config import LaunchConfig, RdzvBackend, default_node_id, parse_nnodes, parse_nproc
-from elasticrun.rendezvous.restarts import parse_window
+from elasticrun.rendezvous.restarts import parse_duration, parse_window
 from elasticrun.sizes import RULE, parse_size
 from elasticrun.store.types import parse_endpoints
 
@@ -345,6 +345,7 @@ def build_config(p: Parsed) -> LaunchConfig:
         redistribution=RedistributionType(v["redistribution"]),
         global_batch_size=int(v["global_batch_size"]),
         restart_window=parse_window(v["restart_window"], p.shown("restart_window")),
+        ended_job_ttl=parse_duration(v["ended_job_ttl"], p.shown("ended_job_ttl"), "to keep them forever"),
         etcd_binary=v["etcd_binary"],
         quiet=bool(v["quiet"]),
         prewarm=bool(v["prewarm"]),

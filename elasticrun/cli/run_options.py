@@ -214,6 +214,10 @@ OWN_OPTIONS: Tuple[Opt, ...] = (
         metavar="PATH"),
     Opt("etcd_timeout", ("--etcd-timeout",), "Seconds to keep retrying an unreachable etcd before giving up.",
         ETCD, type=Type.FLOAT, metavar="S", default=10.0, envvars=(job_env.ETCD_TIMEOUT,), more_than=0),
+    Opt("ended_job_ttl", ("--ended-job-ttl",), "How long the keys of an ended job (its settings, command line, "
+        "state, rounds) stay in etcd, for `elasticrun status` to show its outcome: 1h, 30m, 7d (0: forever; "
+        "never with --standalone or a hosted etcd, which go with the job).", ETCD, metavar="DURATION",
+        default="7d"),
     Opt("etcd_outage_grace", ("--etcd-outage-grace",), "Seconds workers keep training while etcd is unreachable "
         "(then they get SIGTERM and --shutdown-timeout to save).", ETCD, type=Type.FLOAT, metavar="S",
         default=60.0, at_least=0),

@@ -27,6 +27,7 @@ _STATUS_STYLE = {  # keyed by value: a str enum hashes by its name
     WorkerStatus.FAILED.value: "bold red",
     WorkerStatus.SUCCEEDED.value: "bold green",
     MemberStatus.LOST.value: "bold red",
+    MemberStatus.LEFT.value: "magenta",
     MemberStatus.FINISHED.value: "green",
 }
 _PHASE_STYLE = {
@@ -35,6 +36,7 @@ _PHASE_STYLE = {
     JobPhase.RESCALING.value: "yellow",
     JobPhase.SUCCEEDED.value: "bold green",
     JobPhase.FAILED.value: "bold red",
+    JobPhase.STOPPED.value: "magenta",
 }
 
 

@@ -21,6 +21,7 @@ from elasticrun.errors import ConfigError
 from elasticrun.job.hints import AdaptationStrategy, RedistributionType
 from elasticrun.job.reform import READY_WAIT_S
 from elasticrun.launch.gpus import VISIBLE_DEVICES, virtual_visible_device, visible_gpu_count
+from elasticrun.rendezvous.ended import ETCD_MAX_TTL
 
 _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@:-]{0,200}$")
@@ -165,6 +166,7 @@ class LaunchConfig:
     metrics_port: int = 0  # --metrics-port: serve /metrics there (0: off)
     metrics_host: str = "127.0.0.1"  # --metrics-host: the address /metrics listens on
     events_file: Optional[str] = None  # --events-file: the agent's JSON-lines event log
+    ended_job_ttl: float = 7 * 86400.0  # --ended-job-ttl: seconds an ended job's keys stay in etcd (0: forever)
 
     def validate(self) -> LaunchConfig:
         """Raise ConfigError with a clear message when something cannot work; return self."""
@@ -191,6 +193,9 @@ class LaunchConfig:
         for name, value in vars(self).items():  # nan/inf durations: a deadline that never comes
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"--{name.replace('_', '-')} {value}: must be a finite number of seconds")
+        if not 0 <= self.ended_job_ttl <= ETCD_MAX_TTL:
+            raise ConfigError(f"--ended-job-ttl {self.ended_job_ttl:g}s: must be 0 (keep forever) to {ETCD_MAX_TTL} "
+                              "seconds")
         if self.hang_timeout < 0:
             raise ConfigError(f"--hang-timeout {self.hang_timeout}: must not be negative (0 turns it off)")
         if self.etcd_outage_grace < 0:

@@ -16,6 +16,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from elasticrun.errors import ElasticrunError
+from elasticrun.job import records
 from elasticrun.job.keys import JobKeys
 from elasticrun.launch.config import LaunchConfig
 from elasticrun.launch.events import EventKind, EventLog
@@ -129,7 +130,7 @@ class Observer:
     def round_changed(self, rdzv: Rendezvous, topo: Topology) -> None:
         """Round ``topo`` ended for another reason than our workers: another node's worker failed
         (a restart) or the membership changed (a rescale)."""
-        if rdzv.view.get(rdzv.keys.failed(topo.round)) is not None:
+        if rdzv.round_failed(topo.round):
             self._enter(Phase.RESTARTING, Cause.RESTART)
         else:
             self._enter(Phase.RESCALING, Cause.RESCALE)
@@ -196,7 +197,7 @@ class Observer:
         if store is None:
             return
         try:
-            p = store.get_json(self.keys.progress_of(self.cfg.node_id))
+            p = store.get_record(self.keys.progress_of(self.cfg.node_id), records.progress_record)
         except ElasticrunError:
             return
         if not isinstance(p, dict) or "step" not in p or p.get("time") == self._seen:

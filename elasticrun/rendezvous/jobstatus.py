@@ -10,12 +10,21 @@ themselves, so they can be fed from a watch or a test.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set
 
 from elasticrun.errors import ElasticrunError, StoreError, StoreSetupError
+from elasticrun.job import records
 from elasticrun.job.keys import ROOT, JobKeys, job_of
-from elasticrun.rendezvous.records import NodeInfo, RescaleEvent, Topology, WorkerStatus, loads_record
-from elasticrun.rendezvous.states import TERMINAL_PHASES, JobPhase, MemberStatus
+from elasticrun.rendezvous.records import (
+    Member,
+    NodeInfo,
+    RescaleEvent,
+    WorkerStatus,
+    event_record,
+    node_record,
+    topology_record,
+)
+from elasticrun.rendezvous.states import JobPhase, JobState, MemberStatus
 from elasticrun.store.client import EtcdStore, KeyValue
 
 EVENTS_SHOWN = 10  # newest rescale events in a status document
@@ -29,16 +38,7 @@ class JobNotFoundError(ElasticrunError):
     exit_code = 2
 
 
-def _loads(kv: Optional[KeyValue]) -> Any:
-    """The JSON of an etcd value, or None when it is missing or not sane JSON (see loads_record)."""
-    return None if kv is None else loads_record(kv.value)
-
-
-def _event_row(d: Dict[str, Any]) -> Optional[Dict[str, Any]]:
-    try:
-        ev = RescaleEvent.from_dict(d)
-    except (KeyError, TypeError, ValueError, AttributeError, RecursionError):
-        return None
+def _event_row(ev: RescaleEvent) -> Dict[str, Any]:
     return {
         "type": ev.type.value,
         "round": ev.round,
@@ -54,13 +54,14 @@ def _event_row(d: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     }
 
 
-def _dicts_under(data: Dict[str, KeyValue], prefix: str) -> Dict[str, Dict[str, Any]]:
-    """The JSON objects under ``prefix``, by the rest of their key (a node id)."""
-    found: Dict[str, Dict[str, Any]] = {}
+def _records_under(data: Dict[str, KeyValue], prefix: str, check: Callable[[Any], Any]) -> Dict[str, Any]:
+    """The records under ``prefix`` that ``check`` accepts, by the rest of their key (a node id); a
+    malformed one is reported once and left out."""
+    found: Dict[str, Any] = {}
     for key, kv in data.items():
         if key.startswith(prefix):
-            value = _loads(kv)
-            if isinstance(value, dict):
+            value = records.read(kv, check)
+            if value is not None:
                 found[key[len(prefix):]] = value
     return found
 
@@ -98,69 +99,38 @@ def build_job_status(
 
     Stable top-level keys: job, exists, revision, time, config, nnodes, max_restarts, state,
     round, world_size, restart_count, master_addr, master_port, round_created_at, round_end,
-    members, spares, events, goodput_nodes (each agent's goodput accounting by node id).
+    members, spares, events, goodput_nodes (each agent's goodput accounting by node id), expires_at
+    (when an ended job's keys leave etcd; None while it runs or when they stay). A malformed record
+    (:mod:`elasticrun.job.records`) is reported once and shown as absent.
     ``lease_info(lease_id)`` may return ``{"ttl", "granted_ttl"}``.
     """
     keys = JobKeys(job)
     data = {kv.key: kv for kv in kvs if kv.key.startswith(keys.prefix)}
-    config = _loads(data.get(keys.config)) or {}
-    state = _loads(data.get(keys.state))
-    topo_d = _loads(data.get(keys.topology))
-    topo: Optional[Topology] = None
-    if topo_d:
-        try:
-            topo = Topology.from_dict(topo_d)
-        except (KeyError, TypeError, ValueError, AttributeError, RecursionError):
-            topo = None
-
-    nodes: Dict[str, Dict[str, Any]] = {}
-    for key, kv in data.items():
-        if not key.startswith(keys.nodes):
-            continue
-        d = _loads(kv)
-        if not isinstance(d, dict):
-            continue
-        try:
-            info = NodeInfo.from_dict(d)
-        except (KeyError, TypeError, ValueError, AttributeError, RecursionError):
-            continue
-        nodes[key[len(keys.nodes):]] = _node_row(info, kv.lease, lease_info)
-
-    progress = _dicts_under(data, keys.progress)
-    goodput = _dicts_under(data, keys.goodput)
+    config = records.read(data.get(keys.config), records.config_record) or {}
+    state = records.read(data.get(keys.state), records.state_record)
+    topo = records.read(data.get(keys.topology), topology_record)
+    infos = _records_under(data, keys.nodes, node_record)
+    nodes = {n: _node_row(info, data[keys.node(n)].lease, lease_info) for n, info in infos.items()}
+    progress = _records_under(data, keys.progress, records.progress_record)
+    goodput = _records_under(data, keys.goodput, records.goodput_record)
 
     members: List[Dict[str, Any]] = []
     round_end: Dict[str, Any] = {"failed": None, "end": None, "done": []}
     if topo is not None:
-        round_end["failed"] = _loads(data.get(keys.failed(topo.round)))
-        round_end["end"] = _loads(data.get(keys.end(topo.round)))
-        dones = keys.dones(topo.round)
+        round_end["failed"] = records.read(data.get(keys.failed(topo.round)), records.failed_flag)
+        round_end["end"] = records.read(data.get(keys.end(topo.round)), records.end_flag)
+        dones, lefts = keys.dones(topo.round), keys.lefts(topo.round)
         round_end["done"] = sorted(k[len(dones):] for k in data if k.startswith(dones))
+        left = {k[len(lefts):] for k in data if k.startswith(lefts)}
         for m in topo.members:
             node = nodes.get(m.node_id)
             same = node is not None and (not m.lease or node["lease_id"] == m.lease)
-            failures = _loads(data.get(keys.failure(topo.round, m.node_id)))
-            row: Dict[str, Any] = dict(node) if same and node is not None else {
-                "node_id": m.node_id,
-                "host": m.host,
-                "addr": m.addr,
-                "pid": None,
-                "nproc": m.nproc,
-                "accelerators": [],
-                "status": MemberStatus.LOST.value,
-                "waiting_for": None,
-                "registered": False,
-                "registered_at": None,
-                "heartbeat_at": None,
-                "lease_id": m.lease,
-                "lease_ttl": None,
-                "lease_granted_ttl": None,
-                "lease_heartbeat_age": None,
-            }
+            failures = records.read(data.get(keys.failure(topo.round, m.node_id)), records.failure_rows)
+            row: Dict[str, Any] = dict(node) if same and node is not None else _gone_row(m)
             if failures and row["status"] == WorkerStatus.ACTIVE:
                 row["status"] = WorkerStatus.FAILED.value
-            if row["status"] == MemberStatus.LOST and _left_normally(m.node_id, round_end["done"], state):
-                row["status"] = MemberStatus.FINISHED.value
+            if row["status"] == MemberStatus.LOST:
+                row["status"] = _gone_status(m.node_id, round_end["done"], left, state)
             row.update(
                 group_rank=m.group_rank,
                 rank_offset=m.rank_offset,
@@ -179,10 +149,10 @@ def build_job_status(
 
     event_rows = []
     for key in sorted((k for k in data if k.startswith(keys.events)), reverse=True)[: max(0, events)]:
-        d = _loads(data[key])
-        row = _event_row(d) if isinstance(d, dict) else None
-        if row is not None:
-            event_rows.append(row)
+        ev = records.read(data[key], event_record)
+        if ev is not None:
+            event_rows.append(_event_row(ev))
+    expiry = records.read(data.get(keys.expiry), records.expiry_record)
 
     max_restarts = config.get("max_restarts")
     return {
@@ -205,14 +175,30 @@ def build_job_status(
         "spares": spares,
         "events": event_rows,
         "goodput_nodes": goodput,
+        "expires_at": None if expiry is None else float(expiry["time"]) + float(expiry["ttl"]),
     }
 
 
-def _left_normally(node_id: str, done: List[str], state: Any) -> bool:
-    """A member whose record is gone is Finished, not Lost, when its workers finished or the job ended."""
+def _gone_row(m: Member) -> Dict[str, Any]:
+    """A member whose node record is gone (or belongs to a newer incarnation)."""
+    return {
+        "node_id": m.node_id, "host": m.host, "addr": m.addr, "pid": None, "nproc": m.nproc, "accelerators": [],
+        "status": MemberStatus.LOST.value, "waiting_for": None, "registered": False, "registered_at": None,
+        "heartbeat_at": None, "lease_id": m.lease, "lease_ttl": None, "lease_granted_ttl": None,
+        "lease_heartbeat_age": None,
+    }
+
+
+def _gone_status(node_id: str, done: List[str], left: Set[str], state: Optional[Dict[str, Any]]) -> str:
+    """A member whose record is gone: Finished when its workers finished (or the job succeeded or failed
+    with it), Left when it left on a signal (``rounds/<n>/left/<node>``), else Lost."""
     if node_id in done:
-        return True
-    return isinstance(state, dict) and state.get("state") in TERMINAL_PHASES
+        return MemberStatus.FINISHED.value
+    if node_id in left:
+        return MemberStatus.LEFT.value
+    if state is not None and state.get("state") in (JobState.SUCCEEDED, JobState.FAILED):
+        return MemberStatus.FINISHED.value
+    return MemberStatus.LOST.value
 
 
 def job_phase(doc: Dict[str, Any]) -> str:

@@ -9,9 +9,10 @@ Nodes are agent processes with one worker each (``scripts/chaos/worker.py``: the
 per-step sample audit log). One etcd member; the checkpoint root is a small tmpfs (for ``disk_full``);
 one node runs in its own network namespace, joined by a veth pair (for ``partition``). Faults come
 from ``random.Random(seed)`` (see scripts/chaos/faults.py); after each one the soak waits for the
-recovery, with a deadline. Agents run with ``--hang-timeout`` (the ``hang`` fault); workers take
-memory snapshots when ``shm_full`` is drawn. The job's goodput is read with ``elasticrun status --json``.
-At the end the job is told its last step, must exit 0, and the audit logs
+recovery, with a deadline. Agents run with ``--hang-timeout`` (the ``hang`` fault) and a ``--metrics-port``
+(``slow_metrics``); workers take memory snapshots when ``shm_full`` is drawn. ``bad_record``, ``slow_metrics``
+and ``job_reuse`` come from outside the job (scripts/chaos/hostile.py). The job's goodput is read with
+``elasticrun status --json``. At the end the job is told its last step, must exit 0, and the audit logs
 must show every sample of the lineage exactly once. Exit 0 only when no invariant broke; 1 on a
 violation or hang; 2 on bad arguments or when the machine cannot host the soak.
 

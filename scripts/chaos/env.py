@@ -16,6 +16,8 @@ from typing import List, Optional
 
 import psutil
 
+from elasticrun.store.server import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "worker.py"
 WORKER_REL = WORKER.relative_to(REPO)  # scripts/chaos/worker.py, also under a frozen copy
@@ -169,6 +171,7 @@ class AgentProc:
     log_path: Path
     expected_exit: bool = False  # we killed or stopped it on purpose
     stopped: bool = False  # SIGSTOPped by us right now
+    metrics_port: int = 0  # its --metrics-port (on 127.0.0.1 of its network namespace)
 
     @property
     def pid(self) -> int:
@@ -211,17 +214,18 @@ class Launcher:
         env = dict(self.env)
         if self.netns is not None:
             env["GLOO_SOCKET_IFNAME"] = self.netns.ns_if if in_ns else self.netns.host_if
+        metrics_port = free_port()
         cmd = [sys.executable, "-m", "elasticrun", "run", "--nnodes", "2:4", "--nproc-per-node", "1",
                "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.job, "--node-id", f"slot{slot}.{incarnation}",
                "--local-addr", addr, "--max-restarts", "100000", "--heartbeat-timeout", str(self.heartbeat),
                "--rescale-timeout", "600", "--join-timeout", "600", "--hang-timeout", f"{self.hang_timeout:g}",
-               str(self.code_root / WORKER_REL), *self.worker_args]
+               "--metrics-port", str(metrics_port), str(self.code_root / WORKER_REL), *self.worker_args]
         if in_ns and self.netns is not None:
             cmd = ["ip", "netns", "exec", self.netns.ns, *cmd]
         with open(log, "ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                     cwd=str(self.code_root), start_new_session=True)
-        agent = AgentProc(slot, incarnation, proc, time.time(), log)
+        agent = AgentProc(slot, incarnation, proc, time.time(), log, metrics_port=metrics_port)
         self.agents.append(agent)
         return agent
 

@@ -22,6 +22,9 @@ class Kind(str, Enum):
     MEMBER_LOSS = "member_loss"  # (3-member etcd) SIGKILL a follower member, restart it 2..6 s later
     LEADER_LOSS = "leader_loss"  # (3-member etcd) SIGKILL the leader member, restart it 2..6 s later
     HANG = "hang"  # one worker stops making progress without dying; the agents' --hang-timeout must restart
+    BAD_RECORD = "bad_record"  # a malformed record written into the live job's etcd prefix (scripts/chaos/hostile.py)
+    SLOW_METRICS = "slow_metrics"  # ~100 clients send half a request to one agent's --metrics-port and stall
+    JOB_REUSE = "job_reuse"  # a side job ends and another with other arguments starts under its id at once
 
 
 DRAWN = [k for k in Kind if k is not Kind.NODE_LEAVE]
@@ -35,6 +38,7 @@ class Recovery(str, Enum):
     NEW_GENERATION = "a step by restarted workers"
     ANY_STEP = "a training step"
     CHECKPOINT = "a committed checkpoint"
+    REUSED = "the job under the reused id succeeding"
 
 
 RECOVERY = {
@@ -51,6 +55,9 @@ RECOVERY = {
     Kind.MEMBER_LOSS: Recovery.ANY_STEP,
     Kind.LEADER_LOSS: Recovery.ANY_STEP,
     Kind.SHM_FULL: Recovery.NEW_GENERATION,
+    Kind.BAD_RECORD: Recovery.ANY_STEP,
+    Kind.SLOW_METRICS: Recovery.ANY_STEP,
+    Kind.JOB_REUSE: Recovery.REUSED,
 }
 
 
@@ -77,8 +84,8 @@ class Fault:
     @property
     def t_ref(self) -> float:
         """Recovery is timed from here: the fault's start when the job must re-form (the others must notice
-        a lost node by themselves), else its end (an outage over, the disk freed)."""
-        return self.t_start if self.recovery is Recovery.NEW_GENERATION else self.t_end
+        a lost node by themselves) or a reused id's job must run, else its end (an outage over, the disk freed)."""
+        return self.t_start if self.recovery in (Recovery.NEW_GENERATION, Recovery.REUSED) else self.t_end
 
     @property
     def ttr(self) -> Optional[float]:
@@ -116,6 +123,10 @@ def schedule(seed: int, kinds: List[Kind], minutes: float, heartbeat: float) -> 
                 duration = rng.uniform(0.5, 4.0) if kind is Kind.AGENT_KILL else rng.uniform(2.0, 6.0)
             elif kind in (Kind.DISK_FULL, Kind.SHM_FULL):
                 duration = 15.0  # at most this long, or until a save failed
+            elif kind is Kind.BAD_RECORD:
+                duration = rng.uniform(3.0, 6.0)  # the record stays this long (every agent's loop reads it)
+            elif kind is Kind.SLOW_METRICS:
+                duration = rng.uniform(4.0, 10.0)  # the stalled clients hold their connections this long
             else:
                 duration = 0.0
             yield Fault(kind, rng.random(), duration, rng.uniform(1.0, gap_hi))

@@ -14,12 +14,14 @@ from elasticrun.store.server import EtcdServer
 from .audit import Gen, gen_of
 from .env import AgentProc, Launcher, NetNs, Tmpfs, kill_tree
 from .faults import Fault, Kind, Recovery
+from .hostile import bad_record, job_reuse, slow_metrics
 from .members import Members
 from .tail import Tail
 
 NODE_SLOTS = 4
 # what an agent's log shows when --hang-timeout stops a round: the failure line, the workers' stack dumps
 HANG_MARKS = ("no progress for", "(most recent call first)")
+HOSTILE = {Kind.BAD_RECORD: bad_record, Kind.SLOW_METRICS: slow_metrics, Kind.JOB_REUSE: job_reuse}
 
 
 @dataclass
@@ -141,7 +143,11 @@ class Soak:
         saves0 = len(self.saves_seen)
         live = [a for a in self.launcher.live() if not a.stopped]
         pick = lambda items: items[int(f.pick * len(items)) % len(items)]  # noqa: E731
-        if f.kind is Kind.WORKER_KILL:
+        if f.kind in HOSTILE:  # from outside the job: a bad record, slow metrics clients, the id reused
+            HOSTILE[f.kind](self, f)
+            if f.skipped:
+                return
+        elif f.kind is Kind.WORKER_KILL:
             procs = self._current_workers()
             if not procs:
                 f.skipped = "no live worker"
@@ -317,6 +323,8 @@ class Soak:
         return sum(1 for r in self.tail.records if r["ev"] == event)
 
     def _recovered(self, f: Fault, gen0: Optional[Gen], saves0: int) -> bool:
+        if f.recovery is Recovery.REUSED:
+            return True  # decided by the fault itself (recovered_at set when the reused id's job succeeded)
         if f.recovery is Recovery.CHECKPOINT:
             later = [r for r in self.saves_seen[saves0:] if r["t"] > f.t_ref]
             if later:
