@@ -7,11 +7,12 @@ shows a rich progress bar on a terminal and, elsewhere, one progress line every 
 
 from __future__ import annotations
 
+import datetime
 import json
 import sys
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, NoReturn
+from typing import Any, Callable, Iterator, NoReturn, Optional
 
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
@@ -59,6 +60,11 @@ def print_json(data: Any) -> None:
     """Write ``data`` as JSON on stdout (for ``--json``), nothing else."""
     sys.stdout.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
     sys.stdout.flush()
+
+
+def local_time(t: Optional[float]) -> str:
+    """A Unix time as ``2026-11-27 17:27:54`` in local time; ``-`` without one."""
+    return "-" if not t else datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def human_bytes(n: float) -> str:
