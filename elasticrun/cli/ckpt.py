@@ -22,13 +22,14 @@ from elasticrun.checkpoint.validate import read_meta, scan
 from elasticrun.cli import values
 from elasticrun.cli.ckpt_latest import resolve
 from elasticrun.cli.ckpt_list import listing_json, listing_table, plan_listing, shows_memory
-from elasticrun.cli.console import console, fail, human_bytes, local_time, note, print_json, progress, warn
+from elasticrun.cli.console import console, fail, local_time, note, print_json, progress, warn
 from elasticrun.cli.etcd_options import EtcdFlags, with_etcd_flags
 from elasticrun.cli.tables import Column, DataTable
 from elasticrun.cli.typer_help import HelpCommand, HelpGroup
 from elasticrun.job import env as job_env
 from elasticrun.job.exitcodes import ExitCode
 from elasticrun.job.settings import EtcdSettings
+from elasticrun.sizes import format_size
 from elasticrun.store.reach import wait_for_etcd
 from elasticrun.waiting import Reminder
 
@@ -97,11 +98,11 @@ def inspect_cmd(
     n = len(meta.tensors)
     console.print(Text.assemble((name, "bold"), f" — written by {meta.world_size} rank(s) at "
                                 f"{local_time(meta.created)}, {n} tensor{'s' * (n != 1)}, "
-                                f"{human_bytes(meta.total_bytes)} in {len(meta.files)} file(s)"))
+                                f"{format_size(meta.total_bytes)} in {len(meta.files)} file(s)"))
     table = DataTable([Column("name", name=True), Column("dtype"), Column("shape"), Column("bytes", "right"),
                        Column("split", prose=True)], title="tensors")
     for t in meta.tensors.values():
-        table.add_row(t.name, t.dtype, str(list(t.shape)), human_bytes(t.nbytes), _split_desc(t))
+        table.add_row(t.name, t.dtype, str(list(t.shape)), format_size(t.nbytes), _split_desc(t))
     console.print(table)
     for title, data in (("training state", meta.training_state), ("user metadata", meta.user_metadata)):
         if data:

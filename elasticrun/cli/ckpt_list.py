@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 from rich.text import Text
 
 from elasticrun.checkpoint.validate import CheckpointInfo, CheckpointStatus
-from elasticrun.cli.console import human_bytes, local_time
+from elasticrun.cli.console import local_time
 from elasticrun.cli.tables import Column, DataTable
+from elasticrun.sizes import format_size
 
 if TYPE_CHECKING:
     from elasticrun.cli.ckpt_memory import MemoryRow
@@ -67,7 +68,7 @@ def _row(info: CheckpointInfo, tier: str, owner: str = "") -> ListRow:
         step="-" if m is None or m.step is None else str(m.step),
         epoch="-" if m is None or m.epoch is None else str(m.epoch),
         world="-" if m is None else str(m.world_size),
-        size=human_bytes(info.size),
+        size=format_size(info.size),
         created=local_time(info.created),
     )
 

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.text import Text
 
+from elasticrun.sizes import format_size
 from elasticrun.waiting import EVERY_S
 
 
@@ -67,15 +68,6 @@ def local_time(t: Optional[float]) -> str:
     return "-" if not t else datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def human_bytes(n: float) -> str:
-    """``1536`` → ``1.5 KiB``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 class ProgressLines:
     """Progress of long work where no bar can be drawn: ``<what>: 45% (1.2 GiB of 2.6 GiB)`` every few seconds."""
 
@@ -92,7 +84,7 @@ class ProgressLines:
         if now >= self._next and self.done < self.total:
             self._next = now + self.every
             share = 100.0 * self.done / self.total if self.total else 100.0
-            self.say(f"{self.what}: {share:.0f}% ({human_bytes(self.done)} of {human_bytes(self.total)})")
+            self.say(f"{self.what}: {share:.0f}% ({format_size(self.done)} of {format_size(self.total)})")
 
 
 @contextmanager
