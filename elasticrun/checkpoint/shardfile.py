@@ -37,7 +37,8 @@ def dtype_code(dtype: torch.dtype, name: str) -> str:
     try:
         return _DTYPE_CODE[dtype]
     except KeyError:
-        raise CheckpointError(f"tensor {name!r} has dtype {dtype}, which safetensors cannot store") from None
+        raise CheckpointError(f"tensor {name!r} has dtype {dtype}, which elasticrun checkpoints cannot store "
+                              "(see Limits in docs/checkpoints.md)") from None
 
 
 def torch_dtype(code: str) -> torch.dtype:

@@ -77,3 +77,10 @@ def test_a_dtype_this_torch_lacks_is_one_clear_line(monkeypatch):
     with pytest.raises(CheckpointError, match=r"^dtype F8_E8M0 needs torch.float8_e8m0fnu, which torch .* does not "
                                               r"have: load the checkpoint with a newer torch$"):
         torch_dtype("F8_E8M0")
+
+
+@pytest.mark.parametrize("dtype", [torch.complex32, getattr(torch, "float4_e2m1fn_x2", torch.complex32)], ids=str)
+def test_a_dtype_without_a_code_is_refused_in_one_line(dtype):
+    with pytest.raises(CheckpointError, match=rf"^tensor 'm.w' has dtype {dtype}, which elasticrun checkpoints "
+                                              r"cannot store \(see Limits in docs/checkpoints.md\)$"):
+        dtype_code(dtype, "m.w")
