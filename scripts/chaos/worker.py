@@ -31,7 +31,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import elasticrun.checkpoint as ckpt_pkg
 import elasticrun.train as et
@@ -68,8 +68,8 @@ AUDIT: Optional[Audit] = None
 class AuditedSampler(et.ElasticDistributedSampler):
     """The example's sampler, logging the indices each step consumed (``advance`` follows ``indices``)."""
 
-    _mine: List[int]
-    _cursor: int
+    _mine: List[int] = []
+    _cursor = 0
 
     def indices(self) -> List[int]:
         mine = super().indices()
@@ -77,8 +77,8 @@ class AuditedSampler(et.ElasticDistributedSampler):
         return mine
 
     def advance(self, local_samples: int) -> int:
-        taken = getattr(self, "_mine", [])[getattr(self, "_cursor", 0) : getattr(self, "_cursor", 0) + local_samples]
-        self._cursor = getattr(self, "_cursor", 0) + local_samples
+        taken = self._mine[self._cursor : self._cursor + local_samples]
+        self._cursor += local_samples
         after = super().advance(local_samples)
         if AUDIT is not None:
             AUDIT.step += 1
@@ -105,18 +105,6 @@ def _shm_full_if_told() -> None:
         os.environ.pop(env_names.SNAPSHOT_MEMORY, None)
     else:
         os.environ[env_names.SNAPSHOT_MEMORY] = _SHM_CAP
-
-
-def _snapshot(self: Any, *args: Any, **kwargs: Any) -> Any:
-    try:
-        out = _ORIG_SNAPSHOT(self, *args, **kwargs)
-    except BaseException as err:
-        if AUDIT is not None:
-            AUDIT.write("snapshot_failed", step=AUDIT.step, error=f"{type(err).__name__}: {err}"[:300])
-        raise
-    if AUDIT is not None:
-        AUDIT.write("snapshot", step=AUDIT.step)
-    return out
 
 
 def _hang_if_told() -> None:
@@ -160,16 +148,21 @@ def _load_latest(*args: Any, **kwargs: Any) -> Any:
     return ckpt
 
 
-def _save(*args: Any, **kwargs: Any) -> Any:
-    try:
-        name = _ORIG_SAVE(*args, **kwargs)
-    except BaseException as err:
+def _audited(fn: Callable[..., Any], done: str, failed: str) -> Callable[..., Any]:
+    """``fn`` logging a ``done`` line (with the name it returned, if any) or a ``failed`` line with the error."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            out = fn(*args, **kwargs)
+        except BaseException as err:
+            if AUDIT is not None:
+                AUDIT.write(failed, step=AUDIT.step, error=f"{type(err).__name__}: {err}"[:300])
+            raise
         if AUDIT is not None:
-            AUDIT.write("save_failed", step=AUDIT.step, error=f"{type(err).__name__}: {err}"[:300])
-        raise
-    if AUDIT is not None:
-        AUDIT.write("save", step=AUDIT.step, name=name)
-    return name
+            AUDIT.write(done, step=AUDIT.step, **({"name": out} if isinstance(out, str) else {}))
+        return out
+
+    return call
 
 
 class StopArgs(argparse.Namespace):
@@ -194,8 +187,6 @@ class StopArgs(argparse.Namespace):
 
 
 _ORIG_LOAD_LATEST = et.load_latest
-_ORIG_SAVE = ckpt_pkg.save
-_ORIG_SNAPSHOT = ckpt_pkg.Snapshotter.snapshot
 
 
 def main() -> int:
@@ -210,8 +201,9 @@ def main() -> int:
         AUDIT.write("start")
     et.ElasticDistributedSampler = AuditedSampler  # type: ignore[misc]
     et.load_latest = _load_latest  # type: ignore[assignment]
-    ckpt_pkg.save = _save  # type: ignore[attr-defined]
-    ckpt_pkg.Snapshotter.snapshot = _snapshot  # type: ignore[method-assign]
+    ckpt_pkg.save = _audited(ckpt_pkg.save, "save", "save_failed")  # type: ignore[attr-defined]
+    ckpt_pkg.Snapshotter.snapshot = _audited(  # type: ignore[method-assign]
+        ckpt_pkg.Snapshotter.snapshot, "snapshot", "snapshot_failed")
     orig_parse = example.parse_args
 
     def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
