@@ -80,6 +80,7 @@ def test_faults_given_are_injected_in_their_order():
     assert not args.shuffle and [k.name for k in args.kinds] == ["job_reuse", "worker_kill", "job_reuse", "hang"]
     drawn = [f.kind.name for _, f in zip(range(8), schedule(3, args.kinds, 1, 5.0, shuffle=args.shuffle))]
     assert drawn == ["job_reuse", "worker_kill", "job_reuse", "hang"] * 2
+    assert parse(["--minutes", "1", "--seed", "3", "--faults", "hang,job_reuse", "--shuffle"]).shuffle
     every = parse(["--minutes", "1", "--seed", "3"])
     assert every.shuffle and {k.name for k in every.kinds} == set(KINDS) - {"node_leave", "member_loss",
                                                                           "leader_loss"}

@@ -46,6 +46,8 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--faults", default="all", help="comma-separated kinds, injected in that order, round after "
                    "round; 'all': every kind of the etcd mode, each round shuffled: "
                    + ", ".join(k.name for k in DRAWN))
+    p.add_argument("--shuffle", action="store_true", help="shuffle the --faults kinds in each round by --seed, as "
+                   "'all' does")
     p.add_argument("--nodes", type=int, default=3, choices=[3, 4], help="nodes at the start (max 4)")
     p.add_argument("--etcd-members", type=int, default=1, choices=[1, 3], help="1: one etcd member (faults "
                    "etcd_restart, etcd_outage); 3: a local 3-member cluster, agents given all three endpoints "
@@ -67,7 +69,7 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
         p.error(f"--hang-timeout must be 0 (off) or between 2 and 600 seconds, got {args.hang_timeout:g}")
     if not (10 <= args.recovery_deadline <= 3600):
         p.error("--recovery-deadline must be between 10 and 3600 seconds")
-    args.shuffle = args.faults == "all"
+    args.shuffle = args.shuffle or args.faults == "all"
     args.kinds = _kinds(p, args.faults, args.etcd_members)
     return args
 

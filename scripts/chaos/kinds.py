@@ -90,7 +90,7 @@ class NodeJoin(FaultKind):
         used = {a.slot for a in soak.launcher.live()}
         free = [s for s in range(NODE_SLOTS) if s not in used]
         if not free:
-            f.kind = NodeLeave()
+            f.kind = KINDS["node_leave"]
             f.kind.inject(soak, f)
             return
         f.target = f"new agent {soak.launcher.start(f.choose(free)).label}"
