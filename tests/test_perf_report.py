@@ -125,6 +125,12 @@ def test_table_between_markers_and_rerun_in_place(pr, tmp_path, capsys):
     assert text.count("<!-- summary:begin -->") == 1
 
 
+def test_commands_on_the_page_lose_the_run_dir(pr):
+    command = "python b.py --out /tmp/run/r.json --json=/tmp/run/j.json"
+    row = pr.Row("m", 1.0, "x", 2.0, "s", "lower", 2.0, "cpu", command)
+    assert "`python b.py --out r.json --json=j.json`" in pr.table([row])
+
+
 def test_bad_input_is_one_line_and_leaves_the_page(pr, tmp_path, capsys):
     d = _results(tmp_path / "res")
     page = tmp_path / "p.md"

@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 BEGIN = "<!-- summary:begin -->"
 END = "<!-- summary:end -->"
-JSON_DIR = re.compile(r"--json([ =])[^ ]*/")
+JSON_DIR = re.compile(r"(--json|--out)([ =])[^ ]*/")  # where run_all put a bench's JSON: not on the page
 
 sys.path.insert(0, str(HERE))  # perf_data, perf_charts: also when loaded by path
 from perf_data import Bench, Inputs, chart_data, load_dir, num  # noqa: E402
@@ -127,7 +127,7 @@ def table(rows: List[Row]) -> str:
     for r in rows:
         alt = r.alternative if r.alt_value is None else f"{r.alternative}: {_fmt(r.alt_value, r.unit)}"
         ratio = "—" if r.ratio is None else (f"**{r.ratio:.2f}×**" if r.ratio >= 1 else f"{r.ratio:.2f}×")
-        cmd = "`" + JSON_DIR.sub(r"--json\1", r.command) + "`" if r.command else "—"  # no temp dirs in the page
+        cmd = "`" + JSON_DIR.sub(r"\1\2", r.command) + "`" if r.command else "—"
         cells = [r.metric, _fmt(r.elasticrun, r.unit), alt, ratio, r.device, cmd]
         out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(out)
