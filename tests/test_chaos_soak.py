@@ -87,6 +87,7 @@ def test_faults_given_are_injected_in_their_order():
     assert len(KINDS) == 16 and all(name == kind.name for name, kind in KINDS.items())
 
 
+@pytest.mark.integration
 def test_bad_arguments_give_one_line():
     proc = subprocess.run([sys.executable, "-m", "scripts.chaos", "--minutes", "1", "--seed", "1",
                            "--faults", "meteor"], capture_output=True, text=True, timeout=60, cwd=str(REPO))
@@ -98,12 +99,14 @@ def test_bad_arguments_give_one_line():
     assert "Traceback" not in proc.stderr
 
 
-# The faults from outside the job first (a malformed record, stalled metrics clients, a reused job id), then the
-# two that only this soak injects (partition, disk_full: as root) and, without root, hang and shm_full; the agent
-# and worker kinds are covered with real agents in tests/test_launch_*. One minute reaches the first five or so.
-FAULTS = ["bad_record", "slow_metrics", "job_reuse", "partition", "disk_full", "hang", "shm_full", "etcd_outage"]
+# Two faults from outside the job (a malformed record, stalled metrics clients), the two that only this soak
+# injects (partition, disk_full: as root), then a reused job id (the slowest: two agent start-ups), shm_full and
+# hang (the first kinds after these two without root); one minute reaches the first three to six of them. The
+# agent and worker kinds are covered with real agents in tests/test_launch_*.
+FAULTS = ["bad_record", "slow_metrics", "partition", "disk_full", "job_reuse", "shm_full", "hang", "etcd_outage"]
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(1200)
 def test_one_minute_soak_with_the_faults_in_order(tmp_path: Path):
     out = tmp_path / "summary.json"
@@ -124,8 +127,8 @@ def test_one_minute_soak_with_the_faults_in_order(tmp_path: Path):
     assert s["steps"]["final"] > 0
     assert 0 < s["goodput"]["goodput_ratio"] <= 1, s["goodput"]
     order = [f["kind"] for f in s["faults"]]
-    here = [k for k in FAULTS if k not in s["skipped_kinds"]]  # as root: partition, disk_full; else hang, shm_full
+    here = [k for k in FAULTS if k not in s["skipped_kinds"]]  # without root: no partition, disk_full
     assert order == (here * 3)[: len(order)], f"the faults in the order given: {order}"
     drawn = {f["kind"] for f in s["faults"] if not f["skipped"]}
-    assert len(drawn) >= 3 and set(FAULTS[:3]) <= drawn, f"at least the 3 from outside the job: {sorted(drawn)}"
+    assert set(here[:3]) <= drawn, f"at least the first 3 kinds that can run here: {sorted(drawn)}"
     assert all(s["by_kind"][k]["recovered"] == s["by_kind"][k]["faults"] > 0 for k in drawn), report

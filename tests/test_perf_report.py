@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -196,6 +198,19 @@ def test_bench_all_presets():
     assert ba.main(["--out", "/nonexistent-dir-x", "--only", "nope"]) == 2
 
 
+@pytest.mark.integration
+def test_presets_give_each_bench_only_options_it_takes():
+    ba = _load("run_all")
+    specs = [s for p in ("quick", "full", "gpu") for s in ba._specs(p, "/var/tmp")]
+    for script in sorted({s.script for s in specs}):
+        usage = subprocess.run([sys.executable, str(SCRIPTS / "bench" / script), "--help"], capture_output=True,
+                               text=True, timeout=240, cwd=str(SCRIPTS.parent)).stdout.split("\n\n")[0]
+        taken = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", usage))
+        given = {a for s in specs if s.script == script for a in s.args if a.startswith("--")}
+        given |= {ba.OUT_OPTION.get(script, "--json")} | ({"--device"} if script in ba.TAKES_DEVICE else set())
+        assert given <= taken, f"{script} does not take {sorted(given - taken)}"
+
+
 def test_without_matplotlib_one_line_error(pr, tmp_path, capsys, monkeypatch):
     d = _results(tmp_path / "res")
     page = tmp_path / "performance.md"
@@ -224,6 +239,7 @@ if a.json:
 '''
 
 
+@pytest.mark.integration
 def test_bench_all_runs_records_and_goes_on(tmp_path):
     ba = _load("run_all")
     script = tmp_path / "bench_fake.py"

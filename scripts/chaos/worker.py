@@ -1,24 +1,15 @@
-"""examples/train.py with a sample audit log, for the chaos soak (the example itself is unchanged).
+"""examples/train.py with a sample audit log, for the chaos soak; the agents run it instead of the example (which
+is unchanged: this wrapper patches the names it looks up at call time), every argument going to the example.
 
-Run by the agents instead of the example; every argument goes to the example. What this wrapper adds,
-by patching the names the example looks up at call time:
-
-- every optimizer step appends one JSON line to ``$CHAOS_AUDIT_DIR/<node>-<pid>.jsonl``: the step,
-  epoch, this rank's sample indices of the step, the sampler position after it, the round and restart
-  count (the worker generation), rank, world size and wall-clock time;
-- ``resume`` (which checkpoint ``load_latest`` returned), ``save``/``save_failed`` lines;
-- a worker whose PID is written in ``$CHAOS_HANG_FILE`` stops making progress without dying: it
-  sleeps forever right after its next step (the ``hang`` fault; the agents' ``--hang-timeout`` must
-  notice and restart the round);
-- while ``$CHAOS_SHM_FULL_FILE`` names this node, ``ELASTICRUN_SNAPSHOT_MEMORY`` is lowered to 1 byte
-  in this worker (the memory tier is full: every snapshot and memory restore that needs space there
-  must be refused and training go on); ``snapshot``/``snapshot_failed`` lines record what the memory
-  tier did, ``restore_fallback`` lines each checkpoint ``load_latest`` gave up on (then took an older one);
-- ``--steps`` becomes the number in ``$CHAOS_STOP_FILE`` once that file exists, so the soak can end
-  the job cleanly at a step every rank agrees on (the file is written once, ahead of every rank).
-
-Lines are written with one ``os.write`` on an ``O_APPEND`` descriptor: a SIGKILL loses at most the
-line being written, never earlier ones.
+- Each optimizer step appends a JSON line to ``$CHAOS_AUDIT_DIR/<node>-<pid>.jsonl``: step, epoch, this rank's
+  sample indices and the sampler position after them, round and restart count (the worker generation), rank,
+  world size, time; ``resume``, ``save``/``save_failed``, ``snapshot``/``snapshot_failed`` and
+  ``restore_fallback`` (a checkpoint ``load_latest`` gave up on) lines say what the tiers did. One
+  ``os.write`` per line on an ``O_APPEND`` descriptor: a SIGKILL loses at most the line being written.
+- The worker whose PID is in ``$CHAOS_HANG_FILE`` sleeps forever after its next step (the ``hang`` fault).
+- While ``$CHAOS_SHM_FULL_FILE`` names this node, ``ELASTICRUN_SNAPSHOT_MEMORY`` is 1 byte here (``shm_full``).
+- ``--steps`` becomes the number in ``$CHAOS_STOP_FILE`` once it exists: the job ends at a step every rank
+  agrees on.
 """
 
 from __future__ import annotations
