@@ -70,8 +70,7 @@ def _specs(preset: str, scratch: str) -> List[Spec]:
             Spec("elastic", "bench_elastic.py", ["--runs", "2", "--quick", "--timeout", "60"], 420),
             Spec("elastic-join3", "bench_elastic.py", ["--scenario", "join", "--quick", "--nodes", "3", "--nproc", "1",
                                                        "--client", "plain", "bench", "example", "--runs", "2",
-                                                       "--timeout", "60"],
-                 480),
+                                                       "--timeout", "60"], 480),
             *[Spec(f"checkpoint-{s}", "bench_checkpoint.py",
                    ["--state", "gpt", "--size-gib", s, "--repeat", "7", "--settle", "0.3", *d], 300)
               for s in ("0.1", "0.4")],
@@ -203,24 +202,10 @@ def host_info() -> Dict[str, object]:
     return info
 
 
-def _summaries(out: Path, results: List[Result]) -> List[object]:
-    """The ``summary`` entries of every bench's JSON, in run order (the preamble's contract)."""
-    rows: List[object] = []
-    for r in results:
-        try:
-            doc = json.loads((out / r.json).read_text()) if r.json else None
-        except (OSError, ValueError):
-            continue
-        if isinstance(doc, dict) and isinstance(doc.get("summary"), list):
-            rows += doc["summary"]
-    return rows
-
-
 def _write_manifest(out: Path, head: Dict[str, object], results: List[Result], order: List[str]) -> None:
     results = sorted(results, key=lambda r: order.index(r.name) if r.name in order else len(order))
     rows = [dict(asdict(r), status=r.status.value) for r in results]
-    doc = dict(head, benches=rows, summary=_summaries(out, results))
-    (out / MANIFEST).write_text(json.dumps(doc, indent=1))
+    (out / MANIFEST).write_text(json.dumps(dict(head, benches=rows), indent=1))
 
 
 def _earlier(out: Path, head: Dict[str, object], rerun: set, preset: set) -> List[Result]:
