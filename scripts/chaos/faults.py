@@ -66,7 +66,7 @@ class Fault:
     full_at: Optional[float] = None  # when every live node trained again in one generation
     notes: List[str] = field(default_factory=list)
     skipped: Optional[str] = None
-    before: Dict[str, Any] = field(default_factory=dict)  # what ``inject`` noted for ``check``
+    noted: Dict[str, Any] = field(default_factory=dict)  # what ``inject`` noted for ``check``
 
     def choose(self, items: Sequence[Any]) -> Any:
         """The item of ``items`` that ``pick`` points at."""

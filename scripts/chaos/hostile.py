@@ -70,13 +70,13 @@ class BadRecord(FaultKind):
             soak.sleep(f.duration / 2)
             if store.txn([Guard(key, rev)], deletes=[key]):
                 f.notes.append("removed again")
-        f.before["key"] = key
+        f.noted["key"] = key
 
     def check(self, soak: Soak, f: Fault) -> None:
-        reports = soak.log_counts(NOTICE + str(f.before["key"]) + ":")
+        reports = soak.log_counts(NOTICE + str(f.noted["key"]) + ":")
         twice = {agent: n for agent, n in reports.items() if n > 1}
         if twice:
-            soak.violations.append(f"bad_record {f.before['key']}: reported more than once by {twice} (once is "
+            soak.violations.append(f"bad_record {f.noted['key']}: reported more than once by {twice} (once is "
                                    "the rule)")
         f.notes.append(f"reported by {len(reports)} agent(s)" if reports else "no agent read it during the fault")
 

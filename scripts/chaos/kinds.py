@@ -237,12 +237,12 @@ class Hang(FaultKind):
         got = _worker(soak, f)
         if got:
             f.target = f"worker pid {got[0]} of {got[1]} sleeps at its next step"
-            f.before["reports"] = self._reports(soak)
+            f.noted["reports"] = self._reports(soak)
             write_atomic(soak.machine.hang_file, str(got[0]))
 
     def check(self, soak: Soak, f: Fault) -> None:
         soak.machine.hang_file.unlink(missing_ok=True)
-        if f.recovered_at is not None and self._reports(soak) <= f.before["reports"]:
+        if f.recovered_at is not None and self._reports(soak) <= f.noted["reports"]:
             soak.violations.append(f"hang ({f.target}) at +{f.t_start - soak.t0:.0f}s: the round restarted but "
                                    "no agent reported it hung (--hang-timeout did not fire)")
 
