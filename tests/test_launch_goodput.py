@@ -182,7 +182,7 @@ def test_metrics_endpoint_text_openmetrics_busy_port_and_a_scrape_storm():
     c.tick(1.0)
     state = {"round": 3, "world_size": 4, "nodes": 2, "restarts": 1, "rescales": {"ScaleUp": 2},
              "role": "leader", "lease": "held", "samples_per_s": 12.5}
-    m = Metrics("job1", "n1", lambda: dict(state, **g.summary()))
+    m = Metrics("job1", "n1", lambda: dict(state, **g.summary(), counters=g.counters()))
     port = m.serve("127.0.0.1", 0)
     try:
         m.observe_etcd("get", 0.002)

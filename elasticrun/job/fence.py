@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Tuple
 
 from elasticrun.errors import CheckpointError, ElasticrunError
 from elasticrun.job import env as names
+from elasticrun.job import records
 from elasticrun.job.keys import JobKeys
 from elasticrun.job.settings import EtcdSettings
 
@@ -49,8 +50,11 @@ def fence_identity(env: Optional[Mapping[str, str]] = None) -> Optional[Tuple[st
 
 
 def current_round(topology: Any) -> Optional[int]:
-    """The round recorded at the fence key (None when the job has no topology)."""
-    return None if topology is None else int(topology.get("round", -1))
+    """The round recorded at the fence key's decoded value (None when the job has no topology);
+    BadRecord when it has no integer ``round``."""
+    if topology is None:
+        return None
+    return records.field(records.obj(topology), "round", records.is_int)
 
 
 _lock = threading.Lock()
@@ -74,7 +78,7 @@ def _read_fence(settings: EtcdSettings, job_id: str) -> Any:
             store = settings.connect(job_id, retry_timeout=FENCE_TIMEOUT, timeout=FENCE_TIMEOUT)
             _cached = (os.getpid(), settings, job_id, store)
         try:
-            return store.get_json(JobKeys(job_id).fence)
+            return store.get(JobKeys(job_id).fence)
         except ElasticrunError:
             store.close()
             _cached = None
@@ -91,10 +95,17 @@ def check_round_is_current(env: Optional[Mapping[str, str]] = None) -> None:
     settings = EtcdSettings.from_env(env)
     assert settings is not None
     try:
-        topo = _read_fence(settings, job_id)
+        kv = _read_fence(settings, job_id)
     except ElasticrunError as err:
         raise CheckpointError(f"cannot confirm that round {mine} is still current ({err}); not committing") from None
-    current = current_round(topo)
+    try:
+        current = None if kv is None else current_round(records.decode(kv.value))
+    except records.BadRecord as err:
+        records.report(kv.key, str(err))
+        raise CheckpointError(
+            f"cannot confirm that round {mine} is still current (the round record at {kv.key} is malformed: "
+            f"{err}); not committing"
+        ) from None
     if current != mine:
         raise CheckpointError(
             f"this worker belongs to round {mine} but the job is at round {current}: a stale round must not "

@@ -24,11 +24,12 @@ from rich.text import Text
 from elasticrun.errors import ElasticrunError, JobFailedError, StoreError
 from elasticrun.job import env as env_names
 from elasticrun.job.exitcodes import ExitCode, for_signal
+from elasticrun.job.records import progress_record
 from elasticrun.job.reform import reform_window
 from elasticrun.job.settings import drop_secrets_from_environment
 from elasticrun.job.settings import from_config as etcd_settings
 from elasticrun.launch.c10d import RoundStore
-from elasticrun.launch.config import LaunchConfig, signal_number
+from elasticrun.launch.config import LaunchConfig, RdzvBackend, signal_number
 from elasticrun.launch.failures import root_cause_table
 from elasticrun.launch.hang import STACKS_WAIT_S, HangWatch, dump_stacks, hang_failures, hang_line, skip_grace
 from elasticrun.launch.hosting import open_store, wait_others_left
@@ -203,7 +204,8 @@ class Agent:
                     pid=os.getpid(),
                     node_rank=-1 if cfg.node_rank is None else cfg.node_rank,
                 )
-                rdzv = Rendezvous(store, self._settings(), node, round_store.fresh, on_progress=self.say)
+                rdzv = Rendezvous(store, self._settings(hosting=etcd is not None), node, round_store.fresh,
+                                  on_progress=self.say)
                 self._wake = rdzv.view.poke
                 rdzv.on_beat = self._raise_pending_signal
                 rdzv.ensure_config(cfg.job_settings())
@@ -218,7 +220,8 @@ class Agent:
                 rdzv.publish(accelerators=accs)
                 self.say(
                     f"joined job {cfg.rdzv_id!r} at {cfg.rdzv_endpoint} as {cfg.node_id} "
-                    f"(nnodes {cfg.nnodes_min}:{cfg.nnodes_max}, {cfg.nproc_per_node} workers)"
+                    f"(nnodes {cfg.nnodes_min}:{cfg.nnodes_max}, {cfg.nproc_per_node} "
+                    f"worker{'s' * (cfg.nproc_per_node != 1)})"
                 )
                 return self._loop(rdzv, workers)
             except StoreError:
@@ -232,6 +235,8 @@ class Agent:
                     wsig = 0  # signalled once already (a second SIGTERM kills); leave_first left the job
                 if workers is not None:
                     workers.stop(cfg.shutdown_timeout, sig=wsig)
+                if rdzv is not None:  # the job's end if we are its last node (rendezvous/ended.py)
+                    rdzv.leaving(f"received {sig}", for_signal(sig.signum))
                 if rdzv is not None and rdzv.lease is not None:
                     try:
                         if self._round >= 0:  # before the lease goes: survivors may re-form in place
@@ -265,8 +270,12 @@ class Agent:
         if etcd is not None and store is not None and rdzv is not None and self._signal is None:
             wait_others_left(store, rdzv.keys.nodes, self.cfg.rdzv_close_timeout, self.say)
 
-    def _settings(self) -> RendezvousSettings:
+    def _settings(self, hosting: bool = False) -> RendezvousSettings:
+        """The protocol's settings. ``hosting``: this agent runs the job's etcd (``--standalone``, or the
+        host of a c10d/static line): it goes with the job, so nothing there needs to expire; the other
+        agents of a hosted etcd record nothing when they leave (their host may stop it as they go)."""
         c = self.cfg
+        hosted_elsewhere = not hosting and c.rdzv_backend in (RdzvBackend.C10D, RdzvBackend.STATIC)
         return RendezvousSettings(
             job_id=c.rdzv_id,
             min_nodes=c.nnodes_min,
@@ -280,6 +289,8 @@ class Agent:
             stall_after=max(2.0, c.heartbeat_timeout / 2),
             busy_timeout=c.shutdown_timeout + c.heartbeat_timeout + STOP_SLACK_S,
             reform_window=reform_window(c.inplace_ready_timeout),
+            ended_ttl=0.0 if hosting or hosted_elsewhere else c.ended_job_ttl,
+            record_end=not hosted_elsewhere,
         )
 
     def _loop(self, rdzv: Rendezvous, workers: WorkerGroup) -> int:
@@ -311,6 +322,9 @@ class Agent:
 
     def _ended(self, rdzv: Rendezvous, ended: JobEnded) -> int:
         self.obs.finish("succeeded" if ended.succeeded else "failed")
+        outcome = str(ended.state.get("state", "failed"))
+        if ended.spare:  # exits with the job's outcome, as its other nodes do (docs/deploy.md)
+            self.say(f"job {self.cfg.rdzv_id!r} {outcome} while this node waited as a spare: it ran no worker")
         if ended.succeeded:
             self.say("the job has finished successfully")
             return ExitCode.SUCCEEDED
@@ -318,7 +332,7 @@ class Agent:
         reason = ended.state.get("reason", "job failed")
         if rows:
             self.say.table(root_cause_table(rows, f"job {self.cfg.rdzv_id!r} failed: {reason}"))
-        err = JobFailedError(f"job {self.cfg.rdzv_id!r} failed: {reason}")
+        err = JobFailedError(f"job {self.cfg.rdzv_id!r} {'stopped' if ended.stopped else 'failed'}: {reason}")
         code = ended.state.get("exit_code")  # the node that ended the job chose it (absent: 1)
         err.exit_code = code if isinstance(code, int) else None
         raise err
@@ -445,7 +459,7 @@ class Agent:
             return None
         if self._hang is None:
             key = rdzv.keys.progress_of(self.cfg.node_id)
-            self._hang = HangWatch(lambda: rdzv.store.get_json(key), self.cfg.hang_timeout).start()
+            self._hang = HangWatch(lambda: rdzv.store.get_record(key, progress_record), self.cfg.hang_timeout).start()
         self._hang.start_round(topo.round)
         return self._hang
 
