@@ -89,6 +89,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.integration
 def test_a_changed_part_is_fetched_from_the_replica_on_the_next_node(tmp_path: Path) -> None:
     disk, n0, n1 = tmp_path / "disk", tmp_path / "node0", tmp_path / "node1"
     for d in (n0, n1):
@@ -107,6 +108,7 @@ def test_a_changed_part_is_fetched_from_the_replica_on_the_next_node(tmp_path: P
     assert "fails its checksum" in outs[0].stdout, outs[0].stdout[-3000:]
 
 
+@pytest.mark.integration
 def test_a_changed_part_whose_replica_changed_too_falls_back_to_disk_on_every_rank(tmp_path: Path) -> None:
     """No good copy left anywhere: the replica fetched from node 1 fails its check on receipt, the
     restore fails on both ranks alike with a line naming the file, and both load the disk checkpoint."""
