@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from elasticrun.checkpoint import SnapshotMemoryError, Snapshotter, list_checkpoints, save, verify
+from elasticrun.checkpoint import Checksum, SnapshotMemoryError, Snapshotter, list_checkpoints, save, verify
 from elasticrun.job.shm import GENERATIONS, LOCK_FILE, OWNER_FILE, PREFIX
 from elasticrun.launch.snapshots import SnapshotRoot, sweep
 from elasticrun.train import load_latest
@@ -131,9 +131,33 @@ def test_every_kth_generation_is_persisted_to_disk(base: Path, tmp_path: Path, a
     on_disk = [i for i in list_checkpoints(disk) if i.status == "complete"]
     assert [i.meta.step for i in on_disk] == [2, 4]
     assert all(verify(disk, i.name).ok for i in on_disk)
+    # Memory carries the memory tier's checksum; the disk copies only the public format's CRC-32.
+    assert {e.algo for g in _gens(base) for e in g.meta.files.values()} == {Checksum.WORDSUM}
+    assert {e.algo for i in on_disk for e in i.meta.files.values()} == {Checksum.CRC32}
     assert not os.listdir(base / "persist"), "the hard-linked staging copies are removed"
     ckpt = load_latest(disk, memory=False)
     assert float(ckpt.state_dict["w"][0, 0]) == 4.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_sync_snapshot_of_cuda_state_is_copied_through_pinned_buffers(base: Path, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch):
+    """As a disk save: the device-to-host copies go through the pinned staging buffers (overlapped
+    with the writes), not one pageable ``.cpu()`` per tensor; the restore lands in CUDA tensors."""
+    from elasticrun.checkpoint import staging
+
+    taken = []
+    take = staging._take_buffers
+    monkeypatch.setattr(staging, "_take_buffers", lambda n, pinned, *a: taken.append(pinned) or take(n, pinned, *a))
+    state = {"w": torch.randn(3000, 700, device="cuda"), "b": torch.arange(7.0, device="cuda"), "note": "x"}
+    state["w"].mul_(2)  # queued on the current stream: the snapshot must see it
+    Snapshotter().snapshot(state, training_state={"step": 1})
+    assert taken and all(taken), "the snapshot did not stage through pinned buffers"
+    target = {"w": torch.zeros(3000, 700, device="cuda"), "b": torch.zeros(7, device="cuda"), "note": ""}
+    ckpt = load_latest(str(tmp_path / "disk"), state_dict=target)
+    assert ckpt.tier == "memory" and target["w"].is_cuda
+    assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])
 
 
 # -- the agent's directory ------------------------------------------------------------------------

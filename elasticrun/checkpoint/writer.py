@@ -129,6 +129,15 @@ class SaveJob:
     def tmp(self) -> str:
         return self.storage.join(tmp_dir_name(self.name, self.token))
 
+    def take_sources(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Set :attr:`sources` from the flattened state: this rank's bytes, one contiguous tensor per
+        chunk it writes. CUDA tensors stay on their device (:func:`device_source`: the writer copies
+        them through pinned buffers, overlapped with the writes and the hashing), once every queued
+        kernel, on any stream, has written them."""
+        self.sources = [(i.chunk, device_source(tensors[i.name], i)) for i in self.plan.writes[self.comm.rank]]
+        for dev in {t.device for _, t in self.sources if t.device.type == "cuda"}:
+            torch.cuda.synchronize(dev)
+
     @property
     def final(self) -> str:
         return self.storage.join(self.name)
@@ -402,9 +411,7 @@ def save(
         checksum=checksum,
     )
     try:
-        job.sources = [(i.chunk, device_source(tensors[i.name], i)) for i in job.plan.writes[comm.rank]]
-        for dev in {t.device for _, t in job.sources if t.device.type == "cuda"}:
-            torch.cuda.synchronize(dev)  # every queued kernel (on any stream) has written the state
+        job.take_sources(tensors)
     except Exception as err:  # noqa: BLE001 - must still take part in the collectives
         job.sources, job.error = [], f"cannot read the tensors to save: {describe(err)}"
     return job.run()
