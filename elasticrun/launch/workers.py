@@ -41,14 +41,13 @@ from elasticrun.launch.logs import (
     stream_selected,
     worker_log_dir,
 )
+from elasticrun.launch.preload import WAIT_FIRST_S, PreloadWatch
 from elasticrun.proc import kill_process_group, terminate_tree, with_parent_death_signal
 from elasticrun.rendezvous.records import Member, RescaleEvent, Topology
 
 ORDER_INLINE_MAX = 4096  # PIPE_BUF: a write this small into an empty pipe never blocks
 STDERR_DRAIN_S = 1.0  # how long a failure summary waits for a dead worker's last stderr bytes
 SERVER_WAIT_S = 60.0  # how long a later round's start waits for the fork server to finish its preload
-# Waiting this long for a round, the node has CPU to spare: the bare fork server preloads meanwhile.
-PRELOAD_IDLE_S = 2.0
 STORE_MODULE = "elasticrun.launch.storeserver"
 
 
@@ -103,8 +102,8 @@ class WorkerGroup:
         self._filtered: Dict[int, FilteredCopy] = {}  # this round's --duplicate-*-filters files, by stream
         self.round_store: Optional[RoundStore] = None  # served (by a store host) in the rounds this node leads
         self._rounds_started = 0  # the first round never waits for the fork server
-        self._starting = threading.Lock()  # a start and an idle-time preload never overlap
-        self._idle_preload: Optional[threading.Timer] = None
+        self._starting = threading.Lock()  # a start and a preload order never overlap
+        self._preload_watch = PreloadWatch(self._starting)
 
     def command(self) -> List[str]:
         cfg = self.cfg
@@ -130,7 +129,7 @@ class WorkerGroup:
             self._start_server()
             if not self._fork_unsafe:
                 if preload:
-                    self._preload_server()
+                    self._preload_server(deep)
                 return
         wanted = min(self.cfg.standby, self.cfg.nproc_per_node) if deep else self.cfg.nproc_per_node
         self._warm = [p for p in self._warm if p.poll() is None]
@@ -184,33 +183,28 @@ class WorkerGroup:
         """The fork server, when this group has one (started by :meth:`prewarm`)."""
         return self._server
 
-    def _preload_server(self) -> None:
-        """Order the bare fork server's preload when it costs the workers nothing.
+    def _preload_server(self, deep: bool) -> None:
+        """Have the bare fork server preload when it takes no CPU from the workers (:mod:`preload`).
 
-        While this round's workers run (:meth:`prewarm` is called once they are past their start-up,
-        or when a node joins): now. While the node waits for a round: once it has waited
-        :data:`PRELOAD_IDLE_S` (a round that forms meanwhile does not wait for it).
+        While this round's workers run: called with ``deep`` once they are past their start-up (the
+        round loop's standby call), watch for an idle core; called without (a node joins: the round
+        ends soon), now. While the node waits for a round: watch, after :data:`WAIT_FIRST_S`.
         """
         server = self._server
         if server is None or server.warm:
             return
-        if self._workers:
+        if self._workers and not deep:
             server.preload()
-        elif self._idle_preload is None:
-            self._idle_preload = threading.Timer(PRELOAD_IDLE_S, self._preload_if_idle, args=(server,))
-            self._idle_preload.daemon = True
-            self._idle_preload.start()
+        elif self._workers:
+            self._preload_watch.start(server.preload, lambda: self._server is server and bool(self._workers))
+        else:
+            self._preload_watch.start(lambda: self._preload_between_rounds(server),
+                                      lambda: self._server is server and not self._workers, first_s=WAIT_FIRST_S)
 
-    def _preload_if_idle(self, server: ForkServer) -> None:
-        server.wait_ready(SERVER_WAIT_S)  # a server still starting up preloads once it can
-        with self._starting:
-            if not self._workers and self._server is server:
-                server.preload()
-
-    def _cancel_idle_preload(self) -> None:
-        timer, self._idle_preload = self._idle_preload, None
-        if timer is not None:
-            timer.cancel()
+    @staticmethod
+    def _preload_between_rounds(server: ForkServer) -> None:
+        if server.state is ServerState.READY:
+            server.preload()
 
     def _round_server(self) -> Optional[ForkServer]:
         """The fork server this round's workers come from, or None (they start another way).
@@ -347,7 +341,7 @@ class WorkerGroup:
 
     def discard_warm(self) -> None:
         """Stop the idle pre-warmed interpreters and the fork server (stop the workers first)."""
-        self._cancel_idle_preload()
+        self._preload_watch.changed()
         for server in [*self._retired, *([self._server] if self._server is not None else [])]:
             server.close()
         self._server, self._retired = None, []
@@ -372,8 +366,8 @@ class WorkerGroup:
     def start(self, topo: Topology, member: Member, event: Optional[RescaleEvent]) -> None:
         """Spawn ``member.nproc`` workers for round ``topo`` (and, leading it, have its store served)."""
         assert not self._workers, "stop the previous workers first"
-        self._cancel_idle_preload()
         with self._starting:
+            self._preload_watch.changed()
             self._start(topo, member, event)
 
     def _start(self, topo: Topology, member: Member, event: Optional[RescaleEvent]) -> None:
@@ -536,4 +530,5 @@ class WorkerGroup:
         for copy in self._filtered.values():
             copy.close()
         self._workers, self._pumps, self._filtered = [], [], {}
+        self._preload_watch.changed()
 
