@@ -4,7 +4,8 @@ gRPC threads and ``fork`` do not mix, so children are started with
 ``subprocess.Popen(start_new_session=True)`` and no ``preexec_fn``. To make sure a
 child never outlives us (even after SIGKILL of this process), the command is wrapped
 in a tiny exec shim that sets a parent-death signal (Linux ``PR_SET_PDEATHSIG``) and
-then ``exec``s the real program.
+then ``exec``s the real program; a program that cannot be run (not found, not executable, not
+a format the kernel runs) is one line on its stderr and exit 127 (not found) or 126, as in a shell.
 
 Note: the parent-death signal fires when the *thread* that spawned the child exits,
 so spawn long-lived children from a thread that lives as long as they should.
@@ -33,7 +34,11 @@ _SHIM = (
     "    except OSError as e:\n"
     "        sys.stderr.write(f'elasticrun: cannot bind to CPUs {sys.argv[2]}: {e}\\n')\n"
     "        os._exit(1)\n"
-    "os.execvp(sys.argv[3], sys.argv[3:])\n"
+    "try:\n"
+    "    os.execvp(sys.argv[3], sys.argv[3:])\n"
+    "except OSError as e:\n"
+    "    sys.stderr.write('elasticrun: cannot run %r: %s\\n' % (sys.argv[3], e.strerror or e))\n"
+    "    os._exit(127 if isinstance(e, FileNotFoundError) else 126)\n"
 )
 
 

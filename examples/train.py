@@ -267,6 +267,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             return EXIT_STOPPED
         if last_saved != step:
             save("final")
+        if resumed != "nothing" and step == resume_step:
+            log0(ctx, f"nothing to train: resumed {resumed} at step {step}, the end of a finished run "
+                      f"(--epochs {args.epochs}{f', --steps {args.steps}' if args.steps else ''}); to train again "
+                      f"use another --ckpt-dir (or delete {args.ckpt_dir}), to train on raise --epochs")
         log0(ctx, f"done: steps={step} world={world} final_loss={loss_value:.6f}")
         if os.environ.get("ELASTICRUN_EXAMPLE_TIMING"):
             log0(ctx, f"timing: {time.perf_counter() - t_start:.3f}s agreements={requests.agreements} "

@@ -8,13 +8,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import typer
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from elasticrun.checkpoint import Shard, load, save
-from elasticrun.checkpoint.export import parse_max_shard_size, split_shards
+from elasticrun.checkpoint.export import split_shards
+from elasticrun.cli import values
 from elasticrun.cli.main import main
-from elasticrun.errors import CheckpointError
 
 from helpers.ckpt import cli
 
@@ -127,11 +128,12 @@ def test_bad_sizes_and_names_are_one_line(root: Path, tmp_path: Path, ckpt) -> N
 
 
 def test_split_and_sizes_follow_hugging_face() -> None:
-    assert parse_max_shard_size("5GB") == 5 * 10**9 and parse_max_shard_size("2GiB") == 2 * 2**30
-    assert parse_max_shard_size("500MB") == 500 * 10**6 and parse_max_shard_size("1000") == 1000
+    max_shard_size = values.size()  # what --max-shard-size reads its value with
+    assert max_shard_size("5GB") == 5 * 10**9 and max_shard_size("2GiB") == 2 * 2**30
+    assert max_shard_size("500MB") == 500 * 10**6 and max_shard_size("1000") == 1000
     for bad in ("-1", "0"):
-        with pytest.raises(CheckpointError):
-            parse_max_shard_size(bad)
+        with pytest.raises(typer.BadParameter):
+            max_shard_size(bad)
     sizes = [("a", 6), ("b", 3), ("c", 20), ("d", 4), ("e", 1)]
     assert split_shards(sizes, 10) == [["c"], ["a", "b"], ["d", "e"]]  # an oversized tensor is placed at once
     assert split_shards(sizes, 100) == [["a", "b", "c", "d", "e"]]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -15,10 +16,13 @@ from elasticrun.checkpoint import Shard, list_checkpoints, load, save
 from helpers.ckpt import cli
 from helpers.procs import wait_until
 
+WAITING = re.compile(r"^elasticrun: (still )?waiting for ")
+
 
 def _one_line_error(res, code, *fragments):
+    """Exit ``code`` and one error line (besides the lines saying what the command waits for)."""
     assert res.returncode == code, (res.returncode, res.stdout, res.stderr)
-    lines = [ln for ln in res.stderr.strip().splitlines() if ln.strip()]
+    lines = [ln for ln in res.stderr.strip().splitlines() if ln.strip() and not WAITING.match(ln)]
     assert len(lines) == 1 and lines[0].startswith("elasticrun: error: "), res.stderr
     assert "Traceback" not in res.stderr + res.stdout
     for f in fragments:

@@ -15,7 +15,7 @@ from elasticrun.job.exitcodes import ExitCode
 from elasticrun.store.client import EtcdStore
 from elasticrun.store.server import EtcdServer, find_etcd_binary, free_port
 
-from helpers.launch import ECHO, assert_one_line_error, node_ids, run_cli
+from helpers.launch import ECHO, SCRIPTS, assert_one_line_error, node_ids, run_cli
 from helpers.procs import Agent, wait_until
 
 
@@ -34,9 +34,13 @@ from helpers.procs import Agent, wait_until
         (["--standalone", "--heartbeat-timeout", "1", ECHO], ["--heartbeat-timeout", "at least 2"], 2),
         (["--standalone", "--rdzv-id", "bad/id", ECHO], ["--rdzv-id"], 2),
         (["--rdzv-endpoint", "localhost:notaport", ECHO], ["localhost:notaport", "host:port"], 2),  # usage (was 3)
+        (["--standalone", str(SCRIPTS)], ["is a directory without __main__.py"], 2),
+        (["--standalone", "--no-python", str(SCRIPTS / "echo_worker.py")], ["is not executable", "chmod +x"], 2),
+        (["--standalone", "--no-python", str(SCRIPTS)], ["is a directory"], 2),
     ],
     ids=["min>max", "nnodes0", "nnodes-text", "nproc0", "nproc-text", "no-script", "no-command", "redirects",
-         "max-restarts", "heartbeat", "rdzv-id", "endpoint-syntax"],
+         "max-restarts", "heartbeat", "rdzv-id", "endpoint-syntax", "dir-without-main", "not-executable",
+         "command-is-dir"],
 )
 def test_bad_flags(args: List[str], needles: List[str], code: int) -> None:
     proc = run_cli(args, timeout=30)
@@ -150,5 +154,5 @@ def test_top_level_help_shows_the_launcher_flags_then_the_commands(argv: List[st
     flags = [text.index(f) for f in ("--nproc-per-node", "--nnodes", "--rdzv-endpoint", "--max-restarts")]
     commands = text.index("\nCommands")
     assert max(flags) < commands, "the launcher's flags must come before the sub-commands"
-    listed = re.findall(r"^(\w+) +\S", text[commands:], re.M)
+    listed = re.findall(r"^  (\w+) +\S", text[commands:], re.M)
     assert set(listed) >= {"run", "status", "etcd", "ckpt"}, text[commands:]

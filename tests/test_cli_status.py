@@ -26,7 +26,7 @@ from elasticrun.cli.main import main
 from elasticrun.job.exitcodes import ExitCode
 from elasticrun.job.keys import JobKeys
 from elasticrun.rendezvous.jobstatus import job_status, list_jobs
-from elasticrun.rendezvous.protocol import LeaseLost, Rendezvous, RendezvousSettings
+from elasticrun.rendezvous.protocol import JobEnded, LeaseLost, Rendezvous, RendezvousSettings
 from elasticrun.rendezvous.records import NodeInfo, Topology, WorkerStatus
 from elasticrun.store.client import EtcdStore
 from elasticrun.store.server import EtcdServer, free_port
@@ -88,11 +88,11 @@ def three_nodes(etcd: EtcdStore, job_id: str, pool: ThreadPoolExecutor) -> Itera
         nodes[n].publish(status=WorkerStatus.ACTIVE, waiting_for=-1)
     yield {"nodes": nodes, "futures": futures, "topo": topo}
     for r in nodes.values():
-        r.leave()  # a spare still in next_round sees its lease gone and raises LeaseLost
+        r.leave()  # a spare still in next_round sees its lease gone (LeaseLost) or the job stopped (JobEnded)
     for f in futures.values():
         try:
             f.result(10)
-        except LeaseLost:
+        except (LeaseLost, JobEnded):
             pass
 
 

@@ -15,8 +15,9 @@ HISTOGRAM_SUFFIXES = ("_bucket", "_count", "_sum")
 
 def _exported() -> set:
     """Every sample name the agent's registry renders (histograms observed once so their series exist)."""
-    state = {**Goodput().summary(), "round": 1, "world_size": 2, "nodes": 1, "step": 5, "samples_per_s": 3.0,
-             "role": "leader", "lease": "held", "rescales": {"ScaleUp": 1}}
+    g = Goodput()
+    state = {**g.summary(), "counters": g.counters(), "round": 1, "world_size": 2, "nodes": 1, "step": 5,
+             "samples_per_s": 3.0, "role": "leader", "lease": "held", "rescales": {"ScaleUp": 1}}
     m = Metrics("j", "n", lambda: state)
     m.observe_etcd("get", 0.01)
     m.checkpoint.observe(0.1)
@@ -44,7 +45,8 @@ def test_every_panel_queries_only_exported_metrics():
         assert set(re.findall(r"\belasticrun_[a-z_]+", var["definition"])) <= exported
     # the issue's list: world size, rounds, step rate, goodput, badput by cause, restarts, rescales,
     # checkpoint stalls, etcd latency, lease state
-    for name in ("elasticrun_world_size", "elasticrun_round", "elasticrun_step", "elasticrun_goodput_seconds_total",
+    for name in ("elasticrun_world_size", "elasticrun_round", "elasticrun_step", "elasticrun_phase_seconds_total",
+                 "elasticrun_training_lost_seconds_total",
                  "elasticrun_badput_seconds_total", "elasticrun_restarts_total", "elasticrun_rescales_total",
                  "elasticrun_checkpoint_seconds_bucket", "elasticrun_etcd_request_seconds_bucket",
                  "elasticrun_lease_state"):

@@ -8,24 +8,28 @@ up by the manifests' own etcd-auth Job script, scaled 1 → 2 → 1 pods while i
 from __future__ import annotations
 
 import copy
+import ipaddress
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import jsonschema
 import kubernetes_validate
+import psutil
 import pytest
 
 from elasticrun.cli.run_config import build_config
 from elasticrun.cli.torchrun_args import Parser
-from elasticrun.launch.config import RdzvBackend
+from elasticrun.launch.config import LaunchConfig, RdzvBackend
 from elasticrun.sizes import parse_size
-from elasticrun.store.server import EtcdServer, HealthTLS, ServerTLS
+from elasticrun.store.server import EtcdServer, HealthTLS, ServerTLS, free_port
 
 from helpers import kube
 from helpers.procs import REPO, wait_until, worker_env
@@ -141,6 +145,16 @@ def test_etcd_statefulset_members_certificate_and_disruption_budget() -> None:
     assert js_env["PET_RDZV_ENDPOINT"] == endpoint
 
 
+def agent_config(job: Dict[str, Any]) -> LaunchConfig:
+    """The launch configuration of the job's container: its command line and environment (what the
+    operator injects included), parsed as elasticrun parses them."""
+    (c,) = pod_spec(job)["containers"]
+    env = {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}
+    if job["kind"] == "PyTorchJob":
+        env.update(kube.pytorchjob_env(job))
+    return build_config(Parser().parse([*c["command"][1:], *c["args"]], env))
+
+
 def test_monitoring_scrapes_the_agents_metrics_port() -> None:
     docs = docs_of("monitoring")
     svc = find(docs, "Service", "elastic-demo-metrics")
@@ -153,7 +167,18 @@ def test_monitoring_scrapes_the_agents_metrics_port() -> None:
         pod = (job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"] if name == "pytorchjob"
                else job["spec"]["replicatedJobs"][0]["template"]["spec"]["template"])
         assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
-        assert {p["name"] for p in pod["spec"]["containers"][0]["ports"]} >= {svc["spec"]["ports"][0]["targetPort"]}
+        (c,) = pod["spec"]["containers"]
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert svc["spec"]["ports"][0]["targetPort"] in ports
+        # the agent serves /metrics on that port, bound where the scraper (via the Service's endpoints,
+        # the pod's IP) and the kubelet's probe (the pod's IP) reach it: not loopback, the default
+        cfg = agent_config(job)
+        assert cfg.metrics_port == ports[svc["spec"]["ports"][0]["targetPort"]] == svc["spec"]["ports"][0]["port"]
+        assert ipaddress.ip_address(cfg.metrics_host).is_unspecified, f"{name}: /metrics on {cfg.metrics_host}"
+        probe = c["livenessProbe"]["httpGet"]
+        assert probe["path"] == "/metrics" and ports.get(probe["port"], probe["port"]) == cfg.metrics_port
+        assert c["livenessProbe"]["periodSeconds"] * c["livenessProbe"]["failureThreshold"] >= 60, \
+            "a minute at least before a slow answer restarts an agent"
     etcd = find(docs_of("base"), "Service", "etcd")
     assert find(docs, "ServiceMonitor", "etcd")["spec"]["selector"]["matchLabels"].items() <= \
         etcd["metadata"]["labels"].items()
@@ -206,6 +231,7 @@ class LocalCluster:
         initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
         for m in self.members:
             m.initial_cluster = initial
+        self.ports: Dict[Tuple[str, int], int] = {}  # (pod, container port): the port it has here
         self.secrets: Dict[str, Dict[str, str]] = {"elasticrun-etcd-auth": {"root-password": "r00t-pw",
                                                                              "job-password": "j0b-pw"}}
         for secret, cn in (("etcd-admin-tls", "root"), ("elasticrun-job-tls", "elasticrun-job")):
@@ -256,6 +282,9 @@ class LocalCluster:
             paths[f"etcd-{i}.etcd:2379"] = m.endpoint
         paths["etcd-client:2379"] = self.members[1].endpoint  # the Service: one of the members
         paths["/app/train.py"] = str(REPO / "examples" / "train.py")  # deploy/Dockerfile copies it there
+        for port in c.get("ports", []):  # pods share this machine: each its own free port
+            local_port = self.ports.setdefault((name, port["containerPort"]), free_port())
+            paths[f"--metrics-port={port['containerPort']}"] = f"--metrics-port={local_port}"
 
         def localize(text: str) -> str:
             for k in sorted(paths, key=len, reverse=True):
@@ -277,6 +306,25 @@ def cluster(tmp_path: Path):
     local.start()
     yield local
     local.stop()
+
+
+def scrape_from_outside(port: int) -> str:
+    """``/metrics`` on ``port`` as a scraper on another host reaches it: the agent listens on the
+    wildcard address, and answers on this machine's first address that is not loopback (where the
+    machine has one)."""
+    listening = [c.laddr for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN
+                 and c.laddr.port == port]
+    assert listening and all(ipaddress.ip_address(a.ip).is_unspecified for a in listening), listening
+    outside = [a.address for nic in psutil.net_if_addrs().values() for a in nic
+               if a.family == socket.AF_INET and not ipaddress.ip_address(a.address).is_loopback]
+    with urllib.request.urlopen(f"http://{(outside or ['127.0.0.1'])[0]}:{port}/metrics", timeout=10) as resp:
+        return resp.read().decode()
+
+
+def metric(text: str, name: str) -> Optional[float]:
+    """The value of the one sample ``name`` in a Prometheus text exposition (None without it)."""
+    found = [m.group(1) for m in re.finditer(rf"^{name}{{[^}}]*}} (\S+)$", text, re.M)]
+    return float(found[0]) if len(found) == 1 else None
 
 
 def steps(*outs: Path) -> List[Tuple[int, int]]:
@@ -321,6 +369,13 @@ def test_pytorchjob_pods_train_through_scale_up_and_down(cluster: LocalCluster, 
         wait_until(lambda: len(world_steps(1)) >= 10, 120, "training at world 1")
         start(1)  # kubectl scale pytorchjob elastic-demo --replicas=2
         wait_until(lambda: len(world_steps(2)) >= 10, 120, "training at world 2")
+        # each pod's /metrics answers where Prometheus and the kubelet reach it (the probe's port)
+        probe_port = spec["containers"][0]["livenessProbe"]["httpGet"]["port"]
+        container_port = {p["name"]: p["containerPort"] for p in spec["containers"][0]["ports"]}[probe_port]
+        for index in (0, 1):
+            port = cluster.ports[(f"worker-{index}", container_port)]
+            wait_until(lambda p=port: metric(scrape_from_outside(p), "elasticrun_world_size") == 2.0, 30,
+                       f"worker-{index}'s /metrics to show world 2")
         # `elasticrun status` as docs/deploy.md runs it through kubectl exec, in a pod's environment
         _, env = cluster.pod("worker-0", spec, injected)
         status = subprocess.run(["sh", "-c", f'"{sys.executable}" -m elasticrun status --rdzv-endpoint '

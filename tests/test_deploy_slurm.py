@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Dict, List
 
+import pytest
+
 from elasticrun.job.exitcodes import ExitCode
 from elasticrun.store.server import free_port
 
@@ -141,3 +143,38 @@ def test_sbatch_notice_drains_and_requeues(tmp_path: Path) -> None:
         assert (out / f"{rank}.SIGTERM").exists(), f"rank {rank} got no SIGTERM to save\n{_logs(tmp_path)}"
     assert (tmp_path / "scontrol.log").read_text().split("\n")[0] == "requeue 4242"
     assert "notice" in text.decode()
+
+
+@pytest.mark.parametrize("requeued,max_requeues,expect_requeue", [("2", "3", True), ("3", "3", False)])
+def test_sbatch_caps_requeues_of_a_permanent_transient_failure(
+    tmp_path: Path, requeued: str, max_requeues: str, expect_requeue: bool
+) -> None:
+    """An etcd that never answers makes every start exit 138 (retryable): the job is requeued while
+    SLURM_RESTART_COUNT is below MAX_REQUEUES, and then ends with 138, saying why in the job log."""
+    env = _slurm_env(tmp_path, SLURM_RESTART_COUNT=requeued, MAX_REQUEUES=max_requeues,
+                     ELASTICRUN_ETCD_ENDPOINTS=f"127.0.0.1:{free_port()}")  # nothing listens there
+    proc = subprocess.run(["bash", str(SLURM / "elasticrun.sbatch"), str(SCRIPTS / "echo_worker.py")], env=env,
+                          capture_output=True, text=True, timeout=180, cwd=str(REPO))
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == ExitCode.TRANSIENT, log + _logs(tmp_path)
+    assert "cannot reach etcd" in _logs(tmp_path)
+    assert f"requeued {requeued} of at most {max_requeues} time(s)" in log
+    requeues = tmp_path / "scontrol.log"
+    if expect_requeue:
+        assert requeues.read_text() == "requeue 4242\n"
+        assert f"requeueing job 4242 (requeue {int(requeued) + 1} of at most {max_requeues})" in log
+    else:
+        assert not requeues.exists(), requeues.read_text()
+        assert (f"retryable exit code 138, but job 4242 was requeued {requeued} time(s) already "
+                f"(MAX_REQUEUES={max_requeues}): not requeueing") in log
+
+
+@pytest.mark.parametrize("bad", ["ten", "-1", "3.5"])
+def test_sbatch_refuses_a_bad_max_requeues_before_starting_anything(tmp_path: Path, bad: str) -> None:
+    env = _slurm_env(tmp_path, MAX_REQUEUES=bad)
+    proc = subprocess.run(["bash", str(SLURM / "elasticrun.sbatch"), str(SCRIPTS / "echo_worker.py")], env=env,
+                          capture_output=True, text=True, timeout=60, cwd=str(REPO))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"elasticrun.sbatch: MAX_REQUEUES='{bad}' is not a whole number; set it to the most requeues allowed (0: none)"]
+    assert not list(tmp_path.glob("node*.log")), "nothing was started"

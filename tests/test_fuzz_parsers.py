@@ -20,7 +20,16 @@ from elasticrun.checkpoint.checksum import Checksum, digest_of
 from elasticrun.checkpoint.format import CheckpointMeta
 from elasticrun.checkpoint.shardfile import read_header
 from elasticrun.cli.main import main as cli_main
-from elasticrun.rendezvous.records import loads_record, parse_node, parse_topology
+from elasticrun.job import records
+from elasticrun.job.requests import answer_record, request_record
+from elasticrun.rendezvous.records import (
+    event_record,
+    loads_record,
+    node_record,
+    parse_node,
+    parse_topology,
+    topology_record,
+)
 
 from helpers.ckpt import cli
 
@@ -340,3 +349,135 @@ def test_a_view_survives_garbage_written_by_another_agent(etcd, job_id):
         assert view.topology()[0].round == 2  # the last good round is kept, the bad record ignored
     finally:
         view.close()
+
+
+# -- every record type read from etcd: checked at one boundary (elasticrun/job/records.py) ------------
+
+GOOD_RECORDS = {  # a valid record of each type, as its writer writes it
+    "config": (records.config_record, {"nnodes": "1:2", "args": ["x"], "max_restarts": 3}),
+    "state": (records.state_record, {"state": "failed", "reason": "r", "round": 2, "time": 1.5, "exit_code": 138}),
+    "failed": (records.failed_flag, {"node": "a", "rank": 0, "time": 1.0}),
+    "end": (records.end_flag, {"reason": "scale-up", "by": "a", "lost": "b", "time": 2.0}),
+    "done": (records.time_mark, {"time": 3.0}),
+    "joining": (records.joining_flag, {"nodes": ["c"]}),
+    "failures": (records.failure_rows, [{"node_id": "a", "host": "h", "rank": 0, "local_rank": 0, "exitcode": 3,
+                                         "signal": None, "message": "m", "traceback": "", "timestamp": 1.0,
+                                         "stderr_tail": ""}]),
+    "restarts": (records.restart_history, {"times": [1.0, 2.5]}),
+    "progress": (records.progress_record, {"step": 7, "loss": 0.5, "samples_per_s": None, "rank": 0, "round": 1,
+                                           "world_size": 2, "time": 9.0, "stalls": {"checkpoint": [1, 0.5, 0.5]}}),
+    "goodput": (records.goodput_record, {"wall_s": 10.0, "goodput_s": 8.0, "goodput_ratio": 0.8, "steps_lost": 0,
+                                         "badput_s": {"restart": 2.0}, "phase_s": {"training": 8.0}}),
+    "expiry": (records.expiry_record, {"lease": 12345, "ttl": 60, "time": 1.0}),
+    "request": (request_record, {"request_id": "r1", "requested_at": 5.0}),
+    "answer": (answer_record, {"name": "step-1", "root": "/ckpt", "step": 1}),
+    "node": (node_record, {"node_id": "n1", "host": "h", "addr": "127.0.0.1", "nproc": 2, "pid": 1,
+                           "status": "Active", "waiting_for": -1, "store_port": 29500, "accelerators": []}),
+    "topology": (topology_record, {"round": 1, "members": [{"node_id": "n1", "host": "h", "addr": "a", "nproc": 2,
+                                                            "group_rank": 0, "rank_offset": 0, "lease": 7}],
+                                   "master_addr": "a", "master_port": 1, "restart_count": 0, "created_at": 1.0}),
+    "event": (event_record, {"type": "ScaleUp", "round": 1, "old_members": ["a"], "new_members": ["a", "b"],
+                             "old_world_size": 1, "new_world_size": 2, "reason": "r", "restart_count": 0,
+                             "time": 1.0}),
+}
+raw_records = json_values.map(lambda v: json.dumps(v).encode()) | st.binary(max_size=64)
+
+
+def test_every_good_record_passes_its_check_and_keeps_its_types():
+    for name, (check, good) in GOOD_RECORDS.items():
+        got = records.parse(name, json.dumps(good).encode(), check)
+        assert got is not None, name
+        if isinstance(good, dict) and not isinstance(got, list):
+            for field, value in good.items():
+                seen = got.get(field) if isinstance(got, dict) else getattr(got, field)
+                assert value is None or _kind(seen) == _kind(value), (name, field, seen)
+
+
+@FUZZ
+@given(name=st.sampled_from(sorted(GOOD_RECORDS)), value=raw_records)
+def test_any_value_is_checked_or_reported_never_raised(name, value):
+    records.parse(f"/elasticrun/j/{name}", value, GOOD_RECORDS[name][0])  # a value or None: never an exception
+
+
+def _kind(v):
+    for kind, types in (("bool", bool), ("number", (int, float)), ("str", str), ("list", (list, tuple)),
+                        ("dict", dict)):
+        if isinstance(v, types):
+            return kind
+    return type(v).__name__
+
+
+@FUZZ
+@given(name=st.sampled_from(sorted(set(GOOD_RECORDS) - {"config"})), data=st.data())
+def test_a_record_with_one_bad_field_is_refused_or_keeps_its_types(name, data):
+    check, good = GOOD_RECORDS[name]
+    doc = json.loads(json.dumps(good))
+    path = data.draw(st.sampled_from(list(_paths(doc))))
+    try:
+        doc = _set(doc, path, data.draw(json_values))
+    except (KeyError, IndexError, TypeError):
+        return
+    got = records.parse(f"/elasticrun/j/{name}", json.dumps(doc).encode(), check)
+    if got is None or not isinstance(good, dict):
+        return
+    for field, value in good.items():  # every known field kept its type (or is absent/null where allowed)
+        seen = got.get(field) if isinstance(got, dict) else getattr(got, field, None)
+        if seen is not None and value is not None and not (field == "members" or isinstance(got, list)):
+            assert _kind(seen) == _kind(value), (field, seen)
+
+
+def test_a_bad_record_is_reported_once_with_its_key_and_problem(caplog):
+    key = "/elasticrun/j/state-once-test"
+    with caplog.at_level("WARNING", logger="elasticrun.records"):
+        for _ in range(3):
+            assert records.parse(key, b'{"state": 5}', records.state_record) is None
+    lines = [r.getMessage() for r in caplog.records if key in r.getMessage()]
+    assert lines == [f"elasticrun: ignoring a malformed record in etcd at {key}: field 'state': expected a string, "
+                     "got 5"]
+
+
+def _status_of(kvs):
+    import io
+
+    from rich.console import Console
+
+    from elasticrun.cli.goodput_view import with_goodput
+    from elasticrun.cli.status_render import render_job
+    from elasticrun.rendezvous.jobstatus import build_job_status, job_phase
+    from elasticrun.store.types import KeyValue
+
+    doc = build_job_status("j", [KeyValue(k, v, i + 1, i + 1, 0) for i, (k, v) in enumerate(kvs)])
+    doc["phase"] = job_phase(doc)
+    with_goodput(doc)
+    Console(file=io.StringIO(), width=100).print(render_job(doc, "etcd:2379"))
+    return doc
+
+
+@FUZZ
+@given(slot=st.sampled_from(["config", "state", "topology", "nodes/n1", "progress/n1", "goodput/n1",
+                             "rounds/00000001/failed", "rounds/00000001/end", "rounds/00000001/failures/n1",
+                             "events/00000001", "expiry"]), value=raw_records)
+def test_status_shows_a_job_whatever_one_of_its_records_holds(slot, value):
+    from elasticrun.job.keys import JobKeys
+
+    keys = JobKeys("j")
+    good = {keys.config: GOOD_RECORDS["config"][1], keys.topology: GOOD_RECORDS["topology"][1],
+            keys.node("n1"): GOOD_RECORDS["node"][1], keys.progress_of("n1"): GOOD_RECORDS["progress"][1],
+            keys.goodput_of("n1"): GOOD_RECORDS["goodput"][1], keys.event(1): GOOD_RECORDS["event"][1]}
+    kvs = {k: json.dumps(v).encode() for k, v in good.items()}
+    kvs[keys.prefix + slot] = value
+    doc = _status_of(sorted(kvs.items()))
+    assert doc["phase"] in ("forming", "running", "rescaling", "succeeded", "failed", "stopped")
+
+
+@FUZZ
+@given(value=raw_records)
+def test_the_hang_watch_and_a_checkpoint_request_take_any_progress_or_request_value(value):
+    from elasticrun.job.requests import parse_request
+    from elasticrun.launch.hang import HangWatch
+
+    watch = HangWatch(lambda: records.parse("p", value, records.progress_record), 1.0, clock=lambda: 0.0)
+    watch.start_round(0)
+    watch.poll()
+    rid, at = parse_request("/elasticrun/j/control/checkpoint/r9", value)
+    assert rid == "r9" and isinstance(at, float)

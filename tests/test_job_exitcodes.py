@@ -25,6 +25,7 @@ from elasticrun.errors import (
 )
 from elasticrun.job.exitcodes import RETRYABLE, ExitCode, for_error, for_signal
 from elasticrun.launch.agent import Agent
+from elasticrun.rendezvous.settings import JobEnded
 from elasticrun.store.server import EtcdServer
 
 from helpers.launch import ECHO, REPO, assert_one_line_error, run_cli
@@ -79,7 +80,7 @@ def test_a_node_exits_with_the_code_of_the_node_that_ended_the_job(state: dict, 
     agent.say = lambda _msg: None
     agent.obs = SimpleNamespace(finish=lambda _outcome: None)  # no metrics/goodput in this unit test
     with pytest.raises(JobFailedError) as info:
-        agent._ended(_Rdzv(), SimpleNamespace(succeeded=False, state=state))  # type: ignore[arg-type]
+        agent._ended(_Rdzv(), JobEnded(state))  # type: ignore[arg-type]
     assert for_error(info.value) == code
 
 

@@ -12,11 +12,12 @@ import socket
 import stat
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
-from elasticrun.launch.hosting import wait_for_port
 from elasticrun.store.client import connect
+from elasticrun.store.reach import wait_reachable
 from elasticrun.store.server import NO_FSYNC_FLAG, EtcdServer, find_etcd_binary, free_port
 
 from helpers.launch import run_cli
@@ -142,15 +143,17 @@ def test_a_current_etcd_runs_without_fsync_and_serves(tmp_path: Path) -> None:
 def test_a_joining_agent_sees_the_hosts_etcd_port_open_as_soon_as_it_listens() -> None:
     port = free_port()
     found: list = []
-    waiter = threading.Thread(target=lambda: found.append(wait_for_port("127.0.0.1", port, 120.0)), daemon=True)
+    waiter = threading.Thread(target=lambda: found.append(wait_reachable(f"127.0.0.1:{port}", 120.0)), daemon=True)
     waiter.start()
     with socket.socket() as listener:  # "etcd" starts listening while the joiner already waits
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(("127.0.0.1", port))
         listener.listen(8)
         waiter.join(120.0)
-    assert found == [True]
+    assert found == [None]
 
 
 def test_waiting_for_a_port_nobody_opens_ends_at_the_timeout() -> None:
-    assert wait_for_port("127.0.0.1", free_port(), 0.3) is False
+    started = time.monotonic()
+    assert wait_reachable(f"127.0.0.1:{free_port()}", 0.3) == "connection refused"
+    assert time.monotonic() - started < 2.0

@@ -228,7 +228,7 @@ def test_a_server_that_started_a_thread_is_not_forked_from(tmp_path: Path, monke
 
 
 def test_a_negative_standby_count_is_one_clear_error() -> None:
-    assert_one_line_error(run_cli(["--standby", "-1", "--standalone", "train.py"], timeout=60), "--standby -1",
+    assert_one_line_error(run_cli(["--standby", "-1", "--standalone", "train.py"], timeout=60), "--standby '-1'",
                           "0 or more")
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from elasticrun.errors import ConfigError
 from elasticrun.launch.events import EventKind, EventLog
-from elasticrun.launch.goodput import Cause, Goodput, Phase, aggregate
+from elasticrun.launch.goodput import Cause, Goodput, Phase, aggregate, rollback_marks
 from elasticrun.launch.metrics import Metrics
 
 
@@ -112,6 +112,37 @@ def test_rollback_interpolates_between_sparse_reports():
     _invariant(g)
 
 
+def test_steps_lost_count_from_the_restored_step_to_the_last_step_reached():
+    """Reports reach the agent at most once a second: the last one seen says step 26 although the
+    workers reached 37, and the restarted round's first report says 33 although it resumed from 30.
+    The reporter's marks (restored 30, reached 37) make it 7 steps, not 26 - 33 (nothing)."""
+    c = Clock()
+    g = Goodput(clock=c)
+    g.enter(Phase.STARTING)
+    for step in (1, 6, 11, 16, 21, 26):  # what the agent saw of steps 1..37
+        c.tick(0.5)
+        g.report(step)
+    c.tick(0.55)  # steps 27..37, then the crash
+    g.enter(Phase.RESTARTING, Cause.RESTART)
+    c.tick(1.0)
+    g.enter(Phase.STARTING)
+    c.tick(0.5)
+    g.report(33, restored=30, reached=37)
+    assert g.steps_lost == 7
+    # Steps 26..37 took the last 0.55 s of training: step 30 was reached 0.2 s into them, 0.35 s were lost.
+    assert g.badput[Cause.ROLLBACK] == pytest.approx(0.35)
+    g2 = Goodput(clock=c)  # without marks (a script that restores by itself): the reports are all there is
+    g2.enter(Phase.STARTING)
+    g2.report(10)
+    g2.enter(Phase.RESTARTING, Cause.RESTART)
+    g2.enter(Phase.STARTING)
+    g2.report(4)
+    assert g2.steps_lost == 6
+    assert rollback_marks({"restored": 3, "reached": True}) == {"restored": 3, "reached": None}
+    assert rollback_marks({"restored": "3", "reached": -1}) == {"restored": None, "reached": None}
+    _invariant(g)
+
+
 def test_aggregate_weights_nodes_by_their_wall_time():
     a = {"wall_s": 100.0, "goodput_s": 90.0, "badput_s": {"startup": 10.0}, "steps_lost": 0}
     b = {"wall_s": 50.0, "goodput_s": 30.0, "badput_s": {"startup": 5.0, "restart": 15.0}, "steps_lost": 3}
@@ -151,7 +182,7 @@ def test_metrics_endpoint_text_openmetrics_busy_port_and_a_scrape_storm():
     c.tick(1.0)
     state = {"round": 3, "world_size": 4, "nodes": 2, "restarts": 1, "rescales": {"ScaleUp": 2},
              "role": "leader", "lease": "held", "samples_per_s": 12.5}
-    m = Metrics("job1", "n1", lambda: dict(state, **g.summary()))
+    m = Metrics("job1", "n1", lambda: dict(state, **g.summary(), counters=g.counters()))
     port = m.serve("127.0.0.1", 0)
     try:
         m.observe_etcd("get", 0.002)

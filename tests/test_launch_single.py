@@ -130,6 +130,29 @@ def test_no_python_runs_a_command(tmp_path: Path) -> None:
     ], proc.stdout
 
 
+def test_a_directory_with_main_runs_as_python_runs_it(tmp_path: Path) -> None:
+    """``python DIR`` runs ``DIR/__main__.py`` with DIR first on sys.path; so does elasticrun (and torchrun)."""
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "helper.py").write_text("WHO = 'helper in the directory'\n")
+    (app / "__main__.py").write_text(
+        "import os, sys\nimport helper\nprint(f\"dir rank={os.environ['RANK']} {helper.WHO} argv={sys.argv[1:]}\")\n")
+    proc = run_cli(["--standalone", "--node-id", "nodeD", str(app), "--lr", "0.1"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert worker_lines(proc.stdout, "dir") == ["[nodeD/0]:dir rank=0 helper in the directory argv=['--lr', '0.1']"]
+    assert "(nnodes 1:1, 1 worker)" in proc.stderr  # one worker, not "1 workers"
+
+
+def test_a_command_that_cannot_be_run_is_one_line_in_the_failure_report(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(b"\x7fELF not really")
+    junk.chmod(0o755)
+    proc = run_cli(["--standalone", "--no-python", str(junk)])
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"elasticrun: cannot run {str(junk)!r}: Exec format error" in proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
 def _run_dir(logs: Path, job: str) -> Path:
     """``<log_dir>/<run_id>_<random>``: the one directory an agent made under --log-dir."""
     found = list(logs.glob(f"{job}_*"))

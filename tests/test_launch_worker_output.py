@@ -25,7 +25,7 @@ from elasticrun.launch.failures import (
     make_failure,
     stderr_tail,
 )
-from elasticrun.launch.logs import Console, add_prefix, line_prefix, split_line_end
+from elasticrun.launch.logs import Console, DumpFilter, LineState, add_prefix, line_prefix, split_line_end
 
 from helpers.launch import REPO, SCRIPTS, run_cli
 from helpers.procs import wait_until, worker_env
@@ -168,13 +168,45 @@ def test_root_cause_table_and_errors_show_bracketed_text_verbatim() -> None:
 
 
 def test_prefix_goes_after_newlines_and_carriage_returns() -> None:
-    out, start = add_prefix(b"a\rb\nc", b"[p]:", True)
-    assert (out, start) == (b"[p]:a\r[p]:b\n[p]:c", False)
-    out, start = add_prefix(b"d\r", b"[p]:", start)
-    assert (out, start) == (b"d\r", True)
-    out, start = add_prefix(b"\ne", b"[p]:", start)  # \r\n split across chunks: no prefix before \n
+    out, state = add_prefix(b"a\rb\nc", b"[p]:", LineState.START)
+    assert (out, state) == (b"[p]:a\r[p]:b\n[p]:c", LineState.MID)
+    out, state = add_prefix(b"d\r", b"[p]:", state)
+    assert (out, state) == (b"d\r", LineState.AFTER_CR)
+    out, state = add_prefix(b"\ne", b"[p]:", state)  # \r\n split across chunks: no prefix before \n
     assert out == b"\n[p]:e"
-    assert add_prefix(b"x\n", b"", False) == (b"x\n", True)
+    assert add_prefix(b"x\n", b"", LineState.MID) == (b"x\n", LineState.START)
+
+
+def test_empty_lines_keep_their_prefix_as_under_torchrun() -> None:
+    """``print("a"); print(); print("b")`` shows three prefixed lines, also when the empty line
+    arrives in a chunk of its own or as a CRLF; a \r\n pair never makes an empty line."""
+    out, state = add_prefix(b"a\n\nb\n", b"[p]:", LineState.START)
+    assert out == b"[p]:a\n[p]:\n[p]:b\n"
+    out, state = add_prefix(b"\n", b"[p]:", state)
+    assert (out, state) == (b"[p]:\n", LineState.START)
+    assert add_prefix(b"\r\n", b"[p]:", state)[0] == b"[p]:\r\n"
+    assert add_prefix(b"x\r\ny\n", b"[p]:", LineState.START)[0] == b"[p]:x\r\n[p]:y\n"
+    assert add_prefix(b"\n", b"[p]:", LineState.START)[0] == b"[p]:\n"  # the stream starts with an empty line
+
+
+def test_stack_dumps_reach_the_console_without_elasticruns_own_frames() -> None:
+    import elasticrun.launch.logs as logs
+
+    pkg = Path(logs.__file__).resolve().parent.parent
+    dump = (
+        "Current thread 0x00007f00 (most recent call first):\n"
+        '  File "/job/train.py", line 19 in stuck_here\n'
+        '  File "/job/train.py", line 42 in <module>\n'
+        f'  File "{pkg}/launch/warm.py", line 132 in _run_script\n'
+        '  File "<frozen runpy>", line 88 in _run_code\n'
+    ).encode()
+    traceback = f'Traceback (most recent call last):\n  File "{pkg}/launch/warm.py", line 132 in x\n'.encode()
+    f = DumpFilter()
+    assert f(b"step 1\n") == b"step 1\n"
+    out = f(dump[:90]) + f(dump[90:]) + f(b"\n") + f(b"after the dump\n") + f(traceback)
+    assert b"stuck_here" in out and b"<module>" in out and b"after the dump" in out
+    assert b"warm.py\", line 132 in _run_script" not in out and b"runpy" not in out, out
+    assert out.endswith(traceback), "a traceback is not a dump: shown whole"
 
 
 def test_a_line_cut_by_another_workers_text_continues_with_its_prefix() -> None:
@@ -182,7 +214,7 @@ def test_a_line_cut_by_another_workers_text_continues_with_its_prefix() -> None:
     buf = io.BytesIO()
     console = Console(buf)  # type: ignore[arg-type]
     a, b = object(), object()
-    out, start = add_prefix(b"hel", b"[a]:", True)
+    out, start = add_prefix(b"hel", b"[a]:", LineState.START)
     console.write(a, out, False, False, b"[a]:")
     console.write(b, b"[b]:one\n", True, False, b"[b]:")
     out, start = add_prefix(b"lo\nnext", b"[a]:", start)

@@ -19,16 +19,17 @@ PACKAGE = Path(__file__).resolve().parent.parent / "elasticrun"
 # with the package map at the top of docs/design.md.
 MAY_IMPORT: Dict[str, Set[str]] = {
     "__main__": {"cli"},
-    "cli": {"launch", "rendezvous", "checkpoint", "store", "job", "sizes", "errors", "proc", "elasticrun"},
-    "launch": {"rendezvous", "store", "job", "sizes", "errors", "proc"},
-    "train": {"checkpoint", "rendezvous", "store", "job", "sizes", "errors", "proc"},
-    "rendezvous": {"store", "job", "sizes", "errors"},
-    "checkpoint": {"job", "sizes", "errors", "proc"},
-    "store": {"job", "sizes", "errors", "proc"},
+    "cli": {"launch", "rendezvous", "checkpoint", "store", "job", "sizes", "errors", "proc", "waiting", "elasticrun"},
+    "launch": {"rendezvous", "store", "job", "sizes", "errors", "proc", "waiting"},
+    "train": {"checkpoint", "rendezvous", "store", "job", "sizes", "errors", "proc", "waiting"},
+    "rendezvous": {"store", "job", "sizes", "errors", "waiting"},
+    "checkpoint": {"job", "sizes", "errors", "proc", "waiting"},
+    "store": {"job", "sizes", "errors", "proc", "waiting"},
     "job": {"errors"},
     "errors": set(),
     "proc": set(),
     "sizes": set(),
+    "waiting": set(),
     "elasticrun": set(),  # the package's own __init__ (__version__)
 }
 

@@ -18,8 +18,9 @@ from helpers.rdzv import settings
 
 
 class LeaseDroppedBeforeCreate(EtcdStore):
-    """A real client whose creates number ``revoke_at`` (counting creates under a lease) find their lease
-    revoked by a second client just before they are sent, as if etcd had expired it meanwhile."""
+    """A real client whose creates number ``revoke_at`` (counting creates under a lease: the node record's
+    guarded transaction and the --node-rank claim) find their lease revoked by a second client just before
+    they are sent, as if etcd had expired it meanwhile."""
 
     def __init__(self, endpoint: str, other: EtcdStore, revoke_at: Optional[Set[int]] = None) -> None:
         super().__init__(endpoint)
@@ -28,13 +29,21 @@ class LeaseDroppedBeforeCreate(EtcdStore):
         self.creates = 0
         self.revoked: List[int] = []
 
-    def create(self, key, value, lease=None) -> bool:
+    def _before(self, lease: Optional[int]) -> None:
         if lease:
             if self.revoke_at is None or self.creates in self.revoke_at:
                 self.other.revoke_lease(lease)
                 self.revoked.append(lease)
             self.creates += 1
+
+    def create(self, key, value, lease=None) -> bool:
+        self._before(lease)
         return super().create(key, value, lease=lease)
+
+    def txn(self, guards, puts=(), delete_prefixes=(), deletes=()) -> bool:
+        puts = list(puts)
+        self._before(next((lease for _, _, lease in puts if lease), None))
+        return super().txn(guards, puts, delete_prefixes, deletes)
 
 
 def rendezvous(store: EtcdStore, job_id: str) -> Rendezvous:

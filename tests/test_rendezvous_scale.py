@@ -55,9 +55,9 @@ class Counts:
             self.add("nodes_looked_at", len(got))
             return got
 
-        def counted_parse(value: Any) -> Any:
+        def counted_parse(value: Any, *args: Any) -> Any:
             self.add("node_parses", 1)
-            return parse(value)
+            return parse(value, *args)
 
         monkeypatch.setattr(view_cls, "_on_events", counted_events)
         monkeypatch.setattr(view_cls, "nodes", counted_nodes)

@@ -51,6 +51,18 @@ def test_single_process_trains_and_checkpoints(tmp_path: Path):
     assert names == ["step-00000010", "step-00000015", "step-00000016"], "keep_last=3"
 
 
+def test_a_second_run_of_a_finished_job_says_it_has_nothing_to_train(tmp_path: Path):
+    """The quickstart twice in the same directory: the second run resumes the finished run, and says so."""
+    args = ["--epochs", "1", "--dataset-size", "256", "--ckpt-every", "0"]
+    first = run_single(args, tmp_path)
+    assert "nothing to train" not in first and re.search(r"^done: steps=8 ", first, re.M), first
+    second = run_single(args, tmp_path)
+    assert not re.search(r"^step \d+ ", second, re.M), second  # no step trained
+    said = [ln for ln in second.splitlines() if ln.startswith("nothing to train:")]
+    assert len(said) == 1 and "resumed step-00000008" in said[0] and "--epochs 1" in said[0], second
+    assert "--ckpt-dir" in said[0], said[0]
+
+
 @pytest.fixture
 def server(etcd_server: EtcdServer) -> EtcdServer:
     """The session's real etcd (conftest)."""

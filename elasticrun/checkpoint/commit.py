@@ -2,9 +2,10 @@
 
 Protocol (local filesystem): every rank writes and fsyncs its shard in
 ``<root>/.<name>.tmp-<token>/``; after a gather (the barrier) rank 0 fsyncs that
-directory, writes ``metadata.json`` (fsynced) into it, renames it to ``<root>/<name>``
-and fsyncs the root. A crash anywhere leaves the old checkpoints untouched plus, at
-worst, a temporary directory that listing reports as incomplete and loading never uses.
+directory, writes ``metadata.json`` (fsynced) into it, checks the commit fence (under
+elasticrun: its round is still the job's), renames it to ``<root>/<name>`` and fsyncs the
+root. A crash anywhere leaves the old checkpoints untouched plus, at worst, a temporary
+directory that listing reports as incomplete and loading never uses.
 
 On fsspec storage (no atomic rename) the shards are moved into ``<root>/<name>/`` first
 and ``metadata.json`` is written last, so its presence still means "complete".
@@ -19,8 +20,9 @@ import uuid
 from elasticrun.checkpoint.format import METADATA_FILE
 from elasticrun.checkpoint.storage import Storage, describe, retry
 from elasticrun.checkpoint.temps import drop_marker
+from elasticrun.errors import CheckpointError
 from elasticrun.job import env as job_env
-from elasticrun.job.fence import check_round_is_current
+from elasticrun.job.fence import check_round_is_current, fence_identity
 
 CRASH_ENV = job_env.CKPT_CRASH_AT
 #: Phases at which ``ELASTICRUN_CKPT_CRASH_AT=<phase>[:<rank>]`` SIGKILLs the process (tests only).
@@ -44,16 +46,27 @@ def new_token() -> str:
 def commit(storage: Storage, tmp: str, final: str, metadata: bytes, rank: int) -> None:
     """Publish ``tmp`` as ``final`` with ``metadata.json`` as the commit marker (rank 0 only).
 
-    Under elasticrun, first checks that this worker's round is still current (fencing).
+    Under elasticrun, checks right before the checkpoint becomes visible — after every byte is
+    written and synced — that this worker's round is still current (the commit fence,
+    :mod:`elasticrun.job.fence`); a newer round that opened the root meanwhile has fenced the
+    temporary directory, and the rename then fails: not committed either way.
     """
-    check_round_is_current()
     if storage.atomic_rename:
-        retry(lambda: storage.sync_dir(tmp), f"fsync {storage.display(tmp)}")
-        crash_point("before-metadata", rank)
-        storage.write_bytes(f"{tmp}/{METADATA_FILE}", metadata)
-        retry(lambda: storage.sync_dir(tmp), f"fsync {storage.display(tmp)}")
-        crash_point("after-metadata", rank)
-        retry(lambda: storage.rename_dir(tmp, final), f"rename {storage.display(tmp)} to {storage.display(final)}")
+        try:
+            retry(lambda: storage.sync_dir(tmp), f"fsync {storage.display(tmp)}")
+            crash_point("before-metadata", rank)
+            storage.write_bytes(f"{tmp}/{METADATA_FILE}", metadata)
+            retry(lambda: storage.sync_dir(tmp), f"fsync {storage.display(tmp)}")
+            crash_point("after-metadata", rank)
+            check_round_is_current()
+            retry(lambda: storage.rename_dir(tmp, final), f"rename {storage.display(tmp)} to {storage.display(final)}")
+        except CheckpointError:
+            if fence_identity() is not None and not storage.exists(tmp) and not storage.exists(final):
+                raise CheckpointError(
+                    "a newer round took over the checkpoint root while this save was being committed (its "
+                    "temporary directory was fenced): a stale round must not commit a checkpoint; not committing"
+                ) from None
+            raise
         retry(lambda: storage.sync_dir(storage.root), f"fsync {storage.display(storage.root)}")
         drop_marker(storage, final)
     else:
@@ -61,6 +74,7 @@ def commit(storage: Storage, tmp: str, final: str, metadata: bytes, rank: int) -
         for fname in storage.listdir(tmp):
             retry(lambda f=fname: storage.move_file(f"{tmp}/{f}", f"{final}/{f}"), f"move {fname} into place")
         crash_point("before-metadata", rank)
+        check_round_is_current()  # no atomic rename here: metadata.json is the commit
         storage.write_bytes(f"{final}/{METADATA_FILE}", metadata)
         crash_point("after-metadata", rank)
         drop_marker(storage, final)

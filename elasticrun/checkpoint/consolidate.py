@@ -25,7 +25,7 @@ from elasticrun.checkpoint.regions import ShardFiles, read_region, region_for
 from elasticrun.checkpoint.shardfile import build_header, torch_dtype
 from elasticrun.checkpoint.staging import byte_view
 from elasticrun.checkpoint.storage import LocalStorage, describe, get_storage
-from elasticrun.checkpoint.validate import read_meta, resolve_name, verify_files
+from elasticrun.checkpoint.validate import next_seq, read_meta, resolve_name, verify_files
 from elasticrun.checkpoint.writer import SaveJob, _check_free, save
 from elasticrun.errors import CheckpointError
 
@@ -202,9 +202,11 @@ def reshard(
                     progress(size)
             job.sources = []
         assert job is not None
+        # A commit sequence number like any save's: in a job's root, the resharded checkpoint of the
+        # newest step is "latest" (docs/checkpoints.md, Ordering).
         new_meta = CheckpointMeta(name=out_name, world_size=world_size, created=time.time(), tensors=plan.tensors,
                                   files=results, tree=meta.tree, training_state=meta.training_state,
-                                  user_metadata=meta.user_metadata)
+                                  user_metadata=meta.user_metadata, seq=next_seq(out_storage))
         commit(out_storage, job.tmp, job.final, new_meta.dumps(), 0)
     except BaseException as err:
         note = rollback(out_storage, out_storage.join(f".{out_name}.tmp-{token}"))

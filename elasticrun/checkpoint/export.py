@@ -17,24 +17,12 @@ import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from elasticrun.errors import CheckpointError
-from elasticrun.sizes import parse_size
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # bytes: transformers' default, "5GB"
 FORMAT_METADATA = {"format": "pt"}
 _SHARD_RE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
-
-
-def parse_max_shard_size(text: str) -> int:
-    """``--max-shard-size`` in bytes (the rule of :func:`elasticrun.sizes.parse_size`); at least 1."""
-    try:
-        size = parse_size(text)
-    except ValueError as err:
-        raise CheckpointError(f"--max-shard-size: {err}") from None
-    if size < 1:
-        raise CheckpointError(f"--max-shard-size {text!r}: must be at least 1 byte")
-    return size
 
 
 def split_shards(sizes: Sequence[Tuple[str, int]], max_size: int) -> List[List[str]]:
@@ -101,7 +89,6 @@ __all__ = [
     "check_target",
     "existing_export_files",
     "index_json",
-    "parse_max_shard_size",
     "shard_file_names",
     "split_shards",
 ]

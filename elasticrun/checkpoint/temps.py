@@ -5,7 +5,9 @@ Every save writes into ``<root>/.<name>.tmp-<token>/`` and first creates
 A crashed save leaves that directory behind. :func:`reclaim_stale_temps` removes the ones
 whose writer is provably dead (same host and boot, pid gone) or that are older than
 ``max_age`` seconds (any host: the age comes from the directory's mtime). A full disk
-during a save calls it (and retention) before the one retry.
+during a save calls it (and retention) before the one retry. Under elasticrun the marker also
+names the job and round, and :func:`fence_older_saves` takes older rounds' saves out of reach
+of their commit (the storage side of the commit fence, :mod:`elasticrun.job.fence`).
 """
 
 from __future__ import annotations
@@ -20,9 +22,14 @@ from typing import Any, Dict, List, Optional
 
 from elasticrun.checkpoint.format import INCOMPLETE_MARKER, parse_tmp_dir_name
 from elasticrun.checkpoint.storage import LocalStorage, Storage, describe, retry
+from elasticrun.job.fence import fence_identity
 from elasticrun.proc import pid_alive
 
 log = logging.getLogger(__name__)
+
+#: Appended to the name of a temporary directory that a newer round fenced (still a temporary
+#: directory's name: listed as incomplete, reclaimed like one).
+FENCED_SUFFIX = "-fenced"
 
 #: A temporary directory older than this (seconds since its last change) is reclaimed even when
 #: its writer's liveness cannot be checked (another host).
@@ -38,8 +45,14 @@ def _boot_id() -> str:
 
 
 def writer_identity() -> Dict[str, Any]:
-    """What the marker file records about the process writing a save."""
-    return {"host": socket.gethostname(), "boot_id": _boot_id(), "pid": os.getpid(), "started": time.time()}
+    """What the marker file records about the process writing a save (under elasticrun also its
+    job and round, for :func:`fence_older_saves`)."""
+    who: Dict[str, Any] = {"host": socket.gethostname(), "boot_id": _boot_id(), "pid": os.getpid(),
+                           "started": time.time()}
+    fenced = fence_identity()
+    if fenced is not None:
+        who["job"], who["round"] = fenced
+    return who
 
 
 def write_marker(storage: Storage, tmp: str) -> None:
@@ -111,6 +124,50 @@ def reclaim_stale_temps(storage: Storage, exclude: Optional[str] = None,
         except Exception as err:  # noqa: BLE001 - reclaiming is best effort
             log.warning("could not reclaim %s: %s", storage.display(path), err)
     return removed
+
+
+def fence_older_saves(storage: Storage) -> List[str]:
+    """Under elasticrun, on a root with atomic renames: rename aside (then remove) the temporary
+    directories of this job's saves of older rounds; returns their names.
+
+    A newer round's rank 0 calls this when it opens the root (a save, a load of "latest", a
+    resume). A save of an older round that already passed its commit check but had not yet
+    renamed its directory into place (its process frozen there) then finds it gone and is not
+    committed: the rename of the save and this one are atomic, exactly one of them wins. A save
+    whose rename won was complete and checked before the round changed; it is visible to this
+    round like any checkpoint committed a moment earlier."""
+    who = fence_identity()
+    if who is None or not storage.atomic_rename:
+        return []
+    job, current = who
+    try:
+        names = retry(lambda: storage.listdir(storage.root), f"list {storage.display(storage.root)}")
+    except Exception as err:  # noqa: BLE001 - a root that cannot be listed fails the save or load itself
+        log.debug("cannot list %s to fence older saves: %s", storage.display(storage.root), describe(err))
+        return []
+    fenced = []
+    for dirname in names:
+        if parse_tmp_dir_name(dirname) is None or dirname.endswith(FENCED_SUFFIX):
+            continue
+        marker = _read_marker(storage, storage.join(dirname))
+        owner, round_ = (marker or {}).get("job"), (marker or {}).get("round")
+        if owner != job or not isinstance(round_, int) or isinstance(round_, bool) or round_ >= current:
+            continue
+        aside = dirname + FENCED_SUFFIX
+        try:
+            storage.rename_dir(storage.join(dirname), storage.join(aside))
+        except OSError:
+            continue  # committed (or fenced by someone else) just now
+        fenced.append(dirname)
+        log.warning("fenced %s: a save of round %d, older than this round (%d), can no longer be committed",
+                    storage.display(storage.join(dirname)), round_, current)
+        from elasticrun.checkpoint.retention import remove_entry
+
+        try:
+            remove_entry(storage, aside)
+        except Exception as err:  # noqa: BLE001 - a leftover is listed as incomplete, and reclaimed later
+            log.debug("could not remove %s: %s", storage.display(storage.join(aside)), describe(err))
+    return fenced
 
 
 def is_disk_full(err: Optional[BaseException]) -> bool:

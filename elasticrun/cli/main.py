@@ -7,9 +7,14 @@ exactly like ``torchrun``. Errors that are the user's to fix print one line, no 
 from __future__ import annotations
 
 import sys
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import typer
+
+try:  # typer >= 0.22 carries its own copy of click
+    from typer._click.exceptions import ClickException  # type: ignore[import-not-found]
+except ImportError:  # pragma: no cover - older typer uses click itself
+    from click.exceptions import ClickException  # type: ignore[import-not-found,no-redef]
 
 from elasticrun import __version__
 from elasticrun.cli.console import fail
@@ -28,13 +33,16 @@ _SUBCOMMANDS = {"run", "ckpt", "status", "etcd"}
 
 
 def _register() -> None:
+    if app.registered_commands:
+        return
     from elasticrun.cli import ckpt, etcd, run, status
+    from elasticrun.cli.typer_help import HelpCommand
 
     # Listed for `elasticrun --help` only: `run` is parsed by elasticrun.cli.run (torchrun's grammar).
     app.command("run", help=run.HELP, add_help_option=False)(run.run)
     app.add_typer(ckpt.app, name="ckpt")
-    app.command("status", help=status.HELP)(status.status)
-    app.command("etcd", help=etcd.HELP)(etcd.etcd)
+    app.command("status", help=status.HELP, cls=HelpCommand)(status.status)
+    app.command("etcd", help=etcd.HELP, cls=HelpCommand)(etcd.etcd)
 
 
 def _commands() -> List[Tuple[str, str]]:
@@ -78,8 +86,30 @@ def main(argv: Optional[List[str]] = None) -> None:
 
             raise SystemExit(run.main(run_args))
         _register()
-        app(args=args, prog_name="elasticrun")
+        code = app(args=args, prog_name="elasticrun", standalone_mode=False)
+        raise SystemExit(code if isinstance(code, int) else 0)
+    except ClickException as err:  # a bad flag or argument of a typer command: one line, like ours
+        if type(err).__name__ == "NoArgsIsHelpError" or not err.format_message().strip():
+            _show_help(err)  # a group called without a command: its help, as for --help (exit 2)
+            raise SystemExit(ExitCode.USAGE) from None
+        fail(_usage_line(err), ExitCode.USAGE)
+    except typer.Abort:  # a prompt answered with Ctrl-D or Ctrl-C
+        fail("interrupted", ExitCode.INTERRUPTED)
     except ElasticrunError as err:
         fail(str(err), for_error(err))
     except KeyboardInterrupt:
         fail("interrupted", ExitCode.INTERRUPTED)
+
+
+def _show_help(err: Any) -> None:
+    ctx = getattr(err, "ctx", None)
+    if ctx is not None:
+        sys.stdout.write(ctx.get_help().rstrip("\n") + "\n")
+        sys.stdout.flush()
+
+
+def _usage_line(err: Any) -> str:
+    """click's usage error as one line, with the command whose ``--help`` explains it."""
+    ctx = getattr(err, "ctx", None)
+    where = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+    return f"{err.format_message().strip().rstrip('.')}{where}"

@@ -19,9 +19,12 @@ Every torchrun flag is accepted with its spellings and PET_* variable (docs/cli.
 
   elasticrun --standalone --nproc-per-node 2 train.py --epochs 3
 
-  elasticrun --nnodes 2:4 --nproc-per-node 8 --rdzv-endpoint etcd:2379 --rdzv-id job42 train.py
+  elasticrun --nnodes 2:4 --nproc-per-node 8 --rdzv-endpoint etcd:2379 \\
+      --rdzv-id job42 train.py
 
-  elasticrun --nnodes 2 --node-rank 0 --master-addr node0 --master-port 29500 train.py   # torchrun's static lines
+  # torchrun's static lines: node rank 0 hosts the job's etcd
+  elasticrun --nnodes 2 --node-rank 0 --master-addr node0 --master-port 29500 \\
+      train.py
 """
 
 

@@ -17,11 +17,12 @@ import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
 from elasticrun.cli.torchrun_args import Parsed
-from elasticrun.errors import ConfigError
+from elasticrun.errors import ConfigError, StoreError
 from elasticrun.job.hints import AdaptationStrategy, RedistributionType
 from elasticrun.launch.config import LaunchConfig, RdzvBackend, default_node_id, parse_nnodes, parse_nproc
-from elasticrun.rendezvous.restarts import parse_window
+from elasticrun.rendezvous.restarts import parse_duration, parse_window
 from elasticrun.sizes import RULE, parse_size
+from elasticrun.store.types import parse_endpoints
 
 STATIC_PORT = 29500  # torchrun's default --master-port
 C10D_PORT = 29400  # torchrun's default port of a c10d endpoint without one
@@ -86,7 +87,7 @@ def _conf_value(key: str, kind: str, value: str, where: str) -> Any:
     try:
         if kind == "seconds":
             number = float(value)
-            if number < 0:
+            if not number >= 0 or number == float("inf"):  # also nan
                 raise ValueError
             return number
         if kind == "count":
@@ -95,7 +96,7 @@ def _conf_value(key: str, kind: str, value: str, where: str) -> Any:
                 raise ValueError
             return number
     except ValueError:
-        raise ConfigError(f"{where}: {key}={value!r} must be a non-negative number") from None
+        raise ConfigError(f"{where}: {key}={value!r} must be a finite number, 0 or more") from None
     if kind == "bool":
         low = value.lower()
         if low in ("1", "true", "t", "yes", "y"):
@@ -157,8 +158,10 @@ def _ranks_filter(p: Parsed) -> Optional[List[int]]:
     try:
         ranks = sorted({int(r) for r in text.split(",")})
     except ValueError:
-        raise ConfigError(f"{p.where('local_ranks_filter')}: must be a comma-separated list of integers, e.g. "
+        raise ConfigError(f"{p.shown('local_ranks_filter')}: must be a comma-separated list of integers, e.g. "
                           "--local-ranks-filter=0,1,2") from None
+    if ranks[0] < 0:
+        raise ConfigError(f"{p.shown('local_ranks_filter')}: local rank {ranks[0]} must not be negative")
     return ranks
 
 
@@ -167,8 +170,7 @@ def _snapshot_memory(p: Parsed) -> Optional[int]:
     text = str(p.values.get("snapshot_memory") or "").strip()
     if not text:
         return None
-    where = p.where("snapshot_memory")
-    where += f" {text!r}" if where.startswith("-") else ""
+    where = p.shown("snapshot_memory")
     try:
         size = parse_size(text)
     except ValueError:
@@ -184,9 +186,12 @@ def _shutdown_timeout(p: Parsed) -> float:
     text = p.env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
     if text:
         try:
-            return float(text)
+            seconds = float(text)
         except ValueError:
-            raise ConfigError(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={text!r}: expected a number of seconds") from None
+            seconds = -1.0
+        if not 0 <= seconds < float("inf"):
+            raise ConfigError(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={text!r}: expected a number of seconds, 0 or more")
+        return seconds
     return 30.0
 
 
@@ -197,7 +202,7 @@ def _endpoint(host_port: str, default_port: int, where: str) -> str:
         if text.startswith(scheme):
             text = text[len(scheme):]
     if not text or "," in text:
-        raise ConfigError(f"{where} {host_port!r}: give one HOST:PORT, the node that hosts the job's etcd")
+        raise ConfigError(f"{where}: give one HOST:PORT, the node that hosts the job's etcd")
     if text.startswith("["):  # [v6]:port
         host, _, rest = text[1:].partition("]")
         port = rest[1:] if rest.startswith(":") else ""
@@ -206,9 +211,9 @@ def _endpoint(host_port: str, default_port: int, where: str) -> str:
         if not sep:
             host, port = text, ""
     if port and not (port.isdigit() and 0 < int(port) < 65536):
-        raise ConfigError(f"{where} {host_port!r}: expected HOST:PORT, e.g. node0:{default_port}")
+        raise ConfigError(f"{where}: expected HOST:PORT with a port 1 .. 65535, e.g. node0:{default_port}")
     if not host:
-        raise ConfigError(f"{where} {host_port!r}: expected HOST:PORT, e.g. node0:{default_port}")
+        raise ConfigError(f"{where}: expected HOST:PORT, e.g. node0:{default_port}")
     host = f"[{host}]" if ":" in host else host
     return f"{host}:{port or default_port}"
 
@@ -234,6 +239,11 @@ def _rendezvous(p: Parsed, settings: Dict[str, Any]) -> None:
     backend = BACKENDS[backend_name]
     settings["rdzv_backend"] = backend
     if backend is RdzvBackend.ETCD:
+        try:
+            parse_endpoints(endpoint)
+        except StoreError:
+            raise ConfigError(f"{p.shown('rdzv_endpoint')}: expected host:port[,host:port...] with ports 1 .. "
+                              "65535, e.g. etcd-host:2379") from None
         settings["rdzv_endpoint"] = endpoint
         return
     secured = [p.where(k) for k in _SECURITY if settings.get(k) or (p.values.get(k) and p.given(k))]
@@ -244,17 +254,15 @@ def _rendezvous(p: Parsed, settings: Dict[str, Any]) -> None:
         if not endpoint:
             raise ConfigError("--rdzv-backend c10d needs --rdzv-endpoint HOST:PORT (the agent on HOST hosts the "
                               "job's etcd on PORT)")
-        settings["rdzv_endpoint"] = _endpoint(endpoint, C10D_PORT, p.where("rdzv_endpoint"))
+        settings["rdzv_endpoint"] = _endpoint(endpoint, C10D_PORT, p.shown("rdzv_endpoint"))
         return
     # static: torchrun's rendezvous at --master-addr:--master-port (or an explicit endpoint), fixed node ranks.
     if endpoint:
-        settings["rdzv_endpoint"] = _endpoint(endpoint, STATIC_PORT, p.where("rdzv_endpoint"))
+        settings["rdzv_endpoint"] = _endpoint(endpoint, STATIC_PORT, p.shown("rdzv_endpoint"))
     else:
-        port = v["master_port"] if v["master_port"] is not None else STATIC_PORT
-        if not 0 < int(port) < 65536:
-            raise ConfigError(f"{p.where('master_port')}: not a port number (1-65535)")
+        port = v["master_port"] if v["master_port"] is not None else STATIC_PORT  # its range: run_options
         addr = str(v["master_addr"] or "").strip() or "127.0.0.1"
-        settings["rdzv_endpoint"] = _endpoint(f"{addr}:{port}", STATIC_PORT, p.where("master_addr"))
+        settings["rdzv_endpoint"] = _endpoint(f"{addr}:{port}", STATIC_PORT, p.shown("master_addr"))
     settings["nnodes_min"] = nmax  # a static job has exactly MAX nodes, as in torchrun
     if settings.get("node_rank") is None:
         settings["node_rank"] = 0  # torchrun's default --node-rank
@@ -287,8 +295,11 @@ def build_config(p: Parsed) -> LaunchConfig:
     """The launch configuration the parsed arguments ask for (not yet validated)."""
     v = p.values
     _check_torchrun_choices(p)
-    nmin, nmax = parse_nnodes(v["nnodes"])
-    nproc, kind = parse_nproc(v["nproc_per_node"])
+    nmin, nmax = parse_nnodes(v["nnodes"], p.shown("nnodes"))
+    nproc, kind = parse_nproc(v["nproc_per_node"], p.shown("nproc_per_node"))
+    if v["node_rank"] is not None and v["node_rank"] >= nmax:
+        raise ConfigError(f"{p.shown('node_rank')}: must be 0 .. {nmax - 1} with {p.shown('nnodes')} (give every "
+                          "node its own rank below the node count)")
     module, no_python = bool(v["module"]), bool(v["no_python"])
     if v["run_path"]:
         module = no_python = False  # torchrun: --run-path takes precedence
@@ -333,7 +344,8 @@ def build_config(p: Parsed) -> LaunchConfig:
         lr_strategy=AdaptationStrategy(v["lr_scaling"]),
         redistribution=RedistributionType(v["redistribution"]),
         global_batch_size=int(v["global_batch_size"]),
-        restart_window=parse_window(v["restart_window"]),
+        restart_window=parse_window(v["restart_window"], p.shown("restart_window")),
+        ended_job_ttl=parse_duration(v["ended_job_ttl"], p.shown("ended_job_ttl"), "to keep them forever"),
         etcd_binary=v["etcd_binary"],
         quiet=bool(v["quiet"]),
         prewarm=bool(v["prewarm"]),

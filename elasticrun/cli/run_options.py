@@ -48,6 +48,10 @@ class Opt:
     torchrun: bool = False  # a torchrun flag: read PET_<DEST> when the flag is absent
     envvars: Tuple[str, ...] = ()  # elasticrun's own variables, read after PET_<DEST>
     negative: Tuple[str, ...] = ()  # FLAG spellings that set False (--no-prewarm)
+    at_least: Optional[float] = None  # INT/FLOAT: the smallest value allowed
+    more_than: Optional[float] = None  # FLOAT: values must be above this one
+    at_most: Optional[float] = None  # INT/FLOAT: the largest value allowed
+    range_note: str = ""  # said with a value out of range ("0 turns it off")
 
     @property
     def pet(self) -> Optional[str]:
@@ -97,13 +101,13 @@ TORCHRUN_OPTIONS: Tuple[Opt, ...] = (
     _t("standalone", ("--standalone",), "Single node: start a private etcd on a free port for this run (implied "
        "by --nnodes 1 without an endpoint).", RDZV, kind=Kind.FLAG, default=False),
     _t("max_restarts", _both("--max-restarts"), "Worker-failure restarts for the whole job (node changes do not "
-       "count).", ELASTIC, type=Type.INT, metavar="N", default=0),
+       "count).", ELASTIC, type=Type.INT, metavar="N", default=0, at_least=0),
     _t("monitor_interval", _both("--monitor-interval"), "Accepted for torchrun compatibility: worker exits are "
-       "noticed at once, not polled.", WORKERS, type=Type.FLOAT, metavar="S", default=0.1),
+       "noticed at once, not polled.", WORKERS, type=Type.FLOAT, metavar="S", default=0.1, at_least=0),
     _t("start_method", _both("--start-method"), "Accepted: workers are always new processes (as torchrun does "
        "for a script).", WORKERS, choices=("spawn", "fork", "forkserver"), metavar="METHOD", default="spawn"),
-    _t("event_log_handler", _both("--event-log-handler"), "null (default) or console: agent events go to "
-       "stderr and etcd (`elasticrun status`).", LOGS, metavar="NAME", default="null"),
+    _t("event_log_handler", _both("--event-log-handler"), "null or console (dynamic_rendezvous accepted): agent "
+       "events go to stderr and etcd (`elasticrun status`).", LOGS, metavar="NAME", default="null"),
     _t("role", ("--role",), "Role name of the workers (ROLE_NAME).", WORKERS, metavar="ROLE", default="default"),
     _t("module", ("-m", "--module"), "Run SCRIPT as a Python module (python -m).", WORKERS, kind=Kind.FLAG,
        default=False),
@@ -126,11 +130,11 @@ TORCHRUN_OPTIONS: Tuple[Opt, ...] = (
        "into filtered_stderr.log.", LOGS, metavar="F,..."),
     _t("node_rank", _both("--node-rank"), "Group rank this node keeps in every round (static: also picks the "
        "node that hosts the job's etcd, rank 0) \\[default: static 0, else any].", RDZV, type=Type.INT,
-       metavar="R"),
+       metavar="R", at_least=0),
     _t("master_addr", _both("--master-addr"), "static: host of node rank 0, where the job's etcd runs.", RDZV,
        metavar="HOST", default="127.0.0.1"),
     _t("master_port", _both("--master-port"), "static: port of the job's etcd on --master-addr \\[default: "
-       "29500].", RDZV, type=Type.INT, metavar="PORT"),
+       "29500].", RDZV, type=Type.INT, metavar="PORT", at_least=1, at_most=65535),
     _t("local_addr", _both("--local-addr"), "Address other nodes reach this one at \\[default: route to etcd].",
        RDZV, metavar="ADDR"),
     _t("logs_specs", _both("--logs-specs"), "torchrun's LogsSpecs entry point: only its default (\"default\"), "
@@ -141,7 +145,7 @@ TORCHRUN_OPTIONS: Tuple[Opt, ...] = (
     _t("signals_to_handle", _both("--signals-to-handle"), "Signals the agent forwards to the workers before "
        "leaving the job.", WORKERS, metavar="SIG,...", default=SIGNALS_DEFAULT),
     _t("shutdown_timeout", _both("--shutdown-timeout"), "Seconds between SIGTERM and SIGKILL for workers "
-       "\\[default: $TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30].", ELASTIC, type=Type.FLOAT, metavar="S"),
+       "\\[default: $TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30].", ELASTIC, type=Type.FLOAT, metavar="S", at_least=0),
     _t("virtual_local_rank", _both("--virtual-local-rank"), "Each worker sees only its GPU, as device 0: "
        "LOCAL_RANK=0 and CUDA_VISIBLE_DEVICES=its GPU (ELASTICRUN_LOCAL_RANK keeps its place on the node).",
        WORKERS, kind=Kind.FLAG, default=False),
@@ -161,19 +165,20 @@ OWN_OPTIONS: Tuple[Opt, ...] = (
         kind=Kind.FLAG, default=True, negative=("--no-inplace",)),
     Opt("inplace_ready_timeout", ("--inplace-ready-timeout",), "Seconds the survivors of an in-place join keep "
         "training at the old size while the newcomers' workers start (up to et.init()); past it the round "
-        "restarts every worker.", WORKERS, type=Type.FLOAT, metavar="S", default=300.0),
+        "restarts every worker.", WORKERS, type=Type.FLOAT, metavar="S", default=300.0, more_than=0),
     Opt("standby", ("--standby",), "Warm standby interpreters (torch and DDP's modules imported) per node: "
         "1 is a fork server every worker of every round is forked from in milliseconds, its memory shared "
         "with the workers; where forking is unsafe, up to N spawned ones; 0: none.", WORKERS,
-        type=Type.INT, metavar="N", default=1),
+        type=Type.INT, metavar="N", default=1, at_least=0, range_note="0 turns standby interpreters off"),
     Opt("heartbeat_timeout", ("--heartbeat-timeout",), "Seconds without heartbeat before a node counts as dead "
-        "(etcd lease TTL).", ELASTIC, type=Type.FLOAT, metavar="S", default=5.0),
+        "(etcd lease TTL).", ELASTIC, type=Type.FLOAT, metavar="S", default=5.0, at_least=2,
+        range_note="etcd leases need at least 2 seconds"),
     Opt("stability_window", ("--stability-window",), "Seconds to wait for more joiners before (re)forming a "
-        "round.", ELASTIC, type=Type.FLOAT, metavar="S", default=1.0),
+        "round.", ELASTIC, type=Type.FLOAT, metavar="S", default=1.0, at_least=0),
     Opt("rescale_timeout", ("--rescale-timeout",), "Seconds to wait for MIN nodes after losing some.", ELASTIC,
-        type=Type.FLOAT, metavar="S", default=60.0),
+        type=Type.FLOAT, metavar="S", default=60.0, at_least=0),
     Opt("join_timeout", ("--join-timeout",), "Seconds to wait for MIN nodes at the start.", ELASTIC,
-        type=Type.FLOAT, metavar="S", default=600.0),
+        type=Type.FLOAT, metavar="S", default=600.0, at_least=0),
     Opt("lr_scaling", ("--lr-scaling",), "LR adaptation hint for workers (ELASTICRUN_LR_SCALING).", ELASTIC,
         choices=("linear", "sqrt", "none"), metavar="HOW", default="linear"),
     Opt("redistribution", ("--redistribution",), "What ElasticDistributedSampler does with the rest of the epoch "
@@ -181,7 +186,7 @@ OWN_OPTIONS: Tuple[Opt, ...] = (
         choices=("full", "incremental"), metavar="HOW", default="incremental"),
     Opt("global_batch_size", ("--global-batch-size",), "Global batch elasticrun.train keeps at any world size "
         "with gradient accumulation (ELASTICRUN_GLOBAL_BATCH_SIZE; 0: none).", ELASTIC, type=Type.INT, metavar="N",
-        default=0),
+        default=0, at_least=0, range_note="0: none"),
     Opt("restart_window", ("--restart-window",), "Count --max-restarts within this sliding window (1h, 30m, "
         "600s): at most N restarts in any such window (0: the whole job).", ELASTIC, metavar="DURATION",
         default="0"),
@@ -195,22 +200,27 @@ OWN_OPTIONS: Tuple[Opt, ...] = (
     Opt("hang_timeout", ("--hang-timeout",), "Restart the round when the step the workers report "
         "(elasticrun.train.heartbeat / ProgressReporter) has not advanced for S seconds, after dumping every "
         "worker's Python stacks into the log (ELASTICRUN_HANG_TIMEOUT; 0: off).", ELASTIC, type=Type.FLOAT,
-        metavar="S", default=0.0, envvars=(job_env.HANG_TIMEOUT,)),
+        metavar="S", default=0.0, envvars=(job_env.HANG_TIMEOUT,), at_least=0, range_note="0 turns it off"),
     Opt("metrics_port", ("--metrics-port",), "Serve Prometheus/OpenMetrics /metrics on this port (world size, "
-        "step, goodput, restarts...; docs/observability.md) \\[default: 0, off].", LOGS, type=Type.INT,
-        metavar="PORT", default=0, envvars=(job_env.METRICS_PORT,)),
+        "step, goodput, restarts...; docs/observability.md; 0: off).", LOGS, type=Type.INT, metavar="PORT",
+        default=0, envvars=(job_env.METRICS_PORT,), at_least=0, at_most=65535, range_note="0: no metrics"),
     Opt("metrics_host", ("--metrics-host",), "Address /metrics listens on (0.0.0.0: every interface).", LOGS,
         metavar="ADDR", default="127.0.0.1", envvars=(job_env.METRICS_HOST,)),
     Opt("events_file", ("--events-file",), "Append the agent's events (rounds, restarts, rescales, checkpoints, "
-        "outages) to this file as JSON lines.", LOGS, metavar="PATH", envvars=(job_env.EVENTS_FILE,)),
+        "outages) to this file as JSON lines (created 0600; a link or another user's file is refused).", LOGS,
+        metavar="PATH", envvars=(job_env.EVENTS_FILE,)),
     Opt("quiet", ("-q", "--quiet"), "No agent progress lines.", LOGS, kind=Kind.FLAG, default=False),
     Opt("etcd_binary", ("--etcd-binary",), "etcd executable for an etcd this node starts.", ETCD,
         metavar="PATH"),
     Opt("etcd_timeout", ("--etcd-timeout",), "Seconds to keep retrying an unreachable etcd before giving up.",
-        ETCD, type=Type.FLOAT, metavar="S", default=10.0, envvars=(job_env.ETCD_TIMEOUT,)),
+        ETCD, type=Type.FLOAT, metavar="S", default=10.0, envvars=(job_env.ETCD_TIMEOUT,), more_than=0),
+    Opt("ended_job_ttl", ("--ended-job-ttl",), "How long the keys of an ended job (its settings, command line, "
+        "state, rounds) stay in etcd, for `elasticrun status` to show its outcome: 1h, 30m, 7d (0: forever; "
+        "never with --standalone or a hosted etcd, which go with the job).", ETCD, metavar="DURATION",
+        default="7d"),
     Opt("etcd_outage_grace", ("--etcd-outage-grace",), "Seconds workers keep training while etcd is unreachable "
         "(then they get SIGTERM and --shutdown-timeout to save).", ETCD, type=Type.FLOAT, metavar="S",
-        default=60.0),
+        default=60.0, at_least=0),
 )
 
 

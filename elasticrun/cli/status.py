@@ -10,29 +10,32 @@ import json
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import typer
 from rich.console import Group, RenderableType
 from rich.live import Live
 from rich.text import Text
 
+from elasticrun.cli import values
 from elasticrun.cli.console import console, err_console, print_json
 from elasticrun.cli.etcd_options import EtcdFlags, with_etcd_flags
 from elasticrun.cli.goodput_view import with_goodput
 from elasticrun.cli.status_render import render_job, render_jobs
-from elasticrun.errors import ElasticrunError
+from elasticrun.errors import ElasticrunError, StoreError
 from elasticrun.job import env as job_env
+from elasticrun.job import records
 from elasticrun.job.keys import ROOT, JobKeys
 from elasticrun.rendezvous.jobstatus import (
     EVENTS_SHOWN,
     JobNotFoundError,
     build_job_status,
+    job_phase,
     job_status,
     list_jobs,
 )
 from elasticrun.rendezvous.states import TERMINAL_PHASES, JobPhase
-from elasticrun.store.client import EtcdStore
+from elasticrun.store.client import EtcdStore, WatchEvent
 
 HELP = """Show a job's round, members, ranks and recent rescale events (or list the jobs).
 
@@ -43,7 +46,8 @@ HELP = """Show a job's round, members, ranks and recent rescale events (or list 
 
 With --watch --json, one JSON document per line is printed each time the job's keys change.
 --watch of one job ends when the job ends; its exit code is then the job's outcome
-(0 succeeded, 1 failed). Ctrl-C ends it earlier (exit 0).
+(0 succeeded, 1 failed; a stopped job: its last node's code, 143 SIGTERM, 130 Ctrl-C).
+Ctrl-C ends it earlier (exit 0); etcd unreachable for --timeout seconds ends it with 138.
 """
 
 _MIN_REDRAW = 0.25  # seconds between redraws while watch events keep coming
@@ -61,13 +65,16 @@ def watch(
     on_tick: bool,
     initial: Any = None,
     until: Optional[Callable[[Any], bool]] = None,
+    give_up_after: Optional[float] = None,
+    on_events: Optional[Callable[[List[WatchEvent]], None]] = None,
 ) -> Any:
     """Call ``show(snapshot(), error)`` now and after every batch of changes under ``prefix``.
 
-    Driven by an etcd watch (bursts are coalesced to one redraw per ``_MIN_REDRAW`` s); with
-    ``on_tick`` also once a second so ages and lease TTLs stay current. A dead watch (etcd
-    restarted) is re-created; a failing read shows its error and is retried. Returns the last
-    snapshot on Ctrl-C, or once ``until(snapshot)`` is true (after showing it).
+    Driven by an etcd watch (bursts are coalesced to one redraw per ``_MIN_REDRAW`` s; ``on_events``
+    sees each batch first); with ``on_tick`` also once a second so ages and lease TTLs stay current.
+    A dead watch (etcd restarted) is re-created; a failing read shows its error and is retried, for at
+    most ``give_up_after`` seconds in a row (then StoreError). Returns the last snapshot on Ctrl-C, or
+    once ``until(snapshot)`` is true (after showing it).
     """
     changed = threading.Event()
     broken = threading.Event()
@@ -77,9 +84,15 @@ def watch(
         broken.set()
         changed.set()
 
+    def on_batch(events: List[WatchEvent]) -> None:
+        if on_events is not None:
+            on_events(events)
+        changed.set()
+
     last: Any = initial
     error = ""
     told = ""
+    failing_since: Optional[float] = None
     try:
         while True:
             if cancel is None or broken.is_set():
@@ -88,16 +101,17 @@ def watch(
                     cancel = None
                 broken.clear()
                 try:
-                    cancel = store.watch_prefix(prefix, lambda _ev: changed.set(), on_error)
+                    cancel = store.watch_prefix(prefix, on_batch, on_error)
                 except ElasticrunError as err:
                     error = str(err)
-            fresh = False
+            fresh, attempt = False, time.monotonic()
             try:
                 last, fresh = snapshot(), True
                 if cancel is not None:
                     error = told = ""
             except ElasticrunError as err:
                 error = str(err)
+            failing_since = None if fresh and cancel is not None else failing_since or attempt
             if last is not None and (fresh or on_tick):
                 show(last, error)
             if fresh and until is not None and until(last):
@@ -105,6 +119,9 @@ def watch(
             elif error and error != told:
                 err_console.print(Text(f"elasticrun: etcd: {error} (retrying)"), highlight=False, soft_wrap=True)
                 told = error
+            if failing_since is not None and give_up_after is not None \
+                    and time.monotonic() - failing_since >= give_up_after:
+                raise StoreError(f"{error or 'etcd does not answer'} (gave up after {give_up_after:g}s: --timeout)")
             shown = time.monotonic()
             while True:
                 fired = changed.wait(_TICK)
@@ -126,21 +143,20 @@ def _watch_rich(
     prefix: str,
     snapshot: Callable[[], Any],
     render: Callable[[Any, str], RenderableType],
-    initial: Any = None,
-    until: Optional[Callable[[Any], bool]] = None,
+    **options: Any,
 ) -> Any:
     """A rich.live view on a terminal; elsewhere (a pipe, a log file) the view is printed again
-    on every change, separated by a rule, so the output stays readable."""
+    on every change, separated by a rule, so the output stays readable. ``options``: :func:`watch`'s."""
     if not console.is_terminal:
 
         def append(data: Any, error: str) -> None:
             console.rule(time.strftime("%H:%M:%S"))
             console.print(render(data, error))
 
-        return watch(store, prefix, snapshot, append, on_tick=False, initial=initial, until=until)
+        return watch(store, prefix, snapshot, append, on_tick=False, **options)
     with Live(Text("reading etcd ..."), console=console, auto_refresh=False) as live:
         return watch(store, prefix, snapshot, lambda d, err: live.update(render(d, err), refresh=True), True,
-                     initial, until)
+                     **options)
 
 
 def _json_line(data: Any, _error: str) -> None:
@@ -157,13 +173,14 @@ def status(
         None, "--rdzv-id", "--rdzv_id", "--run-id", help="Job to show \\[default: list every job]."
     ),
     rdzv_endpoint: str = typer.Option(
-        "", "--rdzv-endpoint", "--rdzv_endpoint", envvar=job_env.RDZV_ENDPOINT,
+        "", "--rdzv-endpoint", "--rdzv_endpoint", envvar=job_env.RDZV_ENDPOINT, callback=values.endpoints,
         help="etcd endpoints host:port[,host:port...].",
     ),
     watch_: bool = typer.Option(False, "--watch", "-w", help="Live view, updated on every change (Ctrl-C to quit)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document (with --watch: one per line)."),
-    events: int = typer.Option(EVENTS_SHOWN, "--events", help="How many recent rescale events to show."),
-    timeout: float = typer.Option(5.0, "--timeout", help="Seconds to keep trying an unreachable etcd."),
+    events: int = typer.Option(EVENTS_SHOWN, "--events", min=0, help="How many recent rescale events to show."),
+    timeout: float = typer.Option(5.0, "--timeout", callback=values.seconds(),
+                                  help="Seconds to keep trying an unreachable etcd."),
     etcd: EtcdFlags = EtcdFlags(),
 ) -> None:
     settings = etcd.settings(rdzv_endpoint, retry_timeout=timeout)
@@ -171,14 +188,14 @@ def status(
     store = settings.connect(rdzv_id, timeout=min(timeout, 5.0))
     try:
         if rdzv_id is None:
-            _show_jobs(store, watch_, as_json)
+            _show_jobs(store, watch_, as_json, timeout)
         else:
-            _show_job(store, rdzv_id, watch_, as_json, events)
+            _show_job(store, rdzv_id, watch_, as_json, events, timeout)
     finally:
         store.close()
 
 
-def _show_jobs(store: EtcdStore, watch_: bool, as_json: bool) -> None:
+def _show_jobs(store: EtcdStore, watch_: bool, as_json: bool, timeout: float) -> None:
     endpoint = store.endpoints
     if not watch_:
         rows = list_jobs(store)
@@ -189,48 +206,90 @@ def _show_jobs(store: EtcdStore, watch_: bool, as_json: bool) -> None:
         return
     snapshot = lambda: {"endpoint": endpoint, "jobs": list_jobs(store)}  # noqa: E731
     if as_json:
-        watch(store, ROOT, snapshot, _json_line, on_tick=False)
+        watch(store, ROOT, snapshot, _json_line, on_tick=False, give_up_after=timeout)
         return
-    _watch_rich(store, ROOT, snapshot, lambda d, err: Group(render_jobs(d["jobs"], endpoint), Text(err, style="red")))
+    _watch_rich(store, ROOT, snapshot, lambda d, err: Group(render_jobs(d["jobs"], endpoint), Text(err, style="red")),
+                give_up_after=timeout)
 
 
-def _show_job(store: EtcdStore, job: str, watch_: bool, as_json: bool, events: int) -> None:
+def _show_job(store: EtcdStore, job: str, watch_: bool, as_json: bool, events: int, timeout: float) -> None:
     endpoint = store.endpoints
     doc = with_goodput(job_status(store, job, events=events))  # JobNotFoundError: one line, non-zero exit
     if not watch_ or ended(doc):
-        if as_json:
+        if as_json and watch_:
+            _json_line(doc, "")  # --watch --json prints JSON lines, the last one included
+        elif as_json:
             print_json(doc)
         else:
             console.print(render_job(doc, endpoint))
         if watch_:
             raise typer.Exit(outcome(doc))
         return
-
-    def snapshot() -> Dict[str, Any]:
-        try:
-            return with_goodput(job_status(store, job, events=events))
-        except JobNotFoundError:
-            gone = build_job_status(job, [], 0, None, events)
-            gone["phase"] = JobPhase.GONE.value
-            return gone
-
+    follow = _JobFollower(store, job, events, doc)
+    options: Dict[str, Any] = dict(initial=doc, until=ended, give_up_after=timeout, on_events=follow.on_events)
     if as_json:
-        last = watch(store, JobKeys(job).prefix, snapshot, _json_line, on_tick=False, initial=doc, until=ended)
+        last = watch(store, JobKeys(job).prefix, follow.snapshot, _json_line, on_tick=False, **options)
     else:
-        last = _watch_rich(store, JobKeys(job).prefix, snapshot, lambda d, err: render_job(d, endpoint, err), doc,
-                           until=ended)
+        last = _watch_rich(store, JobKeys(job).prefix, follow.snapshot, lambda d, err: render_job(d, endpoint, err),
+                           **options)
     if last is not None and ended(last):
         raise typer.Exit(outcome(last))
 
 
+class _JobFollower:
+    """The documents of ``status --watch`` for one job. The job's end also comes with the watch event
+    that carries its ``state``: when etcd is gone before it could be read (a ``--standalone`` job's
+    private etcd stops as its agent exits), the last document with that end is the watch's last."""
+
+    def __init__(self, store: EtcdStore, job: str, events: int, doc: Dict[str, Any]) -> None:
+        self.store = store
+        self.job = job
+        self.keys = JobKeys(job)
+        self.events = events
+        self.last = doc
+        self.end: Optional[Dict[str, Any]] = None  # the job's state, from a watch event
+
+    def on_events(self, events: List[WatchEvent]) -> None:
+        for ev in events:
+            if ev.key == self.keys.state and not ev.deleted:
+                self.end = records.parse(ev.key, ev.value, records.state_record) or self.end
+
+    def snapshot(self) -> Dict[str, Any]:
+        try:
+            self.last = with_goodput(job_status(self.store, self.job, events=self.events))
+        except JobNotFoundError:
+            if self.end is not None:  # ended, and its keys removed since (a new job took the id)
+                return self._final()
+            gone = build_job_status(self.job, [], 0, None, self.events)
+            gone["phase"] = JobPhase.GONE.value
+            return gone
+        except StoreError:
+            if self.end is None:
+                raise
+            return self._final()
+        return self.last
+
+    def _final(self) -> Dict[str, Any]:
+        """The last document read, with the end the watch was sent."""
+        final = dict(self.last, state=self.end)
+        final["phase"] = job_phase(final)
+        return final
+
+
 def ended(doc: Dict[str, Any]) -> bool:
-    """Has the job of status document ``doc`` ended (succeeded or failed)?"""
+    """Has the job of status document ``doc`` ended (succeeded, failed or stopped)?"""
     return doc.get("phase") in TERMINAL_PHASES
 
 
 def outcome(doc: Dict[str, Any]) -> int:
-    """The exit code of ``status --watch`` for an ended job: 0 succeeded, 1 failed."""
-    return 0 if doc.get("phase") == JobPhase.SUCCEEDED else 1
+    """The exit code of ``status --watch`` for an ended job: 0 succeeded, 1 failed; a stopped job's
+    recorded code (its last node's: 143 drained by SIGTERM, 130 by Ctrl-C, 138 gave up waiting), else 1."""
+    if doc.get("phase") == JobPhase.SUCCEEDED:
+        return 0
+    code = (doc.get("state") or {}).get("exit_code")
+    if doc.get("phase") == JobPhase.STOPPED and isinstance(code, int) and not isinstance(code, bool):
+        return code
+    return 1
 
 
 __all__ = ["HELP", "status", "watch"]

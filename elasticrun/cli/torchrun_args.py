@@ -16,6 +16,7 @@ error can name the flag or the variable). Unknown options are "unknown option --
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ class Parsed:
     script_args: List[str] = field(default_factory=list)
     help: bool = False
     env: Mapping[str, str] = field(default_factory=dict)  # the environment the values were read from
+    texts: Dict[str, str] = field(default_factory=dict)  # dest → the explicit value as written
 
     def given(self, dest: str) -> bool:
         """True when ``dest`` was set on the command line or from the environment."""
@@ -48,6 +50,11 @@ class Parsed:
         if src and not src.startswith("-"):
             return src if "password" in dest else f"{src}={self.env.get(src, '')!r}"  # never echo a secret
         return src or "--" + dest.replace("_", "-")
+
+    def shown(self, dest: str) -> str:
+        """``dest`` with its value as the user wrote it, for a message: ``--nnodes 'x'`` or ``PET_NNODES='x'``."""
+        text = self.texts.get(dest, str(self.values.get(dest) or ""))
+        return _shown(self.sources.get(dest) or "--" + dest.replace("_", "-"), text, secret="password" in dest)
 
 
 class Parser:
@@ -87,7 +94,8 @@ class Parser:
             if opt.dest in raw:
                 source, value = raw[opt.dest]
                 out.sources[opt.dest] = source
-                out.values[opt.dest] = _convert(opt, value, source, env)
+                out.texts[opt.dest] = str(value)
+                out.values[opt.dest] = _convert(opt, value, _shown(source, str(value), "password" in opt.dest))
             else:
                 out.values[opt.dest] = opt.default
         return out
@@ -184,22 +192,41 @@ def _env_flag(var: str, text: str) -> bool:
         raise ConfigError(f"{var}={text!r}: use 1 (on) or 0 (off)") from None
 
 
-def _convert(opt: Opt, value: Any, source: str, env: Mapping[str, str]) -> Any:
-    """Check the type and choices of one explicit value; name its flag or variable when wrong."""
+def _shown(source: str, text: str, secret: bool = False) -> str:
+    """A flag or variable with its value, as a message names it: ``--port '70000'``, ``PET_NNODES='x'``."""
+    if secret:
+        return source
+    return f"{source} {text!r}" if source.startswith("-") else f"{source}={text!r}"
+
+
+def _number(opt: Opt, text: str, where: str) -> Any:
+    """``text`` as the option's INT or FLOAT, within its range; one line naming ``where`` otherwise."""
+    kind = "a whole number" if opt.type is Type.INT else "a number of seconds"
+    try:
+        number: Any = int(text) if opt.type is Type.INT else float(text)
+    except ValueError:
+        raise ConfigError(f"{where}: expected {kind}") from None
+    if not math.isfinite(number):
+        raise ConfigError(f"{where}: expected a finite number of seconds")
+    note = f" ({opt.range_note})" if opt.range_note else ""
+    if opt.at_least is not None and number < opt.at_least:
+        high = f" .. {opt.at_most:g}" if opt.at_most is not None else " or more"
+        raise ConfigError(f"{where}: must be {opt.at_least:g}{high}{note}")
+    if opt.more_than is not None and number <= opt.more_than:
+        raise ConfigError(f"{where}: must be more than {opt.more_than:g}{note}")
+    if opt.at_most is not None and number > opt.at_most:
+        low = f"{opt.at_least:g} .. " if opt.at_least is not None else "at most "
+        raise ConfigError(f"{where}: must be {low}{opt.at_most:g}{note}")
+    return number
+
+
+def _convert(opt: Opt, value: Any, where: str) -> Any:
+    """Check the type, range and choices of one explicit value; ``where`` names its flag or variable."""
     if opt.kind is Kind.FLAG:
         return bool(value)
-    where = f"{source}={env.get(source, value)!r}" if not source.startswith("-") else f"{source} {value!r}"
     text = str(value).strip()
-    if opt.type is Type.INT:
-        try:
-            return int(text)
-        except ValueError:
-            raise ConfigError(f"{where}: expected a whole number") from None
-    if opt.type is Type.FLOAT:
-        try:
-            return float(text)
-        except ValueError:
-            raise ConfigError(f"{where}: expected a number of seconds") from None
+    if opt.type in (Type.INT, Type.FLOAT):
+        return _number(opt, text, where)
     if opt.choices and text not in opt.choices:
         raise ConfigError(f"{where}: choose one of {', '.join(opt.choices)}")
     return value

@@ -59,6 +59,10 @@ SNAPSHOT_DIR = PREFIX + "SNAPSHOT_DIR"
 REFORM_FILE = PREFIX + "REFORM_FILE"
 #: ``1`` on a newcomer joining a group that re-forms in place: it receives the state by broadcast.
 REFORM_JOIN = PREFIX + "REFORM_JOIN"
+#: A node-local file (the agent's, kept across rounds) where the node's progress reporter keeps
+#: ``<round> <step>`` of its latest report: the next round's reporter tells the agent how far the
+#: previous round got, for the steps a rollback loses (see elasticrun.train.progress).
+PROGRESS_FILE = PREFIX + "PROGRESS_FILE"
 
 # -- read from the user's environment ----------------------------------------------------------
 #: Default checkpoint root of examples/train.py (set by the user; the agent never sets it).

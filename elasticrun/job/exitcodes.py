@@ -1,8 +1,10 @@
 """The exit codes of ``elasticrun``: what a scheduler (Kubernetes, Kubeflow, Slurm) may act on.
 
-One table, shared by every process and documented in docs/deploy.md. Transient failures exit
-with a code that Kubeflow's ``ExitCode`` restart policy retries (130, 137, 138, 143); failures
-that a retry cannot fix exit 1 (the script) or 2 (the command line, settings, credentials).
+One table, shared by every process: docs/deploy.md gives what a scheduler does with each code,
+docs/cli.md which command exits with which code and when (tests/test_cli_exit_codes.py checks it).
+Transient failures exit with a code that Kubeflow's ``ExitCode`` restart policy retries (130,
+137, 138, 143); failures that a retry cannot fix exit 1 (the script) or 2 (the command line,
+settings, credentials).
 
 - 143 (128 + SIGTERM): the agent was told to stop (SIGTERM, SIGHUP, SIGQUIT or any signal of
   ``--signals-to-handle``) and drained: its workers had ``--shutdown-timeout`` to save. This is
@@ -34,6 +36,7 @@ class ExitCode(enum.IntEnum):
 
     SUCCEEDED = 0
     JOB_FAILED = 1  # workers failed and the restart budget is used up: the script's fault, permanent
+    #                 (`status --watch`: the job failed; `elasticrun etcd`: etcd would not run)
     USAGE = 2  # bad flags, settings, credentials or certificates: permanent until someone fixes them
     CHECKPOINT = 5  # `elasticrun ckpt ...`: a checkpoint could not be found, read or verified
     INTERRUPTED = 130  # SIGINT (Ctrl-C): workers drained; retryable

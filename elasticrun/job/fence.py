@@ -2,10 +2,15 @@
 
 Every worker knows its round (``ELASTICRUN_ROUND``), its job (``ELASTICRUN_RDZV_ID``)
 and how to reach the job's etcd (:class:`~elasticrun.job.settings.EtcdSettings`, from the
-agent's settings file). Right before the commit marker is written, the committing rank
-reads the job's current round (:attr:`JobKeys.fence`); if a newer round exists (this
-worker's node was presumed dead, e.g. frozen past its lease) or etcd cannot confirm it,
-the save is refused and rolled back. Outside elasticrun this is a no-op.
+agent's settings file). Right before the commit — after the shards and ``metadata.json`` are
+written and synced, just before the rename that makes the checkpoint visible — the committing
+rank reads the job's current round (:attr:`JobKeys.fence`); if a newer round exists (this
+worker's node was presumed dead, e.g. frozen past its lease) or etcd cannot confirm it, the
+save is refused and rolled back. What remains between that read and the rename (a few system
+calls; a process frozen exactly there) is closed on the storage side: a save's temporary
+directory records :func:`fence_identity`, and a newer round's rank 0 renames the older rounds'
+temporary directories aside when it opens the root (``checkpoint.temps.fence_older_saves``),
+so the late rename finds nothing to publish. Outside elasticrun this is a no-op.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Tuple
 
 from elasticrun.errors import CheckpointError, ElasticrunError
 from elasticrun.job import env as names
+from elasticrun.job import records
 from elasticrun.job.keys import JobKeys
 from elasticrun.job.settings import EtcdSettings
 
@@ -35,9 +41,20 @@ def fenced_round(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
     return int(mine)
 
 
+def fence_identity(env: Optional[Mapping[str, str]] = None) -> Optional[Tuple[str, int]]:
+    """``(job id, round)`` of this worker when the commit fence applies, else None: what a save's
+    temporary directory records so that a newer round can fence it (``checkpoint.temps``)."""
+    env = os.environ if env is None else env
+    mine = fenced_round(env)
+    return None if mine is None else (env[names.RDZV_ID].strip(), mine)
+
+
 def current_round(topology: Any) -> Optional[int]:
-    """The round recorded at the fence key (None when the job has no topology)."""
-    return None if topology is None else int(topology.get("round", -1))
+    """The round recorded at the fence key's decoded value (None when the job has no topology);
+    BadRecord when it has no integer ``round``."""
+    if topology is None:
+        return None
+    return records.field(records.obj(topology), "round", records.is_int)
 
 
 _lock = threading.Lock()
@@ -61,7 +78,7 @@ def _read_fence(settings: EtcdSettings, job_id: str) -> Any:
             store = settings.connect(job_id, retry_timeout=FENCE_TIMEOUT, timeout=FENCE_TIMEOUT)
             _cached = (os.getpid(), settings, job_id, store)
         try:
-            return store.get_json(JobKeys(job_id).fence)
+            return store.get(JobKeys(job_id).fence)
         except ElasticrunError:
             store.close()
             _cached = None
@@ -78,10 +95,17 @@ def check_round_is_current(env: Optional[Mapping[str, str]] = None) -> None:
     settings = EtcdSettings.from_env(env)
     assert settings is not None
     try:
-        topo = _read_fence(settings, job_id)
+        kv = _read_fence(settings, job_id)
     except ElasticrunError as err:
         raise CheckpointError(f"cannot confirm that round {mine} is still current ({err}); not committing") from None
-    current = current_round(topo)
+    try:
+        current = None if kv is None else current_round(records.decode(kv.value))
+    except records.BadRecord as err:
+        records.report(kv.key, str(err))
+        raise CheckpointError(
+            f"cannot confirm that round {mine} is still current (the round record at {kv.key} is malformed: "
+            f"{err}); not committing"
+        ) from None
     if current != mine:
         raise CheckpointError(
             f"this worker belongs to round {mine} but the job is at round {current}: a stale round must not "
@@ -89,4 +113,4 @@ def check_round_is_current(env: Optional[Mapping[str, str]] = None) -> None:
         )
 
 
-__all__ = ["FENCE_TIMEOUT", "check_round_is_current", "current_round", "fenced_round"]
+__all__ = ["FENCE_TIMEOUT", "check_round_is_current", "current_round", "fence_identity", "fenced_round"]

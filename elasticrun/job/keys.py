@@ -4,7 +4,7 @@ This module is the only place that builds an etcd key. A job's etcd user needs r
 write access to its own prefix only (see docs/security.md)::
 
     config                      job settings, created once (create-if-absent)
-    state                       terminal state: {"state": "succeeded"|"failed", ...}
+    state                       terminal state: {"state": "succeeded"|"failed"|"stopped", ...}
     nodes/<node-id>             NodeInfo, attached to the node's lease
     node-ranks/<r>              node id of the node started with --node-rank r (on its lease)
     topology                    the current round (Topology), written by compare-and-swap;
@@ -25,6 +25,8 @@ write access to its own prefix only (see docs/security.md)::
     progress/<node-id>          last step/loss reported by workers (on a short lease)
     goodput/<node-id>           that agent's goodput accounting (on its lease, every ~10 s; the
                                 final one, written when the job ended, without a lease)
+    expiry                      once the job ended: the lease its keys were put on, so that they
+                                expire (``--ended-job-ttl``); on that lease itself
     ping                        never written: connect() reads it to prove access
 """
 
@@ -174,6 +176,11 @@ class JobKeys:
     def goodput_of(self, node_id: str) -> str:
         """The node's goodput accounting (elasticrun.launch.goodput), on the agent's lease."""
         return self.goodput + node_id
+
+    @property
+    def expiry(self) -> str:
+        """Written once the job ended: the lease every key of the job was put on (``--ended-job-ttl``)."""
+        return self.prefix + "expiry"
 
     @property
     def restarts(self) -> str:

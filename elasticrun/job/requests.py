@@ -15,21 +15,18 @@ A job that has ended (its ``state``) or has no running node is told at once. Ran
 
 from __future__ import annotations
 
-import json
-import logging
 import threading
 import time
 import uuid
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 from elasticrun.errors import CheckpointError, ConfigError
+from elasticrun.job import records
 from elasticrun.job.keys import JobKeys, last_part
 
 if TYPE_CHECKING:
     from elasticrun.store.client import EtcdStore
     from elasticrun.store.types import KeyValue
-
-log = logging.getLogger(__name__)
 
 #: Seconds rank 0's answer lives (on a lease): its asker reads and deletes it at once.
 ANSWER_TTL_S = 600
@@ -53,17 +50,33 @@ def answer_error(error: str) -> Dict[str, Any]:
     return {"error": str(error)}
 
 
+def request_record(value: Any) -> Dict[str, Any]:
+    """``control/checkpoint/<id>``: ``{request_id, requested_at}``."""
+    d = records.obj(value)
+    records.field(d, "request_id", records.is_text, default="")
+    records.field(d, "requested_at", records.is_number, default=None, nullable=True)
+    return d
+
+
+def answer_record(value: Any) -> Dict[str, Any]:
+    """``control/checkpoint-done/<id>``: ``{name, root, step}`` or ``{error}``."""
+    d = records.obj(value)
+    if "error" in d:
+        records.field(d, "error", records.is_text)
+        return d
+    records.field(d, "name", records.is_text)
+    records.field(d, "root", records.is_text)
+    records.field(d, "step", records.is_int)
+    return d
+
+
 def parse_request(key: str, value: bytes) -> Tuple[str, float]:
-    """(request id, requested_at) of a request key; a malformed body still counts as a request."""
+    """(request id, requested_at) of a request key; a malformed body (reported once) still counts as a
+    request: the key names it, and answering it costs one checkpoint."""
     rid = last_part(key)  # the key names the request; the answer goes to the same id
-    at = time.time()
-    try:
-        body = json.loads(value)
-        if isinstance(body, dict):
-            at = float(body.get("requested_at", at))
-    except (ValueError, TypeError):
-        log.warning("elasticrun: checkpoint request %s has a malformed body; treating it as a request", key)
-    return rid, at
+    body = records.parse(key, value, request_record) or {}
+    at = body.get("requested_at")
+    return rid, float(at) if at is not None else time.time()
 
 
 def utc(t: float) -> str:
@@ -82,13 +95,9 @@ def describe_end(job_id: str, state: Dict[str, Any]) -> str:
 
 def _job_gone(store: EtcdStore, keys: JobKeys) -> Optional[str]:
     """Why job ``keys`` cannot answer a request any more (it ended, or no agent runs it), or None."""
-    state = store.get(keys.state)
+    state = records.read(store.get(keys.state), records.state_record)  # a malformed one counts as absent
     if state is not None:
-        try:
-            body = state.json()
-        except ValueError:
-            body = {}
-        return describe_end(keys.job_id, body if isinstance(body, dict) else {})
+        return describe_end(keys.job_id, state)
     if not store.get_prefix(keys.nodes)[0]:
         return f"job {keys.job_id!r} has no running node (its agents stopped or were lost)"
     return None
@@ -124,11 +133,9 @@ def request_checkpoint(store: EtcdStore, job_id: str, timeout: float, where: str
         )
     store.delete(keys.checkpoint_answer(rid))
     try:
-        answer = kv.json()
-    except ValueError:
-        raise CheckpointError(f"job {job_id!r} answered with something that is not JSON: {kv.value[:100]!r}") from None
-    if not isinstance(answer, dict):
-        raise CheckpointError(f"job {job_id!r} answered with an unexpected value: {answer!r}")
+        answer = answer_record(records.decode(kv.value))
+    except records.BadRecord as err:
+        raise CheckpointError(f"job {job_id!r} answered with a malformed record ({err}): {kv.value[:100]!r}") from None
     if answer.get("error"):
         raise CheckpointError(f"job {job_id!r} could not checkpoint: {answer['error']}")
     return answer
@@ -161,5 +168,5 @@ def _wait_answer(store: EtcdStore, keys: JobKeys, rid: str, timeout: float) -> T
             cancel()
 
 
-__all__ = ["ANSWER_TTL_S", "answer_done", "answer_error", "describe_end", "new_request_id", "parse_request",
-           "request_body", "request_checkpoint", "utc"]
+__all__ = ["ANSWER_TTL_S", "answer_done", "answer_error", "answer_record", "describe_end", "new_request_id",
+           "parse_request", "request_body", "request_checkpoint", "request_record", "utc"]

@@ -24,13 +24,14 @@ from rich.text import Text
 from elasticrun.errors import ElasticrunError, JobFailedError, StoreError
 from elasticrun.job import env as env_names
 from elasticrun.job.exitcodes import ExitCode, for_signal
+from elasticrun.job.records import progress_record
 from elasticrun.job.reform import reform_window
 from elasticrun.job.settings import drop_secrets_from_environment
 from elasticrun.job.settings import from_config as etcd_settings
 from elasticrun.launch.c10d import RoundStore
-from elasticrun.launch.config import LaunchConfig, signal_number
+from elasticrun.launch.config import LaunchConfig, RdzvBackend, signal_number
 from elasticrun.launch.failures import root_cause_table
-from elasticrun.launch.hang import STACKS_WAIT_S, HangWatch, dump_stacks, hang_failures, hang_message
+from elasticrun.launch.hang import STACKS_WAIT_S, HangWatch, dump_stacks, hang_failures, hang_line, skip_grace
 from elasticrun.launch.hosting import open_store, wait_others_left
 from elasticrun.launch.inplace import InPlaceRounds
 from elasticrun.launch.logfilter import unfed_warnings
@@ -206,14 +207,16 @@ class Agent:
                     node_rank=-1 if cfg.node_rank is None else cfg.node_rank,
                     accelerators=accelerators(workers.use_gpu),  # from the driver: no torch here
                 )
-                rdzv = Rendezvous(store, self._settings(), node, round_store.fresh, on_progress=self.say)
+                rdzv = Rendezvous(store, self._settings(hosting=etcd is not None), node, round_store.fresh,
+                                  on_progress=self.say)
                 self._wake = rdzv.view.poke
                 rdzv.on_beat = self._raise_pending_signal
                 rdzv.ensure_config(cfg.job_settings())
                 rdzv.register()  # a running job starts its stability window now
                 self.say(
                     f"joined job {cfg.rdzv_id!r} at {cfg.rdzv_endpoint} as {cfg.node_id} "
-                    f"(nnodes {cfg.nnodes_min}:{cfg.nnodes_max}, {cfg.nproc_per_node} workers)"
+                    f"(nnodes {cfg.nnodes_min}:{cfg.nnodes_max}, {cfg.nproc_per_node} "
+                    f"worker{'s' * (cfg.nproc_per_node != 1)})"
                 )
                 return self._loop(rdzv, workers)
             except StoreError:
@@ -227,6 +230,8 @@ class Agent:
                     wsig = 0  # signalled once already (a second SIGTERM kills); leave_first left the job
                 if workers is not None:
                     workers.stop(cfg.shutdown_timeout, sig=wsig)
+                if rdzv is not None:  # the job's end if we are its last node (rendezvous/ended.py)
+                    rdzv.leaving(f"received {sig}", for_signal(sig.signum))
                 if rdzv is not None and rdzv.lease is not None:
                     try:
                         if self._round >= 0:  # before the lease goes: survivors may re-form in place
@@ -268,8 +273,12 @@ class Agent:
         if etcd is not None and store is not None and rdzv is not None and self._signal is None:
             wait_others_left(store, rdzv.keys.nodes, self.cfg.rdzv_close_timeout, self.say)
 
-    def _settings(self) -> RendezvousSettings:
+    def _settings(self, hosting: bool = False) -> RendezvousSettings:
+        """The protocol's settings. ``hosting``: this agent runs the job's etcd (``--standalone``, or the
+        host of a c10d/static line): it goes with the job, so nothing there needs to expire; the other
+        agents of a hosted etcd record nothing when they leave (their host may stop it as they go)."""
         c = self.cfg
+        hosted_elsewhere = not hosting and c.rdzv_backend in (RdzvBackend.C10D, RdzvBackend.STATIC)
         return RendezvousSettings(
             job_id=c.rdzv_id,
             min_nodes=c.nnodes_min,
@@ -283,6 +292,8 @@ class Agent:
             stall_after=max(2.0, c.heartbeat_timeout / 2),
             busy_timeout=c.shutdown_timeout + c.heartbeat_timeout + STOP_SLACK_S,
             reform_window=reform_window(c.inplace_ready_timeout),
+            ended_ttl=0.0 if hosting or hosted_elsewhere else c.ended_job_ttl,
+            record_end=not hosted_elsewhere,
         )
 
     def _loop(self, rdzv: Rendezvous, workers: WorkerGroup) -> int:
@@ -314,6 +325,9 @@ class Agent:
 
     def _ended(self, rdzv: Rendezvous, ended: JobEnded) -> int:
         self.obs.finish("succeeded" if ended.succeeded else "failed")
+        outcome = str(ended.state.get("state", "failed"))
+        if ended.spare:  # exits with the job's outcome, as its other nodes do (docs/deploy.md)
+            self.say(f"job {self.cfg.rdzv_id!r} {outcome} while this node waited as a spare: it ran no worker")
         if ended.succeeded:
             self.say("the job has finished successfully")
             return ExitCode.SUCCEEDED
@@ -321,7 +335,7 @@ class Agent:
         reason = ended.state.get("reason", "job failed")
         if rows:
             self.say.table(root_cause_table(rows, f"job {self.cfg.rdzv_id!r} failed: {reason}"))
-        err = JobFailedError(f"job {self.cfg.rdzv_id!r} failed: {reason}")
+        err = JobFailedError(f"job {self.cfg.rdzv_id!r} {'stopped' if ended.stopped else 'failed'}: {reason}")
         code = ended.state.get("exit_code")  # the node that ended the job chose it (absent: 1)
         err.exit_code = code if isinstance(code, int) else None
         raise err
@@ -385,8 +399,8 @@ class Agent:
                 workers_now = workers.running
                 rdzv.beat(busy_for=STACKS_WAIT_S)
                 dump_stacks(workers_now)
-                self.say(f"{hang_message(hang.timeout)}: stopping this round")
                 rows = hang_failures(workers_now, hang.timeout)
+                self.say(f"{hang_line(rows, hang.timeout)}: stopping this round")
                 guard.call(lambda: rdzv.report_failure(topo, rows), "reporting a hang")  # noqa: B023 - called at once
                 # A hung worker (and its peers blocked in the collective) never reaches the step boundary
                 # where a graceful stop would end it: no --shutdown-timeout wait, kill them now.
@@ -402,13 +416,16 @@ class Agent:
                 stop_workers(rdzv, workers, self.cfg.shutdown_timeout)
                 return RoundOutcome.SUCCEEDED
             if change is not None:
-                hung = False
-                if hang is not None and hang.stalled_for() >= hang.timeout / 2:  # stuck here too (a collective)
+                hung = hang is not None and self._hung_with_the_round(rdzv, topo, hang)
+                if hung:  # another node saw the hang; ours wait in the collective with it
+                    assert hang is not None
                     self.say(f"round {topo.round}: our workers' step has not advanced for "
                              f"{hang.stalled_for():.0f} s either: dumping their Python stacks")
+                    workers_now = workers.running
                     rdzv.beat(busy_for=STACKS_WAIT_S)
-                    dump_stacks(workers.running)
-                    hung = True
+                    dump_stacks(workers_now)
+                    rows = hang_failures(workers_now, hang.timeout)
+                    guard.call(lambda: rdzv.report_failure(topo, rows), "reporting a hang")  # noqa: B023 - called at once
                 keep = not hung and self.inplace.keep(rdzv, topo)
                 self.say(f"round {topo.round} ended: {change}; " + ("workers keep training until they re-form in place"
                                                                    if keep else "stopping workers"))
@@ -428,13 +445,24 @@ class Agent:
             version = rdzv.wait_view(version, 0.02 if self.inplace.busy else timeout)
 
 
+    def _hung_with_the_round(self, rdzv: Rendezvous, topo: Topology, hang: HangWatch) -> bool:
+        """The round ended for a hang that another node detected, and our step stands still too: our
+        workers are stuck with it and get no shutdown grace. Every other end gets the grace."""
+        if hang.stalled_for() < hang.timeout / 2:
+            return False
+        try:
+            rows = rdzv.root_cause(topo.round)
+        except (ElasticrunError, ValueError, TypeError):
+            return False  # cannot tell: the graceful stop (SIGKILL after the grace) is the safe side
+        return skip_grace(hang.stalled_for(), hang.timeout, rows)
+
     def _hang_watch(self, rdzv: Rendezvous, topo: Topology) -> Optional[HangWatch]:
         """``--hang-timeout``: watch the progress our node's local rank 0 reports (see launch/hang.py)."""
         if self.cfg.hang_timeout <= 0:
             return None
         if self._hang is None:
             key = rdzv.keys.progress_of(self.cfg.node_id)
-            self._hang = HangWatch(lambda: rdzv.store.get_json(key), self.cfg.hang_timeout).start()
+            self._hang = HangWatch(lambda: rdzv.store.get_record(key, progress_record), self.cfg.hang_timeout).start()
         self._hang.start_round(topo.round)
         return self._hang
 

@@ -21,6 +21,7 @@ from elasticrun.errors import ConfigError
 from elasticrun.job.hints import AdaptationStrategy, RedistributionType
 from elasticrun.job.reform import READY_WAIT_S
 from elasticrun.launch.gpus import VISIBLE_DEVICES, virtual_visible_device, visible_gpu_count
+from elasticrun.rendezvous.ended import ETCD_MAX_TTL
 
 _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@:-]{0,200}$")
@@ -50,32 +51,35 @@ class Std(str, enum.Enum):
 DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 
-def parse_nnodes(spec: str) -> Tuple[int, int]:
-    """``"2"`` → (2, 2); ``"1:4"`` → (1, 4). Raises ConfigError."""
+def parse_nnodes(spec: str, shown: str = "") -> Tuple[int, int]:
+    """``"2"`` → (2, 2); ``"1:4"`` → (1, 4). Raises ConfigError naming ``shown`` (default ``--nnodes 'spec'``)."""
     text = str(spec).strip()
+    shown = shown or f"--nnodes {spec!r}"
     lo, sep, hi = text.partition(":")
     try:
         mn = int(lo)
         mx = int(hi) if sep else mn
     except ValueError:
-        raise ConfigError(f"--nnodes {spec!r} is not N or MIN:MAX (e.g. --nnodes 2 or --nnodes 1:4)") from None
+        raise ConfigError(f"{shown} is not N or MIN:MAX (e.g. --nnodes 2 or --nnodes 1:4)") from None
     if mn < 1:
-        raise ConfigError(f"--nnodes {spec!r}: MIN must be at least 1")
+        raise ConfigError(f"{shown}: MIN must be at least 1")
     if mn > mx:
-        raise ConfigError(f"--nnodes {spec!r}: MIN ({mn}) is larger than MAX ({mx}); use MIN:MAX with MIN <= MAX")
+        raise ConfigError(f"{shown}: MIN ({mn}) is larger than MAX ({mx}); use MIN:MAX with MIN <= MAX")
     return mn, mx
 
 
-def parse_nproc(spec: str) -> Tuple[int, str]:
-    """``--nproc-per-node`` like torchrun: N, ``gpu``, ``cpu`` or ``auto``. Returns (n, device kind)."""
+def parse_nproc(spec: str, shown: str = "") -> Tuple[int, str]:
+    """``--nproc-per-node`` like torchrun: N, ``gpu``, ``cpu`` or ``auto``. Returns (n, device kind).
+    Errors name ``shown`` (default ``--nproc-per-node 'spec'``)."""
     text = str(spec).strip().lower()
+    shown = shown or f"--nproc-per-node {spec!r}"
     if text == "xpu":
-        raise ConfigError("--nproc-per-node xpu: elasticrun places workers on CUDA GPUs or CPUs; give a number")
+        raise ConfigError(f"{shown}: elasticrun places workers on CUDA GPUs or CPUs; give a number")
     if text in ("gpu", "auto", "cpu"):
         gpus = visible_gpu_count() if text != "cpu" else 0  # torch.cuda.device_count(), without torch
         if text == "gpu":
             if gpus == 0:
-                raise ConfigError("--nproc-per-node gpu: no CUDA GPU visible on this node; use a number or 'cpu'")
+                raise ConfigError(f"{shown}: no CUDA GPU visible on this node; use a number or 'cpu'")
             return gpus, "gpu"
         if text == "auto" and gpus > 0:
             return gpus, "gpu"
@@ -83,9 +87,9 @@ def parse_nproc(spec: str) -> Tuple[int, str]:
     try:
         n = int(text)
     except ValueError:
-        raise ConfigError(f"--nproc-per-node {spec!r} is not a number or one of gpu, cpu, auto") from None
+        raise ConfigError(f"{shown} is not a number or one of gpu, cpu, auto") from None
     if n < 1:
-        raise ConfigError(f"--nproc-per-node {spec!r}: need at least 1 worker per node")
+        raise ConfigError(f"{shown}: need at least 1 worker per node")
     return n, "auto"
 
 
@@ -162,6 +166,7 @@ class LaunchConfig:
     metrics_port: int = 0  # --metrics-port: serve /metrics there (0: off)
     metrics_host: str = "127.0.0.1"  # --metrics-host: the address /metrics listens on
     events_file: Optional[str] = None  # --events-file: the agent's JSON-lines event log
+    ended_job_ttl: float = 7 * 86400.0  # --ended-job-ttl: seconds an ended job's keys stay in etcd (0: forever)
 
     def validate(self) -> LaunchConfig:
         """Raise ConfigError with a clear message when something cannot work; return self."""
@@ -188,6 +193,9 @@ class LaunchConfig:
         for name, value in vars(self).items():  # nan/inf durations: a deadline that never comes
             if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"--{name.replace('_', '-')} {value}: must be a finite number of seconds")
+        if not 0 <= self.ended_job_ttl <= ETCD_MAX_TTL:
+            raise ConfigError(f"--ended-job-ttl {self.ended_job_ttl:g}s: must be 0 (keep forever) to {ETCD_MAX_TTL} "
+                              "seconds")
         if self.hang_timeout < 0:
             raise ConfigError(f"--hang-timeout {self.hang_timeout}: must not be negative (0 turns it off)")
         if self.etcd_outage_grace < 0:
@@ -242,10 +250,12 @@ class LaunchConfig:
         if self.module:
             return
         if self.no_python:
-            if os.sep not in self.entrypoint and shutil.which(self.entrypoint) is None:
-                raise ConfigError(f"--no-python: command {self.entrypoint!r} not found on PATH")
-            if os.sep in self.entrypoint and not os.path.exists(self.entrypoint):
-                raise ConfigError(f"--no-python: command {self.entrypoint!r} does not exist")
+            self._check_command()
+            return
+        if os.path.isdir(self.entrypoint):  # python runs a directory's (or a zip's) __main__.py
+            if not any(os.path.isfile(os.path.join(self.entrypoint, f)) for f in ("__main__.py", "__main__.pyc")):
+                raise ConfigError(f"training script {self.entrypoint!r} is a directory without __main__.py: give "
+                                  "the script inside it, or -m for a package")
             return
         if not os.path.isfile(self.entrypoint):
             raise ConfigError(
@@ -253,11 +263,24 @@ class LaunchConfig:
                 "use -m for a module or --no-python for a command"
             )
 
+    def _check_command(self) -> None:
+        """``--no-python``: the command exists and this user may execute it."""
+        if os.sep not in self.entrypoint:
+            if shutil.which(self.entrypoint) is None:
+                raise ConfigError(f"--no-python: command {self.entrypoint!r} not found on PATH")
+            return
+        if not os.path.exists(self.entrypoint):
+            raise ConfigError(f"--no-python: command {self.entrypoint!r} does not exist")
+        if os.path.isdir(self.entrypoint) or not os.access(self.entrypoint, os.X_OK):
+            what = "a directory" if os.path.isdir(self.entrypoint) else "not executable"
+            raise ConfigError(f"--no-python: {self.entrypoint!r} is {what}: make it executable (chmod +x), or "
+                              "drop --no-python to run a Python script with python")
+
     def job_settings(self) -> Dict[str, Any]:
         """The settings every node of the job must share (stored once under ``config``)."""
         settings: Dict[str, Any] = {
             "nnodes": f"{self.nnodes_min}:{self.nnodes_max}",
-            "entrypoint": os.path.basename(self.entrypoint) if not self.module else self.entrypoint,
+            "entrypoint": os.path.basename(os.path.normpath(self.entrypoint)) if not self.module else self.entrypoint,
             "module": self.module,
             "no_python": self.no_python,
             "args": list(self.args),

@@ -11,6 +11,7 @@ together), because failures travel through etcd, whose requests are limited to ~
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import signal
@@ -174,12 +175,69 @@ def bounded(failures: List[WorkerFailure], limit: int = REPORT_MAX) -> List[Work
     return out
 
 
+class HangRole(str, enum.Enum):
+    """What a worker was doing when its round was stopped for a hang (the ``signal`` of its row)."""
+
+    STOPPED = "hung"  # not in a collective (its own code, I/O, a lock, ...) or no stack came
+    WAITING = "waiting"  # blocked in a torch.distributed collective, for the others
+
+
+#: How a waiting row's message names the collective: ``... waiting in all_reduce``.
+WAITING_IN = "waiting in "
+
+
+def is_hang_row(row: Dict[str, Any]) -> bool:
+    """Whether a failure row was written for a hang (``--hang-timeout``), on any node."""
+    return row.get("signal") in {h.value for h in HangRole}
+
+
+@dataclass
+class HangVerdict:
+    """Which ranks' progress stopped first, from every node's hang rows (:func:`hang_verdict`)."""
+
+    rows: List[Dict[str, Any]]  # the rows in blame order: ranks that stopped first, then those waiting
+    first: List[Dict[str, Any]]  # the rows of the ranks that stopped first (empty: none can be told)
+    note: str  # one sentence for the summary
+
+
+def _ranks(rows: List[Dict[str, Any]]) -> str:
+    ranks = sorted({str(r.get("rank")) for r in rows}, key=lambda x: (len(x), x))
+    shown = ", ".join(ranks[:8]) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+    return ("rank " if len(ranks) == 1 else "ranks ") + shown
+
+
+def hang_verdict(rows: List[Dict[str, Any]]) -> Optional[HangVerdict]:
+    """Name the ranks whose progress stopped first in a hung round, or say that none can be told.
+
+    A rank blocked in a collective waits for the others; a rank that stands anywhere else while
+    some wait stopped first. When every rank waits (mismatched collectives, a dead peer) or none
+    does (each stuck on its own), the stacks cannot tell. None when ``rows`` hold no hang."""
+    hang = [r for r in rows if is_hang_row(r)]
+    if not hang:
+        return None
+    stopped = [r for r in hang if r.get("signal") == HangRole.STOPPED.value]
+    waiting = [r for r in hang if r.get("signal") == HangRole.WAITING.value]
+    others = [r for r in rows if r not in hang]
+    if stopped and waiting:
+        where = sorted({str(r.get("message", "")).rsplit(WAITING_IN, 1)[-1] for r in waiting})
+        note = (f"{_ranks(stopped)} stopped first: not in a collective while {_ranks(waiting)} "
+                f"{'waits' if len(waiting) == 1 else 'wait'} in {', '.join(where)}")
+        return HangVerdict(stopped + waiting + others, stopped, note)
+    why = "every rank waits in a collective" if waiting else "no rank waits in a collective"
+    return HangVerdict(hang + others, [], f"which rank stopped first cannot be told ({why})")
+
+
 def root_cause_table(rows: List[Dict[str, Any]], title: str) -> Table:
     """A rich table of failures, the first (root cause) on top with its traceback's or stderr's tail.
 
+    For a hang, the ranks that stopped first come first (:func:`hang_verdict`), marked
+    "(stopped first)", and the first row says which ranks stopped first or that none can be told.
     Every cell is a :class:`rich.text.Text`: worker text (``[rank1]:``, gloo's ``[/path/x.cc:78]``)
     is shown verbatim, never read as markup.
     """
+    verdict = hang_verdict(rows)
+    if verdict is not None:
+        rows = verdict.rows
     table = Table(title=Text(title, style="bold red"), show_lines=True)
     table.add_column("node", overflow="fold", no_wrap=False, min_width=8)
     table.add_column("rank", overflow="fold", min_width=6)
@@ -190,10 +248,18 @@ def root_cause_table(rows: List[Dict[str, Any]], title: str) -> Table:
         error = str(r.get("message", ""))
         tb = (r.get("traceback") or "").strip()
         tail = (r.get("stderr_tail") or "").strip()
-        if i == 0 and tb:
+        if i == 0 and verdict is not None:
+            error += f"\n{verdict.note}"
+            if tail:
+                error += "\n--- its stack (elasticrun's own frames left out):\n" + tail
+        elif i == 0 and tb:
             error += "\n" + "\n".join(tb.splitlines()[-12:])
         elif i == 0 and tail:
             error += "\n--- last lines of its stderr:\n" + tail
-        label = f"{r.get('node_id')}" + (" (root cause)" if i == 0 else "")
-        table.add_row(Text(label), Text(f"{r.get('rank')} (local {r.get('local_rank')})"), Text(exit_text), Text(error))
+        if verdict is None:
+            label = " (root cause)" if i == 0 else ""
+        else:
+            label = " (stopped first)" if r in verdict.first else ""
+        table.add_row(Text(f"{r.get('node_id')}{label}"), Text(f"{r.get('rank')} (local {r.get('local_rank')})"),
+                      Text(exit_text), Text(error))
     return table

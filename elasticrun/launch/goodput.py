@@ -17,11 +17,27 @@ Definitions (docs/observability.md):
   (``--hang-timeout`` fired: the training time since the last reported step, and stopping,
   re-forming and starting again after it — a cause of its own, not ``restart``, so an operator
   sees hangs apart from crashes);
-- rollback: when a round's first report is step S after the job had reached step T > S, the
-  training time from when step S was first reached until training stopped is moved from
-  goodput to ``rollback``, and T - S steps are counted as lost.
+- rollback: when a round resumed from step S (the step its workers report they restored, else
+  its first report's step) after the job had reached step T > S (the last step the workers
+  reached, which they keep on the node, else the highest reported), the training time from
+  when step S was first reached until training stopped is moved from goodput to ``rollback``,
+  and T - S steps are counted as lost;
+- ``unknown``: until the script's first progress report (ever, on this node) the agent cannot
+  tell start-up from training: the time in ``starting`` stays unattributed, and becomes the
+  round's cause (``startup``, ``restart``, ...) at the first report, or ``unknown`` when the
+  round ends without one. A script that never reports (an unmodified one) is ``unknown`` after
+  each (re)start, never ``restart`` or ``startup``.
 
 Invariant: ``goodput_s + sum(badput.values()) == wall_s``.
+
+Two views. :meth:`Goodput.summary` is the refined account (seconds moved between phases as
+stalls, rollbacks and tails become known; what ``status`` shows). :meth:`Goodput.counters` is
+what Prometheus gets, where a counter must never go down: the phases as they were lived (a
+training second stays training) and, as their own series, the training seconds later found not
+kept (:attr:`Goodput.lost`: rollback, checkpoint_stall, shutdown, hang) — productive, then lost;
+goodput is the one minus the other. A progress report is dated back at most
+:data:`REPORT_LAG_S`, and the counters show ``starting`` time that much late, so that dating a
+report back never takes seconds away from a counter.
 """
 
 from __future__ import annotations
@@ -56,8 +72,12 @@ class Cause(str, enum.Enum):
     OUTAGE = "outage"
     SHUTDOWN = "shutdown"
     HANG = "hang"
+    UNKNOWN = "unknown"  # starting time of a script that has not reported progress yet
 
 
+REPORT_LAG_S = 2.0  # a progress report is dated back at most this far (it is read once a second)
+
+LOST_CAUSES = (Cause.ROLLBACK, Cause.CHECKPOINT_STALL, Cause.SHUTDOWN, Cause.HANG)
 _FIXED_CAUSE = {Phase.RESCALING: Cause.RESCALE,  # restarting: the cause given (restart or hang)
                 Phase.CHECKPOINT_STALL: Cause.CHECKPOINT_STALL, Phase.OUTAGE: Cause.OUTAGE,
                 Phase.FINISHING: Cause.SHUTDOWN}
@@ -74,6 +94,11 @@ class Goodput:
         self._since = self.started
         self.phase_seconds: Dict[Phase, float] = {p: 0.0 for p in Phase}
         self.badput: Dict[Cause, float] = {c: 0.0 for c in Cause}
+        self.lived: Dict[Phase, float] = {p: 0.0 for p in Phase}  # as lived: never moved afterwards
+        self.lost: Dict[Cause, float] = {c: 0.0 for c in LOST_CAUSES}  # training seconds found not kept
+        self.reported = False  # the script reported progress at least once
+        self._unsettled = 0.0  # starting seconds before the script's first report: cause not known yet
+        self._resume = Phase.STARTING  # the phase an outage returns to
         self.steps_lost = 0
         self.step: Optional[int] = None  # latest reported step
         self.high_step: Optional[int] = None  # highest step the job reached (kept so far)
@@ -88,8 +113,11 @@ class Goodput:
 
     def enter(self, phase: Phase, cause: Optional[Cause] = None) -> None:
         """Wall time from now on is in ``phase``; ``cause`` (if given) is what rendezvous and
-        start-up time is charged to from now on (restart, rescale)."""
+        start-up time is charged to from now on (restart, rescale). For an etcd outage use
+        :meth:`outage`."""
         self._flush()
+        if phase not in (Phase.STARTING, Phase.TRAINING, Phase.OUTAGE):
+            self._settle(Cause.UNKNOWN)  # the round ended before the script's first report
         if cause is not None:
             self.cause = cause
         if phase is Phase.STARTING:
@@ -97,28 +125,54 @@ class Goodput:
             self._stall_seen = 0.0
         self.phase = phase
 
-    def report(self, step: int, stall_s: float = 0.0, at: Optional[float] = None) -> None:
+    def outage(self, on: bool) -> None:
+        """etcd stopped (``on``) or started again answering: ``outage`` until it answers, then back
+        to the phase it interrupted (training, if the round's first report came meanwhile)."""
+        if on == (self.phase is Phase.OUTAGE):
+            return
+        self._flush()
+        if on:
+            self._resume, self.phase = self.phase, Phase.OUTAGE
+        else:
+            self.phase = self._resume
+
+    def report(self, step: int, stall_s: float = 0.0, at: Optional[float] = None, *,
+               restored: Optional[int] = None, reached: Optional[int] = None) -> None:
         """A progress report of the current round: latest ``step`` and the round's cumulative
         checkpoint/snapshot stall ``stall_s``, made at clock time ``at`` (default: now; a report
-        read late is dated back to when it was made). The first one of a round starts ``training``."""
+        read late is dated back to when it was made). The first one of a round starts ``training``.
+        ``restored``: the step the round's workers resumed from; ``reached``: the last step the
+        previous round's workers reached on this node (both as the reporter knows them, see
+        :func:`rollback_marks`) — the rollback is counted from them rather than from the round's
+        first report and the last one seen, which are up to a report interval off each."""
         if self.finished:
             return
         now = self.clock()
-        at = now if at is None else min(now, max(at, self._since))
+        at = now if at is None else min(now, max(at, self._since, now - REPORT_LAG_S))
         if self.phase is Phase.STARTING:
             self._flush(at)
             self.phase = Phase.TRAINING
+        elif self.phase is Phase.OUTAGE and self._resume is Phase.STARTING:
+            self._resume = Phase.TRAINING
         self._flush(now)
+        if not self.reported:
+            self.reported = True
+            self._settle(self.cause)  # the round's start-up was start-up (or restart...) after all
         self._stall(stall_s - self._stall_seen)  # it happened before this report
         self._stall_seen = max(self._stall_seen, stall_s)
-        reached = self._training - ((now - at) if self.phase is Phase.TRAINING else 0.0)
+        reached_at = self._training - ((now - at) if self.phase is Phase.TRAINING else 0.0)
         if self._fresh_round:
             self._fresh_round = False
-            if self.high_step is not None and step < self.high_step:
-                self._rollback(step, reached)
-        self._last_report = reached
+            base = step if restored is None else min(step, restored)
+            if reached is not None and (self.high_step is None or reached > self.high_step):
+                self._history.append((reached, reached_at))  # reached by the time training stopped
+                self.high_step = reached
+            if self.high_step is not None and base < self.high_step:
+                self.steps_lost += self.high_step - base
+                self._rollback(base, reached_at)
+        self._last_report = reached_at
         if self.high_step is None or step > self.high_step:
-            self._history.append((step, reached))
+            self._history.append((step, reached_at))
             self.high_step = step
         self.step = step
 
@@ -126,6 +180,7 @@ class Goodput:
         """The job ended: the clock stops here. Training time after the last report trained no
         reported step: it moves to ``finishing`` (cause ``shutdown``)."""
         self._flush()
+        self._settle(Cause.UNKNOWN)
         if self.phase is Phase.TRAINING:
             self._move_tail(Phase.FINISHING, Cause.SHUTDOWN)
             self.phase = Phase.FINISHING
@@ -145,17 +200,36 @@ class Goodput:
         self._training -= tail
         self.phase_seconds[phase] += tail
         self.badput[cause] += tail
+        self.lost[cause] += tail
 
     # -- reading ----------------------------------------------------------------------------
 
     def totals(self) -> Tuple[Dict[Phase, float], Dict[Cause, float]]:
-        """(seconds by phase, badput by cause) up to now, without moving the accounting's clock."""
+        """(seconds by phase, badput by cause) up to now, refined (see :meth:`summary`), without
+        moving the accounting's clock; starting time of a script that never reported is ``unknown``."""
         phases, badput = dict(self.phase_seconds), dict(self.badput)
         pending = self._pending()
         phases[self.phase] += pending
+        badput[Cause.UNKNOWN] += self._unsettled
         if self.phase is not Phase.TRAINING:
-            badput[_FIXED_CAUSE.get(self.phase, self.cause)] += pending
+            badput[self._charged()] += pending
         return phases, badput
+
+    def counters(self) -> Dict[str, Dict[str, float]]:
+        """What Prometheus gets: series that never go down. ``phase_s``: seconds by phase as lived
+        (no ``checkpoint_stall``: that is found in training afterwards); ``badput_s``: by cause,
+        what is settled (starting time before the first report is not, until it is); ``lost_s``:
+        training seconds found afterwards not kept, by cause. Goodput = training - sum(lost)."""
+        lived, badput = dict(self.lived), dict(self.badput)
+        pending = self._pending()
+        if self.phase is Phase.STARTING:
+            pending = max(0.0, pending - REPORT_LAG_S)  # a report may still date training back that far
+        lived[self.phase] += pending
+        if self.phase is not Phase.TRAINING and (self.phase is not Phase.STARTING or self.reported):
+            badput[self._charged()] += pending
+        return {"phase_s": {p.value: round(v, 3) for p, v in lived.items() if p is not Phase.CHECKPOINT_STALL},
+                "badput_s": {c.value: round(v, 3) for c, v in badput.items()},
+                "lost_s": {c.value: round(v, 3) for c, v in self.lost.items()}}
 
     @property
     def wall_s(self) -> float:
@@ -184,6 +258,8 @@ class Goodput:
             "badput_s": {c.value: round(v, 3) for c, v in badput.items()},
             "phase_s": {p.value: round(v, 3) for p, v in phases.items()},
             "phase": self.phase.value,
+            "cause": None if self.phase is Phase.TRAINING else self._charged().value,  # of the time from now
+            "finished": self.finished,
             "steps_lost": self.steps_lost,
             "step": self.step,
         }
@@ -193,6 +269,12 @@ class Goodput:
     def _pending(self) -> float:
         return 0.0 if self.finished else max(0.0, self.clock() - self._since)
 
+    def _charged(self) -> Cause:
+        """What a second of the current (non-training) phase is charged to."""
+        if self.phase is Phase.STARTING and not self.reported:
+            return Cause.UNKNOWN
+        return _FIXED_CAUSE.get(self.phase, self.cause)
+
     def _flush(self, now: Optional[float] = None) -> None:
         now = self.clock() if now is None else now
         dt = 0.0 if self.finished else max(0.0, now - self._since)
@@ -200,10 +282,18 @@ class Goodput:
         if not dt:
             return
         self.phase_seconds[self.phase] += dt
+        self.lived[self.phase] += dt
         if self.phase is Phase.TRAINING:
             self._training += dt
+        elif self.phase is Phase.STARTING and not self.reported:
+            self._unsettled += dt
         else:
             self.badput[_FIXED_CAUSE.get(self.phase, self.cause)] += dt
+
+    def _settle(self, cause: Cause) -> None:
+        """The unattributed starting seconds are ``cause``'s."""
+        self.badput[cause] += self._unsettled
+        self._unsettled = 0.0
 
     def _stall(self, seconds: float) -> None:
         """Move ``seconds`` of training (a worker-reported stall) to ``checkpoint_stall``."""
@@ -213,6 +303,7 @@ class Goodput:
         self.phase_seconds[Phase.TRAINING] -= seconds
         self.phase_seconds[Phase.CHECKPOINT_STALL] += seconds
         self.badput[Cause.CHECKPOINT_STALL] += seconds
+        self.lost[Cause.CHECKPOINT_STALL] += seconds
         self._training -= seconds
 
     def _rollback(self, step: int, now_training: float) -> None:
@@ -230,10 +321,19 @@ class Goodput:
         lost = max(0.0, now_training - reached)
         lost = min(lost, self.phase_seconds[Phase.TRAINING] - self.badput[Cause.ROLLBACK])
         self.badput[Cause.ROLLBACK] += lost
-        assert self.high_step is not None
-        self.steps_lost += self.high_step - step
+        self.lost[Cause.ROLLBACK] += lost
         del self._history[i:]
         self.high_step = None if not self._history else self._history[-1][0]
+
+
+def rollback_marks(report: Dict[str, object]) -> Dict[str, Optional[int]]:
+    """``restored`` and ``reached`` of a progress report (``elasticrun.train.ProgressReporter``) for
+    :meth:`Goodput.report`; a missing or malformed one is None (the report's own step is used)."""
+    def step(key: str) -> Optional[int]:
+        v = report.get(key)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+    return {"restored": step("restored"), "reached": step("reached")}
 
 
 def aggregate(summaries: List[Dict[str, object]]) -> Dict[str, object]:
@@ -256,4 +356,4 @@ def aggregate(summaries: List[Dict[str, object]]) -> Dict[str, object]:
     }
 
 
-__all__ = ["Cause", "Goodput", "Phase", "aggregate"]
+__all__ = ["LOST_CAUSES", "REPORT_LAG_S", "Cause", "Goodput", "Phase", "aggregate", "rollback_marks"]

@@ -11,8 +11,12 @@ nor one whose reporter was closed (its last report says ``"closed": true``: trai
 The agent then has every local worker write its Python stacks (all threads) to its stderr —
 the worker bootstrap registers :mod:`faulthandler` for :data:`STACKS_SIGNAL` when hang
 detection is on — so they reach the log with the worker's prefix, then reports the round
-failed ("no progress for S s; stacks above") and stops it: the restart counts against
-``--max-restarts`` like any worker failure.
+failed and stops it: the restart counts against ``--max-restarts`` like any worker failure.
+Each worker's row says where its main thread stands: waiting in a ``torch.distributed``
+collective (``waiting``) or anywhere else (``hung``); a rank that is not in a collective while
+others wait in one is the one whose progress stopped first
+(:func:`elasticrun.launch.failures.hang_verdict`, over every node's rows). The rows carry the
+dumps without elasticrun's own frames.
 """
 
 from __future__ import annotations
@@ -23,11 +27,20 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from elasticrun.errors import ElasticrunError
-from elasticrun.launch.failures import WorkerFailure, stderr_tail
+from elasticrun.launch.failures import (
+    TAIL_MAX,
+    WAITING_IN,
+    HangRole,
+    WorkerFailure,
+    clip_tail,
+    hang_verdict,
+    is_hang_row,
+    stderr_tail,
+)
+from elasticrun.launch.stacks import THREAD_MARK, collective_waited_in, last_dump, user_view
 
 STACKS_SIGNAL = signal.SIGUSR1  # what makes a worker dump its stacks (faulthandler, registered by warm.py)
 STACKS_WAIT_S = 2.0  # how long the agent waits for the stacks to reach its log
-_STACK_HEAD = b"(most recent call first)"  # faulthandler's header of each thread's stack
 
 
 class HangWatch:
@@ -101,12 +114,12 @@ class HangWatch:
 
 
 def hang_message(timeout: float) -> str:
-    """The failure-summary line of a hang."""
-    return f"no progress for {timeout:g} s; stacks above"
+    """The start of every hang row's message."""
+    return f"no progress for {timeout:g} s"
 
 
 def _dumps(worker: Any) -> int:
-    return worker.err_pump.tail().count(_STACK_HEAD) if worker.err_pump is not None else 0
+    return worker.err_pump.tail().count(THREAD_MARK) if worker.err_pump is not None else 0
 
 
 def dump_stacks(workers: Sequence[Any], wait: float = STACKS_WAIT_S) -> None:
@@ -120,15 +133,45 @@ def dump_stacks(workers: Sequence[Any], wait: float = STACKS_WAIT_S) -> None:
         time.sleep(0.05)
 
 
+def hang_row(node_id: str, host: str, rank: int, local_rank: int, tail: bytes, timeout: float,
+             now: float) -> Dict[str, Any]:
+    """One worker's failure row of a hang, from its stderr tail (which ends with its stack dump):
+    ``signal`` is :attr:`HangRole.WAITING` when its main thread waits in a collective, else
+    :attr:`HangRole.STOPPED`; the tail shown is the dump without elasticrun's and runpy's frames."""
+    threads = last_dump(tail)
+    waited = collective_waited_in(threads)
+    if waited is not None:
+        role, where = HangRole.WAITING, WAITING_IN + waited
+    else:
+        role, where = HangRole.STOPPED, "not in a collective" if threads else "no stack came"
+    shown = clip_tail(user_view(threads), TAIL_MAX) if threads else (stderr_tail(tail) if tail else "")
+    return WorkerFailure(node_id, host, rank, local_rank, 0, role.value, f"{hang_message(timeout)}: {where}", "",
+                         now, shown).to_dict()
+
+
+def hang_line(rows: List[Dict[str, Any]], timeout: float) -> str:
+    """The agent's log line when it stops a round for a hang: who stopped first, as far as this
+    node's rows tell."""
+    verdict = hang_verdict(rows)
+    note = f"; {verdict.note}" if verdict is not None else ""
+    return f"{hang_message(timeout)}{note}; stacks above"
+
+
+def skip_grace(stalled_for: float, timeout: float, rows: List[Dict[str, Any]]) -> bool:
+    """Whether a round that ended while our workers' step stood still for ``stalled_for`` s ended for a
+    detected hang (``rows``: the round's failure rows, every node's) in which they are stuck too: then
+    they are stopped without the shutdown grace. Any other end (a scale-up, a leave, a crash) while
+    the step stands still — a long save, an evaluation — gives them the grace."""
+    return stalled_for >= timeout / 2 and any(is_hang_row(r) for r in rows)
+
+
 def hang_failures(workers: Sequence[Any], timeout: float) -> List[Dict[str, Any]]:
-    """The failure rows of a hang, one per worker (exit column ``hung``), its stack in the stderr tail."""
+    """The failure rows of a hang, one per running worker (``WorkerGroup.running``), after their stacks
+    were dumped (:func:`dump_stacks`)."""
     now = time.time()
-    rows = []
-    for w in workers:
-        m, tail = w.spec.member, w.err_pump.tail() if w.err_pump is not None else b""
-        rows.append(WorkerFailure(m.node_id, m.host, w.spec.rank, w.spec.local_rank, 0, "hung",
-                                  hang_message(timeout), "", now, stderr_tail(tail) if tail else "").to_dict())
-    return rows
+    return [hang_row(w.spec.member.node_id, w.spec.member.host, w.spec.rank, w.spec.local_rank,
+                     w.err_pump.tail() if w.err_pump is not None else b"", timeout, now) for w in workers]
 
 
-__all__ = ["STACKS_SIGNAL", "STACKS_WAIT_S", "HangWatch", "dump_stacks", "hang_failures", "hang_message"]
+__all__ = ["STACKS_SIGNAL", "STACKS_WAIT_S", "HangWatch", "dump_stacks", "hang_failures", "hang_line", "hang_message",
+           "hang_row", "skip_grace"]

@@ -34,6 +34,8 @@ from elasticrun.job.settings import from_config as etcd_settings
 from elasticrun.launch.config import LaunchConfig, RdzvBackend
 from elasticrun.launch.hostlock import HostLock
 from elasticrun.store.client import EtcdStore, parse_endpoints
+from elasticrun.store.explain import START_HINT
+from elasticrun.store.reach import wait_for_etcd
 from elasticrun.store.server import EtcdServer, free_port
 
 Say = Callable[[str], None]
@@ -117,12 +119,17 @@ def _try_host(cfg: LaunchConfig, host: str, port: int, forced: bool, say: Say) -
     return server
 
 
+STANDALONE_HINT = "or run with --standalone for a single node"
+
+
 def open_store(cfg: LaunchConfig, say: Say) -> Tuple[Optional[EtcdServer], EtcdStore]:
-    """Start (standalone, or the hosting agent of c10d/static) and/or connect to the job's etcd."""
+    """Start (standalone, or the hosting agent of c10d/static) and/or connect to the job's etcd.
+
+    Before connecting, the endpoints are probed: a node whose etcd does not answer says so at
+    once, then every few seconds, and gives up at its deadline (``--etcd-timeout``; a node that
+    joins a hosted etcd: ``--join-timeout``)."""
     etcd: Optional[EtcdServer] = None
     retry = cfg.etcd_timeout
-    waited = 0.0
-    joining = False
     if cfg.standalone and not cfg.rdzv_endpoint:
         etcd = EtcdServer(binary=cfg.etcd_binary, unsafe_no_fsync=True).start()
         cfg.rdzv_endpoint = etcd.endpoint
@@ -132,48 +139,34 @@ def open_store(cfg: LaunchConfig, say: Say) -> Tuple[Optional[EtcdServer], EtcdS
         if cfg.rdzv_is_host is not False:
             etcd = _try_host(cfg, host, port, forced=cfg.rdzv_is_host is True, say=say)
         if etcd is None:
-            joining = True
-            retry = max(1.0, cfg.join_timeout)  # the hosting node may start later
-            say(f"joining the job's etcd at {cfg.rdzv_endpoint} (hosted by "
-                f"{'node rank 0' if cfg.rdzv_backend is RdzvBackend.STATIC else 'the agent on ' + host})")
-            if not wait_for_port(host, port, retry):  # then connect at once, not after the client's backoff
-                waited, retry = retry, 1.0  # --join-timeout is over: the connect below only words the error
+            who = "node rank 0" if cfg.rdzv_backend is RdzvBackend.STATIC else f"the agent on {host}"
+            say(f"joining the job's etcd at {cfg.rdzv_endpoint} (hosted by {who})")
+            join = max(1.0, cfg.join_timeout)
+            try:  # the hosting node may start later: wait for its port, then connect at once
+                retry = max(1.0, wait_for_etcd(cfg.rdzv_endpoint, join, say, "--join-timeout",
+                                               what=f"the job's etcd at {cfg.rdzv_endpoint}"))
+            except StoreError:
+                raise StoreError(f"no etcd at {cfg.rdzv_endpoint} after {join:.0f}s (--join-timeout): start "
+                                 f"{who.replace(host, 'that host')}, which hosts the job's etcd, with the same "
+                                 "flags") from None
+    else:
+        try:
+            retry = max(1.0, wait_for_etcd(cfg.rdzv_endpoint, cfg.etcd_timeout, say, "--etcd-timeout",
+                                           hint=f"{START_HINT}, {STANDALONE_HINT}"))
+        except StoreSetupError:
+            raise
+        except StoreError as err:
+            raise StoreError(str(err)) from None
     try:
         store = etcd_settings(cfg).connect(cfg.rdzv_id, retry_timeout=retry)
     except StoreError as err:
         if etcd is not None:
             etcd.stop()
-        if joining and str(err).startswith("cannot reach etcd"):
-            who = "node rank 0" if cfg.rdzv_backend is RdzvBackend.STATIC else "the agent on that host"
-            raise StoreError(f"no etcd at {cfg.rdzv_endpoint} after {max(retry, waited):.0f}s (--join-timeout): "
-                             f"start {who}, "
-                             "which hosts the job's etcd, with the same flags") from None
+        if str(err).startswith("cannot reach etcd") and STANDALONE_HINT not in str(err):
+            raise type(err)(f"{err}, {STANDALONE_HINT}") from None
         raise
     store.retry_timeout = cfg.etcd_timeout
     return etcd, store
-
-
-def wait_for_port(host: str, port: int, timeout: float) -> bool:
-    """Wait until ``host:port`` accepts a TCP connection (the hosting agent's etcd is up), at most ``timeout`` s.
-
-    A refused connect costs microseconds, so the pauses start at 5 ms (growing to 100 ms): a joining
-    agent connects within milliseconds of etcd's start, where the client's retries (and gRPC's
-    reconnect backoff) would wait up to a second. False on timeout: the caller's connect then
-    reports the failure in its own words.
-    """
-    deadline = time.monotonic() + timeout
-    pause = 0.005
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=1.0):
-                return True
-        except OSError:
-            pass
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return False
-        time.sleep(min(pause, left))
-        pause = min(pause * 1.5, 0.1)
 
 
 def wait_others_left(store: EtcdStore, nodes_prefix: str, timeout: float, say: Say) -> None:

@@ -125,7 +125,7 @@ class InPlaceRounds:
         """At the end of round ``topo``: True to keep our workers for the next round (no stop)."""
         if not (self.enabled and self._told) or self.busy:
             return False
-        if rdzv.view.get(rdzv.keys.failed(topo.round)) is not None:
+        if rdzv.round_failed(topo.round):
             return False
         if self.workers.poll() is not GroupState.RUNNING:
             return False

@@ -1,10 +1,12 @@
 """Worker output: pass each worker's stdout/stderr through live, optionally copied to files.
 
 Output is copied as the bytes arrive (not line by line), so a ``\\r``-updated progress bar
-(tqdm) shows as it updates. Each console line starts with a prefix, ``[node/rank]:`` by
-default; torchrun's ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` (``${role_name}``,
+(tqdm) shows as it updates. Each console line, an empty one too, starts with a prefix,
+``[node/rank]:`` by default; torchrun's ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` (``${role_name}``,
 ``${local_rank}``, ``${rank}``, and here also ``${node}``) replaces it, and an empty
 template turns prefixes off. A ``\\r`` starts a line too, so a redrawn bar keeps its prefix.
+The Python stacks a hung worker dumps (``--hang-timeout``) reach the console without
+elasticrun's own frames (:class:`DumpFilter`); files keep every byte.
 A line is shown whole: an unfinished line waits for its end, and only a pause inside it
 (:data:`FLUSH_PAUSE_S`, e.g. a bar without a newline) shows its start early. When another
 worker's text interrupts it meanwhile, its continuation starts a new line with the prefix again.
@@ -18,6 +20,7 @@ local ranks off the console (their files are still written).
 
 from __future__ import annotations
 
+import enum
 import os
 import re
 import select
@@ -29,6 +32,7 @@ from typing import IO, BinaryIO, Dict, List, Optional, Protocol, Sequence, Set, 
 
 from elasticrun.job import env as names
 from elasticrun.launch.config import Std
+from elasticrun.launch.stacks import THREAD_MARK, is_dump_header, is_own_frame_line
 
 STREAMS = {1: "stdout", 2: "stderr"}
 DEFAULT_PREFIX = "[${node}/${rank}]:"
@@ -56,31 +60,74 @@ def line_prefix(node: str, rank: int, local_rank: int, role: str, environ: Optio
     return Template(template).safe_substitute(values)
 
 
-def add_prefix(data: bytes, prefix: bytes, at_line_start: bool) -> Tuple[bytes, bool]:
-    """``data`` with ``prefix`` before every line's first byte (after ``\\n`` or ``\\r``).
+class LineState(enum.IntEnum):
+    """Where a worker's output stands between two chunks (for :func:`add_prefix`)."""
 
-    ``at_line_start`` carries over from the previous chunk; returns (output, at_line_start).
+    MID = 0  # inside a line
+    START = 1  # at the start of a line: the stream's start or after ``\n``
+    AFTER_CR = 2  # after ``\r``: a redraw starts here, or ``\n`` completes a ``\r\n``
+
+
+def add_prefix(data: bytes, prefix: bytes, state: LineState) -> Tuple[bytes, LineState]:
+    """``data`` with ``prefix`` before every line's first byte (after ``\n`` or ``\r``), empty
+    lines included (as torchrun does): a ``\n`` at a line's start gets the prefix too, unless it
+    completes a ``\r\n``.
+
+    ``state`` carries over from the previous chunk; returns (output, state).
     """
     if not prefix:
-        return data, data.endswith((b"\n", b"\r")) if data else at_line_start
+        return data, (LineState.START if data.endswith(b"\n") else LineState.AFTER_CR if data.endswith(b"\r")
+                      else LineState.MID) if data else state
     out = bytearray()
     for m in _PIECES.finditer(data):
         piece = m.group()
-        if piece[0] in (10, 13):  # \n or \r
+        if piece[0] in (10, 13):  # \n, \r or \r\n
+            if state is LineState.START and piece != b"\r":
+                out += prefix  # an empty line
             out += piece
-            at_line_start = True
+            state = LineState.AFTER_CR if piece == b"\r" else LineState.START
         else:
-            if at_line_start:
+            if state is not LineState.MID:
                 out += prefix
             out += piece
-            at_line_start = False
-    return bytes(out), at_line_start
+            state = LineState.MID
+    return bytes(out), state
 
 
 def split_line_end(data: bytes) -> Tuple[bytes, bytes]:
     """``data`` cut after its last ``\\n`` or ``\\r``: (finished lines, the unfinished rest)."""
     end = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1
     return data[:end], data[end:]
+
+
+class DumpFilter:
+    """Leaves elasticrun's own frames (the bootstrap that runs the script, ``runpy``) out of the
+    Python stack dumps a hung worker writes (``--hang-timeout``) on their way to the console, so
+    they show the script's frames. Everything else passes untouched; files keep every byte."""
+
+    def __init__(self) -> None:
+        self.in_dump = False
+        self.mid_line = False  # the last chunk ended inside a line (shown early, after a pause)
+
+    def __call__(self, data: bytes) -> bytes:
+        if not self.in_dump and THREAD_MARK not in data:
+            self.mid_line = not data.endswith((b"\n", b"\r")) if data else self.mid_line
+            return data
+        out = []
+        for i, line in enumerate(data.splitlines(keepends=True)):
+            text = line.rstrip(b"\r\n").decode("utf-8", "replace")
+            if i == 0 and self.mid_line:
+                pass  # the end of a line shown in part already: passes as it is
+            elif is_dump_header(text):
+                self.in_dump = True
+            elif self.in_dump and text.startswith("  "):
+                if is_own_frame_line(text):
+                    continue
+            elif self.in_dump and text.strip():
+                self.in_dump = False  # the worker writes something else: the dump is over
+            out.append(line)
+        self.mid_line = not data.endswith((b"\n", b"\r"))
+        return b"".join(out)
 
 
 class Console:
@@ -161,6 +208,7 @@ class OutputPump:
         self._keep = keep_tail
         self._tail = bytearray()
         self._tail_lock = threading.Lock()
+        self._dumps = DumpFilter()
         if file_path:
             os.makedirs(os.path.dirname(file_path), exist_ok=True)
             self._file = open(file_path, "ab")
@@ -169,15 +217,17 @@ class OutputPump:
 
     def _show(self, data: bytes) -> None:
         """Prefix ``data`` and write it to the console (whole lines, or a line's start after a pause)."""
+        if self._console is not None:
+            data = self._dumps(data)
         if not data or self._console is None:
             return
-        continues = not self._at_start
-        out, self._at_start = add_prefix(data, self._prefix, self._at_start)
+        continues = self._at is LineState.MID
+        out, self._at = add_prefix(data, self._prefix, self._at)
         self._line_open = not out.endswith(b"\n")
         self._console.write(self, out, not self._line_open, continues, self._prefix)
 
     def _run(self) -> None:
-        self._at_start = True
+        self._at = LineState.START
         self._line_open = False  # the console line we last wrote has no newline yet
         pending = b""  # an unfinished line, held back until its end or a pause
         try:

@@ -1,8 +1,10 @@
 """The agent's ``/metrics`` endpoint (``--metrics-port``): Prometheus text, OpenMetrics on request.
 
 Exposition is prometheus-client's: a private :class:`CollectorRegistry` (never the process-global
-one), rendered at most once per :data:`CACHE_S` (a scrape storm shares one render) and served on a
-threaded server in a daemon thread, so a slow or stormy scraper never touches the agent loop. Gauges
+one), rendered at most once per :data:`CACHE_S` (a scrape storm shares one render) and served by
+:class:`~elasticrun.launch.httpserve.BoundedHTTPServer` on one daemon thread (connections bounded in
+number and time, none costs a thread), so a slow, stormy or hostile client never touches the agent
+loop. Gauges
 and counters are read at scrape time from the agent's :class:`~elasticrun.launch.observe.Observer`
 snapshot (a dict copied under its lock); histograms are observed where the durations happen. Every
 series carries ``job_id`` and ``node_id``; the node's role (leader/member) is on
@@ -14,16 +16,15 @@ from __future__ import annotations
 
 import threading
 import time
-from socketserver import ThreadingMixIn
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 
 from elasticrun.errors import ConfigError
-from elasticrun.launch.goodput import Cause, Phase
+from elasticrun.launch.goodput import LOST_CAUSES, Cause, Phase
+from elasticrun.launch.httpserve import BoundedHTTPServer
 
 PREFIX = "elasticrun_"
 ETCD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -68,10 +69,12 @@ class _StateCollector:
             g("samples_per_second", "Samples per second (global) at the latest report.", s.get("samples_per_s")),
             g("goodput_ratio", "Wall time that became kept training, over wall time since the agent started.",
               s.get("goodput_ratio", 0.0)),
+            g("goodput_seconds", "Seconds of kept training so far (a gauge: falls when a restore throws "
+              "training away; rates: phase_seconds_total{phase=\"training\"} - training_lost_seconds_total).",
+              s.get("goodput_s", 0.0)),
             g("leader", "1 while this agent leads the rendezvous.", 1.0 if s.get("role") == "leader" else 0.0),
             self._counter("restarts_total", "Worker-failure restarts of the job.", s.get("restarts", 0)),
             self._counter("steps_lost_total", "Steps thrown away by restores (rollback).", s.get("steps_lost", 0)),
-            self._counter("goodput_seconds_total", "Seconds of kept training.", s.get("goodput_s", 0.0)),
         ]
         yield from (m for m in found if m is not None)
         info = GaugeMetricFamily(PREFIX + "agent_info", "This agent: its role (leader or member).",
@@ -80,14 +83,19 @@ class _StateCollector:
         yield info
         yield self._by(CounterMetricFamily(PREFIX + "rescales_total", "Rounds formed by a membership change.",
                                            labels=[*self.names, "type"]), "type", s.get("rescales", {}))
-        phases = s.get("phase_s", {})
-        yield self._by(CounterMetricFamily(PREFIX + "phase_seconds_total", "Wall seconds spent in each phase.",
+        counters = s.get("counters", {})
+        phases, badput, lost = (counters.get(k, {}) for k in ("phase_s", "badput_s", "lost_s"))
+        yield self._by(CounterMetricFamily(PREFIX + "phase_seconds_total", "Wall seconds spent in each phase, "
+                                           "as lived (training includes what was found lost afterwards).",
                                            labels=[*self.names, "phase"]), "phase",
-                       {p.value: phases.get(p.value, 0.0) for p in Phase})
-        badput = s.get("badput_s", {})
+                       {p.value: phases.get(p.value, 0.0) for p in Phase if p is not Phase.CHECKPOINT_STALL})
         yield self._by(CounterMetricFamily(PREFIX + "badput_seconds_total", "Wall seconds not kept, by cause.",
                                            labels=[*self.names, "cause"]), "cause",
                        {c.value: badput.get(c.value, 0.0) for c in Cause})
+        yield self._by(CounterMetricFamily(PREFIX + "training_lost_seconds_total", "Training seconds found "
+                                           "afterwards not kept, by cause (goodput = training - these).",
+                                           labels=[*self.names, "cause"]), "cause",
+                       {c.value: lost.get(c.value, 0.0) for c in LOST_CAUSES})
         lease = s.get("lease", "lost")
         yield self._by(GaugeMetricFamily(PREFIX + "lease_state", "1 for the state the agent's etcd lease is in.",
                                          labels=[*self.names, "state"]), "state",
@@ -95,7 +103,7 @@ class _StateCollector:
 
 
 class _CachedApp:
-    """The WSGI app: ``/metrics`` rendered at most once per :data:`CACHE_S` per format (text or
+    """The handler: ``/metrics`` rendered at most once per :data:`CACHE_S` per format (text or
     OpenMetrics); concurrent scrapes wait for the one render in flight, so a scrape storm costs the
     agent one render per half second, not one per scrape."""
 
@@ -117,27 +125,15 @@ class _CachedApp:
                 self.renders += 1
         return content_type, hit[1]
 
-    def __call__(self, environ: Dict[str, Any], start_response: Callable[..., Any]) -> List[bytes]:
-        if environ.get("PATH_INFO", "/") not in ("/", "/metrics"):
-            start_response("404 Not Found", [("Content-Type", "text/plain")])
-            return [b"not found: try /metrics\n"]
-        content_type, body = self.render(environ.get("HTTP_ACCEPT", ""))
-        start_response("200 OK", [("Content-Type", content_type), ("Content-Length", str(len(body)))])
-        return [body] if environ.get("REQUEST_METHOD") != "HEAD" else []
-
-
-class _Server(ThreadingMixIn, WSGIServer):
-    """One thread per scrape (daemon), and a listen backlog for a burst of concurrent scrapers."""
-
-    daemon_threads = True
-    request_queue_size = 128
-
-
-class _QuietHandler(WSGIRequestHandler):
-    """No access log on the agent's stderr (a scrape every few seconds would drown the workers' lines)."""
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's signature
-        pass
+    def __call__(self, method: str, path: str, headers: Dict[str, str]) -> Tuple[str, List[Tuple[str, str]], bytes]:
+        """The answer to one request (see :data:`elasticrun.launch.httpserve.Handler`)."""
+        if path not in ("/", "/metrics"):
+            return "404 Not Found", [("Content-Type", "text/plain")], b"not found: try /metrics\n"
+        if method not in ("GET", "HEAD"):
+            return "405 Method Not Allowed", [("Content-Type", "text/plain"), ("Allow", "GET, HEAD")], \
+                b"only GET and HEAD\n"
+        content_type, body = self.render(headers.get("accept", ""))
+        return "200 OK", [("Content-Type", content_type)], body
 
 
 class Metrics:
@@ -155,32 +151,28 @@ class Metrics:
         self.snapshot = Histogram(PREFIX + "snapshot_seconds", "Workers' memory snapshots (blocking part).",
                                   names, registry=self.registry, buckets=SAVE_BUCKETS).labels(**self.labels)
         self.app = _CachedApp(self.registry)
-        self._server: Optional[WSGIServer] = None
-        self._thread: Optional[threading.Thread] = None
+        self.server: Optional[BoundedHTTPServer] = None
 
     def observe_etcd(self, op: str, seconds: float) -> None:
         """Hook for :attr:`elasticrun.store.client.EtcdStore.on_call`."""
         self.etcd.labels(op=op, **self.labels).observe(seconds)
 
     def serve(self, host: str, port: int) -> int:
-        """Serve ``/metrics`` on ``host:port`` in a daemon thread; the port bound (``port`` 0: any).
-        ConfigError (one line) when the address cannot be bound."""
+        """Serve ``/metrics`` on ``host:port`` (see launch/httpserve.py for the bounds on clients); the
+        port bound (``port`` 0: any). ConfigError (one line) when the address cannot be bound."""
+        server = BoundedHTTPServer(self.app, name="elasticrun-metrics")
         try:
-            server = make_server(host, port, self.app, _Server, handler_class=_QuietHandler)
+            bound = server.start(host, port)
         except OSError as err:
             raise ConfigError(f"--metrics-port {port}: cannot listen on {host}:{port} ({err.strerror or err}); "
                               "pick a free port, or 0 to turn metrics off") from None
-        self._server = server
-        self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.5},
-                                        name="elasticrun-metrics", daemon=True)
-        self._thread.start()
-        return int(server.server_address[1])
+        self.server = server
+        return bound
 
     def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        if self.server is not None:
+            self.server.close()
+            self.server = None
 
 
 __all__ = ["Metrics"]

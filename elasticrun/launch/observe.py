@@ -16,10 +16,11 @@ import time
 from typing import Any, Dict, List, Optional
 
 from elasticrun.errors import ElasticrunError
+from elasticrun.job import records
 from elasticrun.job.keys import JobKeys
 from elasticrun.launch.config import LaunchConfig
 from elasticrun.launch.events import EventKind, EventLog
-from elasticrun.launch.goodput import Cause, Goodput, Phase
+from elasticrun.launch.goodput import Cause, Goodput, Phase, rollback_marks
 from elasticrun.launch.metrics import Metrics
 from elasticrun.rendezvous.protocol import Rendezvous
 from elasticrun.rendezvous.records import RescaleEvent, RescaleType, Topology
@@ -129,7 +130,7 @@ class Observer:
     def round_changed(self, rdzv: Rendezvous, topo: Topology) -> None:
         """Round ``topo`` ended for another reason than our workers: another node's worker failed
         (a restart) or the membership changed (a rescale)."""
-        if rdzv.view.get(rdzv.keys.failed(topo.round)) is not None:
+        if rdzv.round_failed(topo.round):
             self._enter(Phase.RESTARTING, Cause.RESTART)
         else:
             self._enter(Phase.RESCALING, Cause.RESCALE)
@@ -141,8 +142,7 @@ class Observer:
             if outage == self._outage:
                 return
             self._outage = outage
-            self.goodput.enter(Phase.OUTAGE if outage else Phase.TRAINING if self.goodput.step is not None
-                               else Phase.STARTING)
+            self.goodput.outage(outage)
         self.events.emit(EventKind.OUTAGE_BEGIN if outage else EventKind.OUTAGE_END)
 
     def _see(self, rdzv: Rendezvous) -> None:
@@ -172,6 +172,7 @@ class Observer:
         with self._lock:
             doc = dict(self.state, rescales=dict(self.state["rescales"]))
             doc.update(self.goodput.summary())
+            doc["counters"] = self.goodput.counters()
         return doc
 
     # -- the thread -----------------------------------------------------------------------------
@@ -196,7 +197,7 @@ class Observer:
         if store is None:
             return
         try:
-            p = store.get_json(self.keys.progress_of(self.cfg.node_id))
+            p = store.get_record(self.keys.progress_of(self.cfg.node_id), records.progress_record)
         except ElasticrunError:
             return
         if not isinstance(p, dict) or "step" not in p or p.get("time") == self._seen:
@@ -212,7 +213,10 @@ class Observer:
                 at = time.monotonic() - max(0.0, time.time() - float(p.get("time") or time.time()))
             except (TypeError, ValueError):
                 at = None
-            self.goodput.report(int(p["step"]), stall_s, at)
+            phase = self.goodput.phase
+            self.goodput.report(int(p["step"]), stall_s, at, **rollback_marks(p))
+            if self.goodput.phase is not phase:
+                self._publish.set()  # the round's first report: ``status`` shows training from now on
             self.state["samples_per_s"] = p.get("samples_per_s")
             for kind, value in stalls.items():
                 if not isinstance(value, list) or len(value) != 3:

@@ -26,10 +26,11 @@ import time
 from typing import Callable, Optional, TypeVar
 
 from elasticrun.errors import StoreError, StoreFullError
+from elasticrun.job import records
 from elasticrun.launch.config import LaunchConfig
 from elasticrun.launch.workers import WorkerGroup
 from elasticrun.rendezvous.protocol import LeaseLost, Rendezvous
-from elasticrun.rendezvous.records import Topology
+from elasticrun.rendezvous.records import Topology, topology_record
 from elasticrun.rendezvous.states import RoundOutcome
 from elasticrun.store.lease import LeaseHealth
 
@@ -62,13 +63,14 @@ def rejoin_round(rdzv: Rendezvous, topo: Topology) -> bool:
     rdzv.outage_over_at = time.monotonic()
     store, keys = rdzv.store, rdzv.keys
     while True:
-        if store.get(keys.state) is not None:
+        if records.read(store.get(keys.state), records.state_record) is not None:
             return False
         kv = store.get(keys.topology)
-        current = None if kv is None else Topology.from_dict(kv.json())
-        if current is None or current.round != topo.round:
+        current = records.read(kv, topology_record)  # a malformed round cannot be confirmed: fence
+        if kv is None or current is None or current.round != topo.round:
             return False
-        if store.get(keys.failed(topo.round)) or store.get(keys.end(topo.round)):
+        if (records.read(store.get(keys.failed(topo.round)), records.failed_flag) is not None
+                or records.read(store.get(keys.end(topo.round)), records.end_flag) is not None):
             return False
         assert rdzv.lease is not None
         lease_id = rdzv.lease.lease_id

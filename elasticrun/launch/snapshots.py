@@ -14,7 +14,8 @@ the agent exits. It is removed
 - by the next agent on the machine, as a last resort (:func:`sweep`): a directory is removed
   at start only when it belongs to this user, is a real directory (not a link) and its
   ``lock`` file can be flocked without blocking: the owning agent holds that lock for its
-  lifetime, so liveness is decided by the kernel, not by a pid (which means nothing to an
+  lifetime (the file appears under that name already locked, so a sweep never finds a new
+  root's lock free), so liveness is decided by the kernel, not by a pid (which means nothing to an
   agent in another pid namespace sharing ``/dev/shm``). The sweep opens nothing but that
   lock, with ``O_NOFOLLOW|O_NONBLOCK``, and only when it is a regular file: it never blocks
   on a FIFO nor reads a device.
@@ -29,6 +30,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import uuid
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
@@ -70,6 +72,24 @@ def _open_lock(path: str, create: bool = False) -> Optional[int]:
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         return None
+    return fd
+
+
+def _create_locked(path: str) -> int:
+    """Create the root ``path``'s lock file already locked: it is made and flocked under a private
+    name, then renamed to :data:`LOCK_FILE` (the flock belongs to the open file, which the rename
+    keeps). A concurrent :func:`sweep` sees either no lock (it keeps the root) or a held one — never
+    a lock it could take between its creation and our flock, which would remove a live root."""
+    private = os.path.join(path, f".{LOCK_FILE}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    fd = _open_lock(private, create=True)
+    if fd is None:
+        raise OSError(f"cannot create {LOCK_FILE}")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until this process exits
+        os.rename(private, os.path.join(path, LOCK_FILE))
+    except OSError:
+        os.close(fd)
+        raise
     return fd
 
 
@@ -133,12 +153,9 @@ class SnapshotRoot:
         try:
             shutil.rmtree(path, ignore_errors=True)  # a leftover of an agent with our pid in this process
             os.mkdir(path, 0o700)
+            lock_fd = _create_locked(path)
             with open(os.path.join(path, OWNER_FILE), "w", encoding="utf-8") as f:
                 f.write(f"{pid} {_start_time(pid) or ''}\n")
-            lock_fd = _open_lock(os.path.join(path, LOCK_FILE), create=True)
-            if lock_fd is None:
-                raise OSError(f"cannot create {LOCK_FILE}")
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held until this process exits
         except OSError as err:
             say(f"no memory snapshots on this node: cannot create {path} ({err.strerror or err})")
             return None

@@ -426,6 +426,7 @@ class WorkerGroup:
                 etcd_settings_file=self.etcd_settings_file,
                 virtual_local_rank=self.cfg.virtual_local_rank,
             )
+            env[names.PROGRESS_FILE] = os.path.join(self.files_dir, "progress-step")  # the node's, kept across rounds
             if self.inplace:  # the assignment file of in-place re-forming (elasticrun.train.InPlace)
                 env[names.REFORM_FILE] = self.reform_file(local_rank)
             planned.append((spec, env, rank_dir))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Sequence, Tuple
 
+from elasticrun.job import records
 from elasticrun.job.keys import JobKeys
 from elasticrun.job.reform import EXIT_REFORM_FAILED, REFORM_WINDOW_S
 from elasticrun.rendezvous.records import Member, RescaleType, Topology
@@ -63,15 +64,14 @@ def reform_failed(prev: Optional[Topology], store: EtcdStore, keys: JobKeys, win
     follows is not charged to the budget."""
     if prev is None or not prev.inplace:
         return False
-    flag = store.get_json(keys.failed(prev.round))
-    failed_at = float(flag.get("time") or 0) if isinstance(flag, dict) else 0.0
+    flag = records.read(store.get(keys.failed(prev.round)), records.failed_flag) or {}
+    failed_at = float(flag.get("time") or 0)
     if failed_at and failed_at - prev.created_at < window:
         return True
     kvs, _ = store.get_prefix(keys.failures(prev.round))
     for kv in kvs:
-        rows = kv.json()
-        if isinstance(rows, list) and any(isinstance(r, dict) and r.get("exitcode") == EXIT_REFORM_FAILED
-                                          for r in rows):
+        rows = records.read(kv, records.failure_rows) or []
+        if any(r.get("exitcode") == EXIT_REFORM_FAILED for r in rows):
             return True
     return False
 

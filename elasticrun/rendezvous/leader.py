@@ -18,10 +18,11 @@ import logging
 from typing import Optional
 
 from elasticrun.errors import StoreError
+from elasticrun.job import records
 from elasticrun.job.keys import JobKeys
 from elasticrun.rendezvous.view import JobView
 from elasticrun.store.client import EtcdStore
-from elasticrun.store.types import KeyValue
+from elasticrun.store.types import Guard, KeyValue
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,17 @@ class Leadership:
         kv = self.view.get(self.keys.leader)
         return None if kv is None else kv.value.decode(errors="replace")
 
+    def _drop_leaseless(self, kv: KeyValue) -> Optional[KeyValue]:
+        """A leader key on no lease was not written by an agent (a foreign client, by hand): it would
+        never expire, so nobody would lead again. Report it once and remove it (if still as read)."""
+        records.report(kv.key, "not held on an agent's lease (written by hand?); removed so that a node can lead")
+        try:
+            self.store.txn([Guard(kv.key, kv.mod_revision)], deletes=[kv.key])
+        except StoreError as err:
+            log.debug("could not remove the leader key: %s", err)
+            return kv
+        return None
+
     def claim(self, lease_id: Optional[int]) -> bool:
         """Lead when nobody does; True while the key is ours (then the view mirrors every node)."""
         if lease_id is None:
@@ -52,6 +64,8 @@ class Leadership:
         kv = self.view.get(self.keys.leader)
         if kv is None and self._read is not None and self.view.revision < self._read.mod_revision:
             kv = self._read
+        if kv is not None and not kv.lease:
+            kv = self._drop_leaseless(kv)
         mine = kv is not None and kv.lease == lease_id
         if kv is None:
             try:

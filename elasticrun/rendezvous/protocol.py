@@ -25,23 +25,27 @@ import logging
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from elasticrun.errors import ConfigError, RendezvousError, StoreError
+from elasticrun.errors import ElasticrunError, RendezvousError, StoreError
+from elasticrun.job import records
 from elasticrun.job.exitcodes import ExitCode
 from elasticrun.job.keys import JobKeys
 from elasticrun.job.requests import utc
+from elasticrun.rendezvous.ended import expire, stop_if_last
 from elasticrun.rendezvous.inplace import plan_inplace, reform_failed
 from elasticrun.rendezvous.leader import Leadership
 from elasticrun.rendezvous.ranks import classify, plan_members
 from elasticrun.rendezvous.records import NodeInfo, RescaleEvent, RescaleType, Topology, WorkerStatus
 from elasticrun.rendezvous.register import register_node
 from elasticrun.rendezvous.restarts import RestartBudget
+from elasticrun.rendezvous.reuse import Head, JobClaim
 from elasticrun.rendezvous.running import RoundMonitor
-from elasticrun.rendezvous.settings import JobEnded, LeaseLost, RendezvousSettings, describe_mismatch
+from elasticrun.rendezvous.settings import JobChanged, JobEnded, LeaseLost, RendezvousSettings
 from elasticrun.rendezvous.states import JobState
 from elasticrun.rendezvous.storehost import QUICK_WAIT_S, StoreHost
 from elasticrun.rendezvous.view import JobView
 from elasticrun.store.client import EtcdStore
 from elasticrun.store.lease import KeepAlive, LeaseHealth
+from elasticrun.waiting import Reminder
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +60,8 @@ EVAL_INTERVAL_MAX = 0.2
 # cost: N waiting nodes waking once a second each, over a formation that takes longer with N, grew
 # the cost of a round with N² (4,096 simulated agents: a third of their CPU).
 FOLLOWER_WAIT_S = 5.0
+# A first registration that finds the job changed since ensure_config checks it again, this many times.
+REGISTER_CHECKS = 5
 
 
 class Rendezvous(RoundMonitor):
@@ -75,6 +81,7 @@ class Rendezvous(RoundMonitor):
         self.node = node
         self._host_store = host_store
         self._say = on_progress or (lambda msg: log.info(msg))
+        self._reminder = Reminder(self._say, "", every=5.0, max_every=60.0)  # re-says a long wait (_tell)
         # Called at every turn of the owner's loops (see beat): the agent raises a pending signal there.
         self.on_beat: Callable[[], None] = lambda: None
         self.lease: Optional[KeepAlive] = None
@@ -86,6 +93,10 @@ class Rendezvous(RoundMonitor):
         self._busy_since: Optional[Tuple[int, float]] = None  # (round, since) the previous members were busy
         self._members_checked: Optional[Tuple[int, int]] = None  # (round, view.members_version) checked
         self.outage_over_at: Optional[float] = None  # when etcd answered again after an outage we noticed
+        self._job_settings: Dict[str, Any] = {}
+        self._head: Optional[Head] = None  # the job's settings and end as ensure_config found them
+        self._stop: Tuple[str, Optional[int]] = ("it stopped", None)  # why we leave (see leaving)
+        self._ran = False  # a round included this node (else it ends as a spare that ran nothing)
 
     @property
     def node_id(self) -> str:
@@ -94,39 +105,48 @@ class Rendezvous(RoundMonitor):
     # -- joining --------------------------------------------------------------------------
 
     def ensure_config(self, settings: Dict[str, Any]) -> None:
-        """Create the job's settings, or check ours against them (ConfigError on mismatch)."""
-        self._clear_finished_job()
-        # Our view has the settings when another node wrote them first (every node but one): comparing
-        # there costs etcd nothing, where a create per node would be a failed write (a raft entry) each.
-        existing = self.view.get_json(self.keys.config)
-        if existing is None:
-            if self.store.create(self.keys.config, json.dumps(settings, sort_keys=True)):
-                return
-            existing = self.store.get_json(self.keys.config) or {}
-        diff = describe_mismatch(existing, settings)
-        if diff:
-            raise ConfigError(
-                f"job {self.settings.job_id!r} runs with different settings ({diff}); start this node with "
-                "the same flags as the others, or use another --rdzv-id"
-            )
+        """Create the job's settings, or check ours against them (ConfigError on mismatch).
 
-    def _clear_finished_job(self) -> None:
-        """A finished job's keys are removed when a new job reuses its id and nobody is left."""
-        if self.view.get(self.keys.state) is None:  # the view read the job when it started: no request
-            return
-        kv = self.store.get(self.keys.state)
-        if kv is None or self.store.get_prefix(self.keys.nodes)[0]:
-            return
-        ok = self.store.txn_delete_prefix_if(self.keys.prefix, guard=(self.keys.state, kv.mod_revision))
-        if ok:
-            log.info("removed the keys of the finished job %s", self.settings.job_id)
+        An ended job's keys under our id are removed first (see :mod:`elasticrun.rendezvous.reuse`);
+        :meth:`register` then holds only while the settings we checked are still the job's.
+        """
+        self._job_settings = settings
+        claim = JobClaim(self.store, self.keys, settings, timeout=self.settings.join_timeout,
+                         grace=self.settings.rejoin_grace, say=self._say)
+        self._head = claim.run()
+        # The view was read before: when etcd changed since (an ended job's keys removed, the settings
+        # written), read it again, so that nothing of the old job (its state, its round) is seen as ours.
+        view_revs = [None if kv is None else kv.mod_revision
+                     for kv in (self.view.get(k) for k in (self.keys.config, self.keys.state, self.keys.topology))]
+        head_revs = [None if kv is None else kv.mod_revision
+                     for kv in (self._head.config_kv, self._head.state_kv, self._head.topology_kv)]
+        if view_revs != head_revs:
+            self.view.resync()
 
     def register(self, wait_for_old: bool = False) -> None:
-        """Take a lease and publish our node record under it (see :func:`register_node`)."""
-        self.lease = register_node(
-            self.store, self.keys, self.settings, self.node, on_lost=lambda _reason: self.view.poke(),
-            wait_for_old=wait_for_old,
-        )
+        """Take a lease and publish our node record under it (see :func:`register_node`).
+
+        The record is written only while the job's ``config`` and ``state`` are as :meth:`ensure_config`
+        found them; when they changed (the job ended or was replaced meanwhile), the first registration
+        checks the job again and retries; a later one (``wait_for_old``: after losing our lease) stops
+        with a retryable RendezvousError, since the job it belonged to is gone.
+        """
+        for _ in range(REGISTER_CHECKS):
+            guards = [] if self._head is None else self._head.guards(self.keys)
+            try:
+                self.lease = register_node(
+                    self.store, self.keys, self.settings, self.node, on_lost=lambda _reason: self.view.poke(),
+                    wait_for_old=wait_for_old, guards=guards,
+                )
+                return
+            except JobChanged:
+                if wait_for_old:
+                    raise RendezvousError(
+                        f"job {self.settings.job_id!r} ended or was replaced while this node re-registered; "
+                        "start it again to join the job now under this id"
+                    ) from None
+                self.ensure_config(self._job_settings)
+        raise RendezvousError(f"job {self.settings.job_id!r} kept changing while this node registered; try again")
 
     def reregister(self) -> None:
         """After losing the lease: join again as a new incarnation."""
@@ -143,16 +163,38 @@ class Rendezvous(RoundMonitor):
         self.node = self.node.replace(heartbeat_at=time.time(), **changes)
         self.store.put_json(self.keys.node(self.node_id), self.node.to_dict(), lease=self.lease.lease_id)
 
+    def leaving(self, reason: str, exit_code: Optional[int] = None) -> None:
+        """Why this node leaves (told before :meth:`leave`): recorded as the job's end if it is the last."""
+        self._stop = (reason, exit_code)
+
     def leave(self, revoke: bool = True) -> None:
         """Leave the job at once: revoke the lease so our keys vanish (``revoke=False``, etcd failing:
-        only stop refreshing it; it expires on its own and the exit waits on no etcd call)."""
+        only stop refreshing it; it expires on its own and the exit waits on no etcd call).
+
+        After a revoke, the last node of a job without an outcome records it ``stopped``, and a node of
+        an ended job puts its keys on the expiry lease (:mod:`elasticrun.rendezvous.ended`).
+        """
         if self.lease is not None:
             if revoke:
                 self.lease.revoke()
+                self._after_leaving()
             else:
                 self.lease.stop()
             self.lease = None
         self.view.close()
+
+    def _after_leaving(self) -> None:
+        if not self.settings.record_end:
+            return
+        reason, code = self._stop
+        try:
+            guards = [] if self._head is None else self._head.guards(self.keys)[:1]  # the config we joined under
+            if stop_if_last(self.store, self.keys, f"its last node, {self.node_id}, left ({reason})", code, guards):
+                log.info("job %s stopped: %s was its last node", self.settings.job_id, self.node_id)
+            if self.settings.ended_ttl > 0:
+                expire(self.store, self.keys, self.node_id, self.settings.ended_ttl)
+        except ElasticrunError as err:  # best effort: etcd is going away, or we may no longer write
+            log.warning("could not record the end of job %s in etcd: %s", self.settings.job_id, err)
 
     def leading(self) -> bool:
         """Claim the leader key if nobody holds it; True while we lead (our view has every node)."""
@@ -202,6 +244,7 @@ class Rendezvous(RoundMonitor):
         last_waiting: List[str] = []
         changed_at = time.monotonic()
         said = ""
+        deadline = started + timeout  # when the leader gives up on too few nodes
         version = self.view_version()
         while True:
             self.beat()
@@ -213,18 +256,19 @@ class Rendezvous(RoundMonitor):
                     self.publish(store_port=port)
             state = self.view.state()
             if state:
-                raise JobEnded(state)
+                raise JobEnded(state, spare=not self._ran)
             topo, rev = self.view.topology()
             if topo is not None and topo.round >= target:
                 me = topo.member(self.node_id)
                 if me is not None and self.lease is not None and me.lease == self.lease.lease_id:
+                    self._ran = True
                     return topo
                 target = topo.round + 1  # not chosen (spare): wait for the next round
                 self.publish(waiting_for=target, status=WorkerStatus.JOINING)
-                said = self._tell(said, f"waiting as a spare: round {topo.round} is full")
+                said = self._tell(said, self._waiting(topo, target, passed_over=True), None)
                 continue
             if not self.leading():  # the leader forms the round (and ends the job if too few join)
-                said = self._tell(said, f"waiting for round {target}, formed by {self.leadership.holder() or '?'}")
+                said = self._tell(said, self._waiting(topo, target), deadline)
                 if self.lease is not None:  # this turn's beat (above) now covers the wait
                     self.lease.beat(busy_for=FOLLOWER_WAIT_S)
                 version = self.wait_view(version, FOLLOWER_WAIT_S)
@@ -242,7 +286,7 @@ class Rendezvous(RoundMonitor):
                 last_waiting, changed_at = waiting, time.monotonic()
             wait_msg = self._try_form(target, topo, rev, nodes, changed_at)
             if wait_msg:
-                said = self._tell(said, wait_msg)
+                said = self._tell(said, wait_msg, deadline)
                 if len(waiting) < self.settings.min_nodes and time.monotonic() - started > timeout:
                     reason = (
                         f"only {len(waiting)} of at least {self.settings.min_nodes} nodes joined within "
@@ -250,18 +294,31 @@ class Rendezvous(RoundMonitor):
                     ) if topo is None else self._lost_reason(topo, waiting, timeout)
                     if topo is not None:
                         self._end_job(JobState.FAILED, reason, topo, rev, ExitCode.TRANSIENT)
+                    self.leaving(f"gave up: {reason}", ExitCode.TRANSIENT)
                     raise RendezvousError(f"job {self.settings.job_id!r}: {reason}; start more nodes or lower --nnodes")
             version = self._wait_change(version)
 
+    def _waiting(self, topo: Optional[Topology], target: int, passed_over: bool = False) -> str:
+        """What this node says while it waits for round ``target`` (``passed_over``: round ``topo`` just
+        formed without it)."""
+        s = self.settings
+        if topo is not None and len(topo.members) >= s.max_nodes and topo.member(self.node_id) is None:
+            return (f"job {s.job_id!r} is full: round {topo.round} runs with its maximum of {s.max_nodes} node(s) "
+                    f"(--nnodes {s.min_nodes}:{s.max_nodes}); this node waits as a spare, runs no worker until a "
+                    "node leaves or fails, and exits with the job's outcome")
+        if topo is not None and passed_over:
+            return f"round {topo.round} formed without this node; waiting for round {target}"
+        return f"waiting for round {target}, formed by {self.leadership.holder() or '?'}"
+
     def _lost_reason(self, prev: Topology, waiting: List[str], timeout: float) -> str:
         """Why a running job fails for want of nodes: which member(s) of ``prev`` were lost, and when."""
-        end = self.view.get_json(self.keys.end(prev.round)) or {}
+        end = self.view.record(self.keys.end(prev.round), records.end_flag) or {}
         lost = [m.node_id for m in prev.members if m.node_id not in waiting]
         if not lost:
             return f"only {len(waiting)} of at least {self.settings.min_nodes} nodes joined within {timeout:.0f}s"
         at = end.get("time") if end.get("lost") in lost else None
         if at is None:  # the round ended first through a worker failure (a collective with the lost node)
-            at = (self.view.get_json(self.keys.failed(prev.round)) or {}).get("time")
+            at = (self.view.record(self.keys.failed(prev.round), records.failed_flag) or {}).get("time")
         when = f" at {utc(float(at))}" if isinstance(at, (int, float)) else ""
         who = f"node {lost[0]}" if len(lost) == 1 else f"nodes {', '.join(lost)}"
         return (
@@ -286,9 +343,14 @@ class Rendezvous(RoundMonitor):
         self._last_eval = time.monotonic()
         return self.view.version
 
-    def _tell(self, said: str, msg: str) -> str:
+    def _tell(self, said: str, msg: str, deadline: Optional[float]) -> str:
+        """Say ``msg`` when it differs from ``said``; while it stays the same, say it again now and
+        then with the time left until ``deadline`` (none: the time waited)."""
         if msg != said:
             self._say(msg)
+            self._reminder.restart(msg, deadline)
+        else:
+            self._reminder.tick()
         return msg
 
     def _try_form(
@@ -325,7 +387,7 @@ class Rendezvous(RoundMonitor):
         settle = s.stability_window - (time.monotonic() - changed_at)
         if prev is None and len(waiting) < s.max_nodes and settle > 0:
             return f"{len(waiting)} node(s) joined; waiting {s.stability_window:.1f}s for more (max {s.max_nodes})"
-        failed = prev is not None and self.view.get(self.keys.failed(prev.round)) is not None
+        failed = prev is not None and self.round_failed(prev.round)
         members, spares = plan_members(prev, waiting, s.max_nodes)
         kind = classify(prev, members, failed)
         # A worker failure that comes with a lost node is the node's loss (its peers' collectives
@@ -335,7 +397,7 @@ class Rendezvous(RoundMonitor):
             prev, self.store, self.keys, s.reform_window)
         restarts = 0 if prev is None else prev.restart_count + (1 if counts else 0)
         budget = RestartBudget(s.max_restarts, s.restart_window)
-        history = (self.store.get_json(self.keys.restarts) or {}).get("times", []) if counts else []
+        history = (records.read(self.store.get(self.keys.restarts), records.restart_history) or []) if counts else []
         if counts and prev is not None and not budget.allows(prev.restart_count, history, time.time()):
             self._end_job(JobState.FAILED, f"workers failed and all {budget.describe()} are used up", prev, prev_rev)
             return "job failed"
@@ -381,7 +443,7 @@ class Rendezvous(RoundMonitor):
     def _reason(self, prev: Optional[Topology], kind: RescaleType) -> str:
         if prev is None:
             return "job start"
-        end = self.view.get_json(self.keys.end(prev.round))
+        end = self.view.record(self.keys.end(prev.round), records.end_flag)
         if end:
             return str(end.get("reason", "round ended"))
         if kind in (RescaleType.SCALE_DOWN, RescaleType.REPLACE):

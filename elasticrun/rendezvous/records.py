@@ -1,7 +1,9 @@
 """The rendezvous records stored in etcd: nodes, members, topologies, rescale events.
 
 Frozen dataclasses with ``to_dict``/``from_dict`` (they travel as JSON through etcd and the
-workers' rescale-event file). No I/O here.
+workers' rescale-event file), and their checks (``node_record``, ``topology_record``,
+``event_record``: BadRecord says what is wrong) and parsers (``parse_*``: None after reporting a
+bad record once), built on :mod:`elasticrun.job.records`. No I/O here.
 """
 
 from __future__ import annotations
@@ -9,10 +11,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
+
+from elasticrun.job import records
+from elasticrun.job.records import BadRecord, is_int, is_number, is_text
 
 
 class WorkerStatus(str, enum.Enum):
@@ -199,41 +203,49 @@ class RescaleEvent:
         return cls(**d)
 
 
-# -- parsing records written by other agents (never trusted) ----------------------------------
-
-_MAX_RECORD = 16 << 20
+# -- parsing records written by other agents (never trusted; see elasticrun.job.records) ---------
 
 
 def loads_record(value: Any) -> Any:
     """JSON of an etcd value written by another agent, or None when it is not valid JSON
     (too big, not UTF-8, nested too deeply, ...)."""
     try:
-        if len(value) > _MAX_RECORD:
-            return None
-        return json.loads(value)
-    except (ValueError, TypeError, UnicodeDecodeError, RecursionError):
+        return records.decode(value)
+    except records.BadRecord:
         return None
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+_NODE_FIELDS = (
+    ("node_id", is_text), ("host", is_text), ("addr", is_text), ("nproc", is_int), ("pid", is_int),
+)
+_NODE_OPTIONAL = (
+    ("waiting_for", is_int), ("store_port", is_int), ("node_rank", is_int), ("inplace", records.is_bool),
+    ("registered_at", is_number), ("heartbeat_at", is_number), ("accelerators", records.is_list),
+)
+_STATUSES = frozenset(s.value for s in WorkerStatus)
 
 
-def parse_node(value: Any) -> Optional[NodeInfo]:
-    """A node record, checked field by field; None when malformed."""
-    d = loads_record(value)
-    if not isinstance(d, dict):
-        return None
-    try:
-        info = NodeInfo.from_dict(d)
-    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
-        return None
-    ok = (all(isinstance(x, str) for x in (info.node_id, info.host, info.addr))
-          and all(_is_int(x) for x in (info.nproc, info.pid, info.waiting_for, info.store_port, info.node_rank))
-          and info.nproc > 0 and 0 <= info.store_port < 65536 and isinstance(info.accelerators, list)
-          and all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                  for x in (info.registered_at, info.heartbeat_at)))
-    return info if ok else None
+def node_record(value: Any) -> NodeInfo:
+    """A node record (``nodes/<id>``), checked field by field (BadRecord says what is wrong)."""
+    d = records.obj(value)
+    for name, check in _NODE_FIELDS:
+        records.field(d, name, check)
+    for name, check in _NODE_OPTIONAL:
+        records.field(d, name, check, default=None)
+    if d["nproc"] <= 0:
+        raise BadRecord(f"field 'nproc': expected a positive integer, got {d['nproc']}")
+    if not 0 <= d.get("store_port", 0) < 65536:
+        raise BadRecord(f"field 'store_port': {d['store_port']} is not a port")
+    if not all(isinstance(a, dict) for a in d.get("accelerators", [])):
+        raise BadRecord("field 'accelerators': expected a list of JSON objects")
+    if d.get("status", WorkerStatus.JOINING.value) not in _STATUSES:
+        raise BadRecord(f"field 'status': {str(d['status'])[:40]!r} is none of {', '.join(sorted(_STATUSES))}")
+    return NodeInfo.from_dict(d)
+
+
+def parse_node(value: Any, key: str = "nodes/?") -> Optional[NodeInfo]:
+    """A node record; None when malformed (reported once, see :func:`elasticrun.job.records.parse`)."""
+    return records.parse(key, value, node_record)
 
 
 def _member_ok(m: Member) -> bool:
@@ -245,23 +257,72 @@ def _member_ok(m: Member) -> bool:
             and m.nproc > 0 and m.group_rank >= 0 and m.rank_offset >= 0)
 
 
-def parse_topology(value: Any) -> Optional[Topology]:
-    """A round record, checked field by field; None when malformed."""
-    d = loads_record(value)
-    if not isinstance(d, dict) or not isinstance(d.get("members"), list):
-        return None
-    if not all(isinstance(m, dict) for m in d["members"]):
-        return None
+def _member_problem(members: List[Any]) -> str:
+    """What is wrong with the first bad member of a round (the slow path, after the fast check failed)."""
+    for i, m in enumerate(members):
+        if not isinstance(m, dict):
+            return f"member {i}: expected a JSON object"
+        for name in ("node_id", "host", "addr", "nproc", "group_rank", "rank_offset"):
+            check = is_text if name in ("node_id", "host", "addr") else is_int
+            try:
+                records.field(m, name, check)
+                records.field(m, "lease", is_int, default=0)
+            except BadRecord as err:
+                return f"member {i}: {err}"
+        if m["nproc"] <= 0 or m["group_rank"] < 0 or m["rank_offset"] < 0:
+            return f"member {i}: nproc, group_rank or rank_offset out of range"
+    return "a member is malformed"
+
+
+def topology_record(value: Any) -> Topology:
+    """A round record (``topology``), checked field by field (BadRecord says what is wrong)."""
+    d = records.obj(value)
+    members = records.field(d, "members", records.is_list)
+    round_ = records.field(d, "round", is_int)
+    records.field(d, "master_addr", is_text)
+    port = records.field(d, "master_port", is_int)
+    records.field(d, "restart_count", is_int, default=0)
+    records.field(d, "created_at", is_number, default=0.0)
+    records.items(records.field(d, "inplace", records.is_list, default=[]), "inplace", is_text)
+    if round_ < 0 or not 0 <= port < 65536:
+        raise BadRecord(f"round {round_} or master port {port} out of range")
     try:
         topo = Topology.from_dict(d)
-    except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError):
-        return None
+    except (KeyError, TypeError, ValueError, AttributeError) as err:  # a member without its fields
+        raise BadRecord(_member_problem(members) if members else str(err)) from None
     if not all(map(_member_ok, topo.members)):
-        return None
-    if not isinstance(topo.master_addr, str) or not 0 <= topo.master_port < 65536 or topo.round < 0:
-        return None
+        raise BadRecord(_member_problem(members))
     return topo
 
 
-__all__ = ["Member", "NodeInfo", "RescaleEvent", "RescaleType", "Topology", "WorkerStatus", "loads_record",
-           "parse_node", "parse_topology"]
+def parse_topology(value: Any, key: str = "topology") -> Optional[Topology]:
+    """A round record; None when malformed (reported once)."""
+    return records.parse(key, value, topology_record)
+
+
+_EVENT_TYPES = frozenset(t.value for t in RescaleType)
+
+
+def event_record(value: Any) -> RescaleEvent:
+    """A rescale event (``events/<n>``), checked field by field (BadRecord says what is wrong)."""
+    d = records.obj(value)
+    kind = records.field(d, "type", is_text)
+    if kind not in _EVENT_TYPES:
+        raise BadRecord(f"field 'type': {kind[:40]!r} is none of {', '.join(sorted(_EVENT_TYPES))}")
+    for name in ("round", "old_world_size", "new_world_size"):
+        records.field(d, name, is_int)
+    for name in ("old_members", "new_members"):
+        records.items(records.field(d, name, records.is_list), name, is_text)
+    records.field(d, "reason", is_text)
+    records.field(d, "restart_count", is_int, default=0)
+    records.field(d, "time", is_number, default=0.0)
+    return RescaleEvent.from_dict(d)
+
+
+def parse_event(value: Any, key: str = "events/?") -> Optional[RescaleEvent]:
+    """A rescale event; None when malformed (reported once)."""
+    return records.parse(key, value, event_record)
+
+
+__all__ = ["Member", "NodeInfo", "RescaleEvent", "RescaleType", "Topology", "WorkerStatus", "event_record",
+           "loads_record", "node_record", "parse_event", "parse_node", "parse_topology", "topology_record"]

@@ -12,14 +12,16 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 from elasticrun.errors import ConfigError, LeaseGoneError, RendezvousError
+from elasticrun.job import records
 from elasticrun.job.keys import JobKeys
 from elasticrun.rendezvous.records import NodeInfo
-from elasticrun.rendezvous.settings import RendezvousSettings
+from elasticrun.rendezvous.settings import JobChanged, RendezvousSettings
 from elasticrun.store.client import EtcdStore
 from elasticrun.store.lease import KeepAlive
+from elasticrun.store.types import Guard
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +36,15 @@ def register_node(
     node: NodeInfo,
     on_lost: Callable[[str], None],
     wait_for_old: bool = False,
+    guards: Sequence[Guard] = (),
 ) -> KeepAlive:
     """Take a lease, publish ``node``'s record under it and return the lease (kept alive).
 
     A record with our id held by another lease means another agent uses our id (ConfigError)
     — unless ``wait_for_old``: then it is our own previous incarnation, and we wait for its
     lease to expire. A lease etcd dropped before the record reached it is replaced (see the
-    module docstring).
+    module docstring). The record is written only while every one of ``guards`` holds (the job's
+    settings and end as the node checked them); JobChanged when one does not (the lease is revoked).
     """
     ttl = settings.heartbeat_timeout
     started = time.monotonic()
@@ -49,9 +53,12 @@ def register_node(
         lease = KeepAlive(store, ttl, on_lost=on_lost, stall_after=settings.stall_after)
         tries += 1
         try:
-            _create_record(store, keys, settings, node, lease, wait_for_old)
+            _create_record(store, keys, settings, node, lease, wait_for_old, guards)
             _claim_node_rank(store, keys, settings, node, lease)
             return lease
+        except JobChanged:
+            lease.revoke()
+            raise
         except LeaseGoneError as err:
             lease.stop()  # etcd has dropped it, and every key under it
             waited = time.monotonic() - started
@@ -67,17 +74,20 @@ def register_node(
 
 def _create_record(
     store: EtcdStore, keys: JobKeys, settings: RendezvousSettings, node: NodeInfo, lease: KeepAlive,
-    wait_for_old: bool,
+    wait_for_old: bool, guards: Sequence[Guard],
 ) -> None:
-    """Create our node record under ``lease``; LeaseGoneError when etcd no longer knows the lease."""
+    """Create our node record under ``lease`` while ``guards`` hold; LeaseGoneError when etcd no longer
+    knows the lease, JobChanged when a guard does not hold."""
     key = keys.node(node.node_id)
     ttl = settings.heartbeat_timeout
     record = json.dumps(node.replace(heartbeat_at=time.time()).to_dict())
     deadline = time.monotonic() + ttl + 5
     lease.beat(busy_for=ttl + 5)  # the wait below is bounded by that
-    while not store.create(key, record, lease=lease.lease_id):
+    while not store.txn([Guard.absent(key), *guards], [(key, record, lease.lease_id)]):
         mine = store.get(key)
         if mine is None:
+            if guards and not _hold(store, guards):
+                raise JobChanged(key)
             continue  # gone meanwhile (an old record expired): try again
         if mine.lease == lease.lease_id:
             break  # our create went through but its reply was lost; the store's retry then saw the key
@@ -96,6 +106,12 @@ def _create_record(
             ) from None
 
 
+def _hold(store: EtcdStore, guards: Sequence[Guard]) -> bool:
+    """Whether every (key) guard holds now."""
+    snap = store.snapshot([g.key for g in guards])
+    return all((snap.kvs[g.key].mod_revision if snap.kvs[g.key] is not None else 0) == g.mod_revision for g in guards)
+
+
 def _claim_node_rank(
     store: EtcdStore, keys: JobKeys, settings: RendezvousSettings, node: NodeInfo, lease: KeepAlive
 ) -> None:
@@ -109,6 +125,11 @@ def _claim_node_rank(
     holder = store.get(key)
     if holder is not None and holder.lease == lease.lease_id:
         return
+    if holder is not None and not holder.lease:  # on no lease: no agent wrote it, and it would never expire
+        records.report(key, "not held on an agent's lease (written by hand?); replaced by this node's claim")
+        if store.cas(key, node.node_id, holder.mod_revision, lease=lease.lease_id):
+            return
+        holder = store.get(key)
     lease.revoke()
     owner = holder.value.decode(errors="replace") if holder is not None else "another node"
     raise ConfigError(

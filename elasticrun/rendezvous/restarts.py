@@ -24,17 +24,21 @@ _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$", re.IGNORECASE)
 
 
-def parse_window(text: Optional[str]) -> float:
-    """``"1h"`` → 3600.0, ``"90m"``, ``"30s"``, ``"2d"``, ``"600"`` (seconds); ``""``/``"0"`` → 0
-    (no window: the budget is for the whole job). Raises :class:`ConfigError`."""
+def parse_duration(text: Optional[str], shown: str, zero: str) -> float:
+    """``"1h"`` → 3600.0, ``"90m"``, ``"30s"``, ``"2d"``, ``"600"`` (seconds); ``""``/``"0"`` → 0 (what
+    ``zero`` says it means). Raises :class:`ConfigError` naming ``shown`` (the option and its value as
+    written, e.g. ``--restart-window '1x'``)."""
     if text is None or str(text).strip() in ("", "0"):
         return 0.0
     m = _DURATION.match(str(text))
     if not m:
-        raise ConfigError(
-            f"--restart-window {text!r}: give a duration like 1h, 30m, 90s or 2d (or 0 for the whole job)"
-        )
+        raise ConfigError(f"{shown}: give a duration like 1h, 30m, 90s or 2d (or 0 {zero})")
     return float(m[1]) * _UNITS[m[2].lower()]
+
+
+def parse_window(text: Optional[str], shown: str = "") -> float:
+    """``--restart-window``: a duration (:func:`parse_duration`); 0: the budget is for the whole job."""
+    return parse_duration(text, shown or f"--restart-window {text!r}", "for the whole job")
 
 
 def format_window(seconds: float) -> str:
@@ -85,4 +89,4 @@ class RestartBudget:
         return f"{self.max_restarts} restart(s){scope}"
 
 
-__all__ = ["RestartBudget", "format_window", "parse_window"]
+__all__ = ["RestartBudget", "format_window", "parse_duration", "parse_window"]

@@ -14,9 +14,10 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from elasticrun.errors import StoreError
+from elasticrun.job import records
 from elasticrun.job.keys import JobKeys
 from elasticrun.rendezvous.leader import Leadership
-from elasticrun.rendezvous.records import RescaleEvent, Topology, loads_record
+from elasticrun.rendezvous.records import RescaleEvent, Topology, event_record
 from elasticrun.rendezvous.states import JobState, RoundOutcome
 from elasticrun.rendezvous.view import JobView
 from elasticrun.store.client import EtcdStore
@@ -62,22 +63,20 @@ class RoundMonitor:
 
     def rescale_event(self, round_: int) -> Optional[RescaleEvent]:
         """The event that formed round ``round_`` (None when absent or malformed)."""
-        d = self.view.get_json(self.keys.event(round_))
-        if d is None:
+        key = self.keys.event(round_)
+        kv = self.view.get(key)
+        if kv is None:
             # Written in the round's transaction, but a view without the node records watches
             # events/ and the topology on separate ranges: the topology may have come first.
             try:
-                kv = self.store.get(self.keys.event(round_))
+                kv = self.store.get(key)
             except StoreError as err:
                 log.warning("could not read the rescale event of round %d: %s", round_, err)
-                kv = None
-            d = None if kv is None else loads_record(kv.value)
-            d = d if isinstance(d, dict) else None
-        try:
-            return None if d is None else RescaleEvent.from_dict(d)
-        except (ValueError, TypeError, KeyError, AttributeError):  # another agent's bad record: ignore it
-            log.warning("ignoring malformed rescale event of round %d", round_)
-            return None
+        return records.read(kv, event_record)
+
+    def round_failed(self, round_: int) -> bool:
+        """Whether round ``round_`` has its failure flag (a malformed one counts as absent)."""
+        return self.view.record(self.keys.failed(round_), records.failed_flag) is not None
 
     def round_change(self, topo: Topology) -> Optional[str]:
         """Why round ``topo`` is over (None while it runs); RoundOutcome.SUCCEEDED when every member finished."""
@@ -97,10 +96,11 @@ class RoundMonitor:
         current, _ = self.view.topology()
         if current is None or current.round != topo.round:
             return "a newer round was formed"
-        if self.view.get(self.keys.failed(topo.round)) is not None:
-            failed = self.view.get_json(self.keys.failed(topo.round)) or {}
+        # A malformed flag is reported once and counts as absent (the next writer replaces it).
+        failed = self.view.record(self.keys.failed(topo.round), records.failed_flag)
+        if failed is not None:
             return f"worker failure on {failed.get('node', '?')}"
-        end = self.view.get_json(self.keys.end(topo.round))
+        end = self.view.record(self.keys.end(topo.round), records.end_flag)
         if end is not None:
             return str(end.get("reason", "round ended"))
         # Only the leader sees the node records: it ends the round for everyone. It looks at them
@@ -117,7 +117,7 @@ class RoundMonitor:
                         continue  # after an etcd outage every lease may have expired: let members rejoin
                     reason = f"node {m.node_id} left or lost its lease"
                     record = {"reason": reason, "by": self.node_id, "lost": m.node_id, "time": time.time()}
-                    self.store.create(self.keys.end(topo.round), json.dumps(record))
+                    self.create_flag(self.keys.end(topo.round), record, records.end_flag)
                     return reason
             self._members_checked = checked
         if len(self.view.under(self.keys.dones(topo.round))) >= len(topo.members):
@@ -157,7 +157,7 @@ class RoundMonitor:
         if now - self._newcomers_since >= s.stability_window and ready:
             newcomers = {n: newcomers[n] for n in ready}
             reason = f"scale-up: {len(newcomers)} node(s) joined ({', '.join(sorted(newcomers))})"
-            self.store.create(self.keys.end(topo.round), json.dumps({"reason": reason, "by": self.node_id}))
+            self.create_flag(self.keys.end(topo.round), {"reason": reason, "by": self.node_id}, records.end_flag)
             return None
         left = s.stability_window - (now - self._newcomers_since)
         return left if left > 0 else None  # closed: the newcomer's "ready" record will wake us
@@ -167,7 +167,18 @@ class RoundMonitor:
         self.store.put_json(self.keys.failure(topo.round, self.node_id), failures)
         first = failures[0] if failures else {}
         flag = {"node": self.node_id, "rank": first.get("rank"), "time": time.time()}
-        self.store.create(self.keys.failed(topo.round), json.dumps(flag))
+        self.create_flag(self.keys.failed(topo.round), flag, records.failed_flag)
+
+    def create_flag(self, key: str, record: Dict[str, Any], check: Callable[[Any], Any]) -> bool:
+        """Create a first-wins flag (True when ours is written); a malformed one in its place, which every
+        reader treats as absent, is replaced (compare-and-swap on its revision)."""
+        value = json.dumps(record)
+        if self.store.create(key, value):
+            return True
+        kv = self.store.get(key)
+        if kv is not None and records.read(kv, check) is None:
+            return self.store.cas(key, value, kv.mod_revision)
+        return False
 
     def mark_left(self, round_: int) -> None:
         """A graceful leave of round ``round_`` (before the lease is revoked): survivors may re-form in place."""
@@ -181,9 +192,10 @@ class RoundMonitor:
         self._end_job(JobState.SUCCEEDED, "all workers exited 0", topo, rev)
 
     def root_cause(self, round_: int) -> List[Dict[str, Any]]:
-        """Failed workers recorded for round ``round_`` (every node's), oldest first."""
+        """Failed workers recorded for round ``round_`` (every node's), oldest first (a malformed
+        node's rows are reported once and left out)."""
         kvs, _ = self.store.get_prefix(self.keys.failures(round_))
         rows: List[Dict[str, Any]] = []
         for kv in kvs:
-            rows.extend(kv.json())
+            rows.extend(records.read(kv, records.failure_rows) or [])
         return sorted(rows, key=lambda r: r.get("timestamp") or 0)

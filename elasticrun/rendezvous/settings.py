@@ -13,19 +13,31 @@ from elasticrun.rendezvous.states import JobState
 
 
 class JobEnded(Exception):
-    """The job reached a terminal state (``state`` key): succeeded or failed."""
+    """The job reached a terminal state (``state`` key): succeeded, failed or stopped. ``spare``: no
+    round included this node (it waited as a spare and ran no worker)."""
 
-    def __init__(self, state: Dict[str, Any]) -> None:
+    def __init__(self, state: Dict[str, Any], spare: bool = False) -> None:
         super().__init__(state.get("reason", state.get("state", "")))
         self.state = state
+        self.spare = spare
 
     @property
     def succeeded(self) -> bool:
         return self.state.get("state") == JobState.SUCCEEDED.value
 
+    @property
+    def stopped(self) -> bool:
+        """Every node left before an outcome (see :mod:`elasticrun.rendezvous.ended`)."""
+        return self.state.get("state") == JobState.STOPPED.value
+
 
 class LeaseLost(Exception):
     """Our lease expired or could not be confirmed: we must fence ourselves and rejoin."""
+
+
+class JobChanged(Exception):
+    """A registration found the job's ``config`` or ``state`` changed since this node checked them
+    (the job ended, or was replaced by another under the same id): check again."""
 
 
 @dataclass
@@ -47,12 +59,14 @@ class RendezvousSettings:
     busy_timeout: float = 60.0
     # After an in-place round forms, a failure this soon is a failed re-form: not charged to max_restarts.
     reform_window: float = REFORM_WINDOW_S
+    restart_window: float = 0.0  # --restart-window: count max_restarts within this many seconds (0: whole job)
+    ended_ttl: float = 0.0  # --ended-job-ttl: seconds an ended job's keys stay in etcd (0: forever)
+    record_end: bool = True  # a leaving node records a stopped job (False: the job's etcd may be gone by then)
 
     @property
     def rejoin_grace(self) -> float:
         """After an etcd outage, how long a member may be missing before its round is over."""
         return 2.0 * self.heartbeat_timeout
-    restart_window: float = 0.0  # --restart-window: count max_restarts within this many seconds (0: whole job)
 
 
 def describe_mismatch(existing: Dict[str, Any], mine: Dict[str, Any]) -> Optional[str]:

@@ -22,14 +22,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
 from elasticrun.errors import StoreError
+from elasticrun.job import records
 from elasticrun.job.keys import JobKeys
-from elasticrun.rendezvous.records import NodeInfo, Topology, loads_record, parse_node, parse_topology
+from elasticrun.rendezvous.records import NodeInfo, Topology, parse_node, parse_topology
 from elasticrun.store.client import EtcdStore, KeyValue, WatchEvent
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class JobView:
@@ -139,11 +142,10 @@ class JobView:
             self._data[kv.key] = kv
             return
         node_id = kv.key[len(self.keys.nodes):]
-        info = parse_node(kv.value)
+        info = parse_node(kv.value, kv.key)  # a malformed record is reported once and counts as absent
         old = self._nodes.get(node_id)
         if info is None:
             self._drop_node(node_id)
-            log.warning("ignoring malformed node record %s", kv.key[:200])
             return
         self._nodes[node_id] = (info, kv.lease)
         if old is None or old[1] != kv.lease:
@@ -226,6 +228,16 @@ class JobView:
         with self._cond:
             self._resyncing = False
 
+    def resync(self) -> None:
+        """Re-read the job now and watch from there (raises StoreError): after a change this agent made
+        or read directly in etcd (e.g. a finished job's keys removed), the view shows at least that."""
+        self._stop_watches()
+        try:
+            self._sync()
+        except StoreError as err:
+            self._on_error(err, self._gen)  # re-read and watch in the background, with backoff
+            raise
+
     def close(self) -> None:
         with self._cond:
             self._closed = True
@@ -283,17 +295,10 @@ class JobView:
         with self._cond:
             return self._data.get(key)
 
-    def get_json(self, key: str) -> Any:
-        """The record at ``key`` as a dict; None when absent or malformed (logged and ignored:
-        another agent's bad value must never crash this one)."""
-        kv = self.get(key)
-        if kv is None:
-            return None
-        d = loads_record(kv.value)
-        if not isinstance(d, dict):
-            log.warning("ignoring malformed record %s", key[:200])
-            return None
-        return d
+    def record(self, key: str, check: records.Check[T]) -> Optional[T]:
+        """The record at ``key`` checked by ``check`` (an :mod:`elasticrun.job.records` check); None when
+        absent or malformed (reported once and ignored: another agent's bad value never crashes this one)."""
+        return records.read(self.get(key), check)
 
     def under(self, prefix: str) -> Dict[str, KeyValue]:
         with self._cond:
@@ -320,18 +325,17 @@ class JobView:
             cached, rev = self._topo
             if rev == kv.mod_revision:
                 return cached, rev
-            topo = parse_topology(kv.value)  # frozen: safe to share between callers
+            topo = parse_topology(kv.value, kv.key)  # frozen: safe to share between callers
             if topo is None:
-                # A malformed round record: ignore it and keep the last good round (the next round's
+                # A malformed round record (reported once): keep the last good round (the next round's
                 # transaction, which compares this revision, replaces it).
-                log.warning("ignoring malformed topology record at revision %d", kv.mod_revision)
                 topo = cached
             self._topo = (topo, kv.mod_revision)
         return topo, kv.mod_revision
 
     def state(self) -> Optional[Dict[str, Any]]:
-        """The job's terminal state record, if it has ended."""
-        return self.get_json(self.keys.state)
+        """The job's terminal state record, if it has ended (a malformed one counts as absent)."""
+        return self.record(self.keys.state, records.state_record)
 
 
 def _prefix_end(prefix: str) -> str:

@@ -23,6 +23,7 @@ from pyetcd.client import MultiEndpointEtcd3Client
 from pyetcd.events import DeleteEvent
 
 from elasticrun.errors import StoreError, StoreFullError
+from elasticrun.job import records
 from elasticrun.store.connection import TRANSIENT, client_args, keepalives, new_client, renew_token
 from elasticrun.store.explain import (
     START_HINT,
@@ -33,7 +34,7 @@ from elasticrun.store.explain import (
     tls_failure,
     token_rejected,
 )
-from elasticrun.store.types import KeyValue, WatchEvent, dumps, kv_from_pb, parse_endpoints, text_of
+from elasticrun.store.types import Guard, KeyValue, Snapshot, WatchEvent, dumps, kv_from_pb, parse_endpoints, text_of
 from elasticrun.store.watchdog import WatchDog
 
 # A private generator for the retry jitter: never the global `random` a training script seeds.
@@ -149,9 +150,15 @@ class EtcdStore:
         return self._call("get", op)
 
     def get_json(self, key: str) -> Any:
-        """The key's JSON value, or None when absent."""
+        """The key's JSON value, or None when absent (ValueError when it is not JSON: for records other
+        processes wrote, use :meth:`get_record`)."""
         kv = self.get(key)
         return None if kv is None else kv.json()
+
+    def get_record(self, key: str, check: Callable[[Any], T]) -> Optional[T]:
+        """The record at ``key`` checked by ``check`` (see :mod:`elasticrun.job.records`); None when absent
+        or malformed (reported once)."""
+        return records.read(self.get(key), check)
 
     def get_prefix(self, prefix: str) -> Tuple[List[KeyValue], int]:
         """All keys under ``prefix`` (sorted by key) and the store revision they were read at."""
@@ -216,6 +223,53 @@ class EtcdStore:
             return bool(ok)
 
         return self._call("txn", op)
+
+    def txn(
+        self,
+        guards: Sequence[Guard],
+        puts: Iterable[Tuple[str, bytes | str, Optional[int]]] = (),
+        delete_prefixes: Iterable[str] = (),
+        deletes: Iterable[str] = (),
+    ) -> bool:
+        """Atomically delete ``deletes`` and every key under ``delete_prefixes``, then write ``puts`` (key,
+        value, lease), if every guard holds; True when it did."""
+        puts, prefixes = list(puts), list(delete_prefixes)
+
+        def op(c: MultiEndpointEtcd3Client) -> bool:
+            compare = []
+            for g in guards:
+                if g.prefix:
+                    end = pyetcd.utils.prefix_range_end(g.key.encode())
+                    compare.append(c.transactions.create(g.key, range_end=end) == 0)  # no key in the range
+                elif g.mod_revision == 0:
+                    compare.append(c.transactions.create(g.key) == 0)
+                else:
+                    compare.append(c.transactions.mod(g.key) == g.mod_revision)
+            ops = [c.transactions.delete(p, range_end=pyetcd.utils.prefix_range_end(p.encode())) for p in prefixes]
+            ops += [c.transactions.delete(k) for k in deletes]
+            ops += [c.transactions.put(k, v, lease=lease) for k, v, lease in puts]
+            ok, _ = c.transaction(compare=compare, success=ops, failure=[])
+            return bool(ok)
+
+        return self._call("txn", op)
+
+    def snapshot(self, keys: Sequence[str], count_prefixes: Sequence[str] = ()) -> Snapshot:
+        """``keys`` (None when absent) and how many keys start with each of ``count_prefixes``, read in
+        one request at one revision."""
+
+        def op(c: MultiEndpointEtcd3Client) -> Snapshot:
+            reqs = [etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=k.encode())) for k in keys]
+            reqs += [etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(
+                key=p.encode(), range_end=pyetcd.utils.prefix_range_end(p.encode()), count_only=True))
+                for p in count_prefixes]
+            resp = c.kvstub.Txn(etcdrpc.TxnRequest(compare=[], success=reqs, failure=[]), self.timeout,
+                                credentials=c.call_credentials, metadata=c.metadata)
+            ranges = [r.response_range for r in resp.responses]
+            kvs = {k: (kv_from_pb(r.kvs[0]) if r.kvs else None) for k, r in zip(keys, ranges)}
+            counts = {p: int(r.count) for p, r in zip(count_prefixes, ranges[len(keys):])}
+            return Snapshot(kvs, counts, int(resp.header.revision))
+
+        return self._call("snapshot", op)
 
     def delete(self, key: str) -> bool:
         """Delete ``key``; True if it existed."""
@@ -438,4 +492,4 @@ def connect(endpoints: str, *, check: bool = True, check_key: Optional[str] = No
     return store
 
 
-__all__ = ["EtcdStore", "KeyValue", "WatchEvent", "connect", "parse_endpoints", "pyetcd"]
+__all__ = ["EtcdStore", "Guard", "KeyValue", "Snapshot", "WatchEvent", "connect", "parse_endpoints", "pyetcd"]

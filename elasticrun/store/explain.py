@@ -9,9 +9,10 @@ import grpc
 from elasticrun.errors import LeaseGoneError, StoreError, StoreSetupError
 from elasticrun.job.keys import ROOT
 
-START_HINT = "start one with `elasticrun etcd`, or run with --standalone"
+START_HINT = "is it running? start one with `elasticrun etcd`"
 AUTH_FAILED = "authentication failed"
 NOSPACE_DETAIL = "database space exceeded"  # etcdserver: mvcc: database space exceeded
+_TRANSIENT_WORDS = {"ConnectionFailedError": "connection failed", "ConnectionTimeoutError": "connection timed out"}
 
 
 def tls_failure(details: str) -> str:
@@ -110,7 +111,8 @@ def explain(err: BaseException, endpoints: str, user: Optional[str], *, transien
             )
         return f"etcd at {endpoints} refused the request: {code.name}: {details}"
     if transient:
-        return f"cannot reach etcd at {endpoints} ({err.__class__.__name__}); {START_HINT}"
+        reason = _TRANSIENT_WORDS.get(err.__class__.__name__, err.__class__.__name__)
+        return f"cannot reach etcd at {endpoints} ({reason}); {START_HINT}"
     return f"etcd at {endpoints} failed: {err!r}"
 
 

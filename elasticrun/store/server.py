@@ -19,6 +19,7 @@ nobody reads after its machine crashes (see :mod:`elasticrun.launch.hosting`).
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import signal
@@ -278,8 +279,7 @@ class EtcdServer:
         pause = 0.002
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                last = _last_line(self.log_path) or f"exit code {self.proc.returncode}"
-                raise StoreError(f"etcd server {self.name} exited at start: {last[:300]}")
+                raise StoreError(f"etcd server {self.name} exited at start: {self.exit_reason()[:300]}")
             if self._accepts() and (self.healthy() if self._can_check_health() else self.running()):
                 return
             time.sleep(pause)
@@ -303,6 +303,12 @@ class EtcdServer:
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def exit_reason(self) -> str:
+        """Why etcd exited, from its log (see :func:`_last_line`), or its exit status; '' while it runs."""
+        if self.proc is None or self.proc.poll() is None:
+            return ""
+        return _last_line(self.log_path) or f"exit code {self.proc.returncode}"
 
     def stop(self, timeout: float = 10.0, remove_data: bool = True) -> None:
         """Stop the server (SIGTERM, then SIGKILL) and remove a temporary data dir."""
@@ -398,14 +404,24 @@ def _rejected_flag(log_path: Optional[str], flag: str) -> bool:
 
 
 def _last_line(path: Optional[str]) -> str:
-    """The last non-empty line of a log file (etcd's reason for exiting), or ''."""
+    """etcd's reason for exiting, from the end of its log: the message and error of its last fatal (or
+    error) JSON record, else a Go ``panic:`` line, else the last non-empty line; '' without a log."""
     if not path:
         return ""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 4096))
+            f.seek(max(0, f.tell() - 16384))
             lines = [ln for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
     except OSError:
         return ""
-    return lines[-1] if lines else ""
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("level") in ("fatal", "panic", "error"):
+            error = record.get("error")
+            return f"{record.get('msg', '')}: {error}" if error else str(record.get("msg", line))
+    panics = [ln for ln in lines if ln.startswith("panic:")]
+    return panics[-1] if panics else (lines[-1] if lines else "")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from elasticrun.errors import StoreSetupError
 
@@ -32,6 +32,38 @@ class WatchEvent:
     deleted: bool
     mod_revision: int
     lease: int = 0
+
+
+@dataclass(frozen=True)
+class Guard:
+    """One condition of a transaction (:meth:`EtcdStore.txn`): ``key``'s mod revision equals
+    ``mod_revision`` (0: the key is absent); with ``prefix``, no key starts with ``key`` at all."""
+
+    key: str
+    mod_revision: int = 0
+    prefix: bool = False
+
+    @classmethod
+    def absent(cls, key: str) -> Guard:
+        return cls(key, 0)
+
+    @classmethod
+    def unchanged(cls, kv: Optional[KeyValue], key: str) -> Guard:
+        """``key`` is still as read: ``kv`` (its revision), or absent when ``kv`` is None."""
+        return cls(key, 0 if kv is None else kv.mod_revision)
+
+    @classmethod
+    def empty(cls, prefix: str) -> Guard:
+        return cls(prefix, 0, prefix=True)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Several keys and prefix counts read at one revision (:meth:`EtcdStore.snapshot`)."""
+
+    kvs: Dict[str, Optional[KeyValue]]
+    counts: Dict[str, int]
+    revision: int
 
 
 def parse_endpoints(endpoints: str) -> List[Tuple[str, int]]:
@@ -78,4 +110,4 @@ def dumps(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
 
 
-__all__ = ["KeyValue", "WatchEvent", "dumps", "kv_from_pb", "parse_endpoints", "text_of"]
+__all__ = ["Guard", "KeyValue", "Snapshot", "WatchEvent", "dumps", "kv_from_pb", "parse_endpoints", "text_of"]

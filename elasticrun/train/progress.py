@@ -3,7 +3,11 @@
 The node's local rank 0 writes ``/elasticrun/<job>/progress/<node-id>`` =
 ``{"step", "loss", "samples_per_s", "rank", "round", "world_size", "time", "stalls"}`` (and
 ``"closed": true`` in the last report, written by :meth:`ProgressReporter.close`) under its
-own short lease (refreshed with every write), at most once per ``interval`` seconds.
+own short lease (refreshed with every write), at most once per ``interval`` seconds. After a
+restart it also carries ``"restored"`` (the step :func:`~elasticrun.train.load_latest` resumed
+from in this round) and ``"reached"`` (the last step the previous round's reporter on this node
+recorded in its :class:`StepFile`): the agent counts the steps a rollback lost as reached −
+restored, exactly, not from reports up to a second apart.
 When the worker stops reporting (it exited, hung or died) the key vanishes after the
 lease TTL. ``stalls`` (:meth:`ProgressReporter.stalled`) holds this worker's cumulative
 checkpoint and snapshot stalls, ``{"checkpoint": [count, seconds, last], ...}``, which the agent
@@ -16,11 +20,13 @@ from __future__ import annotations
 import atexit
 import logging
 import math
+import os
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from elasticrun.errors import ElasticrunError
+from elasticrun.job import env as env_names
 from elasticrun.train.env import ElasticState
 from elasticrun.train.etcdlink import EtcdLink
 
@@ -53,6 +59,8 @@ class ProgressReporter:
         )
         self.key = self.link.keys.progress_of(self.state.progress_id)
         self.active = self.link.enabled and self.state.is_local_rank0
+        self._steps = StepFile.of_env() if self.active else None
+        self._reached = self._steps.previous(self.state.round) if self._steps is not None else None
         self.puts = 0
         self._latest: Optional[Dict[str, Any]] = None
         self._lock = threading.Lock()
@@ -92,6 +100,12 @@ class ProgressReporter:
         }
         if self._stalls:
             value["stalls"] = {k: [int(v[0]), round(v[1], 4), round(v[2], 4)] for k, v in self._stalls.items()}
+        if _RESTORED is not None and _RESTORED[0] == self.state.round:
+            value["restored"] = _RESTORED[1]
+        if self._reached is not None:
+            value["reached"] = self._reached
+        if self._steps is not None:
+            self._steps.write(self.state.round, int(step))
         with self._lock:
             self._latest = self._last_report = value
         self._wake.set()
@@ -160,6 +174,58 @@ class ProgressReporter:
             self.link.failed(err)
 
 
+class StepFile:
+    """The node's record of its reporter's latest step (``ELASTICRUN_PROGRESS_FILE``, the agent's
+    file, kept across rounds): ``<round> <step>``, rewritten in place at every report (one
+    ``pwrite``, no etcd), so the next round's reporter knows how far the previous one got even
+    when it died between two reports to etcd."""
+
+    WIDTH = 48  # fixed: a rewrite never leaves the tail of a longer one
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd: Optional[int] = None
+
+    @classmethod
+    def of_env(cls) -> Optional[StepFile]:
+        path = os.environ.get(env_names.PROGRESS_FILE, "").strip()
+        return cls(path) if path else None
+
+    def previous(self, current_round: int) -> Optional[int]:
+        """The step recorded by a reporter of an earlier round than ``current_round`` (None if none)."""
+        try:
+            with open(self.path, "rb") as f:
+                fields = f.read(self.WIDTH).split()
+            rnd, step = int(fields[0]), int(fields[1])
+        except (OSError, ValueError, IndexError):
+            return None
+        return step if rnd < current_round and step >= 0 else None
+
+    def write(self, round_: int, step: int) -> None:
+        try:
+            if self._fd is None:
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            os.pwrite(self._fd, f"{round_} {step}".ljust(self.WIDTH - 1).encode()[:self.WIDTH - 1] + b"\n", 0)
+        except OSError:
+            self._fd = None  # best effort: the agent then counts from the reports it saw
+
+
+_RESTORED: Optional[Tuple[int, int]] = None  # (round, step) of this process's latest restore
+
+
+def note_restored(step: Optional[int]) -> None:
+    """Record that this process resumed from a checkpoint of training step ``step`` (called by
+    :func:`elasticrun.train.load_latest`): the round's reports carry it as ``restored``, so the
+    agent counts the steps a rollback lost from there."""
+    global _RESTORED
+    if step is None:
+        return
+    try:
+        _RESTORED = (ElasticState.from_env().round, int(step))
+    except ElasticrunError:  # not launched as a worker (its environment is incomplete): nobody to tell
+        return
+
+
 _HEARTBEAT: Optional[ProgressReporter] = None
 _heartbeat_lock = threading.Lock()
 
@@ -180,4 +246,4 @@ def heartbeat(step: int, loss: Optional[float] = None) -> None:
     _HEARTBEAT.report(step, loss)
 
 
-__all__ = ["PROGRESS_DIR", "ProgressReporter", "heartbeat"]
+__all__ = ["PROGRESS_DIR", "ProgressReporter", "StepFile", "heartbeat", "note_restored"]

@@ -16,6 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Tuple
 
 from elasticrun.errors import CheckpointError
+from elasticrun.train.progress import note_restored
 
 if TYPE_CHECKING:
     from elasticrun.checkpoint import LoadedCheckpoint
@@ -85,7 +86,9 @@ def load_latest(
                 log.warning("checkpoint %s cannot be loaded (%s); trying the previous one", name, error)
             continue
         _restore_extras(ckpt, sampler, restore_rng, process_group)
-        drop_newer_generations(ckpt.training_state.step if ckpt.training_state is not None else None)
+        step = ckpt.training_state.step if ckpt.training_state is not None else None
+        drop_newer_generations(step)
+        note_restored(step)  # the progress reports tell the agent where this round resumed
         return ResumedCheckpoint.of(ckpt, tier, where)
     raise CheckpointError(
         f"no checkpoint under {root} could be loaded ({len(failures)} tried); newest: {failures[0]}"
@@ -129,7 +132,7 @@ def _load_memory(name: str, state_dict: Optional[Dict[str, Any]], placements: Op
                  process_group: Any) -> LoadedCheckpoint:
     """Load memory generation ``name``: the files each node's ranks will read are first gathered
     there from peers' memory where missing (:func:`~elasticrun.checkpoint.memory.fetch.materialize`).
-    Files are not re-hashed: each was hashed when written or received (see that module). Tensors
+    Local files are hashed there first and fetched ones on receipt (see that module). Tensors
     are private copies, not maps of the files: once loaded, nothing keeps a generation's shared
     memory alive after retention removes it."""
     from elasticrun.checkpoint import load

@@ -70,9 +70,9 @@ class Counts:
         for name, counter in (("parse_node", "node_parses"), ("parse_topology", "topology_parses")):
             real = getattr(view_mod, name)
 
-            def counted(value: Any, _real: Any = real, _counter: str = counter) -> Any:
+            def counted(value: Any, *args: Any, _real: Any = real, _counter: str = counter) -> Any:
                 self.bump(_counter)
-                return _real(value)
+                return _real(value, *args)
 
             setattr(view_mod, name, counted)
         real_beat = protocol.Rendezvous.beat

@@ -128,9 +128,11 @@ def plot(scrapes: List[Dict[str, Any]], out: Path, window: float, title: str) ->
     b.legend(fontsize=7, loc="lower right")
     panel(a, "Step and step rate", "step")
     a = next(ax)
-    good, wall = values(scrapes, "elasticrun_goodput_seconds_total", how="sum")[""], \
-        values(scrapes, "elasticrun_phase_seconds_total", how="sum")[""]
-    a.plot([t - t0 for t, _ in good], [g / w if w else 0 for (_, g), (_, w) in zip(good, wall)], label="job", lw=2)
+    trained = values(scrapes, "elasticrun_phase_seconds_total", match={"phase": "training"}, how="sum")[""]
+    lost = values(scrapes, "elasticrun_training_lost_seconds_total", how="sum")[""]
+    wall = values(scrapes, "elasticrun_phase_seconds_total", how="sum")[""]
+    a.plot([t - t0 for t, _ in wall], [(g - x) / w if w else 0 for (_, g), (_, x), (_, w) in zip(trained, lost, wall)],
+           label="job", lw=2)
     draw(a, values(scrapes, "elasticrun_goodput_ratio", by="node_id"), "node {}")
     a.set_ylim(0, 1)
     panel(a, "Goodput ratio")

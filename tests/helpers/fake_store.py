@@ -13,9 +13,11 @@ import json
 import queue
 import threading
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from elasticrun.job import records
 from elasticrun.store.client import KeyValue, WatchEvent
+from elasticrun.store.types import Guard, Snapshot
 
 
 class FakeStore:
@@ -121,6 +123,29 @@ class FakeStore:
                 return False
             self._publish([self._remove(k) for k in sorted(self._kv) if k.startswith(prefix)])
             return True
+
+    def txn(self, guards: Sequence[Guard], puts: Iterable[Tuple[str, Any, Optional[int]]] = (),
+            delete_prefixes: Iterable[str] = (), deletes: Iterable[str] = ()) -> bool:
+        with self._lock:
+            if not all(self._holds(g) for g in guards):
+                return False
+            events = [self._remove(k) for p in delete_prefixes for k in sorted(self._kv) if k.startswith(p)]
+            events += [self._remove(k) for k in deletes if k in self._kv]
+            self._publish(events + [self._write(k, v, lease) for k, v, lease in puts])
+            return True
+
+    def _holds(self, g: Guard) -> bool:
+        if g.prefix:
+            return not any(k.startswith(g.key) for k in self._kv)
+        return self._guard_ok(g.key, g.mod_revision)
+
+    def snapshot(self, keys: Sequence[str], count_prefixes: Sequence[str] = ()) -> Snapshot:
+        with self._lock:
+            return Snapshot({k: self._kv.get(k) for k in keys},
+                            {p: sum(1 for k in self._kv if k.startswith(p)) for p in count_prefixes}, self._rev)
+
+    def get_record(self, key: str, check: Callable[[Any], Any]) -> Any:
+        return records.read(self.get(key), check)
 
     def delete(self, key: str) -> bool:
         with self._lock:

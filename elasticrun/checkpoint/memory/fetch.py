@@ -14,24 +14,27 @@ against the memory tier's cap (:mod:`~.space`) and must fit in its free shared m
 restore that would not fit fails (on every rank alike) before any byte moves, and
 ``load_latest`` falls back to the next checkpoint.
 
-Integrity: every file of a memory generation was hashed once — by the rank that wrote it
-(the checksum in ``metadata.json`` is computed over the bytes written) or on receipt (a
-replica, a fetched file: checked against ``metadata.json`` before use). Restore checks
-every file's size (and the reader checks every safetensors header against the metadata)
-but does not hash local memory again: that keeps a memory restore a copy from RAM rather
-than a checksum pass over the whole state. Disk checkpoints are always hashed on load.
+Integrity: every file of a memory generation was hashed when it was written (the checksum in
+``metadata.json`` is computed over the bytes written), and a replica or a fetched file is checked
+against ``metadata.json`` on receipt. Shared memory can still change afterwards, so before a
+restore every node hashes the local copies it will read (its ranks share the work,
+:mod:`~.integrity`): a copy that fails its checksum is never loaded — it is fetched from another
+node that holds the file (its ring successor's replica), or, when none does, the restore fails on
+every rank alike and ``load_latest`` falls back to the next checkpoint (an older generation, then
+disk). Disk checkpoints are hashed on load.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from elasticrun.checkpoint.comm import Comm
 from elasticrun.checkpoint.format import METADATA_FILE, CheckpointMeta
-from elasticrun.checkpoint.memory.budget import human
 from elasticrun.checkpoint.memory.commit import NodeLayout
+from elasticrun.checkpoint.memory.integrity import corrupt_files
 from elasticrun.checkpoint.memory.replicas import recv_file, send_file
 from elasticrun.checkpoint.memory.restore import gather_inventories
 from elasticrun.checkpoint.memory.space import dir_bytes, memory_cap
@@ -39,6 +42,9 @@ from elasticrun.checkpoint.regions import region_for
 from elasticrun.checkpoint.storage import describe
 from elasticrun.errors import CheckpointError
 from elasticrun.job.shm import GENERATIONS, REPLICAS, ShmLayout, snapshot_dir
+from elasticrun.sizes import format_size
+
+log = logging.getLogger(__name__)
 
 
 def _local_path(base: str, name: str, fname: str) -> Optional[str]:
@@ -73,11 +79,35 @@ def _room_problem(base: str, name: str, node: int, nbytes: int) -> Optional[str]
     except (OSError, ValueError) as err:
         return f"memory snapshot {name!r}: cannot size its restore on node {node}: {err}"
     if used + nbytes > cap:
-        return (f"memory snapshot {name!r}: restoring it on node {node} takes {human(nbytes)} more (files fetched "
-                f"from peers, its metadata), {human(used + nbytes)} in all, over {label} ({human(cap)})")
+        return (f"memory snapshot {name!r}: restoring it on node {node} takes {format_size(nbytes)} more (files "
+                f"fetched from peers, its metadata), {format_size(used + nbytes)} in all, over {label} "
+                f"({format_size(cap)})")
     if nbytes > st.f_bavail * st.f_frsize:
-        return f"memory snapshot {name!r}: node {node} has {human(st.f_bavail * st.f_frsize)} of shared memory free"
+        free = st.f_bavail * st.f_frsize
+        return f"memory snapshot {name!r}: node {node} has {format_size(free)} of shared memory free"
     return None
+
+
+def _drop_corrupt(name: str, meta: CheckpointMeta, comm: Comm, layout: NodeLayout, have: List[Dict[str, Any]],
+                  need: List[Set[str]], base: str) -> List[Dict[str, Any]]:
+    """Hash the local copies of the files each node will read (split over its ranks; collective) and
+    leave the ones that fail their checksum out of ``have``: bytes changed in shared memory after the
+    commit are never loaded — such a file is fetched from a node that holds another copy (a replica),
+    or, when none does, the restore fails and the next checkpoint is tried."""
+    me, ranks = layout.me, layout.nodes[layout.me]
+    local = sorted(need[me] & (set(have[me]["gen"]) | set(have[me]["rep"])))
+    share = local[ranks.index(comm.rank)::len(ranks)]
+    bad_here = corrupt_files([(f, _local_path(base, name, f), meta.files[f]) for f in share])
+    for fname in bad_here:
+        log.warning("memory snapshot %s: %s on this node fails its checksum (changed in shared memory after it was "
+                    "written): not loading it", name, fname)
+    bad = comm.all_gather(bad_here)
+    out = []
+    for n, node_ranks in enumerate(layout.nodes):
+        drop = {f for r in node_ranks for f in bad[r]}
+        out.append(dict(have[n], gen=[f for f in have[n]["gen"] if f not in drop],
+                        rep=[f for f in have[n]["rep"] if f not in drop], corrupt=sorted(drop)))
+    return out
 
 
 def materialize(name: str, process_group: Any = None, names: Optional[Sequence[str]] = None,
@@ -115,6 +145,7 @@ def materialize(name: str, process_group: Any = None, names: Optional[Sequence[s
         mine = sorted(meta.files)  # the load itself says what is wrong
     wanted = comm.all_gather(mine)
     need = [set().union(*(wanted[r] for r in ranks)) for ranks in layout.nodes]
+    have = _drop_corrupt(name, meta, comm, layout, have, need, base)
 
     # Every transfer (file, from node, to node), in one order computed alike on every rank.
     local_all = [need[n] <= set(h["gen"]) for n, h in enumerate(have)]
@@ -126,7 +157,10 @@ def materialize(name: str, process_group: Any = None, names: Optional[Sequence[s
         for fname in sorted(need[n] - present[n]):
             src = next((m for m in range(len(layout.nodes)) if fname in present[m]), None)
             if src is None:
-                raise CheckpointError(f"memory snapshot {name!r}: {fname} is on no node any more")
+                damaged = [str(m) for m, h in enumerate(have) if fname in h.get("corrupt", ())]
+                why = (f"fails its checksum on node {', '.join(damaged)} and no other node holds it" if damaged
+                       else "is on no node any more")
+                raise CheckpointError(f"memory snapshot {name!r}: {fname} {why}")
             transfers.append((fname, src, n))
 
     me, leader = layout.me, layout.leader

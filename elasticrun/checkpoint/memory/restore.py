@@ -164,9 +164,12 @@ def complete_generations(dirs: List[Optional[str]], invs: List[Dict[str, Any]]) 
 
 def _disk_rows(disk_root: str) -> Tuple[List[Tuple[int, int, int, str]], Optional[str]]:
     from elasticrun.checkpoint import list_checkpoints
+    from elasticrun.checkpoint.storage import get_storage
+    from elasticrun.checkpoint.temps import fence_older_saves
     from elasticrun.errors import CheckpointError
 
     try:
+        fence_older_saves(get_storage(disk_root))  # a resume: older rounds' saves can no longer commit here
         infos = [i for i in list_checkpoints(disk_root)
                  if i.status == CheckpointStatus.COMPLETE and i.meta is not None and i.alias_of is None]
     except CheckpointError as err:
