@@ -35,18 +35,16 @@ from elasticrun.launch.hang import STACKS_WAIT_S, HangWatch, dump_stacks, hang_f
 from elasticrun.launch.hosting import open_store, wait_others_left
 from elasticrun.launch.inplace import InPlaceRounds
 from elasticrun.launch.logfilter import unfed_warnings
-from elasticrun.launch.node import local_address
+from elasticrun.launch.node import accelerators, local_address, uses_gpu
 from elasticrun.launch.numa import AffinityMode, describe_binding, worker_cpus
 from elasticrun.launch.observe import Observer
 from elasticrun.launch.outage import STOP_SLACK_S, OutageGuard, stop_workers
-from elasticrun.launch.preload import TorchPreload
 from elasticrun.launch.snapshots import SnapshotRoot
 from elasticrun.launch.workers import SERVER_WAIT_S, GroupState, WorkerGroup
 from elasticrun.rendezvous.protocol import JobEnded, LeaseLost, Rendezvous, RendezvousSettings
 from elasticrun.rendezvous.records import NodeInfo, Topology, WorkerStatus
 from elasticrun.rendezvous.states import RoundOutcome
 from elasticrun.store.client import EtcdStore, parse_endpoints
-from elasticrun.store.lease import LeaseHealth
 from elasticrun.store.server import EtcdServer
 
 STANDBY_DELAY_S = 2.0  # after a round starts, when to pre-warm the next round's workers
@@ -153,7 +151,7 @@ class Agent:
         workers: Optional[WorkerGroup] = None
         snapshots: Optional[SnapshotRoot] = None
         files_dir = tempfile.mkdtemp(prefix=f"elasticrun-{cfg.rdzv_id}-")
-        round_store = RoundStore()
+        round_store = RoundStore(on_error=lambda line: self._store_failed(line, workers))
         with contextlib.ExitStack() as teardown:  # runs bottom to top; each line sees the resource made meanwhile
             teardown.callback(self._restore_signals, handled)
             teardown.callback(self.obs.close)  # /metrics answers until here
@@ -176,7 +174,9 @@ class Agent:
                     log_dir = tempfile.mkdtemp(prefix=f"elasticrun-logs-{cfg.rdzv_id}-")
                     self.say(f"worker logs in {log_dir}")
                 drop_secrets_from_environment(cfg, self.say)  # before any child process starts
-                workers = WorkerGroup(cfg, self.label, files_dir, log_dir, False, on_exit=lambda: self._wake())
+                workers = WorkerGroup(cfg, self.label, files_dir, log_dir, uses_gpu(cfg.device_kind),
+                                      on_exit=lambda: self._wake())
+                workers.round_store = round_store  # served by a store host in the rounds we lead
                 if cfg.numa_binding:  # torchrun's choice of each local rank's CPUs, once, before the job starts
                     workers.cpus = worker_cpus(AffinityMode(cfg.numa_binding), cfg.nproc_per_node)
                     self.say(describe_binding(AffinityMode(cfg.numa_binding), workers.cpus))
@@ -189,8 +189,10 @@ class Agent:
                     workers.extra_env[env_names.SNAPSHOT_DIR] = snapshots.path
                     if cfg.snapshot_memory is not None:
                         workers.extra_env[env_names.SNAPSHOT_MEMORY] = str(cfg.snapshot_memory)
-                workers.prewarm()  # worker interpreters import torch while we meet the other nodes
-                torch_preload = TorchPreload(cfg.device_kind).start()  # our own torch too, while etcd starts
+                # The fork server (bare: the round loop has it preload once the CPU is free), or warm interpreters.
+                workers.prewarm(preload=False)
+                if cfg.nnodes_max == 1:  # we lead every round: the first store's host imports torch meanwhile
+                    round_store.prepare(workers.host_store)
                 etcd, store = open_store(cfg, self.say)  # standalone / c10d / static: may host the job's etcd
                 self.obs.attach(store)
                 # Workers reach etcd (commit fence, progress, checkpoint requests) with the same settings.
@@ -203,21 +205,14 @@ class Agent:
                     nproc=cfg.nproc_per_node,
                     pid=os.getpid(),
                     node_rank=-1 if cfg.node_rank is None else cfg.node_rank,
+                    accelerators=accelerators(workers.use_gpu),  # from the driver: no torch here
                 )
                 rdzv = Rendezvous(store, self._settings(hosting=etcd is not None), node, round_store.fresh,
                                   on_progress=self.say)
                 self._wake = rdzv.view.poke
                 rdzv.on_beat = self._raise_pending_signal
                 rdzv.ensure_config(cfg.job_settings())
-                rdzv.register()  # before importing torch: a running job starts its stability window now
-                rdzv.beat(busy_for=120.0)  # importing torch (bounded): not a stalled loop
-                use_gpu, accs = torch_preload.result()
-                workers.use_gpu = use_gpu
-                if rdzv.lease_health() is LeaseHealth.LOST:
-                    # The import can hold the GIL long enough on a loaded machine for the lease to lapse.
-                    self.say("our etcd lease lapsed while importing torch; registering again")
-                    rdzv.reregister()
-                rdzv.publish(accelerators=accs)
+                rdzv.register()  # a running job starts its stability window now
                 self.say(
                     f"joined job {cfg.rdzv_id!r} at {cfg.rdzv_endpoint} as {cfg.node_id} "
                     f"(nnodes {cfg.nnodes_min}:{cfg.nnodes_max}, {cfg.nproc_per_node} "
@@ -248,6 +243,14 @@ class Agent:
         raise AssertionError("unreachable")  # pragma: no cover - the block returns or raises
 
     # -- teardown steps of run() -----------------------------------------------------------------
+
+    def _store_failed(self, line: str, workers: Optional[WorkerGroup]) -> None:
+        """The round's c10d store host died (or could not serve): its workers can never meet. Say why
+        and kill ours, so the round fails now instead of at torch's store timeout."""
+        if self._stopping or workers is None:
+            return
+        self.say(f"{line}: stopping this round's workers")
+        workers.kill_running()
 
     def _ignore_signals(self, handled: List[int]) -> None:
         """Leaving: from now on a second Ctrl-C must not interrupt the teardown."""
