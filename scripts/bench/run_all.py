@@ -104,8 +104,9 @@ def _specs(preset: str, scratch: str) -> List[Spec]:
         return [
             Spec("checkpoint-2", "bench_checkpoint.py",
                  ["--state", "gpt", "--size-gib", "2", "--repeat", "3", "--settle", "0.3", *d], 200),
-            Spec("snapshot", "bench_snapshot.py", ["--mb", "1024", "--repeat", "3"], 120),
-            Spec("launch", "bench_launch.py", ["--runs", "3", "--nodes", "2", "--procs", "1", "--timeout", "30"], 200),
+            Spec("snapshot", "bench_snapshot.py", ["--mb", "1024", "--repeat", "2"], 110),
+            Spec("launch", "bench_launch.py",
+                 ["--runs", "1", "--nodes", "1", "--procs", "1", "--scenarios", "launch,restart", "--timeout", "40"], 150),
             Spec("rendezvous", "bench_rendezvous.py",
                  ["--clients", "shared", "--nodes", "8", "32", "128", "256", "--runs", "1"], 90),
         ]
