@@ -24,9 +24,9 @@ from rich.text import Text
 from elasticrun.errors import ElasticrunError, JobFailedError, StoreError
 from elasticrun.job import env as env_names
 from elasticrun.job.exitcodes import ExitCode, for_signal
-from elasticrun.job.records import progress_record
+from elasticrun.job.records import progress_record, read
 from elasticrun.job.reform import reform_window
-from elasticrun.job.settings import drop_secrets_from_environment
+from elasticrun.job.settings import drop_secrets_from_environment, to_file
 from elasticrun.job.settings import from_config as etcd_settings
 from elasticrun.launch.c10d import RoundStore
 from elasticrun.launch.config import LaunchConfig, RdzvBackend, signal_number
@@ -194,7 +194,7 @@ class Agent:
                 etcd, store = open_store(cfg, self.say)  # standalone / c10d / static: may host the job's etcd
                 self.obs.attach(store)
                 # Workers reach etcd (commit fence, progress, checkpoint requests) with the same settings.
-                workers.etcd_settings_file = etcd_settings(cfg).write(os.path.join(files_dir, "etcd-settings.json"))
+                workers.etcd_settings_file = to_file(etcd_settings(cfg), os.path.join(files_dir, "etcd-settings.json"))
                 host, port = parse_endpoints(cfg.rdzv_endpoint)[0]
                 node = NodeInfo(
                     node_id=cfg.node_id,
@@ -459,7 +459,7 @@ class Agent:
             return None
         if self._hang is None:
             key = rdzv.keys.progress_of(self.cfg.node_id)
-            self._hang = HangWatch(lambda: rdzv.store.get_record(key, progress_record), self.cfg.hang_timeout).start()
+            self._hang = HangWatch(lambda: read(rdzv.store.get(key), progress_record), self.cfg.hang_timeout).start()
         self._hang.start_round(topo.round)
         return self._hang
 

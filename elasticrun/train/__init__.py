@@ -14,6 +14,9 @@
 
 See docs/training.md and examples/train.py.
 
+Importing it installs the commit fence's etcd read (:mod:`elasticrun.train.fence`): from then
+on every checkpoint this process commits first checks that its round is still the job's.
+
 Runs in the workers, beside the agent (never imported by it): may import
 :mod:`elasticrun.checkpoint`, the rendezvous records, :mod:`elasticrun.store`,
 :mod:`elasticrun.job`, ``errors`` and ``proc`` (see the package map in docs/design.md).
@@ -25,6 +28,7 @@ from elasticrun.rendezvous.records import RescaleType
 from elasticrun.train.control import CheckpointRequests, StepDecision
 from elasticrun.train.dist import ElasticContext, default_backend, init
 from elasticrun.train.env import ElasticState
+from elasticrun.train.fence import install as _install_commit_fence
 from elasticrun.train.inplace import InPlace, Reform, rebuild_ddp
 from elasticrun.train.lr import (
     accumulation_steps,
@@ -40,6 +44,8 @@ from elasticrun.train.resume import complete_checkpoints, load_latest
 from elasticrun.train.rng import capture_rng, derive_seed, restore_rng, seed_all
 from elasticrun.train.sampler import ElasticDistributedSampler, default_redistribution
 from elasticrun.train.signals import GracefulStop
+
+_install_commit_fence()
 
 __all__ = [
     "AdaptationStrategy",
