@@ -51,7 +51,7 @@ REDISTRIBUTION = PREFIX + "REDISTRIBUTION"
 GLOBAL_BATCH_SIZE = PREFIX + "GLOBAL_BATCH_SIZE"
 #: Path of the 0600 JSON file with the job's :class:`~elasticrun.job.settings.EtcdSettings`.
 ETCD_SETTINGS_FILE = PREFIX + "ETCD_SETTINGS_FILE"
-#: The node's memory tier: a 0700 shared-memory directory the agent owns (see elasticrun.launch.snapshots).
+#: The node's memory tier: a 0700 shared-memory directory the agent owns (see elasticrun.launch.shmroot).
 SNAPSHOT_DIR = PREFIX + "SNAPSHOT_DIR"
 #: In-place re-forming (see elasticrun.train.inplace): this worker's assignment file. The agent
 #: writes the next round's ranks there (write + rename) instead of restarting the worker; a worker

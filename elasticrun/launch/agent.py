@@ -40,7 +40,7 @@ from elasticrun.launch.numa import AffinityMode, describe_binding, worker_cpus
 from elasticrun.launch.observe import Observer
 from elasticrun.launch.outage import STOP_SLACK_S, OutageGuard, stop_workers
 from elasticrun.launch.preload import TorchPreload
-from elasticrun.launch.snapshots import SnapshotRoot
+from elasticrun.launch.shmroot import SnapshotRoot
 from elasticrun.launch.workers import SERVER_WAIT_S, GroupState, WorkerGroup
 from elasticrun.rendezvous.protocol import JobEnded, LeaseLost, Rendezvous, RendezvousSettings
 from elasticrun.rendezvous.records import NodeInfo, Topology, WorkerStatus
