@@ -24,8 +24,8 @@ from rich.text import Text
 from elasticrun.errors import ElasticrunError, JobFailedError, StoreError
 from elasticrun.job import env as env_names
 from elasticrun.job.exitcodes import ExitCode, for_signal
+from elasticrun.job.inplace import inplace_window
 from elasticrun.job.records import progress_record, read
-from elasticrun.job.reform import reform_window
 from elasticrun.job.settings import drop_secrets_from_environment, to_file
 from elasticrun.job.settings import from_config as etcd_settings
 from elasticrun.launch.c10d import RoundStore
@@ -288,7 +288,7 @@ class Agent:
             join_timeout=c.join_timeout,
             stall_after=max(2.0, c.heartbeat_timeout / 2),
             busy_timeout=c.shutdown_timeout + c.heartbeat_timeout + STOP_SLACK_S,
-            reform_window=reform_window(c.inplace_ready_timeout),
+            inplace_window=inplace_window(c.inplace_ready_timeout),
             ended_ttl=0.0 if hosting or hosted_elsewhere else c.ended_job_ttl,
             record_end=not hosted_elsewhere,
         )

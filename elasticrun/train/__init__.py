@@ -7,7 +7,7 @@
     lr = et.scale_lr(base_lr, base_world, ctx.world_size)   # the launcher's --lr-scaling
     requests = et.CheckpointRequests(ctx)            # `elasticrun ckpt save` + agreed stop
     progress = et.ProgressReporter(ctx)              # progress in etcd for `elasticrun status`
-    reform = et.InPlace(ctx, model=m, optimizer=o, sampler=sampler)  # in-place rescales
+    inplace = et.InPlace(ctx, model=m, optimizer=o, sampler=sampler)  # in-place rescales
     et.heartbeat(step)                               # or just this, once per step (also --hang-timeout)
     ckpt = et.load_latest(root, sampler=sampler)     # newest checkpoint (+ sampler, RNG), or None
     state["rng"] = et.capture_rng(seed)              # every rank's generators, in the checkpoint
