@@ -55,7 +55,7 @@ ETCD_SETTINGS_FILE = PREFIX + "ETCD_SETTINGS_FILE"
 SNAPSHOT_DIR = PREFIX + "SNAPSHOT_DIR"
 #: In-place re-forming (see elasticrun.train.inplace): this worker's assignment file. The agent
 #: writes the next round's ranks there (write + rename) instead of restarting the worker; a worker
-#: opts in by creating ``<file>.optin``. Unset: the worker is always restarted (today's behaviour).
+#: opts in by creating ``<file>.optin``. Unset: the worker is always restarted (the restart path).
 INPLACE_FILE = PREFIX + "INPLACE_FILE"
 #: ``1`` on a newcomer joining a group that re-forms in place: it receives the state by broadcast.
 INPLACE_JOIN = PREFIX + "INPLACE_JOIN"

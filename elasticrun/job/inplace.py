@@ -14,7 +14,7 @@ from typing import Any, Dict, Mapping, Optional
 
 from elasticrun.job import env as names
 
-EXIT_INPLACE_FAILED = 75  # the worker could not re-form: the agent restarts the round as today
+EXIT_INPLACE_FAILED = 75  # the worker could not re-form: the agent takes the restart path
 #: Default of ``--inplace-ready-timeout``: newcomers' start-up (interpreter, imports, model, up to
 #: ``init_process_group``) while the survivors keep training at the old size.
 READY_WAIT_S = 300.0
