@@ -3,6 +3,7 @@ called right before a save becomes visible, refusing when a fenced worker has no
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Iterator, List
 
@@ -59,8 +60,9 @@ def test_the_installed_fence_is_called_and_its_refusal_stops_the_commit(fenced_w
 
 
 def test_importing_elasticrun_train_installs_the_etcd_fence():
-    import elasticrun.train  # noqa: F401 - installs it on first import; installed again here
-    from elasticrun.train.fence import check_round_is_current, install
+    import elasticrun.train
+    from elasticrun.train.fence import check_round_is_current
 
-    install()
+    fence.install(None)
+    importlib.reload(elasticrun.train)  # the package's import, again
     assert fence.install(None) is check_round_is_current
