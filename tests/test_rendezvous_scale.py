@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 import threading
 import uuid
+from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
@@ -22,10 +23,12 @@ from elasticrun.rendezvous import protocol
 from elasticrun.rendezvous.protocol import Rendezvous, RendezvousSettings
 from elasticrun.rendezvous.records import NodeInfo, WorkerStatus
 from elasticrun.store.client import connect
-from elasticrun.store.metrics import etcd_counters
 from elasticrun.store.server import EtcdServer
 
 from helpers.procs import wait_until
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: scripts/
+from scripts.bench.etcd_metrics import etcd_counters  # noqa: E402 - the bench's reading of etcd's counters
 
 SMALL, LARGE = 16, 64
 GROWTH = 2.0  # per-agent counts may grow this much from SMALL to LARGE agents (quadratic: LARGE / SMALL = 4)

@@ -22,10 +22,11 @@ from elasticrun.job.keys import JobKeys
 from elasticrun.rendezvous.protocol import EVENT_HISTORY, Rendezvous, RendezvousSettings
 from elasticrun.rendezvous.records import NodeInfo
 from elasticrun.store.client import EtcdStore
-from elasticrun.store.compaction import Retention, db_status, parse_retention
+from elasticrun.store.compaction import Retention, parse_retention
 from elasticrun.store.server import EtcdServer
 from elasticrun.train import ElasticState, ProgressReporter
 
+from helpers.etcd_status import db_status
 from helpers.fake_store import FakeStore
 from helpers.procs import wait_until
 

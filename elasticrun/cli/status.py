@@ -185,7 +185,7 @@ def status(
 ) -> None:
     settings = etcd.settings(rdzv_endpoint, retry_timeout=timeout)
     # With a job: prove access inside its prefix (all a job's own etcd user may read).
-    store = settings.connect(rdzv_id, timeout=min(timeout, 5.0))
+    store = settings.connect(JobKeys(rdzv_id).ping if rdzv_id else None, timeout=min(timeout, 5.0))
     try:
         if rdzv_id is None:
             _show_jobs(store, watch_, as_json, timeout)

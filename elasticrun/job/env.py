@@ -51,14 +51,14 @@ REDISTRIBUTION = PREFIX + "REDISTRIBUTION"
 GLOBAL_BATCH_SIZE = PREFIX + "GLOBAL_BATCH_SIZE"
 #: Path of the 0600 JSON file with the job's :class:`~elasticrun.job.settings.EtcdSettings`.
 ETCD_SETTINGS_FILE = PREFIX + "ETCD_SETTINGS_FILE"
-#: The node's memory tier: a 0700 shared-memory directory the agent owns (see elasticrun.launch.snapshots).
+#: The node's memory tier: a 0700 shared-memory directory the agent owns (see elasticrun.launch.shmroot).
 SNAPSHOT_DIR = PREFIX + "SNAPSHOT_DIR"
 #: In-place re-forming (see elasticrun.train.inplace): this worker's assignment file. The agent
 #: writes the next round's ranks there (write + rename) instead of restarting the worker; a worker
-#: opts in by creating ``<file>.optin``. Unset: the worker is always restarted (today's behaviour).
-REFORM_FILE = PREFIX + "REFORM_FILE"
+#: opts in by creating ``<file>.optin``. Unset: the worker is always restarted (the restart path).
+INPLACE_FILE = PREFIX + "INPLACE_FILE"
 #: ``1`` on a newcomer joining a group that re-forms in place: it receives the state by broadcast.
-REFORM_JOIN = PREFIX + "REFORM_JOIN"
+INPLACE_JOIN = PREFIX + "INPLACE_JOIN"
 #: A node-local file (the agent's, kept across rounds) where the node's progress reporter keeps
 #: ``<round> <step>`` of its latest report: the next round's reporter tells the agent how far the
 #: previous round got, for the steps a rollback loses (see elasticrun.train.progress).

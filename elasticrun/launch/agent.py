@@ -24,9 +24,9 @@ from rich.text import Text
 from elasticrun.errors import ElasticrunError, JobFailedError, StoreError
 from elasticrun.job import env as env_names
 from elasticrun.job.exitcodes import ExitCode, for_signal
-from elasticrun.job.records import progress_record
-from elasticrun.job.reform import reform_window
-from elasticrun.job.settings import drop_secrets_from_environment
+from elasticrun.job.inplace import inplace_window
+from elasticrun.job.records import progress_record, read
+from elasticrun.job.settings import drop_secrets_from_environment, to_file
 from elasticrun.job.settings import from_config as etcd_settings
 from elasticrun.launch.c10d import RoundStore
 from elasticrun.launch.config import LaunchConfig, RdzvBackend, signal_number
@@ -40,7 +40,7 @@ from elasticrun.launch.numa import AffinityMode, describe_binding, worker_cpus
 from elasticrun.launch.observe import Observer
 from elasticrun.launch.outage import STOP_SLACK_S, OutageGuard, stop_workers
 from elasticrun.launch.preload import TorchPreload
-from elasticrun.launch.snapshots import SnapshotRoot
+from elasticrun.launch.shmroot import SnapshotRoot
 from elasticrun.launch.workers import SERVER_WAIT_S, GroupState, WorkerGroup
 from elasticrun.rendezvous.protocol import JobEnded, LeaseLost, Rendezvous, RendezvousSettings
 from elasticrun.rendezvous.records import NodeInfo, Topology, WorkerStatus
@@ -194,7 +194,7 @@ class Agent:
                 etcd, store = open_store(cfg, self.say)  # standalone / c10d / static: may host the job's etcd
                 self.obs.attach(store)
                 # Workers reach etcd (commit fence, progress, checkpoint requests) with the same settings.
-                workers.etcd_settings_file = etcd_settings(cfg).write(os.path.join(files_dir, "etcd-settings.json"))
+                workers.etcd_settings_file = to_file(etcd_settings(cfg), os.path.join(files_dir, "etcd-settings.json"))
                 host, port = parse_endpoints(cfg.rdzv_endpoint)[0]
                 node = NodeInfo(
                     node_id=cfg.node_id,
@@ -288,7 +288,7 @@ class Agent:
             join_timeout=c.join_timeout,
             stall_after=max(2.0, c.heartbeat_timeout / 2),
             busy_timeout=c.shutdown_timeout + c.heartbeat_timeout + STOP_SLACK_S,
-            reform_window=reform_window(c.inplace_ready_timeout),
+            inplace_window=inplace_window(c.inplace_ready_timeout),
             ended_ttl=0.0 if hosting or hosted_elsewhere else c.ended_job_ttl,
             record_end=not hosted_elsewhere,
         )
@@ -459,7 +459,7 @@ class Agent:
             return None
         if self._hang is None:
             key = rdzv.keys.progress_of(self.cfg.node_id)
-            self._hang = HangWatch(lambda: rdzv.store.get_record(key, progress_record), self.cfg.hang_timeout).start()
+            self._hang = HangWatch(lambda: read(rdzv.store.get(key), progress_record), self.cfg.hang_timeout).start()
         self._hang.start_round(topo.round)
         return self._hang
 

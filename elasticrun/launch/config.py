@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from elasticrun.errors import ConfigError
 from elasticrun.job.hints import AdaptationStrategy, RedistributionType
-from elasticrun.job.reform import READY_WAIT_S
+from elasticrun.job.inplace import READY_WAIT_S
 from elasticrun.launch.gpus import VISIBLE_DEVICES, virtual_visible_device, visible_gpu_count
 from elasticrun.rendezvous.ended import ETCD_MAX_TTL
 

@@ -2,14 +2,14 @@
 
     opt-in reported → round ends (join, graceful leave) → workers kept → next round formed
       survivor: newcomers ready? → write assignments → workers re-formed?   (else: restart path)
-      newcomer: start workers with ELASTICRUN_REFORM_JOIN=1 → their ``.ready`` files → ``ready/<node>``
+      newcomer: start workers with ELASTICRUN_INPLACE_JOIN=1 → their ``.ready`` files → ``ready/<node>``
 
 An agent keeps its workers through a round change only when every local worker opted in
-(``<reform file>.optin``), the round did not fail, no hang was seen and the workers still run.
+(``<in-place file>.optin``), the round did not fail, no hang was seen and the workers still run.
 The leader decides from the node records who re-forms (:func:`~elasticrun.rendezvous.inplace.plan_inplace`,
 ``Topology.inplace``); a kept worker the new round does not re-form in place is stopped and
 restarted as today. A newcomer not ready within ``--inplace-ready-timeout``, or a survivor that
-has not re-formed :data:`REFORM_DEADLINE_S` after its assignment (or exits 75), ends the round
+has not re-formed :data:`INPLACE_DEADLINE_S` after its assignment (or exits 75), ends the round
 as a worker failure: today's restart path.
 
 A graceful leave (SIGTERM to the agent) of a node whose workers opted in leaves the job *first*
@@ -28,8 +28,8 @@ from typing import Callable, List, Optional
 
 from elasticrun.errors import ElasticrunError
 from elasticrun.job import env as names
-from elasticrun.job import reform
-from elasticrun.job.reform import REFORM_DEADLINE_S
+from elasticrun.job import inplace
+from elasticrun.job.inplace import INPLACE_DEADLINE_S
 from elasticrun.launch.config import LaunchConfig
 from elasticrun.launch.failures import make_failure
 from elasticrun.launch.outage import stop_workers
@@ -62,7 +62,7 @@ class InPlaceRounds:
         return self._round >= 0 or self._joining >= 0
 
     def _files(self) -> List[str]:
-        return [self.workers.reform_file(w.spec.local_rank) for w in self.workers.running]
+        return [self.workers.inplace_file(w.spec.local_rank) for w in self.workers.running]
 
     def before_round(self, rdzv: Rendezvous) -> None:
         """Before waiting for the next round: a node whose workers stopped no longer offers in-place."""
@@ -91,14 +91,14 @@ class InPlaceRounds:
             self._told = False
         self._round = -1  # fresh workers: nothing of an earlier re-form is pending
         for local_rank in range(me.nproc):
-            reform.clear(self.workers.reform_file(local_rank))
+            inplace.clear(self.workers.inplace_file(local_rank))
         join = self.enabled and bool(topo.inplace) and me.node_id not in topo.inplace
         if join:
-            self.workers.extra_env[names.REFORM_JOIN] = "1"
+            self.workers.extra_env[names.INPLACE_JOIN] = "1"
         try:
             self.workers.start(topo, me, event)
         finally:
-            self.workers.extra_env.pop(names.REFORM_JOIN, None)
+            self.workers.extra_env.pop(names.INPLACE_JOIN, None)
         self._joining = topo.round if join else -1
         self._deadline = time.monotonic() + self.cfg.inplace_ready_timeout
         return self.workers.started_how + (", joining in-place survivors" if join else "")
@@ -110,7 +110,7 @@ class InPlaceRounds:
         if not (self.enabled and round_ >= 0 and sig == signal.SIGTERM) or self.busy or self.carrying:
             return False
         files = self._files()  # opted in, even if the next tick would only now say so in our node record
-        if rdzv.lease is None or not files or not all(reform.opted_in(f) for f in files):
+        if rdzv.lease is None or not files or not all(inplace.opted_in(f) for f in files):
             return False
         for pid in self.workers.pids:
             kill_process_group(pid, sig)  # InPlace.check() turns it into STOP at the next step boundary
@@ -137,12 +137,12 @@ class InPlaceRounds:
         if not self.enabled:
             return False
         files = self._files()
-        if not self._told and files and not self.busy and all(reform.opted_in(f) for f in files):
+        if not self._told and files and not self.busy and all(inplace.opted_in(f) for f in files):
             rdzv.publish(inplace=True)
             self._told = True
         now = time.monotonic()
         if self._joining >= 0:
-            if files and all(reform.ready(f) or reform.formed_round(f) >= self._joining for f in files):
+            if files and all(inplace.ready(f) or inplace.formed_round(f) >= self._joining for f in files):
                 rdzv.store.put_json(rdzv.keys.ready(self._joining, rdzv.node_id), {"time": time.time()})
                 self._joining = -1
             elif now > self._deadline:
@@ -154,25 +154,25 @@ class InPlaceRounds:
             have = rdzv.view.under(rdzv.keys.readies(self._round))
             if all(rdzv.keys.ready(self._round, n) in have for n in need):
                 for w, env in zip(self.workers.running, self._envs):
-                    reform.write_assignment(self.workers.reform_file(w.spec.local_rank), env)
+                    inplace.write_assignment(self.workers.inplace_file(w.spec.local_rank), env)
                 self._published = now
-                self._deadline = now + REFORM_DEADLINE_S
+                self._deadline = now + INPLACE_DEADLINE_S
                 return False
             if now > self._deadline:
                 wait = self.cfg.inplace_ready_timeout
                 return self._fail(rdzv, topo, f"newcomers {', '.join(need)} not ready within {wait:g} s")
             return False
-        if all(reform.formed_round(f) >= self._round for f in files):
+        if all(inplace.formed_round(f) >= self._round for f in files):
             self.say(f"round {self._round}: workers re-formed in place in {now - self._published:.2f} s")
             self._round = -1
         elif now > self._deadline:
-            return self._fail(rdzv, topo, f"workers did not re-form within {REFORM_DEADLINE_S:g} s")
+            return self._fail(rdzv, topo, f"workers did not re-form within {INPLACE_DEADLINE_S:g} s")
         return False
 
     def _fail(self, rdzv: Rendezvous, topo: Topology, why: str) -> bool:
         self.say(f"round {topo.round}: in-place re-form failed ({why}): restarting the round")
         rows = [make_failure(w.spec.member.node_id, w.spec.member.host, w.spec.rank, w.spec.local_rank,
-                             reform.EXIT_REFORM_FAILED, w.spec.error_file).to_dict() for w in self.workers.running]
+                             inplace.EXIT_INPLACE_FAILED, w.spec.error_file).to_dict() for w in self.workers.running]
         self._round = -1
         rdzv.report_failure(topo, rows)
         stop_workers(rdzv, self.workers, 1.0, sig=signal.SIGKILL)  # a half-made group: no graceful stop

@@ -6,8 +6,8 @@ survivor's agent reported that all its workers opted in (:class:`~elasticrun.ren
 ``inplace``). All survivors re-form or none does: a crash, a lost node (lease expiry), a hang, a
 replacement, or one survivor without opt-in keeps today's restart path for the whole round.
 
-A round whose in-place re-form failed (a worker exited :data:`~elasticrun.job.reform.EXIT_REFORM_FAILED`,
-its agent gave up waiting, or any worker failed within :data:`~elasticrun.job.reform.REFORM_WINDOW_S`
+A round whose in-place re-form failed (a worker exited :data:`~elasticrun.job.inplace.EXIT_INPLACE_FAILED`,
+its agent gave up waiting, or any worker failed within :data:`~elasticrun.job.inplace.INPLACE_WINDOW_S`
 of the round's start: a newcomer dying while it receives the state) falls back to the restart path
 *without* using a restart: the change was planned, and the next round is never in place (it follows
 a failure), so this cannot loop.
@@ -18,8 +18,8 @@ from __future__ import annotations
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 from elasticrun.job import records
+from elasticrun.job.inplace import EXIT_INPLACE_FAILED, INPLACE_WINDOW_S
 from elasticrun.job.keys import JobKeys
-from elasticrun.job.reform import EXIT_REFORM_FAILED, REFORM_WINDOW_S
 from elasticrun.rendezvous.records import Member, RescaleType, Topology
 from elasticrun.store.client import EtcdStore
 
@@ -57,9 +57,9 @@ def plan_inplace(
     return tuple(survivors)
 
 
-def reform_failed(prev: Optional[Topology], store: EtcdStore, keys: JobKeys, window: float = REFORM_WINDOW_S) -> bool:
+def inplace_failed(prev: Optional[Topology], store: EtcdStore, keys: JobKeys, window: float = INPLACE_WINDOW_S) -> bool:
     """True when round ``prev`` re-formed in place and failed in that re-form (a failure row with
-    exit code :data:`EXIT_REFORM_FAILED`, or the round's failure flag within ``window`` seconds of
+    exit code :data:`EXIT_INPLACE_FAILED`, or the round's failure flag within ``window`` seconds of
     its start: the job's newcomer start-up allowance plus the re-form deadline): the restart that
     follows is not charged to the budget."""
     if prev is None or not prev.inplace:
@@ -71,9 +71,9 @@ def reform_failed(prev: Optional[Topology], store: EtcdStore, keys: JobKeys, win
     kvs, _ = store.get_prefix(keys.failures(prev.round))
     for kv in kvs:
         rows = records.read(kv, records.failure_rows) or []
-        if any(r.get("exitcode") == EXIT_REFORM_FAILED for r in rows):
+        if any(r.get("exitcode") == EXIT_INPLACE_FAILED for r in rows):
             return True
     return False
 
 
-__all__ = ["plan_inplace", "reform_failed"]
+__all__ = ["plan_inplace", "inplace_failed"]

@@ -31,7 +31,7 @@ from elasticrun.job.exitcodes import ExitCode
 from elasticrun.job.keys import JobKeys
 from elasticrun.job.requests import utc
 from elasticrun.rendezvous.ended import expire, stop_if_last
-from elasticrun.rendezvous.inplace import plan_inplace, reform_failed
+from elasticrun.rendezvous.inplace import inplace_failed, plan_inplace
 from elasticrun.rendezvous.leader import Leadership
 from elasticrun.rendezvous.ranks import classify, plan_members
 from elasticrun.rendezvous.records import NodeInfo, RescaleEvent, RescaleType, Topology, WorkerStatus
@@ -393,8 +393,8 @@ class Rendezvous(RoundMonitor):
         # A worker failure that comes with a lost node is the node's loss (its peers' collectives
         # broke), a membership change: it does not use up a restart.
         # A failed in-place re-form (a planned change) falls back to a restart that is not charged.
-        counts = failed and kind in (RescaleType.RESTART, RescaleType.SCALE_UP) and not reform_failed(
-            prev, self.store, self.keys, s.reform_window)
+        counts = failed and kind in (RescaleType.RESTART, RescaleType.SCALE_UP) and not inplace_failed(
+            prev, self.store, self.keys, s.inplace_window)
         restarts = 0 if prev is None else prev.restart_count + (1 if counts else 0)
         budget = RestartBudget(s.max_restarts, s.restart_window)
         history = (records.read(self.store.get(self.keys.restarts), records.restart_history) or []) if counts else []

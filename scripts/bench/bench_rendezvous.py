@@ -45,10 +45,10 @@ import time
 import uuid
 from typing import Any, Dict, Iterator, List, Optional
 
+from etcd_metrics import etcd_counters  # a sibling file of this script
 from rendezvous_counts import COUNTERS, MAXIMA  # noqa: E402 - the children's counters (a sibling file of this script)
 
 from elasticrun.job.keys import JobKeys
-from elasticrun.store.metrics import etcd_counters
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 HERE = os.path.dirname(os.path.abspath(__file__))
