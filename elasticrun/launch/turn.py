@@ -2,9 +2,9 @@
 
 The round loop (:mod:`elasticrun.launch.roundloop`) looks twice each turn. First at our own node
 (:class:`WorkersSeen`: the outage guard's verdict, our worker group, the in-place re-form, the
-hang watch); :func:`decide_workers` settles the turn from that alone when it can, so a failed
-worker of ours is reported before anything the job says (the round's own failure, not a restart
-of someone else's). Only when it settles nothing does the loop read the job
+hang watch); :func:`decide_workers` settles the turn from that alone when it can, so a worker of
+ours that failed is reported as the round's failure even when the round changed meanwhile. Only
+when it settles nothing does the loop read the job
 (:class:`RoundSeen`: why the round is over, the round's failure rows when our step stood still,
 whether our workers may be kept) and :func:`decide_round` says how the round ends for us.
 
@@ -166,7 +166,7 @@ def decide_round(seen: RoundSeen) -> Action:
         return KeepRunning()
     if seen.change is RoundOutcome.SUCCEEDED:
         return JobSucceeded()
-    if seen.stall is not None and stuck_with_the_round(seen.stall, seen.failure_rows):
+    if stuck_with_the_round(seen.stall, seen.failure_rows):
         return RoundChanged(seen.change, WorkersEnd.KILL, stuck=seen.stall)
     return RoundChanged(seen.change, WorkersEnd.KEEP if seen.can_keep else WorkersEnd.GRACEFUL)
 
