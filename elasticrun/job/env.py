@@ -91,8 +91,6 @@ METRICS_HOST = PREFIX + "METRICS_HOST"
 EVENTS_FILE = PREFIX + "EVENTS_FILE"
 #: Tests only: ``<phase>[:<rank>]`` at which a checkpoint commit SIGKILLs its process.
 CKPT_CRASH_AT = PREFIX + "CKPT_CRASH_AT"
-#: Tests only: ``AFTER:SECONDS`` stalls an agent's round loop once (liveness tests).
-TEST_STALL_LOOP = PREFIX + "TEST_STALL_LOOP"
 #: ``--hang-timeout``: seconds without progress before a round counts as hung (0/unset: off).
 HANG_TIMEOUT = PREFIX + "HANG_TIMEOUT"
 #: Example only: print per-step timing.
