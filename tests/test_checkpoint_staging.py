@@ -19,7 +19,7 @@ import torch
 from elasticrun.checkpoint import AsyncCheckpointer, CheckpointError, load, save, staging
 from elasticrun.checkpoint import plan as plan_mod
 from elasticrun.checkpoint.checksum import Checksum
-from elasticrun.checkpoint.inplace import digest_file
+from elasticrun.checkpoint.load_into import digest_file
 from elasticrun.checkpoint.staging import DeviceStager, host_pieces
 
 from helpers.ckpt import reference_wordsum
@@ -121,10 +121,10 @@ def test_device_stager_packs_neighbouring_small_ranges_and_streams_large_ones(tm
 
 @pytest.mark.parametrize("algo", list(Checksum))
 def test_overlapped_file_digest_matches_hashlib_and_zlib(tmp_path, monkeypatch, algo):
-    from elasticrun.checkpoint import checksum, inplace
+    from elasticrun.checkpoint import checksum, load_into
 
     monkeypatch.setattr(checksum, "DIGEST_BLOCK", 4096)
-    monkeypatch.setattr(inplace, "cpu_share", lambda: 2)  # the helper-thread path even on one core
+    monkeypatch.setattr(load_into, "cpu_share", lambda: 2)  # the helper-thread path even on one core
     data = bytes(range(256)) * 1000
     (tmp_path / "f").write_bytes(data)
 

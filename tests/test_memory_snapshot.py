@@ -16,7 +16,7 @@ import torch
 
 from elasticrun.checkpoint import Checksum, SnapshotMemoryError, Snapshotter, list_checkpoints, save, verify
 from elasticrun.job.shm import GENERATIONS, LOCK_FILE, OWNER_FILE, PREFIX
-from elasticrun.launch.snapshots import SnapshotRoot, sweep
+from elasticrun.launch.shmroot import SnapshotRoot, sweep
 from elasticrun.train import load_latest
 
 from helpers.procs import wait_until
@@ -176,7 +176,7 @@ def test_snapshot_root_is_private_and_removed_by_its_owner(tmp_path: Path):
 
 def test_watchdog_removes_the_directory_when_its_owner_dies(tmp_path: Path):
     """A child process owns the root and is SIGKILLed: its watchdog (another session) removes it."""
-    code = ("import sys, time; from elasticrun.launch.snapshots import SnapshotRoot\n"
+    code = ("import sys, time; from elasticrun.launch.shmroot import SnapshotRoot\n"
             "r = SnapshotRoot.create('j', 'n', base=sys.argv[1]); print(r.path, flush=True); time.sleep(600)")
     owner = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:
@@ -195,19 +195,22 @@ def test_watchdog_removes_the_directory_when_its_owner_dies(tmp_path: Path):
 def test_sweep_removes_only_roots_of_dead_agents(tmp_path: Path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    stale = tmp_path / f"{PREFIX}j-abc-{dead.pid}"
+    stale = tmp_path / f"{PREFIX}j-abcdef01-{dead.pid}"
     stale.mkdir()
     (stale / LOCK_FILE).write_text("")  # nobody holds its lock
-    alive = tmp_path / f"{PREFIX}j-abc-{os.getpid()}"
+    alive = tmp_path / f"{PREFIX}j-abcdef01-{os.getpid()}"
     alive.mkdir()
     (alive / LOCK_FILE).write_text("")
     held = open(alive / LOCK_FILE, "rb")
     fcntl.flock(held, fcntl.LOCK_EX)
-    reused = tmp_path / f"{PREFIX}k-abc-{os.getpid()}"  # our pid, but its lock is free
+    reused = tmp_path / f"{PREFIX}k-abcdef01-{os.getpid()}"  # our pid, but its lock is free
     reused.mkdir()
     (reused / LOCK_FILE).write_text("")
     other = tmp_path / "not-ours-123"
     other.mkdir()
+    unnamed = tmp_path / f"{PREFIX}j-abc-{dead.pid}"  # not a root's name (job/shm.py's rule): never ours
+    unnamed.mkdir()
+    (unnamed / LOCK_FILE).write_text("")
     assert sorted(sweep(str(tmp_path))) == sorted([str(stale), str(reused)])
     held.close()
-    assert alive.exists() and other.exists()
+    assert alive.exists() and other.exists() and unnamed.exists()

@@ -118,9 +118,8 @@ def file_digest(read_into: Callable[[int, memoryview], None], size: int, algo: C
     """The checksum of ``size`` bytes that ``read_into(offset, view)`` fills block by block.
 
     With ``overlap`` (a spare core) block i is hashed on a helper thread while block i+1 is
-    read, so a cold file costs about its read time. Plain reads into two reused buffers:
-    measured several times faster than hashing a memory map of a cold file, whose page
-    faults stall the hashing thread."""
+    read, so a cold file costs about its read time. Plain reads into two reused buffers, not a
+    memory map: a cold file's page faults would stall the hashing thread (several times slower)."""
     digest = Digest(algo)
     helper = overlap and size > DIGEST_BLOCK
     bufs = [memoryview(bytearray(min(size, DIGEST_BLOCK) or 1)) for _ in range(2 if helper else 1)]

@@ -152,7 +152,7 @@ class SaveJob:
             write_marker(self.storage, self.tmp)
         # A single file with a spare core: hash on a helper thread, overlapping the writes. Otherwise
         # (several files, one thread each, or no spare core) each writing thread hashes its own
-        # pieces: measured steadier than more busy threads than cores.
+        # pieces: steadier than more busy threads than cores.
         helper = len(files) == 1 and cpu_share() >= 2
         if len(files) == 1:
             return [self._write_file(files[0][0], files[0][1], sources, helper)]

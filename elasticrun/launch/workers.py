@@ -428,13 +428,13 @@ class WorkerGroup:
             )
             env[names.PROGRESS_FILE] = os.path.join(self.files_dir, "progress-step")  # the node's, kept across rounds
             if self.inplace:  # the assignment file of in-place re-forming (elasticrun.train.InPlace)
-                env[names.REFORM_FILE] = self.reform_file(local_rank)
+                env[names.INPLACE_FILE] = self.inplace_file(local_rank)
             planned.append((spec, env, rank_dir))
         return planned
 
-    def reform_file(self, local_rank: int) -> str:
+    def inplace_file(self, local_rank: int) -> str:
         """Where local worker ``local_rank`` finds its next assignment (stable across rounds)."""
-        return os.path.join(self.files_dir, f"reform-{local_rank}")
+        return os.path.join(self.files_dir, f"inplace-{local_rank}")
 
     def adopt(self, topo: Topology, member: Member, event: Optional[RescaleEvent]) -> List[Dict[str, str]]:
         """Keep the running workers for round ``topo`` (in-place re-forming): their new environments.

@@ -7,7 +7,7 @@
     ckpt = elasticrun.train.load_latest("ckpts", ...)   # newest of memory and disk
 
 Under elasticrun the agent owns a 0700 directory in ``/dev/shm`` (``ELASTICRUN_SNAPSHOT_DIR``,
-see :mod:`elasticrun.launch.snapshots`) that outlives its workers: a worker that crashes and
+see :mod:`elasticrun.launch.shmroot`) that outlives its workers: a worker that crashes and
 is restarted finds the snapshots of its predecessor there. Each snapshot is a *generation*:
 a checkpoint in exactly the disk format (sharded safetensors, a checksum per file,
 ``metadata.json`` written last and renamed into place), committed only when every rank's
