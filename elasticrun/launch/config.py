@@ -119,6 +119,7 @@ class LaunchConfig:
     # (c10d: the endpoint's host is an address of this machine; static: node rank 0).
     rdzv_is_host: Optional[bool] = None
     rdzv_close_timeout: float = 30.0  # hosting agent: wait this long for the others to leave at the end
+    etcd_members: int = 3  # c10d/static: the members the job's own etcd grows to (--rdzv-conf etcd_members; 1: no more)
     node_rank: Optional[int] = None  # --node-rank: the group rank this node keeps; None = any
     node_id: str = field(default_factory=default_node_id)
     local_addr: Optional[str] = None
@@ -214,6 +215,7 @@ class LaunchConfig:
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port {self.metrics_port}: not a port; use 1-65535, or 0 for no metrics")
         self._check_ranks()
+        self._check_etcd_members()
         for name in self.signals_to_handle:
             signal_number(name)
         self._check_entrypoint()
@@ -228,6 +230,15 @@ class LaunchConfig:
             for local_rank in range(self.nproc_per_node):
                 virtual_visible_device(local_rank, os.environ.get(VISIBLE_DEVICES))
         return self
+
+    def hosts_etcd(self) -> bool:
+        """The job's agents run its etcd (torchrun's c10d and static lines): not one the user runs."""
+        return not self.standalone and self.rdzv_backend in (RdzvBackend.C10D, RdzvBackend.STATIC)
+
+    def _check_etcd_members(self) -> None:
+        if self.etcd_members not in (1, 3, 5, 7):
+            raise ConfigError(f"--rdzv-conf etcd_members={self.etcd_members}: use 1, 3, 5 or 7 (an odd number: "
+                              "an even one survives no more losses than the odd one below it)")
 
     def keeps_log_files(self) -> bool:
         """Whether workers' output goes to files too (-r, -t, --duplicate-*-filters): they need a log dir."""

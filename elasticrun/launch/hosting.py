@@ -32,6 +32,7 @@ from typing import Callable, List, Optional, Tuple
 from elasticrun.errors import StoreError, StoreSetupError
 from elasticrun.job.settings import from_config as etcd_settings
 from elasticrun.launch.config import LaunchConfig, RdzvBackend
+from elasticrun.launch.etcdhome import member_server
 from elasticrun.launch.hostlock import HostLock
 from elasticrun.store.client import EtcdStore, parse_endpoints
 from elasticrun.store.explain import START_HINT
@@ -39,6 +40,7 @@ from elasticrun.store.reach import wait_for_etcd
 from elasticrun.store.server import EtcdServer, free_port
 
 Say = Callable[[str], None]
+HOSTED_NAME = "elasticrun"  # the etcd name of the member the hosting agent starts
 
 
 def _ipv4s(host: str) -> List[str]:
@@ -102,8 +104,8 @@ def _try_host(cfg: LaunchConfig, host: str, port: int, forced: bool, say: Say) -
             raise StoreSetupError(f"cannot host the job's etcd at {host}:{port}: the port is in use on this "
                                   "machine; pick a free --master-port / endpoint port")
         return None  # another agent on this machine hosts it: join it
-    server = EtcdServer(name="elasticrun", host=ip, client_port=port, peer_port=free_port(ip),
-                        binary=cfg.etcd_binary, unsafe_no_fsync=True)
+    server = member_server(cfg.rdzv_id, cfg.node_id, cfg.etcd_binary, name=HOSTED_NAME, host=ip, client_port=port,
+                           peer_port=free_port(ip))
     try:
         server.start()
         if not server.running():
@@ -115,7 +117,10 @@ def _try_host(cfg: LaunchConfig, host: str, port: int, forced: bool, say: Say) -
             return None  # taken meanwhile by something else: join whatever serves there
         raise
     server.after_stop.append(lock.release)  # held while the server runs; removed when it stops
-    say(f"hosting the job's etcd at {host}:{port} (the job cannot continue if this node dies)")
+    n = cfg.etcd_members
+    future = f"it grows to {n} members on {n} nodes once they joined" if n > 1 else \
+        "the job cannot continue if this node dies"
+    say(f"hosting the job's etcd at {host}:{port} ({future})")
     return server
 
 
@@ -131,7 +136,7 @@ def open_store(cfg: LaunchConfig, say: Say) -> Tuple[Optional[EtcdServer], EtcdS
     etcd: Optional[EtcdServer] = None
     retry = cfg.etcd_timeout
     if cfg.standalone and not cfg.rdzv_endpoint:
-        etcd = EtcdServer(binary=cfg.etcd_binary, unsafe_no_fsync=True).start()
+        etcd = member_server(cfg.rdzv_id, cfg.node_id, cfg.etcd_binary).start()
         cfg.rdzv_endpoint = etcd.endpoint
         say(f"started a private etcd at {etcd.endpoint}")
     elif cfg.rdzv_backend in (RdzvBackend.C10D, RdzvBackend.STATIC):
