@@ -1,4 +1,6 @@
-"""Sizes in bytes as users write them: one rule for every flag and variable that takes a size.
+"""Sizes in bytes as users write them and as messages write them: one rule for every flag and
+variable that takes a size (:func:`parse_size`), one form for every size a message shows
+(:func:`format_size`).
 
 A plain integer is bytes. A number (decimals allowed) with a unit: ``K``/``M``/``G``/``T``
 (``KB``/``MB``/``GB``/``TB``) are powers of 1000, ``Ki``/``Mi``/``Gi``/``Ti``
@@ -33,4 +35,14 @@ def parse_size(text: str) -> int:
     return int(number) * unit if "." not in number else int(float(number) * unit)
 
 
-__all__ = ["RULE", "parse_size"]
+def format_size(n: float) -> str:
+    """``n`` bytes for a message, in binary units: ``512 B``, ``1.5 KiB``, ``8.0 GiB``, ``2.0 TiB``
+    (1 KiB = 1024 bytes; a negative ``n`` keeps its sign)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+__all__ = ["RULE", "format_size", "parse_size"]

@@ -18,8 +18,10 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from scripts.chaos.__main__ import parse  # noqa: E402
 from scripts.chaos.audit import analyse  # noqa: E402
-from scripts.chaos.faults import DRAWN, Kind, schedule  # noqa: E402
+from scripts.chaos.faults import schedule  # noqa: E402
+from scripts.chaos.kinds import DRAWN, KINDS  # noqa: E402
 
 pytestmark = pytest.mark.chaos
 
@@ -69,10 +71,23 @@ def test_schedule_is_seeded_and_covers_every_kind():
     a = [f.kind for _, f in zip(range(16), schedule(7, list(DRAWN), 2, 5.0))]
     b = [f.kind for _, f in zip(range(16), schedule(7, list(DRAWN), 2, 5.0))]
     assert a == b and set(a[: len(DRAWN)]) == set(DRAWN)
-    outages = [f.duration for _, f in zip(range(64), schedule(7, [Kind.ETCD_OUTAGE], 2, 5.0))]
+    outages = [f.duration for _, f in zip(range(64), schedule(7, [KINDS["etcd_outage"]], 2, 5.0))]
     assert 2.0 <= min(outages) and max(outages) <= 4.0, "a 2-minute run keeps etcd outages short"
 
 
+def test_faults_given_are_injected_in_their_order():
+    args = parse(["--minutes", "1", "--seed", "3", "--faults", "job_reuse,worker_kill,job_reuse,hang"])
+    assert not args.shuffle and [k.name for k in args.kinds] == ["job_reuse", "worker_kill", "job_reuse", "hang"]
+    drawn = [f.kind.name for _, f in zip(range(8), schedule(3, args.kinds, 1, 5.0, shuffle=args.shuffle))]
+    assert drawn == ["job_reuse", "worker_kill", "job_reuse", "hang"] * 2
+    assert parse(["--minutes", "1", "--seed", "3", "--faults", "hang,job_reuse", "--shuffle"]).shuffle
+    every = parse(["--minutes", "1", "--seed", "3"])
+    assert every.shuffle and {k.name for k in every.kinds} == set(KINDS) - {"node_leave", "member_loss",
+                                                                          "leader_loss"}
+    assert len(KINDS) == 16 and all(name == kind.name for name, kind in KINDS.items())
+
+
+@pytest.mark.integration
 def test_bad_arguments_give_one_line():
     proc = subprocess.run([sys.executable, "-m", "scripts.chaos", "--minutes", "1", "--seed", "1",
                            "--faults", "meteor"], capture_output=True, text=True, timeout=60, cwd=str(REPO))
@@ -84,18 +99,19 @@ def test_bad_arguments_give_one_line():
     assert "Traceback" not in proc.stderr
 
 
-# Seed 11490 draws bad_record, partition, slow_metrics, job_reuse, disk_full, etcd_outage first as root (without
-# root: bad_record, hang, slow_metrics, job_reuse, shm_full, etcd_outage), so one minute reaches the faults from
-# outside the job (a malformed record, stalled metrics clients, a reused job id) and the two that only this soak
-# injects (partition, disk_full); the agent and worker kinds are covered with real agents in tests/test_launch_*.
-SOAK_SEED = 11490
+# Two faults from outside the job (a malformed record, stalled metrics clients), the two that only this soak
+# injects (partition, disk_full: as root), then a reused job id (the slowest: two agent start-ups), shm_full and
+# hang (the first kinds after these two without root); one minute reaches the first three to six of them. The
+# agent and worker kinds are covered with real agents in tests/test_launch_*.
+FAULTS = ["bad_record", "slow_metrics", "partition", "disk_full", "job_reuse", "shm_full", "hang", "etcd_outage"]
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(1200)
-def test_one_minute_soak_with_fixed_seed(tmp_path: Path):
+def test_one_minute_soak_with_the_faults_in_order(tmp_path: Path):
     out = tmp_path / "summary.json"
-    proc = subprocess.run([sys.executable, "-m", "scripts.chaos", "--minutes", "1", "--seed", str(SOAK_SEED),
-                           "--json", "--json-file", str(out), "--workdir", str(tmp_path / "run")],
+    proc = subprocess.run([sys.executable, "-m", "scripts.chaos", "--minutes", "1", "--seed", "1", "--faults",
+                           ",".join(FAULTS), "--json", "--json-file", str(out), "--workdir", str(tmp_path / "run")],
                           capture_output=True, text=True, timeout=1100, cwd=str(REPO))
     report = proc.stdout[-3000:] + proc.stderr[-6000:]
     assert out.exists(), report
@@ -110,6 +126,9 @@ def test_one_minute_soak_with_fixed_seed(tmp_path: Path):
     assert s["checkpoints"]["left_verified"] == s["checkpoints"]["left_at_end"] >= 1
     assert s["steps"]["final"] > 0
     assert 0 < s["goodput"]["goodput_ratio"] <= 1, s["goodput"]
+    order = [f["kind"] for f in s["faults"]]
+    here = [k for k in FAULTS if k not in s["skipped_kinds"]]  # without root: no partition, disk_full
+    assert order == (here * 3)[: len(order)], f"the faults in the order given: {order}"
     drawn = {f["kind"] for f in s["faults"] if not f["skipped"]}
-    assert len(drawn) >= 3, f"at least 3 kinds of fault in one minute: {sorted(drawn)}"
+    assert set(here[:3]) <= drawn, f"at least the first 3 kinds that can run here: {sorted(drawn)}"
     assert all(s["by_kind"][k]["recovered"] == s["by_kind"][k]["faults"] > 0 for k in drawn), report

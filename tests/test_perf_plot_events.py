@@ -18,6 +18,7 @@ plot_events = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(plot_events)
 
 HANG_TIMEOUT = 2.0
+pytestmark = pytest.mark.integration
 
 
 def test_a_hang_is_logged_charged_to_hang_and_drawn(tmp_path: Path) -> None:

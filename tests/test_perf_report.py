@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,8 +37,18 @@ def _entry(metric, er, alt, alt_value, better="lower", unit="s", **kw):
                 device="cpu", command="python scripts/bench/bench_x.py --runs 1", **kw)
 
 
+def _compare(state: str, size: int, scale: float) -> dict:
+    """A bench_checkpoint.py JSON: its interleaved comparison's seconds per round, label by label."""
+    runs = {"disk: cold sequential read (dd, fresh file)": [0.2], "elasticrun save (durable)": [0.5, 0.4, 0.6],
+            "elasticrun load into existing tensors (cold)": [0.25], "safetensors save (durable)": [0.8],
+            "safetensors load into existing tensors (cold)": [0.5], "elasticrun async save: training stall": [0.01],
+            "elasticrun load, verify=False, into existing tensors (cold)": [0.2]}
+    return {"summary": [], "compare": {"state": state, "device": "cpu", "size_bytes": size,
+                                       "runs": {k: [x * scale for x in v] for k, v in runs.items()}}}
+
+
 def _results(d: Path) -> Path:
-    """A run_all.py output dir: the contract, two older shapes, a failed bench, a missing file."""
+    """A run_all.py output dir: every bench kind as it writes its JSON, a failed bench, a missing file."""
     d.mkdir()
     launch_runs = [
         {"launcher": "elasticrun", "scenario": "launch", "outcome": "ok", "seconds": t,
@@ -51,30 +63,22 @@ def _results(d: Path) -> Path:
         _entry("load bandwidth", 2.0, "safetensors", 1.6, better="higher", unit="GB/s", ratio=1.25),
         _entry("stall", 0.1, "disk save", 3.0, ratio=30.0), _entry("stall", 0.1, "DCP save", 1.5, ratio=15.0),
     ]}))
-    (d / "elastic.json").write_text(json.dumps([  # the older list shape, no summary
-        {"scenario": "join", "variant": "elasticrun sw=1 prewarm", "outcomes": [
+    (d / "elastic.json").write_text(json.dumps({"summary": [], "results": [
+        {"scenario": "join", "variant": "elasticrun sw=1 prewarm", "client": "bench", "outcomes": [
             {"status": "ok", "seconds": 4.0}, {"status": "ok", "seconds": 6.0}, {"status": "hang", "seconds": None}]},
-        {"scenario": "join", "variant": "torchrun c10d tuned", "outcomes": [
+        {"scenario": "join", "variant": "torchrun c10d tuned", "client": "bench", "outcomes": [
             {"status": "ok", "seconds": 8.0}, {"status": "ok", "seconds": 9.0}]},
-        {"scenario": "kill", "variant": "elasticrun hb=3 prewarm", "outcomes": [{"status": "ok", "seconds": 3.0}]},
-        {"scenario": "kill", "variant": "torchrun c10d default", "outcomes": [{"status": "hang", "seconds": None}]},
-    ]))
-    runs = {"disk: sequential write + fsync (ceiling)": [1.0], "disk: cold sequential read (ceiling)": [0.5],
-            "torch.save / torch.load save": [0.8, 0.9, 1.0], "torch.save / torch.load load": [0.7],
-            "safetensors save_file / load_file save": [0.6], "safetensors save_file / load_file load": [0.4],
-            "elasticrun save / load save": [0.5], "elasticrun save / load load": [0.5],
-            "elasticrun load into state_dict": [0.25], "elasticrun async_save #2: training stall": [0.05],
-            "DCP save (2 threads) / load save": [0.55], "DCP save (2 threads) / load load": [0.9]}
-    (d / "checkpoint-0.5.json").write_text(json.dumps({"size_bytes": 1 << 29, "eviction": "drop_caches", "runs": runs}))
-    (d / "checkpoint-1.json").write_text(json.dumps({"size_bytes": 1 << 30, "runs": {
-        k: [v[0] * 2] for k, v in runs.items()}}))
-    (d / "checkpoint-0.4.json").write_text(json.dumps({"size_bytes": 1, "runs": {}, "summary": [], "compare": {
-        "state": "gpt", "device": "cpu", "size_bytes": 4 * 10**8, "runs": {
-            "disk: cold sequential read (dd, fresh file)": [0.2], "elasticrun save (durable)": [0.5, 0.4, 0.6],
-            "elasticrun load into existing tensors (cold)": [0.25], "safetensors save (durable)": [0.8],
-            "safetensors load into existing tensors (cold)": [0.5], "elasticrun async save: training stall": [0.01]}}}))
-    (d / "rendezvous.json").write_text(json.dumps([{"nodes": n, "all_round_s": n / 100, "cas_lost": 0}
-                                                   for n in (8, 32, 128) for _ in range(2)]))
+        {"scenario": "kill", "variant": "elasticrun hb=3 prewarm", "client": "bench",
+         "outcomes": [{"status": "ok", "seconds": 3.0}]},
+        {"scenario": "kill", "variant": "torchrun c10d default", "client": "bench",
+         "outcomes": [{"status": "hang", "seconds": None}]},
+    ]}))
+    (d / "checkpoint-0.5.json").write_text(json.dumps(_compare("uniform", 1 << 29, 1.0)))
+    (d / "checkpoint-1.json").write_text(json.dumps(_compare("uniform", 1 << 30, 2.0)))
+    (d / "checkpoint-0.4.json").write_text(json.dumps(_compare("gpt", 4 * 10**8, 1.0)))
+    (d / "rendezvous.json").write_text(json.dumps({"summary": [], "cpus": 2, "command": "python x", "rows": [
+        {"phase": phase, "nodes": n, "all_hold_s": n / 100, "cpu_per_agent_ms": 3.0, "etcd_cpu_s": n / 300,
+         "etcd_writes": 3 * n, "load": 1.5} for n in (8, 32, 128) for phase in ("round 0", "loss")]}))
     (d / "elastic-join3.json").write_text(json.dumps({"results": [], "summary": [
         _entry("crash -> first step", 7.0, "torchrun tuned", 14.0)]}))
     (d / "stale.json").write_text(json.dumps({"summary": [_entry("not in this run", 1.0, "x", 1.0)]}))
@@ -112,16 +116,6 @@ def test_table_between_markers_and_rerun_in_place(pr, tmp_path, capsys):
     assert body.count("| stall |") == 1
     # the same metric name from two runs is not merged: each says which run it is
     assert "**2.00×**" in lines["crash -> first step [elastic-join3]"] and "crash -> first step" not in lines
-    # older shapes: elasticrun's median of its ok runs against the best alternative's
-    join = next(v for k, v in lines.items() if k.startswith("node started"))
-    assert "5 s" in join and "torchrun c10d tuned (2/2 ok): 8.5 s" in join and "**1.70×**" in join and "2/3 ok" in join
-    kill = next(v for k, v in lines.items() if k.startswith("node killed"))
-    assert "none succeeded" in kill and "| — |" in kill
-    save = next(v for k, v in lines.items() if k.startswith("durable checkpoint save, 0.54 GB"))
-    assert "DCP: 0.55 s" in save and "**1.10×**" in save
-    into = next(v for k, v in lines.items() if k.startswith("cold checkpoint load into existing tensors, 0.54"))
-    assert "0.25 s" in into and "safetensors: 0.4 s" in into and "**1.60×**" in into
-    assert any(k.startswith("rendezvous of 128 agents") and "1.28 s" in v for k, v in lines.items())
     # what is not in the table is said under it; files not in the manifest are not read
     assert "snapshot: timeout (stopped after 180 s)" in body
     assert "gone.json: listed in bench_all.json but missing" in body
@@ -131,6 +125,12 @@ def test_table_between_markers_and_rerun_in_place(pr, tmp_path, capsys):
     assert pr.main([str(d), "--page", str(page), "--no-plots"]) == 0
     assert page.read_text() == text
     assert text.count("<!-- summary:begin -->") == 1
+
+
+def test_commands_on_the_page_lose_the_run_dir(pr):
+    command = "python b.py --out /tmp/run/r.json --json=/tmp/run/j.json"
+    row = pr.Row("m", 1.0, "x", 2.0, "s", "lower", 2.0, "cpu", command)
+    assert "`python b.py --out r.json --json=j.json`" in pr.table([row])
 
 
 def test_bad_input_is_one_line_and_leaves_the_page(pr, tmp_path, capsys):
@@ -176,29 +176,39 @@ def test_charts_are_written(pr, tmp_path):
     assert launch["torchrun-best · 1 node"]["times"] == [] and launch["torchrun-best · 1 node"]["runs"] == 1
     labels = [g["label"] for g in data["recovery"]]
     assert "elasticrun · worker crash at 1s" in labels and "elasticrun · worker crash at 5s" in labels  # per moment
-    assert "elasticrun hb=3 prewarm · node SIGKILL" in labels
-    assert [g["label"] for g in data["scaleup"]] == ["elasticrun sw=1 prewarm · node joins",
-                                                     "torchrun c10d tuned · node joins"]
-    assert sorted(data["rendezvous"]["elasticrun"]) == [8, 32, 128]
+    assert "elasticrun hb=3 prewarm · bench client · node SIGKILL" in labels
+    assert [(g["label"], g["times"], g["runs"]) for g in data["scaleup"]] == [
+        ("elasticrun sw=1 prewarm · bench client · node joins", [4.0, 6.0], 3),
+        ("torchrun c10d tuned · bench client · node joins", [8.0, 9.0], 2)]
+    assert [r["nodes"] for r in data["rendezvous"]["rendezvous"]["rows"]] == [8, 8, 32, 32, 128, 128]
     assert [pt[0] for pt in sorted(data["checkpoint"]["save"]["safetensors"])] == [0.536870912, 1.073741824]
-    # a bench's interleaved comparison is charted instead of its older table, tagged with its state
-    assert data["checkpoint"]["save"]["elasticrun save [gpt]"] == [(0.4, 0.4 / 0.5)]
+    # the files differ in their state: the GPT-like one is tagged
+    assert data["checkpoint"]["save"]["elasticrun [gpt]"] == [(0.4, 0.4 / 0.5)]
     assert data["checkpoint"]["load"]["safetensors [gpt]"] == [(0.4, 0.4 / 0.5)]
     assert data["checkpoint"]["load"]["disk: cold read [gpt]"] == [(0.4, 2.0)]
-    assert not any("async" in name for op in data["checkpoint"].values() for name in op)
+    assert not any("async" in name or "verify" in name for op in data["checkpoint"].values() for name in op)
 
 
-def test_bench_all_helpers():
+def test_bench_all_presets():
     ba = _load("run_all")
-    text = "etcd up\n  {not json\n[\n {\"nodes\": 8}\n]\ntrailing words\n{\"bytes\": 1, \"x\": 2}\n"
-    assert ba.last_json(text) == {"bytes": 1, "x": 2}
-    assert ba.last_json("no json at all\n") is None
-    iface = ba.Interface(frozenset({"--runs", "--nodes"}), False, False)
-    kept, notes = ba.filter_args(["--runs", "2", "--clients", "shared", "--nodes", "8", "32"], iface)
-    assert kept == ["--runs", "2", "--nodes", "8", "32"] and notes == ["dropped --clients: not in the script's --help"]
     names = [s.name for s in ba._specs("quick", "/var/tmp")]
-    assert {"launch", "elastic", "rendezvous", "snapshot"} <= set(names) and len(names) == len(set(names))
+    assert {"launch", "elastic", "rendezvous", "snapshot", "preemption"} <= set(names) and len(names) == len(set(names))
+    every = {s.script for p in ("quick", "full", "gpu") for s in ba._specs(p, "")}
+    assert every == {p.name for p in (SCRIPTS / "bench").glob("bench_*.py")}, "every bench runs in a preset"
     assert ba.main(["--out", "/nonexistent-dir-x", "--only", "nope"]) == 2
+
+
+@pytest.mark.integration
+def test_presets_give_each_bench_only_options_it_takes():
+    ba = _load("run_all")
+    specs = [s for p in ("quick", "full", "gpu") for s in ba._specs(p, "/var/tmp")]
+    for script in sorted({s.script for s in specs}):
+        usage = subprocess.run([sys.executable, str(SCRIPTS / "bench" / script), "--help"], capture_output=True,
+                               text=True, timeout=240, cwd=str(SCRIPTS.parent)).stdout.split("\n\n")[0]
+        taken = set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", usage))
+        given = {a for s in specs if s.script == script for a in s.args if a.startswith("--")}
+        given |= {ba.OUT_OPTION.get(script, "--json")} | ({"--device"} if script in ba.TAKES_DEVICE else set())
+        assert given <= taken, f"{script} does not take {sorted(given - taken)}"
 
 
 def test_without_matplotlib_one_line_error(pr, tmp_path, capsys, monkeypatch):
@@ -229,27 +239,29 @@ if a.json:
 '''
 
 
+@pytest.mark.integration
 def test_bench_all_runs_records_and_goes_on(tmp_path):
     ba = _load("run_all")
     script = tmp_path / "bench_fake.py"
     script.write_text(FAKE_BENCH)
-    printer = tmp_path / "bench_print.py"  # no --json option: its last JSON line is kept
-    printer.write_text("import json\nprint('warming up')\nprint(json.dumps({'bytes': 8, 'x_s': 0.5}))\n")
+    silent = tmp_path / "bench_silent.py"  # writes no JSON: a failure, whatever its exit code
+    silent.write_text("print('warming up')\n")
     out = tmp_path / "out"
     out.mkdir()
     t0 = time.monotonic()
-    slow = ba.run_one(ba.Spec("slow", str(script), ["--mode", "sleep", "--nope", "1"], 60), out, "cpu",
-                      sys.executable, limit_s=3)
-    assert slow.status is ba.Status.TIMEOUT and time.monotonic() - t0 < 40
-    assert "dropped --nope: not in the script's --help" in slow.notes
+    slow = ba.run_one(ba.Spec("slow", str(script), ["--mode", "sleep"], 60), out, "cpu", sys.executable, limit_s=3)
+    assert slow.status is ba.Status.TIMEOUT and time.monotonic() - t0 < 40 and "stopped after 3 s" in slow.notes
+    bad = ba.run_one(ba.Spec("bad", str(script), ["--mode", "ok", "--nope", "1"], 60), out, "cpu", sys.executable, 60)
+    assert bad.status is ba.Status.FAILED and bad.returncode == 2 and any("--nope" in n for n in bad.notes)
     crash = ba.run_one(ba.Spec("crash", str(script), ["--mode", "crash"], 60), out, "cuda", sys.executable, 60)
     assert crash.status is ba.Status.FAILED and crash.returncode == 1 and crash.json is None
     assert any("crashed on purpose" in n for n in crash.notes) and any("takes no --device" in n for n in crash.notes)
     ok = ba.run_one(ba.Spec("ok", str(script), ["--mode", "ok"], 60), out, "cpu", sys.executable, 60)
     assert ok.status is ba.Status.OK and json.loads((out / "ok.json").read_text())["summary"][0]["metric"] == "m"
     assert "--json" in ok.command and (out / "ok.log").exists()
-    printed = ba.run_one(ba.Spec("print", str(printer), [], 60), out, "cpu", sys.executable, 60)
-    assert printed.status is ba.Status.OK and json.loads((out / "print.json").read_text()) == {"bytes": 8, "x_s": 0.5}
+    (out / "quiet.json").write_text("{}")  # an earlier run's file
+    quiet = ba.run_one(ba.Spec("quiet", str(silent), [], 60), out, "cpu", sys.executable, 60)
+    assert quiet.status is ba.Status.FAILED and quiet.json is None and "no JSON written" in quiet.notes
 
 
 def test_bench_all_rerun_updates_the_run_in_place(tmp_path):

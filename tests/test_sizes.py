@@ -19,7 +19,7 @@ from elasticrun.cli.main import main
 from elasticrun.cli.run_config import build_config
 from elasticrun.cli.torchrun_args import parse
 from elasticrun.errors import ConfigError
-from elasticrun.sizes import parse_size
+from elasticrun.sizes import format_size, parse_size
 
 
 @pytest.mark.parametrize("text,size", [
@@ -30,6 +30,14 @@ from elasticrun.sizes import parse_size
 ])
 def test_the_rule(text: str, size: int) -> None:
     assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("size,text", [
+    (0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (1536, "1.5 KiB"), (5 * 2**30, "5.0 GiB"), (2**40, "1.0 TiB"),
+    (5 * 2**50, "5120.0 TiB"), (-2048, "-2.0 KiB"), (10**9, "953.7 MiB"),
+])
+def test_sizes_in_messages_are_binary_units(size: int, text: str) -> None:
+    assert format_size(size) == text
 
 
 @pytest.mark.parametrize("text", ["lots", "", "-1", "5XB", "5 G B", "GB", "1e9", "5iB", "5Gib2"])

@@ -33,7 +33,9 @@ LATEST = "latest"
 # Checkpoint names become directory names: keep them boring and unable to escape the root.
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 
-# safetensors dtype codes <-> torch dtype attribute names, and their sizes in bytes.
+# Every safetensors dtype code of whole bytes per element: the name of its torch dtype and its size
+# in bytes. Which of them a process can save or load depends on its torch (the float8 kinds came in
+# torch 2.1 to 2.7): checkpoint.shardfile keeps those torch has, as safetensors.torch does.
 DTYPES: Dict[str, Tuple[str, int]] = {
     "F64": ("float64", 8),
     "F32": ("float32", 4),
@@ -49,7 +51,10 @@ DTYPES: Dict[str, Tuple[str, int]] = {
     "U64": ("uint64", 8),
     "BOOL": ("bool", 1),
     "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E4M3FNUZ": ("float8_e4m3fnuz", 1),
     "F8_E5M2": ("float8_e5m2", 1),
+    "F8_E5M2FNUZ": ("float8_e5m2fnuz", 1),
+    "F8_E8M0": ("float8_e8m0fnu", 1),
     "C64": ("complex64", 8),
 }
 

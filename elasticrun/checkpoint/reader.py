@@ -16,7 +16,7 @@ from __future__ import annotations
 import mmap
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Collection, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -47,6 +47,8 @@ from elasticrun.checkpoint.validate import (
     verify_file,
 )
 from elasticrun.errors import CheckpointError
+
+Region = Tuple[List[int], List[int]]  # (offsets, shape) of the box of a tensor a rank gets
 
 
 @dataclass
@@ -141,6 +143,76 @@ def _file_task(files: ShardFiles, fname: str, n_chunks: int, pieces: List[Piece]
     return None, made
 
 
+# -- what this rank reads (pure, from the metadata) -------------------------------------------
+
+
+def plan_regions(meta: CheckpointMeta, names: Sequence[str], placements: Mapping[str, Placement], rank: int,
+                 world: int) -> Dict[str, Region]:
+    """The region of each named tensor that ``rank`` of ``world`` loads: its own part along the
+    dimension of a ``Shard`` placement (``placements`` override the saved ones), else all of it."""
+    regions: Dict[str, Region] = {}
+    for name in names:
+        entry = meta.tensors[name]
+        regions[name] = region_for(entry, placements.get(name, entry.placement), rank, world)
+    return regions
+
+
+def exact_chunk(entry: TensorEntry, region: Region) -> Optional[Chunk]:
+    """The saved chunk that is exactly ``region`` (so it can be mapped or read in one piece), or None."""
+    offsets, shape = region
+    for c in entry.chunks:
+        if list(c.offsets) == offsets and list(c.shape) == shape:
+            return c
+    return None
+
+
+def file_order(files: Sequence[str], rank: int, world: int, wanted: Collection[str]) -> List[str]:
+    """The ``wanted`` files in the order ``rank`` visits them: starting where its 1/``world`` share of
+    the (sorted) files starts, so ranks read different files first (each cold file comes off the
+    disk once; the others find it in the page cache)."""
+    every = sorted(files)
+    k = rank * len(every) // world
+    return [f for f in every[k:] + every[:k] if f in wanted]
+
+
+def hash_share(files: Sequence[str], rank: int, world: int) -> List[str]:
+    """The files whose checksums ``rank`` checks: its 1/``world`` block of the sorted files."""
+    every = sorted(files)
+    return every[rank * len(every) // world:(rank + 1) * len(every) // world]
+
+
+# -- reading it ----------------------------------------------------------------------------
+
+
+def _fits(t: torch.Tensor, code: str, shape: List[int]) -> bool:
+    """Whether ``t`` (the caller's target) can be read into directly: CPU, same dtype and shape, contiguous."""
+    return t.device.type == "cpu" and t.dtype == torch_dtype(code) and list(t.shape) == shape and t.is_contiguous()
+
+
+def _destinations(meta: CheckpointMeta, regions: Mapping[str, Region], targets: Mapping[str, torch.Tensor],
+                  use_mmap: bool) -> Tuple[Dict[str, torch.Tensor], Dict[str, List[Piece]],
+                                           Dict[str, List[Tuple[TensorEntry, Chunk]]]]:
+    """Where each region goes: into its target when that fits, else (with ``use_mmap``, for a region
+    that is one saved chunk) a map of the file, else a new tensor. Returns the tensors to fill, the
+    pieces to read by file, and the chunks to map by file."""
+    out: Dict[str, torch.Tensor] = {}
+    by_file: Dict[str, List[Piece]] = {}
+    mapped: Dict[str, List[Tuple[TensorEntry, Chunk]]] = {}
+    for name, (offsets, shape) in regions.items():
+        entry = meta.tensors[name]
+        t = targets.get(name)
+        if t is None or not _fits(t, entry.dtype, shape):
+            whole = exact_chunk(entry, (offsets, shape)) if use_mmap else None
+            if whole is not None:  # one saved chunk is exactly what we want: map it (no copy)
+                mapped.setdefault(whole.file, []).append((entry, whole))
+                continue
+            t = torch.empty(shape, dtype=torch_dtype(entry.dtype))
+        out[name] = t
+        for piece in region_pieces(entry, offsets, t.detach()):
+            by_file.setdefault(piece.chunk.file, []).append(piece)
+    return out, by_file, mapped
+
+
 def load_tensors(files: ShardFiles, names: Sequence[str], rank: int, world: int,
                  placements: Mapping[str, Placement], targets: Mapping[str, torch.Tensor],
                  verify: Sequence[str] = (), threads: int = 1,
@@ -152,42 +224,17 @@ def load_tensors(files: ShardFiles, names: Sequence[str], rank: int, world: int,
     ``use_mmap``, a tensor without a target that is exactly one saved chunk becomes a
     copy-on-write view of the file's memory map instead of a copy.
     Returns the tensors and the checksum problems found."""
-    out: Dict[str, torch.Tensor] = {}
-    by_file: Dict[str, List[Piece]] = {}
-    mapped: Dict[str, List[Tuple[TensorEntry, Chunk]]] = {}
-    for name in names:
-        entry = files.meta.tensors[name]
-        offsets, shape = region_for(entry, placements.get(name, entry.placement), rank, world)
-        dtype = torch_dtype(entry.dtype)
-        t = targets.get(name)
-        if not (t is not None and t.device.type == "cpu" and t.dtype == dtype and list(t.shape) == shape
-                and t.is_contiguous()):
-            whole = [c for c in entry.chunks if list(c.offsets) == offsets and list(c.shape) == shape]
-            if use_mmap and whole:  # one saved chunk is exactly what we want: map it (no copy)
-                mapped.setdefault(whole[0].file, []).append((entry, whole[0]))
-                continue
-            t = torch.empty(shape, dtype=dtype)
-        out[name] = t
-        for piece in region_pieces(entry, offsets, t.detach()):
-            by_file.setdefault(piece.chunk.file, []).append(piece)
-    # Start where this rank's share of the files starts, so ranks read different files first
-    # (each cold file comes off the disk once; the others find it in the page cache).
-    every = sorted(files.meta.files)
-    k = rank * len(every) // world
+    regions = plan_regions(files.meta, names, placements, rank, world)
+    out, by_file, mapped = _destinations(files.meta, regions, targets, use_mmap)
     checked = set(verify)
-    order = [f for f in every[k:] + every[:k] if f in by_file or f in mapped or f in checked]
-
+    order = file_order(list(files.meta.files), rank, world, set(by_file) | set(mapped) | checked)
     saved = chunks_by_file(files.meta)
 
     def task(f: str) -> Tuple[Optional[str], Dict[str, torch.Tensor]]:
         return _file_task(files, f, len(saved[f]), by_file.get(f, []), mapped.get(f, []), f in checked)
 
     with torch.no_grad():
-        if threads <= 1 or len(order) <= 1:
-            results = [task(f) for f in order]
-        else:
-            with ThreadPoolExecutor(min(threads, len(order)), thread_name_prefix="ckpt-read") as pool:
-                results = list(pool.map(task, order))
+        results = _parallel(task, order, threads)
     for _, made in results:
         out.update(made)
     return out, [p for p, _ in results if p]
@@ -251,8 +298,7 @@ def load(
     files = ShardFiles(storage, name, meta)
     # Each rank checks the checksum of its 1/N block of the files: while reading them if it reads
     # them whole (one pass), otherwise separately (from the page cache, usually).
-    every, world = sorted(meta.files), comm.world_size
-    mine = every[comm.rank * len(every) // world:(comm.rank + 1) * len(every) // world] if verify else []
+    mine = hash_share(list(meta.files), comm.rank, comm.world_size) if verify else []
     threads = io_threads or default_io_threads()
     if state_dict is not None:
         try:
@@ -308,18 +354,16 @@ def _load_in_place(files: ShardFiles, comm: Comm, state_dict: Dict[str, Any], ta
     (headers, sizes, this rank's checksums, shapes), the exchange, then direct reads."""
     problems: List[str] = []
     error: Optional[str] = None
-    regions: Dict[str, Tuple[List[int], List[int]]] = {}
+    regions: Dict[str, Region] = {}
     direct: Dict[str, List[Piece]] = {}
     bounce: List[str] = []
     try:
-        for n in targets:
-            entry = files.meta.tensors[n]
-            regions[n] = region_for(entry, placements.get(n, entry.placement), comm.rank, comm.world_size)
+        regions = plan_regions(files.meta, list(targets), placements, comm.rank, comm.world_size)
         shapes = _unflatten(files, lambda n: torch.empty(regions[n][1], device="meta") if n in regions else None)
         check_fits(state_dict, shapes)  # every shape and key first: all tensors are filled, or none
         direct, bounce = plan_pieces(files, list(targets), regions, targets)
         checked = set(mine)
-        order = _rank_order(files, comm, [f for f in sorted(files.meta.files) if f in direct or f in checked])
+        order = file_order(list(files.meta.files), comm.rank, comm.world_size, set(direct) | checked)
 
         def dry(f: str) -> Optional[str]:
             return check_file(files, f, direct.get(f, []), f in checked)
@@ -334,7 +378,8 @@ def _load_in_place(files: ShardFiles, comm: Comm, state_dict: Dict[str, Any], ta
     _raise_collected(comm, problems, error)
     try:
         with torch.no_grad():
-            _parallel(lambda f: fill_file(files, direct[f]), _rank_order(files, comm, sorted(direct)), threads)
+            _parallel(lambda f: fill_file(files, direct[f]),
+                      file_order(list(files.meta.files), comm.rank, comm.world_size, direct), threads)
             for n in bounce:
                 fill_bounced(files, n, regions[n][0], regions[n][1], targets[n])
     except Exception as err:  # noqa: BLE001 - one clear line (the files changed under us, or an I/O error)
@@ -342,15 +387,6 @@ def _load_in_place(files: ShardFiles, comm: Comm, state_dict: Dict[str, Any], ta
         raise CheckpointError(f"cannot read checkpoint {files.name!r} after every check passed (the state dict "
                               f"may be partly loaded): {why}") from None
     return fill_in_place(state_dict, _unflatten(files, lambda n: targets.get(n)))
-
-
-def _rank_order(files: ShardFiles, comm: Comm, names: List[str]) -> List[str]:
-    """``names`` starting where this rank's share of the files starts, so ranks read different
-    files first (each cold file comes off the disk once; the others find it in the page cache)."""
-    every = sorted(files.meta.files)
-    k = comm.rank * len(every) // comm.world_size
-    wanted = set(names)
-    return [f for f in every[k:] + every[:k] if f in wanted]
 
 
 def _parallel(fn: Any, items: Sequence[str], threads: int) -> List[Any]:

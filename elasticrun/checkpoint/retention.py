@@ -88,6 +88,48 @@ def apply_keep_last(storage: Storage, keep_last: int, protect: Optional[str] = N
     return doomed
 
 
+def plan_delete(infos: Sequence[CheckpointInfo], names: Sequence[str], where: str, *, force: bool = False,
+                force_hint: str = "force=True") -> List[str]:
+    """What deleting ``names`` from a root whose entries are ``infos`` removes (``where`` names the
+    root in errors), or a CheckpointError saying why nothing is deleted: a name that is not a plain
+    checkpoint name or is not there, and, unless ``force``, a checkpoint an alias that stays points
+    to, or the last complete checkpoint. A temporary directory is named by its directory name."""
+    by_dir = {i.dirname: i for i in infos}
+    targets = []
+    for name in names:
+        if name not in by_dir or not by_dir[name].temporary:
+            validate_name(name)
+        if name not in by_dir:
+            raise CheckpointError(f"no checkpoint {name!r} in {where}: nothing deleted")
+        targets.append(name)
+    if not force:
+        _refuse_dangling_aliases(list(by_dir.values()), targets, force_hint)
+        _refuse_last_complete(by_dir, targets, where, force_hint)
+    return targets
+
+
+def _refuse_dangling_aliases(infos: Sequence[CheckpointInfo], targets: Sequence[str], force_hint: str) -> None:
+    aliased = alias_targets(infos)
+    for d in targets:
+        links = [a for a in aliased.get(d, []) if a not in targets]
+        if links:
+            raise CheckpointError(
+                f"refusing to delete {d}: the alias(es) {', '.join(links)} point to it; delete them too, or "
+                f"pass {force_hint} to leave them dangling"
+            )
+
+
+def _refuse_last_complete(by_dir: Dict[str, CheckpointInfo], targets: Sequence[str], where: str,
+                          force_hint: str) -> None:
+    remaining = [i for d, i in by_dir.items() if is_ordered(i) and d not in targets]
+    doomed = [d for d in targets if by_dir[d].status == CheckpointStatus.COMPLETE and by_dir[d].alias_of is None]
+    if doomed and not remaining:
+        raise CheckpointError(
+            f"refusing to delete {', '.join(doomed)}: no complete checkpoint would be left in {where}; "
+            f"pass {force_hint} if you mean it"
+        )
+
+
 def delete(
     root: str,
     names: Sequence[str],
@@ -100,36 +142,12 @@ def delete(
 
     Refuses names that are not plain checkpoint names (nothing outside ``root`` can be
     touched) and, unless ``force``, deleting every complete checkpoint there is or a
-    checkpoint that an alias points to. Deleting an alias removes the link only.
-    Returns the names deleted. Temporary directories are deleted by their directory name.
-    ``force_hint`` is how a refusal names the override (the CLI: ``--force``).
+    checkpoint that an alias points to (see :func:`plan_delete`). Deleting an alias removes
+    the link only. Returns the names deleted. Temporary directories are deleted by their
+    directory name. ``force_hint`` is how a refusal names the override (the CLI: ``--force``).
     """
     storage = get_storage(root, storage_options)
-    infos = {i.dirname: i for i in scan(storage)}
-    targets = []
-    for name in names:
-        if name in infos and infos[name].temporary:
-            targets.append(name)
-            continue
-        validate_name(name)
-        if name not in infos:
-            raise CheckpointError(f"no checkpoint {name!r} in {storage.display(storage.root)}: nothing deleted")
-        targets.append(name)
-    aliased = alias_targets(list(infos.values()))
-    for d in targets:
-        links = [a for a in aliased.get(d, []) if a not in targets]
-        if links and not force:
-            raise CheckpointError(
-                f"refusing to delete {d}: the alias(es) {', '.join(links)} point to it; delete them too, or "
-                f"pass {force_hint} to leave them dangling"
-            )
-    remaining = [i for d, i in infos.items() if is_ordered(i) and d not in targets]
-    doomed_complete = [d for d in targets if infos[d].status == CheckpointStatus.COMPLETE and infos[d].alias_of is None]
-    if doomed_complete and not remaining and not force:
-        raise CheckpointError(
-            f"refusing to delete {', '.join(doomed_complete)}: no complete checkpoint would be left in "
-            f"{storage.display(storage.root)}; pass {force_hint} if you mean it"
-        )
+    targets = plan_delete(scan(storage), names, storage.display(storage.root), force=force, force_hint=force_hint)
     for d in targets:
         remove_entry(storage, d)
     return targets

@@ -27,7 +27,9 @@ from elasticrun.errors import CheckpointError
 PIECE = 64 << 20  # bytes per write() call; also the hashing granularity
 MAX_HEADER = 256 << 20
 WRITEBACK = 8 << 20  # least bytes per writeback request (a request per tiny tensor costs more than it gains)
-_DTYPE_CODE = {getattr(torch, tname): code for code, (tname, _) in DTYPES.items() if hasattr(torch, tname)}
+# The dtype codes this torch has a dtype for (feature-detected, as safetensors.torch does).
+_TORCH_DTYPES = {code: getattr(torch, tname) for code, (tname, _) in DTYPES.items() if hasattr(torch, tname)}
+_DTYPE_CODE = {dtype: code for code, dtype in _TORCH_DTYPES.items()}
 
 
 def dtype_code(dtype: torch.dtype, name: str) -> str:
@@ -35,11 +37,17 @@ def dtype_code(dtype: torch.dtype, name: str) -> str:
     try:
         return _DTYPE_CODE[dtype]
     except KeyError:
-        raise CheckpointError(f"tensor {name!r} has dtype {dtype}, which safetensors cannot store") from None
+        raise CheckpointError(f"tensor {name!r} has dtype {dtype}, which elasticrun checkpoints cannot store "
+                              "(see Limits in docs/checkpoints.md)") from None
 
 
 def torch_dtype(code: str) -> torch.dtype:
-    return getattr(torch, DTYPES[code][0])
+    """The torch dtype of a safetensors code, or CheckpointError when this torch has none for it."""
+    try:
+        return _TORCH_DTYPES[code]
+    except KeyError:
+        raise CheckpointError(f"dtype {code} needs torch.{DTYPES[code][0]}, which torch {torch.__version__} does not "
+                              "have: load the checkpoint with a newer torch") from None
 
 
 def build_header(items: Sequence[Tuple[str, str, Sequence[int], int]], metadata: Dict[str, str]) -> bytes:

@@ -258,6 +258,46 @@ class SaveJob:
         return self.name
 
 
+def check_save_args(keep_last: Any, io_threads: Any) -> None:
+    """A CheckpointError for a ``keep_last`` or ``io_threads`` that is not a positive integer."""
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise CheckpointError(f"keep_last must be a positive integer (got {keep_last!r})")
+    if io_threads is not None and (not isinstance(io_threads, int) or io_threads < 1):
+        raise CheckpointError(f"io_threads must be a positive integer (got {io_threads!r})")
+
+
+def local_infos(tensors: Mapping[str, torch.Tensor], placements: Optional[Mapping[str, Placement]]) -> List[LocalInfo]:
+    """What this rank contributes to the plan: each tensor's name, dtype code, local shape, placement."""
+    pl = _placements(placements, tensors)
+    return [(n, dtype_code(t.dtype, n), tuple(t.shape), pl.get(n, Replicate())) for n, t in tensors.items()]
+
+
+def check_json(training_state: Optional[Dict[str, Any]], user_metadata: Any, tree: Any) -> None:
+    """A CheckpointError when what goes into ``metadata.json`` is not JSON."""
+    try:
+        json.dumps([training_state, user_metadata, tree], allow_nan=True)
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"training_state/user_metadata must be JSON-serialisable: {err}") from None
+
+
+def first_error(gathered: List[Dict[str, Any]]) -> Optional[str]:
+    """The first rank's error of a gathered step, said as every rank raises it (``rank r: ...``
+    when there are several ranks), or None when every rank succeeded."""
+    for r, g in enumerate(gathered):
+        if g["error"]:
+            return g["error"] if len(gathered) == 1 else f"rank {r}: {g['error']}"
+    return None
+
+
+def _open_save(storage: Storage, name: Optional[str], ts: Optional[Dict[str, Any]], algo: Checksum) -> Dict[str, Any]:
+    """Rank 0: name the save, fence older rounds' saves, check the name is free; the head every rank gets."""
+    created = time.time()
+    final_name = validate_name(name if name is not None else default_name(ts, created))
+    fence_older_saves(storage)  # a newer round opens the root: older rounds' saves can no longer commit
+    _check_free(storage, final_name)
+    return {"name": final_name, "token": new_token(), "created": created, "checksum": algo.value}
+
+
 def prepare(
     state_dict: Mapping[str, Any],
     root: str,
@@ -281,34 +321,22 @@ def prepare(
     ts: Optional[Dict[str, Any]] = None
     storage: Optional[Storage] = None
     try:
-        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
-            raise CheckpointError(f"keep_last must be a positive integer (got {keep_last!r})")
-        if io_threads is not None and (not isinstance(io_threads, int) or io_threads < 1):
-            raise CheckpointError(f"io_threads must be a positive integer (got {io_threads!r})")
+        check_save_args(keep_last, io_threads)
         algo = parse_checksum(checksum)
         storage = get_storage(root, storage_options)
         tensors, tree = flatten(state_dict)
-        pl = _placements(placements, tensors)
-        infos = [(n, dtype_code(t.dtype, n), tuple(t.shape), pl.get(n, Replicate())) for n, t in tensors.items()]
+        infos = local_infos(tensors, placements)
         ts = training_state_dict(training_state)
-        try:
-            json.dumps([ts, user_metadata, tree], allow_nan=True)
-        except (TypeError, ValueError) as err:
-            raise CheckpointError(f"training_state/user_metadata must be JSON-serialisable: {err}") from None
+        check_json(ts, user_metadata, tree)
         if comm.rank == 0:
-            created = time.time()
-            final_name = validate_name(name if name is not None else default_name(ts, created))
-            fence_older_saves(storage)  # a newer round opens the root: older rounds' saves can no longer commit
-            _check_free(storage, final_name)
-            head = {"name": final_name, "token": new_token(), "created": created, "checksum": algo.value}
+            head = _open_save(storage, name, ts, algo)
     except CheckpointError as err:
         error = str(err)
     threads = io_threads or default_io_threads()
     gathered = comm.all_gather({"infos": infos, "error": error, "head": head, "threads": threads})
-    errors = [(r, g["error"]) for r, g in enumerate(gathered) if g["error"]]
-    if errors:
-        r, msg = errors[0]
-        raise CheckpointError(msg if comm.world_size == 1 else f"rank {r}: {msg}")
+    failed = first_error(gathered)
+    if failed is not None:
+        raise CheckpointError(failed)
     assert storage is not None
     head = gathered[0]["head"]
     plan = make_plan([g["infos"] for g in gathered], [g["threads"] for g in gathered])

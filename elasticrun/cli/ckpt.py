@@ -6,7 +6,6 @@ CheckpointErrors, printed by ``elasticrun.cli.main`` as one line (exit code 5).
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 import time
@@ -19,29 +18,23 @@ from elasticrun.checkpoint.format import LATEST, Shard
 from elasticrun.checkpoint.retention import delete as delete_checkpoints
 from elasticrun.checkpoint.retention import incomplete_targets, plan_keep_last
 from elasticrun.checkpoint.storage import Storage, get_storage
-from elasticrun.checkpoint.validate import CheckpointInfo, CheckpointStatus, read_meta, scan
+from elasticrun.checkpoint.validate import read_meta, scan
 from elasticrun.cli import values
 from elasticrun.cli.ckpt_latest import resolve
-from elasticrun.cli.console import console, fail, human_bytes, note, print_json, progress, warn
+from elasticrun.cli.ckpt_list import listing_json, listing_table, plan_listing, shows_memory
+from elasticrun.cli.console import console, fail, local_time, note, print_json, progress, warn
 from elasticrun.cli.etcd_options import EtcdFlags, with_etcd_flags
 from elasticrun.cli.tables import Column, DataTable
 from elasticrun.cli.typer_help import HelpCommand, HelpGroup
 from elasticrun.job import env as job_env
 from elasticrun.job.exitcodes import ExitCode
 from elasticrun.job.settings import EtcdSettings
+from elasticrun.sizes import format_size
 from elasticrun.store.reach import wait_for_etcd
 from elasticrun.waiting import Reminder
 
 app = typer.Typer(help="Manage sharded safetensors checkpoints.", no_args_is_help=True, add_completion=False,
                   cls=HelpGroup)
-
-_STATUS_STYLE = {CheckpointStatus.COMPLETE: "green", CheckpointStatus.INCOMPLETE: "yellow", CheckpointStatus.CORRUPT:
-                 "bold red", CheckpointStatus.ALIAS: "cyan", CheckpointStatus.PARTIAL: "green"}
-
-
-def _when(t: Optional[float]) -> str:
-    return "-" if not t else datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
-
 
 def _existing_root(root: str) -> Storage:
     storage = get_storage(root)
@@ -67,50 +60,15 @@ def list_cmd(
         fail("nothing to list: give a checkpoint ROOT, or --memory for this machine's memory snapshots",
              ExitCode.USAGE)
     infos = scan(_existing_root(root)) if root is not None else []
-    mem = memory_rows(job_id=job) if (memory if memory is not None else root is None) else None
+    mem = memory_rows(job_id=job) if shows_memory(root, memory) else None
     if as_json:
-        print_json([dict(i.to_json(), tier="disk", root=root) for i in infos] + [r.to_json() for r in mem or []])
+        print_json(listing_json(root, infos, mem))
         return
-    if not infos and root is not None:
-        console.print(Text(f"no checkpoints in {root}"))
-    if mem is not None and not mem:
-        console.print(Text("no memory snapshots on this machine" + (f" for job {job}" if job else "") +
-                           " (no running elasticrun agent of yours keeps any in /dev/shm)"))
-    if not infos and not mem:
-        return
-    where = " and ".join(([root] if root is not None else []) + (["this machine's memory"] if mem else []))
-    table = DataTable([Column("name", name=True), Column("tier", prose=True), Column("step", "right"),
-                       Column("epoch", "right"), Column("world", "right"), Column("size", "right"),
-                       Column("created"), Column("status", prose=True)], title=f"checkpoints in {where}")
-    rows = [(i, Text("disk")) for i in infos] + [
-        (r.info, Text.assemble(f"memory{' replica' if r.kind == 'replica' else ''} ",
-                               (f"(job {r.where.job}, agent {r.where.agent_pid})", "dim"))) for r in mem or []]
-    for i, tier in rows:
-        m = i.meta
-        table.add_row(_name_cell(i), tier, "-" if m is None or m.step is None else str(m.step),
-                      "-" if m is None or m.epoch is None else str(m.epoch),
-                      "-" if m is None else str(m.world_size), human_bytes(i.size), _when(i.created), _status_cell(i))
-    console.print(table)
-
-
-def _name_cell(i: CheckpointInfo) -> Text:
-    """The name (verbatim), with the marks ``list`` adds: latest, temporary, alias target."""
-    name = Text(i.name)
-    if i.latest:
-        name.append(" ← latest", style="bold cyan")
-    if i.temporary:
-        name.append(" (tmp)", style="dim")
-    if i.alias_of is not None:
-        name.append(f" → {i.alias_of} (alias)", style="dim")
-    return name
-
-
-def _status_cell(i: CheckpointInfo) -> Text:
-    """The status, and for a damaged entry what is wrong (verbatim, whole)."""
-    status = Text(str(i.status), style=_STATUS_STYLE.get(i.status, ""))
-    if i.problem and i.status != CheckpointStatus.COMPLETE:
-        status.append(f" ({i.problem})", style="dim")
-    return status
+    listing = plan_listing(root, infos, mem, job)
+    for line in listing.notes:
+        console.print(Text(line))
+    if listing.rows:
+        console.print(listing_table(listing))
 
 
 def _split_desc(entry: Any) -> str:
@@ -138,13 +96,13 @@ def inspect_cmd(
         print_json(doc)
         return
     n = len(meta.tensors)
-    console.print(Text.assemble((name, "bold"), f" — written by {meta.world_size} rank(s) at {_when(meta.created)}, "
-                                f"{n} tensor{'s' * (n != 1)}, {human_bytes(meta.total_bytes)} in "
-                                f"{len(meta.files)} file(s)"))
+    console.print(Text.assemble((name, "bold"), f" — written by {meta.world_size} rank(s) at "
+                                f"{local_time(meta.created)}, {n} tensor{'s' * (n != 1)}, "
+                                f"{format_size(meta.total_bytes)} in {len(meta.files)} file(s)"))
     table = DataTable([Column("name", name=True), Column("dtype"), Column("shape"), Column("bytes", "right"),
                        Column("split", prose=True)], title="tensors")
     for t in meta.tensors.values():
-        table.add_row(t.name, t.dtype, str(list(t.shape)), human_bytes(t.nbytes), _split_desc(t))
+        table.add_row(t.name, t.dtype, str(list(t.shape)), format_size(t.nbytes), _split_desc(t))
     console.print(table)
     for title, data in (("training state", meta.training_state), ("user metadata", meta.user_metadata)):
         if data:

@@ -28,7 +28,6 @@ class SnapshotDir:
 
     path: str
     job: str  # the job id as the directory name spells it ('-' and other symbols as '_')
-    node_hash: str
     agent_pid: int
 
     @property
@@ -73,7 +72,8 @@ def snapshot_dirs(shm_dir: str = SHM_DIR, job_id: Optional[str] = None) -> List[
             continue
         if st.st_uid != uid or not os.path.isdir(path) or os.path.islink(path):
             continue
-        found.append(SnapshotDir(path, *parsed))
+        job, _node, pid = parsed
+        found.append(SnapshotDir(path, job, pid))
     return found
 
 

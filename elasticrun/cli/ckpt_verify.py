@@ -23,8 +23,9 @@ from elasticrun.checkpoint.validate import (
     verify,
 )
 from elasticrun.cli.ckpt_latest import resolve
-from elasticrun.cli.console import console, err_console, fail, human_bytes, print_json, progress, warn
+from elasticrun.cli.console import console, err_console, fail, print_json, progress, warn
 from elasticrun.job.exitcodes import ExitCode
+from elasticrun.sizes import format_size
 
 
 def _algos(storage: Storage, name: str) -> str:
@@ -65,7 +66,7 @@ def verify_command(root: str, storage: Storage, name: Optional[str], as_json: bo
         for r in results:
             if r.ok:
                 console.print(f"[green]ok[/] {escape(r.name)}: {r.files_checked} file(s), "
-                              f"{human_bytes(r.bytes_checked)} match their {_algos(storage, r.name)}")
+                              f"{format_size(r.bytes_checked)} match their {_algos(storage, r.name)}")
     bad = [r for r in results if not r.ok]
     if not bad:
         return

@@ -7,16 +7,18 @@ shows a rich progress bar on a terminal and, elsewhere, one progress line every 
 
 from __future__ import annotations
 
+import datetime
 import json
 import sys
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, NoReturn
+from typing import Any, Callable, Iterator, NoReturn, Optional
 
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.text import Text
 
+from elasticrun.sizes import format_size
 from elasticrun.waiting import EVERY_S
 
 
@@ -61,13 +63,9 @@ def print_json(data: Any) -> None:
     sys.stdout.flush()
 
 
-def human_bytes(n: float) -> str:
-    """``1536`` → ``1.5 KiB``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+def local_time(t: Optional[float]) -> str:
+    """A Unix time as ``2026-11-27 17:27:54`` in local time; ``-`` without one."""
+    return "-" if not t else datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
 
 
 class ProgressLines:
@@ -86,7 +84,7 @@ class ProgressLines:
         if now >= self._next and self.done < self.total:
             self._next = now + self.every
             share = 100.0 * self.done / self.total if self.total else 100.0
-            self.say(f"{self.what}: {share:.0f}% ({human_bytes(self.done)} of {human_bytes(self.total)})")
+            self.say(f"{self.what}: {share:.0f}% ({format_size(self.done)} of {format_size(self.total)})")
 
 
 @contextmanager

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 import signal
 import threading
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import typer
 
@@ -107,37 +107,71 @@ def etcd(
         rich_help_panel=_SECURITY,
     ),
 ) -> None:
-    if bool(cert_file) != bool(key_file):
-        fail("TLS needs both --cert-file and --key-file", 2)
-    if client_ca and not cert_file:
-        fail("--client-ca needs --cert-file/--key-file (client certificates are checked over TLS only)", 2)
-    if job_users and not root_password_file:
-        fail("--job-user needs --root-password-file (users only matter with authentication on)", 2)
-    if root_password_file and not cert_file:
-        fail("--root-password-file needs TLS (--cert-file/--key-file): passwords must not cross the network "
-             "in clear text", 2)
+    problem = security_problem(cert_file=cert_file, key_file=key_file, client_ca=client_ca,
+                               root_password_file=root_password_file, job_users=job_users, ca_file=ca_file,
+                               admin_cert=admin_cert, admin_key=admin_key)
+    if problem is not None:
+        fail(problem, ExitCode.USAGE)
     ca_file = ca_file or client_ca
-    if root_password_file and not ca_file:
-        fail("--root-password-file needs --ca-file (the CA that signed --cert-file) to connect and set up users", 2)
-    if root_password_file and client_ca and not (admin_cert and admin_key):
-        fail("with --client-ca, setting up users needs a client certificate: pass --admin-cert and --admin-key", 2)
     root_password = read_password_file(root_password_file) if root_password_file else None
     users = _job_users(job_users)
     tls = ServerTLS(cert_file, key_file, client_ca) if cert_file and key_file else None
-    if not _loopback(host) and (tls is None or (root_password is None and not client_ca)):
-        missing = "TLS or authentication" if tls is None else "authentication (--root-password-file or --client-ca)"
-        err_console.print(
-            f"elasticrun: warning: etcd listens on {host} without {missing}: anyone who can reach port {port} "
-            "can read and rewrite every job (see docs/security.md)", highlight=False, soft_wrap=True,
-        )
-    retention = retention_from_env(compaction_retention)
-    quota = int(quota_backend_bytes) if quota_backend_bytes is not None else None  # parsed by values.size
+    warning = exposure_warning(host, port, tls is not None, root_password is not None, bool(client_ca))
+    if warning is not None:
+        err_console.print(f"elasticrun: warning: {warning}", highlight=False, soft_wrap=True)
     server = EtcdServer(
-        retention=retention, quota_bytes=quota,
+        retention=retention_from_env(compaction_retention),
+        quota_bytes=int(quota_backend_bytes) if quota_backend_bytes is not None else None,  # parsed by values.size
         host=host, client_port=port, peer_port=peer_port, data_dir=data_dir, binary=binary, tls=tls,
         health_tls=HealthTLS(ca=ca_file, cert=admin_cert, key=admin_key) if ca_file else None,
         auth_token_ttl=auth_token_ttl,
     )
+    admin = EtcdSettings(server.endpoint, ca_cert=ca_file, cert=admin_cert, key=admin_key)
+    _serve(server, data_dir is None, admin if root_password is not None else None, root_password, users,
+           _security_note(tls is not None, bool(client_ca), root_password is not None))
+
+
+def security_problem(*, cert_file: Optional[str], key_file: Optional[str], client_ca: Optional[str],
+                     root_password_file: Optional[str], job_users: Sequence[str], ca_file: Optional[str],
+                     admin_cert: Optional[str], admin_key: Optional[str]) -> Optional[str]:
+    """What is wrong with a combination of the security flags (one line for the user), or None."""
+    auth = bool(root_password_file)
+    if bool(cert_file) != bool(key_file):
+        return "TLS needs both --cert-file and --key-file"
+    if client_ca and not cert_file:
+        return "--client-ca needs --cert-file/--key-file (client certificates are checked over TLS only)"
+    if job_users and not auth:
+        return "--job-user needs --root-password-file (users only matter with authentication on)"
+    if auth and not cert_file:
+        return ("--root-password-file needs TLS (--cert-file/--key-file): passwords must not cross the network "
+                "in clear text")
+    if auth and not (ca_file or client_ca):
+        return "--root-password-file needs --ca-file (the CA that signed --cert-file) to connect and set up users"
+    if auth and client_ca and not (admin_cert and admin_key):
+        return "with --client-ca, setting up users needs a client certificate: pass --admin-cert and --admin-key"
+    return None
+
+
+def exposure_warning(host: str, port: int, tls: bool, auth: bool, client_certs: bool) -> Optional[str]:
+    """The warning for a server that others can reach and use without TLS or authentication, or None."""
+    if _loopback(host) or (tls and (auth or client_certs)):
+        return None
+    missing = "TLS or authentication" if not tls else "authentication (--root-password-file or --client-ca)"
+    return (f"etcd listens on {host} without {missing}: anyone who can reach port {port} can read and rewrite "
+            "every job (see docs/security.md)")
+
+
+def _security_note(tls: bool, client_certs: bool, auth: bool) -> str:
+    """`` (TLS, client certificates, auth)`` after the serving address; "" without TLS."""
+    if not tls:
+        return ""
+    return f" (TLS{', client certificates' if client_certs else ''}{', auth' if auth else ''})"
+
+
+def _serve(server: EtcdServer, remove_data: bool, admin: Optional[EtcdSettings], root_password: Optional[str],
+           users: List[Tuple[str, str]], secured: str) -> None:
+    """Start ``server``, turn authentication on through ``admin`` (when given), and serve until
+    Ctrl-C or SIGTERM; etcd exiting on its own is an error (exit 1)."""
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # before the start: a SIGTERM meanwhile stops it cleanly
     try:
@@ -147,15 +181,13 @@ def etcd(
     except StoreError as err:  # etcd itself would not start (its reason, from its log): retrying cannot help
         fail(str(err), ExitCode.JOB_FAILED)
     try:
-        if root_password is not None:
-            admin = EtcdSettings(server.endpoint, ca_cert=ca_file, cert=admin_cert, key=admin_key)
+        if admin is not None and root_password is not None:
             _enable_auth(admin, root_password, users)
     except ElasticrunError:
-        server.stop(remove_data=data_dir is None)
+        server.stop(remove_data=remove_data)
         raise
-    secured = f" (TLS{', client certificates' if client_ca else ''}{', auth' if root_password else ''})" if tls else ""
     console.print(f"etcd serving at [bold]{server.client_url}[/]{secured} (data: {server.data_dir}, history kept: "
-                  f"{retention}); Ctrl-C to stop")
+                  f"{server.retention}); Ctrl-C to stop")
     try:
         while not stop.wait(0.5):
             if not server.running():
@@ -163,7 +195,7 @@ def etcd(
     except KeyboardInterrupt:
         pass
     finally:
-        server.stop(remove_data=data_dir is None)
+        server.stop(remove_data=remove_data)
     console.print("etcd stopped")
 
 

@@ -1,16 +1,16 @@
 """Read-only snapshots of jobs in etcd, for ``elasticrun status`` (no CLI, no printing).
 
 :func:`job_status` reads one job's prefix in a single range read (plus one cheap
-``LeaseTimeToLive`` per registered node) and returns a plain, JSON-ready ``dict`` with
-stable keys; :func:`list_jobs` summarises every job under ``/elasticrun/``. The pure
-builders (:func:`build_job_status`, :func:`summarise_jobs`) take the key/values
-themselves, so they can be fed from a watch or a test.
+``LeaseTimeToLive`` per registered node, :func:`read_leases`) and returns a plain, JSON-ready
+``dict`` with stable keys; :func:`list_jobs` summarises every job under ``/elasticrun/``. The
+pure builders (:func:`build_job_status`, :func:`summarise_jobs`) take the key/values (and the
+lease TTLs) themselves, so they can be fed from a watch or a test.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set
 
 from elasticrun.errors import ElasticrunError, StoreError, StoreSetupError
 from elasticrun.job import records
@@ -19,6 +19,7 @@ from elasticrun.rendezvous.records import (
     Member,
     NodeInfo,
     RescaleEvent,
+    Topology,
     WorkerStatus,
     event_record,
     node_record,
@@ -29,7 +30,7 @@ from elasticrun.store.client import EtcdStore, KeyValue
 
 EVENTS_SHOWN = 10  # newest rescale events in a status document
 
-LeaseInfo = Callable[[int], Optional[Dict[str, int]]]
+LeaseTTL = Dict[str, int]  # {"ttl": seconds left, "granted_ttl": seconds}, as EtcdStore.lease_ttl reads it
 
 
 class JobNotFoundError(ElasticrunError):
@@ -66,8 +67,8 @@ def _records_under(data: Dict[str, KeyValue], prefix: str, check: Callable[[Any]
     return found
 
 
-def _node_row(info: NodeInfo, lease: int, lease_info: Optional[LeaseInfo]) -> Dict[str, Any]:
-    ttl = lease_info(lease) if (lease_info is not None and lease) else None
+def _node_row(info: NodeInfo, lease: int, leases: Mapping[int, LeaseTTL]) -> Dict[str, Any]:
+    ttl = leases.get(lease) if lease else None
     return {
         "node_id": info.node_id,
         "host": info.host,
@@ -88,104 +89,154 @@ def _node_row(info: NodeInfo, lease: int, lease_info: Optional[LeaseInfo]) -> Di
     }
 
 
+def _lost_row(m: Member) -> Dict[str, Any]:
+    """The row of a member whose node record is gone (or belongs to a newer incarnation)."""
+    return {
+        "node_id": m.node_id,
+        "host": m.host,
+        "addr": m.addr,
+        "pid": None,
+        "nproc": m.nproc,
+        "accelerators": [],
+        "status": MemberStatus.LOST.value,
+        "waiting_for": None,
+        "registered": False,
+        "registered_at": None,
+        "heartbeat_at": None,
+        "lease_id": m.lease,
+        "lease_ttl": None,
+        "lease_granted_ttl": None,
+        "lease_heartbeat_age": None,
+    }
+
+
+def _node_rows(data: Dict[str, KeyValue], keys: JobKeys, leases: Mapping[int, LeaseTTL]) -> Dict[str, Dict[str, Any]]:
+    """A row per well-formed node record, by node id (a malformed one is reported once and left out)."""
+    infos: Dict[str, NodeInfo] = _records_under(data, keys.nodes, node_record)
+    return {n: _node_row(info, data[keys.node(n)].lease, leases) for n, info in infos.items()}
+
+
+def _round_end(data: Dict[str, KeyValue], keys: JobKeys, topo: Optional[Topology]) -> Dict[str, Any]:
+    """How the current round is ending: the failure that ends it, a requested end, the nodes done."""
+    if topo is None:
+        return {"failed": None, "end": None, "done": []}
+    dones = keys.dones(topo.round)
+    return {
+        "failed": records.read(data.get(keys.failed(topo.round)), records.failed_flag),
+        "end": records.read(data.get(keys.end(topo.round)), records.end_flag),
+        "done": sorted(k[len(dones):] for k in data if k.startswith(dones)),
+    }
+
+
+def _member_row(m: Member, node: Optional[Dict[str, Any]], failures: Any, progress: Optional[Dict[str, Any]],
+                gone_status: str) -> Dict[str, Any]:
+    """A member of the round: its node's row when the same incarnation is registered, else
+    ``gone_status`` (Lost, Left or Finished); Failed when an Active node reported failed workers."""
+    same = node is not None and (not m.lease or node["lease_id"] == m.lease)
+    row: Dict[str, Any] = dict(node) if same and node is not None else _lost_row(m)
+    if failures and row["status"] == WorkerStatus.ACTIVE:
+        row["status"] = WorkerStatus.FAILED.value
+    if row["status"] == MemberStatus.LOST:
+        row["status"] = gone_status
+    row.update(
+        group_rank=m.group_rank,
+        rank_offset=m.rank_offset,
+        ranks=list(m.ranks),
+        nproc=m.nproc,
+        failed_workers=failures or [],
+        progress=progress,
+    )
+    return row
+
+
+def _members(data: Dict[str, KeyValue], keys: JobKeys, topo: Optional[Topology], nodes: Dict[str, Dict[str, Any]],
+             progress: Dict[str, Dict[str, Any]], done: List[str], state: Any) -> List[Dict[str, Any]]:
+    if topo is None:
+        return []
+    lefts = keys.lefts(topo.round)
+    left = {k[len(lefts):] for k in data if k.startswith(lefts)}
+    return [
+        _member_row(m, nodes.get(m.node_id),
+                    records.read(data.get(keys.failure(topo.round, m.node_id)), records.failure_rows),
+                    progress.get(m.node_id), _gone_status(m.node_id, done, left, state))
+        for m in topo.members
+    ]
+
+
+def _spares(nodes: Dict[str, Dict[str, Any]], members: List[Dict[str, Any]],
+            progress: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The registered nodes that are not (this incarnation of) a member, oldest registration first."""
+    member_keys = {(r["node_id"], r["lease_id"]) for r in members if r["registered"]}
+    return [
+        dict(nodes[node_id], progress=progress.get(node_id))
+        for node_id in sorted(nodes, key=lambda n: (nodes[n]["registered_at"] or 0, n))
+        if (node_id, nodes[node_id]["lease_id"]) not in member_keys
+    ]
+
+
+def _event_rows(data: Dict[str, KeyValue], keys: JobKeys, events: int) -> List[Dict[str, Any]]:
+    """The newest ``events`` well-formed rescale events, newest first."""
+    rows = []
+    for key in sorted((k for k in data if k.startswith(keys.events)), reverse=True)[: max(0, events)]:
+        ev = records.read(data[key], event_record)
+        if ev is not None:
+            rows.append(_event_row(ev))
+    return rows
+
+
+def _round_fields(topo: Optional[Topology]) -> Dict[str, Any]:
+    """The document's fields of the current round (empty values before the first round)."""
+    if topo is None:
+        return {"round": None, "world_size": 0, "restart_count": 0, "master_addr": None, "master_port": None,
+                "round_created_at": None}
+    return {"round": topo.round, "world_size": topo.world_size, "restart_count": topo.restart_count,
+            "master_addr": topo.master_addr, "master_port": topo.master_port, "round_created_at": topo.created_at}
+
+
 def build_job_status(
     job: str,
     kvs: Iterable[KeyValue],
     revision: int = 0,
-    lease_info: Optional[LeaseInfo] = None,
+    leases: Optional[Mapping[int, LeaseTTL]] = None,
     events: int = EVENTS_SHOWN,
+    now: Optional[float] = None,
 ) -> Dict[str, Any]:
-    """The status document of ``job`` from its keys (``kvs``: everything under its prefix).
+    """The status document of ``job`` from its keys (``kvs``: everything under its prefix); no I/O.
 
     Stable top-level keys: job, exists, revision, time, config, nnodes, max_restarts, state,
     round, world_size, restart_count, master_addr, master_port, round_created_at, round_end,
     members, spares, events, goodput_nodes (each agent's goodput accounting by node id), expires_at
     (when an ended job's keys leave etcd; None while it runs or when they stay). A malformed record
-    (:mod:`elasticrun.job.records`) is reported once and shown as absent.
-    ``lease_info(lease_id)`` may return ``{"ttl", "granted_ttl"}``.
+    (:mod:`elasticrun.job.records`) is reported once and shown as absent. ``leases`` maps a node
+    record's lease id to its ``{"ttl", "granted_ttl"}`` (see
+    :func:`read_leases`); ``now`` is the document's time (default: the current time).
     """
     keys = JobKeys(job)
     data = {kv.key: kv for kv in kvs if kv.key.startswith(keys.prefix)}
     config = records.read(data.get(keys.config), records.config_record) or {}
     state = records.read(data.get(keys.state), records.state_record)
-    topo = records.read(data.get(keys.topology), topology_record)
-    infos = _records_under(data, keys.nodes, node_record)
-    nodes = {n: _node_row(info, data[keys.node(n)].lease, lease_info) for n, info in infos.items()}
+    topo: Optional[Topology] = records.read(data.get(keys.topology), topology_record)
+    nodes = _node_rows(data, keys, leases or {})
     progress = _records_under(data, keys.progress, records.progress_record)
-    goodput = _records_under(data, keys.goodput, records.goodput_record)
-
-    members: List[Dict[str, Any]] = []
-    round_end: Dict[str, Any] = {"failed": None, "end": None, "done": []}
-    if topo is not None:
-        round_end["failed"] = records.read(data.get(keys.failed(topo.round)), records.failed_flag)
-        round_end["end"] = records.read(data.get(keys.end(topo.round)), records.end_flag)
-        dones, lefts = keys.dones(topo.round), keys.lefts(topo.round)
-        round_end["done"] = sorted(k[len(dones):] for k in data if k.startswith(dones))
-        left = {k[len(lefts):] for k in data if k.startswith(lefts)}
-        for m in topo.members:
-            node = nodes.get(m.node_id)
-            same = node is not None and (not m.lease or node["lease_id"] == m.lease)
-            failures = records.read(data.get(keys.failure(topo.round, m.node_id)), records.failure_rows)
-            row: Dict[str, Any] = dict(node) if same and node is not None else _gone_row(m)
-            if failures and row["status"] == WorkerStatus.ACTIVE:
-                row["status"] = WorkerStatus.FAILED.value
-            if row["status"] == MemberStatus.LOST:
-                row["status"] = _gone_status(m.node_id, round_end["done"], left, state)
-            row.update(
-                group_rank=m.group_rank,
-                rank_offset=m.rank_offset,
-                ranks=list(m.ranks),
-                nproc=m.nproc,
-                failed_workers=failures or [],
-                progress=progress.get(m.node_id),
-            )
-            members.append(row)
-    member_keys = {(r["node_id"], r["lease_id"]) for r in members if r["registered"]}
-    spares = []
-    for node_id in sorted(nodes, key=lambda n: (nodes[n]["registered_at"] or 0, n)):
-        row = nodes[node_id]
-        if (node_id, row["lease_id"]) not in member_keys:
-            spares.append(dict(row, progress=progress.get(node_id)))
-
-    event_rows = []
-    for key in sorted((k for k in data if k.startswith(keys.events)), reverse=True)[: max(0, events)]:
-        ev = records.read(data[key], event_record)
-        if ev is not None:
-            event_rows.append(_event_row(ev))
     expiry = records.read(data.get(keys.expiry), records.expiry_record)
-
-    max_restarts = config.get("max_restarts")
+    round_end = _round_end(data, keys, topo)
+    members = _members(data, keys, topo, nodes, progress, round_end["done"], state)
     return {
         "job": job,
         "exists": bool(data),
         "revision": revision,
-        "time": time.time(),
+        "time": time.time() if now is None else now,
         "config": config or None,
         "nnodes": config.get("nnodes"),
-        "max_restarts": max_restarts,
+        "max_restarts": config.get("max_restarts"),
         "state": state,
-        "round": None if topo is None else topo.round,
-        "world_size": 0 if topo is None else topo.world_size,
-        "restart_count": 0 if topo is None else topo.restart_count,
-        "master_addr": None if topo is None else topo.master_addr,
-        "master_port": None if topo is None else topo.master_port,
-        "round_created_at": None if topo is None else topo.created_at,
+        **_round_fields(topo),
         "round_end": round_end,
         "members": members,
-        "spares": spares,
-        "events": event_rows,
-        "goodput_nodes": goodput,
+        "spares": _spares(nodes, members, progress),
+        "events": _event_rows(data, keys, events),
+        "goodput_nodes": _records_under(data, keys.goodput, records.goodput_record),
         "expires_at": None if expiry is None else float(expiry["time"]) + float(expiry["ttl"]),
-    }
-
-
-def _gone_row(m: Member) -> Dict[str, Any]:
-    """A member whose node record is gone (or belongs to a newer incarnation)."""
-    return {
-        "node_id": m.node_id, "host": m.host, "addr": m.addr, "pid": None, "nproc": m.nproc, "accelerators": [],
-        "status": MemberStatus.LOST.value, "waiting_for": None, "registered": False, "registered_at": None,
-        "heartbeat_at": None, "lease_id": m.lease, "lease_ttl": None, "lease_granted_ttl": None,
-        "lease_heartbeat_age": None,
     }
 
 
@@ -218,14 +269,19 @@ def job_phase(doc: Dict[str, Any]) -> str:
     return JobPhase.RUNNING.value
 
 
-def _lease_info(store: EtcdStore) -> LeaseInfo:
-    def get(lease_id: int) -> Optional[Dict[str, int]]:
+def read_leases(store: EtcdStore, job: str, kvs: Iterable[KeyValue]) -> Dict[int, LeaseTTL]:
+    """The TTLs of the leases the job's node records are attached to (one cheap ``LeaseTimeToLive``
+    each); a lease gone, or one this etcd user may not read, is left out."""
+    nodes = JobKeys(job).nodes
+    found: Dict[int, LeaseTTL] = {}
+    for lease in sorted({kv.lease for kv in kvs if kv.lease and kv.key.startswith(nodes)}):
         try:
-            return store.lease_ttl(lease_id)
+            ttl = store.lease_ttl(lease)
         except ElasticrunError:
-            return None
-
-    return get
+            continue
+        if ttl is not None:
+            found[lease] = ttl
+    return found
 
 
 def job_status(
@@ -242,7 +298,7 @@ def job_status(
         raise JobNotFoundError(
             f"no job {job!r} in etcd at {store.endpoints} ({hint}); check --rdzv-id and --rdzv-endpoint"
         )
-    doc = build_job_status(job, kvs, revision, _lease_info(store) if leases else None, events)
+    doc = build_job_status(job, kvs, revision, read_leases(store, job, kvs) if leases else None, events, time.time())
     doc["phase"] = job_phase(doc)
     return doc
 
@@ -292,5 +348,6 @@ __all__ = [
     "job_phase",
     "job_status",
     "list_jobs",
+    "read_leases",
     "summarise_jobs",
 ]

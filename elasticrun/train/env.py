@@ -20,14 +20,8 @@ from elasticrun.rendezvous.records import RescaleEvent, RescaleType
 
 log = logging.getLogger(__name__)
 
-# Short aliases of the names in elasticrun.job.env (the one place they are spelled).
-ENV_ROUND = job_env.ROUND
-ENV_PREV_WORLD_SIZE = job_env.PREV_WORLD_SIZE
-ENV_RESCALE_TYPE = job_env.RESCALE_TYPE
-ENV_RESCALE_EVENT_FILE = job_env.RESCALE_EVENT_FILE
-ENV_RDZV_ENDPOINT = job_env.RDZV_ENDPOINT
-ENV_RDZV_ID = job_env.RDZV_ID
-ENV_NODE_ID = job_env.NODE_ID
+#: The variable that holds the launcher's ``--checkpoint-dir`` (spelled in elasticrun.job.env), for
+#: training scripts: ``os.environ.get(elasticrun.train.env.ENV_CHECKPOINT_DIR)``.
 ENV_CHECKPOINT_DIR = job_env.CHECKPOINT_DIR
 
 
@@ -66,11 +60,6 @@ class ElasticState:
     elastic: bool = False  # started by elasticrun (ELASTICRUN_ROUND set)
     extra: Dict[str, Any] = field(default_factory=dict)
     node_local_rank: Optional[int] = None  # the worker's index on its node (ELASTICRUN_LOCAL_RANK); None: local_rank
-
-    @property
-    def is_first_round(self) -> bool:
-        """True on the job's first round (nothing to resume unless a checkpoint says otherwise)."""
-        return self.rescale_type == RescaleType.START
 
     @property
     def world_changed(self) -> bool:
@@ -113,7 +102,7 @@ class ElasticState:
         """
         env = os.environ if env is None else env
         launched = job_env.RANK in env and job_env.WORLD_SIZE in env
-        elastic = bool(env.get(ENV_ROUND, "").strip())
+        elastic = bool(env.get(job_env.ROUND, "").strip())
         rank = _int(env, job_env.RANK, 0)
         world = _int(env, job_env.WORLD_SIZE, 1)
         local_rank = _int(env, job_env.LOCAL_RANK, 0)
@@ -123,18 +112,18 @@ class ElasticState:
         if not 0 <= rank < world:
             raise ConfigError(f"RANK={rank} is outside 0..{world - 1} (WORLD_SIZE={world})")
         restarts = _int(env, job_env.RESTART_COUNT, 0)
-        rnd = _int(env, ENV_ROUND, restarts)
-        prev = _int(env, ENV_PREV_WORLD_SIZE, 0)
-        raw_type = env.get(ENV_RESCALE_TYPE, "").strip()
+        rnd = _int(env, job_env.ROUND, restarts)
+        prev = _int(env, job_env.PREV_WORLD_SIZE, 0)
+        raw_type = env.get(job_env.RESCALE_TYPE, "").strip()
         if raw_type:
             try:
                 rtype = RescaleType(raw_type)
             except ValueError:
                 names = ", ".join(t.value for t in RescaleType)
-                raise ConfigError(f"{ENV_RESCALE_TYPE}={raw_type!r} is not one of {names}") from None
+                raise ConfigError(f"{job_env.RESCALE_TYPE}={raw_type!r} is not one of {names}") from None
         else:
             rtype = RescaleType.RESTART if restarts > 0 else RescaleType.START
-        event = _read_event(env.get(ENV_RESCALE_EVENT_FILE, ""))
+        event = _read_event(env.get(job_env.RESCALE_EVENT_FILE, ""))
         if event is not None:
             if not raw_type:
                 rtype = event.type
@@ -152,9 +141,9 @@ class ElasticState:
             prev_world_size=prev,
             rescale_type=rtype,
             event=event,
-            rdzv_endpoint=env.get(ENV_RDZV_ENDPOINT, "").strip(),
-            rdzv_id=env.get(ENV_RDZV_ID, "").strip() or env.get(job_env.RUN_ID, "").strip(),
-            node_id=env.get(ENV_NODE_ID, "").strip(),
+            rdzv_endpoint=env.get(job_env.RDZV_ENDPOINT, "").strip(),
+            rdzv_id=env.get(job_env.RDZV_ID, "").strip() or env.get(job_env.RUN_ID, "").strip(),
+            node_id=env.get(job_env.NODE_ID, "").strip(),
             launched=launched,
             elastic=elastic,
         )
@@ -174,4 +163,4 @@ def _read_event(path: str) -> Optional[RescaleEvent]:
         return None
 
 
-__all__ = ["ElasticState", "ENV_CHECKPOINT_DIR", "ENV_RDZV_ENDPOINT", "ENV_RDZV_ID", "ENV_NODE_ID"]
+__all__ = ["ElasticState", "ENV_CHECKPOINT_DIR"]

@@ -1,43 +1,18 @@
 #!/usr/bin/env python
-"""Elastic reaction time: elasticrun against torchrun (c10d), N nodes x P procs on loopback.
-
-Scenarios (CPU, gloo, ``OMP_NUM_THREADS=1``; ``--nodes`` N, default 2, ``--nproc`` P, default 2):
-
-``kill``  N nodes (separate agent processes, own node ids A, B, ...) train at world size N*P with
-          ``--nnodes 1:N``. The last node dies: its agent and every process under it get SIGKILL at
-          the same instant (a machine that is gone; ``--kill-mode agent`` kills the agent alone).
-          Measured: from the kill to the first step logged at world size (N-1)*P.
-``join``  N-1 nodes train at world size (N-1)*P (``--nnodes 1:N``). The last node's agent starts.
-          Measured: from its start to the first step at world size N*P (it trains in the job).
-``leave`` N nodes train at world size N*P; the last node's agent gets SIGTERM (a graceful leave).
-          Measured: from the SIGTERM to the first step at world size (N-1)*P.
-
-Training scripts (``--client``, several allowed; see ``scripts/bench/elastic_clients.py``): ``bench``
-(``scripts/bench/elastic_train.py``, the default), ``plain`` (a tight all-reduce loop that never polls
-and handles no signal) and ``example`` (``examples/train.py``: DDP, checkpoint on SIGTERM).
-
-Variants: elasticrun with ``--heartbeat-timeout`` 3 and 5 (the default), with and without
-``--prewarm``; torchrun ``--rdzv-backend c10d`` with node A hosting the store, both with its
-defaults and tuned (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``,
-``--rdzv-conf last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3``).
-Every elasticrun run gets its own real etcd (``EtcdServer``), stopped afterwards.
-
-A run that does not reach the measured step within ``--timeout`` seconds is a *hang*; one
-whose surviving agents all exit first is a *failure*. Every process a run starts carries a
-unique marker in its environment and is SIGKILLed at the end of the run (also on Ctrl-C).
-
-Variants run interleaved (run 1 of every variant, then run 2, ...). ``--json PATH`` writes
-``{"results": [per variant], "summary": [per elasticrun variant against the best torchrun]}``.
+"""Elastic reaction time: elasticrun against torchrun (c10d), N nodes x P procs on loopback (docs/performance.md,
+"Node loss and scale-up").
 
     python scripts/bench/bench_elastic.py --runs 1 --quick
     python scripts/bench/bench_elastic.py --runs 3 --scenario all --launcher all
     python scripts/bench/bench_elastic.py --scenario join --quick --nodes 3 --nproc 1 --client plain bench example
-    python scripts/bench/bench_elastic.py --scenario join --quick --nodes 3 --nproc 1 --client inplace
     python scripts/bench/bench_elastic.py --scenario leave --quick --nodes 3 --nproc 1 --client inplace
 
-``join`` and ``leave`` also report the survivors' *pause* (``phases.pause``: the last step at the old world size to
-the first at the new one). With ``--client inplace`` the ``elasticrun sw=1 prewarm`` rows re-form the
-survivors in place, ``... no-inplace`` rows take the restart path, torchrun restarts.
+``kill``: the last node's agent and every process under it get SIGKILL at once; measured to the first step at
+the smaller world size. ``join``: the last node's agent starts; measured to its first step in the job. ``leave``:
+the last node's agent gets SIGTERM; measured to the first step at the smaller world size. ``join`` and ``leave``
+also report the survivors' pause (``phases.pause``: the last step at the old world size to the first at the new).
+Each run gets its own etcd or c10d port; variants run interleaved (run 1 of each, then run 2, ...); ``--json``
+writes every variant's runs and the ``summary`` (each elasticrun variant against the best torchrun one).
 """
 
 from __future__ import annotations
@@ -58,10 +33,10 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import psutil
-from elastic_clients import CLIENTS, Client, Node, kill_all, tagged_processes
+from common import REPO, kill_all, shown_command, tagged_processes
+from elastic_clients import CLIENTS, Client, Node
 from elastic_report import Outcome, Summary, fmt, summary_rows, table
 
-REPO = Path(__file__).resolve().parents[2]
 TAG_VAR = "BENCH_ELASTIC_TAG"
 STABILITY_WINDOW = 1.0
 TUNED_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
@@ -184,11 +159,11 @@ class Run:
         self.nodes[name] = node
         return node
 
-    def kill(self, name: str, mode: str) -> float:
-        """SIGKILL node ``name`` (agent + whole tree, or agent only); returns the kill time."""
+    def kill(self, name: str) -> float:
+        """SIGKILL node ``name``'s agent and every process under it at once (a lost machine); the kill time."""
         node = self.nodes[name]
         try:
-            tree = psutil.Process(node.proc.pid).children(recursive=True) if mode == "tree" else []
+            tree = psutil.Process(node.proc.pid).children(recursive=True)
         except psutil.NoSuchProcess:
             tree = []
         at = time.time()
@@ -199,7 +174,7 @@ class Run:
             except psutil.NoSuchProcess:
                 pass
         node.dead = True
-        self.events.append(f"{at - self.epoch:8.3f} bench: SIGKILL node {name} ({mode})")
+        self.events.append(f"{at - self.epoch:8.3f} bench: SIGKILL node {name}")
         node.proc.wait(10)
         return at
 
@@ -272,7 +247,7 @@ def measure(run: Run, args: argparse.Namespace) -> Outcome:
         if ready.status != "ok":
             return Outcome(ready.status, None, "setup: " + ready.detail)
         if run.scenario == "kill":
-            return run.wait_step(less, run.kill(names[-1], args.kill_mode), args.timeout)
+            return run.wait_step(less, run.kill(names[-1]), args.timeout)
         at = run.leave(names[-1])
         outcome = run.wait_step(less, at, args.timeout)
         if outcome.status == "ok":
@@ -304,13 +279,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="only elasticrun hb=3/sw=1 prewarm and tuned torchrun")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per phase before a run counts as hung")
     ap.add_argument("--warm-steps", type=int, default=5, help="steps of a steady job before the change")
-    ap.add_argument("--kill-mode", choices=["tree", "agent"], default="tree",
-                    help="tree: SIGKILL node B's agent and all its processes at once; agent: the agent only")
     ap.add_argument("--client", nargs="+", choices=sorted(CLIENTS), default=["bench"],
-                    help="training scripts to measure (see scripts/bench/elastic_clients.py)")
+                    help="training scripts to measure (see scripts/bench/elastic_worker.py)")
     ap.add_argument("--nodes", type=int, default=2, help="nodes in the full job (the last one joins / dies)")
     ap.add_argument("--nproc", type=int, default=2, help="workers per node")
-    ap.add_argument("--log-dir", type=Path, default=None, help="keep agent logs here [default: a temp dir]")
     ap.add_argument("--json", type=Path, default=None, help="also write all results as JSON here")
     args = ap.parse_args(argv)
     if args.nodes < 2 or args.nproc < 1 or args.nodes * args.nproc > 8:
@@ -323,58 +295,51 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def chosen(args: argparse.Namespace, scenario: str, client: str) -> List[Summary]:
+    """The variants ``--launcher`` and ``--quick`` select for one scenario and client."""
+    return [Summary(scenario, v, client) for v in VARIANTS[scenario]
+            if args.launcher in ("all", v.launcher) and (not args.quick or v.label in QUICK_LABELS)]
+
+
+def measure_all(args: argparse.Namespace, log_root: Path) -> List[Summary]:
+    """Every scenario, client and variant, ``--runs`` times, interleaved (A B A B ...); progress on stdout."""
+    summaries: List[Summary] = []
+    for scenario in (["kill", "join", "leave"] if args.scenario == "all" else [args.scenario]):
+        for client in args.client:
+            group = chosen(args, scenario, client)
+            summaries += group
+            for i in range(args.runs):
+                for summary in group:
+                    run = Run(summary.variant, scenario, log_root, i, CLIENTS[client], args.nodes, args.nproc)
+                    try:
+                        outcome = measure(run, args)
+                    finally:
+                        run.close()
+                    summary.outcomes.append(outcome)
+                    print(f"{scenario:5s} {client:7s} {summary.variant.label:38s} run {i + 1}/{args.runs}: "
+                          f"{outcome.status:6s} {fmt(outcome.seconds):>6s} s  load {os.getloadavg()[0]:.2f} "
+                          f"{outcome.detail} {outcome.phases or ''}", flush=True)
+    return summaries
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the selected scenarios and variants; print progress and the results table."""
     args = parse_args(argv)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGINT too: may be ignored when backgrounded
         signal.signal(sig, _interrupt)
-    scenarios = ["kill", "join", "leave"] if args.scenario == "all" else [args.scenario]
-    own_logs = args.log_dir is None
-    log_root = Path(tempfile.mkdtemp(prefix="bench_elastic-")) if own_logs else args.log_dir
-    log_root.mkdir(parents=True, exist_ok=True)
+    log_root = Path(tempfile.mkdtemp(prefix="bench_elastic-"))
     print(f"# logs in {log_root}; load average {os.getloadavg()[0]:.2f} at start", flush=True)
-    summaries: List[Summary] = []
-    current: Optional[Run] = None
     try:
-        for scenario in scenarios:
-            for client in args.client:
-                chosen = [
-                    Summary(scenario, v, client) for v in VARIANTS[scenario]
-                    if (args.launcher == "all" or v.launcher == args.launcher)
-                    and (not args.quick or v.label in QUICK_LABELS)
-                ]
-                summaries += chosen
-                for i in range(args.runs):  # interleaved: A B A B ...
-                    for summary in chosen:
-                        current = Run(summary.variant, scenario, log_root, i, CLIENTS[client], args.nodes, args.nproc)
-                        try:
-                            outcome = measure(current, args)
-                        finally:
-                            current.close()
-                            current = None
-                        summary.outcomes.append(outcome)
-                        print(
-                            f"{scenario:4s} {client:7s} {summary.variant.label:38s} run {i + 1}/{args.runs}: "
-                            f"{outcome.status:6s} {fmt(outcome.seconds):>6s} s  load {os.getloadavg()[0]:.2f} "
-                            f"{outcome.detail} {outcome.phases or ''}",
-                            flush=True,
-                        )
-    except KeyboardInterrupt:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second Ctrl-C must not skip the cleanup
-            signal.signal(sig, signal.SIG_IGN)
-        if current is not None:
-            current.close()
-        print("# interrupted; processes cleaned up", file=sys.stderr)
+        summaries = measure_all(args, log_root)
+    except KeyboardInterrupt:  # the run's processes were killed on the way out (Run.close)
+        print(f"# interrupted; processes cleaned up; logs kept in {log_root}", file=sys.stderr)
         return 130
-    print()
-    print(table(summaries))
-    print(f"\n# load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"\n{table(summaries)}\n\n# load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.json:
-        command = " ".join(["python", "scripts/bench/bench_elastic.py", *(sys.argv[1:] if argv is None else argv)])
-        doc = {"results": [s.as_dict() for s in summaries], "summary": summary_rows(summaries, command),
-               "load_average_end": os.getloadavg()[0]}
+        doc = {"results": [s.as_dict() for s in summaries], "load_average_end": os.getloadavg()[0],
+               "summary": summary_rows(summaries, shown_command(__file__, argv))}
         args.json.write_text(json.dumps(doc, indent=2))
-    if own_logs and all(o.status == "ok" for s in summaries for o in s.outcomes):
+    if all(o.status == "ok" for s in summaries for o in s.outcomes):
         shutil.rmtree(log_root, ignore_errors=True)
     else:
         print(f"# logs kept in {log_root}")

@@ -1,21 +1,14 @@
 #!/usr/bin/env python
-"""Does a scrape storm on the agent's /metrics slow training? Step rate with and without one.
+"""Does a scrape storm on the agent's /metrics slow training? Step time with and without one.
 
     python scripts/bench/bench_metrics.py                                  # 3 pairs, 200 steps, 50 scrapers
     python scripts/bench/bench_metrics.py --runs 1 --steps 60 --threads 10 # a small version (~1 min)
     python scripts/bench/bench_metrics.py --interval 1                     # 50 scrapes/s (Prometheus: 1 per 15 s)
-    python scripts/bench/bench_metrics.py --json /tmp/bench_metrics.json
 
-Each run is a real job: ``elasticrun --standalone --nproc-per-node N --metrics-port P``
-running ``examples/train.py`` (gloo, CPU) with ``--metrics-log``; the step rate is taken from
-rank 0's per-step times, from step ``--skip`` on (start-up excluded): the median step time
-(robust to the machine's other load) and the mean rate. Runs alternate quiet /
-storm so that drifting machine load hits both alike. The storm: ``--threads`` threads, each
-scraping /metrics back to back (or every ``--interval`` s) for the whole run; scrape count,
-errors, latency percentiles and the agent's CPU seconds are reported. On a machine with fewer
-cores than workers + scrapers, a back-to-back storm measures CPU contention (the scrapers
-themselves eat the cores); ``--interval`` isolates the endpoint's own cost. A run on a shared
-2-core machine measures the machine too: compare the medians, and rerun on a quiet one to publish.
+Each run is a real job (``elasticrun --standalone --metrics-port P examples/train.py --metrics-log``); runs
+alternate quiet / storm so that drifting load hits both alike. The step time is rank 0's median from step
+``--skip`` on; the storm is ``--threads`` threads scraping back to back (or every ``--interval`` s), with scrape
+count, errors, latency and the agent's CPU seconds reported (docs/performance.md, "Metrics endpoint").
 """
 
 from __future__ import annotations
@@ -23,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,13 +26,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Dict, List
 
-ROOT = Path(__file__).resolve().parents[2]
+from common import REPO, shown_command, summary_row
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+sys.path.insert(0, str(REPO))  # elasticrun as in this tree
+from elasticrun.store.server import free_port  # noqa: E402
 
 
 class Storm:
@@ -87,12 +76,12 @@ class Storm:
 
 
 def one_run(args: argparse.Namespace, storm: bool, workdir: Path, index: int) -> Dict[str, Any]:
-    port = _free_port()
+    port = free_port()
     log = workdir / f"steps-{index}.jsonl"
     cmd = [sys.executable, "-m", "elasticrun", "--standalone", "--nproc-per-node", str(args.nproc), "-q",
-           "--metrics-port", str(port), str(ROOT / "examples" / "train.py"), "--steps", str(args.steps),
+           "--metrics-port", str(port), str(REPO / "examples" / "train.py"), "--steps", str(args.steps),
            "--no-checkpoint", "--metrics-log", str(log), "--dataset-size", "100000"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     scrapes: Dict[str, Any] = {}
     errors: List[float] = []
     last_error = ""
@@ -139,15 +128,6 @@ def _wait_cpu(proc: subprocess.Popen, timeout: float) -> float:
     proc.wait(max(1.0, deadline - time.monotonic()))
     return round(cpu, 2)
 
-def _rows(quiet: float, stormy: float, args: argparse.Namespace, command: str) -> List[Dict[str, Any]]:
-    """The ``"summary"`` rows (scripts/perf/perf_report.py's shape): step time with a storm vs without."""
-    how = f"every {args.interval:g} s" if args.interval else "back to back"
-    return [{"metric": f"median step time, {args.nproc} workers, {args.threads} scrapers {how}",
-             "elasticrun": stormy, "alternative": "no scrapes", "alt_value": quiet, "unit": "ms",
-             "better": "lower", "ratio": round(stormy / quiet, 3) if quiet else None, "device": "cpu",
-             "command": command}]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=3, help="pairs of runs (quiet, storm)")
@@ -169,7 +149,10 @@ def main() -> None:
                 print(json.dumps(r), flush=True)
     quiet = statistics.median(r["median_step_ms"] for r in results if not r["storm"])
     stormy = statistics.median(r["median_step_ms"] for r in results if r["storm"])
-    summary = {"summary": _rows(quiet, stormy, args, " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])),
+    how = f"every {args.interval:g} s" if args.interval else "back to back"
+    row = summary_row(f"median step time, {args.nproc} workers, {args.threads} scrapers {how}", stormy, "no scrapes",
+                      quiet, "ms", command=shown_command(__file__))
+    summary = {"summary": [row],
                "quiet_median_step_ms": quiet, "storm_median_step_ms": stormy,
                "slowdown_pct": round(100 * (stormy / quiet - 1), 1), "threads": args.threads,
                "interval": args.interval, "nproc": args.nproc, "steps": args.steps, "runs": results,

@@ -1,14 +1,12 @@
-"""Results of ``scripts/bench/bench_elastic.py``: one run's outcome, a variant's summary, the tables.
-
-Variants are duck-typed (``launcher``, ``label``, ``tuned``, ``target(scenario)``) so this module
-needs nothing from the benchmark itself.
-"""
+"""Results of ``bench_elastic.py``: one run's outcome, a variant's runs, the table and the JSON ``summary``."""
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
+
+from common import summary_row
 
 
 @dataclass
@@ -18,15 +16,15 @@ class Outcome:
     status: str
     seconds: Optional[float] = None
     detail: str = ""
-    phases: Dict[str, float] = field(default_factory=dict)  # join: seconds from the agent's start
+    phases: Dict[str, float] = field(default_factory=dict)  # seconds from the change to each phase
 
 
 @dataclass
 class Summary:
-    """All runs of one variant in one scenario."""
+    """All runs of one variant (``bench_elastic.Variant``) and client in one scenario."""
 
     scenario: str
-    variant: Any  # bench_elastic.Variant
+    variant: Any
     client: str = "bench"
     outcomes: List[Outcome] = field(default_factory=list)
 
@@ -36,21 +34,17 @@ class Summary:
         return [o.seconds for o in self.outcomes if o.status == "ok" and o.seconds is not None]
 
     def median(self) -> Optional[float]:
-        """Median seconds over successful runs, or None."""
         return statistics.median(self.times) if self.times else None
 
     def phases(self) -> Dict[str, float]:
-        """Median seconds from the new agent's start to each phase (joined, round) over the runs."""
+        """Median seconds to each phase (joined, round, pause) over the runs that logged it."""
         names = sorted({k for o in self.outcomes for k in o.phases})
         return {k: statistics.median(o.phases[k] for o in self.outcomes if k in o.phases) for k in names}
 
     def as_dict(self) -> Dict[str, object]:
-        """JSON-friendly form."""
-        return {
-            "scenario": self.scenario, "variant": self.variant.label, "client": self.client,
-            "target_s": self.variant.target(self.scenario), "median_s": self.median(),
-            "outcomes": [o.__dict__ for o in self.outcomes], "phases_median_s": self.phases(),
-        }
+        return {"scenario": self.scenario, "variant": self.variant.label, "client": self.client,
+                "target_s": self.variant.target(self.scenario), "median_s": self.median(),
+                "outcomes": [o.__dict__ for o in self.outcomes], "phases_median_s": self.phases()}
 
 
 def fmt(x: Optional[float]) -> str:
@@ -59,46 +53,29 @@ def fmt(x: Optional[float]) -> str:
 
 
 def table(summaries: List[Summary]) -> str:
-    """A markdown table: runs, median/min/max, failures and hangs, target, ratios to torchrun."""
-    lines = [
-        "| scenario | client | variant | runs | median s | min s | max s | failed | hung | target s (met) "
-        "| ÷ torchrun default | ÷ torchrun tuned |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    """A markdown table: runs, median and range, failures and hangs, elasticrun's target, phases."""
+    lines = ["| scenario | client | variant | runs | median s | min–max s | failed | hung | target s (met) | phases |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for s in summaries:
-        ref = {
-            o.variant.tuned: o.median() for o in summaries
-            if o.scenario == s.scenario and o.client == s.client and o.variant.launcher == "torchrun"
-        }
-        med, t = s.median(), s.times
-        ratios = [
-            f"{med / ref[k]:.2f}×" if med is not None and ref.get(k) else "–" for k in (False, True)
-        ]
-        target = s.variant.target(s.scenario)
+        t, target = s.times, s.variant.target(s.scenario)
         met = f"{target:.0f} ({sum(x <= target for x in t)}/{len(s.outcomes)})" if target is not None else "–"
-        failed = sum(o.status == "failed" for o in s.outcomes)
-        hung = sum(o.status == "hang" for o in s.outcomes)
-        lines.append(
-            f"| {s.scenario} | {s.client} | {s.variant.label} | {len(s.outcomes)} | {fmt(med)} "
-            f"| {fmt(min(t) if t else None)} | {fmt(max(t) if t else None)} | {failed} | {hung} | {met} "
-            f"| {ratios[0]} | {ratios[1]} |"
-        )
+        phases = ", ".join(f"{k} {v:.2f}" for k, v in s.phases().items())
+        lines.append(f"| {s.scenario} | {s.client} | {s.variant.label} | {len(s.outcomes)} | {fmt(s.median())} | "
+                     f"{fmt(min(t) if t else None)}–{fmt(max(t) if t else None)} | "
+                     f"{sum(o.status == 'failed' for o in s.outcomes)} | {sum(o.status == 'hang' for o in s.outcomes)} "
+                     f"| {met} | {phases} |")
     return "\n".join(lines)
 
 
 def summary_rows(summaries: List[Summary], command: str) -> List[Dict[str, Any]]:
-    """The preamble's ``summary``: each elasticrun variant's median against the best torchrun's."""
+    """The JSON ``summary``: each elasticrun variant's median against the best torchrun variant's."""
     rows: List[Dict[str, Any]] = []
     for s in summaries:
         med = s.median()
         alts = [(o.median(), o.variant.label) for o in summaries if o.scenario == s.scenario
                 and o.client == s.client and o.variant.launcher == "torchrun" and o.median() is not None]
-        if s.variant.launcher != "elasticrun" or med is None or not alts:
-            continue
-        alt_value, alt = min(alts)
-        rows.append({
-            "metric": f"{s.scenario} -> first step ({s.client} client, {s.variant.label})", "elasticrun": med,
-            "alternative": alt, "alt_value": alt_value, "unit": "s", "better": "lower",
-            "ratio": alt_value / med if med > 0 else 0.0, "device": "cpu", "command": command,
-        })
+        if s.variant.launcher == "elasticrun" and med is not None and alts:
+            alt_value, alt = min(alts)
+            rows.append(summary_row(f"{s.scenario} -> first step ({s.client} client, {s.variant.label})", med, alt,
+                                    alt_value, command=command))
     return rows

@@ -7,12 +7,11 @@
     python scripts/perf/perf_report.py /tmp/perf                          # charts + the page's summary table
 
 Every benchmark runs as its own process (its own session) with a time limit; one that fails
-or runs out of time is recorded in ``bench_all.json`` and the next one starts. Each bench's
-options are checked against its ``--help`` first: an option it does not take is dropped
-(recorded as a note), ``--device`` is passed only to the benches that take it, and a bench
-whose ``--json`` is a flag (or that prints its JSON anyway) has the last JSON document of its
-output saved instead. ``--budget`` bounds the whole run: a bench's limit is cut to what is left,
-and benches that would get less than ``--min-slot`` seconds are skipped (recorded).
+or runs out of time is recorded in ``bench_all.json`` and the next one starts. Each writes its
+JSON where ``--json PATH`` (``OUT_OPTION``: another option's name) says; ``--device`` goes to
+the benches that take it (``TAKES_DEVICE``). ``--budget`` bounds the whole run: a bench's limit
+is cut to what is left, and benches that would get less than ``--min-slot`` seconds are skipped
+(recorded).
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
 import signal
 import subprocess
@@ -36,6 +34,8 @@ ROOT = HERE.parent.parent
 SHOWN = HERE.relative_to(ROOT).as_posix()  # scripts/bench, as commands are shown
 MANIFEST = "bench_all.json"
 # The benchmarks are this folder's bench_*.py; their workers and helpers are named otherwise.
+TAKES_DEVICE = {"bench_checkpoint.py", "bench_launch.py", "bench_snapshot.py"}  # the others measure CPU-side work
+OUT_OPTION = {"bench_rendezvous.py": "--out"}  # where a bench takes the path of its JSON, when not --json
 
 
 class Status(str, Enum):
@@ -70,8 +70,7 @@ def _specs(preset: str, scratch: str) -> List[Spec]:
             Spec("elastic", "bench_elastic.py", ["--runs", "2", "--quick", "--timeout", "60"], 420),
             Spec("elastic-join3", "bench_elastic.py", ["--scenario", "join", "--quick", "--nodes", "3", "--nproc", "1",
                                                        "--client", "plain", "bench", "example", "--runs", "2",
-                                                       "--timeout", "60"],
-                 480),
+                                                       "--timeout", "60"], 480),
             *[Spec(f"checkpoint-{s}", "bench_checkpoint.py",
                    ["--state", "gpt", "--size-gib", s, "--repeat", "7", "--settle", "0.3", *d], 300)
               for s in ("0.1", "0.4")],
@@ -80,6 +79,7 @@ def _specs(preset: str, scratch: str) -> List[Spec]:
             Spec("snapshot", "bench_snapshot.py", ["--mb", "256", "--repeat", "3"], 300),
             Spec("snapshot-lost", "bench_snapshot.py", ["--parts", "lost"], 720),
             Spec("metrics", "bench_metrics.py", ["--runs", "1", "--steps", "120", "--interval", "1"], 300),
+            Spec("preemption", "bench_preemption.py", ["--runs", "3", "--state-gb", "0.05", "--max-delay", "3"], 300),
         ]
     if preset == "full":
         return [
@@ -97,6 +97,8 @@ def _specs(preset: str, scratch: str) -> List[Spec]:
                  1800),
             Spec("metrics", "bench_metrics.py", ["--runs", "3", "--interval", "1"], 900),
             Spec("metrics-storm", "bench_metrics.py", ["--runs", "3"], 900),
+            Spec("preemption", "bench_preemption.py",
+                 ["--runs", "20", "--state-gb", "0.4", "--notice", "30", "--max-delay", "10"], 1800),
         ]
     if preset == "gpu":  # a lent GPU host (16 cores): what the device changes first, ~6 min in all
         return [
@@ -125,58 +127,6 @@ class Result:
     notes: List[str] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class Interface:
-    """What a bench's ``--help`` says it takes."""
-
-    options: frozenset
-    json_takes_path: bool
-    takes_json: bool
-
-
-def probe(script: Path, python: str) -> Interface:
-    """Read the options of ``script`` from its ``--help`` (an empty set when that fails)."""
-    try:
-        text = subprocess.run([python, str(script), "--help"], capture_output=True, text=True, timeout=120,
-                              cwd=ROOT).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        text = ""
-    usage = text.split("\n\n")[0]  # argparse's usage block lists every option; the description may name others
-    opts = frozenset(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", usage))
-    return Interface(opts, bool(re.search(r"--json[ =][A-Z_]+", usage)), "--json" in opts)
-
-
-def filter_args(args: Sequence[str], iface: Interface) -> tuple:
-    """Drop the options ``iface`` does not know, with their values; returns (kept, notes)."""
-    kept: List[str] = []
-    notes: List[str] = []
-    dropping = False
-    for a in args:
-        if a.startswith("--"):
-            dropping = bool(iface.options) and a not in iface.options
-            if dropping:
-                notes.append(f"dropped {a}: not in the script's --help")
-                continue
-        elif dropping:
-            continue
-        kept.append(a)
-    return kept, notes
-
-
-def last_json(text: str) -> Optional[object]:
-    """The last JSON object or list in ``text`` that starts at the beginning of a line."""
-    decoder = json.JSONDecoder()
-    starts = [m.start() for m in re.finditer(r"(?m)^[\[{]", text)]
-    for pos in reversed(starts):
-        try:
-            value, _ = decoder.raw_decode(text, pos)
-        except ValueError:
-            continue
-        if isinstance(value, (dict, list)) and value:
-            return value
-    return None
-
-
 def _stop(proc: subprocess.Popen, grace: float = 15.0) -> None:
     """SIGTERM the bench's process group (benches clean their children up), then SIGKILL it."""
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
@@ -196,18 +146,15 @@ def run_one(spec: Spec, out: Path, device: str, python: str, limit_s: float) -> 
     script = HERE / spec.script
     if not script.exists():
         return Result(spec.name, spec.script, "", Status.SKIPPED, notes=[f"{spec.script} not found"])
-    iface = probe(script, python)
-    args, notes = filter_args(spec.args, iface)
+    args, notes = list(spec.args), []
     if device != "cpu":
-        if "--device" in iface.options:
+        if script.name in TAKES_DEVICE:
             args += ["--device", device]
         else:
             notes.append(f"takes no --device: run unchanged (it measures CPU-side work, not the {device})")
     json_path = out / f"{spec.name}.json"
-    if iface.json_takes_path:
-        args += ["--json", str(json_path)]
-    elif iface.takes_json:
-        args += ["--json"]
+    json_path.unlink(missing_ok=True)  # an earlier run's file is not this run's result
+    args += [OUT_OPTION.get(script.name, "--json"), str(json_path)]
     cmd = [python, str(script), *args]
     shown = " ".join(shlex.quote(a) for a in ["python", f"{SHOWN}/{spec.script}", *args])
     log = out / f"{spec.name}.log"
@@ -227,10 +174,6 @@ def run_one(spec: Spec, out: Path, device: str, python: str, limit_s: float) -> 
             _stop(proc, grace=5.0)
             raise
     res = Result(spec.name, spec.script, shown, status, round(time.monotonic() - t0, 1), rc, log=log.name, notes=notes)
-    if not json_path.exists():
-        value = last_json(log.read_text(errors="replace"))
-        if value is not None:
-            json_path.write_text(json.dumps(value, indent=1))
     if json_path.exists():
         res.json = json_path.name
     elif status is Status.OK:
@@ -259,24 +202,10 @@ def host_info() -> Dict[str, object]:
     return info
 
 
-def _summaries(out: Path, results: List[Result]) -> List[object]:
-    """The ``summary`` entries of every bench's JSON, in run order (the preamble's contract)."""
-    rows: List[object] = []
-    for r in results:
-        try:
-            doc = json.loads((out / r.json).read_text()) if r.json else None
-        except (OSError, ValueError):
-            continue
-        if isinstance(doc, dict) and isinstance(doc.get("summary"), list):
-            rows += doc["summary"]
-    return rows
-
-
 def _write_manifest(out: Path, head: Dict[str, object], results: List[Result], order: List[str]) -> None:
     results = sorted(results, key=lambda r: order.index(r.name) if r.name in order else len(order))
     rows = [dict(asdict(r), status=r.status.value) for r in results]
-    doc = dict(head, benches=rows, summary=_summaries(out, results))
-    (out / MANIFEST).write_text(json.dumps(doc, indent=1))
+    (out / MANIFEST).write_text(json.dumps(dict(head, benches=rows), indent=1))
 
 
 def _earlier(out: Path, head: Dict[str, object], rerun: set, preset: set) -> List[Result]:
@@ -321,61 +250,76 @@ def _interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _interrupt)  # a running bench is stopped (its group) before we exit
-    specs = _specs(args.preset, args.scratch)
-    order = [s.name for s in specs]  # the preset's order: also the manifest's, after a partial rerun
-    names = set(order)
-    wanted = {n for n in args.only.split(",") if n}
-    unknown = (wanted | {n for n in args.skip.split(",") if n}) - names
+def selected(args: argparse.Namespace, specs: List[Spec]) -> List[Spec]:
+    """The preset's benches ``--only`` (in its order) and ``--skip`` leave; ValueError for an unknown name."""
+    names = [s.name for s in specs]
+    only, skip = [n for n in args.only.split(",") if n], [n for n in args.skip.split(",") if n]
+    unknown = sorted(set(only + skip) - set(names))
     if unknown:
-        print(f"run_all: unknown bench name(s) {sorted(unknown)}; choose from {sorted(names)}", file=sys.stderr)
-        return 2
-    if wanted:  # in the order given
-        specs = [s for n in args.only.split(",") if n for s in specs if s.name == n]
-    specs = [s for s in specs if s.name not in args.skip.split(",")]
-    if args.list:
-        for s in specs:
-            print(f"{s.name:18s} {s.timeout_s:6.0f} s  {SHOWN}/{s.script} {' '.join(s.args)}")
-        return 0
-    known = {s.script for p in ("quick", "full", "gpu") for s in _specs(p, "")}
-    for extra in sorted(p.name for p in HERE.glob("bench_*.py") if p.name not in known):
-        print(f"run_all: warning: {SHOWN}/{extra} is not in any preset; add it to run_all.py", file=sys.stderr)
-    try:
-        args.out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        print(f"run_all: cannot create the output dir {args.out}: {e.strerror}", file=sys.stderr)
-        return 2
-    head: Dict[str, object] = {"preset": args.preset, "device": args.device, "started": time.time(),
-                               "host": host_info()}
-    earlier = _earlier(args.out, head, {s.name for s in specs}, names)
+        raise ValueError(f"unknown bench name(s) {unknown}; choose from {sorted(names)}")
+    chosen = [next(s for s in specs if s.name == n) for n in only] if only else specs
+    return [s for s in chosen if s.name not in skip]
+
+
+def run_specs(args: argparse.Namespace, specs: List[Spec], head: Dict[str, object], earlier: List[Result],
+              order: List[str]) -> List[Result]:
+    """Run each bench within its limit and what is left of ``--budget``, the manifest rewritten after each one."""
     deadline = time.monotonic() + args.budget if args.budget > 0 else None
     results: List[Result] = []
     for spec in specs:
         limit = spec.timeout_s * args.timeout_scale
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left < args.min_slot:
-                results.append(Result(spec.name, spec.script, "", Status.SKIPPED,
-                                      notes=[f"budget: {max(left, 0):.0f} s left"]))
-                print(f"[run_all] {spec.name}: skipped (budget)", flush=True)
-                continue
-            limit = min(limit, left)
+        left = deadline - time.monotonic() if deadline is not None else limit
+        if deadline is not None and left < args.min_slot:
+            results.append(Result(spec.name, spec.script, "", Status.SKIPPED,
+                                  notes=[f"budget: {max(left, 0):.0f} s left"]))
+            print(f"[run_all] {spec.name}: skipped (budget)", flush=True)
+            continue
+        limit = min(limit, left)
         print(f"[run_all] {spec.name}: {SHOWN}/{spec.script} (limit {limit:.0f} s)", flush=True)
         try:
             res = run_one(spec, args.out, args.device, sys.executable, limit)
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the bench's group is stopped; keep what was measured
             results.append(Result(spec.name, spec.script, "", Status.FAILED, notes=["interrupted"]))
             _write_manifest(args.out, head, earlier + results, order)
-            print(f"[run_all] interrupted during {spec.name}; results so far in {args.out}", file=sys.stderr)
-            return 130
+            raise
         results.append(res)
         print(f"[run_all] {spec.name}: {res.status.value} in {res.seconds:.0f} s"
               + (f" ({'; '.join(res.notes)})" if res.notes else ""), flush=True)
         _write_manifest(args.out, head, earlier + results, order)
-    head["finished"] = time.time()
-    head["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    return results
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)  # a running bench is stopped (its group) before we exit
+    preset = _specs(args.preset, args.scratch)
+    order = [s.name for s in preset]  # the preset's order: also the manifest's, after a partial rerun
+    try:
+        specs = selected(args, preset)
+    except ValueError as e:
+        print(f"run_all: {e}", file=sys.stderr)
+        return 2
+    if args.list:
+        for s in specs:
+            print(f"{s.name:18s} {s.timeout_s:6.0f} s  {SHOWN}/{s.script} {' '.join(s.args)}")
+        return 0
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"run_all: cannot create the output dir {args.out}: {e.strerror}", file=sys.stderr)
+        return 2
+    known = {s.script for p in ("quick", "full", "gpu") for s in _specs(p, "")}
+    for extra in sorted(p.name for p in HERE.glob("bench_*.py") if p.name not in known):
+        print(f"run_all: warning: {SHOWN}/{extra} is not in any preset; add it to run_all.py", file=sys.stderr)
+    head: Dict[str, object] = {"preset": args.preset, "device": args.device, "started": time.time(),
+                               "host": host_info()}
+    earlier = _earlier(args.out, head, {s.name for s in specs}, set(order))
+    try:
+        results = run_specs(args, specs, head, earlier, order)
+    except KeyboardInterrupt:
+        print(f"[run_all] interrupted; results so far in {args.out}", file=sys.stderr)
+        return 130
+    head.update(finished=time.time(), loadavg_end=[round(x, 2) for x in os.getloadavg()])
     _write_manifest(args.out, head, earlier + results, order)
     bad = [r.name for r in results if r.status in (Status.FAILED, Status.TIMEOUT)]
     print(f"[run_all] done: {len(results) - len(bad)}/{len(results)} ok; results in {args.out}"

@@ -1,23 +1,16 @@
 """Seeded chaos soak: a 3-4 node elasticrun job of examples/train.py on this machine, under faults.
 
-    sudo python -m scripts.chaos --minutes 30 --seed 7            # the table (from the repository root)
-    python -m scripts.chaos --minutes 1 --seed 1614 --json        # + the summary as JSON (CI)
-    python -m scripts.chaos --minutes 1 --faults worker_kill,etcd_outage
-    python -m scripts.chaos --minutes 1 --seed 7 --etcd-members 3  # a 3-member etcd: member and leader loss
+    sudo python -m scripts.chaos --minutes 30 --seed 7                # every kind, shuffled rounds (as root)
+    python -m scripts.chaos --minutes 1 --seed 1 --faults worker_kill,etcd_outage --json   # in that order
+    python -m scripts.chaos --minutes 1 --seed 7 --etcd-members 3     # a 3-member etcd: member and leader loss
 
-Nodes are agent processes with one worker each (``scripts/chaos/worker.py``: the example plus a
-per-step sample audit log). One etcd member; the checkpoint root is a small tmpfs (for ``disk_full``);
-one node runs in its own network namespace, joined by a veth pair (for ``partition``). Faults come
-from ``random.Random(seed)`` (see scripts/chaos/faults.py); after each one the soak waits for the
-recovery, with a deadline. Agents run with ``--hang-timeout`` (the ``hang`` fault) and a ``--metrics-port``
-(``slow_metrics``); workers take memory snapshots when ``shm_full`` is drawn. ``bad_record``, ``slow_metrics``
-and ``job_reuse`` come from outside the job (scripts/chaos/hostile.py). The job's goodput is read with
-``elasticrun status --json``. At the end the job is told its last step, must exit 0, and the audit logs
-must show every sample of the lineage exactly once. Exit 0 only when no invariant broke; 1 on a
-violation or hang; 2 on bad arguments or when the machine cannot host the soak.
-
-Needs root for the tmpfs and the namespace; without it those two faults are skipped (said so).
-Everything started -- processes, the mount, the namespace -- is removed on exit, Ctrl-C included.
+Nodes are agent processes with one worker each (``scripts/chaos/worker.py``: the example plus a per-step sample
+audit log); the fault kinds are in ``kinds.py`` and ``hostile.py``. After each fault the soak waits for the
+recovery, with a deadline; at the end the job is told its last step, must exit 0, and the audit logs must show
+every sample of the lineage exactly once (docs/reliability.md). Exit 0 only when no invariant broke; 1 on a
+violation or hang; 2 on bad arguments or when the machine cannot host the soak. The tmpfs (``disk_full``) and
+the network namespace (``partition``) need root; without it those faults are skipped (said so). Everything
+started -- processes, the mount, the namespace -- is removed on exit, Ctrl-C included.
 """
 
 from __future__ import annotations
@@ -32,26 +25,29 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .audit import analyse
-from .env import REPO, Launcher, NetNs, Tmpfs, freeze_code, kill_tree
-from .faults import DRAWN, MULTI_MEMBER, SINGLE_MEMBER, Kind, schedule
-from .goodput import job_goodput
-from .members import Members
-from .report import render, summary
-from .soak import Soak, Tail
+from .audit import Tail, analyse
+from .env import REPO, Launcher, Machine, Members, freeze_code, kill_tree, send
+from .faults import FaultKind, schedule
+from .kinds import DRAWN
+from .report import job_goodput, render, summary
+from .soak import Soak
 
 DATASET, SEED_DATA = 2048, 0
+Say = Callable[[str], None]
 
 
 def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m scripts.chaos", description=__doc__.split("\n")[0])
     p.add_argument("--minutes", type=float, required=True, help="fault-injection time (the job's start and end "
                    "come on top)")
-    p.add_argument("--seed", type=int, required=True)
-    p.add_argument("--faults", default="all", help="comma-separated kinds, or 'all': " +
-                   ", ".join(k.value for k in DRAWN))
+    p.add_argument("--seed", type=int, required=True, help="draws the order (with 'all'), targets and durations")
+    p.add_argument("--faults", default="all", help="comma-separated kinds, injected in that order, round after "
+                   "round; 'all': every kind of the etcd mode, each round shuffled: "
+                   + ", ".join(k.name for k in DRAWN))
+    p.add_argument("--shuffle", action="store_true", help="shuffle the --faults kinds in each round by --seed, as "
+                   "'all' does")
     p.add_argument("--nodes", type=int, default=3, choices=[3, 4], help="nodes at the start (max 4)")
     p.add_argument("--etcd-members", type=int, default=1, choices=[1, 3], help="1: one etcd member (faults "
                    "etcd_restart, etcd_outage); 3: a local 3-member cluster, agents given all three endpoints "
@@ -64,8 +60,6 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
                    "needs it; 0 turns hang detection off and skips that fault)")
     p.add_argument("--workdir", help="keep logs here (default: a temporary folder, removed unless --keep)")
     p.add_argument("--keep", action="store_true", help="keep the logs and audit files")
-    p.add_argument("--keep-going", action="store_true", help="after a hang, record it, kill every agent, start "
-                   "the nodes afresh and go on (the exit code still says it failed)")
     p.add_argument("--live-code", action="store_true", help="agents import the working tree as it is when they "
                    "start (default: a copy taken at the soak's start, so edits meanwhile do not leak in)")
     args = p.parse_args(argv)
@@ -75,30 +69,34 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
         p.error(f"--hang-timeout must be 0 (off) or between 2 and 600 seconds, got {args.hang_timeout:g}")
     if not (10 <= args.recovery_deadline <= 3600):
         p.error("--recovery-deadline must be between 10 and 3600 seconds")
-    names = {k.value: k for k in DRAWN}
-    other = SINGLE_MEMBER if args.etcd_members == 3 else MULTI_MEMBER  # faults of the other etcd mode
-    if args.faults == "all":
-        args.kinds = [k for k in DRAWN if k not in other]
-    else:
-        wanted = [f.strip() for f in args.faults.split(",") if f.strip()]
-        bad = [w for w in wanted if w not in names]
-        if bad or not wanted:
-            p.error(f"unknown fault kind(s) {', '.join(bad) or '(none)'}; choose from {', '.join(names)}")
-        args.kinds = [names[w] for w in wanted]
-        wrong = [k.value for k in args.kinds if k in other]
-        if wrong:
-            p.error(f"fault kind(s) {', '.join(wrong)} need --etcd-members {1 if args.etcd_members == 3 else 3}")
+    args.shuffle = args.shuffle or args.faults == "all"
+    args.kinds = _kinds(p, args.faults, args.etcd_members)
     return args
+
+
+def _kinds(p: argparse.ArgumentParser, faults: str, members: int) -> List[FaultKind]:
+    """The kinds ``--faults`` names, in its order; 'all': every drawn kind of the etcd mode."""
+    if faults == "all":
+        return [k for k in DRAWN if k.etcd_members in (0, members)]
+    names = {k.name: k for k in DRAWN}
+    wanted = [f.strip() for f in faults.split(",") if f.strip()]
+    bad = [w for w in wanted if w not in names]
+    if bad or not wanted:
+        p.error(f"unknown fault kind(s) {', '.join(bad) or '(none)'}; choose from {', '.join(names)}")
+    wrong = [w for w in wanted if names[w].etcd_members not in (0, members)]
+    if wrong:
+        p.error(f"fault kind(s) {', '.join(wrong)} need --etcd-members {4 - members}")
+    return [names[w] for w in wanted]
 
 
 class Cleanup:
     """Undo everything in reverse order, once (finally, atexit and signals all land here)."""
 
     def __init__(self) -> None:
-        self.actions: List[Any] = []
+        self.actions: List[Callable[[], None]] = []
         self.done = False
 
-    def add(self, fn: Any) -> None:
+    def add(self, fn: Callable[[], None]) -> None:
         self.actions.append(fn)
 
     def __call__(self) -> None:
@@ -127,7 +125,7 @@ def sweep(marker: str) -> None:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse(argv)
-    say = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
+    say: Say = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
     cleanup = Cleanup()
     atexit.register(cleanup)
 
@@ -145,126 +143,106 @@ def main(argv: Optional[List[str]] = None) -> int:
         cleanup()
 
 
-def run(args: argparse.Namespace, say: Any, cleanup: Cleanup) -> int:
-    from elasticrun.errors import ElasticrunError
+def prepare(machine: Machine, wanted: List[FaultKind], say: Say) -> Tuple[List[FaultKind], Dict[str, str]]:
+    """Each wanted kind sets the machine up (once); the kinds that can run here, and why the others cannot."""
+    skipped: Dict[str, str] = {}
+    for kind in dict.fromkeys(wanted):
+        why = kind.prepare(machine)
+        if why:
+            skipped[kind.name] = why
+            say(f"skipping fault {kind.name}: {why}")
+    return [k for k in wanted if k.name not in skipped], skipped
+
+
+def start_etcd(machine: Machine, cleanup: Cleanup) -> str:
+    """The one member (on the host side of the namespace, if any) or the 3-member cluster; its endpoint(s)."""
     from elasticrun.store.server import EtcdServer
+
+    if machine.etcd_members == 3:
+        machine.members = Members(machine.run_dir / "etcd")
+        cleanup.add(machine.members.cluster.stop)
+        machine.members.cluster.start(timeout=60)
+        return machine.members.endpoints
+    host = machine.netns.host_addr if machine.netns else "127.0.0.1"
+    etcd = machine.etcd = EtcdServer(host=host, data_dir=str(machine.run_dir / "etcd"),
+                                     log_path=str(machine.run_dir / "etcd.log"))
+
+    def stop() -> None:
+        if etcd.proc is not None and etcd.proc.poll() is None:
+            send(etcd.proc.pid, signal.SIGCONT)  # interrupted during an outage
+        etcd.stop(remove_data=False)
+
+    cleanup.add(stop)
+    etcd.start(timeout=60)
+    return etcd.endpoint
+
+
+def launcher_for(args: argparse.Namespace, machine: Machine, endpoint: str) -> Launcher:
+    """The agents' launcher: their environment (audit and control files, frozen code) and worker arguments."""
+    run_dir = machine.run_dir
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTICRUN_", "TORCHELASTIC_"))}
+    (run_dir / "tmp").mkdir(exist_ok=True)  # temp folders of killed agents stay in the run folder
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CHAOS_AUDIT_DIR=str(machine.audit_dir),
+               CHAOS_STOP_FILE=str(run_dir / "stop-at-step"), CHAOS_HANG_FILE=str(machine.hang_file),
+               CHAOS_SHM_FULL_FILE=str(machine.shm_file), TMPDIR=str(run_dir / "tmp"),
+               CUDA_VISIBLE_DEVICES="")  # simulated nodes share this host: CPU and gloo (NCCL: one GPU each)
+    code_root = REPO if args.live_code else freeze_code(run_dir / "code")
+    env["PYTHONPATH"] = os.pathsep.join([str(code_root), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return Launcher(endpoint, f"chaos-{args.seed}", machine.netns.host_addr if machine.netns else "127.0.0.1",
+                    run_dir, machine.worker_args, env, machine.netns, args.heartbeat_timeout, args.hang_timeout,
+                    code_root, ns_slot=(args.nodes - 1) if machine.netns else None)
+
+
+def run(args: argparse.Namespace, say: Say, cleanup: Cleanup) -> int:
+    from elasticrun.errors import ElasticrunError
 
     run_dir = Path(args.workdir or tempfile.mkdtemp(prefix="elasticrun-chaos-")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     if not args.workdir and not args.keep:
         cleanup.add(lambda: shutil.rmtree(run_dir, ignore_errors=True))
-    audit_dir, ckpt_root = run_dir / "audit", run_dir / "ckpts"
-    audit_dir.mkdir(exist_ok=True)
     cleanup.add(lambda: sweep(str(run_dir)))
-    skipped: Dict[str, str] = {}
-    kinds = list(args.kinds)
-    root = os.geteuid() == 0
-
-    netns: Optional[NetNs] = None
-    if Kind.PARTITION in kinds and args.etcd_members == 3:
-        skipped[Kind.PARTITION.value] = "the 3-member etcd listens on loopback only"
-        kinds.remove(Kind.PARTITION)
-    if Kind.PARTITION in kinds:
-        netns = NetNs(str(os.getpid() % 100000))
-        why = netns.setup() if root else "needs root (network namespaces)"
-        if why:
-            skipped[Kind.PARTITION.value], netns = why, None
-            kinds.remove(Kind.PARTITION)
-        else:
-            cleanup.add(netns.close)
-    tmpfs: Optional[Tmpfs] = None
-    if Kind.DISK_FULL in kinds:
-        tmpfs = Tmpfs(ckpt_root, 64)
-        why = tmpfs.setup() if root else "needs root (mount -t tmpfs)"
-        if why:
-            skipped[Kind.DISK_FULL.value], tmpfs = why, None
-            kinds.remove(Kind.DISK_FULL)
-        else:
-            cleanup.add(tmpfs.close)
-    if Kind.HANG in kinds and not args.hang_timeout:
-        skipped[Kind.HANG.value] = "--hang-timeout 0 (hang detection off)"
-        kinds.remove(Kind.HANG)
-    for kind, why in skipped.items():
-        say(f"skipping fault {kind}: {why}")
+    machine = Machine(run_dir, os.geteuid() == 0, args.etcd_members, args.hang_timeout, worker_args=[
+        "--epochs", "1000000", "--dataset-size", str(DATASET), "--seed", str(SEED_DATA), "--ckpt-dir",
+        str(run_dir / "ckpts"), "--ckpt-every", "20", "--keep-last", "4", "--step-sleep", "0.1"], undo=cleanup.actions)
+    kinds, skipped = prepare(machine, args.kinds, say)
     if not kinds:
         say("error: no fault kind left to inject; run as root or choose other --faults")
         return 2
-    ckpt_root.mkdir(exist_ok=True)
-
-    host = netns.host_addr if netns else "127.0.0.1"
-    etcd: Optional[EtcdServer] = None
-    members: Optional[Members] = None
-    if args.etcd_members == 3:
-        members = Members(run_dir / "etcd")
-        cleanup.add(members.stop)
-    else:
-        etcd = EtcdServer(host=host, data_dir=str(run_dir / "etcd"), log_path=str(run_dir / "etcd.log"))
+    machine.audit_dir.mkdir(exist_ok=True)
+    machine.ckpt_root.mkdir(exist_ok=True)
     try:
-        if members is not None:
-            members.start(timeout=60)
-        else:
-            assert etcd is not None
-            etcd.start(timeout=60)
+        endpoint = start_etcd(machine, cleanup)
     except ElasticrunError as err:
         say(f"error: cannot start etcd: {err}")
         return 2
-
-    def stop_etcd() -> None:
-        if etcd is not None and etcd.proc is not None and etcd.proc.poll() is None:
-            os.kill(etcd.proc.pid, signal.SIGCONT)
-        if etcd is not None:
-            etcd.stop(remove_data=False)
-
-    cleanup.add(stop_etcd)
-    endpoint = members.endpoints if members is not None else etcd.endpoint  # type: ignore[union-attr]
-    stop_file = run_dir / "stop-at-step"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTICRUN_", "TORCHELASTIC_"))}
-    (run_dir / "tmp").mkdir(exist_ok=True)  # temp folders of killed agents stay in the run folder
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CHAOS_AUDIT_DIR=str(audit_dir),
-               CHAOS_STOP_FILE=str(stop_file), CHAOS_HANG_FILE=str(run_dir / "hang-pid"),
-               CHAOS_SHM_FULL_FILE=str(run_dir / "shm-full-node"), TMPDIR=str(run_dir / "tmp"),
-               CUDA_VISIBLE_DEVICES="")  # simulated nodes share this host: CPU and gloo (NCCL: one GPU each)
-    worker_args = ["--epochs", "1000000", "--dataset-size", str(DATASET), "--seed", str(SEED_DATA),
-                   "--ckpt-dir", str(ckpt_root), "--ckpt-every", "20", "--keep-last", "4", "--step-sleep", "0.1"]
-    if Kind.SHM_FULL in kinds:
-        worker_args += ["--snapshot-every", "5"]  # the memory tier in use (shm_full fills it)
-    code_root = REPO if args.live_code else freeze_code(run_dir / "code")
-    env["PYTHONPATH"] = os.pathsep.join([str(code_root), *filter(None, [os.environ.get("PYTHONPATH")])])
-    launcher = Launcher(endpoint, f"chaos-{args.seed}", host, run_dir, worker_args, env, netns,
-                        ns_slot=(args.nodes - 1) if netns else None, heartbeat=args.heartbeat_timeout,
-                        hang_timeout=args.hang_timeout,
-                        code_root=code_root)
+    launcher = launcher_for(args, machine, endpoint)
     cleanup.add(launcher.close)
-    soak = Soak(launcher, etcd, tmpfs, netns, ckpt_root, Tail(audit_dir), args.recovery_deadline, say,
-                keep_going=args.keep_going, members=members, hang_file=run_dir / "hang-pid",
-                shm_file=run_dir / "shm-full-node")
+    soak = Soak(launcher, machine, Tail(machine.audit_dir), args.recovery_deadline, say)
     say(f"chaos soak: seed {args.seed}, {args.minutes:g} min, {args.nodes} nodes, faults "
-        f"{', '.join(k.value for k in kinds)}; logs in {run_dir}")
+        f"{', '.join(k.name for k in kinds)}{' (shuffled)' if args.shuffle else ''}; logs in {run_dir}")
     soak.start(args.nodes)
-    t_begin = time.time()
-    if not soak.wait("the first step", lambda: soak.last_step_t > 0, 240):
+    if not soak.wait(lambda: soak.last_step_t > 0, 240):
         soak.violations.append("the job did not train a single step within 240 s of starting")
         soak.aborted = True
     end = time.monotonic() + args.minutes * 60
-    faults = schedule(args.seed, kinds, args.minutes, args.heartbeat_timeout)
+    faults = schedule(args.seed, kinds, args.minutes, args.heartbeat_timeout, shuffle=args.shuffle)
     while not soak.aborted and time.monotonic() < end:
         fault = next(faults)
         soak.faults.append(fault)
         soak.inject(fault)
         if fault.skipped:
-            say(f"  {fault.kind.value}: skipped ({fault.skipped})")
+            say(f"  {fault.kind.name}: skipped ({fault.skipped})")
             continue
         ttr = "-" if fault.ttr is None else f"{fault.ttr:.1f}s"
-        say(f"+{fault.t_start - t_begin:6.1f}s {fault.kind.value:<13} {fault.target}: recovered in {ttr} "
+        say(f"+{fault.t_start - soak.t0:6.1f}s {fault.kind.name:<13} {fault.target}: recovered in {ttr} "
             f"{'; '.join(fault.notes)}")
         soak.sleep(fault.gap)
         if time.time() - soak.last_step_t > args.recovery_deadline:
             soak.hang(f"no training step for {args.recovery_deadline:.0f}s between faults (hang)")
     if not soak.aborted:
-        soak.finish(stop_file, margin=30, timeout=max(120.0, args.recovery_deadline))
-    audit = analyse(Tail(audit_dir).poll(), DATASET, SEED_DATA)
-    goodput = job_goodput(endpoint, launcher.job, env, code_root)
-    result = summary(args, soak, audit, skipped, time.time() - t_begin, goodput)
+        soak.finish(run_dir / "stop-at-step", margin=30, timeout=max(120.0, args.recovery_deadline))
+    audit = analyse(Tail(machine.audit_dir).poll(), DATASET, SEED_DATA)
+    result = summary(args, soak, audit, skipped, time.time() - soak.t0, job_goodput(launcher))
     render(result, say)
     if args.json:
         print(json.dumps(result, sort_keys=True), flush=True)

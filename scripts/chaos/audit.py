@@ -17,28 +17,39 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 Gen = Tuple[int, int]  # (round, restart)
 
 
-def read_records(audit_dir: str) -> List[dict]:
-    """Every JSON line of every ``*.jsonl`` under ``audit_dir`` (a torn last line is skipped)."""
-    records: List[dict] = []
-    for name in sorted(os.listdir(audit_dir)):
-        if not name.endswith(".jsonl"):
-            continue
-        with open(os.path.join(audit_dir, name), "rb") as f:
-            for line in f:
+class Tail:
+    """Reads the workers' audit logs (``*.jsonl`` in one folder) incrementally, complete lines only."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.offsets: Dict[str, int] = {}
+        self.records: List[dict] = []
+
+    def poll(self) -> List[dict]:
+        """The lines written since the last poll, in time order (also appended to ``records``)."""
+        new: List[dict] = []
+        for path in sorted(self.directory.glob("*.jsonl")):
+            with open(path, "rb") as f:
+                f.seek(self.offsets.get(path.name, 0))
+                data = f.read()
+            end = data.rfind(b"\n") + 1
+            self.offsets[path.name] = self.offsets.get(path.name, 0) + end
+            for line in data[:end].splitlines():
                 try:
-                    records.append(json.loads(line))
+                    new.append(json.loads(line))
                 except ValueError:
                     continue
-    records.sort(key=lambda r: r["t"])
-    return records
+        new.sort(key=lambda r: r["t"])
+        self.records.extend(new)
+        return new
 
 
 def gen_of(record: dict) -> Gen:
@@ -104,10 +115,18 @@ def analyse(records: List[dict], dataset_size: int, seed: int) -> AuditResult:
     if not steps:
         res.problems.append("no training step was logged")
         return res
+    _trace_lineage(res, steps, resume)
+    res.lineage.reverse()
+    res.steps_lost = res.steps_executed - sum(s.last - s.first + 1 for s in res.lineage)
+    _check_samples(res, steps, dataset_size, seed)
+    return res
+
+
+def _trace_lineage(res: AuditResult, steps: Dict[Gen, Dict[int, List[dict]]], resume: Dict[Gen, List[int]]) -> None:
+    """Walk back from the last generation to step 0 (see the module doc), into ``res.lineage`` (newest first)."""
     order = sorted(steps)
     cur: Optional[Gen] = order[-1]
-    upper = max(steps[order[-1]])
-    res.final_step = upper
+    upper = res.final_step = max(steps[order[-1]])
     while cur is not None:
         lo = min(resume.get(cur, [min(steps[cur]) - 1]))
         res.lineage.append(Segment(cur, lo + 1, upper))
@@ -121,10 +140,6 @@ def analyse(records: List[dict], dataset_size: int, seed: int) -> AuditResult:
             res.problems.append(f"generation {cur} resumed at step {lo}, which no earlier generation logged")
             break
         cur, upper = earlier[-1], lo
-    res.lineage.reverse()
-    res.steps_lost = res.steps_executed - sum(s.last - s.first + 1 for s in res.lineage)
-    _check_samples(res, steps, dataset_size, seed)
-    return res
 
 
 def _check_samples(res: AuditResult, steps: Dict[Gen, Dict[int, List[dict]]], n: int, seed: int) -> None:
@@ -169,23 +184,3 @@ def _check_samples(res: AuditResult, steps: Dict[Gen, Dict[int, List[dict]]], n:
         elif twice < 0:
             res.problems.append(f"epoch {epoch}: fewer repeats ({twice + pad.get(epoch, 0)}) than the sampler's "
                                 f"end-of-epoch padding ({pad.get(epoch, 0)})")
-
-
-def first_step_after(records: List[dict], t: float, newer_than: Optional[Gen] = None) -> Optional[float]:
-    """Time of the first ``step`` line after ``t`` (from a generation newer than ``newer_than``)."""
-    for r in records:
-        if r.get("ev") == "step" and r["t"] > t and (newer_than is None or gen_of(r) > newer_than):
-            return float(r["t"])
-    return None
-
-
-def latest_gen_before(records: List[dict], t: float) -> Optional[Gen]:
-    """The newest generation that logged anything at or before ``t``."""
-    best: Optional[Gen] = None
-    for r in records:
-        if r["t"] > t:
-            break
-        g = gen_of(r)
-        if best is None or g > best:
-            best = g
-    return best

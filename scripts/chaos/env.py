@@ -1,22 +1,25 @@
-"""The chaos soak's machinery: a network namespace for one node, a small tmpfs checkpoint root, the
-etcd member and the agent processes -- each undone by ``close()``, whatever state it was left in.
+"""The chaos soak's machinery: a network namespace for one node, a small tmpfs checkpoint root, a 3-member
+etcd, the agent processes, and ``Machine``, what the faults act on -- each undone by ``close()``/``stop()``,
+whatever state it was left in.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional, Union
 
 import psutil
 
-from elasticrun.store.server import free_port
+from elasticrun.store.server import EtcdCluster, EtcdServer, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "worker.py"
@@ -27,54 +30,57 @@ def _run(cmd: List[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=20)
 
 
+def _first_failure(cmds: List[List[str]]) -> Optional[str]:
+    """Run ``cmds`` in order; why the first one failed, or None."""
+    for cmd in cmds:
+        try:
+            proc = _run(cmd)
+        except (OSError, subprocess.TimeoutExpired) as err:
+            return f"`{' '.join(cmd)}` failed: {err}"
+        if proc.returncode != 0:
+            return f"`{' '.join(cmd)}` failed: {proc.stderr.strip()[:200]}"
+    return None
+
+
 class NetNs:
     """A network namespace joined to the host by a veth pair (host side ``.1``, namespace side ``.2``)."""
 
     def __init__(self, tag: str, subnet: str = "192.168.239") -> None:
-        self.ns = f"erchaos{tag}"
-        self.host_if, self.ns_if = f"erch{tag}h", f"erch{tag}n"
-        self.host_addr, self.ns_addr = f"{subnet}.1", f"{subnet}.2"
-        self.subnet = subnet
+        self.ns, self.host_if, self.ns_if = f"erchaos{tag}", f"erch{tag}h", f"erch{tag}n"
+        self.host_addr, self.ns_addr, self.subnet = f"{subnet}.1", f"{subnet}.2", subnet
         self.created = False
 
     def setup(self) -> Optional[str]:
-        """Create it; None on success, else why not (the partition fault is then skipped)."""
+        """Create it; None on success, else why not."""
         if not shutil.which("ip"):
             return "the `ip` command (iproute2) is not installed"
         if self.subnet + "." in _run(["ip", "-br", "addr"]).stdout:
             return f"{self.subnet}.0/30 is already in use on this host"
-        steps = [
+        self.created = True
+        in_ns = ["ip", "netns", "exec", self.ns, "ip"]
+        why = _first_failure([
             ["ip", "netns", "add", self.ns],
             ["ip", "link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if],
             ["ip", "link", "set", self.ns_if, "netns", self.ns],
             ["ip", "addr", "add", f"{self.host_addr}/30", "dev", self.host_if],
             ["ip", "link", "set", self.host_if, "up"],
-            ["ip", "netns", "exec", self.ns, "ip", "addr", "add", f"{self.ns_addr}/30", "dev", self.ns_if],
-            ["ip", "netns", "exec", self.ns, "ip", "link", "set", self.ns_if, "up"],
-            ["ip", "netns", "exec", self.ns, "ip", "link", "set", "lo", "up"],
-        ]
-        for cmd in steps:
-            try:
-                proc = _run(cmd)
-            except (OSError, subprocess.TimeoutExpired) as err:
-                self.close()
-                return f"`{' '.join(cmd)}` failed: {err}"
-            self.created = True
-            if proc.returncode != 0:
-                self.close()
-                return f"`{' '.join(cmd)}` failed: {proc.stderr.strip()[:200]}"
-        return None
+            [*in_ns, "addr", "add", f"{self.ns_addr}/30", "dev", self.ns_if],
+            [*in_ns, "link", "set", self.ns_if, "up"],
+            [*in_ns, "link", "set", "lo", "up"],
+        ])
+        if why:
+            self.close()
+        return why
 
     def partition(self, on: bool) -> None:
         """Cut (``on``) or restore the namespace's only link to the rest of the job."""
         _run(["ip", "netns", "exec", self.ns, "ip", "link", "set", self.ns_if, "down" if on else "up"])
 
     def close(self) -> None:
-        if not self.created:
-            return
-        _run(["ip", "link", "del", self.host_if])
-        _run(["ip", "netns", "del", self.ns])
-        self.created = False
+        if self.created:
+            _run(["ip", "link", "del", self.host_if])
+            _run(["ip", "netns", "del", self.ns])
+            self.created = False
 
 
 class Tmpfs:
@@ -86,21 +92,15 @@ class Tmpfs:
 
     def setup(self) -> Optional[str]:
         self.path.mkdir(parents=True, exist_ok=True)
-        try:
-            proc = _run(["mount", "-t", "tmpfs", "-o", f"size={self.size_mb}m,mode=0755", "tmpfs", str(self.path)])
-        except (OSError, subprocess.TimeoutExpired) as err:
-            return f"mount failed: {err}"
-        if proc.returncode != 0:
-            return f"mount -t tmpfs failed: {proc.stderr.strip()[:200]}"
-        self.mounted = True
-        return None
+        why = _first_failure([["mount", "-t", "tmpfs", "-o", f"size={self.size_mb}m,mode=0755", "tmpfs",
+                               str(self.path)]])
+        self.mounted = why is None
+        return why
 
-    def fill(self, leave_bytes: int = 0) -> int:
-        """Write a ballast file until ``leave_bytes`` are left; returns the bytes written."""
+    def fill(self) -> int:
+        """Write a ballast file until the filesystem is full; returns the bytes written."""
         st = os.statvfs(self.path)
-        want = max(0, st.f_bavail * st.f_frsize - leave_bytes)
-        written = 0
-        chunk = b"\0" * (1 << 20)
+        want, written, chunk = st.f_bavail * st.f_frsize, 0, b"\0" * (1 << 20)
         with open(self.ballast, "wb") as f:
             while written < want:
                 try:
@@ -111,10 +111,7 @@ class Tmpfs:
         return written
 
     def drain(self) -> None:
-        try:
-            self.ballast.unlink()
-        except FileNotFoundError:
-            pass
+        self.ballast.unlink(missing_ok=True)
 
     def close(self) -> None:
         self.drain()
@@ -128,6 +125,38 @@ class Tmpfs:
             self.mounted = False
 
 
+class Members:
+    """A local 3-member etcd cluster in ``base``; each member's data survives its SIGKILL."""
+
+    def __init__(self, base: Path) -> None:
+        base.mkdir(parents=True, exist_ok=True)
+        self.cluster = EtcdCluster(3, base_dir=str(base))
+        for m in self.cluster.members.values():
+            m.log_path = str(base / f"{m.name}.log")
+        self.endpoints = self.cluster.endpoints
+
+    def running(self) -> List[EtcdServer]:
+        return [m for m in self.cluster.members.values() if m.running()]
+
+    def leader(self, timeout: float = 20.0) -> Optional[EtcdServer]:
+        """The member whose v3 status API (what ``etcdctl endpoint status`` reads) says it leads."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for m in self.running():
+                req = urllib.request.Request(f"http://{m.endpoint}/v3/maintenance/status", data=b"{}",
+                                             method="POST", headers={"Content-Type": "application/json"})
+                try:
+                    with urllib.request.urlopen(req, timeout=2) as resp:
+                        doc = json.loads(resp.read())
+                except (OSError, ValueError):
+                    continue
+                lead = str(doc.get("leader"))
+                if lead not in ("None", "0") and str(doc.get("header", {}).get("member_id")) == lead:
+                    return m
+            time.sleep(0.2)
+        return None
+
+
 def freeze_code(dest: Path) -> Path:
     """Copy the package, the example and the worker wrapper to ``dest``: agents started later in the soak
     run the code of its start even while the working tree is being edited (``PYTHONPATH=dest``)."""
@@ -139,18 +168,13 @@ def freeze_code(dest: Path) -> Path:
     return dest
 
 
-def tree(pid: int) -> List[psutil.Process]:
-    """The process and all its descendants (those still alive)."""
-    try:
-        p = psutil.Process(pid)
-        return [p, *p.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-
-
 def kill_tree(pid: int) -> None:
     """SIGCONT then SIGKILL ``pid`` and every descendant (a stopped process must not block cleanup)."""
-    procs = tree(pid)
+    try:
+        p = psutil.Process(pid)
+        procs = [p, *p.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
     for p in procs:
         try:
             p.send_signal(signal.SIGCONT)
@@ -158,6 +182,38 @@ def kill_tree(pid: int) -> None:
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(procs, timeout=10)
+
+
+def send(pid: int, sig: int) -> None:
+    """``os.kill`` that ignores a process already gone."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace ``path``'s content atomically (workers poll it)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def last_lines(path: Path, n: int) -> str:
+    try:
+        lines = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return " | ".join(line.strip()[:200] for line in lines[-n:])
 
 
 @dataclass
@@ -169,24 +225,17 @@ class AgentProc:
     proc: subprocess.Popen
     started: float
     log_path: Path
+    metrics_port: int  # its --metrics-port (on 127.0.0.1 of its network namespace)
     expected_exit: bool = False  # we killed or stopped it on purpose
     stopped: bool = False  # SIGSTOPped by us right now
-    metrics_port: int = 0  # its --metrics-port (on 127.0.0.1 of its network namespace)
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
-    def workers(self) -> List[psutil.Process]:
-        """Live worker processes (descendants running the chaos worker script)."""
-        out = []
-        for p in tree(self.pid)[1:]:
-            try:
-                if p.status() != psutil.STATUS_ZOMBIE and any(str(WORKER_REL) in a for a in p.cmdline()):
-                    out.append(p)
-            except psutil.NoSuchProcess:
-                continue
-        return out
+    @property
+    def label(self) -> str:
+        return f"slot{self.slot}.{self.incarnation}"
 
 
 @dataclass
@@ -199,50 +248,81 @@ class Launcher:
     run_dir: Path
     worker_args: List[str]
     env: dict
-    netns: Optional[NetNs] = None
+    netns: Optional[NetNs]
+    heartbeat: float
+    hang_timeout: float  # the agents' --hang-timeout (0: off)
+    code_root: Path  # where the agents import elasticrun and the example from (see freeze_code)
     ns_slot: Optional[int] = None
-    heartbeat: float = 5.0
-    hang_timeout: float = 0.0  # the agents' --hang-timeout (0: off)
-    code_root: Path = REPO  # where the agents import elasticrun and the example from (see freeze_code)
     agents: List[AgentProc] = field(default_factory=list)
 
     def start(self, slot: int) -> AgentProc:
         incarnation = sum(1 for a in self.agents if a.slot == slot)
         log = self.run_dir / f"agent-slot{slot}-{incarnation}.log"
         in_ns = self.netns is not None and slot == self.ns_slot
-        addr = self.netns.ns_addr if (in_ns and self.netns) else self.host_addr
         env = dict(self.env)
         if self.netns is not None:
             env["GLOO_SOCKET_IFNAME"] = self.netns.ns_if if in_ns else self.netns.host_if
-        metrics_port = free_port()
+        port = free_port()
         cmd = [sys.executable, "-m", "elasticrun", "run", "--nnodes", "2:4", "--nproc-per-node", "1",
                "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.job, "--node-id", f"slot{slot}.{incarnation}",
-               "--local-addr", addr, "--max-restarts", "100000", "--heartbeat-timeout", str(self.heartbeat),
-               "--rescale-timeout", "600", "--join-timeout", "600", "--hang-timeout", f"{self.hang_timeout:g}",
-               "--metrics-port", str(metrics_port), str(self.code_root / WORKER_REL), *self.worker_args]
+               "--local-addr", self.netns.ns_addr if (in_ns and self.netns) else self.host_addr,
+               "--max-restarts", "100000", "--heartbeat-timeout", str(self.heartbeat), "--rescale-timeout", "600",
+               "--join-timeout", "600", "--hang-timeout", f"{self.hang_timeout:g}", "--metrics-port", str(port),
+               str(self.code_root / WORKER_REL), *self.worker_args]
         if in_ns and self.netns is not None:
             cmd = ["ip", "netns", "exec", self.netns.ns, *cmd]
         with open(log, "ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                     cwd=str(self.code_root), start_new_session=True)
-        agent = AgentProc(slot, incarnation, proc, time.time(), log, metrics_port=metrics_port)
-        self.agents.append(agent)
-        return agent
+        self.agents.append(AgentProc(slot, incarnation, proc, time.time(), log, port))
+        return self.agents[-1]
 
     def live(self) -> List[AgentProc]:
         return [a for a in self.agents if a.proc.poll() is None]
 
-    def slot_agent(self, slot: int) -> Optional[AgentProc]:
-        for a in self.live():
-            if a.slot == slot:
-                return a
-        return None
+    def cli(self, args: List[str], timeout: float = 60) -> subprocess.CompletedProcess:
+        """Run ``elasticrun ARGS`` with the agents' code and environment (raises OSError/TimeoutExpired)."""
+        return subprocess.run([sys.executable, "-m", "elasticrun", *args], capture_output=True, text=True,
+                              timeout=timeout, env=self.env, cwd=str(self.code_root))
+
+    def status(self) -> subprocess.CompletedProcess:
+        """``elasticrun status --json`` of the job, as an operator reads it."""
+        return self.cli(["status", "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.job, "--json"])
 
     def close(self) -> None:
         for a in self.agents:
-            if a.proc.poll() is None or tree(a.pid):
-                kill_tree(a.pid)
+            kill_tree(a.pid)
             try:
                 a.proc.wait(5)
             except subprocess.TimeoutExpired:
                 pass
+
+
+@dataclass
+class Machine:
+    """What the soak set up on this host for the faults to act on; the fault kinds' ``prepare`` add to it. The
+    workers poll ``hang_file`` (a PID: that worker hangs) and ``shm_file`` (a node id: its memory tier is full)."""
+
+    run_dir: Path
+    root: bool  # running as root: tmpfs mounts and network namespaces are possible
+    etcd_members: int
+    hang_timeout: float
+    worker_args: List[str]
+    undo: List[Callable[[], None]]  # cleanup actions, run in reverse order
+    netns: Optional[NetNs] = None
+    tmpfs: Optional[Tmpfs] = None
+    etcd: Optional[EtcdServer] = None  # the one member (None with --etcd-members 3: ``members``)
+    members: Optional[Members] = None
+
+    def __post_init__(self) -> None:
+        self.ckpt_root, self.audit_dir = self.run_dir / "ckpts", self.run_dir / "audit"
+        self.hang_file, self.shm_file = self.run_dir / "hang-pid", self.run_dir / "shm-full-node"
+
+    def set_up(self, field_name: str, thing: Union[NetNs, Tmpfs], needs: str) -> Optional[str]:
+        """``thing.setup()`` (as root only); once done, it is this machine's ``field_name`` and its ``close`` is
+        on the undo list. Why it could not be set up, or None."""
+        why = thing.setup() if self.root else f"needs root ({needs})"
+        if not why:
+            setattr(self, field_name, thing)
+            self.undo.append(thing.close)
+        return why

@@ -1,18 +1,5 @@
-"""The chaos soak's faults from outside the job: a malformed record in its etcd prefix, a burst of slow
-clients on an agent's metrics port, and a job id reused right after its job ends.
-
-- ``bad_record``: one record of the running job is overwritten with something that is not what the agents
-  expect (truncated JSON, a list for an object, a string for a number, an unknown state, a leader key on no
-  lease). The job must train on; every agent that read it says so once (which key, what was wrong), never
-  twice, and none exits; ``elasticrun status --json`` still shows the job. The record is removed again at the
-  fault's end (unless the job rewrote it meanwhile).
-- ``slow_metrics``: ~100 connections to one agent's ``--metrics-port`` each send half an HTTP request and
-  stall for the fault's duration. The job must train on; whether a well-behaved scrape still answered meanwhile
-  is noted (the soak never waits on the endpoint longer than a few seconds).
-- ``job_reuse``: a short side job (one node) under its own id runs to its end; the moment its agent exits,
-  a job with other arguments is started under the same id, as a scheduler resubmits an edited job. It must
-  start from its first round, run its script with its own arguments and exit 0; both leave their keys on the
-  expiry lease.
+"""The chaos soak's fault kinds from outside the job: a malformed record in its etcd prefix, a burst of stalled
+clients on an agent's metrics port, and its id reused by a job with other arguments right after that job ends.
 """
 
 from __future__ import annotations
@@ -23,13 +10,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
 from elasticrun.job.keys import JobKeys
 from elasticrun.store.types import Guard
 
+from .faults import Fault, FaultKind, Recovery
+
 if TYPE_CHECKING:
-    from .faults import Fault
     from .soak import Soak
 
 NOTICE = "ignoring a malformed record in etcd at "
@@ -60,57 +48,50 @@ def _current(store: Any, keys: JobKeys) -> Tuple[int, List[str]]:
         return 0, []
 
 
-def _reports(soak: Soak, key: str) -> Dict[str, int]:
-    """How many times each agent's log says it ignored the record at ``key``."""
-    counts: Dict[str, int] = {}
-    for a in soak.launcher.agents:
+class BadRecord(FaultKind):
+    """One record of the running job is overwritten for 3-6 s with something the agents do not expect. The job
+    must train on; every agent that read it says so once (which key, what was wrong), never twice, and none
+    exits; ``elasticrun status --json`` still answers. The record is removed at the end (unless rewritten)."""
+
+    name, recovery, span = "bad_record", Recovery.ANY_STEP, (3.0, 6.0)  # every agent's loop turns meanwhile
+
+    def inject(self, soak: Soak, f: Fault) -> None:
+        from elasticrun.store.client import connect
+
+        keys = JobKeys(soak.launcher.job)
+        what, key_of, value = f.choose(BAD_RECORDS)
+        with connect(soak.launcher.endpoint, retry_timeout=30) as store:
+            round_, members = _current(store, keys)
+            key = key_of(keys, round_, members[0] if members else "slot0.0")
+            f.target = f"{what} at {key[len(keys.prefix):]}"
+            rev = store.put(key, value)
+            soak.sleep(f.duration / 2)
+            self._status_answers(soak, f)
+            soak.sleep(f.duration / 2)
+            if store.txn([Guard(key, rev)], deletes=[key]):
+                f.notes.append("removed again")
+        f.noted["key"] = key
+
+    def check(self, soak: Soak, f: Fault) -> None:
+        reports = soak.log_counts(NOTICE + str(f.noted["key"]) + ":")
+        twice = {agent: n for agent, n in reports.items() if n > 1}
+        if twice:
+            soak.violations.append(f"bad_record {f.noted['key']}: reported more than once by {twice} (once is "
+                                   "the rule)")
+        f.notes.append(f"reported by {len(reports)} agent(s)" if reports else "no agent read it during the fault")
+
+    @staticmethod
+    def _status_answers(soak: Soak, f: Fault) -> None:
+        """``elasticrun status --json`` of the job (it reads every record) answers with one document."""
         try:
-            text = a.log_path.read_text(errors="replace")
-        except OSError:
-            continue
-        n = text.count(NOTICE + key + ":")
-        if n:
-            counts[f"slot{a.slot}.{a.incarnation}"] = n
-    return counts
-
-
-def bad_record(soak: Soak, f: Fault) -> None:
-    """Write one malformed record into the live job's prefix (see the module doc)."""
-    from elasticrun.store.client import connect
-
-    keys = JobKeys(soak.launcher.job)
-    what, key_of, value = BAD_RECORDS[int(f.pick * len(BAD_RECORDS)) % len(BAD_RECORDS)]
-    with connect(soak.launcher.endpoint, retry_timeout=30) as store:
-        round_, members = _current(store, keys)
-        key = key_of(keys, round_, members[0] if members else "slot0.0")
-        f.target = f"{what} at {key[len(keys.prefix):]}"
-        rev = store.put(key, value)
-        soak.sleep(max(3.0, f.duration) / 2)  # every agent's loop turns meanwhile
-        _status_shows_it(soak, f)
-        soak.sleep(max(3.0, f.duration) / 2)
-        if store.txn([Guard(key, rev)], deletes=[key]):
-            f.notes.append("removed again")
-    reports = _reports(soak, key)
-    twice = {agent: n for agent, n in reports.items() if n > 1}
-    if twice:
-        soak.violations.append(f"bad_record {key}: reported more than once by {twice} (once is the rule)")
-    f.notes.append(f"reported by {len(reports)} agent(s)" if reports else "no agent read it during the fault")
-
-
-def _status_shows_it(soak: Soak, f: Fault) -> None:
-    """``elasticrun status --json`` of the job (it reads every record) answers with one document."""
-    cmd = [sys.executable, "-m", "elasticrun", "status", "--rdzv-endpoint", soak.launcher.endpoint, "--rdzv-id",
-           soak.launcher.job, "--json"]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=soak.launcher.env,
-                              cwd=str(soak.launcher.code_root))
-        json.loads(proc.stdout)
-    except (OSError, subprocess.TimeoutExpired, ValueError) as err:
-        soak.violations.append(f"bad_record ({f.target}): elasticrun status --json failed: {err}")
-        return
-    if proc.returncode != 0 or "Traceback" in proc.stderr:
-        soak.violations.append(f"bad_record ({f.target}): elasticrun status --json exited {proc.returncode}: "
-                               f"{proc.stderr.strip()[-300:]}")
+            proc = soak.launcher.status()
+            json.loads(proc.stdout)
+        except (OSError, subprocess.TimeoutExpired, ValueError) as err:
+            soak.violations.append(f"bad_record ({f.target}): elasticrun status --json failed: {err}")
+            return
+        if proc.returncode != 0 or "Traceback" in proc.stderr:
+            soak.violations.append(f"bad_record ({f.target}): elasticrun status --json exited {proc.returncode}: "
+                                   f"{proc.stderr.strip()[-300:]}")
 
 
 def _half_request(port: int) -> Optional[socket.socket]:
@@ -135,58 +116,67 @@ def _scrape(port: int) -> Optional[float]:
     return time.monotonic() - started if head.startswith(b"HTTP/") else None
 
 
-def slow_metrics(soak: Soak, f: Fault) -> None:
-    """Hold ~100 half-sent requests open on one agent's metrics port (see the module doc)."""
-    agents = [a for a in soak.launcher.live() if a.metrics_port and a.slot != soak.launcher.ns_slot]
-    if not agents:
-        f.skipped = "no agent serves /metrics here"
-        return
-    agent = agents[int(f.pick * len(agents)) % len(agents)]
-    socks = [s for s in (_half_request(agent.metrics_port) for _ in range(SLOW_CLIENTS)) if s is not None]
-    f.target = f"{len(socks)} stalled clients on agent slot{agent.slot}.{agent.incarnation}'s /metrics for " \
-               f"{f.duration:.0f}s"
-    try:
-        soak.sleep(f.duration / 2)
-        took = _scrape(agent.metrics_port)
-        f.notes.append(f"a scrape meanwhile answered in {took:.2f}s" if took is not None
-                       else f"a scrape meanwhile got no answer within {SCRAPE_WAIT_S:.0f}s")
-        soak.sleep(f.duration / 2)
-    finally:
-        for s in socks:
-            s.close()
+class SlowMetrics(FaultKind):
+    """~100 connections to one agent's ``--metrics-port`` each send half an HTTP request and stall for 4-10 s.
+    The job must train on; whether a well-behaved scrape still answered meanwhile is noted."""
 
+    name, recovery, span = "slow_metrics", Recovery.ANY_STEP, (4.0, 10.0)
 
-def _side_job(soak: Soak, job: str, name: str, script: Path) -> Tuple[int, str]:
-    """Run a one-node job of ``script`` to its end; (exit code, its output)."""
-    log = soak.launcher.run_dir / f"reuse-{name}.log"
-    cmd = [sys.executable, "-m", "elasticrun", "run", "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-endpoint",
-           soak.launcher.endpoint, "--rdzv-id", job, "--node-id", f"reuse-{name}", "--standby", "0", "--no-prewarm",
-           "--no-snapshots", "--ended-job-ttl", "10m", "--heartbeat-timeout", f"{soak.launcher.heartbeat:g}",
-           str(script), name]
-    with open(log, "wb") as out:
-        try:
-            code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                  env=soak.launcher.env, cwd=str(soak.launcher.code_root),
-                                  timeout=REUSE_TIMEOUT_S).returncode
-        except subprocess.TimeoutExpired:
-            code = -1
-    return code, log.read_text(errors="replace")
-
-
-def job_reuse(soak: Soak, f: Fault) -> None:
-    """End a side job and start another with other arguments under its id at once (see the module doc)."""
-    n = sum(1 for x in soak.faults if x.kind is f.kind)
-    job = f"{soak.launcher.job}-reuse"
-    script = soak.launcher.run_dir / "reuse_script.py"
-    script.write_text("import os, sys\nprint('reuse-run', sys.argv[1], 'round', os.environ['ELASTICRUN_ROUND'])\n")
-    f.target = f"job {job}: run {n}a ends, run {n}b starts under its id with other arguments"
-    for name in (f"{n}a", f"{n}b"):
-        code, out = _side_job(soak, job, name, script)
-        if code != 0 or f"reuse-run {name} round 0" not in out:
-            tail = " | ".join(line.strip()[:160] for line in out.strip().splitlines()[-3:])
-            soak.violations.append(f"job_reuse: run {name} of {job} exited {code} (expected 0, from round 0): {tail}")
+    def inject(self, soak: Soak, f: Fault) -> None:
+        agents = [a for a in soak.launcher.live() if a.slot != soak.launcher.ns_slot]
+        if not agents:
+            f.skipped = "no agent serves /metrics here"
             return
-    f.recovered_at = time.time()
-    f.notes.append("the second run started from round 0 with its own arguments")
+        agent = f.choose(agents)
+        socks = [s for s in (_half_request(agent.metrics_port) for _ in range(SLOW_CLIENTS)) if s is not None]
+        f.target = f"{len(socks)} stalled clients on agent {agent.label}'s /metrics for {f.duration:.0f}s"
+        try:
+            soak.sleep(f.duration / 2)
+            took = _scrape(agent.metrics_port)
+            f.notes.append(f"a scrape meanwhile answered in {took:.2f}s" if took is not None
+                           else f"a scrape meanwhile got no answer within {SCRAPE_WAIT_S:.0f}s")
+            soak.sleep(f.duration / 2)
+        finally:
+            for s in socks:
+                s.close()
 
-__all__ = ["BAD_RECORDS", "bad_record", "job_reuse", "slow_metrics"]
+
+class JobReuse(FaultKind):
+    """A short one-node side job under its own id runs to its end; the moment its agent exits, a job with other
+    arguments starts under the same id (a scheduler resubmitting an edited job). It must start from its first
+    round, run its script with its own arguments and exit 0."""
+
+    name, recovery = "job_reuse", Recovery.REUSED
+
+    def inject(self, soak: Soak, f: Fault) -> None:
+        n = sum(1 for x in soak.faults if x.kind.name == self.name)
+        job = f"{soak.launcher.job}-reuse"
+        script = soak.launcher.run_dir / "reuse_script.py"
+        script.write_text("import os, sys\nprint('reuse-run', sys.argv[1], 'round', os.environ['ELASTICRUN_ROUND'])\n")
+        f.target = f"job {job}: run {n}a ends, run {n}b starts under its id with other arguments"
+        for name in (f"{n}a", f"{n}b"):
+            code, out = self._side_job(soak, job, name, script)
+            if code != 0 or f"reuse-run {name} round 0" not in out:
+                tail = " | ".join(line.strip()[:160] for line in out.strip().splitlines()[-3:])
+                soak.violations.append(f"job_reuse: run {name} of {job} exited {code} (expected 0, from round 0): "
+                                       f"{tail}")
+                return
+        f.recovered_at = time.time()
+        f.notes.append("the second run started from round 0 with its own arguments")
+
+    @staticmethod
+    def _side_job(soak: Soak, job: str, name: str, script: Path) -> Tuple[int, str]:
+        """Run a one-node job of ``script`` to its end; (exit code, its output)."""
+        launcher = soak.launcher
+        log = launcher.run_dir / f"reuse-{name}.log"
+        cmd = [sys.executable, "-m", "elasticrun", "run", "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-endpoint",
+               launcher.endpoint, "--rdzv-id", job, "--node-id", f"reuse-{name}", "--standby", "0", "--no-prewarm",
+               "--no-snapshots", "--ended-job-ttl", "10m", "--heartbeat-timeout", f"{launcher.heartbeat:g}",
+               str(script), name]
+        with open(log, "wb") as out:
+            try:
+                code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      env=launcher.env, cwd=str(launcher.code_root), timeout=REUSE_TIMEOUT_S).returncode
+            except subprocess.TimeoutExpired:
+                code = -1
+        return code, log.read_text(errors="replace")

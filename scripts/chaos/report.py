@@ -1,14 +1,47 @@
-"""The chaos soak's summary (a JSON-able dict) and its table."""
+"""The chaos soak's verdict: the final checks, the job's goodput as ``elasticrun status --json`` reports it,
+the summary (a JSON-able dict) and its table."""
 
 from __future__ import annotations
 
+import json
 import statistics
-from collections import defaultdict
-from typing import Any, Callable, Dict, List, Optional
+import subprocess
+from io import StringIO
+from typing import Any, Callable, Dict, List
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
 
 from .audit import AuditResult
-from .faults import Kind
-from .goodput import goodput_text
+from .env import Launcher
+from .kinds import KINDS
+
+
+def job_goodput(launcher: Launcher) -> Dict[str, Any]:
+    """``status --json``'s ``goodput`` of the job (the agents' accounts aggregated, docs/observability.md),
+    or ``{"error": ...}`` saying why there is none."""
+    try:
+        proc = launcher.status()
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return {"error": f"elasticrun status failed: {err}"}
+    if proc.returncode != 0:
+        return {"error": f"elasticrun status exited {proc.returncode}: {proc.stderr.strip()[-300:]}"}
+    try:
+        goodput = json.loads(proc.stdout).get("goodput")
+    except ValueError:
+        return {"error": f"elasticrun status printed no JSON: {proc.stdout.strip()[-300:]}"}
+    return goodput or {"error": "the job's agents published no goodput account"}
+
+
+def goodput_text(g: Dict[str, Any]) -> str:
+    """One line for the table: the ratio, node-seconds and the largest badput causes."""
+    if g.get("goodput_ratio") is None:
+        return str(g.get("error", "none"))
+    top = ", ".join(f"{c['cause']} {100 * float(c['share']):.1f}%" if isinstance(c, dict) else str(c)
+                    for c in g.get("top_badput") or [])
+    return (f"{100 * float(g['goodput_ratio']):.1f}% of {float(g.get('wall_s', 0)):.0f} node-seconds "
+            f"({g.get('nodes', '?')} node accounts); badput: {top or '-'}; {g.get('steps_lost', 0)} steps rolled back")
 
 
 def _final_checks(soak: Any, audit: AuditResult) -> Dict[str, Any]:
@@ -16,10 +49,11 @@ def _final_checks(soak: Any, audit: AuditResult) -> Dict[str, Any]:
     from elasticrun.checkpoint import list_checkpoints, verify
 
     problems: List[str] = []
-    left = [i for i in list_checkpoints(str(soak.ckpt_root)) if i.status == "complete"]
+    root = str(soak.machine.ckpt_root)
+    left = [i for i in list_checkpoints(root) if i.status == "complete"]
     ok = 0
     for info in left:
-        res = verify(str(soak.ckpt_root), info.name)
+        res = verify(root, info.name)
         if res.ok:
             ok += 1
         else:
@@ -35,22 +69,24 @@ def _final_checks(soak: Any, audit: AuditResult) -> Dict[str, Any]:
     return {"left": len(left), "left_verified": ok, "problems": problems}
 
 
-def summary(args: Any, soak: Any, audit: AuditResult, skipped: Dict[str, str], elapsed: float,
-            goodput: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """Everything the table shows, plus every fault and violation; ``goodput`` is ``status --json``'s."""
-    done = [f for f in soak.faults if not f.skipped]
-    by_kind: Dict[str, Dict[str, Any]] = {}
-    groups: Dict[str, List[Any]] = defaultdict(list)
-    for f in done:
-        groups[f.kind.value].append(f)
-    for kind in Kind:
-        fs = groups.get(kind.value, [])
+def _by_kind(done: List[Any]) -> Dict[str, Dict[str, Any]]:
+    """Per kind: faults, recoveries, median and worst time to recover, worst time to full strength."""
+    out = {}
+    for name in KINDS:
+        fs = [f for f in done if f.kind.name == name]
         ttrs = [f.ttr for f in fs if f.ttr is not None]
         full = [f.full_at - f.t_ref for f in fs if f.full_at is not None]
-        by_kind[kind.value] = {"faults": len(fs), "recovered": len(ttrs),
-                               "median_ttr_s": round(statistics.median(ttrs), 2) if ttrs else None,
-                               "worst_ttr_s": round(max(ttrs), 2) if ttrs else None,
-                               "worst_full_strength_s": round(max(full), 2) if full else None}
+        out[name] = {"faults": len(fs), "recovered": len(ttrs),
+                     "median_ttr_s": round(statistics.median(ttrs), 2) if ttrs else None,
+                     "worst_ttr_s": round(max(ttrs), 2) if ttrs else None,
+                     "worst_full_strength_s": round(max(full), 2) if full else None}
+    return out
+
+
+def summary(args: Any, soak: Any, audit: AuditResult, skipped: Dict[str, str], elapsed: float,
+            goodput: Dict[str, Any]) -> Dict[str, Any]:
+    """Everything the table shows, plus every fault and violation; ``goodput`` is ``status --json``'s."""
+    done = [f for f in soak.faults if not f.skipped]
     ttrs = [f.ttr for f in done if f.ttr is not None]
     try:
         final = _final_checks(soak, audit)
@@ -61,22 +97,22 @@ def summary(args: Any, soak: Any, audit: AuditResult, skipped: Dict[str, str], e
         violations.append("no checkpoint was committed")
     return {
         "seed": args.seed, "minutes": args.minutes, "elapsed_s": round(elapsed, 1), "nodes": args.nodes,
-        "etcd_members": getattr(args, "etcd_members", 1),
+        "etcd_members": args.etcd_members,
         "faults_total": len(done), "faults_needing_recovery": len(done), "recoveries": len(ttrs),
         "median_ttr_s": round(statistics.median(ttrs), 2) if ttrs else None,
         "worst_ttr_s": round(max(ttrs), 2) if ttrs else None,
-        "by_kind": by_kind, "skipped_kinds": skipped,
+        "by_kind": _by_kind(done), "skipped_kinds": skipped,
         "steps": {"final": audit.final_step, "executed": audit.steps_executed, "lost_to_rollbacks": audit.steps_lost,
                   "generations": audit.generations},
         "checkpoints": {"committed": len(audit.saves), "verified": soak.verified, "verify_failed": soak.verify_failed,
                         "retired_before_verify": soak.retired, "save_failures": len(audit.save_failures),
                         "left_at_end": final["left"], "left_verified": final["left_verified"],
-                        "restore_fallbacks": getattr(soak, "restore_fallbacks", lambda: 0)()},
+                        "restore_fallbacks": soak.count("restore_fallback")},
         "samples": {"checked": audit.samples_checked, "epochs": audit.epochs_checked, "seen_twice": audit.samples_twice,
                     "skipped": audit.samples_skipped},
-        "goodput": goodput or {"error": "not read"},
+        "goodput": goodput,
         "faults": [f.to_json() for f in soak.faults],
-        "violations": violations, "forced_restarts": soak.forced_restarts,
+        "violations": violations,
         "ok": not violations and not soak.aborted,
     }
 
@@ -86,7 +122,7 @@ def _s(v: Any) -> str:
 
 
 def render(res: Dict[str, Any], say: Callable[[str], None]) -> None:
-    """Print the tables (rich when it can render, plain text otherwise)."""
+    """Print the tables, then every violation and the verdict (text from logs shown verbatim)."""
     rows = [[k, str(v["faults"]), str(v["recovered"]), _s(v["median_ttr_s"]), _s(v["worst_ttr_s"]),
              _s(v["worst_full_strength_s"])] for k, v in res["by_kind"].items() if v["faults"]]
     rows += [[k, "skipped", "", "", "", why[:60]] for k, why in res["skipped_kinds"].items()]
@@ -101,38 +137,27 @@ def render(res: Dict[str, Any], say: Callable[[str], None]) -> None:
         ("checkpoints", f"{ck['committed']} committed, {ck['verified']} verified right after commit "
                         f"({ck['retired_before_verify']} retired first), {ck['verify_failed']} failed; "
                         f"{ck['save_failures']} saves refused; {ck['left_verified']}/{ck['left_at_end']} left "
-                        f"at the end verify; {ck.get('restore_fallbacks', 0)} restores fell back"),
+                        f"at the end verify; {ck['restore_fallbacks']} restores fell back"),
         ("samples", f"{sm['checked']} audited over {sm['epochs']} epochs: {sm['seen_twice']} seen twice, "
                     f"{sm['skipped']} skipped"),
         ("goodput", goodput_text(res["goodput"])),
-        ("violations", f"{len(res['violations'])} ({res['forced_restarts']} hangs ended by killing every agent, "
-                       f"--keep-going)" if res["forced_restarts"] else str(len(res["violations"]))),
+        ("violations", str(len(res["violations"]))),
     ]
-    try:
-        from io import StringIO
-
-        from rich.console import Console
-        from rich.table import Table
-
-        buf = StringIO()
-        console = Console(file=buf, width=110, force_terminal=False, color_system=None)
-        t = Table(title="chaos soak: faults", show_lines=False)
-        for col in ("fault", "count", "recovered", "median time to recover", "worst", "worst to full strength"):
-            t.add_column(col, justify="left" if col == "fault" else "right")
-        for r in rows:
-            t.add_row(*r)
-        console.print(t)
-        t2 = Table(show_header=False)
-        t2.add_column("what")
-        t2.add_column("result")
-        for k, v in facts:
-            t2.add_row(k, v)
-        console.print(t2)
-        text = buf.getvalue()
-    except ImportError:
-        text = "\n".join("  ".join(c.ljust(14) for c in r) for r in rows) + "\n"
-        text += "\n".join(f"{k:<12} {v}" for k, v in facts)
-    say(text.rstrip())
+    buf = StringIO()
+    console = Console(file=buf, width=110, force_terminal=False, color_system=None)
+    t = Table(title="chaos soak: faults", show_lines=False)
+    for col in ("fault", "count", "recovered", "median time to recover", "worst", "worst to full strength"):
+        t.add_column(col, justify="left" if col == "fault" else "right")
+    for r in rows:
+        t.add_row(*map(Text, r))
+    console.print(t)
+    t2 = Table(show_header=False)
+    t2.add_column("what")
+    t2.add_column("result")
+    for k, v in facts:
+        t2.add_row(k, Text(v))
+    console.print(t2)
+    say(buf.getvalue().rstrip())
     for v in res["violations"]:
         say(f"VIOLATION: {v}")
     say("OK: every invariant held" if res["ok"] else "FAILED")

@@ -1,24 +1,15 @@
-"""examples/train.py with a sample audit log, for the chaos soak (the example itself is unchanged).
+"""examples/train.py with a sample audit log, for the chaos soak; the agents run it instead of the example (which
+is unchanged: this wrapper patches the names it looks up at call time), every argument going to the example.
 
-Run by the agents instead of the example; every argument goes to the example. What this wrapper adds,
-by patching the names the example looks up at call time:
-
-- every optimizer step appends one JSON line to ``$CHAOS_AUDIT_DIR/<node>-<pid>.jsonl``: the step,
-  epoch, this rank's sample indices of the step, the sampler position after it, the round and restart
-  count (the worker generation), rank, world size and wall-clock time;
-- ``resume`` (which checkpoint ``load_latest`` returned), ``save``/``save_failed`` lines;
-- a worker whose PID is written in ``$CHAOS_HANG_FILE`` stops making progress without dying: it
-  sleeps forever right after its next step (the ``hang`` fault; the agents' ``--hang-timeout`` must
-  notice and restart the round);
-- while ``$CHAOS_SHM_FULL_FILE`` names this node, ``ELASTICRUN_SNAPSHOT_MEMORY`` is lowered to 1 byte
-  in this worker (the memory tier is full: every snapshot and memory restore that needs space there
-  must be refused and training go on); ``snapshot``/``snapshot_failed`` lines record what the memory
-  tier did, ``restore_fallback`` lines each checkpoint ``load_latest`` gave up on (then took an older one);
-- ``--steps`` becomes the number in ``$CHAOS_STOP_FILE`` once that file exists, so the soak can end
-  the job cleanly at a step every rank agrees on (the file is written once, ahead of every rank).
-
-Lines are written with one ``os.write`` on an ``O_APPEND`` descriptor: a SIGKILL loses at most the
-line being written, never earlier ones.
+- Each optimizer step appends a JSON line to ``$CHAOS_AUDIT_DIR/<node>-<pid>.jsonl``: step, epoch, this rank's
+  sample indices and the sampler position after them, round and restart count (the worker generation), rank,
+  world size, time; ``resume``, ``save``/``save_failed``, ``snapshot``/``snapshot_failed`` and
+  ``restore_fallback`` (a checkpoint ``load_latest`` gave up on) lines say what the tiers did. One
+  ``os.write`` per line on an ``O_APPEND`` descriptor: a SIGKILL loses at most the line being written.
+- The worker whose PID is in ``$CHAOS_HANG_FILE`` sleeps forever after its next step (the ``hang`` fault).
+- While ``$CHAOS_SHM_FULL_FILE`` names this node, ``ELASTICRUN_SNAPSHOT_MEMORY`` is 1 byte here (``shm_full``).
+- ``--steps`` becomes the number in ``$CHAOS_STOP_FILE`` once it exists: the job ends at a step every rank
+  agrees on.
 """
 
 from __future__ import annotations
@@ -31,7 +22,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import elasticrun.checkpoint as ckpt_pkg
 import elasticrun.train as et
@@ -68,8 +59,8 @@ AUDIT: Optional[Audit] = None
 class AuditedSampler(et.ElasticDistributedSampler):
     """The example's sampler, logging the indices each step consumed (``advance`` follows ``indices``)."""
 
-    _mine: List[int]
-    _cursor: int
+    _mine: List[int] = []
+    _cursor = 0
 
     def indices(self) -> List[int]:
         mine = super().indices()
@@ -77,8 +68,8 @@ class AuditedSampler(et.ElasticDistributedSampler):
         return mine
 
     def advance(self, local_samples: int) -> int:
-        taken = getattr(self, "_mine", [])[getattr(self, "_cursor", 0) : getattr(self, "_cursor", 0) + local_samples]
-        self._cursor = getattr(self, "_cursor", 0) + local_samples
+        taken = self._mine[self._cursor : self._cursor + local_samples]
+        self._cursor += local_samples
         after = super().advance(local_samples)
         if AUDIT is not None:
             AUDIT.step += 1
@@ -105,18 +96,6 @@ def _shm_full_if_told() -> None:
         os.environ.pop(env_names.SNAPSHOT_MEMORY, None)
     else:
         os.environ[env_names.SNAPSHOT_MEMORY] = _SHM_CAP
-
-
-def _snapshot(self: Any, *args: Any, **kwargs: Any) -> Any:
-    try:
-        out = _ORIG_SNAPSHOT(self, *args, **kwargs)
-    except BaseException as err:
-        if AUDIT is not None:
-            AUDIT.write("snapshot_failed", step=AUDIT.step, error=f"{type(err).__name__}: {err}"[:300])
-        raise
-    if AUDIT is not None:
-        AUDIT.write("snapshot", step=AUDIT.step)
-    return out
 
 
 def _hang_if_told() -> None:
@@ -160,16 +139,21 @@ def _load_latest(*args: Any, **kwargs: Any) -> Any:
     return ckpt
 
 
-def _save(*args: Any, **kwargs: Any) -> Any:
-    try:
-        name = _ORIG_SAVE(*args, **kwargs)
-    except BaseException as err:
+def _audited(fn: Callable[..., Any], done: str, failed: str) -> Callable[..., Any]:
+    """``fn`` logging a ``done`` line (with the name it returned, if any) or a ``failed`` line with the error."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            out = fn(*args, **kwargs)
+        except BaseException as err:
+            if AUDIT is not None:
+                AUDIT.write(failed, step=AUDIT.step, error=f"{type(err).__name__}: {err}"[:300])
+            raise
         if AUDIT is not None:
-            AUDIT.write("save_failed", step=AUDIT.step, error=f"{type(err).__name__}: {err}"[:300])
-        raise
-    if AUDIT is not None:
-        AUDIT.write("save", step=AUDIT.step, name=name)
-    return name
+            AUDIT.write(done, step=AUDIT.step, **({"name": out} if isinstance(out, str) else {}))
+        return out
+
+    return call
 
 
 class StopArgs(argparse.Namespace):
@@ -194,8 +178,6 @@ class StopArgs(argparse.Namespace):
 
 
 _ORIG_LOAD_LATEST = et.load_latest
-_ORIG_SAVE = ckpt_pkg.save
-_ORIG_SNAPSHOT = ckpt_pkg.Snapshotter.snapshot
 
 
 def main() -> int:
@@ -210,8 +192,9 @@ def main() -> int:
         AUDIT.write("start")
     et.ElasticDistributedSampler = AuditedSampler  # type: ignore[misc]
     et.load_latest = _load_latest  # type: ignore[assignment]
-    ckpt_pkg.save = _save  # type: ignore[attr-defined]
-    ckpt_pkg.Snapshotter.snapshot = _snapshot  # type: ignore[method-assign]
+    ckpt_pkg.save = _audited(ckpt_pkg.save, "save", "save_failed")  # type: ignore[attr-defined]
+    ckpt_pkg.Snapshotter.snapshot = _audited(  # type: ignore[method-assign]
+        ckpt_pkg.Snapshotter.snapshot, "snapshot", "snapshot_failed")
     orig_parse = example.parse_args
 
     def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:

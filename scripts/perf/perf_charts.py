@@ -1,16 +1,23 @@
-"""The charts of docs/performance.md, drawn from ``perf_report.chart_data`` (plain dicts and lists).
+"""The charts of docs/performance.md, drawn from ``perf_data.chart_data`` (plain dicts and lists) by
+perf_report.py; needs matplotlib (``pip install 'elasticrun[plot]'``). Each chart is written only when there
+is data for it. Run alone, it draws the rendezvous-at-scale chart from ``bench_rendezvous.py --out FILE``::
 
-Used by ``scripts/perf/perf_report.py``; needs matplotlib (``pip install 'elasticrun[plot]'``). Each chart
-is written only when there is data for it; the paths written are returned.
+    python scripts/perf/perf_charts.py rdzv.json -o docs/img/rendezvous-scaling.png
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
+import sys
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
-import matplotlib
+try:
+    import matplotlib
+except ImportError:  # perf_report.py checks first; run alone, this says what to install
+    sys.exit("perf_charts: the charts need matplotlib: pip install 'elasticrun[plot]'")
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -19,8 +26,6 @@ from matplotlib import ticker  # noqa: E402
 ER_COLOR = "#1f77b4"
 ALT_COLOR = "#d62728"
 DPI = 110
-
-
 TOOL_COLORS = {"elasticrun": ER_COLOR, "safetensors": "#ff7f0e", "dcp": "#2ca02c", "torch": "#9467bd",
                "disk": "grey"}
 
@@ -112,24 +117,57 @@ def checkpoint_chart(data: Dict[str, Dict[str, List[Tuple[float, float]]]], devi
     return _save(fig, path)
 
 
-def rendezvous_chart(series: Dict[str, Dict[int, float]], path: Path) -> Path:
-    """Seconds until every agent holds round 0 against node count, log-log, with a linear guide."""
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for name, pts in sorted(series.items()):
-        if not pts:
-            continue
-        ns = sorted(pts)
-        ax.plot(ns, [pts[n] for n in ns], marker="o", label=name, color=_color(name) if "torch" in name else None)
-        n0 = ns[0]
-        ax.plot(ns, [pts[n0] * n / n0 for n in ns], ls=":", color="grey", lw=1)
-    ax.plot([], [], ls=":", color="grey", label="linear in nodes (from the smallest run)")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("nodes (simulated agents)")
-    ax.set_ylabel("seconds until every agent holds round 0")
-    ax.set_title("rendezvous time against nodes (one etcd)", fontsize=10)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
+RDZV_PANELS = (  # (row key, y label, guide: "linear" in the nodes or "flat")
+    ("all_hold_s", "seconds until every agent holds the round", "linear"),
+    ("cpu_per_agent_ms", "agents' CPU per agent (ms)", "flat"),
+    ("etcd_cpu_s", "etcd CPU per round (s)", "linear"),
+    ("etcd_writes", "etcd writes per round", "linear"),
+)
+RDZV_PHASES = {"round 0": "round 0 (all register)", "loss": "re-form after a node is SIGKILLed",
+               "join": "re-form after a node joins"}
+
+
+def _series(rows: List[Dict[str, Any]], key: str) -> Dict[str, List[Tuple[int, float]]]:
+    """Phase -> sorted (nodes, value) of the rows that completed (the median where a size ran more than once)."""
+    by: Dict[str, Dict[int, List[float]]] = {}
+    for r in rows:
+        if "failed" not in r and isinstance(r.get(key), (int, float)):
+            by.setdefault(str(r["phase"]), {}).setdefault(int(r["nodes"]), []).append(float(r[key]))
+    return {ph: [(n, statistics.median(v)) for n, v in sorted(pts.items())] for ph, pts in by.items()}
+
+
+def rendezvous_chart(data: Dict[str, Any], path: Path) -> Path:
+    """Four log-log panels against the node count, one line per phase (round 0, a loss, a join): the time until
+    every agent holds the round, the agents' CPU per agent, etcd's CPU and writes per round; grey dotted guides
+    linear in the nodes from the smallest run (time, etcd) or flat and 2x (per agent)."""
+    rows = data["rows"]
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7.5))
+    for ax, (key, label, guide) in zip(axes.flat, RDZV_PANELS):
+        for phase, pts in _series(rows, key).items():
+            ns, ys = [n for n, _ in pts], [y for _, y in pts]
+            ax.plot(ns, ys, marker="o", label=RDZV_PHASES.get(phase, phase))
+            if phase == "round 0" and ys[0] > 0:
+                for k in ((1,) if guide == "linear" else (1, 2)):
+                    ax.plot(ns, [k * ys[0] * (n / ns[0] if guide == "linear" else 1) for n in ns], ls=":",
+                            color="grey", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        for axis in (ax.xaxis, ax.yaxis):
+            axis.set_major_formatter(ticker.FuncFormatter(lambda v, _pos: f"{v:g}"))
+            axis.set_minor_formatter(ticker.NullFormatter())
+        ax.set_xlabel("nodes (simulated agents)")
+        ax.set_ylabel(label, fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+    axes.flat[0].plot([], [], ls=":", color="grey", label="linear in the nodes / flat and 2× (round 0)")
+    axes.flat[0].legend(fontsize=7)
+    failed = sorted({f"{r['nodes']} ({r['phase']})" for r in rows if "failed" in r})
+    loads = [r["load"] for r in rows if isinstance(r.get("load"), (int, float))]
+    fig.suptitle(f"Rendezvous at scale — SIMULATED: all agents on one {data.get('cpus', '?')}-core machine with "
+                 f"one etcd" + (f"; did not complete: {', '.join(failed)}" if failed else "")
+                 + (f"\nload average {min(loads):.0f}–{max(loads):.0f} on the shared machine during the run"
+                    if loads else ""), fontsize=10)
+    fig.text(0.5, 0.005, data.get("command", ""), ha="center", fontsize=7, family="monospace")
+    fig.tight_layout(rect=(0, 0.02, 1, 0.97))
     return _save(fig, path)
 
 
@@ -145,9 +183,32 @@ def draw_all(data: Dict[str, Any], img_dir: Path) -> List[Path]:
     if data.get("checkpoint"):
         out.append(checkpoint_chart(data["checkpoint"], data.get("device", "cpu"), img_dir / "perf-checkpoint.png",
                                     data.get("checkpoint_note", "")))
-    if any(data.get("rendezvous", {}).values()):
-        out.append(rendezvous_chart(data["rendezvous"], img_dir / "perf-rendezvous.png"))
+    for name, doc in data.get("rendezvous", {}).items():
+        out.append(rendezvous_chart(doc, img_dir / f"perf-{name}.png"))
     if data.get("scaleup"):
         out.append(strip_chart(data["scaleup"], "scale-up: new node's agent started → its first step in the job",
                                img_dir / "perf-scaleup.png"))
     return out
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """The rendezvous-at-scale chart of one ``bench_rendezvous.py --out FILE``."""
+    ap = argparse.ArgumentParser(description="Draw the rendezvous-at-scale chart from bench_rendezvous.py --out FILE")
+    ap.add_argument("rows", type=Path, help="the JSON file of bench_rendezvous.py --out")
+    ap.add_argument("-o", "--output", type=Path, default=Path("docs/img/rendezvous-scaling.png"))
+    args = ap.parse_args(argv)
+    try:
+        data = json.loads(args.rows.read_text())
+        if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+            raise ValueError("no 'rows' list")
+    except (OSError, ValueError) as err:
+        print(f"perf_charts: cannot read {args.rows}: {err}; give the file of bench_rendezvous.py --out",
+              file=sys.stderr)
+        return 2
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    print(rendezvous_chart(data, args.output))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,21 +1,24 @@
-"""Reading the benches' JSON files for scripts/perf/perf_report.py: their shapes, old and new, and the
-plain data the charts (scripts/perf/perf_charts.py) are drawn from.
+"""Reading a benchmark run for scripts/perf/perf_report.py: the bench JSON files of a ``run_all.py`` output dir,
+and the plain data the charts (perf_charts.py) are drawn from, out of each bench's raw results.
 
-Every reader is lenient: a field that is missing or not a number is skipped, never raised on, so a
-bench that changes its JSON shape loses a chart series at worst.
+A field that is missing or not a number is skipped, never raised on: a bench whose JSON changes loses a chart
+series at worst, and its ``summary`` rows are checked where the table is made.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-SCENARIOS = {"restart": "worker crash", "kill": "node SIGKILL", "join": "node joins", "launch": "1 node",
-             "launch-multi": "several nodes"}  # chart labels
+MANIFEST = "bench_all.json"
 KINDS = ("launch", "elastic", "checkpoint", "rendezvous", "snapshot")
+SCENARIOS = {"restart": "worker crash", "kill": "node SIGKILL", "join": "node joins", "leave": "node leaves",
+             "launch": "1 node", "launch-multi": "several nodes"}  # chart labels
+CKPT_OPS = ((" save (durable)", "save"), (" load into existing tensors (cold)", "load"))  # ckpt_compare's labels
 
 
 @dataclass
@@ -53,84 +56,49 @@ def kind_of(name: str, script: str = "") -> Optional[str]:
     return None
 
 
-def records(data: Any, keys: Iterable[str] = ("runs", "results", "rows", "summaries", "variants")) -> List[dict]:
-    """The list of per-run dicts of a bench JSON: the JSON itself, or the first such list inside it."""
-    if isinstance(data, list):
-        return [r for r in data if isinstance(r, dict)]
-    if isinstance(data, dict):
-        for k in [*keys, *data.keys()]:
-            v = data.get(k)
-            if k != "summary" and isinstance(v, list) and v and all(isinstance(r, dict) for r in v):
-                return v
-    return []
+def _manifest(d: Path, problems: List[str]) -> Tuple[Dict[str, Any], Dict[str, Dict[str, Any]]]:
+    """The run's manifest and its entries by JSON file name; a bench that failed goes to ``problems``."""
+    manifest: Dict[str, Any] = {}
+    if (d / MANIFEST).exists():
+        try:
+            manifest = json.loads((d / MANIFEST).read_text())
+        except ValueError as e:
+            problems.append(f"{MANIFEST}: not JSON ({e})")
+    entries = {str(e.get("json") or f"{e.get('name')}.json"): e for e in manifest.get("benches", [])
+               if isinstance(e, dict)}
+    for e in entries.values():
+        if e.get("status") not in (None, "ok"):
+            problems.append(f"{e.get('name')}: {e.get('status')} "
+                            f"({'; '.join(e.get('notes') or []) or 'exit code ' + str(e.get('returncode'))})")
+    return manifest, entries
 
 
-def median_or_none(xs: List[float]) -> Optional[float]:
-    """The median, or None for no values."""
-    return statistics.median(xs) if xs else None
+def load_dir(d: Path) -> Inputs:
+    """Read the manifest and the bench JSON files it lists (every ``*.json`` of a dir without one); problems
+    are collected, not raised."""
+    problems: List[str] = []
+    manifest, entries = _manifest(d, problems)
+    listed = [d / str(e["json"]) for e in entries.values() if e.get("json")]
+    problems += [f"{p.name}: listed in {MANIFEST} but missing" for p in listed if not p.exists()]
+    files = [p for p in listed if p.exists()] if "benches" in manifest else sorted(d.glob("*.json"))
+    benches: List[Bench] = []
+    for p in (p for p in files if p.name != MANIFEST):  # with a manifest, older files in the dir are not read
+        e = entries.get(p.name, {})
+        try:
+            data = json.loads(p.read_text())
+        except (OSError, ValueError) as err:
+            problems.append(f"{p.name}: unreadable ({err.__class__.__name__})")
+            continue
+        dev = data.get("device") if isinstance(data, dict) and isinstance(data.get("device"), str) else None
+        benches.append(Bench(p.stem, kind_of(p.stem, str(e.get("script", ""))), data, str(e.get("command") or ""),
+                             dev or str(manifest.get("device") or "cpu")))
+    return Inputs(benches, manifest, problems)
 
 
-def launch_groups(data: Any) -> Dict[Tuple[str, str], Tuple[List[float], int]]:
-    """(scenario, launcher) → (seconds of the ok runs, number of runs)."""
-    out: Dict[Tuple[str, str], Tuple[List[float], int]] = {}
-    for r in records(data):
-        at = num(r.get("crash_after"))  # a crash at a set moment of the round: its own group
-        key = (str(r.get("scenario", "?")) + (f"@{at:g}s" if at is not None else ""), str(r.get("launcher", "?")))
-        times, n = out.get(key, ([], 0))
-        t = num(r.get("seconds"))
-        if r.get("outcome", "ok") == "ok" and t is not None:
-            times.append(t)
-        out[key] = (times, n + 1)
-    return out
-
-
-def elastic_groups(data: Any) -> Dict[Tuple[str, str], Tuple[List[float], int]]:
-    """(scenario, variant) → (seconds of the ok runs, number of runs)."""
-    out: Dict[Tuple[str, str], Tuple[List[float], int]] = {}
-    for s in records(data, ("summaries", "variants", "results", "runs")):
-        outs = [o for o in s.get("outcomes", []) if isinstance(o, dict)]
-        times = [t for o in outs if o.get("status") == "ok" for t in [num(o.get("seconds"))] if t is not None]
-        who = str(s.get("variant", "?")) + (f" · {s['client']} client" if s.get("client") else "")
-        out[(str(s.get("scenario", "?")), who)] = (times, len(outs))
-    return out
-
-
-def checkpoint_series(data: Any) -> Dict[str, float]:
-    """Label → median seconds of a checkpoint bench JSON (``runs``: label → list of seconds)."""
-    runs = data.get("runs") if isinstance(data, dict) else None
-    out = {}
-    for label, ts in (runs.items() if isinstance(runs, dict) else []):
-        vals = [v for v in (ts if isinstance(ts, list) else [ts]) for v in [num(v)] if v is not None]
-        if vals:
-            out[str(label)] = statistics.median(vals)
-    return out
-
-
-def ckpt_op(label: str) -> Tuple[str, str]:
-    """(tool, op) of a checkpoint row label; op is save, load, load-into, or '' for the rest."""
-    low = label.lower()
-    tool = next((t for t in ("elasticrun", "safetensors", "dcp", "torch", "disk") if t in low), "other")
-    tool = {"dcp": "DCP", "torch": "torch.save/load"}.get(tool, tool)
-    if any(w in low for w in ("async", "replicated", "2 ranks", "io_threads", "verify=false", "failed")):
-        return tool, ""
-    last = low.replace("(ceiling)", "").split()[-1] if low.split() else ""
-    if "into state_dict" in low or "into existing" in low or "in place" in low:
-        return tool, "load-into"
-    if "write" in low or last == "save" or ("save" in low and "load" not in low):
-        return tool, "save"
-    if "read" in low or "load" in low:
-        return tool, "load"
-    return tool, ""
-
-
-def rendezvous_points(data: Any) -> Dict[int, float]:
-    """Nodes → median seconds until every agent holds round 0."""
-    by: Dict[int, List[float]] = {}
-    for r in records(data):
-        n, t = num(r.get("nodes")), num(r.get("all_round_s"))
-        if n is not None and t is not None:
-            by.setdefault(int(n), []).append(t)
-    return {n: statistics.median(ts) for n, ts in sorted(by.items())}
+def _list(data: Any, key: str) -> List[dict]:
+    """The dicts of ``data[key]`` (a bench's per-run list)."""
+    items = data.get(key) if isinstance(data, dict) else None
+    return [r for r in items if isinstance(r, dict)] if isinstance(items, list) else []
 
 
 def scenario_label(scenario: str) -> str:
@@ -139,88 +107,73 @@ def scenario_label(scenario: str) -> str:
     return SCENARIOS.get(base, base) + (f" at {at}" if at else "")
 
 
-def _phases(data: Any, scenario: str, launcher: str) -> List[Tuple[str, float]]:
-    """Phase marks (name, seconds since the clock started) of the median ok run of a group, when runs
-    carry a ``phases`` dict; empty otherwise."""
-    scenario = scenario.split("@")[0]
-    runs = [r for r in records(data) if r.get("scenario") == scenario and r.get("launcher") == launcher
-            and r.get("outcome", "ok") == "ok" and isinstance(r.get("phases"), dict) and num(r.get("seconds"))]
-    if not runs:
-        return []
-    runs.sort(key=lambda r: r["seconds"])
-    mid = runs[len(runs) // 2]["phases"]
-    return sorted(((str(k), float(v)) for k, v in mid.items() if num(v) is not None), key=lambda kv: kv[1])
+def launch_items(data: Any) -> Iterator[Tuple[str, Dict[str, Any]]]:
+    """(scenario, chart item) per scenario and launcher of bench_launch.py's ``runs``; a crash at a set moment
+    of the round is a scenario of its own. Phase marks are the median ok run's."""
+    groups: Dict[Tuple[str, str], List[dict]] = {}
+    for r in _list(data, "runs"):
+        at = num(r.get("crash_after"))
+        groups.setdefault((str(r.get("scenario")) + (f"@{at:g}s" if at is not None else ""),
+                           str(r.get("launcher"))), []).append(r)
+    for (scenario, who), runs in groups.items():
+        ok = sorted((r for r in runs if r.get("outcome") == "ok" and num(r.get("seconds")) is not None),
+                    key=lambda r: r["seconds"])
+        phases = ok[len(ok) // 2].get("phases") if ok else None
+        marks = sorted(((str(k), float(v)) for k, v in (phases or {}).items() if num(v) is not None),
+                       key=lambda kv: kv[1])
+        yield scenario, {"label": f"{who} · {scenario_label(scenario)}", "times": [r["seconds"] for r in ok],
+                         "runs": len(runs), "phases": marks}
+
+
+def elastic_items(b: Bench) -> Iterator[Tuple[str, Dict[str, Any]]]:
+    """(scenario, chart item) per scenario, variant and client of bench_elastic.py's ``results``."""
+    run = "" if b.name == b.kind else f" ({b.name})"  # e.g. elastic-join3: another job shape
+    for s in _list(b.data, "results"):
+        outs = _list(s, "outcomes")
+        times = [t for o in outs if o.get("status") == "ok" for t in [num(o.get("seconds"))] if t is not None]
+        yield str(s.get("scenario")), {"label": f"{s.get('variant')} · {s.get('client')} client · "
+                                                f"{scenario_label(str(s.get('scenario')))}{run}",
+                                       "times": times, "runs": len(outs), "phases": []}
+
+
+def checkpoint_points(data: Any) -> Iterator[Tuple[str, str, str, Tuple[float, float]]]:
+    """(op, tool, tag, (GB, GB/s)) of bench_checkpoint.py's ``compare`` section: each library's durable save
+    and cold load into existing tensors, and the disk's cold read; the tag names a non-uniform state or a GPU."""
+    comp = data.get("compare") if isinstance(data, dict) else None
+    if not isinstance(comp, dict) or not num(comp.get("size_bytes")) or not isinstance(comp.get("runs"), dict):
+        return
+    size = float(comp["size_bytes"]) / 1e9
+    tags = [str(comp[k]) for k in ("state", "device") if comp.get(k) not in (None, "uniform", "cpu")]
+    tag = f" [{', '.join(tags)}]" if tags else ""
+    for label, secs in comp["runs"].items():
+        vals = [v for v in secs if num(v)] if isinstance(secs, list) else []
+        sec = statistics.median(vals) if vals else 0.0
+        found = [(op, label[: -len(suffix)]) for suffix, op in CKPT_OPS if label.endswith(suffix)]
+        if label.startswith("disk: cold"):
+            found = [("load", "disk: cold read")]
+        if found and sec > 0 and "verify=False" not in label:
+            yield found[0][0], found[0][1], tag, (size, size / sec)
 
 
 def chart_data(inputs: Inputs) -> Dict[str, Any]:
-    """Plain data for scripts/perf/perf_charts.py: launch, recovery and scale-up distributions, checkpoint
-    throughput against size, rendezvous time against nodes."""
-    recovery: List[Dict[str, Any]] = []
-    launch: List[Dict[str, Any]] = []
-    scaleup: List[Dict[str, Any]] = []
-    points: List[Tuple[str, str, str, Tuple[float, float]]] = []  # (op, series, tag, (GB, GB/s))
-    rdzv: Dict[str, Dict[int, float]] = {}
+    """Plain data for perf_charts.py: launch, recovery and scale-up distributions, checkpoint throughput against
+    size, and each rendezvous bench's rows."""
+    out: Dict[str, Any] = {"recovery": [], "launch": [], "scaleup": [], "checkpoint": {}, "rendezvous": {},
+                           "device": str(inputs.manifest.get("device") or "cpu")}
+    points: List[Tuple[str, str, str, Tuple[float, float]]] = []
     for b in inputs.benches:
         if b.kind == "launch":
-            for (sc, who), (times, n) in launch_groups(b.data).items():
-                item = {"label": f"{who} · {scenario_label(sc)}", "times": times, "runs": n,
-                        "phases": _phases(b.data, sc, who)}
-                (launch if sc.startswith("launch") else recovery).append(item)  # launch, launch-multi: starts
+            for scenario, item in launch_items(b.data):
+                out["launch" if scenario.startswith("launch") else "recovery"].append(item)
         elif b.kind == "elastic":
-            run = "" if b.name == b.kind else f" ({b.name})"  # e.g. elastic-join3: another job shape
-            for (sc, who), (times, n) in elastic_groups(b.data).items():
-                item = {"label": f"{who} · {scenario_label(sc)}{run}", "times": times, "runs": n, "phases": []}
-                (scaleup if sc == "join" else recovery).append(item)
-        elif b.kind == "checkpoint" and isinstance(b.data, dict):
-            src, tag = checkpoint_source(b.data)
-            if not num(src.get("size_bytes")):
-                continue
-            size = float(src["size_bytes"]) / 1e9
-            for label, sec in checkpoint_series(src).items():
-                tool, op = ckpt_op(label)
-                if op and sec > 0:
-                    op = "load" if op == "load-into" else op
-                    name = _short(label) if tool in ("elasticrun", "disk") else tool
-                    points.append((op, name, tag, (size, size / sec)))
-        elif b.kind == "rendezvous":
-            for key, rows in _rdzv_series(b).items():
-                rdzv[key] = rendezvous_points(rows)
+            for scenario, item in elastic_items(b):
+                out["scaleup" if scenario == "join" else "recovery"].append(item)
+        elif b.kind == "checkpoint":
+            points += checkpoint_points(b.data)
+        elif b.kind == "rendezvous" and _list(b.data, "rows"):
+            out["rendezvous"][b.name] = b.data
     tags = {tag for _, _, tag, _ in points}
-    ckpt: Dict[str, Dict[str, List[Tuple[float, float]]]] = {}
-    for op, name, tag, pt in points:  # a state/device tag only where the files differ in it
-        ckpt.setdefault(op, {}).setdefault(name + (tag if len(tags) > 1 else ""), []).append(pt)
-    return {"recovery": recovery, "launch": launch, "scaleup": scaleup, "checkpoint": ckpt, "rendezvous": rdzv,
-            "device": str(inputs.manifest.get("device") or "cpu"),
-            "checkpoint_note": next(iter(tags)).strip(" []") if len(tags) == 1 else ""}
-
-
-def checkpoint_source(data: Dict[str, Any]) -> Tuple[Dict[str, Any], str]:
-    """The part of a checkpoint JSON to chart: its interleaved ``compare`` section when it has one
-    (with a legend tag for a non-uniform state or a GPU), else the whole document (older shape)."""
-    comp = data.get("compare")
-    if isinstance(comp, dict) and isinstance(comp.get("runs"), dict) and comp["runs"]:
-        tags = [str(comp[k]) for k in ("state", "device") if comp.get(k) not in (None, "uniform", "cpu")]
-        return comp, f" [{', '.join(tags)}]" if tags else ""
-    return data, ""
-
-
-def _short(label: str) -> str:
-    """A checkpoint row label as a legend entry."""
-    for long, short in (("save / load save", "save"), ("save / load load", "load, fresh tensors"),
-                        ("load into state_dict", "load into existing tensors"), ("sequential write + fsync", "write"),
-                        ("cold sequential read", "cold read"), (" (durable)", ""), (" (cold)", ""),
-                        (" (dd, fresh file)", "")):
-        label = label.replace(long, short)
-    return label
-
-
-def _rdzv_series(b: Bench) -> Dict[str, List[dict]]:
-    """A rendezvous file's rows grouped by implementation (a ``launcher``/``impl``/``clients`` field),
-    or all under the file's name."""
-    out: Dict[str, List[dict]] = {}
-    for r in records(b.data):
-        tag = next((str(r[k]) for k in ("launcher", "impl", "tool", "clients") if k in r), "")
-        base = "elasticrun" if b.name == "rendezvous" else f"elasticrun ({b.name.replace('rendezvous-', '')})"
-        out.setdefault(f"{base}, {tag}" if tag else base, []).append(r)
+    for op, tool, tag, pt in points:  # a state/device tag only where the files differ in it
+        out["checkpoint"].setdefault(op, {}).setdefault(tool + (tag if len(tags) > 1 else ""), []).append(pt)
+    out["checkpoint_note"] = next(iter(tags)).strip(" []") if len(tags) == 1 else ""
     return out
-

@@ -5,51 +5,34 @@
     python scripts/perf/perf_report.py /tmp/perf --no-plots --print     # the table only, on stdout too
 
 Reads the bench JSON files that the dir's manifest (``bench_all.json``: commands, device, machine,
-failed benches) lists, or every ``*.json`` of a dir without one. A bench's rows come from the
-``"summary"`` list of its JSON (``metric, elasticrun, alternative, alt_value, unit, better,
-ratio, device, command``); a bench without one (an older JSON shape) gets rows derived from its
-raw results where that is possible.
-A missing, unreadable or failed bench is listed under the table, never fatal. The markdown table
-replaces what lies between ``<!-- summary:begin -->`` and ``<!-- summary:end -->`` in the page,
-so reruns update the page in place. Charts (``perf-recovery``, ``perf-checkpoint``,
+failed benches) lists, or every ``*.json`` of a dir without one. The rows are the ``"summary"`` list
+of each bench's JSON (``metric, elasticrun, alternative, alt_value, unit, better, ratio, device,
+command``). A missing, unreadable or failed bench is listed under the table, never fatal. The table
+replaces what lies between ``<!-- summary:begin -->`` and ``<!-- summary:end -->`` in the page, so
+reruns update it in place. The charts (``perf-launch``, ``perf-recovery``, ``perf-checkpoint``,
 ``perf-rendezvous``, ``perf-scaleup``) need matplotlib: ``pip install 'elasticrun[plot]'``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 BEGIN = "<!-- summary:begin -->"
 END = "<!-- summary:end -->"
-MANIFEST = "bench_all.json"
-JSON_DIR = re.compile(r"--json([ =])[^ ]*/")
+JSON_DIR = re.compile(r"(--json|--out)([ =])[^ ]*/")  # where run_all put a bench's JSON: not on the page
 
 sys.path.insert(0, str(HERE))  # perf_data, perf_charts: also when loaded by path
-from perf_data import (  # noqa: E402
-    Bench,
-    Inputs,
-    chart_data,
-    checkpoint_series,
-    ckpt_op,
-    elastic_groups,
-    kind_of,
-    launch_groups,
-    median_or_none,
-    num,
-    records,
-    rendezvous_points,
-)
+from perf_data import Bench, Inputs, chart_data, load_dir, num  # noqa: E402
 
-__all__ = ["Bench", "Inputs", "Row", "chart_data", "load_dir", "main", "records", "summary_rows", "table"]
+__all__ = ["Bench", "Inputs", "Row", "chart_data", "load_dir", "main", "summary_rows", "table"]
 
 
 @dataclass
@@ -75,48 +58,12 @@ def ratio_of(er: Optional[float], alt: Optional[float], better: str) -> Optional
     return alt / er if better == "lower" else er / alt
 
 
-def load_dir(d: Path) -> Inputs:
-    """Read the manifest and every bench JSON of ``d``; problems are collected, not raised."""
-    problems: List[str] = []
-    manifest: Dict[str, Any] = {}
-    mpath = d / MANIFEST
-    if mpath.exists():
-        try:
-            manifest = json.loads(mpath.read_text())
-        except ValueError as e:
-            problems.append(f"{MANIFEST}: not JSON ({e})")
-    entries = {str(e.get("json") or f"{e.get('name')}.json"): e for e in manifest.get("benches", [])
-               if isinstance(e, dict)}
-    for e in entries.values():
-        if e.get("status") not in (None, "ok"):
-            why = "; ".join(e.get("notes") or []) or f"exit code {e.get('returncode')}"
-            problems.append(f"{e.get('name')}: {e.get('status')} ({why})")
-    benches: List[Bench] = []
-    listed = [d / str(e["json"]) for e in entries.values() if e.get("json")]
-    for p in listed:
-        if not p.exists():
-            problems.append(f"{p.name}: listed in {MANIFEST} but missing")
-    files = [p for p in listed if p.exists()] if "benches" in manifest else sorted(d.glob("*.json"))
-    for p in files:  # a manifest decides which files belong to the run (older files in the dir are not read)
-        if p.name == MANIFEST:
-            continue
-        e = entries.get(p.name, {})
-        try:
-            data = json.loads(p.read_text())
-        except (OSError, ValueError) as err:
-            problems.append(f"{p.name}: unreadable ({err.__class__.__name__})")
-            continue
-        dev = data.get("device") if isinstance(data, dict) and isinstance(data.get("device"), str) else None
-        benches.append(Bench(p.stem, kind_of(p.stem, str(e.get("script", ""))), data, str(e.get("command") or ""),
-                             dev or str(manifest.get("device") or "cpu")))
-    return Inputs(benches, manifest, problems)
-
-
-def contract_rows(b: Bench, problems: List[str]) -> Optional[List[Row]]:
-    """The bench's own ``summary`` list, validated; None when it has none."""
+def contract_rows(b: Bench, problems: List[str]) -> List[Row]:
+    """The bench's ``summary`` list, validated (what is wrong goes to ``problems``)."""
     summary = b.data.get("summary") if isinstance(b.data, dict) else None
     if not isinstance(summary, list):
-        return None
+        problems.append(f"{b.name}.json: no summary list")
+        return []
     rows = []
     for i, s in enumerate(summary):
         er = num(s.get("elasticrun")) if isinstance(s, dict) else None
@@ -132,77 +79,11 @@ def contract_rows(b: Bench, problems: List[str]) -> Optional[List[Row]]:
     return rows
 
 
-def _best_vs(groups: Dict[Tuple[str, str], Tuple[List[float], int]], scenario: str, metric: str,
-             b: Bench) -> Optional[Row]:
-    mine = {k[1]: v for k, v in groups.items() if k[0] == scenario}
-    er = {n: median_or_none(t) for n, (t, _) in mine.items() if n.startswith("elasticrun") and t}
-    alt = {n: median_or_none(t) for n, (t, _) in mine.items() if not n.startswith("elasticrun") and t}
-    if not er:
-        return None
-    er_name = min(er, key=lambda n: er[n])  # type: ignore[arg-type,return-value]
-    alt_name = min(alt, key=lambda n: alt[n]) if alt else ""  # type: ignore[arg-type,return-value]
-    ok = f"{len(mine[er_name][0])}/{mine[er_name][1]} ok"
-    label = f"{metric} ({er_name}, {ok})" if er_name != "elasticrun" else f"{metric} ({ok})"
-    alt_label = f"{alt_name} ({len(mine[alt_name][0])}/{mine[alt_name][1]} ok)" if alt_name else "— (none succeeded)"
-    return Row(label, er[er_name], alt_label, alt.get(alt_name), "s", "lower",
-               ratio_of(er[er_name], alt.get(alt_name), "lower"), b.device, b.command)
-
-
-def checkpoint_rows(b: Bench) -> List[Row]:
-    """Save, fresh load and in-place load of an older checkpoint JSON: elasticrun against the fastest other tool."""
-    series = checkpoint_series(b.data)
-    size = num(b.data.get("size_bytes")) if isinstance(b.data, dict) else None
-    gb = f", {size / 1e9:.2f} GB" if size else ""
-    rows = []
-    for op, metric in (("save", "durable checkpoint save"), ("load", "cold checkpoint load, fresh tensors"),
-                       ("load-into", "cold checkpoint load into existing tensors")):
-        er = {k: v for k, v in series.items() if ckpt_op(k) == ("elasticrun", op)}
-        alts = {k: v for k, v in series.items() if ckpt_op(k)[0] not in ("elasticrun", "disk")
-                and ckpt_op(k)[1] in ((op,) if op == "save" else ("load", "load-into"))}
-        if not er:
-            continue
-        e = min(er.values())
-        a = min(alts, key=lambda k: alts[k]) if alts else ""
-        rows.append(Row(metric + gb, e, ckpt_op(a)[0] if a else "—", alts.get(a), "s", "lower",
-                        ratio_of(e, alts.get(a), "lower"),
-                        b.device, b.command))
-    return rows
-
-
-def derived_rows(b: Bench) -> List[Row]:
-    """Rows for a bench JSON without a ``summary`` list (older shapes)."""
-    if b.kind == "launch":
-        g = launch_groups(b.data)
-        return [r for sc, m in (("launch", "launch → first step"), ("restart", "worker crash → first step"))
-                for r in [_best_vs(g, sc, m, b)] if r]
-    if b.kind == "elastic":
-        g = elastic_groups(b.data)
-        pairs = (("kill", "node killed → first step at the smaller world"),
-                 ("join", "node started → its first step in the job"))
-        return [r for sc, m in pairs for r in [_best_vs(g, sc, m, b)] if r]
-    if b.kind == "checkpoint":
-        return checkpoint_rows(b)
-    if b.kind == "rendezvous":
-        pts = rendezvous_points(b.data)
-        if pts:
-            n = max(pts)
-            return [Row(f"rendezvous of {n} agents, one etcd ({b.name})", pts[n], "—", None, "s", "lower", None,
-                        b.device, b.command)]
-    if b.kind == "snapshot" and isinstance(b.data, dict):
-        stall = num(b.data.get("snapshot_async_stall_s"))
-        mib = (num(b.data.get("bytes")) or 0) / (1 << 20)
-        if stall is not None:
-            return [Row(f"async memory snapshot: training stall, {mib:.0f} MiB", stall, "—", None, "s", "lower",
-                        None, b.device, b.command)]
-    return []
-
-
 def summary_rows(inputs: Inputs) -> List[Row]:
-    """Every bench's rows, in file order: the contract's list where there is one, derived otherwise."""
+    """Every bench's ``summary`` rows, in file order."""
     rows: List[Row] = []
     for b in inputs.benches:
-        own = contract_rows(b, inputs.problems)
-        for r in own if own is not None else derived_rows(b):
+        for r in contract_rows(b, inputs.problems):
             r.bench = b.name
             rows.append(r)
     rows = best_alternatives(rows)
@@ -246,7 +127,7 @@ def table(rows: List[Row]) -> str:
     for r in rows:
         alt = r.alternative if r.alt_value is None else f"{r.alternative}: {_fmt(r.alt_value, r.unit)}"
         ratio = "—" if r.ratio is None else (f"**{r.ratio:.2f}×**" if r.ratio >= 1 else f"{r.ratio:.2f}×")
-        cmd = "`" + JSON_DIR.sub(r"--json\1", r.command) + "`" if r.command else "—"  # no temp dirs in the page
+        cmd = "`" + JSON_DIR.sub(r"\1\2", r.command) + "`" if r.command else "—"
         cells = [r.metric, _fmt(r.elasticrun, r.unit), alt, ratio, r.device, cmd]
         out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(out)

@@ -71,7 +71,6 @@ def plot(rows: List[Dict[str, Any]], out: Path, reference: Optional[List[Dict[st
     except ImportError:
         raise SystemExit("plot_run: matplotlib is needed: pip install 'elasticrun[plot]'") from None
     t0 = float(rows[0]["time"])
-    t = [float(r["time"]) - t0 for r in rows]
     panels = [("world", "world size", "steps-post"), ("lr", "learning rate", "steps-post"),
               ("global_batch", "global batch", "steps-post"), ("loss", "loss", None),
               ("samples_per_s", "samples/s", None)]
@@ -79,17 +78,9 @@ def plot(rows: List[Dict[str, Any]], out: Path, reference: Optional[List[Dict[st
     marks = rescales(rows)
     gaps = pauses(rows)
     for ax, (key, label, draw) in zip(axes, panels):
-        ys = [float(r[key]) for r in rows]
-        for k, (lo, hi) in enumerate(_segments(rows)):  # one line per round: no line across a pause
-            ax.plot(t[lo:hi], ys[lo:hi], drawstyle=draw or "default", color="tab:blue", lw=1.5,
-                    label="elastic run" if k == 0 else None)
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-        for a, b in gaps:
-            ax.axvspan(a - t0, b - t0, color="0.85", lw=0, label="no training (rescale/restart)" if ax is axes[3]
-                       and (a, b) == gaps[0] else None)
-        for when, old, new in marks:
-            ax.axvline(when - t0, color="tab:red" if new < old else "tab:green", ls="--", lw=1)
+        _panel(ax, rows, key, label, draw, t0, marks, gaps if ax is axes[3] else [])
+        for a, b in gaps:  # the pauses shaded on every panel, labelled on the loss panel
+            ax.axvspan(a - t0, b - t0, color="0.85", lw=0)
     for when, old, new in marks:
         axes[0].annotate(f"{old}→{new}", (when - t0, new), textcoords="offset points", xytext=(3, 4), fontsize=8)
     if reference:
@@ -107,6 +98,22 @@ def plot(rows: List[Dict[str, Any]], out: Path, reference: Optional[List[Dict[st
     fig.tight_layout()
     fig.savefig(out, dpi=90)
     plt.close(fig)
+
+
+def _panel(ax: Any, rows: List[Dict[str, Any]], key: str, label: str, draw: Optional[str], t0: float,
+           marks: List[Tuple[float, int, int]], legend_gaps: List[Tuple[float, float]]) -> None:
+    """One quantity over time, one line per round (no line across a pause); rescales as dashed lines."""
+    t = [float(r["time"]) - t0 for r in rows]
+    ys = [float(r[key]) for r in rows]
+    for k, (lo, hi) in enumerate(_segments(rows)):
+        ax.plot(t[lo:hi], ys[lo:hi], drawstyle=draw or "default", color="tab:blue", lw=1.5,
+                label="elastic run" if k == 0 else None)
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)
+    if legend_gaps:
+        ax.axvspan(*(x - t0 for x in legend_gaps[0]), color="0.85", lw=0, label="no training (rescale/restart)")
+    for when, old, new in marks:
+        ax.axvline(when - t0, color="tab:red" if new < old else "tab:green", ls="--", lw=1)
 
 
 def _segments(rows: List[Dict[str, Any]]) -> List[Tuple[int, int]]:

@@ -18,6 +18,7 @@ from elasticrun.checkpoint.memory.commit import NodeLayout
 from elasticrun.checkpoint.memory.space import dir_bytes, memory_cap
 from elasticrun.errors import CheckpointError
 from elasticrun.job import env as env_names
+from elasticrun.sizes import format_size
 
 
 class SnapshotUnavailable(CheckpointError):
@@ -27,15 +28,6 @@ class SnapshotUnavailable(CheckpointError):
 
 class SnapshotMemoryError(SnapshotUnavailable):
     """The memory tier cannot hold the snapshots (shared memory too small, or over the cap)."""
-
-
-def human(n: float) -> str:
-    """``n`` bytes for a message, in binary units (``8.0 KiB``; KiB = 1024 bytes, see :mod:`elasticrun.sizes`)."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 def plan_memory(state_dict: Mapping[str, Any], placements: Optional[Mapping[str, Placement]], comm: Comm,
@@ -95,25 +87,25 @@ def plan_memory(state_dict: Mapping[str, Any], placements: Optional[Mapping[str,
     for i, ranks in enumerate(layout.nodes):
         per_gen = parts[i] + (parts[layout.predecessor(i)] if several else 0)
         need = per_gen * generations
-        what = (f"{generations} generations of {human(per_gen)}" if not several else
-                f"{generations} generations of {human(per_gen)}: its parts and a peer's replica")
+        what = (f"{generations} generations of {format_size(per_gen)}" if not several else
+                f"{generations} generations of {format_size(per_gen)}: its parts and a peer's replica")
         where = f" on node {i}" if several else ""
         g = everyone[ranks[0]]
         if need > g["cap"]:
             how = ("raise the cap" if g["cap_from"] == env_names.SNAPSHOT_MEMORY else
                    f"raise it with --snapshot-memory ({env_names.SNAPSHOT_MEMORY})")
             raise SnapshotMemoryError(
-                f"memory snapshots need {human(need)}{where} ({what}) but {g['cap_from']} caps them at "
-                f"{human(g['cap'])}: {how} or snapshot less state"
+                f"memory snapshots need {format_size(need)}{where} ({what}) but {g['cap_from']} caps them at "
+                f"{format_size(g['cap'])}: {how} or snapshot less state"
             )
         room = g["free"] + g["used"]
         if need > room:
             raise SnapshotMemoryError(
-                f"memory snapshots need {human(need)} of shared memory{where} ({what}) but "
-                f"{os.path.dirname(g['dir'])} has {human(room)} for them: enlarge /dev/shm "
+                f"memory snapshots need {format_size(need)} of shared memory{where} ({what}) but "
+                f"{os.path.dirname(g['dir'])} has {format_size(room)} for them: enlarge /dev/shm "
                 "(e.g. docker --shm-size) or snapshot less state"
             )
     return gen, layout
 
 
-__all__ = ["SnapshotMemoryError", "SnapshotUnavailable", "human", "plan_memory"]
+__all__ = ["SnapshotMemoryError", "SnapshotUnavailable", "plan_memory"]

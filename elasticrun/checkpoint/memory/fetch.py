@@ -33,7 +33,6 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from elasticrun.checkpoint.comm import Comm
 from elasticrun.checkpoint.format import METADATA_FILE, CheckpointMeta
-from elasticrun.checkpoint.memory.budget import human
 from elasticrun.checkpoint.memory.commit import NodeLayout
 from elasticrun.checkpoint.memory.integrity import corrupt_files
 from elasticrun.checkpoint.memory.replicas import recv_file, send_file
@@ -43,6 +42,7 @@ from elasticrun.checkpoint.regions import region_for
 from elasticrun.checkpoint.storage import describe
 from elasticrun.errors import CheckpointError
 from elasticrun.job.shm import GENERATIONS, REPLICAS, ShmLayout, snapshot_dir
+from elasticrun.sizes import format_size
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +79,12 @@ def _room_problem(base: str, name: str, node: int, nbytes: int) -> Optional[str]
     except (OSError, ValueError) as err:
         return f"memory snapshot {name!r}: cannot size its restore on node {node}: {err}"
     if used + nbytes > cap:
-        return (f"memory snapshot {name!r}: restoring it on node {node} takes {human(nbytes)} more (files fetched "
-                f"from peers, its metadata), {human(used + nbytes)} in all, over {label} ({human(cap)})")
+        return (f"memory snapshot {name!r}: restoring it on node {node} takes {format_size(nbytes)} more (files "
+                f"fetched from peers, its metadata), {format_size(used + nbytes)} in all, over {label} "
+                f"({format_size(cap)})")
     if nbytes > st.f_bavail * st.f_frsize:
-        return f"memory snapshot {name!r}: node {node} has {human(st.f_bavail * st.f_frsize)} of shared memory free"
+        free = st.f_bavail * st.f_frsize
+        return f"memory snapshot {name!r}: node {node} has {format_size(free)} of shared memory free"
     return None
 
 

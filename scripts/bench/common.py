@@ -1,0 +1,55 @@
+"""What the benches share: the ``summary`` rows of their JSON (what scripts/perf/perf_report.py puts in the
+table), the command line they show for a rerun, and ending a bench's processes by the marker in their
+environment."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def summary_row(metric: str, elasticrun: float, alternative: str, alt_value: Optional[float], unit: str = "s",
+                better: str = "lower", device: str = "cpu", command: str = "") -> Dict[str, Any]:
+    """One row; its ratio is above 1 where elasticrun is ahead: alternative ÷ elasticrun for a figure where lower
+    is better, elasticrun ÷ alternative for one where higher is (None without both values)."""
+    ratio = None
+    if elasticrun and alt_value:
+        ratio = round(alt_value / elasticrun if better == "lower" else elasticrun / alt_value, 3)
+    return {"metric": metric, "elasticrun": round(elasticrun, 4), "alternative": alternative,
+            "alt_value": None if alt_value is None else round(alt_value, 4), "unit": unit, "better": better,
+            "ratio": ratio, "device": device, "command": command}
+
+
+def shown_command(script: str, argv: Optional[Sequence[str]] = None) -> str:
+    """``python scripts/bench/SCRIPT ARGS`` as this bench was run (``argv``: its arguments, default sys.argv)."""
+    args = sys.argv[1:] if argv is None else argv
+    return shlex.join(["python", f"scripts/bench/{Path(script).name}", *args])
+
+
+def tagged_processes(var: str, tag: str) -> List[psutil.Process]:
+    """Every live process whose environment carries ``var=tag`` (this run's, and only this run's)."""
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.pid != os.getpid() and p.environ().get(var) == tag:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            continue
+    return found
+
+
+def kill_all(procs: List[psutil.Process]) -> None:
+    """SIGKILL each process and reap what can be reaped."""
+    for p in procs:
+        try:
+            p.kill()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    psutil.wait_procs(procs, timeout=5)
