@@ -279,8 +279,14 @@ def candidates(snap: Snapshot, settings: Settings, now: float) -> List[NodeInfo]
 
 
 def _resize(snap: Snapshot, settings: Settings, now: float) -> Action:
+    """Grow toward :func:`target_size` of the live nodes, or shrink to it. When nodes that could start a
+    member are missing (they failed to lately), the size the voters and those candidates allow: two members
+    stranded on the way to three survive less than one (either one's loss stops both), so one is removed."""
     voters = [m for m in snap.members if not m.learner and m.started and held(owner(m, snap), snap)]
-    want = target_size(len(snap.nodes), settings.most)
+    holders = {rec.node_id for rec in (owner(m, snap) for m in voters) if rec is not None}
+    refused = [n for n in snap.nodes if n not in holders and now - snap.refused.get(n, -1e18) < settings.refused_for]
+    full = target_size(len(snap.nodes), settings.most)
+    want = min(full, target_size(len(snap.nodes) - len(refused), settings.most))
     if len(voters) < want:
         free = candidates(snap, settings, now)
         if not free:
@@ -289,7 +295,11 @@ def _resize(snap: Snapshot, settings: Settings, now: float) -> Action:
     if len(voters) > want:
         # The newest member that does not lead: removing the leader would cost an election.
         extra = sorted(voters, key=lambda m: (m.member_id == snap.leader_id, -_record_time(m, snap)))[0]
-        return Remove(extra.member_id, extra.name, f"{len(snap.nodes)} node(s) left: {want} member(s) survive more")
+        why = (f"{len(snap.nodes)} node(s) left" if want == full else
+               f"no other node can start a member ({len(voters)} of {full})")
+        return Remove(extra.member_id, extra.name, f"{why}: {want} member(s) survive more")
+    if want < full:
+        return Wait(f"{len(voters)} of {full} members: no other node can start one")
     return Wait(f"{len(voters)} member(s) on {len(voters)} node(s)")
 
 

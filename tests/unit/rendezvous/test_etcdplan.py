@@ -280,3 +280,15 @@ def test_records_are_checked() -> None:
         member_record({**rec.to_dict(), "pid": "1"})
     with pytest.raises(BadRecord):
         assignment_record({"node_id": "b", "time": 1.0})
+
+
+def test_two_members_stranded_on_the_way_to_three_shrink_to_one() -> None:
+    """The third node could not start its member: two members would stop with either one, so one goes."""
+    members, nodes, records = running("a", "b", extra=("c",))
+    s = snap(members, nodes, records, refused={"c": NOW - 1}, leader_id=member("a").member_id)
+    assert plan(s, SETTINGS, NOW) == Remove(member("b").member_id, "b",
+                                            "no other node can start a member (2 of 3): 1 member(s) survive more")
+    alone = snap(members[:1], nodes, records[:1], refused={"c": NOW - 1})
+    assert plan(alone, SETTINGS, NOW) == Wait("1 of 3 members: no other node can start one")  # b is not asked again
+    later = snap(members[:1], nodes, records[:1], refused={"c": NOW - SETTINGS.refused_for})
+    assert plan(later, SETTINGS, NOW) == Assign("b", "1 of 3 members")
