@@ -359,8 +359,9 @@ class EtcdMembers:
             try:
                 etcd.remove(self.store, action.member_id)
             except etcd.MembershipRefused as err:
-                self._tell(f"cannot remove member {action.name} from the job's etcd ({action.reason}): {err}")
-                return False
+                if not etcd.already_gone(err):  # a retried call whose first try removed it
+                    self._tell(f"cannot remove member {action.name} from the job's etcd ({action.reason}): {err}")
+                    return False
             self.say(f"removed member {action.name} from the job's etcd: {action.reason}")
             return True
         if isinstance(action, Assign):

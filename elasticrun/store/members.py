@@ -42,6 +42,11 @@ class LearnerNotReady(MembershipRefused):
     """The learner has not caught up with the leader yet: promote it again a moment later."""
 
 
+def already_gone(err: MembershipRefused) -> bool:
+    """etcd refused to remove a member it does not list (removed meanwhile, or by a retried call's first try)."""
+    return "member not found" in str(err)
+
+
 # -- protobuf wire format (the few messages used here) -----------------------------------------
 
 
@@ -192,5 +197,5 @@ def endpoint_of(url: str) -> str:
     return url.split("://", 1)[-1].rstrip("/")
 
 
-__all__ = ["LearnerNotReady", "Member", "MembershipRefused", "add_learner", "answers", "endpoint_of", "initial_cluster",
-           "leader_id", "list_members", "promote", "remove"]
+__all__ = ["LearnerNotReady", "Member", "MembershipRefused", "add_learner", "already_gone", "answers", "endpoint_of",
+           "initial_cluster", "leader_id", "list_members", "promote", "remove"]
