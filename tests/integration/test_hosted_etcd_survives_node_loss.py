@@ -14,17 +14,17 @@ import re
 import signal
 import time
 from pathlib import Path
-from typing import Callable, List, Set
+from typing import Callable, List, Optional, Set
 
 import psutil
 import pytest
 
 from elasticrun.errors import StoreError
 from elasticrun.job.keys import JobKeys
-from elasticrun.rendezvous.etcdplan import member_record
+from elasticrun.rendezvous.etcdplan import endpoints_record, member_record
 from elasticrun.store import members as etcd
 from elasticrun.store.client import connect
-from elasticrun.store.server import free_port
+from elasticrun.store.server import find_etcd_binary, free_port
 
 from helpers.elastic import steps
 from helpers.launch import processes_with, run_cli, wait_agents
@@ -53,9 +53,9 @@ class Job:
         self.nnodes, self.total = nnodes, total
         self.nodes: List[Agent] = []
 
-    def start(self, name: str) -> Agent:
+    def start(self, name: str, *extra: str) -> Agent:
         agent = self.start_agent(
-            ["--nnodes", self.nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            [*extra, "--nnodes", self.nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
              "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "hosted", "--node-id", name,
              "--heartbeat-timeout", str(HB), "--stability-window", "1", "--shutdown-timeout", "3",
              "--max-restarts", "5", "--etcd-timeout", "30",
@@ -80,10 +80,23 @@ class Job:
         done = steps(self.out)
         return self.total - (done[-1]["step"] + 1 if done else 0)
 
+    def reachable(self) -> List[str]:
+        """Endpoints of the job's etcd a live agent was told, then the one on the command line."""
+        return [*(e for a in self.nodes if a.proc.poll() is None for e in endpoints(a)), f"127.0.0.1:{self.port}"]
+
+    def members(self) -> Optional[List[etcd.Member]]:
+        """etcd's member list, read from the first member that answers (None: none does)."""
+        for endpoint in self.reachable():
+            try:
+                with connect(endpoint, retry_timeout=3, timeout=2) as store:
+                    return etcd.list_members(store)
+            except StoreError:
+                continue
+        return None
+
     def member_nodes(self) -> Set[str]:
         """The nodes whose members etcd lists as voting members now (read from the job's etcd itself)."""
-        reachable = [e for a in self.nodes if a.proc.poll() is None for e in endpoints(a)]
-        for endpoint in [*reachable, f"127.0.0.1:{self.port}"]:
+        for endpoint in self.reachable():
             try:
                 with connect(endpoint, retry_timeout=3, timeout=2) as store:
                     voters = {url for m in etcd.list_members(store) if m.voter for url in m.peer_urls}
@@ -194,3 +207,45 @@ def test_a_two_node_job_survives_a_graceful_leave_of_the_node_hosting_its_etcd(a
     assert wait_agents([other], 300) == [0], other.stderr()[-3000:]
     assert job.leftovers() == []
     assert os.listdir(job.out)  # the job's output is there
+
+
+def test_a_member_that_dies_while_joining_and_a_malformed_endpoints_record_leave_the_job_whole(
+        agents: Callable[..., Agent], tmp_path: Path) -> None:
+    """Node n2's etcd exits as it joins (after it was added as a learner): the learner is removed, n2 is asked no
+    more, and the job's etcd is left with one voting member (when n1's joined first, the two shrink to one: two
+    stop with either). Then garbage at ``etcd/endpoints`` is
+    reported once by each agent that read it and replaced by the leader; the job trains to its end."""
+    failing = tmp_path / "etcd-that-cannot-join"
+    failing.write_text(f"#!/bin/sh\ncase \"$*\" in *existing*) echo 'cannot join (test)' >&2; exit 3;; esac\n"
+                       f"exec {find_etcd_binary()} \"$@\"\n")
+    failing.chmod(0o755)
+    job = Job(agents, tmp_path, "3:3", total=300)
+    host = job.start("n0")
+    wait_until(lambda: HOSTING in host.stderr(), 120, "n0 to host the job's etcd")
+    job.start("n1")
+    n2 = job.start("n2", "--etcd-binary", str(failing))
+    wait_until(lambda: "cannot start a member of the job's etcd" in n2.stderr(), 120, "n2's member to fail")
+    assert "cannot join (test)" in n2.stderr() or "exited at start" in n2.stderr(), n2.stderr()[-3000:]
+
+    def one_voter() -> Optional[List[etcd.Member]]:
+        listed = job.members()
+        return listed if listed is not None and len(listed) == 1 and listed[0].voter else None
+    [left] = wait_until(one_voter, 120, "the job's etcd to shrink to one voting member, no learner left")
+    wait_until(lambda: all(endpoints(a) == [etcd.endpoint_of(left.client_urls[0])] for a in job.nodes), 60,
+               "every agent to be told the one member left")
+    wait_until(lambda: job.training(3), 120, "the 3 nodes to train")
+    assert job.steps_left() > 50, "the job must still train when the endpoints record is spoiled"
+
+    key = JobKeys("hosted").etcd_endpoints
+    with connect(endpoints(host)[0], retry_timeout=10) as store:
+        store.put(key, "{not json")
+        wait_until(lambda: (lambda kv: kv is not None and kv.value != b"{not json")(store.get(key)), 60,
+                   "the leader to publish the endpoints again")
+        assert endpoints_record(store.get(key).json()).endpoints == (etcd.endpoint_of(left.client_urls[0]),)
+    assert wait_agents(job.nodes, 300) == [0, 0, 0], "\n".join(a.stderr()[-3000:] for a in job.nodes)
+    said = [a.stderr().count(f"ignoring a malformed record in etcd at {key}")
+            for a in job.nodes]
+    assert max(said) == 1, said  # reported, once per agent that read it
+    assert "Traceback" not in "".join(a.stderr() for a in job.nodes)
+    assert (job.out / "finished").exists()
+    assert job.leftovers() == []
