@@ -31,7 +31,7 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
-from elasticrun.errors import ElasticrunError, StoreError
+from elasticrun.errors import ElasticrunError, StoreError, StoreSetupError
 from elasticrun.job import records
 from elasticrun.job.settings import from_config as etcd_settings
 from elasticrun.launch.config import LaunchConfig
@@ -66,6 +66,11 @@ CALL_RETRY_S = 5.0  # this thread's etcd calls give up after this long (the next
 PROMOTE_PAUSE_S = 0.05
 PROBE_S = 1.0  # a member of a missing node that does not answer within this is taken for dead
 HANDOVER_S = 15.0  # a signalled agent with the last member serves this long for another node to take it over
+
+
+class MemberFailed(StoreError):
+    """Our new member cannot serve (it exited, did not catch up, or the request was withdrawn): the node
+    refuses the request. Any other StoreError while starting one is etcd not answering for a moment."""
 
 
 class EtcdMembers:
@@ -235,9 +240,13 @@ class EtcdMembers:
             return
         try:
             self._start_member(kv)
-        except ElasticrunError as err:
+        except (MemberFailed, etcd.MembershipRefused, StoreSetupError) as err:
             self._drop_own(remove=True)
             self._refuse(kv, request, str(err))
+        except StoreError as err:  # etcd busy or changing members: try again next turn (the leader drops it when late)
+            self._drop_own(remove=True)
+            self._served = 0
+            self._tell(f"could not start a member of the job's etcd yet ({err}); trying again")
 
     def _refuse(self, kv: KeyValue, request: Assignment, why: str) -> None:
         self.say(f"cannot start a member of the job's etcd: {why}")
@@ -258,13 +267,19 @@ class EtcdMembers:
         self.member, self._spawned = server, True
         guard = Guard(request.key, request.mod_revision)
         if not self._put_record(server, 0, guard):
-            raise StoreError("the request was withdrawn")
+            raise MemberFailed("the request was withdrawn")
         new, listed = etcd.add_learner(self.store, server.peer_url)
         self._put_record(server, new.member_id, guard)
         server.initial_cluster = etcd.initial_cluster(listed, new.member_id, name)
-        server.start(wait_healthy=False)
+        try:
+            server.start(wait_healthy=False)
+        except StoreError as err:
+            raise MemberFailed(str(err)) from None
         self._promote(server, new.member_id, request)
-        server.wait_healthy(self.settings.assign_timeout)
+        try:
+            server.wait_healthy(self.settings.assign_timeout)
+        except StoreError as err:
+            raise MemberFailed(str(err)) from None
         self.store.txn([guard], deletes=[request.key])
         self.say(f"started a member of the job's etcd at {server.endpoint}")
 
@@ -274,15 +289,16 @@ class EtcdMembers:
         deadline = time.monotonic() + self.settings.assign_timeout
         while True:
             if not server.running():
-                raise StoreError(f"our etcd member exited at start: {server.exit_reason()[:300]}")
+                raise MemberFailed(f"our etcd member exited at start: {server.exit_reason()[:300]}")
             if self._stop.is_set() or self.rdzv.view.get(request.key) is None:
-                raise StoreError("the request was withdrawn")
+                raise MemberFailed("the request was withdrawn")
             try:
                 etcd.promote(self.store, member_id)
                 return
             except etcd.LearnerNotReady:
                 if time.monotonic() > deadline:
-                    raise StoreError(f"our learner did not catch up in {self.settings.assign_timeout:.0f} s") from None
+                    raise MemberFailed(f"our learner did not catch up in {self.settings.assign_timeout:.0f} s") \
+                        from None
             time.sleep(PROMOTE_PAUSE_S)
 
     # -- the leader ----------------------------------------------------------------------------------

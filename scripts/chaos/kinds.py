@@ -50,6 +50,9 @@ class AgentKill(FaultKind):
     name, span = "agent_kill", (0.5, 4.0)
 
     def inject(self, soak: Soak, f: Fault) -> None:
+        if soak.launcher.hosted and not soak.wait(soak.launcher.members_settled, soak.deadline_s):
+            soak.violations.append(f"the job's etcd did not have the members its {len(soak.launcher.live())} nodes "
+                                   f"call for within {soak.deadline_s:.0f}s (endpoints {soak.launcher.endpoint})")
         live = soak.live_agents()
         holders = [a for a in soak.launcher.member_agents() if a in live] if soak.launcher.hosted else []
         agent = holders[0] if holders else f.choose(live)
