@@ -21,6 +21,8 @@ from .kinds import KINDS
 def job_goodput(launcher: Launcher) -> Dict[str, Any]:
     """``status --json``'s ``goodput`` of the job (the agents' accounts aggregated, docs/observability.md),
     or ``{"error": ...}`` saying why there is none."""
+    if launcher.hosted:
+        return {"error": "none: the job's own etcd, with its accounts, ended with the job"}
     try:
         proc = launcher.status()
     except (OSError, subprocess.TimeoutExpired) as err:
