@@ -34,6 +34,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from elasticrun.errors import ElasticrunError, StoreError, StoreSetupError
 from elasticrun.job import records
 from elasticrun.job.settings import from_config as etcd_settings
+from elasticrun.job.settings import to_file
 from elasticrun.launch.config import LaunchConfig
 from elasticrun.launch.etcdhome import member_server, sweep
 from elasticrun.rendezvous import etcdplan
@@ -175,7 +176,7 @@ class EtcdMembers:
         self.store.set_endpoints(joined)
         self.rdzv.store.set_endpoints(joined)
         if self.settings_file:
-            etcd_settings(self.cfg).replace(endpoints=joined).write(self.settings_file)
+            to_file(etcd_settings(self.cfg).replace(endpoints=joined), self.settings_file)
         self.say(f"the job's etcd is at {joined} ({len(endpoints)} member{'s' * (len(endpoints) > 1)}; "
                  f"`elasticrun status --rdzv-endpoint` takes any of them)")
 
