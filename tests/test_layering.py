@@ -19,10 +19,12 @@ PACKAGE = Path(__file__).resolve().parent.parent / "elasticrun"
 # with the package map at the top of docs/design.md.
 MAY_IMPORT: Dict[str, Set[str]] = {
     "__main__": {"cli"},
-    "cli": {"launch", "rendezvous", "checkpoint", "store", "job", "sizes", "errors", "proc", "waiting", "elasticrun"},
-    "launch": {"rendezvous", "store", "job", "sizes", "errors", "proc", "waiting"},
-    "train": {"checkpoint", "rendezvous", "store", "job", "sizes", "errors", "proc", "waiting"},
-    "rendezvous": {"store", "job", "sizes", "errors", "waiting"},
+    "cli": {"launch", "rendezvous", "checkpoint", "health", "store", "job", "sizes", "errors", "proc", "waiting",
+            "elasticrun"},
+    "launch": {"rendezvous", "health", "store", "job", "sizes", "errors", "proc", "waiting"},
+    "train": {"checkpoint", "rendezvous", "health", "store", "job", "sizes", "errors", "proc", "waiting"},
+    "rendezvous": {"store", "health", "job", "sizes", "errors", "waiting"},
+    "health": {"job", "sizes", "errors", "proc", "waiting"},
     "checkpoint": {"job", "sizes", "errors", "proc", "waiting"},
     "store": {"job", "sizes", "errors", "proc", "waiting"},
     "job": {"errors"},
