@@ -48,7 +48,8 @@ class GpuReading:
 
 def cpu(gflops: Optional[float], th: Thresholds, error: str = "") -> List[Check]:
     """CPU matmul speed."""
-    return [at_least("cpu matmul (1 thread)", gflops, th.min_cpu_gflops, "GFLOP/s", error)]
+    return [at_least("cpu matmul (1 thread)", None if gflops is None else round(gflops, 2), th.min_cpu_gflops,
+                     "GFLOP/s", error)]
 
 
 def storage(label: str, path: str, free_bytes: Optional[int], write_mbps: Optional[float],
