@@ -54,6 +54,25 @@ class Thresholds:
             changed[name] = value
         return replace(self, **changed)
 
+    def parse_list(self, text: str, flag: str = "--node-check-thresholds") -> Thresholds:
+        """A copy with ``text`` applied: ``NAME=N,...`` with the names of ``elasticrun check``'s flags
+        (``min-cpu-gflops=20``); ConfigError (one line naming ``flag``) on anything else."""
+        known = {f.name for f in fields(self)}
+        values: Dict[str, object] = {}
+        for item in (part.strip() for part in text.split(",")):
+            if not item:
+                continue
+            name, sep, value = item.partition("=")
+            key = name.strip().lstrip("-").replace("-", "_")
+            if not sep or key not in known:
+                names = ", ".join(sorted(n.replace("_", "-") for n in known))
+                raise ConfigError(f"{flag} {item!r}: expected NAME=N with NAME one of {names}")
+            values[key] = value.strip()
+        try:
+            return self.with_overrides(values)
+        except ConfigError as err:
+            raise ConfigError(f"{flag}: {err}") from None
+
     def to_dict(self) -> Dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 

@@ -110,3 +110,12 @@ def test_bad_threshold_values_are_one_line(name, raw, words):
 
 def test_threshold_override():
     assert TH.with_overrides({"min_cpu_gflops": "7.5", "max_gpu_temp_c": None}).min_cpu_gflops == 7.5
+
+
+def test_node_check_thresholds_list():
+    th = TH.parse_list("min-cpu-gflops=20, max-gpu-temp-c=80,")
+    assert (th.min_cpu_gflops, th.max_gpu_temp_c) == (20.0, 80.0)
+    with pytest.raises(ConfigError, match="expected NAME=N with NAME one of"):
+        TH.parse_list("cpu=3")
+    with pytest.raises(ConfigError, match="--node-check-thresholds: --min-cpu-gflops 'x' is not a number"):
+        TH.parse_list("min-cpu-gflops=x")
