@@ -36,11 +36,13 @@ from elasticrun.launch.hosting import open_store, wait_others_left
 from elasticrun.launch.inplace import InPlaceRounds
 from elasticrun.launch.logfilter import unfed_warnings
 from elasticrun.launch.node import local_address
+from elasticrun.launch.nodecheck import admit, exclude
 from elasticrun.launch.numa import AffinityMode, describe_binding, worker_cpus
 from elasticrun.launch.observe import Observer
 from elasticrun.launch.outage import STOP_SLACK_S, OutageGuard, stop_workers
 from elasticrun.launch.preload import TorchPreload
 from elasticrun.launch.snapshots import SnapshotRoot
+from elasticrun.launch.stragglers import StragglerWatch
 from elasticrun.launch.workers import SERVER_WAIT_S, GroupState, WorkerGroup
 from elasticrun.rendezvous.protocol import JobEnded, LeaseLost, Rendezvous, RendezvousSettings
 from elasticrun.rendezvous.records import NodeInfo, Topology, WorkerStatus
@@ -73,6 +75,14 @@ class AgentSignal(Exception):
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+
+
+class Drained(AgentSignal):
+    """``--straggler-action drain`` named this node: it leaves the job as on SIGTERM, and exits 6."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(signal.SIGTERM)
+        self.reason = reason
 
 
 @dataclass
@@ -116,6 +126,7 @@ class Agent:
         self.obs = Observer(cfg)  # /metrics, goodput accounting, --events-file
         self.inplace: Optional[InPlaceRounds] = None  # in-place re-forming (made with the workers)
         self._round = -1  # the round our workers run in (a graceful leave marks it)
+        self._stragglers: Optional[StragglerWatch] = None  # the leader's scores, our node's drain
 
     # -- signals ----------------------------------------------------------------------------
 
@@ -165,6 +176,7 @@ class Agent:
             teardown.callback(lambda: rdzv is not None and rdzv.leave(revoke=not self._etcd_failed))
             teardown.callback(lambda: self.obs.detach(wait=0.0 if self._etcd_failed else 5.0))
             teardown.callback(lambda: self._hang is not None and self._hang.close())
+            teardown.callback(lambda: self._stragglers is not None and self._stragglers.close())
             teardown.callback(round_store.close)
             teardown.callback(lambda: workers is not None and self._stop_workers(workers))
             teardown.callback(self._ignore_signals, handled)
@@ -193,6 +205,9 @@ class Agent:
                 torch_preload = TorchPreload(cfg.device_kind).start()  # our own torch too, while etcd starts
                 etcd, store = open_store(cfg, self.say)  # standalone / c10d / static: may host the job's etcd
                 self.obs.attach(store)
+                if cfg.node_check:
+                    self.obs.node_checking()
+                admit(cfg, store, self.say, self.obs.node_checked)  # --node-check: NodeExcluded (exit 6) if it fails
                 # Workers reach etcd (commit fence, progress, checkpoint requests) with the same settings.
                 workers.etcd_settings_file = etcd_settings(cfg).write(os.path.join(files_dir, "etcd-settings.json"))
                 host, port = parse_endpoints(cfg.rdzv_endpoint)[0]
@@ -218,6 +233,7 @@ class Agent:
                     self.say("our etcd lease lapsed while importing torch; registering again")
                     rdzv.reregister()
                 rdzv.publish(accelerators=accs)
+                self._stragglers = StragglerWatch(cfg, rdzv, self.say, self.obs.straggler_score).start()
                 self.say(
                     f"joined job {cfg.rdzv_id!r} at {cfg.rdzv_endpoint} as {cfg.node_id} "
                     f"(nnodes {cfg.nnodes_min}:{cfg.nnodes_max}, {cfg.nproc_per_node} "
@@ -229,14 +245,21 @@ class Agent:
                 raise
             except AgentSignal as sig:
                 self._stopping = True
-                self.say(f"received {sig}: stopping workers and leaving the job")
+                drained = isinstance(sig, Drained)
+                why = sig.reason if isinstance(sig, Drained) else f"received {sig}"
+                code = ExitCode.NODE_UNHEALTHY if drained else for_signal(sig.signum)
+                self.say(f"{why}: stopping workers and leaving the job" + (" (it stays out until restarted)"
+                                                                          if drained else ""))
+                if drained and store is not None:
+                    self.obs.drained(why)
+                    exclude(store, cfg.rdzv_id, cfg.node_id, why, "straggler")
                 wsig = worker_signal(sig.signum)
                 if rdzv is not None and self.inplace is not None and self.inplace.leave_first(rdzv, self._round, wsig):
                     wsig = 0  # signalled once already (a second SIGTERM kills); leave_first left the job
                 if workers is not None:
                     workers.stop(cfg.shutdown_timeout, sig=wsig)
                 if rdzv is not None:  # the job's end if we are its last node (rendezvous/ended.py)
-                    rdzv.leaving(f"received {sig}", for_signal(sig.signum))
+                    rdzv.leaving(why, code)
                 if rdzv is not None and rdzv.lease is not None:
                     try:
                         if self._round >= 0:  # before the lease goes: survivors may re-form in place
@@ -244,7 +267,7 @@ class Agent:
                         rdzv.publish(status=WorkerStatus.LEAVING)
                     except ElasticrunError:
                         pass
-                return for_signal(sig.signum)  # drained: a retryable code (docs/deploy.md)
+                return code  # a signal: a retryable code (docs/deploy.md); a straggler's drain: 6
         raise AssertionError("unreachable")  # pragma: no cover - the block returns or raises
 
     # -- teardown steps of run() -----------------------------------------------------------------
@@ -403,6 +426,9 @@ class Agent:
                 # where a graceful stop would end it: no --shutdown-timeout wait, kill them now.
                 stop_workers(rdzv, workers, 1.0, sig=signal.SIGKILL)
                 return RoundOutcome.NEXT
+            drain = self._stragglers.drain_reason(topo.round) if self._stragglers is not None else None
+            if drain is not None and state is GroupState.RUNNING:
+                raise Drained(drain)  # leaves as on SIGTERM (in place where the others re-form in place)
             if state is GroupState.SUCCEEDED and not done_reported:
                 guard.call(lambda: rdzv.report_done(topo), "reporting success")
                 guard.call(lambda: rdzv.publish(status=WorkerStatus.SUCCEEDED), "reporting success")

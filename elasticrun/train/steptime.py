@@ -38,15 +38,15 @@ class StepTimer:
 
     def __init__(self, clock: Any = time.monotonic, rank: Optional[int] = None) -> None:
         self._clock = clock
-        self.rank = int(os.environ.get(env_names.RANK, "0")) if rank is None else rank
-        self.round = int(os.environ.get(env_names.ROUND, "0") or 0)
+        self._rank = rank  # None: RANK from the environment, read at each write (an in-place re-form changes it)
         self._lock = threading.Lock()
         self._steps: Deque[Tuple[float, float]] = collections.deque(maxlen=MAX_STEPS)  # (ended at, compute s)
         self._start: Optional[float] = None
         self._mark: Optional[float] = None
         self._explicit = 0.0  # summed compute() blocks of the current step
         self._explicit_used = False
-        self._file = _StepTimesFile.of_env(self.rank)
+        self._folder = os.environ.get(env_names.STEP_TIMES_DIR, "").strip()
+        self._file: Optional[_StepTimesFile] = None
         self._written = 0.0
 
     # -- marking a step ---------------------------------------------------------------------------
@@ -78,12 +78,22 @@ class StepTimer:
         self._start = None
         with self._lock:
             self._steps.append((now, max(0.0, seconds)))
-        if self._file is not None and now - self._written >= WRITE_EVERY_S:
+        if self._folder and now - self._written >= WRITE_EVERY_S:
             self._written = now
             mean = self.mean()
             if mean is not None:
-                self._file.write(self.round, mean)
+                self._write(mean)
         return seconds
+
+    @property
+    def rank(self) -> int:
+        return int(os.environ.get(env_names.RANK, "0") or 0) if self._rank is None else self._rank
+
+    def _write(self, mean: float) -> None:
+        rank = self.rank
+        if self._file is None or self._file.rank != rank:
+            self._file = _StepTimesFile(os.path.join(self._folder, str(rank)), rank)
+        self._file.write(int(os.environ.get(env_names.ROUND, "0") or 0), mean)
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
@@ -130,11 +140,6 @@ class _StepTimesFile:
         self.path = path
         self.rank = rank
         self._fd: Optional[int] = None
-
-    @classmethod
-    def of_env(cls, rank: int) -> Optional[_StepTimesFile]:
-        folder = os.environ.get(env_names.STEP_TIMES_DIR, "").strip()
-        return cls(os.path.join(folder, str(rank)), rank) if folder else None
 
     def write(self, round_: int, seconds: float) -> None:
         try:
