@@ -122,7 +122,7 @@ class StepTimer:
         again for a DDP model rebuilt after an in-place re-form."""
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-        def hook(state: Any, bucket: Any) -> Any:
+        def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP refuses annotations other than its own
             self.computed()
             return allreduce_hook(state, bucket)
 
