@@ -9,8 +9,7 @@ from typing import Any, Callable, Dict, List, Optional
 from elasticrun.health import judge, nvml, probes
 from elasticrun.health.thresholds import Thresholds
 from elasticrun.health.verdict import Check, failures, skipped, summary
-
-SHM_DIR = "/dev/shm"
+from elasticrun.job.shm import SHM_DIR
 
 
 @dataclass
