@@ -58,12 +58,18 @@ def _reading(lib: Any, index: int) -> GpuReading:
     pages = ctypes.c_uint(0)
     corr, unc, row_pending, row_failed = (ctypes.c_uint() for _ in range(4))
     mem = _Memory()
-    has_pages = _fn(lib, "nvmlDeviceGetRetiredPages") is not None and lib.nvmlDeviceGetRetiredPages(
-        handle, RETIRED_DOUBLE_BIT, ctypes.byref(pages), None) in (SUCCESS, INSUFFICIENT_SIZE)
+    get_pages = _fn(lib, "nvmlDeviceGetRetiredPages")
+    has_pages = get_pages is not None and get_pages(handle, RETIRED_DOUBLE_BIT, ctypes.byref(pages),
+                                                    None) in (SUCCESS, INSUFFICIENT_SIZE)  # 0 given: the count
     has_rows = _call(lib, ("nvmlDeviceGetRemappedRows",), handle, ctypes.byref(corr), ctypes.byref(unc),
                      ctypes.byref(row_pending), ctypes.byref(row_failed))
     has_pending = _call(lib, ("nvmlDeviceGetRetiredPagesPendingStatus",), handle, ctypes.byref(pending))
-    retired = (pages.value if has_pages else 0) + (unc.value if has_rows else 0) if (has_pages or has_rows) else None
+    retired: Optional[int] = None  # pages retired (older GPUs) plus rows remapped (A100 and later)
+    if has_pages or has_rows:
+        retired = (pages.value if has_pages else 0) + (unc.value if has_rows else 0)
+    waiting: Optional[bool] = None  # a page or row waits for a GPU reset
+    if has_pending or has_rows:
+        waiting = bool(has_pending and pending.value) or bool(has_rows and row_pending.value)
     return GpuReading(
         index=index,
         name=name,
@@ -75,8 +81,7 @@ def _reading(lib: Any, index: int) -> GpuReading:
         ecc_uncorrected=int(ecc.value) if _call(lib, ("nvmlDeviceGetTotalEccErrors",), handle,
                                                 MEMORY_ERROR_UNCORRECTED, VOLATILE_ECC, ctypes.byref(ecc)) else None,
         retired_pages=retired,
-        retirement_pending=(bool(pending.value) if has_pending else False) or bool(has_rows and row_pending.value)
-        if (has_pending or has_rows) else None,
+        retirement_pending=waiting,
         remap_failed=bool(row_failed.value) if has_rows else None,
         memory_total=int(mem.total) if _call(lib, ("nvmlDeviceGetMemoryInfo",), handle, ctypes.byref(mem)) else None,
         memory_free=int(mem.free) if mem.total else None,
@@ -112,6 +117,11 @@ def read_gpus(library: str = NVML_LIBRARY, xid_wait_ms: int = XID_WAIT_MS) -> Op
         lib = ctypes.CDLL(library)
     except OSError:
         return None
+    return read_from(lib, xid_wait_ms)
+
+
+def read_from(lib: Any, xid_wait_ms: int = XID_WAIT_MS) -> Optional[List[GpuReading]]:
+    """Every GPU's readings through ``lib`` (the loaded NVML library, or a stand-in with its functions)."""
     if not _call(lib, ("nvmlInit_v2", "nvmlInit")):
         return None
     try:
@@ -125,4 +135,4 @@ def read_gpus(library: str = NVML_LIBRARY, xid_wait_ms: int = XID_WAIT_MS) -> Op
         _call(lib, ("nvmlShutdown",))
 
 
-__all__ = ["NVML_LIBRARY", "read_gpus"]
+__all__ = ["NVML_LIBRARY", "read_from", "read_gpus"]
