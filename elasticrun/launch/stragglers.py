@@ -15,6 +15,7 @@ Once a second (a daemon thread, never in the round loop):
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
@@ -36,6 +37,16 @@ from elasticrun.rendezvous.records import Topology
 
 POLL_S = 1.0
 REWRITE_S = 5.0
+
+
+class Drained(Exception):
+    """``--straggler-action drain`` named this node: the agent leaves the job as on SIGTERM, and exits 6."""
+
+    signum = int(signal.SIGTERM)  # what its workers get, as on a SIGTERM
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 def readings(kvs: List[Any], round_: int) -> List[Reading]:
@@ -146,4 +157,4 @@ class StragglerWatch:
                                                "the job's median, --straggler-action drain)")
 
 
-__all__ = ["StragglerWatch", "readings", "record_of"]
+__all__ = ["Drained", "StragglerWatch", "readings", "record_of"]

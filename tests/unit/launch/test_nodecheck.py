@@ -28,7 +28,7 @@ def test_a_failing_node_is_excluded_with_the_reason_and_exits_6(store, monkeypat
         nodecheck.admit(cfg(True), store, said.append, seen.append)
     assert for_error(err.value) == ExitCode.NODE_UNHEALTHY == 6
     assert seen == [bad] and any("cpu matmul" in line for line in said)
-    rec = store.get_record(K.excluded_of("n1"), records.excluded_record)
+    rec = records.read(store.get(K.excluded_of("n1")), records.excluded_record)
     assert rec["why"] == "node-check" and "0.5 GFLOP/s is below 2" in rec["reason"]
     assert rec["checks"][0]["verdict"] == "fail"
 
