@@ -5,8 +5,8 @@ reads ``elasticrun status --json`` every ``--every`` seconds for ``--minutes`` a
 node was flagged. With ``--slow`` the last node's worker processes are SIGSTOPped/SIGCONTed in pulses (half
 of the time) from the start of the measuring: the figure is then the time until it is flagged.
 
-    python scripts/bench/bench_stragglers.py --minutes 10 --out /tmp/stragglers.json
-    python scripts/bench/bench_stragglers.py --minutes 2 --slow --out /tmp/slow.json
+    python scripts/bench/bench_stragglers.py --minutes 10 --json /tmp/stragglers.json
+    python scripts/bench/bench_stragglers.py --minutes 2 --slow --json /tmp/slow.json
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def main() -> int:
     ap.add_argument("--every", type=float, default=5.0)
     ap.add_argument("--window", type=float, default=30.0, help="--straggler-window of the agents")
     ap.add_argument("--slow", action="store_true", help="pulse the last node's workers (half of its CPU time)")
-    ap.add_argument("--out", default="")
+    ap.add_argument("--json", default="", help="write the result (with its summary rows) here")
     args = ap.parse_args()
     job = f"strag-{uuid.uuid4().hex[:8]}"
     work = Path(tempfile.mkdtemp(prefix="elasticrun-bench-stragglers-"))
@@ -118,8 +118,8 @@ def main() -> int:
         result["summary"] = [summary_row(metric, value, "none", None, unit="s" if args.slow else "readings",
                                          command=result["command"])]
         print(json.dumps(result, indent=1))
-        if args.out:
-            Path(args.out).write_text(json.dumps(result, indent=1))
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
         return 0 if (first_flag is not None) == args.slow else 1
     finally:
         for a in agents:
