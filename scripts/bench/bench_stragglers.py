@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import psutil
+from common import REPO, shown_command, summary_row
 
 from elasticrun.store.server import EtcdServer
-from scripts.bench.common import REPO, shown_command, summary_row
 
 TAG = "ELASTICRUN_BENCH_STRAGGLERS"
 
