@@ -55,6 +55,7 @@ RDZV_CONF: Dict[str, Tuple[str, str]] = {
     "stability_window": ("stability_window", "seconds"),
     "rescale_timeout": ("rescale_timeout", "seconds"),
     "etcd_timeout": ("etcd_timeout", "seconds"),
+    "etcd_members": ("etcd_members", "count"),  # the members a hosted etcd grows to (launch/etcdmembers.py)
 }
 # Flags that override the --rdzv-conf key setting the same field.
 _FLAG_OF_FIELD = {"join_timeout": "join_timeout", "stability_window": "stability_window",

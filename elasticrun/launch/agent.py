@@ -30,6 +30,7 @@ from elasticrun.job.settings import drop_secrets_from_environment, to_file
 from elasticrun.job.settings import from_config as etcd_settings
 from elasticrun.launch.c10d import RoundStore
 from elasticrun.launch.config import LaunchConfig, RdzvBackend, signal_number
+from elasticrun.launch.etcdmembers import EtcdMembers, start_members
 from elasticrun.launch.failures import root_cause_table
 from elasticrun.launch.hang import HangWatch
 from elasticrun.launch.hosting import open_store, wait_others_left
@@ -116,6 +117,7 @@ class Agent:
         self.obs = Observer(cfg)  # /metrics, goodput accounting, --events-file
         self.inplace: Optional[InPlaceRounds] = None  # in-place re-forming (made with the workers)
         self._round = -1  # the round our workers run in (a graceful leave marks it)
+        self._members: Optional[EtcdMembers] = None  # a hosted etcd's members (launch/etcdmembers.py)
 
     # -- signals ----------------------------------------------------------------------------
 
@@ -223,6 +225,7 @@ class Agent:
                 rdzv.ensure_config(cfg.job_settings())
                 rdzv.register()  # a running job starts its stability window now
                 self._stragglers = StragglerWatch(cfg, rdzv, self.say, self.obs.straggler_score).start()
+                self._members = start_members(cfg, rdzv, etcd, workers.etcd_settings_file, self.say)
                 self.say(
                     f"joined job {cfg.rdzv_id!r} at {cfg.rdzv_endpoint} as {cfg.node_id} "
                     f"(nnodes {cfg.nnodes_min}:{cfg.nnodes_max}, {cfg.nproc_per_node} "
@@ -294,8 +297,11 @@ class Agent:
     def _wait_others_left(
         self, etcd: Optional[EtcdServer], store: Optional[EtcdStore], rdzv: Optional[Rendezvous]
     ) -> None:
-        """The agent hosting the job's etcd keeps it up until the others left (not when signalled)."""
-        if etcd is not None and store is not None and rdzv is not None and self._signal is None:
+        """The agent hosting the job's etcd keeps it up until the others left (not when signalled); with
+        several members, each removes its own unless it is the last (launch/etcdmembers.py)."""
+        if self._members is not None:
+            self._members.close(signalled=self._signal is not None, etcd_failed=self._etcd_failed)
+        elif etcd is not None and store is not None and rdzv is not None and self._signal is None:
             wait_others_left(store, rdzv.keys.nodes, self.cfg.rdzv_close_timeout, self.say)
 
     def _settings(self, hosting: bool = False) -> RendezvousSettings:

@@ -121,6 +121,7 @@ class LaunchConfig:
     # (c10d: the endpoint's host is an address of this machine; static: node rank 0).
     rdzv_is_host: Optional[bool] = None
     rdzv_close_timeout: float = 30.0  # hosting agent: wait this long for the others to leave at the end
+    etcd_members: int = 3  # c10d/static: the members the job's own etcd grows to (--rdzv-conf etcd_members; 1: no more)
     node_rank: Optional[int] = None  # --node-rank: the group rank this node keeps; None = any
     node_id: str = field(default_factory=default_node_id)
     local_addr: Optional[str] = None
@@ -182,6 +183,10 @@ class LaunchConfig:
         for check in CHECKS:
             check(self)
         return self
+
+    def hosts_etcd(self) -> bool:
+        """The job's agents run its etcd (torchrun's c10d and static lines): not one the user runs."""
+        return not self.standalone and self.rdzv_backend in (RdzvBackend.C10D, RdzvBackend.STATIC)
 
     def keeps_log_files(self) -> bool:
         """Whether workers' output goes to files too (-r, -t, --duplicate-*-filters): they need a log dir."""
@@ -378,6 +383,13 @@ def check_rendezvous(cfg: LaunchConfig) -> None:
         )
 
 
+def check_etcd_members(cfg: LaunchConfig) -> None:
+    """``--rdzv-conf etcd_members``: the size a hosted etcd grows to, an odd number."""
+    if cfg.etcd_members not in (1, 3, 5, 7):
+        raise ConfigError(f"--rdzv-conf etcd_members={cfg.etcd_members}: use 1, 3, 5 or 7 (an odd number: "
+                          "an even one survives no more losses than the odd one below it)")
+
+
 def check_streams(cfg: LaunchConfig) -> None:
     """``--redirects`` and ``--tee`` in torchrun's syntax."""
     cfg.std_streams()
@@ -392,6 +404,6 @@ def check_devices(cfg: LaunchConfig) -> None:
 
 #: What :meth:`LaunchConfig.validate` checks, in order.
 CHECKS: Tuple[Callable[[LaunchConfig], None], ...] = (
-    check_size, check_names, check_counts, check_finite, check_durations, check_ranks, check_signals,
-    check_entrypoint, check_rendezvous, check_streams, check_devices,
+    check_size, check_names, check_counts, check_finite, check_durations, check_ranks, check_etcd_members,
+    check_signals, check_entrypoint, check_rendezvous, check_streams, check_devices,
 )
