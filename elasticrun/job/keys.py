@@ -25,6 +25,10 @@ write access to its own prefix only (see docs/security.md)::
     progress/<node-id>          last step/loss reported by workers (on a short lease)
     goodput/<node-id>           that agent's goodput accounting (on its lease, every ~10 s; the
                                 final one, written when the job ended, without a lease)
+    health/stragglers           the leader's straggler scores of the current round (and the node it
+                                drains, with --straggler-action drain); no lease
+    health/excluded/<node-id>   a node kept out of the job: it failed its --node-check or was drained
+                                as a straggler (reason, time); no lease, removed when it joins again
     etcd/members/<node-id>      the member of the job's own etcd that node runs (hosted etcd only;
                                 launch/etcdmembers.py)
     etcd/assign/<node-id>       the leader asks that node to start a member (removed once it did)
@@ -181,6 +185,19 @@ class JobKeys:
     def goodput_of(self, node_id: str) -> str:
         """The node's goodput accounting (elasticrun.launch.goodput), on the agent's lease."""
         return self.goodput + node_id
+
+    @property
+    def stragglers(self) -> str:
+        """The leader's straggler scores (elasticrun.launch.stragglers), no lease."""
+        return self.prefix + "health/stragglers"
+
+    @property
+    def excluded(self) -> str:
+        return self.prefix + "health/excluded/"
+
+    def excluded_of(self, node_id: str) -> str:
+        """Why ``node_id`` stays out of the job (a failed node check, a drain)."""
+        return self.excluded + node_id
 
     @property
     def etcd(self) -> str:

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from elasticrun.errors import ConfigError
+from elasticrun.health.straggler import StragglerAction
+from elasticrun.health.thresholds import Thresholds
 from elasticrun.job.hints import AdaptationStrategy, RedistributionType
 from elasticrun.job.inplace import READY_WAIT_S
 from elasticrun.launch.gpus import VISIBLE_DEVICES, virtual_visible_device, visible_gpu_count
@@ -164,6 +166,11 @@ class LaunchConfig:
     snapshots: bool = True  # --no-snapshots: no memory tier (no ELASTICRUN_SNAPSHOT_DIR for workers)
     snapshot_memory: Optional[int] = None  # --snapshot-memory: the memory tier's cap in bytes (None: the default cap)
     hang_timeout: float = 0.0  # --hang-timeout: restart a round whose progress stalled this long (0: off)
+    node_check: bool = False  # --node-check: check the node before it joins (elasticrun.health)
+    node_check_thresholds: Thresholds = field(default_factory=Thresholds)  # --node-check-thresholds
+    straggler_threshold: float = 1.2  # --straggler-threshold: compute time over the job's median that is slow
+    straggler_window: float = 30.0  # --straggler-window: seconds slow before a rank is a straggler
+    straggler_action: StragglerAction = StragglerAction.WARN  # --straggler-action
     metrics_port: int = 0  # --metrics-port: serve /metrics there (0: off)
     metrics_host: str = "127.0.0.1"  # --metrics-host: the address /metrics listens on
     events_file: Optional[str] = None  # --events-file: the agent's JSON-lines event log
