@@ -13,7 +13,6 @@ each library back to back, with the CPU time each one used (what checksumming ev
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -24,7 +23,7 @@ from typing import Dict, List
 
 import torch
 from ckpt_compare import GB, Libraries, compare_section, gpt_state, nbytes, remove, uniform_state
-from common import REPO, shown_command
+from common import REPO, shown_command, write_json
 
 sys.path.insert(0, str(REPO))  # elasticrun as in this tree
 
@@ -86,8 +85,7 @@ def main() -> None:
         doc = compare_section(base, args.state, args.device, size, args.repeat, not args.no_dcp, settle,
                               shown_command(__file__))
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(doc, f, indent=1)
+            write_json(args.json, doc)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
