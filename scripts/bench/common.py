@@ -29,6 +29,12 @@ def summary_row(metric: str, elasticrun: float, alternative: str, alt_value: Opt
             "ratio": ratio, "device": device, "command": command}
 
 
+def md_table(header: Sequence[str], rows: Iterable[Sequence[Any]], align: str = "") -> str:
+    """A markdown table; ``align`` has one letter per column, ``r`` for right-aligned (the rest are left)."""
+    rule = ["---:" if a == "r" else "---" for a in align.ljust(len(header), "l")]
+    return "\n".join("| " + " | ".join(map(str, cells)) + " |" for cells in [header, rule, *rows])
+
+
 def shown_command(script: str, argv: Optional[Sequence[str]] = None) -> str:
     """``python scripts/bench/SCRIPT ARGS`` as this bench was run (``argv``: its arguments, default sys.argv)."""
     args = sys.argv[1:] if argv is None else argv
