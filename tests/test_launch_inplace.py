@@ -21,7 +21,7 @@ from elasticrun.job.keys import JobKeys
 
 from helpers.procs import SCRIPTS, wait_until
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0  # read at collection: the host's GPUs
 NCCL = dist.is_available() and dist.is_nccl_available()
 

@@ -25,6 +25,8 @@ from elasticrun.store.server import EtcdServer
 from helpers.elastic import HB, agent_args, first_step, steps, worker_pids
 from helpers.procs import SCRIPTS, wait_until
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 TERM_SAVER = str(SCRIPTS / "term_saver.py")
 
 
