@@ -351,11 +351,11 @@ class Agent:
         rdzv.beat(busy_for=SERVER_WAIT_S)  # the start may wait for the fork server's imports (bounded)
         self.obs.round_started(topo, event)
         assert self.inplace is not None
-        how = self.inplace.start(rdzv, topo, me, event)
+        guard = OutageGuard(self.cfg, rdzv, workers, self.say)
+        how = self.inplace.start(rdzv, topo, me, event, guard.call)
         self._round = topo.round
         rdzv.beat()
         self.say(f"round {topo.round}: workers started ({how})")
-        guard = OutageGuard(self.cfg, rdzv, workers, self.say)
         guard.call(lambda: rdzv.publish(status=WorkerStatus.ACTIVE, waiting_for=-1), "starting a round")
         done_reported = False
         hang = self._hang_watch(rdzv, topo)
@@ -387,7 +387,7 @@ class Agent:
                 guard.call(lambda: rdzv.report_failure(topo, rows), "reporting a failure")  # noqa: B023 - called at once
                 stop_workers(rdzv, workers, self.cfg.shutdown_timeout)
                 return RoundOutcome.NEXT
-            if state is GroupState.RUNNING and self.inplace.tick(rdzv, topo):
+            if state is GroupState.RUNNING and self.inplace.tick(rdzv, topo, guard.call):
                 return RoundOutcome.NEXT  # the re-form failed: reported as a failure, workers stopped
             if hang is not None and state is GroupState.RUNNING and hang.hung():
                 self.say(f"round {topo.round}: the step reported by our workers (last {hang.step}) has not advanced "

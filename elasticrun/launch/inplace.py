@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import signal
 import time
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional
 
 from elasticrun.errors import ElasticrunError
 from elasticrun.job import env as names
@@ -37,6 +37,16 @@ from elasticrun.launch.workers import GroupState, WorkerGroup
 from elasticrun.proc import kill_process_group
 from elasticrun.rendezvous.protocol import Rendezvous
 from elasticrun.rendezvous.records import Member, RescaleEvent, Topology
+
+#: How an etcd operation of the in-place work runs: ``call(fn, what)`` returns ``fn()``. The agent
+#: passes its outage guard's :meth:`~elasticrun.launch.outage.OutageGuard.call`, so a write that
+#: meets an etcd outage is retried up to ``--etcd-outage-grace`` like the restart path's.
+EtcdCall = Callable[[Callable[[], Any], str], Any]
+
+
+def direct(fn: Callable[[], Any], what: str) -> Any:  # noqa: ARG001 - the EtcdCall signature
+    """An :data:`EtcdCall` without a guard: the operation runs once."""
+    return fn()
 
 
 class InPlaceRounds:
@@ -76,7 +86,8 @@ class InPlaceRounds:
             self.carrying = False
             self.workers.stop(self.cfg.shutdown_timeout)
 
-    def start(self, rdzv: Rendezvous, topo: Topology, me: Member, event: Optional[RescaleEvent]) -> str:
+    def start(self, rdzv: Rendezvous, topo: Topology, me: Member, event: Optional[RescaleEvent],
+              call: EtcdCall = direct) -> str:
         """Place the kept workers in ``topo`` or start new ones; how, for the agent's log line."""
         if self.carrying:
             self.carrying = False
@@ -87,7 +98,7 @@ class InPlaceRounds:
                 return f"{len(self._envs)} kept, re-forming in place"
             self.say(f"round {topo.round} restarts every worker: stopping the kept ones")
             self.workers.stop(self.cfg.shutdown_timeout)
-            rdzv.publish(inplace=False)
+            call(lambda: rdzv.publish(inplace=False), "starting a round")
             self._told = False
         self._round = -1  # fresh workers: nothing of an earlier re-form is pending
         for local_rank in range(me.nproc):
@@ -132,18 +143,20 @@ class InPlaceRounds:
         self.carrying = True
         return True
 
-    def tick(self, rdzv: Rendezvous, topo: Topology) -> bool:
-        """One turn of the agent loop; True when a re-form failed and the restart path was taken."""
+    def tick(self, rdzv: Rendezvous, topo: Topology, call: EtcdCall = direct) -> bool:
+        """One turn of the agent loop; True when a re-form failed and the restart path was taken.
+        Every etcd write goes through ``call`` (the agent's outage guard)."""
         if not self.enabled:
             return False
         files = self._files()
         if not self._told and files and not self.busy and all(reform.opted_in(f) for f in files):
-            rdzv.publish(inplace=True)
+            call(lambda: rdzv.publish(inplace=True), "offering in-place re-forming")
             self._told = True
         now = time.monotonic()
         if self._joining >= 0:
             if files and all(reform.ready(f) or reform.formed_round(f) >= self._joining for f in files):
-                rdzv.store.put_json(rdzv.keys.ready(self._joining, rdzv.node_id), {"time": time.time()})
+                key = rdzv.keys.ready(self._joining, rdzv.node_id)
+                call(lambda: rdzv.store.put_json(key, {"time": time.time()}), "telling the survivors we are ready")
                 self._joining = -1
             elif now > self._deadline:
                 self._joining = -1  # the survivors give up on us: their round fails
@@ -160,23 +173,23 @@ class InPlaceRounds:
                 return False
             if now > self._deadline:
                 wait = self.cfg.inplace_ready_timeout
-                return self._fail(rdzv, topo, f"newcomers {', '.join(need)} not ready within {wait:g} s")
+                return self._fail(rdzv, topo, f"newcomers {', '.join(need)} not ready within {wait:g} s", call)
             return False
         if all(reform.formed_round(f) >= self._round for f in files):
             self.say(f"round {self._round}: workers re-formed in place in {now - self._published:.2f} s")
             self._round = -1
         elif now > self._deadline:
-            return self._fail(rdzv, topo, f"workers did not re-form within {REFORM_DEADLINE_S:g} s")
+            return self._fail(rdzv, topo, f"workers did not re-form within {REFORM_DEADLINE_S:g} s", call)
         return False
 
-    def _fail(self, rdzv: Rendezvous, topo: Topology, why: str) -> bool:
+    def _fail(self, rdzv: Rendezvous, topo: Topology, why: str, call: EtcdCall) -> bool:
         self.say(f"round {topo.round}: in-place re-form failed ({why}): restarting the round")
         rows = [make_failure(w.spec.member.node_id, w.spec.member.host, w.spec.rank, w.spec.local_rank,
                              reform.EXIT_REFORM_FAILED, w.spec.error_file).to_dict() for w in self.workers.running]
         self._round = -1
-        rdzv.report_failure(topo, rows)
+        call(lambda: rdzv.report_failure(topo, rows), "reporting a failed re-form")
         stop_workers(rdzv, self.workers, 1.0, sig=signal.SIGKILL)  # a half-made group: no graceful stop
         return True
 
 
-__all__ = ["InPlaceRounds"]
+__all__ = ["EtcdCall", "InPlaceRounds", "direct"]

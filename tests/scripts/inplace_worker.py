@@ -9,7 +9,8 @@ nccl. ``INPLACE_DDP=1``: gradients through DDP, rebuilt with ``et.rebuild_ddp`` 
 epoch (120); ``INPLACE_PACE``: seconds between steps, none once ``INPLACE_FAST_FILE`` exists.
 ``INPLACE_JOIN_TIMEOUT``: seconds to wait for the first group and for a re-formed one;
 ``INPLACE_REFORM_TIMEOUT`` (default: the same) for a re-formed one only.
-``INPLACE_START_DELAY``: seconds to sleep before ``init`` (a slow newcomer: a long join window).
+``INPLACE_START_DELAY``: seconds to sleep before ``init`` (a slow newcomer: a long join window);
+``INPLACE_START_GATE``: a file to wait for before ``init`` (``<gate>.waiting`` says it waits).
 ``INPLACE_CKPT_DIR`` + ``INPLACE_CKPT_EVERY``: save a checkpoint there every N steps (collective);
 rank 0 logs ``{"saved": name}`` or ``{"refused": error}`` with its round.
 The restart path by hand: ``INPLACE_RESUME=PATH`` loads the state saved at ``PATH`` (if it exists),
@@ -46,6 +47,11 @@ if die.startswith("reform:"):
     inplace.InPlace._reform = _dying_reform
 
 time.sleep(float(os.environ.get("INPLACE_START_DELAY", "0")))
+gate = os.environ.get("INPLACE_START_GATE", "")
+if gate:
+    open(gate + ".waiting", "w").close()
+while gate and not os.path.exists(gate):
+    time.sleep(0.02)
 ctx = et.init(timeout=float(os.environ.get("INPLACE_JOIN_TIMEOUT", "40")))
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 1).to(ctx.device)  # cpu (gloo) or this worker's GPU (nccl)

@@ -1,0 +1,86 @@
+"""An etcd outage during an in-place join is ridden out like one during training.
+
+Real agents, a real (private) etcd, real gloo workers (tests/scripts/inplace_worker.py). A and B
+train; C joins and the leader writes round 1 (A and B re-form in place). etcd is stopped (SIGSTOP)
+right as C's worker gets ready, so C's agent meets the outage when it writes ``ready/C``. The
+write is retried within ``--etcd-outage-grace``: no agent exits, the survivors re-form in place
+once etcd answers again (their worker processes kept), and the job trains at world size 3.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Iterator, List
+
+import pytest
+
+from elasticrun.job.keys import JobKeys
+from elasticrun.store.client import connect
+from elasticrun.store.server import EtcdServer
+
+from helpers.procs import SCRIPTS, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+HB = 12  # a lease outlives the outage (refreshed every HB/3 s): only the calls made during it fail
+OUTAGE_S = 7.0  # longer than a call's deadline (5 s) plus --etcd-timeout: a call made during it fails
+
+
+@pytest.fixture
+def private_etcd() -> Iterator[EtcdServer]:
+    """An etcd of this test alone (stopping the shared one would disturb other tests)."""
+    server = EtcdServer().start()
+    try:
+        yield server
+    finally:
+        if server.proc is not None and server.proc.poll() is None:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        server.stop()
+
+
+def agent_args(endpoint: str, job: str, node: str) -> List[str]:
+    return ["--nnodes", "2:3", "--max-restarts", "0", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
+            "--rdzv-id", job, "--node-id", node, "--heartbeat-timeout", str(HB), "--stability-window", "0.5",
+            "--shutdown-timeout", "2", "--etcd-timeout", "1", "--etcd-outage-grace", "60",
+            str(SCRIPTS / "inplace_worker.py")]
+
+
+def steps(log: Path) -> List[dict]:
+    if not log.exists():
+        return []
+    rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip().endswith("}")]
+    return [r for r in rows if "step" in r]
+
+
+def test_an_etcd_outage_while_a_newcomer_gets_ready_is_ridden_out(private_etcd, job_id, agents, tmp_path):
+    log, gate = tmp_path / "steps.jsonl", tmp_path / "gate"
+    env = {"INPLACE_LOG": str(log), "INPLACE_DATASET": "2000", "INPLACE_PACE": "0.1"}
+    a = {n: agents(agent_args(private_etcd.endpoint, job_id, n), name=n, env=env) for n in "AB"}
+    wait_until(lambda: sum(r["world"] == 2 for r in steps(log)) >= 4, 150, "steps at world size 2")
+    survivors = {r["pid"] for r in steps(log)}
+    a["C"] = agents(agent_args(private_etcd.endpoint, job_id, "C"), name="C",
+                    env={**env, "INPLACE_START_GATE": str(gate)})
+    wait_until(lambda: Path(f"{gate}.waiting").exists(), 150, "C's worker started, waiting at the gate")
+    store = connect(private_etcd.endpoint)
+    try:
+        assert sorted(json.loads(store.get(JobKeys(job_id).topology).value).get("inplace", [])) == ["A", "B"]
+    finally:
+        store.close()
+    os.kill(private_etcd.proc.pid, signal.SIGSTOP)
+    try:
+        gate.touch()  # C's worker gets ready now: its agent's ready/C write meets the outage
+        time.sleep(OUTAGE_S)  # the outage itself
+    finally:
+        os.kill(private_etcd.proc.pid, signal.SIGCONT)
+
+    def world3() -> bool:
+        for name, agent in a.items():
+            assert agent.proc.poll() is None, f"agent {name} exited {agent.proc.returncode}: {agent.stderr()}"
+        return sum(r["world"] == 3 for r in steps(log)) >= 6
+    wait_until(world3, 90, "steps at world size 3")
+    at3 = {r["pid"] for r in steps(log) if r["world"] == 3}
+    assert survivors <= at3, "the survivors re-formed in place (same worker processes)"
+    assert "etcd does not answer while telling the survivors we are ready" in a["C"].stderr(), a["C"].stderr()
