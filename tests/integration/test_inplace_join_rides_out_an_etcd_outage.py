@@ -14,31 +14,18 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Iterator, List
+from typing import List
 
 import pytest
 
 from elasticrun.job.keys import JobKeys
 from elasticrun.store.client import connect
-from elasticrun.store.server import EtcdServer
 
 from helpers.procs import SCRIPTS, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 HB = 12  # a lease outlives the outage (refreshed every HB/3 s): only the calls made during it fail
 OUTAGE_S = 7.0  # longer than a call's deadline (5 s) plus --etcd-timeout: a call made during it fails
-
-
-@pytest.fixture
-def private_etcd() -> Iterator[EtcdServer]:
-    """An etcd of this test alone (stopping the shared one would disturb other tests)."""
-    server = EtcdServer().start()
-    try:
-        yield server
-    finally:
-        if server.proc is not None and server.proc.poll() is None:
-            os.kill(server.proc.pid, signal.SIGCONT)
-        server.stop()
 
 
 def agent_args(endpoint: str, job: str, node: str) -> List[str]:
