@@ -50,6 +50,7 @@ from elasticrun.job.reform import (
 )
 from elasticrun.train.dist import ElasticContext
 from elasticrun.train.env import ElasticState
+from elasticrun.train.progress import follow_reform
 from elasticrun.train.sampler import ElasticDistributedSampler
 
 log = logging.getLogger(__name__)
@@ -176,6 +177,7 @@ class InPlace:
                       "collective before creating InPlace blocks it)")
         self._repoint_samplers(state)
         self._guarded(self.sync, "sending the state to newcomers")
+        follow_reform(state)  # progress reports (hang detection, the step gauge) name the new round
         self.reforms += 1
         self.last_pause_s = time.monotonic() - began
         self._mark()

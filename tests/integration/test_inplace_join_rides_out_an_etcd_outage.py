@@ -14,41 +14,33 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import List
 
 import pytest
 
 from elasticrun.job.keys import JobKeys
 from elasticrun.store.client import connect
 
-from helpers.procs import SCRIPTS, wait_until
+from helpers.inplace import inplace_args, log_steps
+from helpers.procs import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 HB = 12  # a lease outlives the outage (refreshed every HB/3 s): only the calls made during it fail
 OUTAGE_S = 7.0  # longer than a call's deadline (5 s) plus --etcd-timeout: a call made during it fails
+GUARD = ["--etcd-timeout", "1", "--etcd-outage-grace", "60"]
 
 
-def agent_args(endpoint: str, job: str, node: str) -> List[str]:
-    return ["--nnodes", "2:3", "--max-restarts", "0", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
-            "--rdzv-id", job, "--node-id", node, "--heartbeat-timeout", str(HB), "--stability-window", "0.5",
-            "--shutdown-timeout", "2", "--etcd-timeout", "1", "--etcd-outage-grace", "60",
-            str(SCRIPTS / "inplace_worker.py")]
 
 
-def steps(log: Path) -> List[dict]:
-    if not log.exists():
-        return []
-    rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip().endswith("}")]
-    return [r for r in rows if "step" in r]
 
 
 def test_an_etcd_outage_while_a_newcomer_gets_ready_is_ridden_out(private_etcd, job_id, agents, tmp_path):
     log, gate = tmp_path / "steps.jsonl", tmp_path / "gate"
     env = {"INPLACE_LOG": str(log), "INPLACE_DATASET": "2000", "INPLACE_PACE": "0.1"}
-    a = {n: agents(agent_args(private_etcd.endpoint, job_id, n), name=n, env=env) for n in "AB"}
-    wait_until(lambda: sum(r["world"] == 2 for r in steps(log)) >= 4, 150, "steps at world size 2")
-    survivors = {r["pid"] for r in steps(log)}
-    a["C"] = agents(agent_args(private_etcd.endpoint, job_id, "C"), name="C",
+    a = {n: agents(inplace_args(private_etcd.endpoint, job_id, n, heartbeat=HB, extra=GUARD), name=n, env=env)
+         for n in "AB"}
+    wait_until(lambda: sum(r["world"] == 2 for r in log_steps(log)) >= 4, 150, "steps at world size 2")
+    survivors = {r["pid"] for r in log_steps(log)}
+    a["C"] = agents(inplace_args(private_etcd.endpoint, job_id, "C", heartbeat=HB, extra=GUARD), name="C",
                     env={**env, "INPLACE_START_GATE": str(gate)})
     wait_until(lambda: Path(f"{gate}.waiting").exists(), 150, "C's worker started, waiting at the gate")
     store = connect(private_etcd.endpoint)
@@ -66,8 +58,8 @@ def test_an_etcd_outage_while_a_newcomer_gets_ready_is_ridden_out(private_etcd, 
     def world3() -> bool:
         for name, agent in a.items():
             assert agent.proc.poll() is None, f"agent {name} exited {agent.proc.returncode}: {agent.stderr()}"
-        return sum(r["world"] == 3 for r in steps(log)) >= 6
+        return sum(r["world"] == 3 for r in log_steps(log)) >= 6
     wait_until(world3, 90, "steps at world size 3")
-    at3 = {r["pid"] for r in steps(log) if r["world"] == 3}
+    at3 = {r["pid"] for r in log_steps(log) if r["world"] == 3}
     assert survivors <= at3, "the survivors re-formed in place (same worker processes)"
     assert "etcd does not answer while telling the survivors we are ready" in a["C"].stderr(), a["C"].stderr()

@@ -9,44 +9,33 @@ not run to its end (the agents are stopped at teardown).
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import List
-
 import pytest
 
 from elasticrun.checkpoint import list_checkpoints
 from elasticrun.job.keys import JobKeys
 
-from helpers.procs import SCRIPTS, wait_until
+from helpers.inplace import inplace_args, log_rows
+from helpers.procs import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
-def agent_args(endpoint: str, job: str, node: str) -> List[str]:
-    return ["--nnodes", "2:3", "--max-restarts", "0", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
-            "--rdzv-id", job, "--node-id", node, "--heartbeat-timeout", "3", "--stability-window", "0.5",
-            "--shutdown-timeout", "2", str(SCRIPTS / "inplace_worker.py")]
 
 
-def rows(log: Path) -> List[dict]:
-    if not log.exists():
-        return []
-    return [json.loads(line) for line in log.read_text().splitlines() if line.strip().endswith("}")]
 
 
 def test_survivors_saves_commit_while_a_newcomer_starts(etcd_server, etcd, job_id, agents, tmp_path):
     log, ckpts = tmp_path / "steps.jsonl", tmp_path / "ckpts"
     env = {"INPLACE_LOG": str(log), "INPLACE_DATASET": "2000", "INPLACE_PACE": "0.1", "INPLACE_CKPT_DIR": str(ckpts),
            "INPLACE_CKPT_EVERY": "3"}
-    a = {n: agents(agent_args(etcd_server.endpoint, job_id, n), name=n, env=env) for n in "AB"}
-    wait_until(lambda: any("saved" in r for r in rows(log)), 150, "a first save at world size 2")
-    a["C"] = agents(agent_args(etcd_server.endpoint, job_id, "C"), name="C", env={**env, "INPLACE_START_DELAY": "6"})
-    wait_until(lambda: any(r.get("round", 0) >= 1 and ("saved" in r or "refused" in r) for r in rows(log)), 150,
+    a = {n: agents(inplace_args(etcd_server.endpoint, job_id, n), name=n, env=env) for n in "AB"}
+    wait_until(lambda: any("saved" in r for r in log_rows(log)), 150, "a first save at world size 2")
+    a["C"] = agents(inplace_args(etcd_server.endpoint, job_id, "C"), name="C", env={**env, "INPLACE_START_DELAY": "6"})
+    wait_until(lambda: any(r.get("round", 0) >= 1 and ("saved" in r or "refused" in r) for r in log_rows(log)), 150,
                "a save after the re-form")
     topo = etcd.get_json(JobKeys(job_id).topology)
     assert topo["round"] == 1 and sorted(topo["inplace"]) == ["A", "B"], topo
-    saves = [r for r in rows(log) if "saved" in r or "refused" in r]
+    saves = [r for r in log_rows(log) if "saved" in r or "refused" in r]
     in_window = [r for r in saves if r["round"] == 0 and r["t"] > topo["created_at"]]
     assert len(in_window) >= 3, f"saves while C started: {in_window}"
     refused = [r for r in saves if "refused" in r]

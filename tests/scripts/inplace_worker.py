@@ -13,6 +13,9 @@ epoch (120); ``INPLACE_PACE``: seconds between steps, none once ``INPLACE_FAST_F
 ``INPLACE_START_GATE``: a file to wait for before ``init`` (``<gate>.waiting`` says it waits).
 ``INPLACE_CKPT_DIR`` + ``INPLACE_CKPT_EVERY``: save a checkpoint there every N steps (collective);
 rank 0 logs ``{"saved": name}`` or ``{"refused": error}`` with its round.
+``INPLACE_HEARTBEAT=1``: ``et.heartbeat(step)`` after every step; ``INPLACE_HANG_FILE``: once that
+file exists, the worker stops making progress (sleeps in its loop: a hang); ``INPLACE_CRASH_FILE``:
+once that file exists, the worker exits 1 (a crash).
 The restart path by hand: ``INPLACE_RESUME=PATH`` loads the state saved at ``PATH`` (if it exists),
 ``INPLACE_STOP_AFTER=STEP`` saves it there after STEP (rank 0) and exits 0.
 """
@@ -72,6 +75,9 @@ if resume and os.path.exists(resume):
 g = torch.Generator().manual_seed(7)
 X = torch.randn(DATASET, 4, generator=g).to(ctx.device)
 Y = torch.randn(DATASET, 1, generator=g).to(ctx.device)
+heartbeat = os.environ.get("INPLACE_HEARTBEAT") == "1"
+hang = os.environ.get("INPLACE_HANG_FILE", "")
+crash = os.environ.get("INPLACE_CRASH_FILE", "")
 ckpt_dir = os.environ.get("INPLACE_CKPT_DIR", "")
 ckpt_every = int(os.environ.get("INPLACE_CKPT_EVERY", "0")) if ckpt_dir else 0
 
@@ -112,6 +118,12 @@ with open(os.environ["INPLACE_LOG"], "a") as log:
                               "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),
                               "w": model.weight.detach().flatten().tolist()}) + "\n")
         log.flush()
+        if heartbeat:
+            et.heartbeat(reform.step)
+        if crash and os.path.exists(crash):
+            os._exit(1)
+        while hang and os.path.exists(hang):
+            time.sleep(0.1)
         if ckpt_every and reform.step % ckpt_every == 0:
             save_checkpoint(log)
         if reform.step == stop_after:
