@@ -6,9 +6,9 @@ import pytest
 
 from elasticrun.errors import ConfigError
 from elasticrun.job.keys import JobKeys
-from elasticrun.job.reform import EXIT_REFORM_FAILED, READY_WAIT_S, REFORM_WINDOW_S, reform_window
+from elasticrun.job.reform import EXIT_REFORM_FAILED, IN_REFORM, READY_WAIT_S
 from elasticrun.launch.config import LaunchConfig
-from elasticrun.rendezvous.inplace import plan_inplace, reform_failed
+from elasticrun.rendezvous.inplace import plan_inplace, reform_caused, reform_failed
 from elasticrun.rendezvous.records import Member, NodeInfo, RescaleType, Topology
 from elasticrun.rendezvous.settings import describe_mismatch
 
@@ -51,25 +51,29 @@ def test_round_record_carries_the_inplace_members():
 
 def test_only_a_failed_reform_of_an_inplace_round_is_free(store):
     """The restart after a failed in-place re-form is not charged; a crash in an ordinary round, or
-    long after the re-form, is."""
+    after the re-form (however soon), is."""
     keys = JobKeys("j")
     members = (_member("A", 0), _member("B", 1))
     inplace = Topology(4, members, "127.0.0.1", 1, created_at=1000.0, inplace=("A",))
     ordinary = Topology(4, members, "127.0.0.1", 1, created_at=1000.0)
     assert not reform_failed(inplace, store, keys), "no failure recorded"
-    store.put_json(keys.failed(4), {"node": "B", "rank": 1, "time": 1000.0 + REFORM_WINDOW_S + 3600})
+    store.put_json(keys.failed(4), {"node": "B", "rank": 1, "time": 1000.0 + 5})
     store.put_json(keys.failure(4, "B"), [{"rank": 1, "exitcode": 1}])
-    assert not reform_failed(inplace, store, keys), "a crash an hour into the round is charged"
+    assert not reform_failed(inplace, store, keys), "a crash 5 s after the round formed, not in its re-form"
     store.put_json(keys.failure(4, "A"), [{"rank": 0, "exitcode": EXIT_REFORM_FAILED}])
     assert reform_failed(inplace, store, keys), "a worker that could not re-form"
     assert not reform_failed(ordinary, store, keys), "exit 75 outside an in-place round is a plain failure"
     store.delete(keys.failure(4, "A"))
-    store.put_json(keys.failed(4), {"node": "C", "rank": 2, "time": 1000.0 + 5})
+    store.put_json(keys.failure(4, "C"), [{"rank": 2, "exitcode": 3, IN_REFORM: True}])
     assert reform_failed(inplace, store, keys), "a newcomer dying while it receives the state"
     assert not reform_failed(None, store, keys)
-    store.put_json(keys.failed(4), {"node": "C", "rank": 2, "time": 1000.0 + 400})
-    assert not reform_failed(inplace, store, keys), "past the default window (300 s start-up + 60 s re-form)"
-    assert reform_failed(inplace, store, keys, window=reform_window(900)), "a job that allows 900 s of start-up"
+
+
+def test_reform_caused_reads_the_rows_alone():
+    assert not reform_caused([])
+    assert not reform_caused([{"exitcode": 1}, {"exitcode": -9, IN_REFORM: False}])
+    assert reform_caused([{"exitcode": 1}, {"exitcode": EXIT_REFORM_FAILED}])
+    assert reform_caused([{"exitcode": 4, IN_REFORM: True}])
 
 
 def test_inplace_ready_timeout_is_a_job_setting_and_validated():

@@ -25,7 +25,6 @@ from elasticrun.errors import ElasticrunError, JobFailedError, StoreError
 from elasticrun.job import env as env_names
 from elasticrun.job.exitcodes import ExitCode, for_signal
 from elasticrun.job.records import progress_record
-from elasticrun.job.reform import reform_window
 from elasticrun.job.settings import drop_secrets_from_environment
 from elasticrun.job.settings import from_config as etcd_settings
 from elasticrun.launch.c10d import RoundStore
@@ -288,7 +287,6 @@ class Agent:
             join_timeout=c.join_timeout,
             stall_after=max(2.0, c.heartbeat_timeout / 2),
             busy_timeout=c.shutdown_timeout + c.heartbeat_timeout + STOP_SLACK_S,
-            reform_window=reform_window(c.inplace_ready_timeout),
             ended_ttl=0.0 if hosting or hosted_elsewhere else c.ended_job_ttl,
             record_end=not hosted_elsewhere,
         )
@@ -383,7 +381,7 @@ class Agent:
                 first = failures[0]
                 self.say(f"worker rank {first.rank} failed ({first.signal or first.exitcode}): stopping this round")
                 self.obs.round_failed()
-                rows = [f.to_dict() for f in failures]
+                rows = self.inplace.mark([f.to_dict() for f in failures])  # failed inside a re-form?
                 guard.call(lambda: rdzv.report_failure(topo, rows), "reporting a failure")  # noqa: B023 - called at once
                 stop_workers(rdzv, workers, self.cfg.shutdown_timeout)
                 return RoundOutcome.NEXT

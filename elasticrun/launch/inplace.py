@@ -65,6 +65,7 @@ class InPlaceRounds:
         self._published = 0.0  # when the assignments were written (0: not yet)
         self._deadline = 0.0
         self._joining = -1  # the round our newcomer workers join (-1: none)
+        self._forming = -1  # that round until our newcomer workers have the state (-1: none)
 
     @property
     def busy(self) -> bool:
@@ -93,6 +94,7 @@ class InPlaceRounds:
             self.carrying = False
             if me.node_id in topo.inplace:
                 self._envs = self.workers.adopt(topo, me, event)
+                self._joining = self._forming = -1
                 self._round, self._published = topo.round, 0.0
                 self._deadline = time.monotonic() + self.cfg.inplace_ready_timeout
                 return f"{len(self._envs)} kept, re-forming in place"
@@ -110,9 +112,23 @@ class InPlaceRounds:
             self.workers.start(topo, me, event)
         finally:
             self.workers.extra_env.pop(names.REFORM_JOIN, None)
-        self._joining = topo.round if join else -1
+        self._joining = self._forming = topo.round if join else -1
         self._deadline = time.monotonic() + self.cfg.inplace_ready_timeout
         return self.workers.started_how + (", joining in-place survivors" if join else "")
+
+    @property
+    def in_reform(self) -> bool:
+        """Our workers are inside an in-place re-form: survivors between their assignment and re-forming,
+        newcomers until they have received the state."""
+        return (self._round >= 0 and bool(self._published)) or self._forming >= 0
+
+    def mark(self, rows: List[dict]) -> List[dict]:
+        """Failure rows of our workers, flagged :data:`~elasticrun.job.reform.IN_REFORM` when they failed
+        inside the re-form (the restart that follows is then not charged to ``--max-restarts``)."""
+        if self.in_reform:
+            for row in rows:
+                row[reform.IN_REFORM] = True
+        return rows
 
     def leave_first(self, rdzv: Rendezvous, round_: int, sig: int) -> bool:
         """Graceful leave of round ``round_``: signal our workers, mark the leave and revoke our lease
@@ -153,6 +169,8 @@ class InPlaceRounds:
             call(lambda: rdzv.publish(inplace=True), "offering in-place re-forming")
             self._told = True
         now = time.monotonic()
+        if self._forming >= 0 and files and all(reform.formed_round(f) >= self._forming for f in files):
+            self._forming = -1  # our newcomers received the state: a failure from now on is the round's
         if self._joining >= 0:
             if files and all(reform.ready(f) or reform.formed_round(f) >= self._joining for f in files):
                 key = rdzv.keys.ready(self._joining, rdzv.node_id)

@@ -6,20 +6,23 @@ survivor's agent reported that all its workers opted in (:class:`~elasticrun.ren
 ``inplace``). All survivors re-form or none does: a crash, a lost node (lease expiry), a hang, a
 replacement, or one survivor without opt-in keeps today's restart path for the whole round.
 
-A round whose in-place re-form failed (a worker exited :data:`~elasticrun.job.reform.EXIT_REFORM_FAILED`,
-its agent gave up waiting, or any worker failed within :data:`~elasticrun.job.reform.REFORM_WINDOW_S`
-of the round's start: a newcomer dying while it receives the state) falls back to the restart path
-*without* using a restart: the change was planned, and the next round is never in place (it follows
-a failure), so this cannot loop.
+A round whose in-place re-form failed falls back to the restart path *without* using a restart:
+the change was planned, and the next round is never in place (it follows a failure), so this cannot
+loop. Only what the re-form caused is free (:func:`reform_caused`): a worker that exited
+:data:`~elasticrun.job.reform.EXIT_REFORM_FAILED` (or its agent gave up waiting), or one whose agent
+flagged its failure row :data:`~elasticrun.job.reform.IN_REFORM` (it failed between its assignment
+and re-forming, or as a newcomer before it had the state). Each agent decides that flag from its
+own state machine, not from clocks: a crash or hang after the re-form, or of a survivor still
+training in the old group, is charged like any failure.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 
 from elasticrun.job import records
 from elasticrun.job.keys import JobKeys
-from elasticrun.job.reform import EXIT_REFORM_FAILED, REFORM_WINDOW_S
+from elasticrun.job.reform import EXIT_REFORM_FAILED, IN_REFORM
 from elasticrun.rendezvous.records import Member, RescaleType, Topology
 from elasticrun.store.client import EtcdStore
 
@@ -57,23 +60,18 @@ def plan_inplace(
     return tuple(survivors)
 
 
-def reform_failed(prev: Optional[Topology], store: EtcdStore, keys: JobKeys, window: float = REFORM_WINDOW_S) -> bool:
-    """True when round ``prev`` re-formed in place and failed in that re-form (a failure row with
-    exit code :data:`EXIT_REFORM_FAILED`, or the round's failure flag within ``window`` seconds of
-    its start: the job's newcomer start-up allowance plus the re-form deadline): the restart that
-    follows is not charged to the budget."""
+def reform_caused(rows: Iterable[Dict[str, Any]]) -> bool:
+    """Whether failure rows of an in-place round show a failure of the re-form itself."""
+    return any(r.get("exitcode") == EXIT_REFORM_FAILED or r.get(IN_REFORM) is True for r in rows)
+
+
+def reform_failed(prev: Optional[Topology], store: EtcdStore, keys: JobKeys) -> bool:
+    """True when round ``prev`` re-formed in place and failed in that re-form (:func:`reform_caused`
+    over every node's failure rows): the restart that follows is not charged to the budget."""
     if prev is None or not prev.inplace:
         return False
-    flag = records.read(store.get(keys.failed(prev.round)), records.failed_flag) or {}
-    failed_at = float(flag.get("time") or 0)
-    if failed_at and failed_at - prev.created_at < window:
-        return True
     kvs, _ = store.get_prefix(keys.failures(prev.round))
-    for kv in kvs:
-        rows = records.read(kv, records.failure_rows) or []
-        if any(r.get("exitcode") == EXIT_REFORM_FAILED for r in rows):
-            return True
-    return False
+    return any(reform_caused(records.read(kv, records.failure_rows) or []) for kv in kvs)
 
 
-__all__ = ["plan_inplace", "reform_failed"]
+__all__ = ["plan_inplace", "reform_caused", "reform_failed"]

@@ -394,7 +394,7 @@ class Rendezvous(RoundMonitor):
         # broke), a membership change: it does not use up a restart.
         # A failed in-place re-form (a planned change) falls back to a restart that is not charged.
         counts = failed and kind in (RescaleType.RESTART, RescaleType.SCALE_UP) and not reform_failed(
-            prev, self.store, self.keys, s.reform_window)
+            prev, self.store, self.keys)
         restarts = 0 if prev is None else prev.restart_count + (1 if counts else 0)
         budget = RestartBudget(s.max_restarts, s.restart_window)
         history = (records.read(self.store.get(self.keys.restarts), records.restart_history) or []) if counts else []
