@@ -458,7 +458,8 @@ class Agent:
         if self._hang is None:
             key = rdzv.keys.progress_of(self.cfg.node_id)
             self._hang = HangWatch(lambda: rdzv.store.get_record(key, progress_record), self.cfg.hang_timeout).start()
-        self._hang.start_round(topo.round)
+        kept = self.cfg.node_id in topo.inplace  # our workers report round n - 1 until they re-form
+        self._hang.start_round(topo.round, carried=topo.round - 1 if kept else None)
         return self._hang
 
 
