@@ -18,7 +18,7 @@ model = torch.nn.Linear(16, 1).to(ctx.device)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 data = torch.randn(4096, 17).to(ctx.device)
 sampler = et.ElasticDistributedSampler(len(data), seed=0)
-reform = et.InPlace(ctx, model=model, optimizer=opt, sampler=sampler)  # opts in; newcomers get the state here
+inplace = et.InPlace(ctx, model=model, optimizer=opt, sampler=sampler)  # opts in; newcomers get the state here
 ddp = torch.nn.parallel.DistributedDataParallel(model)  # after InPlace: its collectives come first
 
 while not sampler.epoch_done:
@@ -28,13 +28,13 @@ while not sampler.epoch_done:
     loss.backward()
     opt.step()
     sampler.advance(32)
-    reform.step += 1
-    result = reform.check()  # step boundary: collective, every rank
+    inplace.step += 1
+    result = inplace.check()  # step boundary: collective, every rank
     if result is et.Reform.STOP:  # SIGTERM: this worker leaves (save here if you need to)
         break
     if result is et.Reform.REFORMED:  # a new world: the old group (and DDP's) is gone
         ddp = et.rebuild_ddp(ddp)
         if ctx.is_rank0:
-            print(f"re-formed in place: world {ctx.world_size} (round {ctx.round}, {reform.last_pause_s:.2f} s)")
+            print(f"re-formed in place: world {ctx.world_size} (round {ctx.round}, {inplace.last_pause_s:.2f} s)")
 if dist.is_initialized():
     ctx.close()

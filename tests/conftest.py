@@ -101,11 +101,12 @@ def job_id() -> str:
 
 @pytest.fixture
 def agents(tmp_path: Path) -> Iterator[Callable[..., Agent]]:
-    """Factory: ``agents(args, name=..., env=...)`` starts an agent; all are killed at teardown."""
+    """Factory: ``agents(args, name=..., env=..., program=...)`` starts an agent; all are killed at teardown."""
     started: List[Agent] = []
 
-    def start(args: List[str], name: Optional[str] = None, env: Optional[dict] = None) -> Agent:
-        agent = Agent(args, tmp_path, name or f"agent{len(started)}", env)
+    def start(args: List[str], name: Optional[str] = None, env: Optional[dict] = None,
+              program: Optional[List[str]] = None) -> Agent:
+        agent = Agent(args, tmp_path, name or f"agent{len(started)}", env, program)
         started.append(agent)
         return agent
 

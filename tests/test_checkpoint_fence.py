@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 WRITER = r"""
 import os, signal, sys
 import torch
+import elasticrun.train  # installs the commit fence (its etcd read)
 from elasticrun.checkpoint import save
 from elasticrun.checkpoint.storage import LocalStorage
 from elasticrun.errors import CheckpointError

@@ -87,6 +87,7 @@ def test_stale_round_cannot_commit(etcd, job_id, tmp_path, monkeypatch):
     """Fencing: a worker whose round is no longer the job's current one gets no checkpoint."""
     import torch
 
+    import elasticrun.train  # noqa: F401 - installs the commit fence (its etcd read)
     from elasticrun.checkpoint import list_checkpoints, save
     from elasticrun.errors import CheckpointError
     from elasticrun.job.keys import JobKeys

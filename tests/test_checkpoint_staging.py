@@ -19,8 +19,10 @@ import torch
 from elasticrun.checkpoint import AsyncCheckpointer, CheckpointError, load, save, staging
 from elasticrun.checkpoint import plan as plan_mod
 from elasticrun.checkpoint.checksum import Checksum
-from elasticrun.checkpoint.inplace import digest_file
+from elasticrun.checkpoint.load_into import digest_file
 from elasticrun.checkpoint.staging import DeviceStager, host_pieces
+
+from helpers.ckpt import reference_wordsum
 
 
 def _mixed(seed: int = 0, device: str = "cpu"):
@@ -119,14 +121,16 @@ def test_device_stager_packs_neighbouring_small_ranges_and_streams_large_ones(tm
 
 @pytest.mark.parametrize("algo", list(Checksum))
 def test_overlapped_file_digest_matches_hashlib_and_zlib(tmp_path, monkeypatch, algo):
-    from elasticrun.checkpoint import checksum, inplace
+    from elasticrun.checkpoint import checksum, load_into
 
     monkeypatch.setattr(checksum, "DIGEST_BLOCK", 4096)
-    monkeypatch.setattr(inplace, "cpu_share", lambda: 2)  # the helper-thread path even on one core
+    monkeypatch.setattr(load_into, "cpu_share", lambda: 2)  # the helper-thread path even on one core
     data = bytes(range(256)) * 1000
     (tmp_path / "f").write_bytes(data)
 
     def reference(b: bytes) -> str:
+        if algo is Checksum.WORDSUM:
+            return reference_wordsum(b)
         return hashlib.sha256(b).hexdigest() if algo is Checksum.SHA256 else f"{zlib.crc32(b):08x}"
 
     with open(tmp_path / "f", "rb", buffering=0) as f:

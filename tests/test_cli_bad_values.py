@@ -22,8 +22,8 @@ import pytest
 
 from elasticrun.cli import main as cli_main
 from elasticrun.cli.run_options import Kind, Opt, Type, all_options
-from elasticrun.job.settings import EtcdSettings
 from elasticrun.store.server import EtcdServer
+from elasticrun.store.settings import EtcdSettings
 
 SCRIPT = "train.py"
 Case = Tuple[List[str], Dict[str, str], str]  # argv, environment, where the error line must start

@@ -26,9 +26,9 @@ import pytest
 from elasticrun.errors import StoreError
 from elasticrun.job import env as names
 from elasticrun.job.keys import JobKeys
-from elasticrun.job.settings import EtcdSettings
 from elasticrun.rendezvous.jobstatus import list_jobs
 from elasticrun.store.server import free_port
+from elasticrun.store.settings import EtcdSettings
 
 from helpers.launch import assert_one_line_error, run_cli, wait_agents
 from helpers.procs import REPO, Agent, wait_until
@@ -70,7 +70,7 @@ def test_a_job_user_reaches_its_own_keys_only(secure: SecureEtcd, tmp_path: Path
     with secure.settings("root").connect() as root:
         root.put(JobKeys(job_b).config, "{}")
     settings_a = secure.settings(job_a, password_file=str(pw_a))
-    with settings_a.connect(job_a) as a:
+    with settings_a.connect(JobKeys(job_a).ping) as a:
         assert a.put(JobKeys(job_a).config, "{}") > 0 and a.get(JobKeys(job_a).config) is not None
         for attempt in (lambda: a.get(JobKeys(job_b).config), lambda: a.put(JobKeys(job_b).state, "x"),
                         lambda: a.get_prefix(JobKeys(job_b).prefix), lambda: a.delete(JobKeys(job_b).config),
@@ -80,7 +80,7 @@ def test_a_job_user_reaches_its_own_keys_only(secure: SecureEtcd, tmp_path: Path
         with pytest.raises(StoreError, match="may list nothing but its job: pass --rdzv-id"):
             list_jobs(a)  # `elasticrun status` without --rdzv-id
     with pytest.raises(StoreError, match="denied user"):
-        settings_a.connect(job_b)  # the access check at connect reads inside the job asked for
+        settings_a.connect(JobKeys(job_b).ping)  # the access check at connect reads inside the job asked for
     with secure.settings("root").connect() as root:
         assert root.get(JobKeys(job_b).config).value == b"{}" and root.get(JobKeys(job_b).state) is None
 
@@ -128,7 +128,7 @@ def test_tokens_are_renewed_after_expiry_and_etcd_restart(secure: SecureEtcd, tm
         events.extend(ev.key for ev in batch)
         seen.set()
 
-    with secure.settings(job, password_file=str(pw)).connect(job) as store:
+    with secure.settings(job, password_file=str(pw)).connect(JobKeys(job).ping) as store:
         store.put(keys.config, "1")
         for expiry in range(2):
             time.sleep(TOKEN_TTL + 1.5)  # idle past the token's TTL: etcd forgets the token
@@ -292,15 +292,15 @@ def test_elasticrun_etcd_serves_tls_with_auth_and_job_users(tmp_path: Path):
         assert proc.poll() is None, text
         assert "TLS, client certificates, auth" in text and "warning" not in text
         base = EtcdSettings(f"127.0.0.1:{port}", ca_cert=str(certs.ca), cert=str(admin_crt), key=str(admin_key))
-        with base.replace(user="j1", password="j1-secret").connect("j1") as j1:
+        with base.replace(user="j1", password="j1-secret").connect(JobKeys("j1").ping) as j1:
             j1.put(JobKeys("j1").config, "{}")
             with pytest.raises(StoreError, match="denied user 'j1'"):
                 j1.get(JobKeys("other").config)
         with pytest.raises(StoreError, match="wrong user name or password"):
-            base.replace(user="j1", password="nope").connect("j1")
+            base.replace(user="j1", password="nope").connect(JobKeys("j1").ping)
         t0 = time.monotonic()
         with pytest.raises(StoreError, match="TLS with etcd .* failed"):  # no client certificate: no connection
-            base.replace(cert=None, key=None, user="j1", password="j1-secret").connect("j1")
+            base.replace(cert=None, key=None, user="j1", password="j1-secret").connect(JobKeys("j1").ping)
         assert time.monotonic() - t0 < 5, "a certificate problem is reported at once, not retried like an outage"
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -14,9 +14,10 @@ import pytest
 from elasticrun.errors import ConfigError
 from elasticrun.job import env as names
 from elasticrun.job.keys import ROOT, JobKeys, job_of
-from elasticrun.job.settings import EtcdSettings, from_options, password_on_command_line
+from elasticrun.job.settings import from_env, from_options, password_on_command_line, to_file
 from elasticrun.launch.env import WorkerSpec, worker_env
 from elasticrun.rendezvous.records import Member, Topology
+from elasticrun.store.settings import EtcdSettings
 
 PACKAGE = Path(__file__).resolve().parent.parent / "elasticrun"
 
@@ -80,12 +81,12 @@ def test_settings_file_is_private_and_round_trips(tmp_path: Path):
     pw.write_text("s3cret\n")
     s = from_options("127.0.0.1:2379", user="u", password_file=str(pw), ca_cert=None)
     assert s.password == "s3cret" and "s3cret" not in repr(s)
-    path = s.write(str(tmp_path / "etcd.json"))
+    path = to_file(s, str(tmp_path / "etcd.json"))
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-    back = EtcdSettings.from_env({names.ETCD_SETTINGS_FILE: path, names.RDZV_ENDPOINT: "ignored:1"})
+    back = from_env({names.ETCD_SETTINGS_FILE: path, names.RDZV_ENDPOINT: "ignored:1"})
     assert back == s
-    assert EtcdSettings.from_env({names.RDZV_ENDPOINT: "h:1"}) == EtcdSettings("h:1")
-    assert EtcdSettings.from_env({}) is None
+    assert from_env({names.RDZV_ENDPOINT: "h:1"}) == EtcdSettings("h:1")
+    assert from_env({}) is None
 
 
 @pytest.mark.parametrize("kwargs, needle", [

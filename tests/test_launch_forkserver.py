@@ -1,6 +1,7 @@
-"""The fork server: workers forked from one warmed interpreter behave like fresh `python script.py` ones.
+"""The fork server: workers forked from one interpreter behave like fresh `python script.py` ones.
 
-Real processes throughout: a real server interpreter (torch imported), real forks, real pipes and signals.
+Real processes throughout: a real server interpreter (bare, then torch preloaded), real forks, real
+pipes and signals.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import pytest
 
@@ -27,10 +28,11 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="th
 
 PROBE = '''
 import json, os, sys
+loaded = sorted(m for m in ("torch", "torch.distributed", "torch._dynamo", "numpy") if m in sys.modules)
 import numpy
 out = os.environ["PROBE_OUT"]
 with open(out, "w") as f:
-    json.dump({"pid": os.getpid(), "pgid": os.getpgid(0), "ppid": os.getppid(), "argv": sys.argv,
+    json.dump({"pid": os.getpid(), "pgid": os.getpgid(0), "ppid": os.getppid(), "argv": sys.argv, "loaded": loaded,
                "main": __name__, "file": __file__, "cwd": os.getcwd(), "marker": os.environ.get("MARKER"),
                "server_only": os.environ.get("SERVER_ONLY"), "np": float(numpy.random.random()),
                "stdin": sys.stdin.read()}, f)
@@ -43,17 +45,23 @@ sys.exit(int(os.environ.get("CODE", "0")))
 '''
 
 
-def _start(where: Path) -> ForkServer:
+PRELOADED = ("torch", "torch.distributed", "torch._dynamo")
+
+
+def _start(where: Path, preload: bool = True) -> ForkServer:
     (where / "probe.py").write_text(PROBE)
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", SERVER_ONLY="1")
     fs = ForkServer([str(where / "probe.py")], env, str(where / "server.log"), str(where))
     assert fs.wait_ready(120), (fs.state, fs.why_gone, (where / "server.log").read_text())
+    if preload:
+        assert fs.preload()
+        assert fs.wait_ready(300) and fs.warm, (fs.state, fs.why_gone, (where / "server.log").read_text())
     return fs
 
 
 @pytest.fixture(scope="module")
 def shared_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ForkServer]:
-    """One server for the tests that leave it alive (its start imports torch: seconds on 2 cores)."""
+    """One preloaded server for the tests that leave it alive (its preload imports torch: seconds on 2 cores)."""
     fs = _start(tmp_path_factory.mktemp("server"))
     yield fs
     fs.close()
@@ -85,11 +93,84 @@ def test_forked_workers_run_the_script_like_a_fresh_interpreter(tmp_path: Path, 
         assert rec["cwd"] == str(tmp_path) and rec["marker"] == name
         assert rec["server_only"] is None, "the worker's environment is the order's, not the server's"
         assert rec["stdin"] == "", "stdin is /dev/null, not the server's socket"
+        assert set(PRELOADED) <= set(rec["loaded"]), "the preloaded modules"
     assert ra["np"] != rb["np"], "numpy's global generator must differ per worker, as in fresh interpreters"
 
 
+def test_a_bare_server_forks_what_a_fresh_interpreter_is_then_preloads(tmp_path: Path) -> None:
+    """Until the preload the server has imported nothing a worker would not: its first workers import
+    torch themselves, as torchrun's do. A worker that exits while the server preloads (on a thread) is
+    reported at once, not after the preload."""
+    server = _start(tmp_path, preload=False)
+    try:
+        assert server.state is ServerState.READY and not server.warm
+        bare = server.spawn(_order(tmp_path, "bare"))
+        held = server.spawn(_order(tmp_path, "held", HOLD="1"))
+        assert bare is not None and held is not None and bare.wait(60) == 0
+        assert json.loads((tmp_path / "bare.json").read_text())["loaded"] == []
+        wait_until(lambda: (tmp_path / "held.json").exists(), 60, "the held worker up")
+        assert server.preload() and server.state is ServerState.PRELOADING
+        assert server.spawn(_order(tmp_path, "early")) is None, "no fork while it preloads"
+        os.kill(held.pid, signal.SIGKILL)
+        assert held.wait(30) == -signal.SIGKILL
+        assert server.state is ServerState.PRELOADING, "the exit came only after the preload"
+        assert server.wait_ready(300) and server.warm and server.preload_s, server.why_gone
+        assert not server.preload(), "once is enough"
+        warm = server.spawn(_order(tmp_path, "warm"))
+        assert warm is not None and warm.wait(60) == 0
+        assert set(PRELOADED) <= set(json.loads((tmp_path / "warm.json").read_text())["loaded"])
+    finally:
+        server.close()
+
+
+# Makes the preload start a thread (as a library that starts a pool at import would).
+THREAD_ON_PRELOAD = """\
+import sys, threading, time
+class _StartsAThread:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch._dynamo":
+            threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+        return None
+sys.meta_path.insert(0, _StartsAThread())
+"""
+
+
+def test_a_preload_that_starts_a_thread_stops_the_forks_but_keeps_the_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Forking is unsafe after such a preload: the server forks no more, but the round's workers it
+    forked before keep running (it stays alive and reports their exits), and the group falls back to
+    spawned standbys."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(THREAD_ON_PRELOAD)
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    cfg = LaunchConfig(entrypoint=str(script), nproc_per_node=1, standalone=True, standby=1)
+    group = WorkerGroup(cfg, "n", str(tmp_path), None, False, on_exit=lambda: None)
+    old = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), *([old] if old else [])]))
+    try:
+        group.prewarm()
+        server = group.server
+        assert server is not None and server.wait_ready(120) and not server.warm
+        held = server.spawn(_order(tmp_path, "held", HOLD="1"))
+        assert held is not None
+        wait_until(lambda: (tmp_path / "held.json").exists(), 60, "the held worker up")
+        assert server.preload()
+        assert not server.wait_ready(300)
+        assert "threads after the preload" in server.why_gone, server.why_gone
+        assert held.poll() is None and server.proc.poll() is None, "the server and its worker live on"
+        os.kill(held.pid, signal.SIGKILL)
+        assert held.wait(30) == -signal.SIGKILL, "the server still reports its children's exits"
+        group.prewarm()  # now: one spawned standby (--standby 1), no second server
+        assert group.server is None and len(group._warm) == 1
+    finally:
+        group.discard_warm()
+
+
 def test_a_signalled_worker_and_a_dead_server_are_reported(tmp_path: Path) -> None:
-    server = _start(tmp_path)
+    server = _start(tmp_path, preload=False)
     held = server.spawn(_order(tmp_path, "held", HOLD="1"))
     other = server.spawn(_order(tmp_path, "other", HOLD="1"))
     assert held is not None and other is not None
@@ -120,7 +201,7 @@ def test_a_big_order_goes_through_a_private_file(tmp_path: Path, server: ForkSer
     assert not list(tmp_path.glob("order-*.json")), "the order file is removed once read"
 
 
-def test_a_server_that_started_a_thread_is_not_forked_from(tmp_path: Path) -> None:
+def test_a_server_that_started_a_thread_is_not_forked_from(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An import that starts a thread makes fork unsafe: the group falls back to spawned standbys."""
     site = tmp_path / "site"
     site.mkdir()
@@ -130,8 +211,7 @@ def test_a_server_that_started_a_thread_is_not_forked_from(tmp_path: Path) -> No
     script.write_text(PROBE)
     cfg = LaunchConfig(entrypoint=str(script), nproc_per_node=1, standalone=True, standby=1)
     group = WorkerGroup(cfg, "n", str(tmp_path), None, False, on_exit=lambda: None)
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = str(site)
+    monkeypatch.setenv("PYTHONPATH", str(site))
     try:
         group.prewarm()
         server = group.server
@@ -144,15 +224,11 @@ def test_a_server_that_started_a_thread_is_not_forked_from(tmp_path: Path) -> No
         assert proc.wait(120) == 0
         assert group._how["pre-warmed"] == 1
     finally:
-        if old is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old
         group.discard_warm()
 
 
 def test_a_negative_standby_count_is_one_clear_error() -> None:
-    assert_one_line_error(run_cli(["--standby", "-1", "--standalone", "train.py"], timeout=60), "--standby -1",
+    assert_one_line_error(run_cli(["--standby", "-1", "--standalone", "train.py"], timeout=60), "--standby '-1'",
                           "0 or more")
 
 
@@ -196,11 +272,12 @@ def test_a_fork_that_times_out_closes_the_server_before_the_fallback(
     original = server.spawn
     orders: List[dict] = []
 
-    def slow_after_the_first(order: dict, timeout: Optional[float] = None) -> Optional[ForkedProcess]:
+    def slow_after_the_first(order: dict, timeout: Optional[float] = None, fds: Sequence[int] = ()) -> Optional[
+            ForkedProcess]:
         if orders:
             os.kill(server.proc.pid, signal.SIGSTOP)  # a server that stops answering (load, swap, a stuck import)
         orders.append(order)
-        return original(order) if timeout is None else original(order, timeout)
+        return original(order, timeout, fds)
 
     monkeypatch.setattr(server, "spawn", slow_after_the_first)
     member = Member("n", "h", "127.0.0.1", 2, 0, 0)

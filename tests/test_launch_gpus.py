@@ -6,6 +6,7 @@ against a fake ``/proc/driver/nvidia/gpus`` tree and a fake ``libnvidia-ml`` bui
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,12 +19,15 @@ from elasticrun.launch.config import parse_nproc
 from elasticrun.launch.gpus import (
     DriverGpus,
     count_visible,
+    describe_gpus,
     nvml_gpus,
     parse_visible_devices,
     proc_gpus,
     uuids_to_ordinals,
+    visible_accelerators,
     visible_gpu_count,
 )
+from elasticrun.launch.node import accelerators, uses_gpu
 
 from helpers.fakelibs import NVML, build
 
@@ -81,6 +85,11 @@ def test_proc_directory_of_the_driver(tmp_path: Path) -> None:
     assert gpus is not None and gpus.uuids == ("GPU-3b", "GPU-86", ""), "PCI bus order, unknown UUID empty"
     assert visible_gpu_count({"CUDA_VISIBLE_DEVICES": "GPU-86"}, gpus) == 1
     assert visible_gpu_count({}, gpus) == 3
+    # The node record: the model where the driver names it, no memory (/proc does not say).
+    assert visible_accelerators({"CUDA_VISIBLE_DEVICES": "GPU-86,GPU-3b"}, gpus) == [
+        {"type": "gpu", "index": 0, "name": "NVIDIA H100"}, {"type": "gpu", "index": 1, "name": "NVIDIA H100"}]
+    assert visible_accelerators({"CUDA_VISIBLE_DEVICES": "2"}, gpus) == [{"type": "gpu", "index": 0,
+                                                                        "name": "unknown GPU"}]
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +99,21 @@ def fake_nvml(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def test_nvml_through_ctypes(fake_nvml: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FAKE_NVML_UUIDS", "GPU-one,GPU-two")
+    monkeypatch.setenv("FAKE_NVML_NAMES", "NVIDIA H200,NVIDIA A10")
+    monkeypatch.setenv("FAKE_NVML_MEMORY", f"{150_754_820_096},{24 * 2**30}")
     gpus = nvml_gpus(fake_nvml)
-    assert gpus == DriverGpus(("GPU-one", "GPU-two"), "nvml")
+    assert gpus == DriverGpus(("GPU-one", "GPU-two"), "nvml", ("NVIDIA H200", "NVIDIA A10"),
+                              (150_754_820_096, 24 * 2**30))
     assert visible_gpu_count({"CUDA_VISIBLE_DEVICES": "1,0,2"}, gpus) == 2
+    # Each visible device in the worker's order (CUDA_VISIBLE_DEVICES), as torch.cuda would number it.
+    assert visible_accelerators({"CUDA_VISIBLE_DEVICES": "1,0,2"}, gpus) == [
+        {"type": "gpu", "index": 0, "name": "NVIDIA A10", "memory_gib": 24.0},
+        {"type": "gpu", "index": 1, "name": "NVIDIA H200", "memory_gib": 140.4}]
+    monkeypatch.delenv("FAKE_NVML_MEMORY")
+    monkeypatch.delenv("FAKE_NVML_NAMES")
+    unnamed = nvml_gpus(fake_nvml)
+    assert unnamed is not None and unnamed.names == ("", "") and unnamed.memory == (0, 0)
+    assert visible_accelerators({}, unnamed)[0] == {"type": "gpu", "index": 0, "name": "unknown GPU"}
     monkeypatch.delenv("FAKE_NVML_UUIDS")
     assert nvml_gpus(fake_nvml) is None, "nvmlInit failed: no answer"
     assert nvml_gpus(str(Path(fake_nvml).parent / "missing.so")) is None
@@ -102,6 +123,31 @@ def test_this_host_agrees_with_torch() -> None:
     import torch
 
     assert visible_gpu_count() == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+
+
+@pytest.mark.parametrize("value,want", [("0,2", [0, 2]), ("GPU-dddd,GPU-aaaa-1111", [3, 0]), ("", []),
+                                        ("MIG-0d8c", ["MIG instance"])])
+def test_accelerators_name_each_visible_device(value: str, want: list) -> None:
+    four = DriverGpus(UUIDS, "test", ("A", "B", "C", "D"), (2**30, 2 * 2**30, 3 * 2**30, 4 * 2**30))
+    described = describe_gpus(parse_visible_devices(value), four)
+    if want and want[0] == "MIG instance":
+        assert described == [{"type": "gpu", "index": 0, "name": "MIG instance"}]
+        return
+    assert described == [{"type": "gpu", "index": i, "name": "ABCD"[o], "memory_gib": float(o + 1)}
+                         for i, o in enumerate(want)]
+    assert describe_gpus(parse_visible_devices(value), None) == []
+
+
+def test_the_node_record_needs_no_torch_on_this_host() -> None:
+    code = ("import sys; from elasticrun.launch.node import accelerators, uses_gpu; g = uses_gpu('auto'); "
+            "print(g, accelerators(g)[0]['type'], 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    use_gpu, kind, torch_loaded = out.stdout.split()
+    assert torch_loaded == "False"
+    gpus = visible_gpu_count()
+    assert use_gpu == str(gpus > 0) and kind == ("gpu" if gpus else "cpu")
+    assert uses_gpu("gpu") and not uses_gpu("cpu")
+    assert accelerators(False) == [{"type": "cpu", "count": os.cpu_count() or 1}]
 
 
 @pytest.mark.gpu

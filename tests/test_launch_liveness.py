@@ -1,7 +1,7 @@
 """Liveness and stop signals with real agents, real etcd and real workers.
 
-- An agent whose main loop stalls (test hook ``ELASTICRUN_TEST_STALL_LOOP``) stops refreshing
-  its lease: the others re-form without it within about the heartbeat timeout; when it wakes
+- An agent whose main loop stalls (tests/scripts/stalled_agent.py sleeps in its first lease
+  check) stops refreshing its lease: the others re-form without it within about the heartbeat timeout; when it wakes
   it fences itself and rejoins.
 - SIGHUP and SIGQUIT stop an agent like SIGTERM: its workers get SIGTERM (and the grace to
   save), its node leaves etcd at once.
@@ -10,11 +10,11 @@
 from __future__ import annotations
 
 import signal
+import sys
 import time
 
 import pytest
 
-from elasticrun.job import env as names
 from elasticrun.job.exitcodes import ExitCode
 
 from helpers.elastic import HB, agent_args, all_gone, first_step, steps, worker_pids
@@ -22,6 +22,7 @@ from helpers.launch import alive, node_ids
 from helpers.procs import SCRIPTS, wait_until
 
 TERM_SAVER = str(SCRIPTS / "term_saver.py")
+STALLED_AGENT = str(SCRIPTS / "stalled_agent.py")
 STALL_S = 15.0  # B's round loop stalls this long, at its first turn
 
 
@@ -31,10 +32,12 @@ def test_stalled_agent_is_dropped_within_the_heartbeat_timeout(etcd_server, etcd
     a = agents(agent_args(etcd_server.endpoint, job_id, "A", "1:2", out, 5000), name="A")
     wait_until(lambda: first_step(out, 1), 60, "A training alone")
     b = agents(agent_args(etcd_server.endpoint, job_id, "B", "1:2", out, 5000), name="B",
-               env={names.TEST_STALL_LOOP: f"0:{STALL_S}"})
+               program=[sys.executable, STALLED_AGENT, str(STALL_S)])
     # B's round loop stalls at its first turn, right after it started its workers (its process runs:
     # this is not SIGSTOP). Its lease must lapse and A re-form alone, within about the heartbeat timeout.
+    # The stall begins once B's workers started (forking them can take seconds on a loaded machine).
     wait_until(lambda: "(ScaleUp)" in b.stderr(), 60, "B's first round")
+    wait_until(lambda: "workers started" in b.stderr(), 60, "B's workers of its first round")
     stall_began = time.monotonic()
     wait_until(lambda: "node B left or lost its lease" in a.stderr(), 2 * HB + 30, "A to drop the stalled B")
     dropped_after = time.monotonic() - stall_began

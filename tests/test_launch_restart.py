@@ -1,5 +1,5 @@
-"""Worker failures: one crash is restarted on every node (every time), with workers forked from the warm
-standby; persistent crashes end the job.
+"""Worker failures: one crash is restarted on every node (every time), with workers forked from the fork
+server; persistent crashes end the job.
 
 torchrun 2.13 on this kind of machine fails or hangs in most such restarts (the restarted gloo workers
 read a dead peer's address from the reused store), so the fail-once scenario is repeated 6 times.
@@ -63,11 +63,11 @@ def test_worker_failing_once_is_restarted_on_every_node(
     (failed_node,) = [r["ELASTICRUN_NODE_ID"] for r in rows if r["RANK"] == str(failing)]
     culprit = nodes[int(failed_node[-1])]
     assert f"worker rank {failing} failed" in culprit.stderr(), culprit.stderr()
-    # The crash came within the round's first second; the restart still got its worker from the warm
-    # fork server (the agent's log line), as did the first round: no interpreter imported torch on the way.
+    # The first round's worker started at once (forked from the bare fork server, or fresh while that
+    # was still starting: it waits for nothing torchrun's would not); the restart's came from the server.
     for a in nodes:
-        for round_ in (0, 1):
-            assert re.search(rf"round {round_}: workers started \(1 forked in \d+ ms\)", a.stderr()), a.stderr()
+        assert re.search(r"round 0: workers started \(1 (forked|fresh) in \d+ ms\)", a.stderr()), a.stderr()
+        assert re.search(r"round 1: workers started \(1 forked in \d+ ms\)", a.stderr()), a.stderr()
 
 
 def test_always_failing_worker_exhausts_restarts_and_every_agent_shows_the_root_cause(

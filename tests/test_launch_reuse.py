@@ -8,6 +8,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Callable, Dict, List
 
@@ -122,7 +123,8 @@ def test_an_ended_jobs_keys_expire_after_the_ttl(
 
 
 def test_status_watch_of_a_standalone_job_ends_with_its_outcome(tmp_path) -> None:
-    env = worker_env({"ECHO_SLEEP_S": "3"})
+    release = tmp_path / "release"
+    env = worker_env({"ECHO_HOLD_FILE": str(release)})  # the job runs until the watcher has seen it
     agent = subprocess.Popen([sys.executable, "-m", "elasticrun", "--standalone", "--nproc-per-node", "1",
                               "--rdzv-id", "solo", ECHO], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              cwd=str(REPO), env=env)
@@ -135,11 +137,17 @@ def test_status_watch_of_a_standalone_job_ends_with_its_outcome(tmp_path) -> Non
         assert endpoint, "the agent names its private etcd"
         watcher = _watch(endpoint, "solo")
         try:
+            assert watcher.stdout is not None
+            guard = threading.Timer(90, watcher.kill)  # a watcher that never prints is killed: readline ends
+            guard.start()
+            first = watcher.stdout.readline()  # its first document: the running job
+            guard.cancel()
+            release.write_text("")
             out, err = watcher.communicate(timeout=90)  # old code: retried "cannot reach etcd" forever
         finally:
             if watcher.poll() is None:
                 watcher.kill()
-        docs = [json.loads(line) for line in out.splitlines() if line.strip()]
+        docs = [json.loads(line) for line in (first + out).splitlines() if line.strip()]
         assert watcher.returncode == 0 and docs and docs[-1]["phase"] == "succeeded", (watcher.returncode, err)
     finally:
         agent.kill()

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from elasticrun.checkpoint import SnapshotMemoryError, Snapshotter, list_checkpoints, save, verify
+from elasticrun.checkpoint import Checksum, SnapshotMemoryError, Snapshotter, list_checkpoints, save, verify
 from elasticrun.job.shm import GENERATIONS, LOCK_FILE, OWNER_FILE, PREFIX
-from elasticrun.launch.snapshots import SnapshotRoot, sweep
+from elasticrun.launch.shmroot import SnapshotRoot, sweep
 from elasticrun.train import load_latest
 
 from helpers.procs import wait_until
@@ -131,9 +131,33 @@ def test_every_kth_generation_is_persisted_to_disk(base: Path, tmp_path: Path, a
     on_disk = [i for i in list_checkpoints(disk) if i.status == "complete"]
     assert [i.meta.step for i in on_disk] == [2, 4]
     assert all(verify(disk, i.name).ok for i in on_disk)
+    # Memory carries the memory tier's checksum; the disk copies only the public format's CRC-32.
+    assert {e.algo for g in _gens(base) for e in g.meta.files.values()} == {Checksum.WORDSUM}
+    assert {e.algo for i in on_disk for e in i.meta.files.values()} == {Checksum.CRC32}
     assert not os.listdir(base / "persist"), "the hard-linked staging copies are removed"
     ckpt = load_latest(disk, memory=False)
     assert float(ckpt.state_dict["w"][0, 0]) == 4.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_sync_snapshot_of_cuda_state_is_copied_through_pinned_buffers(base: Path, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch):
+    """As a disk save: the device-to-host copies go through the pinned staging buffers (overlapped
+    with the writes), not one pageable ``.cpu()`` per tensor; the restore lands in CUDA tensors."""
+    from elasticrun.checkpoint import staging
+
+    taken = []
+    take = staging._take_buffers
+    monkeypatch.setattr(staging, "_take_buffers", lambda n, pinned, *a: taken.append(pinned) or take(n, pinned, *a))
+    state = {"w": torch.randn(3000, 700, device="cuda"), "b": torch.arange(7.0, device="cuda"), "note": "x"}
+    state["w"].mul_(2)  # queued on the current stream: the snapshot must see it
+    Snapshotter().snapshot(state, training_state={"step": 1})
+    assert taken and all(taken), "the snapshot did not stage through pinned buffers"
+    target = {"w": torch.zeros(3000, 700, device="cuda"), "b": torch.zeros(7, device="cuda"), "note": ""}
+    ckpt = load_latest(str(tmp_path / "disk"), state_dict=target)
+    assert ckpt.tier == "memory" and target["w"].is_cuda
+    assert torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])
 
 
 # -- the agent's directory ------------------------------------------------------------------------
@@ -152,7 +176,7 @@ def test_snapshot_root_is_private_and_removed_by_its_owner(tmp_path: Path):
 
 def test_watchdog_removes_the_directory_when_its_owner_dies(tmp_path: Path):
     """A child process owns the root and is SIGKILLed: its watchdog (another session) removes it."""
-    code = ("import sys, time; from elasticrun.launch.snapshots import SnapshotRoot\n"
+    code = ("import sys, time; from elasticrun.launch.shmroot import SnapshotRoot\n"
             "r = SnapshotRoot.create('j', 'n', base=sys.argv[1]); print(r.path, flush=True); time.sleep(600)")
     owner = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:
@@ -171,19 +195,22 @@ def test_watchdog_removes_the_directory_when_its_owner_dies(tmp_path: Path):
 def test_sweep_removes_only_roots_of_dead_agents(tmp_path: Path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    stale = tmp_path / f"{PREFIX}j-abc-{dead.pid}"
+    stale = tmp_path / f"{PREFIX}j-abcdef01-{dead.pid}"
     stale.mkdir()
     (stale / LOCK_FILE).write_text("")  # nobody holds its lock
-    alive = tmp_path / f"{PREFIX}j-abc-{os.getpid()}"
+    alive = tmp_path / f"{PREFIX}j-abcdef01-{os.getpid()}"
     alive.mkdir()
     (alive / LOCK_FILE).write_text("")
     held = open(alive / LOCK_FILE, "rb")
     fcntl.flock(held, fcntl.LOCK_EX)
-    reused = tmp_path / f"{PREFIX}k-abc-{os.getpid()}"  # our pid, but its lock is free
+    reused = tmp_path / f"{PREFIX}k-abcdef01-{os.getpid()}"  # our pid, but its lock is free
     reused.mkdir()
     (reused / LOCK_FILE).write_text("")
     other = tmp_path / "not-ours-123"
     other.mkdir()
+    unnamed = tmp_path / f"{PREFIX}j-abc-{dead.pid}"  # not a root's name (job/shm.py's rule): never ours
+    unnamed.mkdir()
+    (unnamed / LOCK_FILE).write_text("")
     assert sorted(sweep(str(tmp_path))) == sorted([str(stale), str(reused)])
     held.close()
-    assert alive.exists() and other.exists()
+    assert alive.exists() and other.exists() and unnamed.exists()

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from elasticrun.job.shm import LOCK_FILE, OWNER_FILE, PREFIX
-from elasticrun.launch.snapshots import SnapshotRoot, sweep
+from elasticrun.launch.shmroot import SnapshotRoot, sweep
 
 _HOLD = (
     "import fcntl, sys\n"
@@ -53,7 +53,7 @@ def test_sweep_never_blocks_on_fifos_nor_follows_links(tmp_path: Path):
     (victim / "data").write_text("keep")
     (victim / LOCK_FILE).write_text("")
     os.symlink(victim, tmp_path / f"{PREFIX}j-abcdef01-3")
-    code = f"from elasticrun.launch.snapshots import sweep; print(sweep({str(tmp_path)!r}))"
+    code = f"from elasticrun.launch.shmroot import sweep; print(sweep({str(tmp_path)!r}))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     assert out.returncode == 0, out.stderr
@@ -74,7 +74,7 @@ def test_an_agent_holds_its_root_lock_until_it_removes_it(tmp_path: Path):
 
 _CREATE_PAUSED = (
     "import fcntl, os, sys, time\n"
-    "import elasticrun.launch.snapshots as snaps\n"
+    "import elasticrun.launch.shmroot as snaps\n"
     "base, paused, go = sys.argv[1:4]\n"
     "real = fcntl.flock\n"
     "def slow_flock(fd, op):\n"
@@ -105,7 +105,7 @@ def test_a_sweep_while_an_agent_creates_its_root_never_removes_it(tmp_path: Path
         while not paused.exists() and creator.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
         assert paused.exists(), "the creating agent never reached its flock"
-        code = f"from elasticrun.launch.snapshots import sweep; print(sweep({str(shm)!r}))"
+        code = f"from elasticrun.launch.shmroot import sweep; print(sweep({str(shm)!r}))"
         swept = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
         assert swept.returncode == 0, swept.stderr
         assert swept.stdout.strip() == "[]", "the sweep removed a root that was being created"

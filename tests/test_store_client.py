@@ -130,12 +130,13 @@ def test_binary_lookup_order(tmp_path, monkeypatch):
     fake = tmp_path / "etcd"
     fake.write_text("#!/bin/sh\n")
     fake.chmod(0o755)
-    assert find_etcd_binary(str(fake)) == str(fake)
+    assert find_etcd_binary(str(fake), "ELASTICRUN_ETCD_BINARY") == str(fake)
     monkeypatch.setenv("ELASTICRUN_ETCD_BINARY", str(tmp_path / "missing"))
     with pytest.raises(StoreError, match="ELASTICRUN_ETCD_BINARY"):
-        find_etcd_binary()
+        find_etcd_binary(None, "ELASTICRUN_ETCD_BINARY")
+    assert find_etcd_binary().endswith("etcd"), "only the variable the caller names is read"
     monkeypatch.delenv("ELASTICRUN_ETCD_BINARY")
-    assert find_etcd_binary().endswith("etcd")
+    assert find_etcd_binary(None, "ELASTICRUN_ETCD_BINARY").endswith("etcd")
 
 
 def test_a_late_time_out_fails_the_member_it_went_to_and_failover_avoids_the_newest_failure() -> None:

@@ -19,13 +19,15 @@ import pytest
 from elasticrun.errors import ConfigError, StoreFullError
 from elasticrun.job.exitcodes import ExitCode, for_error
 from elasticrun.job.keys import JobKeys
-from elasticrun.rendezvous.protocol import EVENT_HISTORY, Rendezvous, RendezvousSettings
+from elasticrun.rendezvous.protocol import Rendezvous, RendezvousSettings
 from elasticrun.rendezvous.records import NodeInfo
+from elasticrun.rendezvous.writer import EVENT_HISTORY
 from elasticrun.store.client import EtcdStore
-from elasticrun.store.compaction import Retention, db_status, parse_retention
+from elasticrun.store.compaction import Retention, parse_retention
 from elasticrun.store.server import EtcdServer
 from elasticrun.train import ElasticState, ProgressReporter
 
+from helpers.etcd_status import db_status
 from helpers.fake_store import FakeStore
 from helpers.procs import wait_until
 
@@ -172,12 +174,12 @@ def test_round_history_is_trimmed_without_gaps(store: FakeStore):
         return sorted(int(kv.key.rsplit("/", 1)[-1]) for kv in store.get_prefix(keys.events)[0])
 
     plant(0, 99)
-    rdzv._trim_history(99)
+    rdzv.writer.trim_history(99)
     assert kept() == list(range(100 - EVENT_HISTORY, 100))
     rounds = {kv.key[len(keys.rounds):].split("/")[0] for kv in store.get_prefix(keys.rounds)[0]}
     assert rounds == {f"{n:08d}" for n in range(100 - EVENT_HISTORY, 100)}
     plant(100, 137)  # 38 rounds whose trims failed or never ran
-    rdzv._trim_history(137)
+    rdzv.writer.trim_history(137)
     assert kept() == list(range(138 - EVENT_HISTORY, 138))
     assert not [kv for kv in store.get_prefix(keys.rounds)[0] if kv.key < keys.round(138 - EVENT_HISTORY)]
 

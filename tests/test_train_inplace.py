@@ -2,7 +2,7 @@
 
 The test plays the agent: it publishes each worker's next assignment with
 :func:`~elasticrun.train.inplace.write_assignment` (exactly what an agent writes) and starts
-newcomers with ``ELASTICRUN_REFORM_JOIN=1``. Checked: survivors keep their PIDs through a join
+newcomers with ``ELASTICRUN_INPLACE_JOIN=1``. Checked: survivors keep their PIDs through a join
 (2 → 3) and a graceful leave (3 → 2), no step and no sample runs twice, the newcomer receives the
 survivors' parameters, the pause is measured, and failures end in exit 75 (no hang).
 """
@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from elasticrun.job import env as names
 from elasticrun.store.server import free_port
-from elasticrun.train.inplace import EXIT_REFORM_FAILED, opted_in, write_assignment
+from elasticrun.train.inplace import EXIT_INPLACE_FAILED, opted_in, write_assignment
 from tests.helpers.procs import REPO, SCRIPTS, wait_until, worker_env
 
 pytestmark = pytest.mark.timeout(120)
@@ -49,12 +49,12 @@ class Harness:
                 names.MASTER_PORT: str(port), names.RESTART_COUNT: "0", names.ROUND: str(self.round),
                 names.PREV_WORLD_SIZE: str(prev), names.RESCALE_TYPE: "ScaleUp" if prev else "Start"}
 
-    def reform_file(self, slot: int) -> str:
+    def inplace_file(self, slot: int) -> str:
         return str(self.tmp / f"reform-{slot}")
 
     def start(self, slot: int, rank: int, world: int, port: int, prev: int = 0, **extra: str) -> None:
         env = worker_env({**self._env(rank, world, port, prev), names.USE_AGENT_STORE: "True",
-                          names.REFORM_FILE: self.reform_file(slot), "INPLACE_LOG": str(self.log),
+                          names.INPLACE_FILE: self.inplace_file(slot), "INPLACE_LOG": str(self.log),
                           "PYTHONPATH": str(REPO), **extra})
         env.pop(names.RDZV_ID, None)  # no etcd here: no commit fence
         self.procs[slot] = subprocess.Popen([sys.executable, str(SCRIPTS / "inplace_worker.py")], env=env)
@@ -64,7 +64,7 @@ class Harness:
         port = self._store()
         for rank, slot in enumerate(slots):
             self.start(slot, rank, len(slots), port, **(extra or {}).get(slot, {}))
-        wait_until(lambda: all(opted_in(self.reform_file(s)) for s in slots), 60, "workers opting in")
+        wait_until(lambda: all(opted_in(self.inplace_file(s)) for s in slots), 60, "workers opting in")
 
     def next_round(self, survivors: List[int], newcomers: List[int], prev: int, **extra: str) -> None:
         """Ranks: survivors first in their old order (stable), newcomers after."""
@@ -72,9 +72,9 @@ class Harness:
         port = self._store()
         world = len(survivors) + len(newcomers)
         for rank, slot in enumerate(survivors):
-            write_assignment(self.reform_file(slot), self._env(rank, world, port, prev))
+            write_assignment(self.inplace_file(slot), self._env(rank, world, port, prev))
         for i, slot in enumerate(newcomers):
-            self.start(slot, len(survivors) + i, world, port, prev, **{names.REFORM_JOIN: "1", **extra})
+            self.start(slot, len(survivors) + i, world, port, prev, **{names.INPLACE_JOIN: "1", **extra})
 
     def records(self) -> List[dict]:
         if not self.log.exists():
@@ -154,7 +154,7 @@ def restart_reference(h: Harness, segments: List[Tuple[int, int]]) -> Dict[int, 
         port = h._store()
         slots = [100 + h.round * 10 + rank for rank in range(world)]
         for rank, slot in enumerate(slots):
-            h.start(slot, rank, world, port, **{names.REFORM_FILE: "", "INPLACE_LOG": str(log), "INPLACE_PACE": "0",
+            h.start(slot, rank, world, port, **{names.INPLACE_FILE: "", "INPLACE_LOG": str(log), "INPLACE_PACE": "0",
                                                 "INPLACE_RESUME": str(state), "INPLACE_STOP_AFTER": str(stop_after)})
         assert [h.procs[s].wait(timeout=60) for s in slots] == [0] * world
     rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
@@ -180,7 +180,7 @@ def test_failure_during_reform_exits_for_restart(harness: Harness, failure: str)
         assert h.procs[1].wait(timeout=60) == 4
         assert h.procs[2].wait(timeout=60) != 0  # the newcomer's own init times out: a normal failure
         codes = [h.procs[0].wait(timeout=60)]
-    assert all(c == EXIT_REFORM_FAILED for c in codes), codes
+    assert all(c == EXIT_INPLACE_FAILED for c in codes), codes
 
 
 def test_sigterm_while_waiting_for_an_assignment_leaves(harness: Harness) -> None:
@@ -190,7 +190,7 @@ def test_sigterm_while_waiting_for_an_assignment_leaves(harness: Harness) -> Non
     h.first_round([0, 1])
     wait_until(lambda: h.at_world(2, 2), 60, "steps at world 2")
     h.round += 1
-    write_assignment(h.reform_file(0), h._env(0, 1, h._store(), 2))  # only slot 0 has a place
+    write_assignment(h.inplace_file(0), h._env(0, 1, h._store(), 2))  # only slot 0 has a place
     wait_until(lambda: any("reformed" in r for r in h.records()), 60, "slot 0 re-formed alone")
     h.procs[1].send_signal(signal.SIGTERM)  # slot 1 left the old group at the same step and waits
     assert h.procs[1].wait(timeout=30) == 0

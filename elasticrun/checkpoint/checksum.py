@@ -1,7 +1,7 @@
 """Per-file checksums of checkpoint shard files: which algorithms exist and a running digest.
 
 Every shard file's checksum is stored in ``metadata.json`` and checked on load and by
-``elasticrun ckpt verify``. Two algorithms:
+``elasticrun ckpt verify``. Two algorithms for checkpoints on disk (the public format):
 
 - ``crc32`` (the default): zlib's CRC-32. It catches what happens to checkpoints by
   accident — torn or truncated writes, flipped bits, a copy cut short — and runs at several
@@ -11,6 +11,11 @@ Every shard file's checksum is stored in ``metadata.json`` and checked on load a
 
 Both release the GIL on large buffers, so hashing runs beside the I/O threads. Checkpoints of
 format version 1 always carry sha256.
+
+Memory snapshots (generations in ``/dev/shm``) carry ``wordsum`` instead
+(:mod:`elasticrun.checkpoint.wordsum`): sums of 64-bit words, several times faster than CRC-32,
+so that a restore can check every byte it copies and still run at memory speed. It is not
+offered to ``save()``: a generation persisted to disk gets CRC-32, computed while it is copied.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from contextlib import nullcontext
 from enum import Enum
 from typing import Callable, List, Optional, Union
 
+from elasticrun.checkpoint.wordsum import WordSum
 from elasticrun.errors import CheckpointError
 
 
@@ -31,11 +37,12 @@ class Checksum(str, Enum):
 
     CRC32 = "crc32"
     SHA256 = "sha256"
+    WORDSUM = "wordsum"  # memory snapshots only (see the module doc)
 
     @property
     def hex_length(self) -> int:
         """Length of the digest as lowercase hex."""
-        return 8 if self is Checksum.CRC32 else 64
+        return {Checksum.CRC32: 8, Checksum.WORDSUM: 32}.get(self, 64)
 
     def is_digest(self, text: str) -> bool:
         """Whether ``text`` is a well-formed digest of this algorithm (lowercase hex of the right length)."""
@@ -45,19 +52,29 @@ class Checksum(str, Enum):
 #: What ``save()`` writes unless told otherwise.
 DEFAULT_CHECKSUM = Checksum.CRC32
 
+#: The algorithms a checkpoint on disk may carry (what ``save()`` and ``ckpt save`` offer).
+DISK_CHECKSUMS = (Checksum.CRC32, Checksum.SHA256)
+
+#: What memory snapshots carry.
+MEMORY_CHECKSUM = Checksum.WORDSUM
+
 
 def parse_checksum(value: Union[str, Checksum, None]) -> Checksum:
-    """``"crc32"``/``"sha256"`` (any case) or a Checksum -> Checksum; None -> the default.
-    Anything else is a CheckpointError naming the choices."""
+    """``"crc32"``/``"sha256"`` (any case) or one of them as a Checksum -> Checksum; None -> the
+    default. Anything else (``wordsum`` included: memory snapshots only) is a CheckpointError
+    naming the choices."""
     if value is None:
         return DEFAULT_CHECKSUM
-    if isinstance(value, Checksum):
-        return value
     try:
-        return Checksum(str(value).lower())
+        algo = value if isinstance(value, Checksum) else Checksum(str(value).lower())
     except ValueError:
-        choices = ", ".join(c.value for c in Checksum)
-        raise CheckpointError(f"unknown checksum {str(value)[:40]!r}: use one of {choices}") from None
+        algo = None
+    if algo not in DISK_CHECKSUMS:
+        choices = ", ".join(c.value for c in DISK_CHECKSUMS)
+        what = ("checksum 'wordsum' is for memory snapshots only" if algo is Checksum.WORDSUM
+                else f"unknown checksum {str(value)[:40]!r}")
+        raise CheckpointError(f"{what}: use one of {choices}")
+    return algo
 
 
 class Digest:
@@ -67,14 +84,21 @@ class Digest:
         self.algo = algo
         self._crc = 0
         self._sha = hashlib.sha256() if algo is Checksum.SHA256 else None
+        self._sum = WordSum() if algo is Checksum.WORDSUM else None
+        self._offset = 0  # bytes seen so far (wordsum weighs each byte by its position)
 
     def update(self, data: Union[bytes, bytearray, memoryview]) -> None:
         if self._sha is not None:
             self._sha.update(data)
+        elif self._sum is not None:
+            self._sum.add(self._offset, data)
+            self._offset += memoryview(data).nbytes
         else:
             self._crc = zlib.crc32(data, self._crc)
 
     def hexdigest(self) -> str:
+        if self._sum is not None:
+            return self._sum.hexdigest()
         return self._sha.hexdigest() if self._sha is not None else f"{self._crc:08x}"
 
 
@@ -94,9 +118,8 @@ def file_digest(read_into: Callable[[int, memoryview], None], size: int, algo: C
     """The checksum of ``size`` bytes that ``read_into(offset, view)`` fills block by block.
 
     With ``overlap`` (a spare core) block i is hashed on a helper thread while block i+1 is
-    read, so a cold file costs about its read time. Plain reads into two reused buffers:
-    measured several times faster than hashing a memory map of a cold file, whose page
-    faults stall the hashing thread."""
+    read, so a cold file costs about its read time. Plain reads into two reused buffers, not a
+    memory map: a cold file's page faults would stall the hashing thread (several times slower)."""
     digest = Digest(algo)
     helper = overlap and size > DIGEST_BLOCK
     bufs = [memoryview(bytearray(min(size, DIGEST_BLOCK) or 1)) for _ in range(2 if helper else 1)]

@@ -17,12 +17,13 @@ import os
 import signal
 import uuid
 
+from elasticrun.checkpoint import fence
 from elasticrun.checkpoint.format import METADATA_FILE
 from elasticrun.checkpoint.storage import Storage, describe, retry
 from elasticrun.checkpoint.temps import drop_marker
 from elasticrun.errors import CheckpointError
 from elasticrun.job import env as job_env
-from elasticrun.job.fence import check_round_is_current, fence_identity
+from elasticrun.job.fence import fence_identity
 
 CRASH_ENV = job_env.CKPT_CRASH_AT
 #: Phases at which ``ELASTICRUN_CKPT_CRASH_AT=<phase>[:<rank>]`` SIGKILLs the process (tests only).
@@ -46,9 +47,9 @@ def new_token() -> str:
 def commit(storage: Storage, tmp: str, final: str, metadata: bytes, rank: int) -> None:
     """Publish ``tmp`` as ``final`` with ``metadata.json`` as the commit marker (rank 0 only).
 
-    Under elasticrun, checks right before the checkpoint becomes visible — after every byte is
-    written and synced — that this worker's round is still current (the commit fence,
-    :mod:`elasticrun.job.fence`); a newer round that opened the root meanwhile has fenced the
+    Right before the checkpoint becomes visible — after every byte is written and synced — calls
+    the commit fence (:mod:`elasticrun.checkpoint.fence`: under elasticrun, this worker's round must
+    still be current, :mod:`elasticrun.job.fence`); a newer round that opened the root meanwhile has fenced the
     temporary directory, and the rename then fails: not committed either way.
     """
     if storage.atomic_rename:
@@ -58,7 +59,7 @@ def commit(storage: Storage, tmp: str, final: str, metadata: bytes, rank: int) -
             storage.write_bytes(f"{tmp}/{METADATA_FILE}", metadata)
             retry(lambda: storage.sync_dir(tmp), f"fsync {storage.display(tmp)}")
             crash_point("after-metadata", rank)
-            check_round_is_current()
+            fence.check()
             retry(lambda: storage.rename_dir(tmp, final), f"rename {storage.display(tmp)} to {storage.display(final)}")
         except CheckpointError:
             if fence_identity() is not None and not storage.exists(tmp) and not storage.exists(final):
@@ -74,7 +75,7 @@ def commit(storage: Storage, tmp: str, final: str, metadata: bytes, rank: int) -
         for fname in storage.listdir(tmp):
             retry(lambda f=fname: storage.move_file(f"{tmp}/{f}", f"{final}/{f}"), f"move {fname} into place")
         crash_point("before-metadata", rank)
-        check_round_is_current()  # no atomic rename here: metadata.json is the commit
+        fence.check()  # no atomic rename here: metadata.json is the commit
         storage.write_bytes(f"{final}/{METADATA_FILE}", metadata)
         crash_point("after-metadata", rank)
         drop_marker(storage, final)

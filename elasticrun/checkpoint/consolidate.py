@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from elasticrun.checkpoint import export
-from elasticrun.checkpoint.checksum import DEFAULT_CHECKSUM, Checksum, parse_checksum
+from elasticrun.checkpoint.checksum import DEFAULT_CHECKSUM, DISK_CHECKSUMS, Checksum, parse_checksum
 from elasticrun.checkpoint.comm import Comm
 from elasticrun.checkpoint.commit import commit, new_token, rollback
 from elasticrun.checkpoint.format import CheckpointMeta, FileEntry, Shard, validate_name
@@ -182,7 +182,8 @@ def reshard(
     plan = make_plan(infos)
     token = new_token()
     algos = {f.algo for f in meta.files.values()}
-    algo = algos.pop() if len(algos) == 1 else DEFAULT_CHECKSUM  # keep the source's choice
+    algo = algos.pop() if len(algos) == 1 else DEFAULT_CHECKSUM  # keep the source's choice (of the disk ones)
+    algo = algo if algo in DISK_CHECKSUMS else DEFAULT_CHECKSUM
     files = ShardFiles(storage, name, meta)
     results: Dict[str, FileEntry] = {}
     job = None

@@ -66,6 +66,14 @@ def shard_file_name(rank: int, world_size: int, part: int = 0, parts: int = 1) -
     return f"{base}.safetensors" if parts == 1 else f"{base}-part-{part}-of-{parts}.safetensors"
 
 
+_SHARD_RE = re.compile(r"^shard-\d{5}-of-\d{5}(-part-\d+-of-\d+)?\.safetensors$")
+
+
+def is_shard_file_name(fname: str) -> bool:
+    """Whether ``fname`` is a name :func:`shard_file_name` makes."""
+    return bool(_SHARD_RE.match(fname))
+
+
 def is_safe_file_name(fname: str) -> bool:
     """Whether a file name from ``metadata.json`` stays inside the checkpoint directory."""
     return bool(_NAME_RE.match(fname)) and ".." not in fname and fname != METADATA_FILE

@@ -8,7 +8,7 @@ checks the checksum of its 1/N of the files — while reading a file it needs wh
 plain reads of its own (also for a mapped file) — and the problems are exchanged so every rank
 fails alike.
 Loads into a caller's state dict check everything first and then read straight into its
-tensors (:mod:`elasticrun.checkpoint.inplace`).
+tensors (:mod:`elasticrun.checkpoint.load_into`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 from elasticrun.checkpoint.comm import Comm
 from elasticrun.checkpoint.format import DTYPES, LATEST, CheckpointMeta, Chunk, Placement, TensorEntry, chunks_by_file
-from elasticrun.checkpoint.inplace import check_file, digest_file, fill_bounced, fill_file, plan_pieces
+from elasticrun.checkpoint.load_into import check_file, digest_file, fill_bounced, fill_file, plan_pieces
 from elasticrun.checkpoint.plan import numel
 from elasticrun.checkpoint.regions import (
     Piece,
@@ -350,7 +350,7 @@ def _load_fresh(files: ShardFiles, comm: Comm, names: Sequence[str], placements:
 
 def _load_in_place(files: ShardFiles, comm: Comm, state_dict: Dict[str, Any], targets: Mapping[str, torch.Tensor],
                    placements: Mapping[str, Placement], mine: Sequence[str], threads: int) -> Any:
-    """Verify before write (see :mod:`elasticrun.checkpoint.inplace`): the dry pass on every rank
+    """Verify before write (see :mod:`elasticrun.checkpoint.load_into`): the dry pass on every rank
     (headers, sizes, this rank's checksums, shapes), the exchange, then direct reads."""
     problems: List[str] = []
     error: Optional[str] = None

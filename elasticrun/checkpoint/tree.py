@@ -84,12 +84,12 @@ def unflatten(skeleton: Any, get_tensor: Callable[[str], Any]) -> Any:
 
 def check_fits(target: Any, loaded: Any, path: str = "") -> None:
     """Raise the CheckpointError :func:`fill_in_place` would raise, without writing anything,
-    so an in-place load either fills every tensor or none."""
+    so a load into existing tensors either fills every tensor or none."""
     fill_in_place(target, loaded, path, dry_run=True)
 
 
 def fill_in_place(target: Any, loaded: Any, path: str = "", dry_run: bool = False) -> Any:
-    """Copy ``loaded`` into ``target`` (DCP-style in-place load); returns the merged structure.
+    """Copy ``loaded`` into ``target`` (DCP-style: a load into existing tensors); returns the merged structure.
 
     Tensors in ``target`` are filled with ``copy_`` (so parameters keep their identity);
     other values are replaced. Keys missing from the checkpoint raise CheckpointError.

@@ -9,7 +9,6 @@ torch, so the CLI's read commands start fast.
 from __future__ import annotations
 
 import os
-import re
 import stat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from elasticrun.checkpoint.format import (
     METADATA_FILE,
     CheckpointMeta,
     FileEntry,
+    is_shard_file_name,
     parse_tmp_dir_name,
     validate_name,
 )
@@ -42,9 +42,6 @@ class CheckpointStatus(str, Enum):
 
     def __str__(self) -> str:
         return self.value
-
-
-_SHARD_RE = re.compile(r"^shard-\d{5}-of-\d{5}(-part-\d+-of-\d+)?\.safetensors$")
 
 
 @dataclass
@@ -228,7 +225,7 @@ def _looks_ours(storage: Storage, path: str) -> bool:
         names = storage.listdir(path)
     except (OSError, FileNotFoundError):
         return False
-    return INCOMPLETE_MARKER in names or any(_SHARD_RE.match(n) for n in names)
+    return INCOMPLETE_MARKER in names or any(is_shard_file_name(n) for n in names)
 
 
 def inspect_entry(storage: Storage, dirname: str) -> Optional[CheckpointInfo]:

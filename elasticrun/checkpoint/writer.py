@@ -129,6 +129,15 @@ class SaveJob:
     def tmp(self) -> str:
         return self.storage.join(tmp_dir_name(self.name, self.token))
 
+    def take_sources(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Set :attr:`sources` from the flattened state: this rank's bytes, one contiguous tensor per
+        chunk it writes. CUDA tensors stay on their device (:func:`device_source`: the writer copies
+        them through pinned buffers, overlapped with the writes and the hashing), once every queued
+        kernel, on any stream, has written them."""
+        self.sources = [(i.chunk, device_source(tensors[i.name], i)) for i in self.plan.writes[self.comm.rank]]
+        for dev in {t.device for _, t in self.sources if t.device.type == "cuda"}:
+            torch.cuda.synchronize(dev)
+
     @property
     def final(self) -> str:
         return self.storage.join(self.name)
@@ -143,7 +152,7 @@ class SaveJob:
             write_marker(self.storage, self.tmp)
         # A single file with a spare core: hash on a helper thread, overlapping the writes. Otherwise
         # (several files, one thread each, or no spare core) each writing thread hashes its own
-        # pieces: measured steadier than more busy threads than cores.
+        # pieces: steadier than more busy threads than cores.
         helper = len(files) == 1 and cpu_share() >= 2
         if len(files) == 1:
             return [self._write_file(files[0][0], files[0][1], sources, helper)]
@@ -402,9 +411,7 @@ def save(
         checksum=checksum,
     )
     try:
-        job.sources = [(i.chunk, device_source(tensors[i.name], i)) for i in job.plan.writes[comm.rank]]
-        for dev in {t.device for _, t in job.sources if t.device.type == "cuda"}:
-            torch.cuda.synchronize(dev)  # every queued kernel (on any stream) has written the state
+        job.take_sources(tensors)
     except Exception as err:  # noqa: BLE001 - must still take part in the collectives
         job.sources, job.error = [], f"cannot read the tensors to save: {describe(err)}"
     return job.run()

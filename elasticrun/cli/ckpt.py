@@ -28,9 +28,10 @@ from elasticrun.cli.tables import Column, DataTable
 from elasticrun.cli.typer_help import HelpCommand, HelpGroup
 from elasticrun.job import env as job_env
 from elasticrun.job.exitcodes import ExitCode
-from elasticrun.job.settings import EtcdSettings
+from elasticrun.job.keys import JobKeys
 from elasticrun.sizes import format_size
 from elasticrun.store.reach import wait_for_etcd
+from elasticrun.store.settings import EtcdSettings
 from elasticrun.waiting import Reminder
 
 app = typer.Typer(help="Manage sharded safetensors checkpoints.", no_args_is_help=True, add_completion=False,
@@ -274,10 +275,10 @@ def save_cmd(
 def request_job_checkpoint(settings: EtcdSettings, job: str, timeout: float) -> Dict[str, Any]:
     """Put a checkpoint request for ``job`` in etcd and wait (watch) for rank 0's answer, saying every
     few seconds how long it still waits (on stderr; no waiting is ever silent)."""
-    from elasticrun.job.requests import request_checkpoint
+    from elasticrun.cli.ckpt_request import request_checkpoint
 
     left = wait_for_etcd(settings.endpoints, settings.retry_timeout, note)
-    with settings.connect(job, retry_timeout=max(1.0, left)) as store:
+    with settings.connect(JobKeys(job).ping, retry_timeout=max(1.0, left)) as store:
         what = f"waiting for job {job} to checkpoint"
         note(f"{what} (up to {timeout:g} s, --timeout)")
         with Reminder(note, what, time.monotonic() + timeout).running():

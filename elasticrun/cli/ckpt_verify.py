@@ -8,7 +8,7 @@ wrong; the last line on stderr is the one ``elasticrun: error:`` line.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from rich.markup import escape
 
@@ -45,21 +45,42 @@ def _damaged(info: CheckpointInfo) -> VerifyResult:
     return VerifyResult(info.name, [info.problem or f"checkpoint {info.name!r} is damaged"])
 
 
+def to_verify(infos: List[CheckpointInfo]) -> Tuple[List[str], List[CheckpointInfo]]:
+    """Of a root's entries: the complete checkpoints to re-hash and the damaged ones (corrupt, not an
+    alias or a save in progress), each counted as a failure."""
+    complete = [i.name for i in infos if is_ordered(i)]
+    damaged = [i for i in infos if i.status == CheckpointStatus.CORRUPT and i.alias_of is None and not i.temporary]
+    return complete, damaged
+
+
+def failure(results: List[VerifyResult]) -> Optional[Tuple[List[str], str]]:
+    """What went wrong, or None: the problems before the last one (a line each, above) and the
+    one error line (the last problem, with how many checkpoints failed and how many problems more)."""
+    bad = [r for r in results if not r.ok]
+    if not bad:
+        return None
+    problems = [p for r in bad for p in r.problems]
+    what = f"{len(bad)} of {len(results)} checkpoints failed: " if len(results) > 1 else ""
+    more = f" (and {len(problems) - 1} more problem{'s' * (len(problems) > 2)} above)" if len(problems) > 1 else ""
+    return problems[:-1], f"{what}{problems[-1]}{more}"
+
+
+def _verify_all(root: str, storage: Storage) -> Tuple[List[VerifyResult], Dict[str, Any]]:
+    """Every checkpoint of ``root`` re-hashed, every damaged entry a failure; the results and their JSON."""
+    complete, damaged = to_verify(scan(storage))
+    if not complete and not damaged:
+        fail(f"no checkpoint in {root} to verify (see `elasticrun ckpt list {root}`)", ExitCode.CHECKPOINT)
+    results = (_check(root, storage, complete) if complete else []) + [_damaged(i) for i in damaged]
+    return results, {"root": root, "ok": all(r.ok for r in results), "checkpoints": [r.to_json() for r in results]}
+
+
 def verify_command(root: str, storage: Storage, name: Optional[str], as_json: bool) -> None:
     """Verify checkpoint ``name`` of ``root`` (None: every checkpoint) and report; exit 5 on a problem."""
     if name is not None:
-        name = resolve(storage, name, warn)
-        results = _check(root, storage, [name])
+        results = _check(root, storage, [resolve(storage, name, warn)])
         doc: Dict[str, Any] = results[0].to_json()
     else:
-        infos = scan(storage)
-        complete = [i.name for i in infos if is_ordered(i)]
-        damaged = [i for i in infos if i.status == CheckpointStatus.CORRUPT and i.alias_of is None
-                   and not i.temporary]
-        if not complete and not damaged:
-            fail(f"no checkpoint in {root} to verify (see `elasticrun ckpt list {root}`)", ExitCode.CHECKPOINT)
-        results = (_check(root, storage, complete) if complete else []) + [_damaged(i) for i in damaged]
-        doc = {"root": root, "ok": all(r.ok for r in results), "checkpoints": [r.to_json() for r in results]}
+        results, doc = _verify_all(root, storage)
     if as_json:
         print_json(doc)
     else:
@@ -67,16 +88,14 @@ def verify_command(root: str, storage: Storage, name: Optional[str], as_json: bo
             if r.ok:
                 console.print(f"[green]ok[/] {escape(r.name)}: {r.files_checked} file(s), "
                               f"{format_size(r.bytes_checked)} match their {_algos(storage, r.name)}")
-    bad = [r for r in results if not r.ok]
-    if not bad:
+    wrong = failure(results)
+    if wrong is None:
         return
-    problems = [p for r in bad for p in r.problems]
+    above, line = wrong
     if not as_json:
-        for p in problems[:-1]:
+        for p in above:
             err_console.print(f"  {escape(p)}", highlight=False, soft_wrap=True)
-    what = f"{len(bad)} of {len(results)} checkpoints failed: " if len(results) > 1 else ""
-    more = f" (and {len(problems) - 1} more problem{'s' * (len(problems) > 2)} above)" if len(problems) > 1 else ""
-    fail(f"{what}{problems[-1]}{more}", ExitCode.CHECKPOINT)
+    fail(line, ExitCode.CHECKPOINT)
 
 
 __all__ = ["verify_command"]

@@ -19,9 +19,9 @@ from elasticrun.cli.console import console, err_console, fail
 from elasticrun.errors import ConfigError, ElasticrunError, StoreError, StoreSetupError
 from elasticrun.job import env as names
 from elasticrun.job.exitcodes import ExitCode
-from elasticrun.job.settings import EtcdSettings, read_password_file
 from elasticrun.store.compaction import retention_from_env
-from elasticrun.store.server import EtcdServer, HealthTLS, ServerTLS
+from elasticrun.store.server import EtcdServer, HealthTLS, ServerTLS, find_etcd_binary
+from elasticrun.store.settings import EtcdSettings, read_password_file
 
 HELP = """Run an etcd server in the foreground until Ctrl-C (for multi-node experiments).
 
@@ -120,9 +120,10 @@ def etcd(
     if warning is not None:
         err_console.print(f"elasticrun: warning: {warning}", highlight=False, soft_wrap=True)
     server = EtcdServer(
-        retention=retention_from_env(compaction_retention),
+        retention=retention_from_env(names.ETCD_COMPACTION_RETENTION, compaction_retention),
         quota_bytes=int(quota_backend_bytes) if quota_backend_bytes is not None else None,  # parsed by values.size
-        host=host, client_port=port, peer_port=peer_port, data_dir=data_dir, binary=binary, tls=tls,
+        host=host, client_port=port, peer_port=peer_port, data_dir=data_dir,
+        binary=find_etcd_binary(binary, names.ETCD_BINARY), tls=tls,
         health_tls=HealthTLS(ca=ca_file, cert=admin_cert, key=admin_key) if ca_file else None,
         auth_token_ttl=auth_token_ttl,
     )
@@ -201,7 +202,8 @@ def _serve(server: EtcdServer, remove_data: bool, admin: Optional[EtcdSettings],
 
 def _enable_auth(base: EtcdSettings, root_password: str, users: List[Tuple[str, str]]) -> None:
     """Turn authentication on and create the per-job users (a data dir that has auth already: skipped)."""
-    from elasticrun.store.admin import add_job_user, enable_auth
+    from elasticrun.cli.etcd_users import add_job_user
+    from elasticrun.store.admin import enable_auth
 
     with base.connect() as store:
         try:

@@ -3,7 +3,7 @@
 Defined once, in :data:`FLAGS`. A typer command gets all six by taking one parameter
 ``etcd: EtcdFlags`` and the decorator :func:`with_etcd_flags`; ``elasticrun run`` (parsed
 by hand, see :mod:`elasticrun.cli.run_options`) reads the same table. The values build one
-:class:`~elasticrun.job.settings.EtcdSettings` (:meth:`EtcdFlags.settings`).
+:class:`~elasticrun.store.settings.EtcdSettings` (:meth:`EtcdFlags.settings`).
 The password comes from ``$ELASTICRUN_ETCD_PASSWORD`` or ``--etcd-password-file``;
 ``--etcd-password`` works but every user of the machine can read it in ``ps``.
 """
@@ -20,7 +20,8 @@ from typing import Any, Callable, Optional, TypeVar, get_type_hints
 import typer
 
 from elasticrun.job import env as names
-from elasticrun.job.settings import PASSWORD_IN_ARGV_WARNING, EtcdSettings, from_options, password_on_command_line
+from elasticrun.job.settings import PASSWORD_IN_ARGV_WARNING, from_options, password_on_command_line
+from elasticrun.store.settings import EtcdSettings
 
 PANEL = "etcd connection"
 

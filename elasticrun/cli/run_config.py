@@ -220,50 +220,78 @@ def _endpoint(host_port: str, default_port: int, where: str) -> str:
 
 def _rendezvous(p: Parsed, settings: Dict[str, Any]) -> None:
     """Fill the rendezvous part of ``settings`` (backend, endpoint, hosting, node rank, nnodes)."""
-    v = p.values
-    endpoint = str(v["rdzv_endpoint"] or "").strip()
-    backend_name = str(v["rdzv_backend"] or "").strip().lower() if p.given("rdzv_backend") else ""
-    if backend_name and backend_name not in BACKENDS:
-        raise ConfigError(f"{p.where('rdzv_backend')}: unknown backend; use etcd (etcd-v2, etcd-v3: the same) for "
-                          "an etcd server at --rdzv-endpoint, or c10d / static for an etcd the job hosts")
-    nmax = settings["nnodes_max"]
-    standalone = bool(v["standalone"])
-    if not standalone and not backend_name and not endpoint and not p.given("master_port") and nmax == 1:
-        standalone = True  # like torchrun: one node needs no rendezvous server
-    if standalone:
+    endpoint = str(p.values["rdzv_endpoint"] or "").strip()
+    backend_name = _backend_name(p)
+    if _standalone(p, backend_name, endpoint, settings["nnodes_max"]):
         settings.update(standalone=True, rdzv_backend=RdzvBackend.ETCD, rdzv_endpoint="")
         settings.setdefault("rdzv_id", f"standalone-{uuid.uuid4().hex[:8]}")
         return
-    if not backend_name:
-        backend_name = "etcd" if endpoint else "static"  # without a backend an endpoint is an etcd server
-    backend = BACKENDS[backend_name]
+    # Without a backend an endpoint is an etcd server; without either, torchrun's static rendezvous.
+    backend = BACKENDS[backend_name or ("etcd" if endpoint else "static")]
     settings["rdzv_backend"] = backend
     if backend is RdzvBackend.ETCD:
-        try:
-            parse_endpoints(endpoint)
-        except StoreError:
-            raise ConfigError(f"{p.shown('rdzv_endpoint')}: expected host:port[,host:port...] with ports 1 .. "
-                              "65535, e.g. etcd-host:2379") from None
-        settings["rdzv_endpoint"] = endpoint
+        settings["rdzv_endpoint"] = _etcd_endpoints(p, endpoint)
         return
+    _refuse_security(p, settings, backend)
+    if backend is RdzvBackend.C10D:
+        settings["rdzv_endpoint"] = _c10d_endpoint(p, endpoint)
+    else:
+        _static(p, settings, endpoint)
+
+
+def _backend_name(p: Parsed) -> str:
+    """``--rdzv-backend`` in lower case ("" when not given); one line for an unknown one."""
+    name = str(p.values["rdzv_backend"] or "").strip().lower() if p.given("rdzv_backend") else ""
+    if name and name not in BACKENDS:
+        raise ConfigError(f"{p.where('rdzv_backend')}: unknown backend; use etcd (etcd-v2, etcd-v3: the same) for "
+                          "an etcd server at --rdzv-endpoint, or c10d / static for an etcd the job hosts")
+    return name
+
+
+def _standalone(p: Parsed, backend_name: str, endpoint: str, nnodes_max: int) -> bool:
+    """``--standalone``, or (like torchrun) one node with no rendezvous given: it needs no server."""
+    if p.values["standalone"]:
+        return True
+    return not backend_name and not endpoint and not p.given("master_port") and nnodes_max == 1
+
+
+def _etcd_endpoints(p: Parsed, endpoint: str) -> str:
+    """An etcd server's ``host:port[,host:port...]``."""
+    try:
+        parse_endpoints(endpoint)
+    except StoreError:
+        raise ConfigError(f"{p.shown('rdzv_endpoint')}: expected host:port[,host:port...] with ports 1 .. "
+                          "65535, e.g. etcd-host:2379") from None
+    return endpoint
+
+
+def _refuse_security(p: Parsed, settings: Dict[str, Any], backend: RdzvBackend) -> None:
+    """The etcd a c10d/static job hosts is plain: one line for any TLS or user setting."""
     secured = [p.where(k) for k in _SECURITY if settings.get(k) or (p.values.get(k) and p.given(k))]
     if secured:
         raise ConfigError(f"{secured[0]}: the etcd a {backend.value} job hosts is plain (no TLS, no users); "
                           "drop the etcd security settings, or run a secured etcd and use --rdzv-backend etcd")
-    if backend is RdzvBackend.C10D:
-        if not endpoint:
-            raise ConfigError("--rdzv-backend c10d needs --rdzv-endpoint HOST:PORT (the agent on HOST hosts the "
-                              "job's etcd on PORT)")
-        settings["rdzv_endpoint"] = _endpoint(endpoint, C10D_PORT, p.shown("rdzv_endpoint"))
-        return
-    # static: torchrun's rendezvous at --master-addr:--master-port (or an explicit endpoint), fixed node ranks.
+
+
+def _c10d_endpoint(p: Parsed, endpoint: str) -> str:
+    """c10d: the agent on the endpoint's host hosts the job's etcd on its port."""
+    if not endpoint:
+        raise ConfigError("--rdzv-backend c10d needs --rdzv-endpoint HOST:PORT (the agent on HOST hosts the "
+                          "job's etcd on PORT)")
+    return _endpoint(endpoint, C10D_PORT, p.shown("rdzv_endpoint"))
+
+
+def _static(p: Parsed, settings: Dict[str, Any], endpoint: str) -> None:
+    """torchrun's static rendezvous at --master-addr:--master-port (or an explicit endpoint): exactly MAX
+    nodes, fixed node ranks, node rank 0 hosts the job's etcd."""
+    v = p.values
     if endpoint:
         settings["rdzv_endpoint"] = _endpoint(endpoint, STATIC_PORT, p.shown("rdzv_endpoint"))
     else:
         port = v["master_port"] if v["master_port"] is not None else STATIC_PORT  # its range: run_options
         addr = str(v["master_addr"] or "").strip() or "127.0.0.1"
         settings["rdzv_endpoint"] = _endpoint(f"{addr}:{port}", STATIC_PORT, p.shown("master_addr"))
-    settings["nnodes_min"] = nmax  # a static job has exactly MAX nodes, as in torchrun
+    settings["nnodes_min"] = settings["nnodes_max"]  # a static job has exactly MAX nodes, as in torchrun
     if settings.get("node_rank") is None:
         settings["node_rank"] = 0  # torchrun's default --node-rank
     if settings.get("rdzv_is_host") is None:

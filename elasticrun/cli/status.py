@@ -10,6 +10,7 @@ import json
 import sys
 import threading
 import time
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Optional
 
 import typer
@@ -57,6 +58,90 @@ _TICK = 1.0  # redraw of the rich view without events (ages, lease TTLs)
 # -- watching ----------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class ReadHealth:
+    """How a watch's reads of etcd have gone (pure: the caller passes the times).
+
+    ``error``: what failed last (shown with the data; "" once a read and the watch work again);
+    ``told``: the error already printed; ``failing_since``: when the reads or the watch began to fail.
+    """
+
+    error: str = ""
+    told: str = ""
+    failing_since: Optional[float] = None
+
+    def after_read(self, fresh: bool, watching: bool, error: str, attempt: float) -> ReadHealth:
+        """The health after a read at ``attempt`` (``fresh``: it succeeded; ``watching``: the etcd
+        watch is up; ``error``: what failed this time, the read or the watch)."""
+        if fresh and watching:
+            return ReadHealth()
+        return ReadHealth(error, self.told, self.failing_since if self.failing_since is not None else attempt)
+
+    def to_tell(self) -> Optional[str]:
+        """An error not yet printed (printed once, until it changes)."""
+        return self.error if self.error and self.error != self.told else None
+
+    def gave_up(self, now: float, give_up_after: Optional[float]) -> Optional[str]:
+        """Why the watch stops (the StoreError's text) once the reads failed for ``give_up_after`` s."""
+        if self.failing_since is None or give_up_after is None or now - self.failing_since < give_up_after:
+            return None
+        return f"{self.error or 'etcd does not answer'} (gave up after {give_up_after:g}s: --timeout)"
+
+
+class _Subscription:
+    """The etcd watch on ``prefix`` that wakes :func:`watch`: re-created when it died (etcd restarted)."""
+
+    def __init__(self, store: EtcdStore, prefix: str,
+                 on_events: Optional[Callable[[List[WatchEvent]], None]]) -> None:
+        self.store, self.prefix, self.on_events = store, prefix, on_events
+        self.changed = threading.Event()
+        self.broken = threading.Event()
+        self.cancel: Optional[Callable[[], None]] = None
+
+    @property
+    def watching(self) -> bool:
+        return self.cancel is not None
+
+    def _on_error(self, _err: BaseException) -> None:
+        self.broken.set()
+        self.changed.set()
+
+    def _on_batch(self, events: List[WatchEvent]) -> None:
+        if self.on_events is not None:
+            self.on_events(events)
+        self.changed.set()
+
+    def ensure(self) -> str:
+        """Watch (again) when there is no live watch; why that failed ("" when it did not)."""
+        if self.cancel is not None and not self.broken.is_set():
+            return ""
+        self.close()
+        self.broken.clear()
+        try:
+            self.cancel = self.store.watch_prefix(self.prefix, self._on_batch, self._on_error)
+        except ElasticrunError as err:
+            return str(err)
+        return ""
+
+    def wait_next(self, on_tick: bool) -> None:
+        """Until a change (or a tick, ``on_tick``; or the watch is to be re-created), at most one redraw
+        per ``_MIN_REDRAW`` s."""
+        shown = time.monotonic()
+        while True:
+            fired = self.changed.wait(_TICK)
+            if fired or on_tick or self.broken.is_set() or self.cancel is None:
+                break
+        pause = _MIN_REDRAW - (time.monotonic() - shown)
+        if pause > 0:
+            time.sleep(pause)
+        self.changed.clear()
+
+    def close(self) -> None:
+        if self.cancel is not None:
+            self.cancel()
+            self.cancel = None
+
+
 def watch(
     store: EtcdStore,
     prefix: str,
@@ -76,66 +161,34 @@ def watch(
     most ``give_up_after`` seconds in a row (then StoreError). Returns the last snapshot on Ctrl-C, or
     once ``until(snapshot)`` is true (after showing it).
     """
-    changed = threading.Event()
-    broken = threading.Event()
-    cancel: Optional[Callable[[], None]] = None
-
-    def on_error(_err: BaseException) -> None:
-        broken.set()
-        changed.set()
-
-    def on_batch(events: List[WatchEvent]) -> None:
-        if on_events is not None:
-            on_events(events)
-        changed.set()
-
+    sub = _Subscription(store, prefix, on_events)
     last: Any = initial
-    error = ""
-    told = ""
-    failing_since: Optional[float] = None
+    health = ReadHealth()
     try:
         while True:
-            if cancel is None or broken.is_set():
-                if cancel is not None:
-                    cancel()
-                    cancel = None
-                broken.clear()
-                try:
-                    cancel = store.watch_prefix(prefix, on_batch, on_error)
-                except ElasticrunError as err:
-                    error = str(err)
+            error = sub.ensure()
             fresh, attempt = False, time.monotonic()
             try:
                 last, fresh = snapshot(), True
-                if cancel is not None:
-                    error = told = ""
             except ElasticrunError as err:
                 error = str(err)
-            failing_since = None if fresh and cancel is not None else failing_since or attempt
+            health = health.after_read(fresh, sub.watching, error, attempt)
             if last is not None and (fresh or on_tick):
-                show(last, error)
+                show(last, health.error)
             if fresh and until is not None and until(last):
                 return last
-            elif error and error != told:
-                err_console.print(Text(f"elasticrun: etcd: {error} (retrying)"), highlight=False, soft_wrap=True)
-                told = error
-            if failing_since is not None and give_up_after is not None \
-                    and time.monotonic() - failing_since >= give_up_after:
-                raise StoreError(f"{error or 'etcd does not answer'} (gave up after {give_up_after:g}s: --timeout)")
-            shown = time.monotonic()
-            while True:
-                fired = changed.wait(_TICK)
-                if fired or on_tick or broken.is_set() or cancel is None:
-                    break
-            pause = _MIN_REDRAW - (time.monotonic() - shown)
-            if pause > 0:
-                time.sleep(pause)
-            changed.clear()
+            tell = health.to_tell()
+            if tell is not None:
+                err_console.print(Text(f"elasticrun: etcd: {tell} (retrying)"), highlight=False, soft_wrap=True)
+                health = replace(health, told=tell)
+            why = health.gave_up(time.monotonic(), give_up_after)
+            if why is not None:
+                raise StoreError(why)
+            sub.wait_next(on_tick)
     except KeyboardInterrupt:
         return last
     finally:
-        if cancel is not None:
-            cancel()
+        sub.close()
 
 
 def _watch_rich(
@@ -185,7 +238,7 @@ def status(
 ) -> None:
     settings = etcd.settings(rdzv_endpoint, retry_timeout=timeout)
     # With a job: prove access inside its prefix (all a job's own etcd user may read).
-    store = settings.connect(rdzv_id, timeout=min(timeout, 5.0))
+    store = settings.connect(JobKeys(rdzv_id).ping if rdzv_id else None, timeout=min(timeout, 5.0))
     try:
         if rdzv_id is None:
             _show_jobs(store, watch_, as_json, timeout)

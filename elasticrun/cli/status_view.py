@@ -12,6 +12,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple, Union
 
+from elasticrun.cli.console import local_time
 from elasticrun.rendezvous.jobstatus import job_phase
 from elasticrun.rendezvous.records import WorkerStatus
 from elasticrun.rendezvous.states import JobPhase, MemberStatus
@@ -24,6 +25,7 @@ STATUS_STYLE = {  # keyed by value: a str enum hashes by its name
     WorkerStatus.FAILED.value: "bold red",
     WorkerStatus.SUCCEEDED.value: "bold green",
     MemberStatus.LOST.value: "bold red",
+    MemberStatus.LEFT.value: "magenta",
     MemberStatus.FINISHED.value: "green",
 }
 PHASE_STYLE = {
@@ -32,6 +34,7 @@ PHASE_STYLE = {
     JobPhase.RESCALING.value: "yellow",
     JobPhase.SUCCEEDED.value: "bold green",
     JobPhase.FAILED.value: "bold red",
+    JobPhase.STOPPED.value: "magenta",
 }
 
 
@@ -167,6 +170,9 @@ def _ending(doc: Dict[str, Any], now: float) -> Tuple[Styled, ...]:
     if isinstance(state, dict):
         lines.append(Styled(f"state: {state.get('state')} — {state.get('reason', '')} (round {state.get('round')}, "
                             f"{ago(state.get('time'), now)})", PHASE_STYLE.get(str(state.get("state")), "")))
+    expires = doc.get("expires_at")
+    if isinstance(expires, (int, float)):
+        lines.append(Styled(f"its keys leave etcd at {local_time(expires)} (--ended-job-ttl)", "dim"))
     end = doc.get("round_end") or {}
     if end.get("failed"):
         f = end["failed"]

@@ -51,14 +51,14 @@ REDISTRIBUTION = PREFIX + "REDISTRIBUTION"
 GLOBAL_BATCH_SIZE = PREFIX + "GLOBAL_BATCH_SIZE"
 #: Path of the 0600 JSON file with the job's :class:`~elasticrun.job.settings.EtcdSettings`.
 ETCD_SETTINGS_FILE = PREFIX + "ETCD_SETTINGS_FILE"
-#: The node's memory tier: a 0700 shared-memory directory the agent owns (see elasticrun.launch.snapshots).
+#: The node's memory tier: a 0700 shared-memory directory the agent owns (see elasticrun.launch.shmroot).
 SNAPSHOT_DIR = PREFIX + "SNAPSHOT_DIR"
 #: In-place re-forming (see elasticrun.train.inplace): this worker's assignment file. The agent
 #: writes the next round's ranks there (write + rename) instead of restarting the worker; a worker
-#: opts in by creating ``<file>.optin``. Unset: the worker is always restarted (today's behaviour).
-REFORM_FILE = PREFIX + "REFORM_FILE"
+#: opts in by creating ``<file>.optin``. Unset: the worker is always restarted (the restart path).
+INPLACE_FILE = PREFIX + "INPLACE_FILE"
 #: ``1`` on a newcomer joining a group that re-forms in place: it receives the state by broadcast.
-REFORM_JOIN = PREFIX + "REFORM_JOIN"
+INPLACE_JOIN = PREFIX + "INPLACE_JOIN"
 #: A node-local file (the agent's, kept across rounds) where the node's progress reporter keeps
 #: ``<round> <step>`` of its latest report: the next round's reporter tells the agent how far the
 #: previous round got, for the steps a rollback loses (see elasticrun.train.progress).
@@ -91,8 +91,6 @@ METRICS_HOST = PREFIX + "METRICS_HOST"
 EVENTS_FILE = PREFIX + "EVENTS_FILE"
 #: Tests only: ``<phase>[:<rank>]`` at which a checkpoint commit SIGKILLs its process.
 CKPT_CRASH_AT = PREFIX + "CKPT_CRASH_AT"
-#: Tests only: ``AFTER:SECONDS`` stalls an agent's round loop once (liveness tests).
-TEST_STALL_LOOP = PREFIX + "TEST_STALL_LOOP"
 #: ``--hang-timeout``: seconds without progress before a round counts as hung (0/unset: off).
 HANG_TIMEOUT = PREFIX + "HANG_TIMEOUT"
 #: Example only: print per-step timing.

@@ -9,24 +9,19 @@ Keys (see :mod:`elasticrun.job.keys`)::
 A request without an answer is pending. Nothing stays behind: rank 0 deletes a request
 when it answers and puts its answer on a lease (:data:`ANSWER_TTL_S`); the CLI deletes the
 request and the answer once it has read it, and withdraws a request it stops waiting for.
-A job that has ended (its ``state``) or has no running node is told at once. Rank 0's side
-(watching, agreeing across ranks) is :class:`elasticrun.train.control.CheckpointRequests`.
+A job that has ended (its ``state``) or has no running node is told at once. This module holds the
+names and formats; the CLI's side (asking, waiting) is :mod:`elasticrun.cli.ckpt_request`, rank 0's
+(watching, agreeing across ranks) :class:`elasticrun.train.control.CheckpointRequests`.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
-from elasticrun.errors import CheckpointError, ConfigError
 from elasticrun.job import records
-from elasticrun.job.keys import JobKeys, last_part
-
-if TYPE_CHECKING:
-    from elasticrun.store.client import EtcdStore
-    from elasticrun.store.types import KeyValue
+from elasticrun.job.keys import last_part
 
 #: Seconds rank 0's answer lives (on a lease): its asker reads and deletes it at once.
 ANSWER_TTL_S = 600
@@ -93,80 +88,15 @@ def describe_end(job_id: str, state: Dict[str, Any]) -> str:
     return f"job {job_id!r} finished{when} ({outcome}{': ' + str(reason) if reason else ''})"
 
 
-def _job_gone(store: EtcdStore, keys: JobKeys) -> Optional[str]:
-    """Why job ``keys`` cannot answer a request any more (it ended, or no agent runs it), or None."""
-    state = records.read(store.get(keys.state), records.state_record)  # a malformed one counts as absent
+def why_gone(job_id: str, state: Optional[Dict[str, Any]], running_nodes: int) -> Optional[str]:
+    """Why job ``job_id`` cannot answer a request any more (it ended: its ``state`` record; or no agent
+    runs it), or None."""
     if state is not None:
-        return describe_end(keys.job_id, state)
-    if not store.get_prefix(keys.nodes)[0]:
-        return f"job {keys.job_id!r} has no running node (its agents stopped or were lost)"
+        return describe_end(job_id, state)
+    if not running_nodes:
+        return f"job {job_id!r} has no running node (its agents stopped or were lost)"
     return None
 
 
-def request_checkpoint(store: EtcdStore, job_id: str, timeout: float, where: str = "") -> Dict[str, Any]:
-    """Ask job ``job_id`` to checkpoint now and wait (watch) for rank 0's answer.
-
-    Raises ConfigError when the job has no keys, CheckpointError at once when the job has
-    finished (or no agent of it runs), when it ends while we wait, when it did not answer within
-    ``timeout`` (the request is withdrawn) or answered with an error. The request and its answer
-    are deleted once read (rank 0 also puts its answer on a lease: a reader that died leaves
-    nothing behind for long).
-    """
-    keys = JobKeys(job_id)
-    rid = new_request_id()
-    if store.get(keys.config) is None and not store.get_prefix(keys.prefix)[0]:
-        raise ConfigError(f"no job {job_id!r} in etcd{where}: check --rdzv-id (see `elasticrun status`)")
-    gone = _job_gone(store, keys)
-    if gone:
-        raise CheckpointError(f"{gone}: nothing to checkpoint")
-    store.put_json(keys.checkpoint_request(rid), request_body(rid))
-    try:
-        kv, gone = _wait_answer(store, keys, rid, timeout)
-    finally:
-        store.delete(keys.checkpoint_request(rid))  # answered, withdrawn or abandoned: never left behind
-    if kv is None:
-        if gone:
-            raise CheckpointError(f"{gone} before it checkpointed (request withdrawn)")
-        raise CheckpointError(
-            f"job {job_id!r} did not checkpoint within {timeout:g}s (request withdrawn): is it running and "
-            "calling the elasticrun checkpoint hook? see `elasticrun status`"
-        )
-    store.delete(keys.checkpoint_answer(rid))
-    try:
-        answer = answer_record(records.decode(kv.value))
-    except records.BadRecord as err:
-        raise CheckpointError(f"job {job_id!r} answered with a malformed record ({err}): {kv.value[:100]!r}") from None
-    if answer.get("error"):
-        raise CheckpointError(f"job {job_id!r} could not checkpoint: {answer['error']}")
-    return answer
-
-
-def _wait_answer(store: EtcdStore, keys: JobKeys, rid: str, timeout: float) -> Tuple[Optional[KeyValue], str]:
-    """(rank 0's answer, '') — or (None, why the job cannot answer) when it ends or loses its nodes
-    meanwhile, or (None, '') after ``timeout``. Watches the answer, the job's state and its nodes."""
-    changed = threading.Event()
-    cancels = [
-        store.watch_prefix(key, lambda _ev: changed.set(), lambda _err: changed.set())
-        for key in (keys.checkpoint_answer(rid), keys.state, keys.nodes)
-    ]
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            changed.clear()
-            kv = store.get(keys.checkpoint_answer(rid))
-            if kv is not None:
-                return kv, ""
-            gone = _job_gone(store, keys)
-            if gone:
-                return None, gone
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None, ""
-            changed.wait(min(left, 5.0))
-    finally:
-        for cancel in cancels:
-            cancel()
-
-
 __all__ = ["ANSWER_TTL_S", "answer_done", "answer_error", "answer_record", "describe_end", "new_request_id",
-           "parse_request", "request_body", "request_checkpoint", "request_record", "utc"]
+           "parse_request", "request_body", "request_record", "utc", "why_gone"]

@@ -12,8 +12,10 @@ Every agent owns one snapshot directory (``ELASTICRUN_SNAPSHOT_DIR``)::
         persist/        hard links pinning a generation while it is copied to disk
         failed-restores names of generations whose restore failed (one a line; never tried again)
 
-This module is the only place that spells these names; ``generations/`` and ``replicas/``
-hold checkpoints, the other three are transient (a new worker removes what a dead one left).
+This module is the only place that spells these names and states the rule of a root's name
+(:func:`root_name` makes one, :func:`parse_root_name` recognises one: the agents' sweep of dead
+roots and ``elasticrun ckpt list --memory`` use it); ``generations/`` and ``replicas/`` hold
+checkpoints, the other three are transient (a new worker removes what a dead one left).
 """
 
 from __future__ import annotations

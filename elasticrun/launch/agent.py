@@ -24,31 +24,28 @@ from rich.text import Text
 from elasticrun.errors import ElasticrunError, JobFailedError, StoreError
 from elasticrun.job import env as env_names
 from elasticrun.job.exitcodes import ExitCode, for_signal
-from elasticrun.job.records import progress_record
-from elasticrun.job.settings import drop_secrets_from_environment
+from elasticrun.job.records import progress_record, read
+from elasticrun.job.settings import drop_secrets_from_environment, to_file
 from elasticrun.job.settings import from_config as etcd_settings
 from elasticrun.launch.c10d import RoundStore
 from elasticrun.launch.config import LaunchConfig, RdzvBackend, signal_number
 from elasticrun.launch.failures import root_cause_table
-from elasticrun.launch.hang import STACKS_WAIT_S, HangWatch, dump_stacks, hang_failures, hang_line, skip_grace
+from elasticrun.launch.hang import HangWatch
 from elasticrun.launch.hosting import open_store, wait_others_left
 from elasticrun.launch.inplace import InPlaceRounds
 from elasticrun.launch.logfilter import unfed_warnings
-from elasticrun.launch.node import local_address
+from elasticrun.launch.node import accelerators, local_address, uses_gpu
 from elasticrun.launch.numa import AffinityMode, describe_binding, worker_cpus
 from elasticrun.launch.observe import Observer
-from elasticrun.launch.outage import STOP_SLACK_S, OutageGuard, stop_workers
-from elasticrun.launch.preload import TorchPreload
-from elasticrun.launch.snapshots import SnapshotRoot
-from elasticrun.launch.workers import SERVER_WAIT_S, GroupState, WorkerGroup
+from elasticrun.launch.outage import STOP_SLACK_S, OutageGuard
+from elasticrun.launch.roundloop import RoundLoop
+from elasticrun.launch.shmroot import SnapshotRoot
+from elasticrun.launch.workers import WorkerGroup
 from elasticrun.rendezvous.protocol import JobEnded, LeaseLost, Rendezvous, RendezvousSettings
 from elasticrun.rendezvous.records import NodeInfo, Topology, WorkerStatus
 from elasticrun.rendezvous.states import RoundOutcome
 from elasticrun.store.client import EtcdStore, parse_endpoints
-from elasticrun.store.lease import LeaseHealth
 from elasticrun.store.server import EtcdServer
-
-STANDBY_DELAY_S = 2.0  # after a round starts, when to pre-warm the next round's workers
 
 
 def log_time() -> str:
@@ -129,10 +126,14 @@ class Agent:
         if self._signal is not None and not self._stopping:
             raise AgentSignal(self._signal)
 
-    def _install_signals(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            for number in self._handled_signals():
-                signal.signal(number, self._on_signal)
+    def _install_signals(self) -> List[int]:
+        """Handle the signals of :meth:`_handled_signals`; those handled (none off the main thread)."""
+        if threading.current_thread() is not threading.main_thread():
+            return []
+        handled = self._handled_signals()
+        for number in handled:
+            signal.signal(number, self._on_signal)
+        return handled
 
     def _handled_signals(self) -> List[int]:
         """--signals-to-handle (torchrun's default SIGTERM,SIGINT,SIGHUP,SIGQUIT); SIGTERM, SIGINT always."""
@@ -144,15 +145,14 @@ class Agent:
     def run(self) -> int:
         """Run the job on this node; returns the process exit code."""
         cfg = self.cfg
-        self._install_signals()
-        handled = self._handled_signals() if threading.current_thread() is threading.main_thread() else []
+        handled = self._install_signals()
         etcd: Optional[EtcdServer] = None
         store: Optional[EtcdStore] = None
         rdzv: Optional[Rendezvous] = None
         workers: Optional[WorkerGroup] = None
         snapshots: Optional[SnapshotRoot] = None
         files_dir = tempfile.mkdtemp(prefix=f"elasticrun-{cfg.rdzv_id}-")
-        round_store = RoundStore()
+        round_store = RoundStore(on_error=lambda line: self._store_failed(line, workers))
         with contextlib.ExitStack() as teardown:  # runs bottom to top; each line sees the resource made meanwhile
             teardown.callback(self._restore_signals, handled)
             teardown.callback(self.obs.close)  # /metrics answers until here
@@ -175,7 +175,9 @@ class Agent:
                     log_dir = tempfile.mkdtemp(prefix=f"elasticrun-logs-{cfg.rdzv_id}-")
                     self.say(f"worker logs in {log_dir}")
                 drop_secrets_from_environment(cfg, self.say)  # before any child process starts
-                workers = WorkerGroup(cfg, self.label, files_dir, log_dir, False, on_exit=lambda: self._wake())
+                workers = WorkerGroup(cfg, self.label, files_dir, log_dir, uses_gpu(cfg.device_kind),
+                                      on_exit=lambda: self._wake())
+                workers.round_store = round_store  # served by a store host in the rounds we lead
                 if cfg.numa_binding:  # torchrun's choice of each local rank's CPUs, once, before the job starts
                     workers.cpus = worker_cpus(AffinityMode(cfg.numa_binding), cfg.nproc_per_node)
                     self.say(describe_binding(AffinityMode(cfg.numa_binding), workers.cpus))
@@ -188,12 +190,14 @@ class Agent:
                     workers.extra_env[env_names.SNAPSHOT_DIR] = snapshots.path
                     if cfg.snapshot_memory is not None:
                         workers.extra_env[env_names.SNAPSHOT_MEMORY] = str(cfg.snapshot_memory)
-                workers.prewarm()  # worker interpreters import torch while we meet the other nodes
-                torch_preload = TorchPreload(cfg.device_kind).start()  # our own torch too, while etcd starts
+                # The fork server (bare: the round loop has it preload once the CPU is free), or warm interpreters.
+                workers.prewarm(preload=False)
+                if cfg.nnodes_max == 1:  # we lead every round: the first store's host imports torch meanwhile
+                    round_store.prepare(workers.host_store)
                 etcd, store = open_store(cfg, self.say)  # standalone / c10d / static: may host the job's etcd
                 self.obs.attach(store)
                 # Workers reach etcd (commit fence, progress, checkpoint requests) with the same settings.
-                workers.etcd_settings_file = etcd_settings(cfg).write(os.path.join(files_dir, "etcd-settings.json"))
+                workers.etcd_settings_file = to_file(etcd_settings(cfg), os.path.join(files_dir, "etcd-settings.json"))
                 host, port = parse_endpoints(cfg.rdzv_endpoint)[0]
                 node = NodeInfo(
                     node_id=cfg.node_id,
@@ -202,21 +206,14 @@ class Agent:
                     nproc=cfg.nproc_per_node,
                     pid=os.getpid(),
                     node_rank=-1 if cfg.node_rank is None else cfg.node_rank,
+                    accelerators=accelerators(workers.use_gpu),  # from the driver: no torch here
                 )
                 rdzv = Rendezvous(store, self._settings(hosting=etcd is not None), node, round_store.fresh,
                                   on_progress=self.say)
                 self._wake = rdzv.view.poke
                 rdzv.on_beat = self._raise_pending_signal
                 rdzv.ensure_config(cfg.job_settings())
-                rdzv.register()  # before importing torch: a running job starts its stability window now
-                rdzv.beat(busy_for=120.0)  # importing torch (bounded): not a stalled loop
-                use_gpu, accs = torch_preload.result()
-                workers.use_gpu = use_gpu
-                if rdzv.lease_health() is LeaseHealth.LOST:
-                    # The import can hold the GIL long enough on a loaded machine for the lease to lapse.
-                    self.say("our etcd lease lapsed while importing torch; registering again")
-                    rdzv.reregister()
-                rdzv.publish(accelerators=accs)
+                rdzv.register()  # a running job starts its stability window now
                 self.say(
                     f"joined job {cfg.rdzv_id!r} at {cfg.rdzv_endpoint} as {cfg.node_id} "
                     f"(nnodes {cfg.nnodes_min}:{cfg.nnodes_max}, {cfg.nproc_per_node} "
@@ -227,26 +224,38 @@ class Agent:
                 self._etcd_failed = True  # no final report, no revoke (the lease expires on its own)
                 raise
             except AgentSignal as sig:
-                self._stopping = True
-                self.say(f"received {sig}: stopping workers and leaving the job")
-                wsig = worker_signal(sig.signum)
-                if rdzv is not None and self.inplace is not None and self.inplace.leave_first(rdzv, self._round, wsig):
-                    wsig = 0  # signalled once already (a second SIGTERM kills); leave_first left the job
-                if workers is not None:
-                    workers.stop(cfg.shutdown_timeout, sig=wsig)
-                if rdzv is not None:  # the job's end if we are its last node (rendezvous/ended.py)
-                    rdzv.leaving(f"received {sig}", for_signal(sig.signum))
-                if rdzv is not None and rdzv.lease is not None:
-                    try:
-                        if self._round >= 0:  # before the lease goes: survivors may re-form in place
-                            rdzv.mark_left(self._round)
-                        rdzv.publish(status=WorkerStatus.LEAVING)
-                    except ElasticrunError:
-                        pass
-                return for_signal(sig.signum)  # drained: a retryable code (docs/deploy.md)
+                return self._leave_on_signal(sig, rdzv, workers)
         raise AssertionError("unreachable")  # pragma: no cover - the block returns or raises
 
+    def _leave_on_signal(self, sig: AgentSignal, rdzv: Optional[Rendezvous], workers: Optional[WorkerGroup]) -> int:
+        """SIGTERM/SIGINT (or another handled signal): stop our workers, leave the job; the exit code."""
+        self._stopping = True
+        self.say(f"received {sig}: stopping workers and leaving the job")
+        wsig = worker_signal(sig.signum)
+        if rdzv is not None and self.inplace is not None and self.inplace.leave_first(rdzv, self._round, wsig):
+            wsig = 0  # signalled once already (a second SIGTERM kills); leave_first left the job
+        if workers is not None:
+            workers.stop(self.cfg.shutdown_timeout, sig=wsig)
+        if rdzv is not None:  # the job's end if we are its last node (rendezvous/ended.py)
+            rdzv.leaving(f"received {sig}", for_signal(sig.signum))
+        if rdzv is not None and rdzv.lease is not None:
+            try:
+                if self._round >= 0:  # before the lease goes: survivors may re-form in place
+                    rdzv.mark_left(self._round)
+                rdzv.publish(status=WorkerStatus.LEAVING)
+            except ElasticrunError:
+                pass
+        return for_signal(sig.signum)  # drained: a retryable code (docs/deploy.md)
+
     # -- teardown steps of run() -----------------------------------------------------------------
+
+    def _store_failed(self, line: str, workers: Optional[WorkerGroup]) -> None:
+        """The round's c10d store host died (or could not serve): its workers can never meet. Say why
+        and kill ours, so the round fails now instead of at torch's store timeout."""
+        if self._stopping or workers is None:
+            return
+        self.say(f"{line}: stopping this round's workers")
+        workers.kill_running()
 
     def _ignore_signals(self, handled: List[int]) -> None:
         """Leaving: from now on a second Ctrl-C must not interrupt the teardown."""
@@ -292,16 +301,18 @@ class Agent:
         )
 
     def _loop(self, rdzv: Rendezvous, workers: WorkerGroup) -> int:
+        """Form a round, run it, form the next … until the job ends; the node's exit code."""
+        inplace = self.inplace
+        assert inplace is not None
         guard = OutageGuard(self.cfg, rdzv, workers, self.say)
         while True:
             workers.prewarm()
             self.obs.rendezvous(rdzv)
-            assert self.inplace is not None
             try:
-                guard.call(lambda: self.inplace.before_round(rdzv), "forming a round")  # type: ignore[union-attr]
+                guard.call(lambda: inplace.before_round(rdzv), "forming a round")
                 topo = guard.call(rdzv.next_round, "forming a round")
             except LeaseLost as lost:
-                self.inplace.drop()  # fencing: workers kept for an in-place re-form stop too
+                inplace.drop()  # fencing: workers kept for an in-place re-form stop too
                 self.say(f"lost our etcd lease ({lost}); rejoining")
                 guard.call(rdzv.reregister, "rejoining")
                 continue
@@ -336,120 +347,12 @@ class Agent:
         raise err
 
     def _run_round(self, rdzv: Rendezvous, workers: WorkerGroup, topo: Topology) -> RoundOutcome:
-        """Run our workers for ``topo`` until the round ends."""
-        me = topo.member(self.cfg.node_id)
-        assert me is not None
-        event = rdzv.rescale_event(topo.round)
-        ranks = f"{me.rank_offset}..{me.rank_offset + me.nproc - 1}"
-        kind = event.type.value if event else "Start"
-        self.say(
-            f"round {topo.round} ({kind}): world size {topo.world_size}, {len(topo.members)} node(s), "
-            f"group rank {me.group_rank}, ranks {ranks}, restarts {topo.restart_count}/{self.cfg.max_restarts}"
-        )
-        rdzv.beat(busy_for=SERVER_WAIT_S)  # the start may wait for the fork server's imports (bounded)
-        self.obs.round_started(topo, event)
+        """Run our workers for ``topo`` until the round ends (launch/roundloop.py)."""
         assert self.inplace is not None
-        guard = OutageGuard(self.cfg, rdzv, workers, self.say)
-        how = self.inplace.start(rdzv, topo, me, event, guard.call)
-        self._round = topo.round
-        rdzv.beat()
-        self.say(f"round {topo.round}: workers started ({how})")
-        guard.call(lambda: rdzv.publish(status=WorkerStatus.ACTIVE, waiting_for=-1), "starting a round")
-        done_reported = False
-        hang = self._hang_watch(rdzv, topo)
-        standby_at = time.monotonic() + STANDBY_DELAY_S
-        version = rdzv.view_version()
-        while True:
-            joining = rdzv.scale_up_pending(topo)
-            if standby_at and (time.monotonic() >= standby_at or joining):
-                # A standby set of pre-warmed interpreters for the next round, started once this
-                # round's workers are past their own start-up: a restart then skips the imports.
-                # A node joining ends the round within a stability window: warm up at once, and
-                # only torch (not DDP's extras), so the standbys are ready when the round forms.
-                workers.prewarm(deep=not joining)
-                standby_at = 0.0
-            rdzv.beat()  # liveness: the lease is refreshed only while this loop turns
-            if _STALL and time.monotonic() >= _STALL[0]:
-                time.sleep(_STALL.pop())  # test hook, once: a stalled main loop (ELASTICRUN_TEST_STALL_LOOP)
-                _STALL.clear()
-            if guard.check(topo) is not None:  # lease in doubt: ride out an etcd outage, or fence
-                return RoundOutcome.NEXT
-            self.obs.tick(rdzv, outage=guard.since is not None)
-            state = workers.poll()
-            if state is GroupState.FAILED:
-                failures = workers.failures()
-                first = failures[0]
-                self.say(f"worker rank {first.rank} failed ({first.signal or first.exitcode}): stopping this round")
-                self.obs.round_failed()
-                rows = self.inplace.mark([f.to_dict() for f in failures])  # failed inside a re-form?
-                guard.call(lambda: rdzv.report_failure(topo, rows), "reporting a failure")  # noqa: B023 - called at once
-                stop_workers(rdzv, workers, self.cfg.shutdown_timeout)
-                return RoundOutcome.NEXT
-            if state is GroupState.RUNNING and self.inplace.tick(rdzv, topo, guard.call):
-                return RoundOutcome.NEXT  # the re-form failed: reported as a failure, workers stopped
-            if hang is not None and state is GroupState.RUNNING and hang.hung():
-                self.say(f"round {topo.round}: the step reported by our workers (last {hang.step}) has not advanced "
-                         f"for {hang.timeout:g} s: dumping every worker's Python stacks")
-                self.obs.hang(topo, hang.step, hang.stalled_for())
-                workers_now = workers.running
-                rdzv.beat(busy_for=STACKS_WAIT_S)
-                dump_stacks(workers_now)
-                rows = hang_failures(workers_now, hang.timeout)
-                self.say(f"{hang_line(rows, hang.timeout)}: stopping this round")
-                guard.call(lambda: rdzv.report_failure(topo, rows), "reporting a hang")  # noqa: B023 - called at once
-                # A hung worker (and its peers blocked in the collective) never reaches the step boundary
-                # where a graceful stop would end it: no --shutdown-timeout wait, kill them now.
-                stop_workers(rdzv, workers, 1.0, sig=signal.SIGKILL)
-                return RoundOutcome.NEXT
-            if state is GroupState.SUCCEEDED and not done_reported:
-                guard.call(lambda: rdzv.report_done(topo), "reporting success")
-                guard.call(lambda: rdzv.publish(status=WorkerStatus.SUCCEEDED), "reporting success")
-                done_reported = True
-            change = rdzv.round_change(topo)
-            if change is RoundOutcome.SUCCEEDED:
-                guard.call(lambda: rdzv.mark_succeeded(topo), "finishing the job")
-                stop_workers(rdzv, workers, self.cfg.shutdown_timeout)
-                return RoundOutcome.SUCCEEDED
-            if change is not None:
-                hung = hang is not None and self._hung_with_the_round(rdzv, topo, hang)
-                if hung:  # another node saw the hang; ours wait in the collective with it
-                    assert hang is not None
-                    self.say(f"round {topo.round}: our workers' step has not advanced for "
-                             f"{hang.stalled_for():.0f} s either: dumping their Python stacks")
-                    workers_now = workers.running
-                    rdzv.beat(busy_for=STACKS_WAIT_S)
-                    dump_stacks(workers_now)
-                    rows = hang_failures(workers_now, hang.timeout)
-                    guard.call(lambda: rdzv.report_failure(topo, rows), "reporting a hang")  # noqa: B023 - called at once
-                keep = not hung and self.inplace.keep(rdzv, topo)
-                self.say(f"round {topo.round} ended: {change}; " + ("workers keep training until they re-form in place"
-                                                                   if keep else "stopping workers"))
-                self.obs.round_changed(rdzv, topo)
-                if keep:
-                    return RoundOutcome.NEXT
-                if hung:  # stuck in a collective with the hung rank: a graceful stop would wait out its grace
-                    stop_workers(rdzv, workers, 1.0, sig=signal.SIGKILL)
-                else:
-                    stop_workers(rdzv, workers, self.cfg.shutdown_timeout)
-                return RoundOutcome.NEXT
-            if not done_reported:
-                due = rdzv.maybe_scale_up(topo)
-                timeout = 0.5 if due is None else min(0.5, max(0.01, due))
-            else:
-                timeout = 0.5
-            version = rdzv.wait_view(version, 0.02 if self.inplace.busy else timeout)
-
-
-    def _hung_with_the_round(self, rdzv: Rendezvous, topo: Topology, hang: HangWatch) -> bool:
-        """The round ended for a hang that another node detected, and our step stands still too: our
-        workers are stuck with it and get no shutdown grace. Every other end gets the grace."""
-        if hang.stalled_for() < hang.timeout / 2:
-            return False
-        try:
-            rows = rdzv.root_cause(topo.round)
-        except (ElasticrunError, ValueError, TypeError):
-            return False  # cannot tell: the graceful stop (SIGKILL after the grace) is the safe side
-        return skip_grace(hang.stalled_for(), hang.timeout, rows)
+        loop = RoundLoop(self.cfg, rdzv, workers, topo, self.inplace, self.obs, self.say)
+        how = loop.start()
+        self._round = topo.round  # from now on a graceful leave marks this round
+        return loop.run(how, self._hang_watch(rdzv, topo))
 
     def _hang_watch(self, rdzv: Rendezvous, topo: Topology) -> Optional[HangWatch]:
         """``--hang-timeout``: watch the progress our node's local rank 0 reports (see launch/hang.py)."""
@@ -457,22 +360,10 @@ class Agent:
             return None
         if self._hang is None:
             key = rdzv.keys.progress_of(self.cfg.node_id)
-            self._hang = HangWatch(lambda: rdzv.store.get_record(key, progress_record), self.cfg.hang_timeout).start()
+            self._hang = HangWatch(lambda: read(rdzv.store.get(key), progress_record), self.cfg.hang_timeout).start()
         kept = self.cfg.node_id in topo.inplace  # our workers report round n - 1 until they re-form
         self._hang.start_round(topo.round, carried=topo.round - 1 if kept else None)
         return self._hang
-
-
-def _test_stall() -> List[float]:
-    """``ELASTICRUN_TEST_STALL_LOOP=AFTER:SECONDS``: stall the round loop once, AFTER s after start (tests only)."""
-    after, sep, seconds = os.environ.get(env_names.TEST_STALL_LOOP, "").partition(":")
-    try:
-        return [time.monotonic() + float(after), float(seconds)] if sep else []
-    except ValueError:
-        return []
-
-
-_STALL = _test_stall()  # [when, seconds] until used
 
 
 def run_agent(cfg: LaunchConfig) -> int:

@@ -1,38 +1,150 @@
-"""The agent-hosted c10d TCPStore (``TORCHELASTIC_USE_AGENT_STORE=True``).
+"""The c10d store of each round this node leads (``TORCHELASTIC_USE_AGENT_STORE=True``), without torch.
 
-Every round gets a brand-new store on a port the OS picks, so no restarted worker can
-read a previous attempt's keys (torch does not prefix per attempt when the agent hosts
-the store) and there is no free-port race: the port is bound before it is published.
+Every round gets a brand-new store on a port the OS picks, so no restarted worker can read a
+previous attempt's keys (torch does not prefix per attempt when the agent hosts the store) and
+there is no free-port race: the port is bound before it is published.
+
+The agent binds and listens on that port itself (:meth:`RoundStore.fresh`: instant, so the node
+is ready for the round at once) and keeps the socket until the round forms. Only when this node
+leads the round (its group rank 0, whose address and port are the round's ``MASTER_ADDR`` and
+``MASTER_PORT``) does it hand the socket to a store host process (:meth:`RoundStore.serve`,
+:mod:`elasticrun.launch.storeserver`), which runs torch's ``TCPStore`` on it; the other nodes
+never pay a torch import for a store nobody uses. Workers that connect before the host serves
+wait in the listen backlog. The next :meth:`RoundStore.fresh` kills that process and closes the
+socket, so no later round can reach the old store.
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
-from typing import Any, Optional
+import socket
+import threading
+from typing import Any, Callable, Optional
+
+# Connections the kernel queues before the host accepts them (it caps this at net.core.somaxconn);
+# every worker of the job connects to the round's store, all at once at the round's start.
+LISTEN_BACKLOG = 4096
+HOST_WAIT_S = 5.0  # how long closing waits for a killed store host to be reaped
+
+StartHost = Callable[[int], Any]  # the listening fd -> a started process (Popen-like: wait, kill, stderr)
+
+
+def listening_socket() -> socket.socket:
+    """A TCP socket listening on a port the OS picks, on every address (IPv6 and IPv4 where the
+    host has IPv6, as torch's own store listens), not inherited by child processes."""
+    try:
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    except OSError:
+        sock = None
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            sock.bind(("::", 0))
+        except OSError:
+            sock.close()
+            sock = None
+    if sock is None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("0.0.0.0", 0))
+    sock.listen(LISTEN_BACKLOG)
+    return sock
 
 
 class RoundStore:
-    """Owns at most one live TCPStore server at a time."""
+    """At most one round's store at a time: a listening socket here, then (leading) its host process.
 
-    def __init__(self, timeout_s: float = 900.0) -> None:
-        self._store: Optional[Any] = None
-        self._timeout = timedelta(seconds=timeout_s)
+    ``on_error`` gets one line when a host exits on its own while its round is current (it could
+    not serve, or was killed): that round's workers can no longer meet.
+    """
+
+    def __init__(self, timeout_s: float = 900.0, on_error: Optional[Callable[[str], None]] = None) -> None:
+        self.timeout_s = timeout_s
+        self._on_error = on_error or (lambda _line: None)
+        self._lock = threading.Lock()
+        self._sock: Optional[socket.socket] = None
+        self._port = 0
+        self._host: Any = None
+        self._prepared = False  # bound (and served) ahead of the first round: fresh() hands it out once
+
+    @property
+    def port(self) -> int:
+        """The current round's port (0 before the first :meth:`fresh`)."""
+        return self._port
+
+    @property
+    def host(self) -> Any:
+        """The process serving the current round's store, once :meth:`serve` started it."""
+        return self._host
+
+    def prepare(self, start_host: StartHost) -> int:
+        """Bind the first round's store now and have it served at once, for a node that surely leads
+        that round (a single-node job): its host imports torch while the agent starts etcd, not while
+        the round's workers start. The next :meth:`fresh` hands out this port (nobody has seen it yet,
+        so it is as fresh as a new one)."""
+        port = self.fresh()
+        self.serve(port, start_host)
+        with self._lock:
+            self._prepared = True
+        return port
 
     def fresh(self) -> int:
-        """Close the previous store, start a new one, return its port."""
-        from torch.distributed import TCPStore
-
+        """Close the previous round's store, bind a new one, return its port."""
+        with self._lock:
+            if self._prepared:
+                self._prepared = False
+                return self._port
         self.close()
-        self._store = TCPStore(
-            host_name="0.0.0.0",
-            port=0,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=self._timeout,
-            use_libuv=True,
-        )
-        return int(self._store.port)
+        sock = listening_socket()
+        with self._lock:
+            self._sock, self._port = sock, int(sock.getsockname()[1])
+            return self._port
+
+    def serve(self, port: int, start_host: StartHost) -> bool:
+        """Have ``start_host`` serve the store bound on ``port`` (the round's ``MASTER_PORT``); once
+        per round. False when ``port`` is not this round's (nothing started)."""
+        with self._lock:
+            if port != self._port or self._sock is None:
+                return self._host is not None and port == self._port
+            sock, self._sock = self._sock, None
+            try:
+                host = start_host(sock.fileno())
+            finally:
+                sock.close()  # the host has its own copy: the port closes when the host dies
+            self._host = host
+        threading.Thread(target=self._watch, args=(host,), name="round-store", daemon=True).start()
+        return True
+
+    def _watch(self, host: Any) -> None:
+        code = host.wait()
+        line = ""
+        if host.stderr is not None:
+            try:
+                line = host.stderr.read().decode(errors="replace").strip().splitlines()[-1:]
+                line = line[0] if line else ""
+            except (OSError, ValueError):
+                line = ""
+            finally:
+                host.stderr.close()
+        with self._lock:
+            current = self._host is host
+            if current:
+                self._host = None
+        if current:
+            self._on_error(line or f"the round's c10d store host exited ({code})")
 
     def close(self) -> None:
-        # Dropping the last reference shuts the server down.
-        self._store = None
+        """Stop serving: kill the host (its socket closes with it), close a socket not yet served."""
+        with self._lock:
+            self._prepared = False
+            host, self._host = self._host, None
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+        if host is not None:
+            host.kill()
+            try:
+                host.wait(HOST_WAIT_S)
+            except Exception:  # noqa: BLE001 - a host that does not go is left to its parent-death signal
+                pass
+
+
+__all__ = ["LISTEN_BACKLOG", "RoundStore", "StartHost", "listening_socket"]

@@ -15,11 +15,11 @@ import shutil
 import signal
 import socket
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from elasticrun.errors import ConfigError
 from elasticrun.job.hints import AdaptationStrategy, RedistributionType
-from elasticrun.job.reform import READY_WAIT_S
+from elasticrun.job.inplace import READY_WAIT_S
 from elasticrun.launch.gpus import VISIBLE_DEVICES, virtual_visible_device, visible_gpu_count
 from elasticrun.rendezvous.ended import ETCD_MAX_TTL
 
@@ -169,112 +169,17 @@ class LaunchConfig:
     ended_job_ttl: float = 7 * 86400.0  # --ended-job-ttl: seconds an ended job's keys stay in etcd (0: forever)
 
     def validate(self) -> LaunchConfig:
-        """Raise ConfigError with a clear message when something cannot work; return self."""
-        if self.nnodes_min < 1 or self.nnodes_min > self.nnodes_max:
-            raise ConfigError(
-                f"--nnodes {self.nnodes_min}:{self.nnodes_max}: need 1 <= MIN <= MAX"
-            )
-        if self.nproc_per_node < 1:
-            raise ConfigError(f"--nproc-per-node {self.nproc_per_node}: need at least 1 worker per node")
-        if not _JOB_ID.match(self.rdzv_id):
-            raise ConfigError(
-                f"--rdzv-id {self.rdzv_id!r}: use letters, digits, '_', '.', '-' (at most 128 characters)"
-            )
-        if not _NODE_ID.match(self.node_id):
-            raise ConfigError(f"--node-id {self.node_id!r}: use letters, digits and _ . @ : - only")
-        if self.standby < 0:
-            raise ConfigError(f"--standby {self.standby}: must be 0 or more (0 turns standby interpreters off)")
-        if self.max_restarts < 0:
-            raise ConfigError(f"--max-restarts {self.max_restarts}: must be 0 or more")
-        if self.restart_window < 0:
-            raise ConfigError(f"--restart-window {self.restart_window}: must not be negative (0: the whole job)")
-        if self.global_batch_size < 0:
-            raise ConfigError(f"--global-batch-size {self.global_batch_size}: must be 0 (none) or more")
-        for name, value in vars(self).items():  # nan/inf durations: a deadline that never comes
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ConfigError(f"--{name.replace('_', '-')} {value}: must be a finite number of seconds")
-        if not 0 <= self.ended_job_ttl <= ETCD_MAX_TTL:
-            raise ConfigError(f"--ended-job-ttl {self.ended_job_ttl:g}s: must be 0 (keep forever) to {ETCD_MAX_TTL} "
-                              "seconds")
-        if self.hang_timeout < 0:
-            raise ConfigError(f"--hang-timeout {self.hang_timeout}: must not be negative (0 turns it off)")
-        if self.etcd_outage_grace < 0:
-            raise ConfigError(f"--etcd-outage-grace {self.etcd_outage_grace}: must not be negative")
-        if self.heartbeat_timeout < 2:
-            raise ConfigError(
-                f"--heartbeat-timeout {self.heartbeat_timeout}: etcd leases need at least 2 seconds"
-            )
-        if self.inplace_ready_timeout <= 0:
-            raise ConfigError(f"--inplace-ready-timeout {self.inplace_ready_timeout}: must be more than 0 seconds")
-        if self.etcd_timeout <= 0:
-            raise ConfigError(f"--etcd-timeout {self.etcd_timeout}: must be more than 0 seconds")
-        for name in ("stability_window", "rescale_timeout", "join_timeout", "shutdown_timeout", "monitor_interval"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must not be negative")
-        if not 0 <= self.metrics_port <= 65535:
-            raise ConfigError(f"--metrics-port {self.metrics_port}: not a port; use 1-65535, or 0 for no metrics")
-        self._check_ranks()
-        for name in self.signals_to_handle:
-            signal_number(name)
-        self._check_entrypoint()
-        if not self.standalone and not self.rdzv_endpoint:
-            raise ConfigError(
-                "no rendezvous: pass --rdzv-endpoint host:port (an etcd server; start one with "
-                "`elasticrun etcd`) or --standalone for a single node"
-            )
-        for name in ("redirects", "tee"):
-            _parse_std_streams(getattr(self, name), f"--{name}")
-        if self.virtual_local_rank:
-            for local_rank in range(self.nproc_per_node):
-                virtual_visible_device(local_rank, os.environ.get(VISIBLE_DEVICES))
+        """Raise ConfigError with a clear message when something cannot work; return self.
+
+        The checks run in :data:`CHECKS` order (the first failing one speaks)."""
+        for check in CHECKS:
+            check(self)
         return self
 
     def keeps_log_files(self) -> bool:
         """Whether workers' output goes to files too (-r, -t, --duplicate-*-filters): they need a log dir."""
         return (self.redirects != Std.NONE.value or self.tee != Std.NONE.value
                 or bool(self.duplicate_stdout_filters or self.duplicate_stderr_filters))
-
-    def _check_ranks(self) -> None:
-        if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes_max:
-            raise ConfigError(
-                f"--node-rank {self.node_rank}: must be 0 .. {self.nnodes_max - 1} with --nnodes "
-                f"{self.nnodes_min}:{self.nnodes_max} (give every node its own rank below the node count)"
-            )
-        for rank in self.local_ranks_filter or []:
-            if rank < 0:
-                raise ConfigError(f"--local-ranks-filter: local rank {rank} must not be negative")
-
-    def _check_entrypoint(self) -> None:
-        if not self.entrypoint:
-            raise ConfigError("no training script given: elasticrun [options] script.py [script args]")
-        if self.module:
-            return
-        if self.no_python:
-            self._check_command()
-            return
-        if os.path.isdir(self.entrypoint):  # python runs a directory's (or a zip's) __main__.py
-            if not any(os.path.isfile(os.path.join(self.entrypoint, f)) for f in ("__main__.py", "__main__.pyc")):
-                raise ConfigError(f"training script {self.entrypoint!r} is a directory without __main__.py: give "
-                                  "the script inside it, or -m for a package")
-            return
-        if not os.path.isfile(self.entrypoint):
-            raise ConfigError(
-                f"training script {self.entrypoint!r} not found (cwd {os.getcwd()}); "
-                "use -m for a module or --no-python for a command"
-            )
-
-    def _check_command(self) -> None:
-        """``--no-python``: the command exists and this user may execute it."""
-        if os.sep not in self.entrypoint:
-            if shutil.which(self.entrypoint) is None:
-                raise ConfigError(f"--no-python: command {self.entrypoint!r} not found on PATH")
-            return
-        if not os.path.exists(self.entrypoint):
-            raise ConfigError(f"--no-python: command {self.entrypoint!r} does not exist")
-        if os.path.isdir(self.entrypoint) or not os.access(self.entrypoint, os.X_OK):
-            what = "a directory" if os.path.isdir(self.entrypoint) else "not executable"
-            raise ConfigError(f"--no-python: {self.entrypoint!r} is {what}: make it executable (chmod +x), or "
-                              "drop --no-python to run a Python script with python")
 
     def job_settings(self) -> Dict[str, Any]:
         """The settings every node of the job must share (stored once under ``config``)."""
@@ -325,3 +230,161 @@ def _parse_std_streams(spec: str, flag: str) -> Dict[int, Std]:
             )
         result[int(rank)] = Std(value.strip())
     return result
+
+
+# -- the checks of LaunchConfig.validate, one concept each --------------------------------------
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A number a field must satisfy: ``ok(value)``, else ConfigError(``message``), where ``{flag}``
+    is the field's flag (``--nproc-per-node``) and ``{value}`` its value."""
+
+    name: str
+    ok: Callable[[Any], bool]
+    message: str
+
+    def check(self, cfg: LaunchConfig) -> None:
+        value = getattr(cfg, self.name)
+        if not self.ok(value):
+            raise ConfigError(self.message.format(flag=_flag(self.name), value=value))
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+COUNTS = (
+    Bound("standby", lambda v: v >= 0, "{flag} {value}: must be 0 or more (0 turns standby interpreters off)"),
+    Bound("max_restarts", lambda v: v >= 0, "{flag} {value}: must be 0 or more"),
+    Bound("global_batch_size", lambda v: v >= 0, "{flag} {value}: must be 0 (none) or more"),
+    Bound("metrics_port", lambda v: 0 <= v <= 65535, "{flag} {value}: not a port; use 1-65535, or 0 for no metrics"),
+)
+DURATIONS = (  # seconds, checked after check_finite
+    Bound("restart_window", lambda v: v >= 0, "{flag} {value}: must not be negative (0: the whole job)"),
+    Bound("ended_job_ttl", lambda v: 0 <= v <= ETCD_MAX_TTL,
+          "{flag} {value:g}s: must be 0 (keep forever) to " + f"{ETCD_MAX_TTL} seconds"),
+    Bound("hang_timeout", lambda v: v >= 0, "{flag} {value}: must not be negative (0 turns it off)"),
+    Bound("etcd_outage_grace", lambda v: v >= 0, "{flag} {value}: must not be negative"),
+    Bound("heartbeat_timeout", lambda v: v >= 2, "{flag} {value}: etcd leases need at least 2 seconds"),
+    Bound("inplace_ready_timeout", lambda v: v > 0, "{flag} {value}: must be more than 0 seconds"),
+    Bound("etcd_timeout", lambda v: v > 0, "{flag} {value}: must be more than 0 seconds"),
+    *(Bound(name, lambda v: v >= 0, "{flag} must not be negative")
+      for name in ("stability_window", "rescale_timeout", "join_timeout", "shutdown_timeout", "monitor_interval")),
+)
+
+
+def check_size(cfg: LaunchConfig) -> None:
+    """``--nnodes MIN:MAX`` and ``--nproc-per-node``."""
+    if cfg.nnodes_min < 1 or cfg.nnodes_min > cfg.nnodes_max:
+        raise ConfigError(f"--nnodes {cfg.nnodes_min}:{cfg.nnodes_max}: need 1 <= MIN <= MAX")
+    if cfg.nproc_per_node < 1:
+        raise ConfigError(f"--nproc-per-node {cfg.nproc_per_node}: need at least 1 worker per node")
+
+
+def check_names(cfg: LaunchConfig) -> None:
+    """``--rdzv-id`` and ``--node-id``: they become parts of etcd keys."""
+    if not _JOB_ID.match(cfg.rdzv_id):
+        raise ConfigError(f"--rdzv-id {cfg.rdzv_id!r}: use letters, digits, '_', '.', '-' (at most 128 characters)")
+    if not _NODE_ID.match(cfg.node_id):
+        raise ConfigError(f"--node-id {cfg.node_id!r}: use letters, digits and _ . @ : - only")
+
+
+def check_counts(cfg: LaunchConfig) -> None:
+    """The counts (and the port) of :data:`COUNTS`."""
+    for bound in COUNTS:
+        bound.check(cfg)
+
+
+def check_finite(cfg: LaunchConfig) -> None:
+    """No nan or inf duration: a deadline that never comes."""
+    for name, value in vars(cfg).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{_flag(name)} {value}: must be a finite number of seconds")
+
+
+def check_durations(cfg: LaunchConfig) -> None:
+    """The durations of :data:`DURATIONS` (finite: :func:`check_finite` ran first)."""
+    for bound in DURATIONS:
+        bound.check(cfg)
+
+
+def check_ranks(cfg: LaunchConfig) -> None:
+    """``--node-rank`` below the node count; ``--local-ranks-filter`` not negative."""
+    if cfg.node_rank is not None and not 0 <= cfg.node_rank < cfg.nnodes_max:
+        raise ConfigError(
+            f"--node-rank {cfg.node_rank}: must be 0 .. {cfg.nnodes_max - 1} with --nnodes "
+            f"{cfg.nnodes_min}:{cfg.nnodes_max} (give every node its own rank below the node count)"
+        )
+    for rank in cfg.local_ranks_filter or []:
+        if rank < 0:
+            raise ConfigError(f"--local-ranks-filter: local rank {rank} must not be negative")
+
+
+def check_signals(cfg: LaunchConfig) -> None:
+    """``--signals-to-handle``: signal names the agent can handle."""
+    for name in cfg.signals_to_handle:
+        signal_number(name)
+
+
+def check_entrypoint(cfg: LaunchConfig) -> None:
+    """The training script (a file, a directory with ``__main__.py``), a module, or a command."""
+    if not cfg.entrypoint:
+        raise ConfigError("no training script given: elasticrun [options] script.py [script args]")
+    if cfg.module:
+        return
+    if cfg.no_python:
+        _check_command(cfg.entrypoint)
+        return
+    if os.path.isdir(cfg.entrypoint):  # python runs a directory's (or a zip's) __main__.py
+        if not any(os.path.isfile(os.path.join(cfg.entrypoint, f)) for f in ("__main__.py", "__main__.pyc")):
+            raise ConfigError(f"training script {cfg.entrypoint!r} is a directory without __main__.py: give "
+                              "the script inside it, or -m for a package")
+        return
+    if not os.path.isfile(cfg.entrypoint):
+        raise ConfigError(
+            f"training script {cfg.entrypoint!r} not found (cwd {os.getcwd()}); "
+            "use -m for a module or --no-python for a command"
+        )
+
+
+def _check_command(command: str) -> None:
+    """``--no-python``: the command exists and this user may execute it."""
+    if os.sep not in command:
+        if shutil.which(command) is None:
+            raise ConfigError(f"--no-python: command {command!r} not found on PATH")
+        return
+    if not os.path.exists(command):
+        raise ConfigError(f"--no-python: command {command!r} does not exist")
+    if os.path.isdir(command) or not os.access(command, os.X_OK):
+        what = "a directory" if os.path.isdir(command) else "not executable"
+        raise ConfigError(f"--no-python: {command!r} is {what}: make it executable (chmod +x), or "
+                          "drop --no-python to run a Python script with python")
+
+
+def check_rendezvous(cfg: LaunchConfig) -> None:
+    """An etcd endpoint, or ``--standalone``."""
+    if not cfg.standalone and not cfg.rdzv_endpoint:
+        raise ConfigError(
+            "no rendezvous: pass --rdzv-endpoint host:port (an etcd server; start one with "
+            "`elasticrun etcd`) or --standalone for a single node"
+        )
+
+
+def check_streams(cfg: LaunchConfig) -> None:
+    """``--redirects`` and ``--tee`` in torchrun's syntax."""
+    cfg.std_streams()
+
+
+def check_devices(cfg: LaunchConfig) -> None:
+    """``--virtual-local-rank``: every local rank has a GPU of ``CUDA_VISIBLE_DEVICES`` to itself."""
+    if cfg.virtual_local_rank:
+        for local_rank in range(cfg.nproc_per_node):
+            virtual_visible_device(local_rank, os.environ.get(VISIBLE_DEVICES))
+
+
+#: What :meth:`LaunchConfig.validate` checks, in order.
+CHECKS: Tuple[Callable[[LaunchConfig], None], ...] = (
+    check_size, check_names, check_counts, check_finite, check_durations, check_ranks, check_signals,
+    check_entrypoint, check_rendezvous, check_streams, check_devices,
+)

@@ -1,13 +1,14 @@
-"""The agent's side of the fork server: one warmed interpreter per node that forks every worker.
+"""The agent's side of the fork server: one interpreter per node that forks every worker.
 
-A standby interpreter that imports torch and DDP's first-use modules costs ~3 CPU-s; on a
-node with few cores, warming one per local rank while the round's own workers start slows
-both down, and a crash early in a round finds no standby ready. A fork server pays the imports
-once per agent (not per round, not per worker), is ready from the first round on, and forks a
-worker in milliseconds at any moment of a round. Its memory is one interpreter's, shared
-copy-on-write with the workers forked from it. :mod:`elasticrun.launch.zygote` is the server;
-this module starts it, sends it orders and turns its replies into :class:`ForkedProcess`
-objects that look like ``subprocess.Popen`` to the worker group.
+The agent starts it first, before etcd. It starts bare (:mod:`elasticrun.launch.zygote`): the
+first round's workers forked from it are no slower than fresh ``python script.py`` interpreters
+(they import torch themselves, as torchrun's workers do), and nothing competes with them for the
+CPU while they start. Once they are past their start-up (or while the node waits for a round),
+the agent orders the :meth:`ForkServer.preload`: the server imports torch and DDP's first-use
+modules (~3 CPU-s) once per agent, not per round or worker, and from then on forks a ready worker
+in milliseconds at any moment of a round. Its memory is one interpreter's, shared copy-on-write
+with the workers forked from it. This module starts it, sends it orders and turns its replies into
+:class:`ForkedProcess` objects that look like ``subprocess.Popen`` to the worker group.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 import threading
 import time
 from enum import Enum
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 from elasticrun.proc import with_parent_death_signal
 
@@ -30,8 +31,9 @@ FORK_TIMEOUT_S = 30.0  # how long a spawn waits for the server's reply before gi
 
 
 class ServerState(Enum):
-    STARTING = "starting"  # importing torch
-    READY = "ready"
+    STARTING = "starting"  # the interpreter starts (bare: no preload)
+    READY = "ready"  # forks at once (``warm`` says whether it has preloaded)
+    PRELOADING = "preloading"  # importing torch and DDP's extras: forks once done
     GONE = "gone"  # exited, unsafe to fork from, or closed
 
 
@@ -76,7 +78,7 @@ class ForkedProcess:
 
 
 class ForkServer:
-    """Start the server (it imports torch meanwhile), then :meth:`spawn` workers from it."""
+    """Start the (bare) server, :meth:`spawn` workers from it, :meth:`preload` it when the CPU is free."""
 
     def __init__(self, label: List[str], env: Dict[str, str], log_path: str, order_dir: str) -> None:
         self._ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -91,8 +93,11 @@ class ForkServer:
         theirs.close()
         self.started = time.monotonic()
         self.state = ServerState.STARTING
+        self.warm = False  # the preload is done: forked workers skip torch's imports
+        self.preload_s: Optional[float] = None  # how long the preload took (the server's clock)
         self.why_gone = ""
         self._cond = threading.Condition()
+        self._sending = threading.Lock()  # an order and a preload never interleave on the socket
         self._next_id = 0
         self._pids: Dict[int, int] = {}  # order id → pid
         self._children: Dict[int, ForkedProcess] = {}
@@ -113,10 +118,16 @@ class ForkServer:
             with self._cond:
                 if "ready" in msg:
                     self.state = ServerState.READY
+                elif "warm" in msg:
+                    self.warm, self.preload_s = True, float(msg["warm"])
+                    if self.state is ServerState.PRELOADING:
+                        self.state = ServerState.READY
                 elif "unsafe" in msg:
                     self._gone(f"not forking: {msg['unsafe']}")
                 elif "forked" in msg:
                     self._pids[int(msg["forked"])] = int(msg["pid"])
+                elif "refused" in msg:
+                    self._gone(self.why_gone or "it refused an order")
                 elif "exit" in msg:
                     pid, code = int(msg["exit"]), int(msg["code"])
                     child = self._children.pop(pid, None)
@@ -140,28 +151,51 @@ class ForkServer:
     # -- use ----------------------------------------------------------------------------------
 
     def wait_ready(self, timeout: float) -> bool:
-        """Wait until the server has imported torch (True) or is gone / ``timeout`` passed (False)."""
+        """Wait until the server can fork (True), or is gone / ``timeout`` passed (False)."""
         with self._cond:
-            self._cond.wait_for(lambda: self.state is not ServerState.STARTING, timeout)
+            self._cond.wait_for(lambda: self.state not in (ServerState.STARTING, ServerState.PRELOADING), timeout)
             return self.state is ServerState.READY
 
-    def spawn(self, order: Dict[str, object], timeout: Optional[float] = None) -> Optional[ForkedProcess]:
-        """Fork a worker for ``order`` (warm.py's env/argv/module/cwd); None if the server cannot.
+    def preload(self) -> bool:
+        """Order the preload (once; the server imports on a thread, still reporting exits meanwhile).
+        True when it was ordered now; until it is done the server forks nothing (``PRELOADING``)."""
+        with self._sending:
+            with self._cond:
+                if self.state is not ServerState.READY or self.warm:
+                    return False
+                self.state = ServerState.PRELOADING
+            try:
+                self._ours.send(json.dumps({"preload": True}).encode())
+            except OSError as err:
+                with self._cond:
+                    self._gone(f"sending the preload failed: {err}")
+                    self._cond.notify_all()
+                return False
+        return True
+
+    def spawn(self, order: Dict[str, object], timeout: Optional[float] = None,
+              fds: Sequence[int] = ()) -> Optional[ForkedProcess]:
+        """Fork a child for ``order`` (warm.py's env/argv/module/cwd, or a store host's) that gets
+        ``fds`` too (listed as its order's ``fds``); None if the server cannot fork now.
 
         A server that does not answer within ``timeout`` (default :data:`FORK_TIMEOUT_S`) is closed
         before this returns: it could still fork the order later, a second worker with the same
         RANK next to the one the caller starts instead (closing kills such a late child too).
         """
         timeout = FORK_TIMEOUT_S if timeout is None else timeout
-        if self.state is not ServerState.READY:
-            return None
+        with self._sending:
+            if self.state is not ServerState.READY:
+                return None
+            return self._spawn(order, timeout, fds)
+
+    def _spawn(self, order: Dict[str, object], timeout: float, fds: Sequence[int]) -> Optional[ForkedProcess]:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         with self._cond:
             self._next_id += 1
             order_id = self._next_id
         try:
-            socket.send_fds(self._ours, [self._packet(order_id, order)], [out_w, err_w])
+            socket.send_fds(self._ours, [self._packet(order_id, order)], [out_w, err_w, *fds])
         except OSError as err:
             for fd in (out_r, out_w, err_r, err_w):
                 os.close(fd)

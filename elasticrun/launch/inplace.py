@@ -2,14 +2,14 @@
 
     opt-in reported → round ends (join, graceful leave) → workers kept → next round formed
       survivor: newcomers ready? → write assignments → workers re-formed?   (else: restart path)
-      newcomer: start workers with ELASTICRUN_REFORM_JOIN=1 → their ``.ready`` files → ``ready/<node>``
+      newcomer: start workers with ELASTICRUN_INPLACE_JOIN=1 → their ``.ready`` files → ``ready/<node>``
 
 An agent keeps its workers through a round change only when every local worker opted in
-(``<reform file>.optin``), the round did not fail, no hang was seen and the workers still run.
+(``<in-place file>.optin``), the round did not fail, no hang was seen and the workers still run.
 The leader decides from the node records who re-forms (:func:`~elasticrun.rendezvous.inplace.plan_inplace`,
 ``Topology.inplace``); a kept worker the new round does not re-form in place is stopped and
 restarted as today. A newcomer not ready within ``--inplace-ready-timeout``, or a survivor that
-has not re-formed :data:`REFORM_DEADLINE_S` after its assignment (or exits 75), ends the round
+has not re-formed :data:`INPLACE_DEADLINE_S` after its assignment (or exits 75), ends the round
 as a worker failure: today's restart path.
 
 A graceful leave (SIGTERM to the agent) of a node whose workers opted in leaves the job *first*
@@ -18,18 +18,24 @@ and only then the wait for the workers to exit. The survivors' round forms while
 workers are still shutting down; those left the old group at the same step boundary as everyone
 (their ``check()`` returns STOP), and their round is stale at once, so the commit fence refuses
 any save they attempt.
+
+While the workers run, the round loop calls :meth:`InPlaceRounds.tick` each turn: it reads the
+files and records it needs, :func:`inplace_steps` (pure) says what to do, and the tick does it; a
+re-form that failed is handed back to the loop, which decides when to take the restart path.
 """
 
 from __future__ import annotations
 
+import enum
 import signal
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
 
 from elasticrun.errors import ElasticrunError
 from elasticrun.job import env as names
-from elasticrun.job import reform
-from elasticrun.job.reform import REFORM_DEADLINE_S
+from elasticrun.job import inplace
+from elasticrun.job.inplace import INPLACE_DEADLINE_S
 from elasticrun.launch.config import LaunchConfig
 from elasticrun.launch.failures import make_failure
 from elasticrun.launch.outage import stop_workers
@@ -38,9 +44,9 @@ from elasticrun.proc import kill_process_group
 from elasticrun.rendezvous.protocol import Rendezvous
 from elasticrun.rendezvous.records import Member, RescaleEvent, Topology
 
-#: How an etcd operation of the in-place work runs: ``call(fn, what)`` returns ``fn()``. The agent
-#: passes its outage guard's :meth:`~elasticrun.launch.outage.OutageGuard.call`, so a write that
-#: meets an etcd outage is retried up to ``--etcd-outage-grace`` like the restart path's.
+#: How an etcd operation of the in-place work runs: ``call(fn, what)`` returns ``fn()``. The round loop
+#: passes its outage guard's :meth:`~elasticrun.launch.outage.OutageGuard.call`, so a write that meets
+#: an etcd outage is retried up to ``--etcd-outage-grace`` like the restart path's.
 EtcdCall = Callable[[Callable[[], Any], str], Any]
 
 
@@ -60,7 +66,7 @@ class InPlaceRounds:
         self.say = say
         self.carrying = False  # workers kept through a round change, not yet placed in the next round
         self._told = False  # our node record says inplace=True
-        self._round = -1  # the round our survivors re-form for (-1: none pending)
+        self._reforming = -1  # the round our survivors re-form for (-1: none pending)
         self._envs: List[dict] = []
         self._published = 0.0  # when the assignments were written (0: not yet)
         self._deadline = 0.0
@@ -70,10 +76,10 @@ class InPlaceRounds:
     @property
     def busy(self) -> bool:
         """A re-form or a newcomer's start is under way: the agent loop should turn often."""
-        return self._round >= 0 or self._joining >= 0
+        return self._reforming >= 0 or self._joining >= 0
 
     def _files(self) -> List[str]:
-        return [self.workers.reform_file(w.spec.local_rank) for w in self.workers.running]
+        return [self.workers.inplace_file(w.spec.local_rank) for w in self.workers.running]
 
     def before_round(self, rdzv: Rendezvous) -> None:
         """Before waiting for the next round: a node whose workers stopped no longer offers in-place."""
@@ -94,40 +100,40 @@ class InPlaceRounds:
             self.carrying = False
             if me.node_id in topo.inplace:
                 self._envs = self.workers.adopt(topo, me, event)
+                self._reforming, self._published = topo.round, 0.0
                 self._joining = self._forming = -1
-                self._round, self._published = topo.round, 0.0
                 self._deadline = time.monotonic() + self.cfg.inplace_ready_timeout
                 return f"{len(self._envs)} kept, re-forming in place"
             self.say(f"round {topo.round} restarts every worker: stopping the kept ones")
             self.workers.stop(self.cfg.shutdown_timeout)
             call(lambda: rdzv.publish(inplace=False), "starting a round")
             self._told = False
-        self._round = -1  # fresh workers: nothing of an earlier re-form is pending
+        self._reforming = -1  # fresh workers: nothing of an earlier re-form is pending
         for local_rank in range(me.nproc):
-            reform.clear(self.workers.reform_file(local_rank))
+            inplace.clear(self.workers.inplace_file(local_rank))
         join = self.enabled and bool(topo.inplace) and me.node_id not in topo.inplace
         if join:
-            self.workers.extra_env[names.REFORM_JOIN] = "1"
+            self.workers.extra_env[names.INPLACE_JOIN] = "1"
         try:
             self.workers.start(topo, me, event)
         finally:
-            self.workers.extra_env.pop(names.REFORM_JOIN, None)
+            self.workers.extra_env.pop(names.INPLACE_JOIN, None)
         self._joining = self._forming = topo.round if join else -1
         self._deadline = time.monotonic() + self.cfg.inplace_ready_timeout
         return self.workers.started_how + (", joining in-place survivors" if join else "")
 
     @property
-    def in_reform(self) -> bool:
+    def during_inplace(self) -> bool:
         """Our workers are inside an in-place re-form: survivors between their assignment and re-forming,
         newcomers until they have received the state."""
-        return (self._round >= 0 and bool(self._published)) or self._forming >= 0
+        return (self._reforming >= 0 and self._published > 0) or self._forming >= 0
 
     def mark(self, rows: List[dict]) -> List[dict]:
-        """Failure rows of our workers, flagged :data:`~elasticrun.job.reform.IN_REFORM` when they failed
-        inside the re-form (the restart that follows is then not charged to ``--max-restarts``)."""
-        if self.in_reform:
+        """Failure rows of our workers, flagged :data:`~elasticrun.job.inplace.DURING_INPLACE` when they
+        failed inside the re-form (the restart that follows is then not charged to ``--max-restarts``)."""
+        if self.during_inplace:
             for row in rows:
-                row[reform.IN_REFORM] = True
+                row[inplace.DURING_INPLACE] = True
         return rows
 
     def leave_first(self, rdzv: Rendezvous, round_: int, sig: int) -> bool:
@@ -137,7 +143,7 @@ class InPlaceRounds:
         if not (self.enabled and round_ >= 0 and sig == signal.SIGTERM) or self.busy or self.carrying:
             return False
         files = self._files()  # opted in, even if the next tick would only now say so in our node record
-        if rdzv.lease is None or not files or not all(reform.opted_in(f) for f in files):
+        if rdzv.lease is None or not files or not all(inplace.opted_in(f) for f in files):
             return False
         for pid in self.workers.pids:
             kill_process_group(pid, sig)  # InPlace.check() turns it into STOP at the next step boundary
@@ -148,66 +154,156 @@ class InPlaceRounds:
             pass  # etcd unreachable: the caller's own leave (lease still held) tries again
         return True
 
-    def keep(self, rdzv: Rendezvous, topo: Topology) -> bool:
-        """At the end of round ``topo``: True to keep our workers for the next round (no stop)."""
+    def can_keep(self, rdzv: Rendezvous, topo: Topology) -> bool:
+        """At the end of round ``topo``: whether our workers may be kept for the next round (no stop):
+        they all opted in and still run, the round did not fail, and no re-form is under way."""
         if not (self.enabled and self._told) or self.busy:
             return False
         if rdzv.round_failed(topo.round):
             return False
-        if self.workers.poll() is not GroupState.RUNNING:
-            return False
-        self.carrying = True
-        return True
+        return self.workers.poll() is GroupState.RUNNING
 
-    def tick(self, rdzv: Rendezvous, topo: Topology, call: EtcdCall = direct) -> bool:
-        """One turn of the agent loop; True when a re-form failed and the restart path was taken.
-        Every etcd write goes through ``call`` (the agent's outage guard)."""
-        if not self.enabled:
-            return False
+    def carry(self) -> None:
+        """Keep our workers through the round change (:meth:`can_keep` said they may)."""
+        self.carrying = True
+
+    def _state(self) -> InPlaceState:
+        return InPlaceState(told=self._told, joining=self._joining, reforming=self._reforming,
+                           published=self._published > 0, deadline=self._deadline)
+
+    def _look(self, rdzv: Rendezvous, topo: Topology, state: InPlaceState, now: float) -> InPlaceSeen:
+        """The files and records :func:`inplace_steps` needs in ``state`` (only those: they are read each turn)."""
         files = self._files()
-        if not self._told and files and not self.busy and all(reform.opted_in(f) for f in files):
+        opted_in = not state.told and not state.busy and bool(files) and all(inplace.opted_in(f) for f in files)
+        joined = state.joining >= 0 and bool(files) and all(
+            inplace.ready(f) or inplace.formed_round(f) >= state.joining for f in files)
+        newcomers_ready = reformed = False
+        if state.reforming >= 0 and not state.published:
+            have = rdzv.view.under(rdzv.keys.readies(state.reforming))
+            newcomers_ready = all(rdzv.keys.ready(state.reforming, n) in have for n in _newcomers(topo))
+        elif state.reforming >= 0:
+            reformed = all(inplace.formed_round(f) >= state.reforming for f in files)
+        return InPlaceSeen(opted_in=opted_in, joined=joined, newcomers_ready=newcomers_ready, reformed=reformed,
+                          now=now)
+
+    def tick(self, rdzv: Rendezvous, topo: Topology, call: EtcdCall = direct) -> Optional[str]:
+        """One turn of the agent loop while our workers run; why the re-form failed (the caller then takes
+        the restart path: :meth:`give_up`), else None. Every etcd write goes through ``call``."""
+        if not self.enabled:
+            return None
+        files = self._files()
+        if self._forming >= 0 and files and all(inplace.formed_round(f) >= self._forming for f in files):
+            self._forming = -1  # our newcomers received the state: a failure from now on is the round's
+        state = self._state()
+        seen = self._look(rdzv, topo, state, time.monotonic())
+        for step in inplace_steps(state, seen):
+            why = self._do(step, rdzv, topo, seen.now, call)
+            if why is not None:
+                return why
+        return None
+
+    def _do(self, step: InPlaceStep, rdzv: Rendezvous, topo: Topology, now: float, call: EtcdCall) -> Optional[str]:
+        if step is InPlaceStep.PUBLISH_OPTIN:
             call(lambda: rdzv.publish(inplace=True), "offering in-place re-forming")
             self._told = True
-        now = time.monotonic()
-        if self._forming >= 0 and files and all(reform.formed_round(f) >= self._forming for f in files):
-            self._forming = -1  # our newcomers received the state: a failure from now on is the round's
-        if self._joining >= 0:
-            if files and all(reform.ready(f) or reform.formed_round(f) >= self._joining for f in files):
-                key = rdzv.keys.ready(self._joining, rdzv.node_id)
-                call(lambda: rdzv.store.put_json(key, {"time": time.time()}), "telling the survivors we are ready")
-                self._joining = -1
-            elif now > self._deadline:
-                self._joining = -1  # the survivors give up on us: their round fails
-        if self._round < 0:
-            return False
-        if not self._published:
-            need = [m.node_id for m in topo.members if m.node_id not in topo.inplace]
-            have = rdzv.view.under(rdzv.keys.readies(self._round))
-            if all(rdzv.keys.ready(self._round, n) in have for n in need):
-                for w, env in zip(self.workers.running, self._envs):
-                    reform.write_assignment(self.workers.reform_file(w.spec.local_rank), env)
-                self._published = now
-                self._deadline = now + REFORM_DEADLINE_S
-                return False
-            if now > self._deadline:
-                wait = self.cfg.inplace_ready_timeout
-                return self._fail(rdzv, topo, f"newcomers {', '.join(need)} not ready within {wait:g} s", call)
-            return False
-        if all(reform.formed_round(f) >= self._round for f in files):
-            self.say(f"round {self._round}: workers re-formed in place in {now - self._published:.2f} s")
-            self._round = -1
-        elif now > self._deadline:
-            return self._fail(rdzv, topo, f"workers did not re-form within {REFORM_DEADLINE_S:g} s", call)
-        return False
+        elif step is InPlaceStep.MARK_JOINED:
+            key = rdzv.keys.ready(self._joining, rdzv.node_id)
+            call(lambda: rdzv.store.put_json(key, {"time": time.time()}), "telling the survivors we are ready")
+            self._joining = -1
+        elif step is InPlaceStep.STOP_JOINING:
+            self._joining = -1  # the survivors give up on us: their round fails
+        elif step is InPlaceStep.PUBLISH_ASSIGNMENTS:
+            for w, env in zip(self.workers.running, self._envs):
+                inplace.write_assignment(self.workers.inplace_file(w.spec.local_rank), env)
+            self._published = now
+            self._deadline = now + INPLACE_DEADLINE_S
+        elif step is InPlaceStep.REFORMED:
+            self.say(f"round {self._reforming}: workers re-formed in place in {now - self._published:.2f} s")
+            self._reforming = -1
+        elif step is InPlaceStep.NEWCOMERS_LATE:
+            wait = self.cfg.inplace_ready_timeout
+            return f"newcomers {', '.join(_newcomers(topo))} not ready within {wait:g} s"
+        elif step is InPlaceStep.REFORM_LATE:
+            return f"workers did not re-form within {INPLACE_DEADLINE_S:g} s"
+        return None
 
-    def _fail(self, rdzv: Rendezvous, topo: Topology, why: str, call: EtcdCall) -> bool:
+    def give_up(self, rdzv: Rendezvous, topo: Topology, why: str, call: EtcdCall = direct) -> None:
+        """The re-form failed (``why``): report our workers failed and kill them (a half-made group: no
+        graceful stop); the next round restarts them."""
         self.say(f"round {topo.round}: in-place re-form failed ({why}): restarting the round")
         rows = [make_failure(w.spec.member.node_id, w.spec.member.host, w.spec.rank, w.spec.local_rank,
-                             reform.EXIT_REFORM_FAILED, w.spec.error_file).to_dict() for w in self.workers.running]
-        self._round = -1
+                             inplace.EXIT_INPLACE_FAILED, w.spec.error_file).to_dict() for w in self.workers.running]
+        self._reforming = -1
         call(lambda: rdzv.report_failure(topo, rows), "reporting a failed re-form")
-        stop_workers(rdzv, self.workers, 1.0, sig=signal.SIGKILL)  # a half-made group: no graceful stop
-        return True
+        stop_workers(rdzv, self.workers, 1.0, sig=signal.SIGKILL)
 
 
-__all__ = ["EtcdCall", "InPlaceRounds", "direct"]
+def _newcomers(topo: Topology) -> List[str]:
+    """The members of ``topo`` that start new workers (not re-formed in place)."""
+    return [m.node_id for m in topo.members if m.node_id not in topo.inplace]
+
+
+class InPlaceStep(str, enum.Enum):
+    """One thing :meth:`InPlaceRounds.tick` does (:func:`inplace_steps` says which)."""
+
+    PUBLISH_OPTIN = "publish-optin"  # every local worker opted in: our node record says inplace=True
+    MARK_JOINED = "mark-joined"  # our newcomer workers are about to join: write ready/<node>
+    STOP_JOINING = "stop-joining"  # past --inplace-ready-timeout: the survivors gave up on us
+    PUBLISH_ASSIGNMENTS = "publish-assignments"  # every newcomer is ready: write our kept workers' assignments
+    REFORMED = "reformed"  # every kept worker formed the new round
+    NEWCOMERS_LATE = "newcomers-late"  # a newcomer not ready within --inplace-ready-timeout: the re-form failed
+    REFORM_LATE = "reform-late"  # a kept worker not re-formed INPLACE_DEADLINE_S after its assignment: failed
+
+
+@dataclass(frozen=True)
+class InPlaceState:
+    """Where :class:`InPlaceRounds` stands (a copy: :func:`inplace_steps` changes nothing)."""
+
+    told: bool  # our node record says inplace=True
+    joining: int  # the round our newcomer workers join (-1: none)
+    reforming: int  # the round our kept workers re-form for (-1: none)
+    published: bool  # their assignments are written
+    deadline: float  # when the pending join or re-form step gives up (monotonic seconds)
+
+    @property
+    def busy(self) -> bool:
+        return self.reforming >= 0 or self.joining >= 0
+
+
+@dataclass(frozen=True)
+class InPlaceSeen:
+    """What a tick read (each only where ``InPlaceState`` needs it, else False)."""
+
+    opted_in: bool  # every running local worker opted in (and one runs)
+    joined: bool  # our newcomer workers are ready for (or formed) the round they join
+    newcomers_ready: bool  # every newcomer of the round we re-form for wrote its ready key
+    reformed: bool  # every kept worker formed the round we re-form for
+    now: float
+
+
+def inplace_steps(state: InPlaceState, seen: InPlaceSeen) -> List[InPlaceStep]:
+    """What one tick does, in order; at most one of :attr:`InPlaceStep.NEWCOMERS_LATE` and
+    :attr:`InPlaceStep.REFORM_LATE`, last (the re-form failed)."""
+    steps: List[InPlaceStep] = []
+    if not state.told and not state.busy and seen.opted_in:
+        steps.append(InPlaceStep.PUBLISH_OPTIN)
+    if state.joining >= 0:
+        if seen.joined:
+            steps.append(InPlaceStep.MARK_JOINED)
+        elif seen.now > state.deadline:
+            steps.append(InPlaceStep.STOP_JOINING)
+    if state.reforming < 0:
+        return steps
+    if not state.published:
+        if seen.newcomers_ready:
+            steps.append(InPlaceStep.PUBLISH_ASSIGNMENTS)
+        elif seen.now > state.deadline:
+            steps.append(InPlaceStep.NEWCOMERS_LATE)
+    elif seen.reformed:
+        steps.append(InPlaceStep.REFORMED)
+    elif seen.now > state.deadline:
+        steps.append(InPlaceStep.REFORM_LATE)
+    return steps
+
+
+__all__ = ["EtcdCall", "InPlaceRounds", "direct", "InPlaceSeen", "InPlaceState", "InPlaceStep", "inplace_steps"]

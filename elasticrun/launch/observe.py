@@ -197,7 +197,7 @@ class Observer:
         if store is None:
             return
         try:
-            p = store.get_record(self.keys.progress_of(self.cfg.node_id), records.progress_record)
+            p = records.read(store.get(self.keys.progress_of(self.cfg.node_id)), records.progress_record)
         except ElasticrunError:
             return
         if not isinstance(p, dict) or "step" not in p or p.get("time") == self._seen:

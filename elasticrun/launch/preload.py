@@ -1,79 +1,108 @@
-"""The agent's own torch, imported in a background thread while etcd starts and the node registers.
+"""When the bare fork server preloads torch: once the host has a core to spare.
 
-The agent needs torch for two things: the c10d TCPStore it hosts for each round it may lead
-(:mod:`elasticrun.launch.c10d`), and, with device ``auto``, whether this node has CUDA GPUs (and
-which, for the node record). Importing torch costs 1-3 s of CPU (more with CUDA libraries on a
-GPU host); done in the main thread it comes after etcd's start and the registration, in series.
-Started first, it runs while the agent waits on etcd (the private etcd's start, a hosting node
-that starts later, gRPC round trips: the main thread is then off the GIL), and the round starts
-without waiting for it unless it is still running when the node publishes its accelerators.
+The fork server starts bare (:mod:`elasticrun.launch.zygote`), so the first round's workers start as
+fast as torchrun's and import what their script imports. Its preload (torch and DDP's first-use
+modules, ~3 CPU-s) makes every later round's workers skip those imports; it must not take the CPU
+from the workers while they start, on a machine with few cores. So :class:`PreloadWatch` orders it
+once the host has had at least one core idle over a short sample (:func:`idle_cores`, from
+``/proc/stat``), or at the latest :data:`LATEST_S` after it began watching: a host whose workers
+keep every core busy (CPU training) still gets fast restarts, the preload then competing once for a
+few seconds. On a GPU host the cores are idle while the workers wait on their GPUs: the preload
+starts at once.
 
-Start it only after the agent has finished editing ``os.environ`` (secrets removed): C code
-reading the environment during the import must not race with ``unsetenv`` in the main thread.
+The agent watches in two situations: while a round's workers run (from the round loop's standby
+call, 2 s after they started) and while it waits for a round (after :data:`WAIT_FIRST_S`, so that a
+round that forms at once does not meet a preload). A watch ends when the situation changes.
 """
 
 from __future__ import annotations
 
+import os
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+import time
+from typing import Callable, Optional, Tuple
 
-Accelerators = List[Dict[str, Any]]
+PROC_STAT = "/proc/stat"
+SAMPLE_S = 0.5  # how long one idle sample lasts
+IDLE_CORES = 1.0  # a core's worth of idle CPU over a sample: the preload takes nothing from the workers
+LATEST_S = 10.0  # after this long watching, preload whatever the CPU does
+WAIT_FIRST_S = 2.0  # waiting for a round: a round that forms this soon does not meet a preload
 
-
-class TorchPreload:
-    """Imports ``torch.distributed`` and inspects the node's GPUs once, in a daemon thread."""
-
-    def __init__(self, device_kind: str) -> None:
-        from elasticrun.launch.node import gpu_device_present
-
-        self.device_kind = device_kind  # "gpu", "cpu" or "auto"
-        # Whether the answer needs torch: not on a CPU-only host (no GPU device node) with "auto".
-        self.needs_torch = device_kind == "gpu" or (device_kind == "auto" and gpu_device_present())
-        self._thread: Optional[threading.Thread] = None
-        self._result: Optional[Tuple[bool, Accelerators]] = None
-        self._error: Optional[BaseException] = None
-
-    def start(self) -> TorchPreload:
-        """Begin the import in the background (once); returns self."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name="elasticrun-torch-preload", daemon=True)
-            self._thread.start()
-        return self
-
-    def _work(self) -> None:
-        try:
-            import torch.distributed  # noqa: F401 - the round's TCPStore needs it: loaded now, off the main thread
-
-            if self.needs_torch:
-                from elasticrun.launch.node import accelerators, gpu_available
-
-                use_gpu = self.device_kind == "gpu" or gpu_available()
-                self._result = (use_gpu, accelerators(use_gpu))
-        except BaseException as err:  # noqa: BLE001 - handed to the caller of result()
-            self._error = err
-
-    def wait(self, timeout: Optional[float] = None) -> bool:
-        """Wait up to ``timeout`` s for the import to end (started or not); True when it has ended."""
-        if self._thread is None:
-            return False
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
-
-    def result(self) -> Tuple[bool, Accelerators]:
-        """(use GPUs, the accelerators for the node record). Waits for the import only where the
-        answer needs torch (a GPU host); re-raises the import's error then."""
-        if not self.needs_torch:
-            from elasticrun.launch.node import accelerators
-
-            return False, accelerators(False)
-        self.start()
-        assert self._thread is not None
-        while self._thread.is_alive():
-            self._thread.join(0.2)  # short joins: a signal handler in the main thread still runs promptly
-        if self._error is not None:
-            raise self._error
-        assert self._result is not None
-        return self._result
+CpuTimes = Tuple[int, int]  # (idle jiffies, all jiffies) since boot
 
 
-__all__ = ["TorchPreload"]
+def parse_cpu_times(stat: str) -> Optional[CpuTimes]:
+    """The host's (idle + iowait, total) jiffies from ``/proc/stat``'s ``cpu`` line; None if absent."""
+    for line in stat.splitlines():
+        fields = line.split()
+        if fields and fields[0] == "cpu":
+            values = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
+            return values[3] + values[4], sum(values)
+    return None
+
+
+def idle_cores(before: CpuTimes, after: CpuTimes, cpus: int) -> float:
+    """How many cores were idle on average between two samples (0 when no time passed)."""
+    total = after[1] - before[1]
+    if total <= 0:
+        return 0.0
+    return cpus * max(0, after[0] - before[0]) / total
+
+
+def read_cpu_times(path: str = PROC_STAT) -> Optional[CpuTimes]:
+    try:
+        with open(path) as f:
+            return parse_cpu_times(f.read())
+    except OSError:
+        return None  # not Linux: no sample, the deadline decides
+
+
+def due(idle: float, watched_s: float, latest_s: float) -> bool:
+    """Whether to preload now: a core was idle, or the watch has lasted ``latest_s``."""
+    return idle >= IDLE_CORES or watched_s >= latest_s
+
+
+class PreloadWatch:
+    """One watch at a time; ``order`` (called under ``lock``, with the situation's ``still``) preloads."""
+
+    def __init__(self, lock: threading.Lock, cpus: Optional[int] = None,
+                 sample: Callable[[], Optional[CpuTimes]] = read_cpu_times) -> None:
+        self._lock = lock  # held by the worker group while it starts workers: a preload never cuts in
+        self._cpus = cpus or os.cpu_count() or 1
+        self._sample = sample
+        self._generation = 0
+        self._watching = False
+
+    def changed(self) -> None:
+        """The situation changed (a round's workers started or stopped): any watch ends."""
+        self._generation += 1
+        self._watching = False
+
+    def start(self, order: Callable[[], None], still: Callable[[], bool], first_s: float = 0.0) -> None:
+        """Watch (unless a watch runs): after ``first_s``, ``order()`` once a core is idle, or at
+        :data:`LATEST_S`, provided ``still()`` holds (it is checked again under the lock)."""
+        if self._watching:
+            return
+        self._watching = True
+        args = (order, still, first_s, self._generation)
+        threading.Thread(target=self._run, args=args, name="elasticrun-preload-watch", daemon=True).start()
+
+    def _run(self, order: Callable[[], None], still: Callable[[], bool], first_s: float, generation: int) -> None:
+        began = time.monotonic()
+        time.sleep(first_s)
+        before = self._sample()
+        while generation == self._generation:
+            time.sleep(SAMPLE_S)
+            after = self._sample()
+            idle = idle_cores(before, after, self._cpus) if before and after else 0.0
+            before = after
+            if due(idle, time.monotonic() - began, LATEST_S):
+                with self._lock:
+                    if generation == self._generation:
+                        if still():
+                            order()
+                        self._watching = False
+                return
+
+
+__all__ = ["LATEST_S", "PreloadWatch", "WAIT_FIRST_S", "due", "idle_cores", "parse_cpu_times", "read_cpu_times"]

@@ -9,7 +9,10 @@ and runs the script as ``__main__``, exactly like ``python script.py`` would. Th
 the ~2-4 s of imports out of every restart.
 
 With ``--server`` the interpreter is a fork server instead (:mod:`elasticrun.launch.zygote`):
-it stays, and every worker is a ``fork()`` of it that then runs the order as above.
+it starts bare (no preload: the first round's workers forked from it start like fresh
+interpreters), imports torch and DDP's extras when the agent orders the preload, and stays; every
+worker is a ``fork()`` of it that then runs the order as above. An order with ``store`` makes the
+child the round's c10d store host instead (:mod:`elasticrun.launch.storeserver`).
 
 Keep this module free of elasticrun imports: it must start fast and stay minimal.
 """
@@ -29,6 +32,12 @@ def _preload(deep: bool) -> None:
 
     if deep:
         _preload_deep()
+
+
+def _server_preload() -> None:
+    """The fork server's preload (ordered by the agent, run on a thread of the server)."""
+    _preload(deep=True)
+    gc.freeze()  # the preloaded modules are permanent: collections (and the final one) skip them
 
 
 def _preload_deep() -> None:
@@ -212,22 +221,25 @@ def main() -> None:
     # argv: [--deep] [--server] [--fresh] -- <script> <args>: the script only labels the process; orders
     # come on stdin. --fresh: no preload (a worker started at once, only for the order's bootstrap).
     flags = sys.argv[1 : sys.argv.index("--")] if "--" in sys.argv else []
-    # The fork server imports DDP's extras too: every worker it forks, the first round's included, skips them.
-    if "--fresh" not in flags:
-        _preload(deep="--deep" in flags or "--server" in flags)
-    gc.freeze()  # the preloaded modules are permanent: collections (and the final one) skip them
     if "--server" in flags:
         from elasticrun.launch.zygote import serve
 
-        order = serve()  # returns only in a forked worker
+        order = serve(_server_preload)  # returns only in a forked child
     else:
+        if "--fresh" not in flags:
+            _preload(deep="--deep" in flags)
+            gc.freeze()  # the preloaded modules are permanent: collections (and the final one) skip them
         line = sys.stdin.readline()
         if not line.strip():
             sys.exit(0)  # the agent went away or no longer needs us
         order = json.loads(line)
-    order = _read_order_file(order)
+    order = dict(_read_order_file(order), fds=order.get("fds", []))
+    if "store" in order:  # a fork server's child that hosts the round's c10d store, not a worker
+        from elasticrun.launch.storeserver import serve_store
+
+        serve_store(order["fds"][0], float(order["store"]["timeout_s"]))
     atexit.register(_collect_while_alive)
-    if "--fresh" not in flags:  # a fresh worker imports torch (or not) as the script does
+    if "torch.distributed" in sys.modules:  # preloaded; a worker that imports torch itself runs it as torchrun's
         _retain_destroyed_groups()
     _become(order)
 

@@ -22,10 +22,11 @@ from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from elasticrun.job import env as names
 from elasticrun.job.env import without_secrets
+from elasticrun.launch.c10d import RoundStore
 from elasticrun.launch.config import LaunchConfig
 from elasticrun.launch.env import WorkerSpec, worker_env
 from elasticrun.launch.failures import WorkerFailure, bounded, make_failure
-from elasticrun.launch.forkserver import ForkServer, ServerState
+from elasticrun.launch.forkserver import ForkedProcess, ForkServer, ServerState
 from elasticrun.launch.hang import STACKS_SIGNAL
 from elasticrun.launch.logfilter import FilteredCopy, feeder_for, open_filtered
 from elasticrun.launch.logs import (
@@ -40,12 +41,14 @@ from elasticrun.launch.logs import (
     stream_selected,
     worker_log_dir,
 )
-from elasticrun.proc import terminate_tree, with_parent_death_signal
+from elasticrun.launch.preload import WAIT_FIRST_S, PreloadWatch
+from elasticrun.proc import kill_process_group, terminate_tree, with_parent_death_signal
 from elasticrun.rendezvous.records import Member, RescaleEvent, Topology
 
 ORDER_INLINE_MAX = 4096  # PIPE_BUF: a write this small into an empty pipe never blocks
 STDERR_DRAIN_S = 1.0  # how long a failure summary waits for a dead worker's last stderr bytes
-SERVER_WAIT_S = 60.0  # how long a round's start waits for the fork server to finish its imports
+SERVER_WAIT_S = 60.0  # how long a later round's start waits for the fork server to finish its preload
+STORE_MODULE = "elasticrun.launch.storeserver"
 
 
 class GroupState(str, enum.Enum):
@@ -97,6 +100,10 @@ class WorkerGroup:
         self.inplace = False  # name an assignment file to each worker (in-place re-forming)
         self.cpus: Dict[int, FrozenSet[int]] = {}  # --numa-binding: local rank → the CPUs its worker is bound to
         self._filtered: Dict[int, FilteredCopy] = {}  # this round's --duplicate-*-filters files, by stream
+        self.round_store: Optional[RoundStore] = None  # served (by a store host) in the rounds this node leads
+        self._rounds_started = 0  # the first round never waits for the fork server
+        self._starting = threading.Lock()  # a start and a preload order never overlap
+        self._preload_watch = PreloadWatch(self._starting)
 
     def command(self) -> List[str]:
         cfg = self.cfg
@@ -106,13 +113,14 @@ class WorkerGroup:
             return [sys.executable, "-u", "-m", cfg.entrypoint, *cfg.args]
         return [sys.executable, "-u", cfg.entrypoint, *cfg.args]
 
-    def prewarm(self, deep: bool = False) -> None:
+    def prewarm(self, deep: bool = False, preload: bool = True) -> None:
         """Get interpreters that import torch ahead of time, to become workers when a round forms.
 
-        With ``--standby`` 1 or more: the fork server (started once, kept; replaced if it died), or
-        where forking is unsafe, spawned interpreters. Called with ``deep`` while a round trains
-        (the standby set for a restart: also what DDP loads on first use, torch._dynamo, ~1 s CPU),
-        at most ``--standby`` of them; without, before a round forms, one per local rank. With
+        With ``--standby`` 1 or more: the fork server (started bare once, kept; replaced if it
+        died; with ``preload``, preloaded when the CPU is free: :meth:`_preload_server`), or where
+        forking is unsafe, spawned interpreters. Called with ``deep`` while a round trains (the
+        standby set for a restart: also what DDP loads on first use, torch._dynamo, ~1 s CPU), at
+        most ``--standby`` of them; without, before a round forms, one per local rank. With
         ``--standby 0`` only the latter.
         """
         if not self.cfg.prewarm or self.cfg.no_python:
@@ -120,6 +128,8 @@ class WorkerGroup:
         if self.cfg.standby >= 1 and not self._fork_unsafe:
             self._start_server()
             if not self._fork_unsafe:
+                if preload:
+                    self._preload_server(deep)
                 return
         wanted = min(self.cfg.standby, self.cfg.nproc_per_node) if deep else self.cfg.nproc_per_node
         self._warm = [p for p in self._warm if p.poll() is None]
@@ -173,36 +183,94 @@ class WorkerGroup:
         """The fork server, when this group has one (started by :meth:`prewarm`)."""
         return self._server
 
-    def _fork(self, env: Dict[str, str], cpus: Optional[FrozenSet[int]]) -> Optional[subprocess.Popen]:
-        """A worker forked from the fork server (waiting for its imports), or None."""
+    def _preload_server(self, deep: bool) -> None:
+        """Have the bare fork server preload when it takes no CPU from the workers (:mod:`preload`).
+
+        While this round's workers run: called with ``deep`` once they are past their start-up (the
+        round loop's standby call), watch for an idle core; called without (a node joins: the round
+        ends soon), now. While the node waits for a round: watch, after :data:`WAIT_FIRST_S`.
+        """
         server = self._server
-        if server is None:
+        if server is None or server.warm:
+            return
+        if self._workers and not deep:
+            server.preload()
+        elif self._workers:
+            self._preload_watch.start(server.preload, lambda: self._server is server and bool(self._workers))
+        else:
+            self._preload_watch.start(lambda: self._preload_between_rounds(server),
+                                      lambda: self._server is server and not self._workers, first_s=WAIT_FIRST_S)
+
+    @staticmethod
+    def _preload_between_rounds(server: ForkServer) -> None:
+        if server.state is ServerState.READY:
+            server.preload()
+
+    def _round_server(self) -> Optional[ForkServer]:
+        """The fork server this round's workers come from, or None (they start another way).
+
+        The first round never waits for it: if it is not ready to fork (still starting, or
+        preloading), its workers start directly, as torchrun's would. A later round waits for the
+        preload to end (it began earlier and imports what a fresh worker would have to).
+        """
+        server = self._server
+        if server is None or server.state is ServerState.READY:
+            return server
+        if not self._rounds_started:
             return None
-        if not server.wait_ready(SERVER_WAIT_S):
-            if server.state is ServerState.STARTING:  # stuck in its imports: no round waits for it again
-                server.close()
-                self._server = None
-            return None
-        forked = server.spawn(self._order(env, cpus))
-        if forked is None:  # gone (or closed by a spawn that timed out): no late child may run
+        if server.wait_ready(SERVER_WAIT_S):
+            return server
+        if server.state is not ServerState.GONE:  # stuck in its imports: no round waits for it again
             server.close()
             self._server = None
-        return forked  # type: ignore[return-value]  # Popen's interface, as used here
+        return None
 
-    def _spawn_all(self, envs: List[Dict[str, str]],
-                   cpus: Sequence[Optional[FrozenSet[int]]]) -> List[subprocess.Popen]:
-        """A worker per environment (bound to its ``cpus`` when given): all forked, else all started
-        another way (:meth:`_spawn`).
+    def _fork(self, server: ForkServer, order: Dict[str, object], fds: Sequence[int] = ()) -> Optional[ForkedProcess]:
+        """A child forked from ``server`` for ``order``, or None (a server that is gone is closed: a spawn
+        that timed out may still fork later, and no late child may run)."""
+        forked = server.spawn(order, fds=fds)
+        if forked is None and server.state is ServerState.GONE:
+            server.close()
+            if self._server is server:
+                self._server = None
+        return forked
+
+    def host_store(self, fd: int, server: Optional[ForkServer] = None) -> object:
+        """Start the process serving this round's c10d store on the listening socket ``fd``: forked
+        from ``server`` where it can fork (torch preloaded: ready in milliseconds), else
+        ``python -m elasticrun.launch.storeserver`` (its own torch import)."""
+        assert self.round_store is not None
+        timeout = self.round_store.timeout_s
+        if server is not None and server.state is ServerState.READY:
+            host = self._fork(server, {"store": {"timeout_s": timeout}}, fds=[fd])
+            if host is not None:
+                assert host.stdout is not None
+                host.stdout.close()  # a store host writes only its error line, on stderr
+                return host
+        cmd = [sys.executable, "-m", STORE_MODULE, "--fd", str(fd), "--timeout", f"{timeout:g}"]
+        return subprocess.Popen(with_parent_death_signal(cmd), env=self._warm_env(), pass_fds=(fd,),
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                start_new_session=True)
+
+    def _serve_store(self, topo: Topology, member: Member, server: Optional[ForkServer]) -> None:
+        """Leading round ``topo`` (group rank 0): have its c10d store served."""
+        if self.round_store is not None and member.group_rank == 0:
+            self.round_store.serve(topo.master_port, lambda fd: self.host_store(fd, server))
+
+    def _spawn_all(self, envs: List[Dict[str, str]], cpus: Sequence[Optional[FrozenSet[int]]],
+                   server: Optional[ForkServer]) -> List[subprocess.Popen]:
+        """A worker per environment (bound to its ``cpus`` when given): all forked from ``server``,
+        else all started another way (:meth:`_spawn`).
 
         When the fork server fails part-way, the workers it already forked die with it (it is
         closed): they are killed and started anew with the others, never left to die mid-round.
         """
         forked: List[subprocess.Popen] = []
         for env, bound in zip(envs, cpus):
-            proc = self._fork(env, bound)
+            proc = self._fork(server, self._order(env, bound)) if server is not None else None
             if proc is None:
                 break
-            forked.append(proc)
+            forked.append(proc)  # type: ignore[arg-type]  # Popen's interface, as used here
         if len(forked) == len(envs):
             self._how["forked"] += len(forked)
             return forked
@@ -273,6 +341,7 @@ class WorkerGroup:
 
     def discard_warm(self) -> None:
         """Stop the idle pre-warmed interpreters and the fork server (stop the workers first)."""
+        self._preload_watch.changed()
         for server in [*self._retired, *([self._server] if self._server is not None else [])]:
             server.close()
         self._server, self._retired = None, []
@@ -295,14 +364,23 @@ class WorkerGroup:
         return [w for w in self._workers if w.proc.poll() is None]
 
     def start(self, topo: Topology, member: Member, event: Optional[RescaleEvent]) -> None:
-        """Spawn ``member.nproc`` workers for round ``topo``."""
+        """Spawn ``member.nproc`` workers for round ``topo`` (and, leading it, have its store served)."""
         assert not self._workers, "stop the previous workers first"
+        with self._starting:
+            self._preload_watch.changed()
+            self._start(topo, member, event)
+
+    def _start(self, topo: Topology, member: Member, event: Optional[RescaleEvent]) -> None:
         began = time.monotonic()
         self._how = {"forked": 0, "pre-warmed": 0, "fresh": 0}
         planned = self._plan(topo, member, event)
         if self._run_log_dir is not None:  # torchrun's filtered_{stdout,stderr}.log, made at the attempt's start
             self._filtered = open_filtered(self.cfg, os.path.join(self._run_log_dir, f"attempt_{topo.round}"))
-        procs = self._spawn_all([env for _, env, _ in planned], [self.cpus.get(s.local_rank) for s, _, _ in planned])
+        server = self._round_server()
+        self._serve_store(topo, member, server)
+        procs = self._spawn_all([env for _, env, _ in planned], [self.cpus.get(s.local_rank) for s, _, _ in planned],
+                                server)
+        self._rounds_started += 1
         for (spec, _, rank_dir), proc in zip(planned, procs):
             log_dir = rank_dir if self.log_dir is not None else None
             err_pump = self._pump(proc, log_dir, spec.rank, spec.local_rank)
@@ -350,17 +428,21 @@ class WorkerGroup:
             )
             env[names.PROGRESS_FILE] = os.path.join(self.files_dir, "progress-step")  # the node's, kept across rounds
             if self.inplace:  # the assignment file of in-place re-forming (elasticrun.train.InPlace)
-                env[names.REFORM_FILE] = self.reform_file(local_rank)
+                env[names.INPLACE_FILE] = self.inplace_file(local_rank)
             planned.append((spec, env, rank_dir))
         return planned
 
-    def reform_file(self, local_rank: int) -> str:
+    def inplace_file(self, local_rank: int) -> str:
         """Where local worker ``local_rank`` finds its next assignment (stable across rounds)."""
-        return os.path.join(self.files_dir, f"reform-{local_rank}")
+        return os.path.join(self.files_dir, f"inplace-{local_rank}")
 
     def adopt(self, topo: Topology, member: Member, event: Optional[RescaleEvent]) -> List[Dict[str, str]]:
-        """Keep the running workers for round ``topo`` (in-place re-forming): their new environments."""
+        """Keep the running workers for round ``topo`` (in-place re-forming): their new environments.
+        Leading the round, have its (new) store served."""
         planned = self._plan(topo, member, event)
+        server = self._server
+        self._serve_store(topo, member, server if server is not None and server.state is ServerState.READY else None)
+        self._rounds_started += 1
         assert len(planned) == len(self._workers), "in place only with the same local workers"
         for w, (spec, _, _) in zip(self._workers, planned):
             w.spec = spec
@@ -428,6 +510,12 @@ class WorkerGroup:
                                         stderr))
         return bounded(sorted(out, key=lambda f: f.timestamp))
 
+    def kill_running(self) -> None:
+        """SIGKILL every running worker's process group now (any thread): the round fails."""
+        for w in list(self._workers):
+            if w.proc.poll() is None:
+                kill_process_group(w.proc.pid, signal.SIGKILL)
+
     def stop(self, grace: float, sig: int = signal.SIGTERM) -> None:
         """Signal every worker's process group, SIGKILL after ``grace`` s, and reap them all."""
         if not self._workers:
@@ -443,4 +531,5 @@ class WorkerGroup:
         for copy in self._filtered.values():
             copy.close()
         self._workers, self._pumps, self._filtered = [], [], {}
+        self._preload_watch.changed()
 

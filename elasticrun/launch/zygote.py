@@ -1,15 +1,25 @@
-"""The fork server's side: a warmed interpreter that forks a fresh worker per order, in milliseconds.
+"""The fork server's side: an interpreter that forks a fresh worker per order, in milliseconds.
 
 The agent starts ``python -m elasticrun.launch.warm --server -- <script> <args>`` with a
 ``SOCK_SEQPACKET`` Unix socket as its stdin (:mod:`elasticrun.launch.forkserver` is the agent's
-side). The interpreter imports torch and what DDP pulls in on first use, checks that it is still
-single-threaded (``fork()`` copies only the calling thread: a thread pool started by an import
-would be missing, or hold a lock forever, in every child), and then serves. One message per packet:
+side) as its first step, before etcd. The server starts bare: it imports nothing a ``python
+script.py`` would not have imported before the script's first line, so the first round's workers,
+forked from it, start as fast as fresh interpreters (and import torch themselves, as torchrun's
+do). Once those workers are past their start-up, the agent orders the preload: the server imports
+torch and what DDP pulls in on first use, checks that it is still single-threaded (``fork()``
+copies only the calling thread: a thread pool started by an import would be missing, or hold a
+lock forever, in every child) and has not initialized CUDA, and from then on every worker it
+forks skips those imports. One message per packet:
 
     agent → server   {"id": n, "order": {...}} with the worker's stdout and stderr pipe ends
-                     attached (SCM_RIGHTS); the order is warm.py's (env, argv, module, cwd)
-    server → agent   {"ready": true} | {"unsafe": "why"} (then it exits) |
-                     {"forked": n, "pid": p} | {"exit": p, "code": c} (``Popen.returncode`` style)
+                     attached (SCM_RIGHTS), and any further fds the child needs (listed as the
+                     order's ``fds``); the order is warm.py's (env, argv, module, cwd)
+                     {"preload": true}: import the rest now
+    server → agent   {"ready": true} (bare, at start) | {"warm": seconds} (the preload is done) |
+                     {"unsafe": "why"} (at start: then it exits; after the preload: it forks no
+                     more, but serves its children's exits until the agent closes it) |
+                     {"forked": n, "pid": p} | {"refused": n} | {"exit": p, "code": c}
+                     (``Popen.returncode`` style)
 
 Each child starts its own session (the agent signals its process group), dies with the server
 (parent-death signal; the server itself dies with the agent), gets the pipes as fds 1 and 2 and
@@ -17,7 +27,7 @@ Each child starts its own session (the agent signals its process group), dies wi
 The server reaps its children at once (SIGCHLD wakes it), so a dead worker never lingers as a
 zombie. End of file on the socket (the agent closed it or died) ends the server.
 
-Keep this module free of elasticrun imports: it runs in the warmed interpreter.
+Keep this module free of elasticrun imports: it runs in the forking interpreter.
 """
 
 from __future__ import annotations
@@ -28,10 +38,14 @@ import select
 import signal
 import socket
 import sys
-from typing import Dict, List, Optional, Set
+import threading
+import time
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 MAX_PACKET = 1 << 16  # an order bigger than this goes through a file (warm.py's order_file)
+MAX_FDS = 4  # stdout, stderr and what else an order hands its child (the store host's listening socket)
 PR_SET_PDEATHSIG = 1
+THREAD_EXIT_WAIT_S = 2.0  # how long the server waits for the preload thread's OS thread to be gone
 
 
 def _threads() -> int:
@@ -60,13 +74,13 @@ def _cuda_initialized() -> bool:
         return False
 
 
-def _fork_unsafe() -> str:
-    """Why forking this interpreter would give broken workers, or ``""``."""
+def _fork_unsafe(when: str) -> str:
+    """Why forking this interpreter would give broken workers, or ``""`` (``when``: after what)."""
     threads = _threads()
     if threads != 1:
-        return f"{threads} threads after importing torch (fork copies only one)"
+        return f"{threads} threads {when} (fork copies only one)"
     if _cuda_initialized():
-        return "CUDA was initialized while importing torch (a forked child could not use it)"
+        return f"CUDA was initialized {when} (a forked child could not use it)"
     return ""
 
 
@@ -85,8 +99,15 @@ def _parent_death_signal() -> None:
 
 
 class _Server:
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, preload: Callable[[], None]) -> None:
         self.sock = sock
+        self.preload = preload
+        self.unsafe = ""  # why this server forks no more (set by a preload that left it unsafe)
+        self._preloading: Optional[threading.Thread] = None
+        self._preload_done = threading.Event()  # set by the preload thread just before it ends
+        self._preload_error = ""
+        self._preload_began = 0.0
+        self._queued: List[Tuple[dict, List[int]]] = []  # orders that came during the preload
         self.wake_r, self.wake_w = os.pipe()
         for fd in (self.wake_r, self.wake_w):
             os.set_blocking(fd, False)
@@ -102,16 +123,77 @@ class _Server:
             if self.wake_r in ready:
                 self._drain_wakeups()
             self._reap()
+            if self._preloading is not None and self._preload_done.is_set():
+                order = self._preloaded()
+                if order is not None:
+                    return order
             if self.sock in ready:
                 try:
-                    data, fds, _, _ = socket.recv_fds(self.sock, MAX_PACKET, 2)
+                    data, fds, _, _ = socket.recv_fds(self.sock, MAX_PACKET, MAX_FDS)
                 except OSError:
                     return None
                 if not data:
                     return None  # the agent is gone: our children die with us
-                order = self._fork(json.loads(data), fds)
+                message = json.loads(data)
+                if message.get("preload"):
+                    self._start_preload()
+                    continue
+                if self._preloading is not None:
+                    self._queued.append((message, fds))  # no fork while another thread runs
+                    continue
+                order = self._order(message, fds)
                 if order is not None:
                     return order
+
+    def _order(self, message: dict, fds: List[int]) -> Optional[dict]:
+        if self.unsafe:
+            for fd in fds:
+                os.close(fd)
+            _send(self.sock, {"refused": message["id"]})
+            return None
+        return self._fork(message, fds)
+
+    def _start_preload(self) -> None:
+        """Import the rest (torch, DDP's first-use modules) on a thread: meanwhile this thread still
+        reaps the children and reports their exits at once."""
+        if self._preloading is not None or self.unsafe:
+            return
+        self._preload_began = time.monotonic()
+        self._preloading = threading.Thread(target=self._run_preload, name="elasticrun-preload", daemon=True)
+        self._preloading.start()
+
+    def _run_preload(self) -> None:
+        try:
+            self.preload()
+        except BaseException as err:  # noqa: BLE001 - the agent hears of it; the server keeps its children
+            self._preload_error = f"the preload failed: {type(err).__name__}: {err}"
+        finally:
+            self._preload_done.set()
+            os.write(self.wake_w, b"p")  # wake the server's loop
+
+    def _preloaded(self) -> Optional[dict]:
+        """The preload thread has ended: say whether forking stays safe, then fork what came meanwhile."""
+        assert self._preloading is not None
+        self._preloading.join()  # it has set the event: it ends now
+        self._preloading = None
+        deadline = time.monotonic() + THREAD_EXIT_WAIT_S
+        while _threads() > 1 and time.monotonic() < deadline:  # its OS thread ends just after join()
+            time.sleep(0.005)
+        why = self._preload_error or _fork_unsafe("after the preload")
+        if why:
+            self.unsafe = why
+            _send(self.sock, {"unsafe": why})
+        else:
+            _send(self.sock, {"warm": round(time.monotonic() - self._preload_began, 3)})
+        queued, self._queued = self._queued, []
+        for index, (message, fds) in enumerate(queued):
+            order = self._order(message, fds)
+            if order is not None:  # in a forked child: the server's other queued orders are not ours
+                for _, others in queued[index + 1:]:
+                    for fd in others:
+                        os.close(fd)
+                return order
+        return None
 
     def _drain_wakeups(self) -> None:
         try:
@@ -138,16 +220,17 @@ class _Server:
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            self._become_child(fds)
-            return dict(message["order"])
+            extra = self._become_child(fds)
+            return dict(message["order"], fds=extra)
         for fd in fds:
             os.close(fd)
         self.children.add(pid)
         _send(self.sock, {"forked": message["id"], "pid": pid})
         return None
 
-    def _become_child(self, fds: List[int]) -> None:
-        """In the child: undo the server's plumbing, own session, die with the server, new stdio."""
+    def _become_child(self, fds: List[int]) -> List[int]:
+        """In the child: undo the server's plumbing, own session, die with the server, new stdio.
+        Returns the fds passed beyond stdout and stderr (inheritable, for the order's use)."""
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         os.close(self.wake_r)
@@ -165,7 +248,11 @@ class _Server:
             if fd >= 0:
                 os.dup2(fd, target)
                 os.close(fd)
+        extra = fds[2:]
+        for fd in extra:
+            os.set_inheritable(fd, True)
         _fresh_random_state()
+        return extra
 
 
 def _fresh_random_state() -> None:
@@ -182,18 +269,19 @@ def _fresh_random_state() -> None:
             pass
 
 
-def serve() -> dict:
-    """Run the fork server on stdin's socket; returns (in a forked child only) that child's order."""
+def serve(preload: Callable[[], None]) -> dict:
+    """Run the fork server on stdin's socket (``preload``: what the agent's preload order imports);
+    returns (in a forked child only) that child's order, with ``fds``: the extra fds it was given."""
     sock = socket.socket(fileno=os.dup(0))
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)  # the socket lives on as ``sock``; a forked script must not read it as stdin
     os.close(null)
-    why = _fork_unsafe()
+    why = _fork_unsafe("at start")
     if why:
         _send(sock, {"unsafe": why})
         sys.exit(0)
     _send(sock, {"ready": True})
-    order = _Server(sock).run()
+    order = _Server(sock, preload).run()
     if order is None:
         sys.exit(0)
     return order

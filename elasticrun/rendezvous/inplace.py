@@ -1,30 +1,27 @@
-"""Which members of a new round re-form in place (see docs/design.md, "In-place re-forming").
+"""Which members of a new round re-form in place (see docs/design.md, "In-place re-forming"). Pure.
 
 A planned change only: a join (``ScaleUp``) or a graceful leave (``ScaleDown`` where every removed
 node wrote ``rounds/<n>/left/<node>`` before revoking its lease), with no worker failure, and every
 survivor's agent reported that all its workers opted in (:class:`~elasticrun.rendezvous.records.NodeInfo`
 ``inplace``). All survivors re-form or none does: a crash, a lost node (lease expiry), a hang, a
-replacement, or one survivor without opt-in keeps today's restart path for the whole round.
+replacement, or one survivor without opt-in keeps the restart path for the whole round.
 
-A round whose in-place re-form failed falls back to the restart path *without* using a restart:
-the change was planned, and the next round is never in place (it follows a failure), so this cannot
-loop. Only what the re-form caused is free (:func:`reform_caused`): a worker that exited
-:data:`~elasticrun.job.reform.EXIT_REFORM_FAILED` (or its agent gave up waiting), or one whose agent
-flagged its failure row :data:`~elasticrun.job.reform.IN_REFORM` (it failed between its assignment
-and re-forming, or as a newcomer before it had the state). Each agent decides that flag from its
-own state machine, not from clocks: a crash or hang after the re-form, or of a survivor still
-training in the old group, is charged like any failure.
+A round whose in-place re-form failed (a worker exited :data:`~elasticrun.job.inplace.EXIT_INPLACE_FAILED`,
+its agent gave up waiting, or a worker failed inside the re-form: its agent flags the failure row
+:data:`~elasticrun.job.inplace.DURING_INPLACE` from its own re-form's progress, never from clocks)
+falls back to the restart path *without* using a restart: the change was planned, and the next
+round is never in place (it follows a failure), so this cannot loop.
+
+Both decisions take the records already read (the leader's view holds them, see
+:mod:`elasticrun.rendezvous.plan`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
+from typing import Any, Collection, Iterable, Mapping, Optional, Sequence, Tuple
 
-from elasticrun.job import records
-from elasticrun.job.keys import JobKeys
-from elasticrun.job.reform import EXIT_REFORM_FAILED, IN_REFORM
-from elasticrun.rendezvous.records import Member, RescaleType, Topology
-from elasticrun.store.client import EtcdStore
+from elasticrun.job.inplace import DURING_INPLACE, EXIT_INPLACE_FAILED
+from elasticrun.rendezvous.records import Member, NodeInfo, RescaleType, Topology
 
 
 def plan_inplace(
@@ -32,46 +29,38 @@ def plan_inplace(
     members: Sequence[Member],
     kind: RescaleType,
     failed: bool,
-    nodes: Dict[str, Any],
-    store: EtcdStore,
-    keys: JobKeys,
+    nodes: Mapping[str, Tuple[NodeInfo, int]],
+    left: Collection[str],
 ) -> Tuple[str, ...]:
     """The node ids of ``members`` that keep their workers (empty: every member starts workers).
 
-    ``nodes``: node id → (NodeInfo, lease) as the leader sees them; the graceful-leave markers
-    of round ``prev`` are read from ``store`` (only for a scale-down).
+    ``nodes``: node id → (NodeInfo, lease) as the leader sees them; ``left``: the nodes that wrote a
+    graceful-leave marker for round ``prev`` (``rounds/<n>/left/<node>``).
     """
     if prev is None or failed or kind not in (RescaleType.SCALE_UP, RescaleType.SCALE_DOWN):
         return ()
     old = {(m.node_id, m.lease) for m in prev.members}
     survivors = [m.node_id for m in members if (m.node_id, m.lease) in old]
     removed = {m.node_id for m in prev.members} - {m.node_id for m in members}
-    if not survivors:
+    if not survivors or not removed <= set(left):
         return ()
-    if removed:
-        prefix = keys.lefts(prev.round)
-        kvs, _ = store.get_prefix(prefix)
-        if not removed <= {kv.key[len(prefix):] for kv in kvs}:
-            return ()
-    if not all(n in nodes and getattr(nodes[n][0], "inplace", False) for n in survivors):
+    if not all(n in nodes and nodes[n][0].inplace for n in survivors):
         return ()
     if members[0].node_id not in survivors:  # the state is broadcast from rank 0: it must be a survivor
         return ()
     return tuple(survivors)
 
 
-def reform_caused(rows: Iterable[Dict[str, Any]]) -> bool:
-    """Whether failure rows of an in-place round show a failure of the re-form itself."""
-    return any(r.get("exitcode") == EXIT_REFORM_FAILED or r.get(IN_REFORM) is True for r in rows)
-
-
-def reform_failed(prev: Optional[Topology], store: EtcdStore, keys: JobKeys) -> bool:
-    """True when round ``prev`` re-formed in place and failed in that re-form (:func:`reform_caused`
-    over every node's failure rows): the restart that follows is not charged to the budget."""
+def inplace_failed(prev: Optional[Topology], failure_rows: Iterable[Mapping[str, Any]]) -> bool:
+    """True when round ``prev`` re-formed in place and failed in that re-form: a failure row with exit
+    code :data:`EXIT_INPLACE_FAILED` or flagged :data:`DURING_INPLACE` by its agent (the worker failed
+    between its assignment and re-forming, or as a newcomer before it had the state). The restart that
+    follows is not charged to the budget. ``failure_rows``: every node's failed workers of round ``prev``.
+    No clock is read: a failure after the re-form, or of a survivor still training in the old group,
+    is charged like any failure."""
     if prev is None or not prev.inplace:
         return False
-    kvs, _ = store.get_prefix(keys.failures(prev.round))
-    return any(reform_caused(records.read(kv, records.failure_rows) or []) for kv in kvs)
+    return any(row.get("exitcode") == EXIT_INPLACE_FAILED or row.get(DURING_INPLACE) is True for row in failure_rows)
 
 
-__all__ = ["plan_inplace", "reform_caused", "reform_failed"]
+__all__ = ["plan_inplace", "inplace_failed"]

@@ -61,29 +61,44 @@ class Leadership:
         if lease_id is None:
             self.leads = False
             return False
-        kv = self.view.get(self.keys.leader)
-        if kv is None and self._read is not None and self.view.revision < self._read.mod_revision:
-            kv = self._read
+        kv = self._known()
         if kv is not None and not kv.lease:
             kv = self._drop_leaseless(kv)
-        mine = kv is not None and kv.lease == lease_id
         if kv is None:
-            try:
-                # A read first: when N agents find the key gone at once (the job starts, the leader died),
-                # a read that sees the winner's key costs etcd no raft entry, a failed create does.
-                held = self.store.get(self.keys.leader)
-                if held is None:
-                    mine = self.store.create(self.keys.leader, self.node_id, lease=lease_id)
-                    if not mine:  # another agent won, or our create went through and its reply was lost
-                        held = self.store.get(self.keys.leader)
-                mine = mine or (held is not None and held.lease == lease_id)
-                self._read = None if mine else held
-            except StoreError as err:  # our lease just ended (we leave, or lost it): the caller finds out
-                log.debug("could not claim the leader key: %s", err)
+            taken = self._take(lease_id)
+            if taken is None:  # our lease just ended (we leave, or lost it): the caller finds out
                 self.leads = False
                 return False
+            mine = taken
             if mine and not self.view.mirrors_nodes:
                 log.info("%s leads the rendezvous (watches every node record)", self.node_id)
+        else:
+            mine = kv.lease == lease_id
         self.view.mirror_nodes(mine)
         self.leads = mine
+        return mine
+
+    def _known(self) -> Optional[KeyValue]:
+        """The leader key as our view has it, or as our last read found it while the view is behind that read."""
+        kv = self.view.get(self.keys.leader)
+        if kv is None and self._read is not None and self.view.revision < self._read.mod_revision:
+            return self._read
+        return kv
+
+    def _take(self, lease_id: int) -> Optional[bool]:
+        """Create the leader key on ``lease_id`` if etcd has none; whether it is ours (None: etcd refused)."""
+        try:
+            # A read first: when N agents find the key gone at once (the job starts, the leader died),
+            # a read that sees the winner's key costs etcd no raft entry, a failed create does.
+            held = self.store.get(self.keys.leader)
+            mine = False
+            if held is None:
+                mine = self.store.create(self.keys.leader, self.node_id, lease=lease_id)
+                if not mine:  # another agent won, or our create went through and its reply was lost
+                    held = self.store.get(self.keys.leader)
+            mine = mine or (held is not None and held.lease == lease_id)
+        except StoreError as err:
+            log.debug("could not claim the leader key: %s", err)
+            return None
+        self._read = None if mine else held
         return mine

@@ -16,40 +16,56 @@ One agent, the leader (:mod:`elasticrun.rendezvous.leader`), watches every node 
 it forms the rounds, and ends a round (``rounds/<n>/end``) when a member is lost or newcomers
 waited a stability window. The others watch everything but the node records, so the watch
 deliveries of a rendezvous grow linearly with the nodes, not quadratically.
+
+Deciding is apart from etcd: :mod:`~elasticrun.rendezvous.plan` decides how a round forms and
+:mod:`~elasticrun.rendezvous.roundend` how it ends, on snapshots of the view; this module and the
+round watch (:mod:`~elasticrun.rendezvous.watch`) gather the snapshots and wait, and
+:mod:`~elasticrun.rendezvous.writer` writes what was decided.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple, Union
 
 from elasticrun.errors import ElasticrunError, RendezvousError, StoreError
 from elasticrun.job import records
-from elasticrun.job.exitcodes import ExitCode
 from elasticrun.job.keys import JobKeys
-from elasticrun.job.requests import utc
 from elasticrun.rendezvous.ended import expire, stop_if_last
-from elasticrun.rendezvous.inplace import plan_inplace, reform_failed
 from elasticrun.rendezvous.leader import Leadership
-from elasticrun.rendezvous.ranks import classify, plan_members
-from elasticrun.rendezvous.records import NodeInfo, RescaleEvent, RescaleType, Topology, WorkerStatus
+from elasticrun.rendezvous.plan import (
+    EndJob,
+    Fence,
+    Forming,
+    FormRound,
+    GiveUp,
+    JobOver,
+    Joined,
+    Marks,
+    PassedOver,
+    Plan,
+    Wait,
+    check_formed,
+    plan_round,
+    waiting_message,
+)
+from elasticrun.rendezvous.records import NodeInfo, RescaleEvent, Topology, WorkerStatus, event_record
 from elasticrun.rendezvous.register import register_node
-from elasticrun.rendezvous.restarts import RestartBudget
 from elasticrun.rendezvous.reuse import Head, JobClaim
-from elasticrun.rendezvous.running import RoundMonitor
 from elasticrun.rendezvous.settings import JobChanged, JobEnded, LeaseLost, RendezvousSettings
-from elasticrun.rendezvous.states import JobState
+from elasticrun.rendezvous.states import JobState, RoundOutcome
 from elasticrun.rendezvous.storehost import QUICK_WAIT_S, StoreHost
 from elasticrun.rendezvous.view import JobView
+from elasticrun.rendezvous.watch import RoundWatch
+from elasticrun.rendezvous.writer import RoundWriter
 from elasticrun.store.client import EtcdStore
 from elasticrun.store.lease import KeepAlive, LeaseHealth
 from elasticrun.waiting import Reminder
 
 log = logging.getLogger(__name__)
 
-EVENT_HISTORY = 50  # rescale events kept in etcd
 # While forming a round, look at the view at most every EVAL_PER_NODE s x registered nodes (capped):
 # a look costs O(nodes), so this keeps an agent's CPU per second flat as the job grows.
 EVAL_PER_NODE = 0.0005
@@ -64,8 +80,9 @@ FOLLOWER_WAIT_S = 5.0
 REGISTER_CHECKS = 5
 
 
-class Rendezvous(RoundMonitor):
-    """One node's side of the protocol."""
+class Rendezvous:
+    """One node's side of the protocol: joining, forming rounds (:meth:`next_round`), watching the round
+    it runs (:class:`~elasticrun.rendezvous.watch.RoundWatch`), reporting, leaving."""
 
     def __init__(
         self,
@@ -74,7 +91,10 @@ class Rendezvous(RoundMonitor):
         node: NodeInfo,
         host_store: Callable[[], int],
         on_progress: Optional[Callable[[str], None]] = None,
+        view: Optional[JobView] = None,
     ) -> None:
+        """``host_store`` hosts a fresh c10d store and returns its port; ``on_progress`` hears what we wait
+        for; ``view``: the job view to use (default: one of our own, without the node records until we lead)."""
         self.store = store
         self.settings = settings
         self.keys = JobKeys(settings.job_id)
@@ -85,13 +105,14 @@ class Rendezvous(RoundMonitor):
         # Called at every turn of the owner's loops (see beat): the agent raises a pending signal there.
         self.on_beat: Callable[[], None] = lambda: None
         self.lease: Optional[KeepAlive] = None
-        self.view = JobView(store, self.keys, nodes=False)  # the leader mirrors the nodes (see leader.py)
+        self.view = view if view is not None else JobView(store, self.keys, nodes=False)  # see leader.py
         self.leadership = Leadership(store, self.keys, self.view, node.node_id)
+        self.writer = RoundWriter(store, self.keys)
+        self.watch = RoundWatch(self.view, self.keys, settings, self.writer, self.leadership, node.node_id,
+                                self._say, leading=self.leading, unreachable=self.recently_unreachable)
         self._store_host = StoreHost(host_store, on_ready=self.view.poke)
-        self._newcomers_since: Optional[float] = None
         self._last_eval = 0.0
-        self._busy_since: Optional[Tuple[int, float]] = None  # (round, since) the previous members were busy
-        self._members_checked: Optional[Tuple[int, int]] = None  # (round, view.members_version) checked
+        self._marks = Marks()  # what the leader remembers between two looks at a forming round (plan.py)
         self.outage_over_at: Optional[float] = None  # when etcd answered again after an outage we noticed
         self._job_settings: Dict[str, Any] = {}
         self._head: Optional[Head] = None  # the job's settings and end as ensure_config found them
@@ -226,106 +247,123 @@ class Rendezvous(RoundMonitor):
     def next_round(self) -> Topology:
         """Block until a round that includes this node forms; return it.
 
-        Raises JobEnded when the job is over, LeaseLost when we must fence, and
+        Each turn gathers what the view says, decides (:mod:`elasticrun.rendezvous.plan`), carries the
+        decision out, and waits. Raises JobEnded when the job is over, LeaseLost when we must fence, and
         RendezvousError when too few nodes remain for too long.
         """
+        p = self._start_forming()
+        while True:
+            self.beat()
+            topo, rev = self.view.topology()
+            lease_id = self.lease.lease_id if self.lease is not None else None
+            over = check_formed(self._lease_problem(), self.view.state(), topo, p.target, self.node_id, lease_id,
+                                self._ran)
+            if isinstance(over, Joined):
+                self._ran = True
+                return over.topology
+            if over is not None:
+                self._not_ours(over, p)
+                continue
+            self._publish_port(p)
+            if not self.leading():  # the leader forms the round (and ends the job if too few join)
+                self._follow(p, topo)
+                continue
+            if topo is not None and self.watch.round_change(topo) is None:
+                # A round runs without us (we are a spare or a newcomer): as the leader we still end it
+                # when a member is lost, or for newcomers after the stability window.
+                self.watch.maybe_scale_up(topo)
+            plan = plan_round(self._forming(p, topo), self.settings, time.monotonic())
+            self._carry_out(plan, p, topo, rev)
+
+    def _start_forming(self) -> _Progress:
+        """Say we are ready for the next round (our record's ``waiting_for``); the call's memory."""
         topo, _ = self.view.topology()
         target = 0 if topo is None else topo.round + 1
-        first = topo is None
-        timeout = self.settings.join_timeout if first else self.settings.rescale_timeout
-        # The store starts on a thread (the first one imports torch): we are ready for the round
-        # at once, and publish its port when it is up.
+        # The store starts on a thread (the first one imports torch): we are ready for the round at
+        # once, and publish its port when it is up.
         self._store_host.start()
         port = self._store_host.port(QUICK_WAIT_S)
         was_member = topo is not None and topo.member(self.node_id) is not None
         status = WorkerStatus.RESCALING if was_member else WorkerStatus.JOINING  # newcomers are Joining
         self.publish(waiting_for=target, store_port=port, status=status)
-        started = time.monotonic()
-        last_waiting: List[str] = []
-        changed_at = time.monotonic()
-        said = ""
-        deadline = started + timeout  # when the leader gives up on too few nodes
-        version = self.view_version()
-        while True:
-            self.beat()
-            if not self.lease_valid():
-                raise LeaseLost((self.lease.lost_reason if self.lease else None) or "etcd did not confirm it in time")
-            if not port:
-                port = self._store_host.port()
-                if port:
-                    self.publish(store_port=port)
-            state = self.view.state()
-            if state:
-                raise JobEnded(state, spare=not self._ran)
-            topo, rev = self.view.topology()
-            if topo is not None and topo.round >= target:
-                me = topo.member(self.node_id)
-                if me is not None and self.lease is not None and me.lease == self.lease.lease_id:
-                    self._ran = True
-                    return topo
-                target = topo.round + 1  # not chosen (spare): wait for the next round
-                self.publish(waiting_for=target, status=WorkerStatus.JOINING)
-                said = self._tell(said, self._waiting(topo, target, passed_over=True), None)
-                continue
-            if not self.leading():  # the leader forms the round (and ends the job if too few join)
-                said = self._tell(said, self._waiting(topo, target), deadline)
-                if self.lease is not None:  # this turn's beat (above) now covers the wait
-                    self.lease.beat(busy_for=FOLLOWER_WAIT_S)
-                version = self.wait_view(version, FOLLOWER_WAIT_S)
-                continue
-            if topo is not None and topo.round < target and self.round_change(topo) is None:
-                # A round runs without us (we are a spare or a newcomer): as the leader we still end
-                # it when a member is lost, or for newcomers after the stability window.
-                self.maybe_scale_up(topo)
-            nodes = self.view.nodes()
-            waiting = sorted(n for n, (info, _) in nodes.items() if info.waiting_for == target)
-            if self.node_id not in waiting:  # the view has not caught up with our own record yet
-                version = self.view.wait_change(version, 0.25)
-                continue
-            if waiting != last_waiting:
-                last_waiting, changed_at = waiting, time.monotonic()
-            wait_msg = self._try_form(target, topo, rev, nodes, changed_at)
-            if wait_msg:
-                said = self._tell(said, wait_msg, deadline)
-                if len(waiting) < self.settings.min_nodes and time.monotonic() - started > timeout:
-                    reason = (
-                        f"only {len(waiting)} of at least {self.settings.min_nodes} nodes joined within "
-                        f"{timeout:.0f}s"
-                    ) if topo is None else self._lost_reason(topo, waiting, timeout)
-                    if topo is not None:
-                        self._end_job(JobState.FAILED, reason, topo, rev, ExitCode.TRANSIENT)
-                    self.leaving(f"gave up: {reason}", ExitCode.TRANSIENT)
-                    raise RendezvousError(f"job {self.settings.job_id!r}: {reason}; start more nodes or lower --nnodes")
-            version = self._wait_change(version)
+        now = time.monotonic()
+        self._marks = Marks(changed_at=now, busy_since=self._marks.busy_since)
+        timeout = self.settings.join_timeout if topo is None else self.settings.rescale_timeout
+        return _Progress(target, now, timeout, port, self.watch.view_version())
 
-    def _waiting(self, topo: Optional[Topology], target: int, passed_over: bool = False) -> str:
-        """What this node says while it waits for round ``target`` (``passed_over``: round ``topo`` just
-        formed without it)."""
-        s = self.settings
-        if topo is not None and len(topo.members) >= s.max_nodes and topo.member(self.node_id) is None:
-            return (f"job {s.job_id!r} is full: round {topo.round} runs with its maximum of {s.max_nodes} node(s) "
-                    f"(--nnodes {s.min_nodes}:{s.max_nodes}); this node waits as a spare, runs no worker until a "
-                    "node leaves or fails, and exits with the job's outcome")
-        if topo is not None and passed_over:
-            return f"round {topo.round} formed without this node; waiting for round {target}"
-        return f"waiting for round {target}, formed by {self.leadership.holder() or '?'}"
+    def _lease_problem(self) -> Optional[str]:
+        """Why our lease is not valid (None while it is)."""
+        if self.lease_valid():
+            return None
+        return (self.lease.lost_reason if self.lease else None) or "etcd did not confirm it in time"
 
-    def _lost_reason(self, prev: Topology, waiting: List[str], timeout: float) -> str:
-        """Why a running job fails for want of nodes: which member(s) of ``prev`` were lost, and when."""
-        end = self.view.record(self.keys.end(prev.round), records.end_flag) or {}
-        lost = [m.node_id for m in prev.members if m.node_id not in waiting]
-        if not lost:
-            return f"only {len(waiting)} of at least {self.settings.min_nodes} nodes joined within {timeout:.0f}s"
-        at = end.get("time") if end.get("lost") in lost else None
-        if at is None:  # the round ended first through a worker failure (a collective with the lost node)
-            at = (self.view.record(self.keys.failed(prev.round), records.failed_flag) or {}).get("time")
-        when = f" at {utc(float(at))}" if isinstance(at, (int, float)) else ""
-        who = f"node {lost[0]}" if len(lost) == 1 else f"nodes {', '.join(lost)}"
-        return (
-            f"{who} of round {prev.round} left or lost its lease{when}, and no node replaced it within "
-            f"{timeout:.0f}s (--rescale-timeout): {len(waiting)} node(s) left, at least {self.settings.min_nodes} "
-            "needed"
-        )
+    def _not_ours(self, over: Union[Fence, JobOver, PassedOver], p: _Progress) -> None:
+        """The wait ended without a round for us: fence, the job ended, or a round formed without us."""
+        if isinstance(over, Fence):
+            raise LeaseLost(over.reason)
+        if isinstance(over, JobOver):
+            raise JobEnded(dict(over.state), spare=over.spare)
+        p.target = over.target  # not chosen (spare): wait for the next round
+        self.publish(waiting_for=p.target, status=WorkerStatus.JOINING)
+        msg = waiting_message(self.settings, self.node_id, over.topology, p.target, None, passed_over=True)
+        p.said = self._tell(p.said, msg, None)
+
+    def _publish_port(self, p: _Progress) -> None:
+        if not p.port:
+            p.port = self._store_host.port()
+            if p.port:
+                self.publish(store_port=p.port)
+
+    def _follow(self, p: _Progress, topo: Optional[Topology]) -> None:
+        """Another node leads: say what we wait for, and wait for the view (our beat covers the wait)."""
+        msg = waiting_message(self.settings, self.node_id, topo, p.target, self.leadership.holder())
+        p.said = self._tell(p.said, msg, p.deadline)
+        if self.lease is not None:
+            self.lease.beat(busy_for=FOLLOWER_WAIT_S)
+        p.version = self.watch.wait_view(p.version, FOLLOWER_WAIT_S)
+
+    def _forming(self, p: _Progress, prev: Optional[Topology]) -> Forming:
+        """What :func:`plan_round` decides on, from our view: as the leader it mirrors the whole job in
+        revision order on one watch, and the round's transaction compares the previous round's revision,
+        so a view behind etcd can only lose the compare, never write a round planned on old records."""
+        view, keys = self.view, self.keys
+        failed = end = None
+        rows: Tuple[Dict[str, Any], ...] = ()
+        left: FrozenSet[str] = frozenset()
+        if prev is not None:
+            failed = view.record(keys.failed(prev.round), records.failed_flag)
+            end = view.record(keys.end(prev.round), records.end_flag)
+            if failed is not None and prev.inplace:  # only a failed in-place round's rows decide anything
+                rows = tuple(row for kv in view.under(keys.failures(prev.round)).values()
+                             for row in records.read(kv, records.failure_rows) or [])
+            prefix = keys.lefts(prev.round)
+            left = frozenset(key[len(prefix):] for key in view.under(prefix))
+        restarts = tuple(view.record(keys.restarts, records.restart_history) or ())
+        return Forming(target=p.target, me=self.node_id, nodes=view.nodes(), prev=prev, failed=failed, end=end,
+                       failure_rows=rows, left=left, restarts=restarts, started=p.started, timeout=p.timeout,
+                       wall=time.time(), marks=self._marks)
+
+    def _carry_out(self, plan: Plan, p: _Progress, prev: Optional[Topology], prev_rev: int) -> None:
+        """Do what :func:`plan_round` decided, then wait for the view to change."""
+        if isinstance(plan, GiveUp):
+            if plan.end_job and prev is not None:
+                self.writer.end_job(JobState.FAILED, plan.reason, prev.round, prev_rev, plan.exit_code)
+            self.leaving(f"gave up: {plan.reason}", plan.exit_code)
+            raise RendezvousError(f"job {self.settings.job_id!r}: {plan.reason}; start more nodes or lower --nnodes")
+        self._marks = plan.marks
+        if isinstance(plan, Wait) and plan.soon:
+            p.version = self.view.wait_change(p.version, 0.25)
+            return
+        if isinstance(plan, (Wait, FormRound)) and plan.note:
+            self._say(plan.note)
+        if isinstance(plan, Wait):
+            p.said = self._tell(p.said, plan.reason, p.deadline)
+        elif isinstance(plan, EndJob) and prev is not None:
+            self.writer.end_job(plan.state, plan.reason, prev.round, prev_rev, plan.exit_code)
+            p.said = self._tell(p.said, "job failed", p.deadline)
+        elif isinstance(plan, FormRound):
+            self.writer.form(plan, prev_rev)
+        p.version = self._wait_change(p.version)
 
     def _wait_change(self, version: int) -> int:
         """Wait for the view to change, then batch events: look at most every 0.5 ms x nodes.
@@ -353,124 +391,86 @@ class Rendezvous(RoundMonitor):
             self._reminder.tick()
         return msg
 
-    def _try_form(
-        self,
-        target: int,
-        prev: Optional[Topology],
-        prev_rev: int,
-        nodes: Dict[str, Any],
-        changed_at: float,
-    ) -> Optional[str]:
-        """Write round ``target`` if its conditions hold; else return what we are waiting for."""
-        s = self.settings
-        waiting = [(info, lease) for info, lease in nodes.values() if info.waiting_for == target]
-        if prev is not None:
-            busy = [
-                m.node_id
-                for m in prev.members
-                if m.node_id in nodes and nodes[m.node_id][1] == m.lease and nodes[m.node_id][0].waiting_for != target
-            ]
-            if busy:
-                if self._busy_since is None or self._busy_since[0] != prev.round:
-                    self._busy_since = (prev.round, time.monotonic())
-                waited = time.monotonic() - self._busy_since[1]
-                if waited < s.busy_timeout:
-                    return f"waiting for {len(busy)} node(s) of round {prev.round} to stop their workers"
-                # A deadline on every wait: a node that neither stops its workers nor loses its lease
-                # is left out (its stale workers cannot commit: the commit fence checks the round).
-                self._say(
-                    f"node(s) {', '.join(busy)} did not stop their workers within {s.busy_timeout:.0f}s: "
-                    "forming the next round without them"
-                )
-        if len(waiting) < s.min_nodes:
-            return f"waiting for nodes: {len(waiting)}/{s.min_nodes} (min) joined"
-        settle = s.stability_window - (time.monotonic() - changed_at)
-        if prev is None and len(waiting) < s.max_nodes and settle > 0:
-            return f"{len(waiting)} node(s) joined; waiting {s.stability_window:.1f}s for more (max {s.max_nodes})"
-        failed = prev is not None and self.round_failed(prev.round)
-        members, spares = plan_members(prev, waiting, s.max_nodes)
-        kind = classify(prev, members, failed)
-        # A worker failure that comes with a lost node is the node's loss (its peers' collectives
-        # broke), a membership change: it does not use up a restart.
-        # A failed in-place re-form (a planned change) falls back to a restart that is not charged.
-        counts = failed and kind in (RescaleType.RESTART, RescaleType.SCALE_UP) and not reform_failed(
-            prev, self.store, self.keys)
-        restarts = 0 if prev is None else prev.restart_count + (1 if counts else 0)
-        budget = RestartBudget(s.max_restarts, s.restart_window)
-        history = (records.read(self.store.get(self.keys.restarts), records.restart_history) or []) if counts else []
-        if counts and prev is not None and not budget.allows(prev.restart_count, history, time.time()):
-            self._end_job(JobState.FAILED, f"workers failed and all {budget.describe()} are used up", prev, prev_rev)
-            return "job failed"
-        # Only the leader writes the round (the compare-and-swap keeps it correct anyway).
-        leader_info = nodes[members[0].node_id][0]
-        if leader_info.store_port == 0:
-            return f"round {target} is ready: waiting for {members[0].node_id} to start its c10d store"
-        topo = Topology(
-            round=target,
-            members=members,
-            master_addr=leader_info.addr,
-            master_port=leader_info.store_port,
-            restart_count=restarts,
-            inplace=plan_inplace(prev, members, kind, failed, nodes, self.store, self.keys),
-        )
-        if failed and kind in (RescaleType.SCALE_DOWN, RescaleType.SCALE_UP, RescaleType.REPLACE):
-            reason = f"worker failure in round {prev.round if prev else '?'} and membership change"
-        elif failed:
-            reason = f"worker failure in round {prev.round if prev else '?'}"
-        else:
-            reason = self._reason(prev, kind)
-        event = RescaleEvent(
-            type=kind,
-            round=target,
-            old_members=prev.node_ids if prev else [],
-            new_members=topo.node_ids,
-            old_world_size=prev.world_size if prev else 0,
-            new_world_size=topo.world_size,
-            reason=reason,
-            restart_count=restarts,
-        )
-        puts = [
-            (self.keys.topology, json.dumps(topo.to_dict()), None),
-            (self.keys.event(target), json.dumps(event.to_dict()), None),
-        ]
-        if counts:
-            puts.append((self.keys.restarts, json.dumps({"times": budget.record(history, time.time())}), None))
-        if self.store.txn_put_many((self.keys.topology, prev_rev), puts):
-            log.info("formed round %d: %s", target, topo.node_ids)
-            self._trim_history(target)
-        return None
+    # -- a round running ------------------------------------------------------------------
 
-    def _reason(self, prev: Optional[Topology], kind: RescaleType) -> str:
-        if prev is None:
-            return "job start"
-        end = self.view.record(self.keys.end(prev.round), records.end_flag)
-        if end:
-            return str(end.get("reason", "round ended"))
-        if kind in (RescaleType.SCALE_DOWN, RescaleType.REPLACE):
-            return "node(s) left or lost their lease"
-        return "round ended"
+    def view_version(self) -> int:
+        """The view's version that :meth:`wait_view` waits on (see :class:`RoundWatch`)."""
+        return self.watch.view_version()
 
-    def _trim_history(self, newest: int) -> None:
-        """Keep the newest EVENT_HISTORY rounds' events and round keys: everything older goes, in two
-        range deletes after every round (nothing to delete costs etcd no write). A trim that failed or
-        never ran (its agent died) is made up by the next one: the kept history has no gaps, and no
-        old round stays behind."""
-        first_kept = newest - EVENT_HISTORY + 1
-        if first_kept <= 0:
-            return
-        try:
-            self.store.delete_range(self.keys.events, self.keys.event(first_kept))
-            self.store.delete_range(self.keys.rounds, self.keys.round(first_kept))
-        except StoreError as err:  # the next round trims again
-            log.warning("could not trim the job's round history: %s", err)
+    def wait_view(self, since: int, timeout: float) -> int:
+        """Wait for a change of the view that matters to us (see :meth:`RoundWatch.wait_view`)."""
+        return self.watch.wait_view(since, timeout)
 
-    def _end_job(self, state: JobState, reason: str, topo: Topology, topo_rev: int,
-                 exit_code: Optional[int] = None) -> None:
-        """Record the job's end; ``exit_code``: what every agent exits with (None: 0 or 1 by ``state``)."""
-        record = {"state": state.value, "reason": reason, "round": topo.round, "time": time.time()}
-        if exit_code is not None:
-            record["exit_code"] = int(exit_code)
-        self.store.txn_put_many((self.keys.topology, topo_rev), [(self.keys.state, json.dumps(record), None)])
+    def round_change(self, topo: Topology) -> Union[str, RoundOutcome, None]:
+        """Why round ``topo`` is over (None while it runs; see :meth:`RoundWatch.round_change`)."""
+        return self.watch.round_change(topo)
+
+    def scale_up_pending(self, topo: Topology) -> bool:
+        """True once the leader saw a newcomer: round ``topo`` ends within a stability window."""
+        return self.watch.scale_up_pending(topo)
+
+    def maybe_scale_up(self, topo: Topology) -> Optional[float]:
+        """The leader ends the round for newcomers (see :meth:`RoundWatch.maybe_scale_up`)."""
+        return self.watch.maybe_scale_up(topo)
+
+    def rescale_event(self, round_: int) -> Optional[RescaleEvent]:
+        """The event that formed round ``round_`` (None when absent or malformed)."""
+        key = self.keys.event(round_)
+        kv = self.view.get(key)
+        if kv is None:
+            # Written in the round's transaction, but a view without the node records watches
+            # events/ and the topology on separate ranges: the topology may have come first.
+            try:
+                kv = self.store.get(key)
+            except StoreError as err:
+                log.warning("could not read the rescale event of round %d: %s", round_, err)
+        return records.read(kv, event_record)
+
+    def round_failed(self, round_: int) -> bool:
+        """Whether round ``round_`` has its failure flag (a malformed one counts as absent)."""
+        return self.view.record(self.keys.failed(round_), records.failed_flag) is not None
+
+    def report_failure(self, topo: Topology, failures: List[Dict[str, Any]]) -> None:
+        """Record our failed workers and flag the round failed (first flag wins)."""
+        self.writer.report_failure(topo.round, self.node_id, failures)
+
+    def report_done(self, topo: Topology) -> None:
+        """Our workers of round ``topo`` all exited 0."""
+        self.writer.report_done(topo.round, self.node_id)
+
+    def mark_left(self, round_: int) -> None:
+        """A graceful leave of round ``round_`` (before the lease is revoked): survivors may re-form in place."""
+        self.writer.mark_left(round_, self.node_id)
+
+    def mark_succeeded(self, topo: Topology) -> None:
+        """Every member finished: record the job succeeded."""
+        _, rev = self.view.topology()
+        self.writer.end_job(JobState.SUCCEEDED, "all workers exited 0", topo.round, rev)
+
+    def root_cause(self, round_: int) -> List[Dict[str, Any]]:
+        """Failed workers recorded for round ``round_`` (every node's), oldest first (a malformed
+        node's rows are reported once and left out)."""
+        kvs, _ = self.store.get_prefix(self.keys.failures(round_))
+        rows: List[Dict[str, Any]] = []
+        for kv in kvs:
+            rows.extend(records.read(kv, records.failure_rows) or [])
+        return sorted(rows, key=lambda r: r.get("timestamp") or 0)
+
+
+@dataclass
+class _Progress:
+    """What one :meth:`Rendezvous.next_round` call remembers from turn to turn."""
+
+    target: int  # the round we wait for
+    started: float  # (monotonic) when we began to wait
+    timeout: float  # how long too few nodes may wait
+    port: int  # our c10d store's port (0 while it starts)
+    version: int  # the view's version at our last look
+    said: str = ""  # what we said last
+
+    @property
+    def deadline(self) -> float:
+        return self.started + self.timeout
 
 
 __all__ = ["JobEnded", "LeaseLost", "Rendezvous", "RendezvousSettings"]

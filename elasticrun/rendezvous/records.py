@@ -123,7 +123,7 @@ class Topology:
     master_port: int
     restart_count: int = 0
     created_at: float = field(default_factory=time.time)
-    inplace: Tuple[str, ...] = ()  # members whose workers re-form in place; the others start (REFORM_JOIN)
+    inplace: Tuple[str, ...] = ()  # members whose workers re-form in place; the others start (INPLACE_JOIN)
 
     @property
     def world_size(self) -> int:

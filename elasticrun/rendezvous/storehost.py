@@ -1,10 +1,11 @@
 """Host the next round's c10d store without blocking the rendezvous.
 
-The agent hosts a fresh TCPStore for every round it may lead (its port goes into the node
-record). The first one imports torch: seconds on a busy host, and a node joining a running
-job must not make the others wait for that. So the store is started on a thread; the node
-says it is ready for the round at once (with port 0 while the store starts) and publishes
-the port when it is up. Only a round whose group rank 0 has a port can be formed.
+The agent binds a fresh store port for every round it may lead (its port goes into the node
+record; ``launch/c10d.py``: a socket bound and listening at once, served by torch only in the
+rounds the node leads). ``host_store`` runs on a thread all the same: one that blocks (a slow
+host) never makes the others wait; the node says it is ready for the round at once (with port
+0 while the store starts) and publishes the port when it is up. Only a round whose group rank
+0 has a port can be formed.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from __future__ import annotations
 import threading
 from typing import Callable, Optional
 
-# How long next_round waits for the store before it says "ready" without a port: a store
-# whose torch is already imported starts in milliseconds, so the record is written once.
+# How long next_round waits for the store before it says "ready" without a port: binding a
+# port takes milliseconds, so the record is written once.
 QUICK_WAIT_S = 0.2
 
 

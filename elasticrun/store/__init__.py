@@ -1,8 +1,8 @@
 """The one door to etcd: the client (retries, watches, leases, auth), the etcd server process.
 
-Owns every call to the etcd library (``client``, ``connection``), lease keep-alive, one-line
-error explanations, etcd users/roles for jobs (``admin``) and starting a local etcd
-(``server``). May import :mod:`elasticrun.job` (key layout, env names), ``errors`` and
-``proc``; nothing above. ``job``'s ``EtcdSettings.connect`` opens a client (the one declared
-exception in tests/test_layering.py). See the package map in docs/design.md.
+Owns every call to the etcd library (``client``, ``connection``), the connection settings
+(``settings``), lease keep-alive, one-line error explanations, etcd users and roles
+(``admin``) and starting a local etcd (``server``). Knows no job: a key, a prefix or an
+environment variable's name that a caller cares about is passed in. Imports ``errors``,
+``proc``, ``sizes`` and ``waiting`` only. See the package map in docs/design.md.
 """

@@ -1,13 +1,11 @@
-"""etcd users and roles for elasticrun: turn auth on, and give a job a user limited to its prefix.
+"""etcd users and roles: turn authentication on, and give a user read/write on one key prefix.
 
-A job's user gets one role, ``elasticrun-<job_id>``, with read/write on ``/elasticrun/<job_id>/``
-and nothing else: it cannot read or change any other job. The same can be done with
-``etcdctl`` (docs/security.md lists the commands).
+The same can be done with ``etcdctl`` (docs/security.md lists the commands). A user per job,
+limited to that job's prefix, is :mod:`elasticrun.cli.etcd_users`.
 """
 
 from __future__ import annotations
 
-from elasticrun.job.keys import JobKeys
 from elasticrun.store.client import EtcdStore
 
 ROOT_USER = "root"
@@ -25,11 +23,6 @@ def prefix_range_end(prefix: str) -> bytes:
     return bytes(raw)
 
 
-def job_role(job_id: str) -> str:
-    """Name of the role that may read and write job ``job_id``'s keys."""
-    return f"elasticrun-{job_id}"
-
-
 def enable_auth(store: EtcdStore, root_password: str) -> None:
     """Create the ``root`` user (role ``root``) and turn authentication on (needs a store without auth)."""
     store.auth_call("UserAdd", "AuthUserAddRequest", name=ROOT_USER, password=root_password)
@@ -37,10 +30,9 @@ def enable_auth(store: EtcdStore, root_password: str) -> None:
     store.auth_call("AuthEnable", "AuthEnableRequest")
 
 
-def add_job_user(store: EtcdStore, user: str, password: str, job_id: str) -> None:
-    """Create ``user`` with a role limited to job ``job_id``'s prefix (``store`` must be root)."""
-    role = job_role(job_id)
-    prefix = JobKeys(job_id).prefix
+def add_prefix_user(store: EtcdStore, user: str, password: str, role: str, prefix: str) -> None:
+    """Create ``role`` with read/write on the keys under ``prefix`` and nothing else, and ``user``
+    with that role (``store`` must be root)."""
     store.auth_call("RoleAdd", "AuthRoleAddRequest", name=role)
     store.auth_call(
         "RoleGrantPermission", "AuthRoleGrantPermissionRequest", name=role,
@@ -50,4 +42,4 @@ def add_job_user(store: EtcdStore, user: str, password: str, job_id: str) -> Non
     store.auth_call("UserGrantRole", "AuthUserGrantRoleRequest", user=user, role=role)
 
 
-__all__ = ["ROOT_USER", "add_job_user", "enable_auth", "job_role", "prefix_range_end"]
+__all__ = ["ROOT_USER", "add_prefix_user", "enable_auth", "prefix_range_end"]

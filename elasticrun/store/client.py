@@ -5,7 +5,7 @@ needs and the library lacks: retries with backoff across endpoints, fast reconne
 JSON helpers, compare-and-swap by revision, watches with a resync hook, auth tokens that
 are renewed when etcd stops accepting them (token TTL expired, etcd restarted), and
 one-line errors (:class:`~elasticrun.errors.StoreError`) instead of raw gRPC exceptions.
-Build a client from :class:`elasticrun.job.settings.EtcdSettings` (``settings.connect()``).
+Build a client from :class:`elasticrun.store.settings.EtcdSettings` (``settings.connect()``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from pyetcd.client import MultiEndpointEtcd3Client
 from pyetcd.events import DeleteEvent
 
 from elasticrun.errors import StoreError, StoreFullError
-from elasticrun.job import records
 from elasticrun.store.connection import TRANSIENT, client_args, keepalives, new_client, renew_token
 from elasticrun.store.explain import (
     START_HINT,
@@ -150,15 +149,10 @@ class EtcdStore:
         return self._call("get", op)
 
     def get_json(self, key: str) -> Any:
-        """The key's JSON value, or None when absent (ValueError when it is not JSON: for records other
-        processes wrote, use :meth:`get_record`)."""
+        """The key's JSON value, or None when absent (ValueError when it is not JSON: check records other
+        processes wrote at one boundary, :mod:`elasticrun.job.records`)."""
         kv = self.get(key)
         return None if kv is None else kv.json()
-
-    def get_record(self, key: str, check: Callable[[Any], T]) -> Optional[T]:
-        """The record at ``key`` checked by ``check`` (see :mod:`elasticrun.job.records`); None when absent
-        or malformed (reported once)."""
-        return records.read(self.get(key), check)
 
     def get_prefix(self, prefix: str) -> Tuple[List[KeyValue], int]:
         """All keys under ``prefix`` (sorted by key) and the store revision they were read at."""

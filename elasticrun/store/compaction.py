@@ -1,4 +1,4 @@
-"""How much history an etcd that elasticrun starts keeps, and how to read its size.
+"""How much history an etcd that elasticrun starts keeps.
 
 Every etcd elasticrun starts (``--standalone``, the one hosted for ``c10d``/``static``,
 ``elasticrun etcd``) runs with etcd's auto-compaction on. A retention is either a time
@@ -20,15 +20,10 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import List, Optional
 
 from elasticrun.errors import ConfigError
-from elasticrun.job import env as names
 
-if TYPE_CHECKING:
-    from elasticrun.store.client import EtcdStore
-
-ENV_RETENTION = names.ETCD_COMPACTION_RETENTION
 DEFAULT_RETENTION = "5m"
 _TIME = re.compile(r"^(\d+(?:\.\d+)?)(ms|s|m|h)$")
 _REVS = re.compile(r"^(\d+)\s*rev(?:s|isions?)?$")
@@ -63,31 +58,14 @@ def parse_retention(text: str, origin: str = "--compaction-retention") -> Retent
     )
 
 
-def retention_from_env(explicit: Optional[str] = None) -> Retention:
-    """``explicit``, else ``$ELASTICRUN_ETCD_COMPACTION_RETENTION``, else :data:`DEFAULT_RETENTION`."""
+def retention_from_env(variable: str, explicit: Optional[str] = None) -> Retention:
+    """``explicit``, else the environment variable ``variable``, else :data:`DEFAULT_RETENTION`."""
     if explicit:
         return parse_retention(explicit)
-    from_env = os.environ.get(ENV_RETENTION)
+    from_env = os.environ.get(variable)
     if from_env:
-        return parse_retention(from_env, ENV_RETENTION)
+        return parse_retention(from_env, variable)
     return parse_retention(DEFAULT_RETENTION)
 
 
-def db_status(store: EtcdStore) -> Dict[str, int]:
-    """The answering member's database: ``db_size`` (bytes of its file), ``revision`` (the newest)
-    and ``compact_revision`` (history before it is compacted away; -1: never compacted).
-    Hashes the whole key space (etcd's HashKV): for tests and maintenance, not for hot paths."""
-    from elasticrun.store.client import pyetcd  # the one module that imports the etcd library
-
-    etcdrpc = pyetcd.etcdrpc
-    def op(c: Any) -> Dict[str, int]:
-        meta: Dict[str, Any] = dict(credentials=c.call_credentials, metadata=c.metadata)
-        st = c.maintenancestub.Status(etcdrpc.StatusRequest(), store.timeout, **meta)
-        kv = c.maintenancestub.HashKV(etcdrpc.HashKVRequest(revision=0), store.timeout, **meta)
-        return {"db_size": int(st.dbSize), "revision": int(st.header.revision),
-                "compact_revision": int(kv.compact_revision)}
-
-    return store._call("status", op)  # noqa: SLF001 - the store's retries, for a maintenance call
-
-
-__all__ = ["db_status", "DEFAULT_RETENTION", "ENV_RETENTION", "Retention", "parse_retention", "retention_from_env"]
+__all__ = ["DEFAULT_RETENTION", "Retention", "parse_retention", "retention_from_env"]

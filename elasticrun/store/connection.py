@@ -178,9 +178,9 @@ class Client(MultiEndpointEtcd3Client):
 
         With a single endpoint there is no member to move to: a call's error fails neither the endpoint
         (pyetcd would fail every call of the client until ``time_retry``) nor the watches (every watch
-        would re-read) — one slow call on a busy etcd made every agent sharing the client fail and every
-        view re-read the job, more load on the etcd that was slow (measured: 4,096 simulated agents lost
-        their leases in that loop). A dead etcd breaks the watch stream by itself."""
+        would re-read) — else one slow call on a busy etcd would fail every agent sharing the client and
+        make every view re-read the job: more load on the etcd that is already slow, a loop in which agents
+        lose their leases. A dead etcd breaks the watch stream by itself."""
         if len(self.endpoints) == 1:
             exception = _EXCEPTIONS_BY_CODE.get(exc.code())
             if exception is None:

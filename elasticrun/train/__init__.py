@@ -7,12 +7,15 @@
     lr = et.scale_lr(base_lr, base_world, ctx.world_size)   # the launcher's --lr-scaling
     requests = et.CheckpointRequests(ctx)            # `elasticrun ckpt save` + agreed stop
     progress = et.ProgressReporter(ctx)              # progress in etcd for `elasticrun status`
-    reform = et.InPlace(ctx, model=m, optimizer=o, sampler=sampler)  # in-place rescales
+    inplace = et.InPlace(ctx, model=m, optimizer=o, sampler=sampler)  # in-place rescales
     et.heartbeat(step)                               # or just this, once per step (also --hang-timeout)
     ckpt = et.load_latest(root, sampler=sampler)     # newest checkpoint (+ sampler, RNG), or None
     state["rng"] = et.capture_rng(seed)              # every rank's generators, in the checkpoint
 
 See docs/training.md and examples/train.py.
+
+Importing it installs the commit fence's etcd read (:mod:`elasticrun.train.fence`): from then
+on every checkpoint this process commits first checks that its round is still the job's.
 
 Runs in the workers, beside the agent (never imported by it): may import
 :mod:`elasticrun.checkpoint`, the rendezvous records, :mod:`elasticrun.store`,
@@ -25,6 +28,7 @@ from elasticrun.rendezvous.records import RescaleType
 from elasticrun.train.control import CheckpointRequests, StepDecision
 from elasticrun.train.dist import ElasticContext, default_backend, init
 from elasticrun.train.env import ElasticState
+from elasticrun.train.fence import install as _install_commit_fence
 from elasticrun.train.inplace import InPlace, Reform, rebuild_ddp
 from elasticrun.train.lr import (
     accumulation_steps,
@@ -40,6 +44,8 @@ from elasticrun.train.resume import complete_checkpoints, load_latest
 from elasticrun.train.rng import capture_rng, derive_seed, restore_rng, seed_all
 from elasticrun.train.sampler import ElasticDistributedSampler, default_redistribution
 from elasticrun.train.signals import GracefulStop
+
+_install_commit_fence()
 
 __all__ = [
     "AdaptationStrategy",

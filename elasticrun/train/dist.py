@@ -123,9 +123,9 @@ def _collect_before_shutdown() -> None:
 
 
 def _mark_ready() -> None:
-    """``<ELASTICRUN_REFORM_FILE>.ready`` for a newcomer of an in-place round (ELASTICRUN_REFORM_JOIN=1)."""
-    path = os.environ.get(job_env.REFORM_FILE, "").strip()
-    if path and os.environ.get(job_env.REFORM_JOIN) == "1":
+    """``<ELASTICRUN_INPLACE_FILE>.ready`` for a newcomer of an in-place round (ELASTICRUN_INPLACE_JOIN=1)."""
+    path = os.environ.get(job_env.INPLACE_FILE, "").strip()
+    if path and os.environ.get(job_env.INPLACE_JOIN) == "1":
         open(path + ".ready", "w").close()
 
 

@@ -5,7 +5,7 @@ talks to etcd from a worker runs on a background thread through an :class:`EtcdL
 it connects lazily with short timeouts, logs *one* warning when etcd is unreachable
 (and one line when it is back), and drops the client after an error so the next call
 reconnects. Each process makes its own client (gRPC channels must not cross ``fork``).
-It connects with the job's :class:`~elasticrun.job.settings.EtcdSettings` (TLS, user and
+It connects with the job's :class:`~elasticrun.store.settings.EtcdSettings` (TLS, user and
 password from the agent's settings file), like every other connection of the job.
 """
 
@@ -16,8 +16,9 @@ import threading
 from typing import TYPE_CHECKING, Optional
 
 from elasticrun.errors import ElasticrunError
+from elasticrun.job import settings as job_settings
 from elasticrun.job.keys import JobKeys
-from elasticrun.job.settings import EtcdSettings
+from elasticrun.store.settings import EtcdSettings
 
 if TYPE_CHECKING:
     from elasticrun.store.client import EtcdStore
@@ -57,7 +58,7 @@ class EtcdLink:
     def settings(self) -> EtcdSettings:
         """How this link connects (read from the agent's settings file on first use)."""
         if self._settings is None:
-            self._settings = EtcdSettings.from_env(endpoints=self.endpoint) or EtcdSettings(self.endpoint)
+            self._settings = job_settings.from_env(endpoints=self.endpoint) or EtcdSettings(self.endpoint)
         return self._settings
 
     def store(self) -> Optional[EtcdStore]:
@@ -68,7 +69,7 @@ class EtcdLink:
             if self._store is not None:
                 return self._store
             try:
-                self._store = self.settings().connect(self.job_id, timeout=self.timeout, retry_timeout=self.timeout)
+                self._store = self.settings().connect(self.keys.ping, timeout=self.timeout, retry_timeout=self.timeout)
             except (ElasticrunError, ImportError, OSError) as err:
                 self._warn(err)
                 return None

@@ -1,11 +1,11 @@
 """In-place re-forming: survivors of a planned rescale keep their process, model and optimizer.
 
     ctx = et.init()
-    reform = et.InPlace(ctx, model=model, optimizer=opt, sampler=sampler)   # opts in
+    inplace = et.InPlace(ctx, model=model, optimizer=opt, sampler=sampler)  # opts in
     ddp = DDP(model)                       # after InPlace, as every other collective
     while ...:
-        train_one_step(); reform.step += 1
-        result = reform.check()            # a step boundary: one tiny all-reduce
+        train_one_step(); inplace.step += 1
+        result = inplace.check()           # a step boundary: one tiny all-reduce
         if result is et.Reform.STOP:       # this worker leaves (its node is going away)
             if reform.group_kept:          # every rank stops at this step: a collective save still works
                 save()
@@ -14,16 +14,16 @@
             ddp = et.rebuild_ddp(ddp)
 
 The agent writes this worker's next assignment (the next round's torchrun variables) to the
-file named by ``ELASTICRUN_REFORM_FILE`` (write + rename) instead of restarting the worker.
+file named by ``ELASTICRUN_INPLACE_FILE`` (write + rename) instead of restarting the worker.
 :meth:`InPlace.check` notices it with one ``os.stat``; all old-group ranks agree on the same
 step through a MAX all-reduce of a local "pending" flag over a short-timeout gloo group, tear
 the old group down, join the new round's group and broadcast the registered state from the new
 rank 0 (always a survivor: ranks are stable) to newcomers, which receive it in the constructor
-(``ELASTICRUN_REFORM_JOIN=1``): create it before DDP or any other collective, so that a
+(``ELASTICRUN_INPLACE_JOIN=1``): create it before DDP or any other collective, so that a
 newcomer's first collectives are the survivors' re-form (else both wait and the re-form fails).
 Any failure (a peer gone, no assignment before ``timeout``) exits the worker with
-:data:`EXIT_REFORM_FAILED`: the agent then takes the normal restart path.
-Without ``ELASTICRUN_REFORM_FILE`` (torchrun, plain python) nothing changes: ``check()`` is a
+:data:`EXIT_INPLACE_FAILED`: the agent then takes the normal restart path.
+Without ``ELASTICRUN_INPLACE_FILE`` (torchrun, plain python) nothing changes: ``check()`` is a
 no-op returning ``CONTINUE`` unless SIGTERM arrived.
 """
 
@@ -42,9 +42,9 @@ import torch
 import torch.distributed as dist
 
 from elasticrun.job import env as names
-from elasticrun.job.reform import (
+from elasticrun.job.inplace import (
     ASSIGNED,
-    EXIT_REFORM_FAILED,
+    EXIT_INPLACE_FAILED,
     formed_round,
     opted_in,
     read_assignment,
@@ -101,7 +101,7 @@ class InPlace:
         self.every = max(1, int(every))
         self.timeout = float(timeout)
         self.join_timeout = float(join_timeout)
-        self.path = os.environ.get(names.REFORM_FILE, "").strip()
+        self.path = os.environ.get(names.INPLACE_FILE, "").strip()
         self.last_pause_s = 0.0  # wall time of the last re-form (teardown → state synchronised)
         self.reforms = 0
         self.joined = False  # this newcomer received the registered state from the survivors (constructor)
@@ -111,8 +111,8 @@ class InPlace:
         self._group: Any = None
         if self.enabled:
             self._new_group()
-            if os.environ.get(names.REFORM_JOIN) == "1":
-                os.environ.pop(names.REFORM_JOIN, None)
+            if os.environ.get(names.INPLACE_JOIN) == "1":
+                os.environ.pop(names.INPLACE_JOIN, None)
                 self._guarded(self.sync, "receiving the state from the survivors")
                 self.joined = True
             self._mark()  # tell the agent: restart not needed
@@ -259,7 +259,7 @@ class InPlace:
     def _fail(self, why: str) -> None:
         sys.stderr.write(f"elasticrun: in-place re-form failed ({why}); exiting for a restart\n")
         sys.stderr.flush()
-        os._exit(EXIT_REFORM_FAILED)  # no atexit: a half-made group must not hang the exit
+        os._exit(EXIT_INPLACE_FAILED)  # no atexit: a half-made group must not hang the exit
 
 
 def _on_cpu(value: Any) -> Any:
@@ -276,5 +276,5 @@ def _on_cpu(value: Any) -> Any:
     return value
 
 
-__all__ = ["ASSIGNED", "EXIT_REFORM_FAILED", "InPlace", "Reform", "formed_round", "opted_in", "read_assignment",
+__all__ = ["ASSIGNED", "EXIT_INPLACE_FAILED", "InPlace", "Reform", "formed_round", "opted_in", "read_assignment",
            "rebuild_ddp", "write_assignment"]

@@ -61,7 +61,8 @@ def load_latest(
     the result's ``.tier`` says which one was loaded. A memory restore that fails in any way
     falls back to the next candidate on every rank alike, and that generation is not tried again.
     Raises :class:`CheckpointError` when checkpoints exist but none can be loaded (or the
-    newest cannot, with ``fallback=False``).
+    newest cannot, with ``fallback=False``); the state dict then holds whatever was read last
+    (a memory restore checks its bytes as it copies them), not a state to train from.
     """
     from elasticrun.checkpoint import load
     from elasticrun.checkpoint.memory import ResumedCheckpoint, Tier, candidates, drop_newer_generations
@@ -131,22 +132,14 @@ def _try_memory(name: str, state_dict: Optional[Dict[str, Any]], placements: Opt
 def _load_memory(name: str, state_dict: Optional[Dict[str, Any]], placements: Optional[Mapping[str, Any]],
                  process_group: Any) -> LoadedCheckpoint:
     """Load memory generation ``name``: the files each node's ranks will read are first gathered
-    there from peers' memory where missing (:func:`~elasticrun.checkpoint.memory.fetch.materialize`).
-    Local files are hashed there first and fetched ones on receipt (see that module). Tensors
-    are private copies, not maps of the files: once loaded, nothing keeps a generation's shared
-    memory alive after retention removes it."""
-    from elasticrun.checkpoint import load
-    from elasticrun.checkpoint.memory import materialize, release
-    from elasticrun.checkpoint.tree import flatten
+    there from peers' memory where missing, and every byte is checked as it is copied
+    (:func:`~elasticrun.checkpoint.memory.load.load_generation`). Tensors are private copies,
+    not maps of the files: once loaded, nothing keeps a generation's shared memory alive after
+    retention removes it."""
+    from elasticrun.checkpoint.memory import load_generation
 
     t0 = time.perf_counter()
-    names = list(flatten(state_dict)[0]) if state_dict is not None else None
-    where, fetched = materialize(name, process_group, names, placements)
-    try:
-        ckpt = load(where, name, state_dict=state_dict, placements=placements, process_group=process_group,
-                    verify=False, mmap=False)
-    finally:
-        release(name)
+    ckpt, fetched = load_generation(name, state_dict, placements, process_group)
     log.info("restored memory snapshot %s in %.2fs (%d file(s), %d bytes fetched from peers)", name,
              time.perf_counter() - t0, fetched["files"], fetched["bytes"])
     return ckpt

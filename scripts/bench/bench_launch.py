@@ -18,6 +18,11 @@ counts as a failure, one that runs out of time as a hang (its processes are kill
     python scripts/bench/bench_launch.py --runs 5 --nodes 2 --procs 2 [--json out.json]
     python scripts/bench/bench_launch.py --scenarios launch,launch-multi --launchers elasticrun,torchrun-best
 
+Every launch run also reports the worker script's first line (launch → ``bench-start``), the first fork's wait
+(the round formed → that first line: elasticrun's ``round 0 (Start)`` line, torchrun's "Rendezvous complete" line,
+which it logs with ``LOGLEVEL=INFO``) and the agent's RSS while the workers run (the largest launcher process,
+sampled when the measured step shows up; elasticrun's fork server and store host are separate processes).
+
 ``--device cuda``: the workers train on their GPU (``cuda:LOCAL_RANK``) over NCCL; every scenario needs a GPU
 per worker of the machine. The JSON's ``summary`` has one row per scenario: elasticrun's median against the
 best torchrun's, their ratio, and (``delta_s``) how many seconds elasticrun is behind (negative: ahead).
@@ -57,6 +62,9 @@ HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "launch_worker.py")
 STEP = re.compile(r"bench-step (\d+) t=([\d.]+) restart=(\d+) world=(\d+)")
 CRASH = re.compile(r"bench-crash t=([\d.]+)")
+FIRST_LINE = re.compile(r"bench-start t=([\d.]+)")
+# torchrun's INFO lines (glog style, local time): I<MMDD> <HH:MM:SS.micro> <pid> <file:line>] <message>
+TORCHRUN_FORMED = re.compile(r"^[IWE](\d\d)(\d\d) (\d\d:\d\d:\d\d)(\.\d+) .*Rendezvous complete for workers")
 BEST_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
@@ -81,6 +89,12 @@ class Output:
             {"step": int(m[1]), "t": float(m[2]), "restart": int(m[3]), "world": int(m[4])} for m in found if m
         ]
 
+    def first_line(self) -> Optional[float]:
+        """When the first worker script printed its first line (unix time)."""
+        with self.cond:
+            found = [float(m[1]) for m in (FIRST_LINE.search(ln) for ln in self.lines) if m]
+        return min(found) if found else None
+
     def crash_time(self) -> Optional[float]:
         with self.cond:
             for ln in self.lines:
@@ -88,6 +102,35 @@ class Output:
                 if m:
                     return float(m[1])
         return None
+
+
+def round_formed(out: Output, launcher: str) -> Optional[float]:
+    """When the first round formed (unix time), from the launcher's own log lines."""
+    with out.cond:
+        lines = list(out.lines)
+    for line in lines:
+        if launcher == "elasticrun":
+            m = STAMP.match(line)
+            if m and "round 0 (Start)" in line:
+                return calendar.timegm(time.strptime(m[1], "%Y-%m-%dT%H:%M:%S")) + float(m[2] or 0)
+            continue
+        m = TORCHRUN_FORMED.match(line)
+        if m:
+            year = time.localtime().tm_year
+            stamp = time.strptime(f"{year}-{m[1]}-{m[2]} {m[3]}", "%Y-%m-%d %H:%M:%S")
+            return time.mktime(stamp) + float(m[4])
+    return None
+
+
+def agent_rss_mib(procs: List[subprocess.Popen]) -> Optional[float]:
+    """The largest RSS among the launcher processes (each node's agent), in MiB."""
+    sizes = []
+    for p in procs:
+        try:
+            sizes.append(psutil.Process(p.pid).memory_info().rss)
+        except psutil.NoSuchProcess:
+            continue
+    return round(max(sizes) / 2**20, 1) if sizes else None
 
 
 def _env(extra: Dict[str, str]) -> Dict[str, str]:
@@ -171,6 +214,8 @@ def run_once(
 ) -> Run:
     """Start the launcher(s), wait for the step the scenario measures, then stop everything."""
     extra = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if launcher == "torchrun-best" else {}
+    if launcher.startswith("torchrun"):
+        extra["LOGLEVEL"] = "INFO"  # its "Rendezvous complete" line, with a time stamp: the round's forming
     extra["BENCH_DEVICE"] = device
     if scenario == "restart":
         extra.update(_restart_env(crash_step, crash_after))
@@ -215,10 +260,16 @@ def run_once(
     if once:
         Path(once).unlink(missing_ok=True)
     if result is not None:
+        rss = agent_rss_mib(running)  # the workers still run: the measured step just showed up
         _kill_all(running)
-        timed = scenario in LAUNCH_SCENARIOS and launcher == "elasticrun"
-        phases = launch_phases(out, started, result) if timed else {}
-        return Run(launcher, scenario, "ok", round(result, 3), crash_after=crash_after, phases=phases)
+        run = Run(launcher, scenario, "ok", round(result, 3), crash_after=crash_after, agent_rss_mib=rss)
+        if scenario in LAUNCH_SCENARIOS:
+            first, formed = out.first_line(), round_formed(out, launcher)
+            run.first_line = None if first is None else round(first - started, 3)
+            run.fork_wait = None if first is None or formed is None else round(first - formed, 3)
+            if launcher == "elasticrun":
+                run.phases = launch_phases(out, started, result)
+        return run
     hung = not all(p.poll() is not None for p in running)
     codes = [p.poll() for p in running]
     _kill_all(running)
@@ -255,6 +306,9 @@ def launch_phases(out: Output, started: float, first_step: float) -> Dict[str, f
         for name, pattern, which in MILESTONES:
             if pattern.search(line) and (which == "last" or name not in marks):
                 marks[name] = round(t, 3)
+    first = out.first_line()
+    if first is not None:
+        marks["first line"] = round(first - started, 3)
     marks["first step"] = round(first_step, 3)
     return marks
 

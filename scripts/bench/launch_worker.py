@@ -1,6 +1,7 @@
 """Worker for scripts/bench/bench_launch.py: a tiny DDP model on gloo that logs every step, and crashes once on demand.
 
-Rank 0 prints ``bench-step <n> t=<unix time> restart=<TORCHELASTIC_RESTART_COUNT> world=<WORLD_SIZE>`` after
+Every rank first prints ``bench-start t=<unix time> rank=<RANK>`` (its script's first line, before any import);
+rank 0 prints ``bench-step <n> t=<unix time> restart=<TORCHELASTIC_RESTART_COUNT> world=<WORLD_SIZE>`` after
 every optimizer step. With BENCH_CRASH_STEP=k, global rank BENCH_CRASH_RANK (default: the last rank) prints
 ``bench-crash t=<unix time>`` and exits 1 at step k of the first attempt (restart count 0) only. With
 BENCH_CRASH_AFTER_S=s instead, that rank does so s seconds after its script started, at whatever it is doing
@@ -14,9 +15,11 @@ from __future__ import annotations
 import os
 import time
 
-import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
+print(f"bench-start t={time.time():.4f} rank={os.environ.get('RANK')}", flush=True)
+
+import torch  # noqa: E402 - after the first line: the bench times the script's start
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 
 def _crash_later(seconds: float) -> None:

@@ -75,7 +75,7 @@ def _specs(preset: str, scratch: str) -> List[Spec]:
                    ["--state", "gpt", "--size-gib", s, "--repeat", "7", "--settle", "0.3", *d], 300)
               for s in ("0.1", "0.4")],
             Spec("rendezvous", "bench_rendezvous.py",
-                 ["--clients", "agent", "--nodes", "8", "32", "128", "256", "512", "--runs", "1", "--phases"], 300),
+                 ["--clients", "shared", "--nodes", "8", "32", "128", "256", "512", "--runs", "1", "--phases"], 300),
             Spec("snapshot", "bench_snapshot.py", ["--mb", "256", "--repeat", "3"], 300),
             Spec("snapshot-lost", "bench_snapshot.py", ["--parts", "lost"], 720),
             Spec("metrics", "bench_metrics.py", ["--runs", "1", "--steps", "120", "--interval", "1"], 300),
@@ -91,8 +91,6 @@ def _specs(preset: str, scratch: str) -> List[Spec]:
                    1500) for s in ("0.25", "1", "2")],
             Spec("checkpoint-1-uniform", "bench_checkpoint.py", ["--size-gib", "1", "--repeat", "5", *d], 2400),
             Spec("rendezvous", "bench_rendezvous.py", ["--clients", "shared", "--runs", "3"], 900),
-            Spec("rendezvous-agent", "bench_rendezvous.py",
-                 ["--clients", "agent", "--nodes", "8", "32", "64", "128", "--runs", "3"], 900),
             Spec("snapshot", "bench_snapshot.py", ["--mb", "1024", "--repeat", "5", "--parts", "stall,restore,lost"],
                  1800),
             Spec("metrics", "bench_metrics.py", ["--runs", "3", "--interval", "1"], 900),
@@ -104,8 +102,10 @@ def _specs(preset: str, scratch: str) -> List[Spec]:
         return [
             Spec("checkpoint-2", "bench_checkpoint.py",
                  ["--state", "gpt", "--size-gib", "2", "--repeat", "3", "--settle", "0.3", *d], 200),
-            Spec("snapshot", "bench_snapshot.py", ["--mb", "1024", "--repeat", "3"], 120),
-            Spec("launch", "bench_launch.py", ["--runs", "3", "--nodes", "2", "--procs", "1", "--timeout", "30"], 200),
+            Spec("snapshot", "bench_snapshot.py", ["--mb", "1024", "--repeat", "2"], 110),
+            Spec("launch", "bench_launch.py",
+                 ["--runs", "1", "--nodes", "1", "--procs", "1", "--scenarios", "launch,restart",
+                  "--timeout", "40"], 150),
             Spec("rendezvous", "bench_rendezvous.py",
                  ["--clients", "shared", "--nodes", "8", "32", "128", "256", "--runs", "1"], 90),
         ]

@@ -87,3 +87,14 @@ def cli(*args: str, env: Optional[Dict[str, str]] = None, input: Optional[str] =
         [sys.executable, "-m", "elasticrun", "ckpt", *args], capture_output=True, text=True, cwd=str(REPO),
         env=child_env({"COLUMNS": "200", **(env or {})}), input=input, timeout=timeout,
     )
+
+
+def reference_wordsum(data: bytes) -> str:
+    """``wordsum`` of ``data`` by its definition (elasticrun/checkpoint/wordsum.py), one word at a time."""
+    a = b = 0
+    for i in range(0, len(data), 8):
+        word = int.from_bytes(data[i:i + 8].ljust(8, b"\0"), "little")
+        a += word
+        b += (i // 4096 + 1) * word
+    mask = (1 << 64) - 1
+    return f"{a & mask:016x}{b & mask:016x}"

@@ -15,7 +15,6 @@ import threading
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from elasticrun.job import records
 from elasticrun.store.client import KeyValue, WatchEvent
 from elasticrun.store.types import Guard, Snapshot
 
@@ -143,9 +142,6 @@ class FakeStore:
         with self._lock:
             return Snapshot({k: self._kv.get(k) for k in keys},
                             {p: sum(1 for k in self._kv if k.startswith(p)) for p in count_prefixes}, self._rev)
-
-    def get_record(self, key: str, check: Callable[[Any], Any]) -> Any:
-        return records.read(self.get(key), check)
 
     def delete(self, key: str) -> bool:
         with self._lock:

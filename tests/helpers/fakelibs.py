@@ -1,8 +1,9 @@
 """Stand-ins for the NVIDIA driver's libraries, built with the host's C compiler for a test.
 
 ``libnvidia-ml`` answers from ``FAKE_NVML_UUIDS`` (comma-separated GPU UUIDs; unset: nvmlInit
-fails), ``libcuda`` from ``FAKE_CUDA_PCI`` (comma-separated PCI bus ids; ``FAKE_CUDA_INIT_RC``: what
-cuInit returns). Both read the variables at each call, so one build serves every test of a session.
+fails), ``FAKE_NVML_NAMES`` (models) and ``FAKE_NVML_MEMORY`` (total bytes; unset: the call
+fails), ``libcuda`` from ``FAKE_CUDA_PCI`` (comma-separated PCI bus ids; ``FAKE_CUDA_INIT_RC``:
+what cuInit returns). Both read the variables at each call, so one build serves every test of a session.
 """
 
 from __future__ import annotations
@@ -51,6 +52,18 @@ int nvmlDeviceGetCount_v2(unsigned *n) { *n = (unsigned)count("FAKE_NVML_UUIDS")
 int nvmlDeviceGetHandleByIndex_v2(unsigned i, void **h) { *h = (void *)(size_t)(i + 1); return 0; }
 int nvmlDeviceGetUUID(void *h, char *buf, unsigned len) {
     return entry("FAKE_NVML_UUIDS", (unsigned)((size_t)h - 1), buf, len) ? 999 : 0;
+}
+int nvmlDeviceGetName(void *h, char *buf, unsigned len) {
+    return entry("FAKE_NVML_NAMES", (unsigned)((size_t)h - 1), buf, len) ? 999 : 0;
+}
+typedef struct { unsigned long long total, free, used; } memory_t;
+int nvmlDeviceGetMemoryInfo(void *h, memory_t *m) {
+    char text[32];
+    if (entry("FAKE_NVML_MEMORY", (unsigned)((size_t)h - 1), text, sizeof text)) return 999;
+    m->total = strtoull(text, 0, 10);
+    m->free = m->total;
+    m->used = 0;
+    return 0;
 }
 """
 

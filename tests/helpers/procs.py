@@ -43,16 +43,20 @@ def worker_env(extra: Optional[dict] = None) -> dict:
 
 
 class Agent:
-    """An ``elasticrun`` agent process with its output in files."""
+    """An ``elasticrun`` agent process with its output in files.
 
-    def __init__(self, args: List[str], log_dir: Path, name: str, env: Optional[dict] = None) -> None:
+    ``program``: the command before ``args`` (default ``python -m elasticrun``; e.g. a script in
+    tests/scripts that runs the agent with a fault injected)."""
+
+    def __init__(self, args: List[str], log_dir: Path, name: str, env: Optional[dict] = None,
+                 program: Optional[List[str]] = None) -> None:
         self.name = name
         self.out_path = log_dir / f"{name}.out"
         self.err_path = log_dir / f"{name}.err"
         self._out = open(self.out_path, "wb")
         self._err = open(self.err_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "elasticrun", *args],
+            [*(program or [sys.executable, "-m", "elasticrun"]), *args],
             stdout=self._out,
             stderr=self._err,
             stdin=subprocess.DEVNULL,

@@ -14,9 +14,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from elasticrun.job.settings import EtcdSettings
-from elasticrun.store.admin import add_job_user, enable_auth
+from elasticrun.cli.etcd_users import add_job_user
+from elasticrun.store.admin import enable_auth
 from elasticrun.store.server import EtcdCluster, EtcdServer, HealthTLS, ServerTLS
+from elasticrun.store.settings import EtcdSettings
 
 ROOT_PASSWORD = "root-Secret-7f3a"
 

@@ -4,8 +4,8 @@
     stderr: ``echo-err rank=<RANK> restart=<RESTART>``
 
 Env knobs: ECHO_FAIL_RANK_AT_RESTART="rank:restart" makes that rank exit 3 (after printing);
-ECHO_SLEEP_S keeps the worker alive that long first and ECHO_PID_DIR gets ``<rank>.pid`` at start
-(for signal tests).
+ECHO_SLEEP_S keeps the worker alive that long first, ECHO_HOLD_FILE until that file exists (at most
+300 s), and ECHO_PID_DIR gets ``<rank>.pid`` at start (for signal tests).
 Runs as a script or as a module (``-m echo_worker`` with tests/scripts on PYTHONPATH).
 """
 
@@ -26,6 +26,10 @@ def main() -> int:
             f.write(str(os.getpid()))
         os.replace(os.path.join(pid_dir, f"{rank}.pid.tmp"), os.path.join(pid_dir, f"{rank}.pid"))
     time.sleep(float(os.environ.get("ECHO_SLEEP_S", "0")))
+    hold = os.environ.get("ECHO_HOLD_FILE")
+    deadline = time.monotonic() + 300
+    while hold and not os.path.exists(hold) and time.monotonic() < deadline:
+        time.sleep(0.05)
     print(f"echo-out rank={rank} restart={restart} world={world} args={sys.argv[1:]}", flush=True)
     print(f"echo-err rank={rank} restart={restart}", file=sys.stderr, flush=True)
     if os.environ.get("ECHO_FAIL_RANK_AT_RESTART") == f"{rank}:{restart}":

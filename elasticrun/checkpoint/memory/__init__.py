@@ -10,8 +10,10 @@ format, the writer, the commit) and :mod:`elasticrun.job` (the shared-memory lay
 - :mod:`~.pinned`: async snapshots through reused (pinned) host buffers;
 - :mod:`~.replicas`: the copy of each node's parts to the next node;
 - :mod:`~.persist`: every K-th generation copied to disk;
-- :mod:`~.restore` and :mod:`~.fetch`: what the job's memory holds, and loading from it at
-  any world size (parts missing on a node are fetched from peers).
+- :mod:`~.restore` and :mod:`~.fetch`: what the job's memory holds, and bringing the files a
+  node reads onto it at any world size (parts missing on a node are fetched from peers);
+- :mod:`~.load` and :mod:`~.integrity`: loading a generation with every byte checked as it is
+  copied (a changed copy is replaced by a peer's, or the restore fails).
 
 The names below are what the rest of elasticrun (``elasticrun.train``) uses; they are
 imported lazily (most need torch).
@@ -31,6 +33,7 @@ _LAZY = {
     "candidates": "elasticrun.checkpoint.memory.restore",
     "drop_newer_generations": "elasticrun.checkpoint.memory.restore",
     "mark_failed": "elasticrun.checkpoint.memory.restore",
+    "load_generation": "elasticrun.checkpoint.memory.load",
     "materialize": "elasticrun.checkpoint.memory.fetch",
     "release": "elasticrun.checkpoint.memory.fetch",
 }
@@ -40,4 +43,4 @@ __getattr__ = lazy_exports(__name__, _LAZY, globals())
 
 
 __all__ = ["ResumedCheckpoint", "SnapshotMemoryError", "SnapshotUnavailable", "Snapshotter", "Tier", "candidates",
-           "drop_newer_generations", "mark_failed", "materialize", "release", "snapshot"]
+           "drop_newer_generations", "load_generation", "mark_failed", "materialize", "release", "snapshot"]

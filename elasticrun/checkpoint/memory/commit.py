@@ -22,6 +22,7 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, Tuple
 
+from elasticrun.checkpoint.checksum import MEMORY_CHECKSUM
 from elasticrun.checkpoint.commit import commit, crash_point, rollback
 from elasticrun.checkpoint.format import METADATA_FILE, CheckpointMeta, FileEntry, parse_tmp_dir_name
 from elasticrun.checkpoint.temps import write_marker
@@ -165,8 +166,10 @@ def retain(root: str, keep: int, protect: Optional[str] = None) -> List[str]:
 
 
 def to_node_job(job: SaveJob, layout: NodeLayout) -> NodeSaveJob:
-    """The prepared ``job`` as a per-node job."""
+    """The prepared ``job`` as a per-node job, its files hashed with the memory tier's checksum
+    (``wordsum``: a restore checks every byte it copies at memory speed)."""
     kwargs: Any = {f: getattr(job, f) for f in job.__dataclass_fields__}
+    kwargs["checksum"] = MEMORY_CHECKSUM
     return NodeSaveJob(**kwargs, layout=layout)
 
 

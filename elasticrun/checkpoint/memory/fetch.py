@@ -16,11 +16,11 @@ restore that would not fit fails (on every rank alike) before any byte moves, an
 
 Integrity: every file of a memory generation was hashed when it was written (the checksum in
 ``metadata.json`` is computed over the bytes written), and a replica or a fetched file is checked
-against ``metadata.json`` on receipt. Shared memory can still change afterwards, so before a
-restore every node hashes the local copies it will read (its ranks share the work,
-:mod:`~.integrity`): a copy that fails its checksum is never loaded — it is fetched from another
-node that holds the file (its ring successor's replica), or, when none does, the restore fails on
-every rank alike and ``load_latest`` falls back to the next checkpoint (an older generation, then
+against ``metadata.json`` on receipt. Shared memory can still change afterwards, so the load
+itself checks every byte it copies (:mod:`~.load`, :mod:`~.integrity`); the local copies it found
+changed are passed back in as ``corrupt``, and :func:`materialize` then fetches those files from
+another node that holds them (its ring successor's replica) — or, when none does, fails on every
+rank alike, and ``load_latest`` falls back to the next checkpoint (an older generation, then
 disk). Disk checkpoints are hashed on load.
 """
 
@@ -34,7 +34,6 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 from elasticrun.checkpoint.comm import Comm
 from elasticrun.checkpoint.format import METADATA_FILE, CheckpointMeta
 from elasticrun.checkpoint.memory.commit import NodeLayout
-from elasticrun.checkpoint.memory.integrity import corrupt_files
 from elasticrun.checkpoint.memory.replicas import recv_file, send_file
 from elasticrun.checkpoint.memory.restore import gather_inventories
 from elasticrun.checkpoint.memory.space import dir_bytes, memory_cap
@@ -88,35 +87,28 @@ def _room_problem(base: str, name: str, node: int, nbytes: int) -> Optional[str]
     return None
 
 
-def _drop_corrupt(name: str, meta: CheckpointMeta, comm: Comm, layout: NodeLayout, have: List[Dict[str, Any]],
-                  need: List[Set[str]], base: str) -> List[Dict[str, Any]]:
-    """Hash the local copies of the files each node will read (split over its ranks; collective) and
-    leave the ones that fail their checksum out of ``have``: bytes changed in shared memory after the
-    commit are never loaded — such a file is fetched from a node that holds another copy (a replica),
-    or, when none does, the restore fails and the next checkpoint is tried."""
-    me, ranks = layout.me, layout.nodes[layout.me]
-    local = sorted(need[me] & (set(have[me]["gen"]) | set(have[me]["rep"])))
-    share = local[ranks.index(comm.rank)::len(ranks)]
-    bad_here = corrupt_files([(f, _local_path(base, name, f), meta.files[f]) for f in share])
-    for fname in bad_here:
-        log.warning("memory snapshot %s: %s on this node fails its checksum (changed in shared memory after it was "
-                    "written): not loading it", name, fname)
-    bad = comm.all_gather(bad_here)
+def _leave_out(have: List[Dict[str, Any]], layout: NodeLayout,
+               corrupt: Optional[Sequence[Sequence[str]]]) -> List[Dict[str, Any]]:
+    """``have`` without the local copies that failed their checksum: ``corrupt[r]`` names the files
+    rank ``r`` found changed on its node; another node's copy is fetched instead (or none is left)."""
     out = []
     for n, node_ranks in enumerate(layout.nodes):
-        drop = {f for r in node_ranks for f in bad[r]}
+        drop = {f for r in node_ranks for f in (corrupt[r] if corrupt else ())}
         out.append(dict(have[n], gen=[f for f in have[n]["gen"] if f not in drop],
                         rep=[f for f in have[n]["rep"] if f not in drop], corrupt=sorted(drop)))
     return out
 
 
 def materialize(name: str, process_group: Any = None, names: Optional[Sequence[str]] = None,
-                placements: Optional[Mapping[str, Any]] = None) -> Tuple[str, Dict[str, int]]:
+                placements: Optional[Mapping[str, Any]] = None,
+                corrupt: Optional[Sequence[Sequence[str]]] = None) -> Tuple[str, Dict[str, int]]:
     """Make generation ``name`` loadable on every node (collective): each node gets the files its
-    ranks will read to load ``names`` (None: every tensor) under ``placements``. Returns the
-    checkpoint root to load it from on this rank and what was fetched (``{"files": n, "bytes":
-    b}`` for this node). Raises :class:`CheckpointError` on every rank alike when it cannot
-    (a local I/O error never leaves a peer waiting); a transport error (gloo) escapes."""
+    ranks will read to load ``names`` (None: every tensor) under ``placements``; ``corrupt[r]``
+    (the same on every rank) names local copies that rank ``r`` found changed, which are not
+    used. Returns the checkpoint root to load it from on this rank and what was fetched
+    (``{"files": n, "bytes": b}`` for this node). Raises :class:`CheckpointError` on every rank
+    alike when it cannot (a local I/O error never leaves a peer waiting); a transport error
+    (gloo) escapes."""
     comm = Comm(process_group)
     dirs, invs = gather_inventories(comm)
     if any(d is None for d in dirs):
@@ -145,7 +137,7 @@ def materialize(name: str, process_group: Any = None, names: Optional[Sequence[s
         mine = sorted(meta.files)  # the load itself says what is wrong
     wanted = comm.all_gather(mine)
     need = [set().union(*(wanted[r] for r in ranks)) for ranks in layout.nodes]
-    have = _drop_corrupt(name, meta, comm, layout, have, need, base)
+    have = _leave_out(have, layout, corrupt)
 
     # Every transfer (file, from node, to node), in one order computed alike on every rank.
     local_all = [need[n] <= set(h["gen"]) for n, h in enumerate(have)]

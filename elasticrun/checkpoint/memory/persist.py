@@ -12,9 +12,10 @@ import hashlib
 import logging
 import os
 import shutil
+from dataclasses import replace
 from typing import Any, Dict, List, Optional
 
-from elasticrun.checkpoint.checksum import Digest
+from elasticrun.checkpoint.checksum import DEFAULT_CHECKSUM, DISK_CHECKSUMS, Digest
 from elasticrun.checkpoint.format import METADATA_FILE, CheckpointMeta, FileEntry, tmp_dir_name
 from elasticrun.errors import CheckpointError
 from elasticrun.job.shm import ShmLayout
@@ -22,9 +23,12 @@ from elasticrun.job.shm import ShmLayout
 log = logging.getLogger(__name__)
 
 
-def _copy_checked(src_path: str, storage: Any, dst: str, entry: FileEntry, name: str) -> None:
-    """Copy one file to ``dst`` on ``storage``, checking its checksum on the way."""
-    digest = Digest(entry.algo)
+def _copy_checked(src_path: str, storage: Any, dst: str, entry: FileEntry, name: str) -> FileEntry:
+    """Copy one file to ``dst`` on ``storage``, checking its checksum on the way; returns its entry
+    for the disk checkpoint (a memory snapshot's ``wordsum`` becomes CRC-32, computed on the way:
+    checkpoints on disk carry only the public format's checksums)."""
+    check = Digest(entry.algo)
+    disk = None if entry.algo in DISK_CHECKSUMS else Digest(DEFAULT_CHECKSUM)
     with open(src_path, "rb") as src:
         out = storage.open_write(dst)
         try:
@@ -32,21 +36,24 @@ def _copy_checked(src_path: str, storage: Any, dst: str, entry: FileEntry, name:
                 chunk = src.read(8 << 20)
                 if not chunk:
                     break
-                digest.update(chunk)
+                check.update(chunk)
+                if disk is not None:
+                    disk.update(chunk)
                 out.write(chunk)
             storage.finish_write(out)
         finally:
             out.close()
-    if digest.hexdigest() != entry.digest:
+    if check.hexdigest() != entry.digest:
         raise CheckpointError(f"{entry.name} of snapshot {name!r} does not match its {entry.algo.value} "
                               "(memory corrupted?)")
+    return entry if disk is None else replace(entry, digest=disk.hexdigest(), algo=disk.algo)
 
 
 def persist_generation(src_dir: str, name: str, disk_root: str, keep_last: Optional[int] = None,
                        storage_options: Optional[Dict[str, Any]] = None) -> str:
     """Copy the committed generation in ``src_dir`` to ``<disk_root>/<name>`` with the save's
-    atomic commit (shards to a temporary directory, fsync, checksums checked while copying,
-    ``metadata.json`` last, rename). Returns the name; raises CheckpointError (rolled back)."""
+    atomic commit (shards to a temporary directory, fsync, checksums checked and CRC-32 computed
+    while copying, ``metadata.json`` last, rename). Returns the name; raises CheckpointError (rolled back)."""
     from elasticrun.checkpoint.commit import commit, new_token, rollback
     from elasticrun.checkpoint.retention import apply_keep_last
     from elasticrun.checkpoint.storage import get_storage
@@ -65,7 +72,7 @@ def persist_generation(src_dir: str, name: str, disk_root: str, keep_last: Optio
         storage.mkdirs(tmp)
         write_marker(storage, tmp)
         for fname, entry in sorted(meta.files.items()):
-            _copy_checked(os.path.join(src_dir, fname), storage, f"{tmp}/{fname}", entry, name)
+            meta.files[fname] = _copy_checked(os.path.join(src_dir, fname), storage, f"{tmp}/{fname}", entry, name)
         meta.seq = next_seq(storage)
         commit(storage, tmp, final, meta.dumps(), 0)
     except Exception as err:
@@ -94,6 +101,7 @@ def persist_across_nodes(base: str, name: str, layout: Any, group: Any, disk_roo
     token = hashlib.sha256(name.encode()).hexdigest()[:12]  # the same temporary directory on every node
     error: Optional[str] = None
     meta: Optional[CheckpointMeta] = None
+    copied: List[FileEntry] = []  # this node's files as the disk checkpoint lists them
     storage: Any = None
     tmp = final = ""
     stage = os.path.join(ShmLayout(base).persist, name)
@@ -110,21 +118,21 @@ def persist_across_nodes(base: str, name: str, layout: Any, group: Any, disk_roo
             for e in mine:  # hard links pin the files: retention may drop the generation meanwhile
                 os.link(os.path.join(gen, e.name), os.path.join(stage, e.name))
             storage.mkdirs(tmp)
-            for e in mine:
-                _copy_checked(os.path.join(stage, e.name), storage, f"{tmp}/{e.name}", e, name)
+            copied = [_copy_checked(os.path.join(stage, e.name), storage, f"{tmp}/{e.name}", e, name) for e in mine]
     except Exception as err:  # noqa: BLE001 - agreed on below
         error = f"node {layout.me}: {err}"
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-    problems: List[Optional[str]] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(problems, error, group=group)
+    results: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(results, (error, copied), group=group)
     done: List[Optional[str]] = [None]
     if dist.get_rank(group) == 0:
         try:
-            bad = [p for p in problems if p]
+            bad = [p for p, _files in results if p]
             if bad:
                 raise CheckpointError(bad[0])
             assert meta is not None and storage is not None
+            meta.files.update({e.name: e for _p, files in results for e in files})
             missing = [f for f, e in sorted(meta.files.items())
                        if not storage.exists(f"{tmp}/{f}") or storage.size(f"{tmp}/{f}") != e.size]
             if missing:

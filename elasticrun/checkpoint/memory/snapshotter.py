@@ -7,7 +7,7 @@
     ckpt = elasticrun.train.load_latest("ckpts", ...)   # newest of memory and disk
 
 Under elasticrun the agent owns a 0700 directory in ``/dev/shm`` (``ELASTICRUN_SNAPSHOT_DIR``,
-see :mod:`elasticrun.launch.snapshots`) that outlives its workers: a worker that crashes and
+see :mod:`elasticrun.launch.shmroot`) that outlives its workers: a worker that crashes and
 is restarted finds the snapshots of its predecessor there. Each snapshot is a *generation*:
 a checkpoint in exactly the disk format (sharded safetensors, a checksum per file,
 ``metadata.json`` written last and renamed into place), committed only when every rank's
@@ -101,7 +101,7 @@ class Snapshotter:
                  placements: Optional[Mapping[str, Placement]] = None) -> Union[str, Any]:
         """Write a generation (collective). Sync: returns its name once committed. Async: returns
         an :class:`~elasticrun.checkpoint.background.AsyncSaveHandle` once the state is copied."""
-        from elasticrun.checkpoint.writer import prepare, source_tensor, training_state_dict
+        from elasticrun.checkpoint.writer import prepare, training_state_dict
 
         comm = Comm(self.process_group)
         extra = 1 if self.persist_every else 0
@@ -135,7 +135,7 @@ class Snapshotter:
                                keep_last=self.keep)
         job = to_node_job(job, layout)
         try:
-            job.sources = [(i.chunk, source_tensor(tensors[i.name], i)) for i in job.plan.writes[comm.rank]]
+            job.take_sources(tensors)  # as save(): CUDA tensors through pinned buffers, overlapped
         except Exception as err:  # noqa: BLE001 - must still take part in the collectives
             job.sources, job.error = [], f"cannot read the tensors to snapshot: {err}"
         done = job.run()

@@ -1,4 +1,4 @@
-"""In-place loads (``load(state_dict=...)``): every check first, then direct reads.
+"""Loads into the caller's tensors (``load(state_dict=...)``): every check first, then direct reads.
 
 Verify before write without a staging copy. First a *dry* pass, which writes nothing into
 the caller's tensors: every shard file this rank reads is opened and its header parsed and

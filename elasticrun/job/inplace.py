@@ -1,6 +1,6 @@
 """In-place re-forming: the files an agent and its workers share (see :mod:`elasticrun.train.inplace`).
 
-Per local worker the agent names a file in ``ELASTICRUN_REFORM_FILE``. The agent writes the next
+Per local worker the agent names a file in ``ELASTICRUN_INPLACE_FILE``. The agent writes the next
 round's assignment there (write + rename); the worker writes ``<file>.optin`` (the round it runs
 in: it opted in, and re-formed for that round) and, as a newcomer, ``<file>.ready`` just before it
 joins the group (its start-up is over: the survivors may re-form now).
@@ -14,14 +14,14 @@ from typing import Any, Dict, Mapping, Optional
 
 from elasticrun.job import env as names
 
-EXIT_REFORM_FAILED = 75  # the worker could not re-form: the agent restarts the round as today
+EXIT_INPLACE_FAILED = 75  # the worker could not re-form: the agent takes the restart path
 #: Default of ``--inplace-ready-timeout``: newcomers' start-up (interpreter, imports, model, up to
 #: ``init_process_group``) while the survivors keep training at the old size.
 READY_WAIT_S = 300.0
-REFORM_DEADLINE_S = 60.0  # assignment written → every local worker re-formed
+INPLACE_DEADLINE_S = 60.0  # assignment written → every local worker re-formed
 #: A failure row's flag (``rounds/<n>/failures/<node>``): the worker failed inside its node's in-place
 #: re-form (a survivor between its assignment and re-forming, a newcomer before it received the state).
-IN_REFORM = "in_reform"
+DURING_INPLACE = "during_inplace"
 
 #: The variables an assignment carries (the rest of the environment stays as it was).
 ASSIGNED = (
@@ -80,5 +80,5 @@ def clear(path: str) -> None:
             pass
 
 
-__all__ = ["ASSIGNED", "EXIT_REFORM_FAILED", "IN_REFORM", "clear", "formed_round", "opted_in", "read_assignment",
-           "ready", "write_assignment"]
+__all__ = ["ASSIGNED", "DURING_INPLACE", "EXIT_INPLACE_FAILED", "clear", "formed_round", "opted_in",
+           "read_assignment", "ready", "write_assignment"]

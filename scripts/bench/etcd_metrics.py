@@ -1,6 +1,6 @@
 """etcd's own counters, read from its ``/metrics`` page (Prometheus text on the client URL).
 
-For benches and tests that count what etcd did for the agents: CPU, writes (the store
+For the rendezvous bench (and its test) that count what etcd did for the agents: CPU, writes (the store
 revision), watch events sent, database size, and requests. Only plain-HTTP endpoints serve it
 here (a TLS etcd needs its client certificate: then the result is empty).
 """

@@ -1,9 +1,9 @@
-"""The node's memory tier: a shared-memory directory the agent owns and its workers snapshot into.
+"""The node's shared-memory root: the directory the agent owns and its workers snapshot into.
 
-The agent creates ``/dev/shm/elasticrun-snap-<job>-<node>-<pid>/`` (mode 0700) when it
-starts and names it to its workers in ``ELASTICRUN_SNAPSHOT_DIR``. Workers come and go
-(a crash, a restart, a rescale); the directory — and the snapshots in it — stay until
-the agent exits. It is removed
+The agent creates its root in ``/dev/shm`` (mode 0700; the name and the layout inside:
+:mod:`elasticrun.job.shm`) when it starts and names it to its workers in
+``ELASTICRUN_SNAPSHOT_DIR``. Workers come and go (a crash, a restart, a rescale); the
+directory — and the snapshots in it — stay until the agent exits. It is removed
 
 - by the agent itself when it exits normally (:meth:`SnapshotRoot.remove`);
 - by a watchdog after the agent dies in any way, SIGKILL included: a tiny interpreter
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import re
 import shutil
 import stat
 import subprocess
@@ -34,9 +33,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, List, Optional
 
-from elasticrun.job.shm import LOCK_FILE, OWNER_FILE, PREFIX, SHM_DIR, root_name
-
-_NAME_RE = re.compile(r"^" + re.escape(PREFIX) + r".*-(\d+)$")
+from elasticrun.job.shm import LOCK_FILE, OWNER_FILE, SHM_DIR, parse_root_name, root_name
 
 # The watchdog: no imports beyond the standard library, no site packages (fast, nothing to fail).
 _WATCHDOG = (
@@ -121,7 +118,7 @@ def sweep(base: str = SHM_DIR) -> List[str]:
     except OSError:
         return removed
     for entry in entries:
-        if not _NAME_RE.match(entry):
+        if parse_root_name(entry) is None:
             continue
         path = os.path.join(base, entry)
         if _dead(path):

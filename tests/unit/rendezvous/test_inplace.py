@@ -1,0 +1,63 @@
+"""Who re-forms in place (rendezvous/inplace.py: plan_inplace), and which failed round is a failed re-form
+(inplace_failed): pure decisions on records already read."""
+
+from __future__ import annotations
+
+from elasticrun.job.inplace import DURING_INPLACE, EXIT_INPLACE_FAILED
+from elasticrun.rendezvous.inplace import inplace_failed, plan_inplace
+from elasticrun.rendezvous.records import Member, NodeInfo, RescaleType, Topology
+
+
+def _member(nid: str, rank: int) -> Member:
+    return Member(nid, "h", "127.0.0.1", 1, rank, rank, lease=ord(nid))
+
+
+def _topo(ids: str, round_: int = 0) -> Topology:
+    return Topology(round_, tuple(_member(n, i) for i, n in enumerate(ids)), "127.0.0.1", 1)
+
+
+def _nodes(opted: str, ids: str = "ABC"):
+    return {n: (NodeInfo(n, "h", "127.0.0.1", 1, 1, inplace=n in opted), ord(n)) for n in ids}
+
+
+def test_join_reforms_survivors_only_when_all_opted_in():
+    prev, new = _topo("AB"), _topo("ABC", 1).members
+    assert plan_inplace(prev, new, RescaleType.SCALE_UP, False, _nodes("AB"), ()) == ("A", "B")
+    assert plan_inplace(prev, new, RescaleType.SCALE_UP, False, _nodes("A"), ()) == ()
+    assert plan_inplace(prev, new, RescaleType.SCALE_UP, True, _nodes("AB"), ()) == (), "a failure restarts"
+    assert plan_inplace(prev, new, RescaleType.RESTART, False, _nodes("AB"), ()) == ()
+    assert plan_inplace(None, new, RescaleType.START, False, _nodes("ABC"), ()) == ()
+
+
+def test_leave_reforms_only_when_graceful():
+    prev, new = _topo("ABC"), (_member("A", 0), _member("C", 1))
+    assert plan_inplace(prev, new, RescaleType.SCALE_DOWN, False, _nodes("AC"), ()) == (), "lost, not left"
+    assert plan_inplace(prev, new, RescaleType.SCALE_DOWN, False, _nodes("AC"), {"B"}) == ("A", "C")
+
+
+def test_rank_zero_must_survive_and_survivors_keep_their_lease():
+    prev = _topo("AB")
+    newcomer_first = (_member("C", 0), _member("A", 1), _member("B", 2))
+    assert plan_inplace(prev, newcomer_first, RescaleType.SCALE_UP, False, _nodes("AB"), ()) == (), \
+        "the state is broadcast from rank 0: a newcomer cannot be it"
+    rejoined = (Member("A", "h", "127.0.0.1", 1, 0, 0, lease=999), _member("B", 1), _member("C", 2))
+    assert plan_inplace(prev, rejoined, RescaleType.SCALE_UP, False, _nodes("AB"), ()) == (), \
+        "A under a new lease is a new incarnation, and rank 0 is then no survivor"
+
+
+def test_only_a_failed_reform_of_an_inplace_round_is_free():
+    """The restart after a failed in-place re-form is not charged; a crash in an ordinary round, or
+    after the re-form (however soon), is."""
+    members = (_member("A", 0), _member("B", 1))
+    inplace = Topology(4, members, "127.0.0.1", 1, created_at=1000.0, inplace=("A",))
+    ordinary = Topology(4, members, "127.0.0.1", 1, created_at=1000.0)
+    assert not inplace_failed(inplace, []), "no failure recorded"
+    crash = [{"rank": 1, "exitcode": 1}]
+    assert not inplace_failed(inplace, crash), "a crash outside the re-form is charged, however soon"
+    could_not = crash + [{"rank": 0, "exitcode": EXIT_INPLACE_FAILED}]
+    assert inplace_failed(inplace, could_not), "a worker that could not re-form"
+    assert not inplace_failed(ordinary, could_not), "exit 75 outside an in-place round is a plain failure"
+    in_reform = crash + [{"rank": 2, "exitcode": 3, DURING_INPLACE: True}]
+    assert inplace_failed(inplace, in_reform), "a newcomer dying while it receives the state"
+    assert not inplace_failed(inplace, [{"rank": 2, "exitcode": 3, DURING_INPLACE: False}])
+    assert not inplace_failed(None, could_not)
