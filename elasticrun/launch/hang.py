@@ -69,7 +69,8 @@ class HangWatch:
     def start_round(self, round_: int, carried: Optional[int] = None) -> None:
         """Judge reports of ``round_`` from now on (nothing until its first report). ``carried``: the
         round our workers still train in until they re-form in place into ``round_`` (their reports
-        name it meanwhile, up to ``--inplace-ready-timeout`` while newcomers start)."""
+        name it meanwhile, up to ``--inplace-ready-timeout`` while newcomers start). Once they start
+        re-forming, the round loop starts ``round_`` again without it: the re-form's pause is no hang."""
         with self._lock:
             self.round, self.carried, self.step, self._advanced_at = round_, carried, None, None
 

@@ -119,6 +119,8 @@ class RoundLoop:
         running = state is GroupState.RUNNING
         inplace_failed = self.inplace.tick(self.rdzv, self.topo, self.guard.call) if running else None
         hang = self.hang
+        if hang is not None and hang.carried is not None and self.inplace.during_inplace:
+            hang.start_round(self.topo.round)  # re-forming: no step until the new round's first report
         stall = None if hang is None else Stall(hang.step, hang.stalled_for(), hang.timeout)
         return WorkersSeen(False, state, inplace_failed, stall, self.done_reported)
 
