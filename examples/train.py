@@ -25,7 +25,8 @@ What makes it elastic (see docs/training.md):
 - on SIGTERM (the agent stopping workers for a rescale) every rank agrees to stop at the
   same step, saves a checkpoint and exits (code 143, "terminated"); in place, a node that
   leaves alone stops without a save (the survivors hold the state);
-- it answers ``elasticrun ckpt save`` requests and reports progress for ``elasticrun status``.
+- it answers ``elasticrun ckpt save`` requests and reports progress (and each rank's compute time per
+  step, for straggler detection) for ``elasticrun status``.
 
 Rank 0 prints one ``step N loss X world W`` line per step and ends with
 ``done: steps=N world=W final_loss=X``. With ``--metrics-log FILE`` it also appends one
@@ -159,6 +160,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     metrics = open(args.metrics_log, "a", encoding="utf-8") if args.metrics_log and ctx.is_rank0 else None
 
     ddp = DDP(model) if ctx.distributed else model
+    # Each rank's compute time per step (up to handing its gradients to the all-reduce), reported with the
+    # progress: the launcher flags a rank much slower than the others (--straggler-threshold).
+    timer = et.step_timer(ddp if isinstance(ddp, DDP) else None)
     every = args.agree_every if args.agree_every == "auto" else int(args.agree_every)
     requests = et.CheckpointRequests(ctx, every=every)
     progress = et.ProgressReporter(ctx)
@@ -224,7 +228,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         lr = lr_at(step)
         for group in optim.param_groups:
             group["lr"] = lr
-        ddp = et.rebuild_ddp(ddp) if isinstance(ddp, DDP) else ddp
+        if isinstance(ddp, DDP):
+            ddp = et.rebuild_ddp(ddp)
+            et.step_timer(ddp)  # the compute timer watches the new wrapper's gradient buckets
         requests.regroup(ctx.cpu_process_group)  # agree at the same steps as a newcomer, on the new group
         log0(ctx, f"re-formed in place: {ctx.state.describe()} step {step} lr {lr:.4g} global_batch "
                   f"{global_batch} accumulation {accum} pause {reform.last_pause_s:.3f}s")
@@ -247,6 +253,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     for group in optim.param_groups:
                         group["lr"] = lr
                 micro = [chunk[i : i + args.batch_size] for i in range(0, len(chunk), args.batch_size)]
+                timer.begin()
                 optim.zero_grad(set_to_none=True)
                 total = 0.0
                 for j, mb in enumerate(micro):
@@ -256,6 +263,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                         loss.backward()
                     total += float(loss.detach())
                 optim.step()
+                timer.end()
                 step += 1
                 sampler.advance(len(chunk))
                 samples_seen += len(chunk) * world

@@ -99,6 +99,17 @@ def test_bad_arguments_give_one_line():
     assert "Traceback" not in proc.stderr
 
 
+def test_a_hosted_etcd_run_draws_no_kind_that_needs_an_etcd_of_the_soaks_own():
+    every = parse(["--minutes", "1", "--seed", "3", "--hosted-etcd"])
+    names = {k.name for k in every.kinds}
+    assert "agent_kill" in names and not names & {"etcd_restart", "etcd_outage", "member_loss", "leader_loss"}
+    for argv, says in ((["--faults", "etcd_outage"], "etcd_outage need an etcd of the soak's own"),
+                       (["--etcd-members", "3"], "--hosted-etcd and --etcd-members are exclusive")):
+        proc = subprocess.run([sys.executable, "-m", "scripts.chaos", "--minutes", "1", "--seed", "1", "--hosted-etcd",
+                               *argv], capture_output=True, text=True, timeout=60, cwd=str(REPO))
+        assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
 # Two faults from outside the job (a malformed record, stalled metrics clients), the two that only this soak
 # injects (partition, disk_full: as root), then a reused job id (the slowest: two agent start-ups), shm_full and
 # hang (the first kinds after these two without root); one minute reaches the first three to six of them. The

@@ -60,6 +60,7 @@ TEXT_VALUES: Dict[str, List[str]] = {
     "restart_window": ["abc", "-5m", "1x", "nan"],
     "snapshot_memory": ["abc", "-1", "0", "1x"],
     "local_ranks_filter": ["a", "-1", "0,x"],
+    "node_check_thresholds": ["cpu=3", "min-cpu-gflops=x", "max-gpu-temp-c=-1", "min-gpu-free-fraction=2"],
     "rdzv_conf": ["join_timeout=nan", "join_timeout=-1", "heartbeat_timeout=abc", "keep_alive_max_attempt=-1",
                   "rescale_timeout=inf"],
 }
@@ -102,6 +103,9 @@ TYPER_VALUES: List[Tuple[List[str], str, List[str], List[str]]] = [
     (["etcd"], "--quota-backend-bytes", ["abc", "-5", "0", "1x", "nan"], []),
     (["etcd"], "--compaction-retention", ["abc", "-5m", "5x"], []),
     (["status"], "--events", ["abc", "-3"], ENDPOINT),
+    (["check"], "--min-cpu-gflops", ["abc", "-1", "nan", "inf"], []),
+    (["check"], "--min-gpu-matmul-ratio", ["abc", "1.5"], []),
+    (["check"], "--timeout", ["abc", "0"], []),
     (["status"], "--timeout", ["abc", "nan", "inf", "-1", "0"], ENDPOINT),
     (["status"], "--rdzv-endpoint", ["localhost:70000", "localhost:abc"], []),
     (["ckpt", "delete"], "--keep-last", ["abc", "0", "-1"], ["/nonexistent-root"]),

@@ -124,7 +124,8 @@ def _delete_answering_no(root: Path) -> Tuple[int, str]:
 
 def every_command_2(**_: object) -> List[Tuple[str, int]]:
     return [(" ".join(a), command(*a)) for a in (
-        ["--nnodes", "abc", ECHO], ["status", "--events", "x"], ["etcd", "--port", "70000"], ["ckpt", "list", "--x"],
+        ["--nnodes", "abc", ECHO], ["status", "--events", "x"],
+        ["check", "--max-gpu-temp-c", "hot"], ["etcd", "--port", "70000"], ["ckpt", "list", "--x"],
         ["ckpt", "save", "--timeout", "nan", "--rdzv-endpoint", "h:1", "--rdzv-id", "j"])]
 
 
@@ -235,10 +236,28 @@ def ckpt_save_138(**_: object) -> List[Tuple[str, int]]:
                                             "--etcd-timeout", "0.5"))]
 
 
+def check_0(tmp_path: Path, **_: object) -> List[Tuple[str, int]]:
+    return [("this machine", command("check", "--ckpt-dir", str(tmp_path), "--no-allreduce"))]
+
+
+def check_6(tmp_path: Path, **_: object) -> List[Tuple[str, int]]:
+    return [("a CPU below the threshold", command("check", "--ckpt-dir", str(tmp_path), "--no-allreduce",
+                                                  "--min-cpu-gflops", "1e9")),
+            ("etcd unreachable", command("check", "--ckpt-dir", str(tmp_path), "--no-allreduce", "--rdzv-endpoint",
+                                         unreachable(), "--timeout", "0.5"))]
+
+
+def run_6(tmp_path: Path, **_: object) -> List[Tuple[str, int]]:
+    return [("node check failed", elasticrun("--standalone", "--node-check", "--node-check-thresholds",
+                                             "min-cpu-gflops=1e9", ECHO, env={"ELASTICRUN_CHECKPOINT_DIR":
+                                                                              str(tmp_path)}).returncode)]
+
+
 CKPT_READ = "ckpt list, inspect, verify, load"
 DRIVEN: Dict[Row, Callable[..., List[Tuple[str, int]]]] = {
     ("every command", 2): every_command_2,
-    ("run", 2): run_2, ("run", 138): run_138,
+    ("run", 2): run_2, ("run", 6): run_6, ("run", 138): run_138,
+    ("check", 0): check_0, ("check", 6): check_6,
     ("status", 0): status_0, ("status", 1): status_1, ("status", 2): status_2, ("status", 138): status_138,
     ("etcd", 0): etcd_0, ("etcd", 1): etcd_1, ("etcd", 2): etcd_2,
     (CKPT_READ, 0): ckpt_read_0, (CKPT_READ, 5): ckpt_read_5,

@@ -21,10 +21,12 @@ PACKAGE = Path(__file__).resolve().parent.parent / "elasticrun"
 # with the package map at the top of docs/design.md.
 MAY_IMPORT: Dict[str, Set[str]] = {
     "__main__": {"cli"},
-    "cli": {"launch", "rendezvous", "checkpoint", "job", "store", "sizes", "errors", "proc", "waiting", "elasticrun"},
-    "launch": {"rendezvous", "job", "store", "sizes", "errors", "proc", "waiting"},
-    "train": {"checkpoint", "rendezvous", "job", "store", "sizes", "errors", "proc", "waiting"},
-    "rendezvous": {"job", "store", "sizes", "errors", "waiting"},
+    "cli": {"launch", "rendezvous", "checkpoint", "health", "job", "store", "sizes", "errors", "proc", "waiting",
+            "elasticrun"},
+    "launch": {"rendezvous", "health", "job", "store", "sizes", "errors", "proc", "waiting"},
+    "train": {"checkpoint", "rendezvous", "health", "job", "store", "sizes", "errors", "proc", "waiting"},
+    "rendezvous": {"health", "job", "store", "sizes", "errors", "waiting"},
+    "health": {"job", "sizes", "errors", "proc", "waiting"},
     "checkpoint": {"job", "sizes", "errors", "proc", "waiting"},
     "job": {"store", "errors"},  # store: its plain types only (EtcdSettings); no job module calls etcd
     "store": {"sizes", "errors", "proc", "waiting"},

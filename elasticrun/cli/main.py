@@ -29,13 +29,13 @@ app = typer.Typer(
     rich_markup_mode="rich",
 )
 
-_SUBCOMMANDS = {"run", "ckpt", "status", "etcd"}
+_SUBCOMMANDS = {"run", "ckpt", "status", "etcd", "check"}
 
 
 def _register() -> None:
     if app.registered_commands:
         return
-    from elasticrun.cli import ckpt, etcd, run, status
+    from elasticrun.cli import check, ckpt, etcd, run, status
     from elasticrun.cli.typer_help import HelpCommand
 
     # Listed for `elasticrun --help` only: `run` is parsed by elasticrun.cli.run (torchrun's grammar).
@@ -43,6 +43,7 @@ def _register() -> None:
     app.add_typer(ckpt.app, name="ckpt")
     app.command("status", help=status.HELP, cls=HelpCommand)(status.status)
     app.command("etcd", help=etcd.HELP, cls=HelpCommand)(etcd.etcd)
+    app.command("check", help=check.HELP, cls=HelpCommand)(check.check)
 
 
 def _commands() -> List[Tuple[str, str]]:

@@ -18,6 +18,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from elasticrun.cli.torchrun_args import Parsed
 from elasticrun.errors import ConfigError, StoreError
+from elasticrun.health.straggler import StragglerAction
+from elasticrun.health.thresholds import Thresholds
 from elasticrun.job.hints import AdaptationStrategy, RedistributionType
 from elasticrun.launch.config import LaunchConfig, RdzvBackend, default_node_id, parse_nnodes, parse_nproc
 from elasticrun.rendezvous.restarts import parse_duration, parse_window
@@ -53,6 +55,7 @@ RDZV_CONF: Dict[str, Tuple[str, str]] = {
     "stability_window": ("stability_window", "seconds"),
     "rescale_timeout": ("rescale_timeout", "seconds"),
     "etcd_timeout": ("etcd_timeout", "seconds"),
+    "etcd_members": ("etcd_members", "count"),  # the members a hosted etcd grows to (launch/etcdmembers.py)
 }
 # Flags that override the --rdzv-conf key setting the same field.
 _FLAG_OF_FIELD = {"join_timeout": "join_timeout", "stability_window": "stability_window",
@@ -383,6 +386,11 @@ def build_config(p: Parsed) -> LaunchConfig:
         snapshots=bool(v["snapshots"]),
         snapshot_memory=_snapshot_memory(p),
         hang_timeout=float(v["hang_timeout"]),
+        node_check=bool(v["node_check"]),
+        node_check_thresholds=Thresholds().parse_list(str(v["node_check_thresholds"] or "")),
+        straggler_threshold=float(v["straggler_threshold"]),
+        straggler_window=float(v["straggler_window"]),
+        straggler_action=StragglerAction(v["straggler_action"]),
         metrics_port=int(v["metrics_port"]),
         metrics_host=str(v["metrics_host"] or "127.0.0.1").strip(),
         events_file=v["events_file"] or None,

@@ -201,6 +201,20 @@ OWN_OPTIONS: Tuple[Opt, ...] = (
         "(elasticrun.train.heartbeat / ProgressReporter) has not advanced for S seconds, after dumping every "
         "worker's Python stacks into the log (ELASTICRUN_HANG_TIMEOUT; 0: off).", ELASTIC, type=Type.FLOAT,
         metavar="S", default=0.0, envvars=(job_env.HANG_TIMEOUT,), at_least=0, range_note="0 turns it off"),
+    Opt("node_check", ("--node-check",), "Check this node (as `elasticrun check` does) before it joins the job; "
+        "a node that fails stays out, with the reason in its log, `status` and events, and exits 6 "
+        "\\[default: off].", ELASTIC, kind=Kind.FLAG, default=False),
+    Opt("node_check_thresholds", ("--node-check-thresholds",), "Thresholds of --node-check other than the "
+        "defaults, as NAME=N,... with the names of `elasticrun check`'s flags (min-cpu-gflops=20,"
+        "max-gpu-temp-c=80).", ELASTIC, metavar="LIST", default=""),
+    Opt("straggler_threshold", ("--straggler-threshold",), "A rank whose compute time per step (reported with "
+        "elasticrun.train.StepTimer) is at least this many times the job's median is slow.", ELASTIC,
+        type=Type.FLOAT, metavar="X", default=1.2, more_than=1),
+    Opt("straggler_window", ("--straggler-window",), "Seconds a rank must stay slow to be flagged as a straggler "
+        "(and fast again to be cleared).", ELASTIC, type=Type.FLOAT, metavar="S", default=30.0, more_than=0),
+    Opt("straggler_action", ("--straggler-action",), "What the leader does about a straggler: warn (status, "
+        "events, metrics) or drain (its node also leaves the job gracefully and stays out until restarted).",
+        ELASTIC, choices=("warn", "drain"), metavar="HOW", default="warn"),
     Opt("metrics_port", ("--metrics-port",), "Serve Prometheus/OpenMetrics /metrics on this port (world size, "
         "step, goodput, restarts...; docs/observability.md; 0: off).", LOGS, type=Type.INT, metavar="PORT",
         default=0, envvars=(job_env.METRICS_PORT,), at_least=0, at_most=65535, range_note="0: no metrics"),

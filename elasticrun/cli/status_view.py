@@ -138,6 +138,15 @@ def status_cell(s: str) -> Styled:
     return Styled(s, STATUS_STYLE.get(s, ""))
 
 
+def member_status_cell(m: Dict[str, Any]) -> Styled:
+    """A member's status, with ``straggler 2.1×`` when the leader scores it one."""
+    if m.get("straggler"):
+        ratio = m.get("straggler_ratio")
+        return Styled(f"{m['status']} · straggler" + (f" {float(ratio):.2f}×" if ratio is not None else ""),
+                      "bold yellow")
+    return status_cell(m["status"])
+
+
 def restarts_cell(count: Any, max_restarts: Any) -> str:
     """``1/3``: restarts used of the budget (``?`` when the job's config does not say)."""
     return f"{count}/{max_restarts if max_restarts is not None else '?'}"
@@ -181,13 +190,28 @@ def _ending(doc: Dict[str, Any], now: float) -> Tuple[Styled, ...]:
         lines.append(Styled(f"round ending: {end['end'].get('reason', '')}", "yellow"))
     if end.get("done"):
         lines.append(Styled(f"finished: {', '.join(end['done'])}", "green"))
+    lines.extend(_health_lines(doc, now))
     return tuple(lines)
+
+
+def _health_lines(doc: Dict[str, Any], now: float) -> List[Styled]:
+    """Stragglers of this round and the nodes kept out of the job."""
+    lines: List[Styled] = []
+    scores = doc.get("stragglers") or {}
+    for node, ratio in sorted((scores.get("nodes") or {}).items()):
+        lines.append(Styled(f"straggler: {node}: compute {float(ratio):.2f}× the job's median per step "
+                            f"(threshold {scores.get('threshold', '?')}×, window {scores.get('window_s', '?')} s)"
+                            + (" — draining" if node in (scores.get("drain") or []) else ""), "bold yellow"))
+    for ex in doc.get("excluded") or []:
+        lines.append(Styled(f"excluded: {ex.get('node_id')} ({ex.get('why')}, {ago(ex.get('time'), now)}): "
+                            f"{ex.get('reason', '')}", "red"))
+    return lines
 
 
 def _members(doc: Dict[str, Any], now: float) -> Optional[TableView]:
     rows = tuple(
         (str(m["group_rank"]), str(m["node_id"]), str(m.get("host") or "-"), str(m.get("addr") or "-"),
-         status_cell(m["status"]), ranks_cell(m["ranks"]), accelerators_cell(m.get("accelerators") or []),
+         member_status_cell(m), ranks_cell(m["ranks"]), accelerators_cell(m.get("accelerators") or []),
          heartbeat_cell(m, now), lease_cell(m), progress_cell(m.get("progress"), now))
         for m in doc.get("members") or []
     )

@@ -63,6 +63,9 @@ INPLACE_JOIN = PREFIX + "INPLACE_JOIN"
 #: ``<round> <step>`` of its latest report: the next round's reporter tells the agent how far the
 #: previous round got, for the steps a rollback loses (see elasticrun.train.progress).
 PROGRESS_FILE = PREFIX + "PROGRESS_FILE"
+#: A node-local directory (the agent's) where each worker's StepTimer keeps ``<round> <rank> <seconds>``:
+#: its mean compute seconds per step; the node's progress reporter sends every rank's to etcd.
+STEP_TIMES_DIR = PREFIX + "STEP_TIMES_DIR"
 
 # -- read from the user's environment ----------------------------------------------------------
 #: Default checkpoint root of examples/train.py (set by the user; the agent never sets it).

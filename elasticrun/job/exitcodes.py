@@ -39,6 +39,8 @@ class ExitCode(enum.IntEnum):
     #                 (`status --watch`: the job failed; `elasticrun etcd`: etcd would not run)
     USAGE = 2  # bad flags, settings, credentials or certificates: permanent until someone fixes them
     CHECKPOINT = 5  # `elasticrun ckpt ...`: a checkpoint could not be found, read or verified
+    NODE_UNHEALTHY = 6  # `elasticrun check` failed; `run --node-check`: the node failed it, or was drained
+    #                     as a straggler: the node needs attention, a retry on it would not help
     INTERRUPTED = 130  # SIGINT (Ctrl-C): workers drained; retryable
     TRANSIENT = 138  # etcd unreachable/lost, rendezvous timed out: try again later; retryable
     DRAINED = 143  # SIGTERM (preemption) or another handled signal: workers drained; retryable

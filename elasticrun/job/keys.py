@@ -25,6 +25,15 @@ write access to its own prefix only (see docs/security.md)::
     progress/<node-id>          last step/loss reported by workers (on a short lease)
     goodput/<node-id>           that agent's goodput accounting (on its lease, every ~10 s; the
                                 final one, written when the job ended, without a lease)
+    health/stragglers           the leader's straggler scores of the current round (and the node it
+                                drains, with --straggler-action drain); no lease
+    health/excluded/<node-id>   a node kept out of the job: it failed its --node-check or was drained
+                                as a straggler (reason, time); no lease, removed when it joins again
+    etcd/members/<node-id>      the member of the job's own etcd that node runs (hosted etcd only;
+                                launch/etcdmembers.py)
+    etcd/assign/<node-id>       the leader asks that node to start a member (removed once it did)
+    etcd/endpoints              the client endpoints of the job's etcd members: every agent talks
+                                through them and hands them to its workers
     expiry                      once the job ended: the lease its keys were put on, so that they
                                 expire (``--ended-job-ttl``); on that lease itself
     ping                        never written: connect() reads it to prove access
@@ -176,6 +185,45 @@ class JobKeys:
     def goodput_of(self, node_id: str) -> str:
         """The node's goodput accounting (elasticrun.launch.goodput), on the agent's lease."""
         return self.goodput + node_id
+
+    @property
+    def stragglers(self) -> str:
+        """The leader's straggler scores (elasticrun.launch.stragglers), no lease."""
+        return self.prefix + "health/stragglers"
+
+    @property
+    def excluded(self) -> str:
+        return self.prefix + "health/excluded/"
+
+    def excluded_of(self, node_id: str) -> str:
+        """Why ``node_id`` stays out of the job (a failed node check, a drain)."""
+        return self.excluded + node_id
+
+    @property
+    def etcd(self) -> str:
+        """Prefix of the records of the job's own etcd (its members, requests, endpoints)."""
+        return self.prefix + "etcd/"
+
+    @property
+    def etcd_members(self) -> str:
+        """Prefix of the records of the members of a job's own etcd, one per node that runs one."""
+        return self.etcd + "members/"
+
+    def etcd_member(self, node_id: str) -> str:
+        return self.etcd_members + node_id
+
+    @property
+    def etcd_assignments(self) -> str:
+        """Prefix of the leader's requests that a node start a member of the job's etcd."""
+        return self.etcd + "assign/"
+
+    def etcd_assignment(self, node_id: str) -> str:
+        return self.etcd_assignments + node_id
+
+    @property
+    def etcd_endpoints(self) -> str:
+        """The client endpoints of the job's etcd members (written by the leader when they change)."""
+        return self.etcd + "endpoints"
 
     @property
     def expiry(self) -> str:

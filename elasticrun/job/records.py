@@ -288,6 +288,7 @@ def progress_record(value: Any) -> Dict[str, Any]:
     for name in ("rank", "round", "world_size"):
         field(d, name, is_int, default=None, nullable=True)
     field(d, "closed", is_bool, default=False)
+    field(d, "compute", _seconds_by_name, default={})
     stalls = field(d, "stalls", is_object, default={})
     for kind, entry in stalls.items():
         if not _stall(entry):
@@ -313,6 +314,36 @@ def goodput_record(value: Any) -> Dict[str, Any]:
     return d
 
 
+def straggler_record(value: Any) -> Dict[str, Any]:
+    """``health/stragglers``: ``{round, time, threshold, window_s, median_s, ranks: {rank: {node, compute_s,
+    ratio, straggler, slow_since}}, nodes: {node: worst ratio}, drain: [node]}``."""
+    d = obj(value)
+    field(d, "round", is_int)
+    for name in ("time", "threshold", "window_s"):
+        field(d, name, is_number, default=0.0)
+    field(d, "median_s", is_number, default=None, nullable=True)
+    ranks = field(d, "ranks", is_object, default={})
+    for rank, row in ranks.items():
+        if not (isinstance(row, dict) and is_text(row.get("node")) and is_number(row.get("ratio"))
+                and is_bool(row.get("straggler", False))):
+            raise BadRecord(f"field 'ranks'[{rank!r}]: expected an object with node, ratio, straggler")
+    field(d, "nodes", _seconds_by_name, default={})
+    drain = field(d, "drain", is_list, default=[])
+    if not all(is_text(n) for n in drain):
+        raise BadRecord("field 'drain': expected a list of node ids")
+    return d
+
+
+def excluded_record(value: Any) -> Dict[str, Any]:
+    """``health/excluded/<node>``: ``{reason, why ("node-check"|"straggler"), time[, checks]}``."""
+    d = obj(value)
+    field(d, "reason", is_text)
+    field(d, "why", is_text, default="node-check")
+    field(d, "time", is_number, default=0.0)
+    field(d, "checks", is_list, default=[])
+    return d
+
+
 def expiry_record(value: Any) -> Dict[str, Any]:
     """``expiry``: ``{lease, ttl, time}`` — the lease an ended job's keys were put on."""
     d = obj(value)
@@ -323,8 +354,9 @@ def expiry_record(value: Any) -> Dict[str, Any]:
 
 
 __all__ = [
-    "BadRecord", "JobState", "MAX_RECORD", "config_record", "decode", "end_flag", "expiry_record", "failed_flag",
+    "BadRecord", "JobState", "MAX_RECORD", "config_record", "decode", "end_flag", "excluded_record", "expiry_record",
+    "failed_flag",
     "failure_rows", "field", "goodput_record", "is_bool", "is_int", "is_list", "is_number", "is_object", "is_text",
     "items", "joining_flag", "obj",
-    "parse", "progress_record", "read", "report", "restart_history", "state_record", "time_mark",
+    "parse", "progress_record", "read", "report", "restart_history", "state_record", "straggler_record", "time_mark",
 ]

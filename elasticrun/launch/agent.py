@@ -17,7 +17,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Union
 
 from rich.text import Text
 
@@ -29,17 +29,20 @@ from elasticrun.job.settings import drop_secrets_from_environment, to_file
 from elasticrun.job.settings import from_config as etcd_settings
 from elasticrun.launch.c10d import RoundStore
 from elasticrun.launch.config import LaunchConfig, RdzvBackend, signal_number
+from elasticrun.launch.etcdmembers import EtcdMembers, start_members
 from elasticrun.launch.failures import root_cause_table
 from elasticrun.launch.hang import HangWatch
 from elasticrun.launch.hosting import open_store, wait_others_left
 from elasticrun.launch.inplace import InPlaceRounds
 from elasticrun.launch.logfilter import unfed_warnings
 from elasticrun.launch.node import accelerators, local_address, uses_gpu
+from elasticrun.launch.nodecheck import admit, exclude
 from elasticrun.launch.numa import AffinityMode, describe_binding, worker_cpus
 from elasticrun.launch.observe import Observer
 from elasticrun.launch.outage import STOP_SLACK_S, OutageGuard
 from elasticrun.launch.roundloop import RoundLoop
 from elasticrun.launch.shmroot import SnapshotRoot
+from elasticrun.launch.stragglers import Drained, StragglerWatch
 from elasticrun.launch.workers import WorkerGroup
 from elasticrun.rendezvous.protocol import JobEnded, LeaseLost, Rendezvous, RendezvousSettings
 from elasticrun.rendezvous.records import NodeInfo, Topology, WorkerStatus
@@ -109,9 +112,11 @@ class Agent:
         self._etcd_failed = False  # leaving on an etcd error: the teardown makes no call that waits on etcd
         self._wake: Callable[[], None] = lambda: None
         self._hang: Optional[HangWatch] = None  # --hang-timeout: made with the first round
+        self._stragglers: Optional[StragglerWatch] = None  # the leader's scores, our node's drain
         self.obs = Observer(cfg)  # /metrics, goodput accounting, --events-file
         self.inplace: Optional[InPlaceRounds] = None  # in-place re-forming (made with the workers)
         self._round = -1  # the round our workers run in (a graceful leave marks it)
+        self._members: Optional[EtcdMembers] = None  # a hosted etcd's members (launch/etcdmembers.py)
 
     # -- signals ----------------------------------------------------------------------------
 
@@ -164,6 +169,7 @@ class Agent:
             teardown.callback(lambda: rdzv is not None and rdzv.leave(revoke=not self._etcd_failed))
             teardown.callback(lambda: self.obs.detach(wait=0.0 if self._etcd_failed else 5.0))
             teardown.callback(lambda: self._hang is not None and self._hang.close())
+            teardown.callback(lambda: self._stragglers is not None and self._stragglers.close())
             teardown.callback(round_store.close)
             teardown.callback(lambda: workers is not None and self._stop_workers(workers))
             teardown.callback(self._ignore_signals, handled)
@@ -196,6 +202,9 @@ class Agent:
                     round_store.prepare(workers.host_store)
                 etcd, store = open_store(cfg, self.say)  # standalone / c10d / static: may host the job's etcd
                 self.obs.attach(store)
+                if cfg.node_check:
+                    self.obs.node_checking()
+                admit(cfg, store, self.say, self.obs.node_checked)  # --node-check: NodeExcluded (exit 6) if it fails
                 # Workers reach etcd (commit fence, progress, checkpoint requests) with the same settings.
                 workers.etcd_settings_file = to_file(etcd_settings(cfg), os.path.join(files_dir, "etcd-settings.json"))
                 host, port = parse_endpoints(cfg.rdzv_endpoint)[0]
@@ -214,6 +223,8 @@ class Agent:
                 rdzv.on_beat = self._raise_pending_signal
                 rdzv.ensure_config(cfg.job_settings())
                 rdzv.register()  # a running job starts its stability window now
+                self._stragglers = StragglerWatch(cfg, rdzv, self.say, self.obs.straggler_score).start()
+                self._members = start_members(cfg, rdzv, etcd, workers.etcd_settings_file, self.say)
                 self.say(
                     f"joined job {cfg.rdzv_id!r} at {cfg.rdzv_endpoint} as {cfg.node_id} "
                     f"(nnodes {cfg.nnodes_min}:{cfg.nnodes_max}, {cfg.nproc_per_node} "
@@ -225,19 +236,30 @@ class Agent:
                 raise
             except AgentSignal as sig:
                 return self._leave_on_signal(sig, rdzv, workers)
+            except Drained as drained:
+                self.obs.drained(drained.reason)
+                if store is not None:  # status shows it under excluded
+                    exclude(store, cfg.rdzv_id, cfg.node_id, drained.reason, "straggler")
+                return self._leave_on_signal(drained, rdzv, workers)
         raise AssertionError("unreachable")  # pragma: no cover - the block returns or raises
 
-    def _leave_on_signal(self, sig: AgentSignal, rdzv: Optional[Rendezvous], workers: Optional[WorkerGroup]) -> int:
-        """SIGTERM/SIGINT (or another handled signal): stop our workers, leave the job; the exit code."""
+    def _leave_on_signal(self, sig: Union[AgentSignal, Drained], rdzv: Optional[Rendezvous],
+                         workers: Optional[WorkerGroup]) -> int:
+        """SIGTERM/SIGINT (or another handled signal), or a straggler's drain: stop our workers, leave the job
+        (in place where the others re-form in place); the exit code (a drained node's: 6)."""
         self._stopping = True
-        self.say(f"received {sig}: stopping workers and leaving the job")
+        drained = isinstance(sig, Drained)
+        why = sig.reason if isinstance(sig, Drained) else f"received {sig}"
+        code = ExitCode.NODE_UNHEALTHY if drained else for_signal(sig.signum)
+        self.say(f"{why}: stopping workers and leaving the job" + (" (it stays out until restarted)"
+                                                                  if drained else ""))
         wsig = worker_signal(sig.signum)
         if rdzv is not None and self.inplace is not None and self.inplace.leave_first(rdzv, self._round, wsig):
             wsig = 0  # signalled once already (a second SIGTERM kills); leave_first left the job
         if workers is not None:
             workers.stop(self.cfg.shutdown_timeout, sig=wsig)
         if rdzv is not None:  # the job's end if we are its last node (rendezvous/ended.py)
-            rdzv.leaving(f"received {sig}", for_signal(sig.signum))
+            rdzv.leaving(why, code)
         if rdzv is not None and rdzv.lease is not None:
             try:
                 if self._round >= 0:  # before the lease goes: survivors may re-form in place
@@ -245,7 +267,7 @@ class Agent:
                 rdzv.publish(status=WorkerStatus.LEAVING)
             except ElasticrunError:
                 pass
-        return for_signal(sig.signum)  # drained: a retryable code (docs/deploy.md)
+        return code  # a signal: a retryable code (docs/deploy.md); a straggler's drain: 6
 
     # -- teardown steps of run() -----------------------------------------------------------------
 
@@ -274,8 +296,11 @@ class Agent:
     def _wait_others_left(
         self, etcd: Optional[EtcdServer], store: Optional[EtcdStore], rdzv: Optional[Rendezvous]
     ) -> None:
-        """The agent hosting the job's etcd keeps it up until the others left (not when signalled)."""
-        if etcd is not None and store is not None and rdzv is not None and self._signal is None:
+        """The agent hosting the job's etcd keeps it up until the others left (not when signalled); with
+        several members, each removes its own unless it is the last (launch/etcdmembers.py)."""
+        if self._members is not None:
+            self._members.close(signalled=self._signal is not None, etcd_failed=self._etcd_failed)
+        elif etcd is not None and store is not None and rdzv is not None and self._signal is None:
             wait_others_left(store, rdzv.keys.nodes, self.cfg.rdzv_close_timeout, self.say)
 
     def _settings(self, hosting: bool = False) -> RendezvousSettings:
@@ -350,6 +375,7 @@ class Agent:
         """Run our workers for ``topo`` until the round ends (launch/roundloop.py)."""
         assert self.inplace is not None
         loop = RoundLoop(self.cfg, rdzv, workers, topo, self.inplace, self.obs, self.say)
+        loop.drain = None if self._stragglers is None else self._stragglers.drain_reason
         how = loop.start()
         self._round = topo.round  # from now on a graceful leave marks this round
         return loop.run(how, self._hang_watch(rdzv, topo))

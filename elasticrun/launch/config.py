@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from elasticrun.errors import ConfigError
+from elasticrun.health.straggler import StragglerAction
+from elasticrun.health.thresholds import Thresholds
 from elasticrun.job.hints import AdaptationStrategy, RedistributionType
 from elasticrun.job.inplace import READY_WAIT_S
 from elasticrun.launch.gpus import VISIBLE_DEVICES, virtual_visible_device, visible_gpu_count
@@ -119,6 +121,7 @@ class LaunchConfig:
     # (c10d: the endpoint's host is an address of this machine; static: node rank 0).
     rdzv_is_host: Optional[bool] = None
     rdzv_close_timeout: float = 30.0  # hosting agent: wait this long for the others to leave at the end
+    etcd_members: int = 3  # c10d/static: the members the job's own etcd grows to (--rdzv-conf etcd_members; 1: no more)
     node_rank: Optional[int] = None  # --node-rank: the group rank this node keeps; None = any
     node_id: str = field(default_factory=default_node_id)
     local_addr: Optional[str] = None
@@ -163,6 +166,11 @@ class LaunchConfig:
     snapshots: bool = True  # --no-snapshots: no memory tier (no ELASTICRUN_SNAPSHOT_DIR for workers)
     snapshot_memory: Optional[int] = None  # --snapshot-memory: the memory tier's cap in bytes (None: the default cap)
     hang_timeout: float = 0.0  # --hang-timeout: restart a round whose progress stalled this long (0: off)
+    node_check: bool = False  # --node-check: check the node before it joins (elasticrun.health)
+    node_check_thresholds: Thresholds = field(default_factory=Thresholds)  # --node-check-thresholds
+    straggler_threshold: float = 1.2  # --straggler-threshold: compute time over the job's median that is slow
+    straggler_window: float = 30.0  # --straggler-window: seconds slow before a rank is a straggler
+    straggler_action: StragglerAction = StragglerAction.WARN  # --straggler-action
     metrics_port: int = 0  # --metrics-port: serve /metrics there (0: off)
     metrics_host: str = "127.0.0.1"  # --metrics-host: the address /metrics listens on
     events_file: Optional[str] = None  # --events-file: the agent's JSON-lines event log
@@ -175,6 +183,10 @@ class LaunchConfig:
         for check in CHECKS:
             check(self)
         return self
+
+    def hosts_etcd(self) -> bool:
+        """The job's agents run its etcd (torchrun's c10d and static lines): not one the user runs."""
+        return not self.standalone and self.rdzv_backend in (RdzvBackend.C10D, RdzvBackend.STATIC)
 
     def keeps_log_files(self) -> bool:
         """Whether workers' output goes to files too (-r, -t, --duplicate-*-filters): they need a log dir."""
@@ -371,6 +383,13 @@ def check_rendezvous(cfg: LaunchConfig) -> None:
         )
 
 
+def check_etcd_members(cfg: LaunchConfig) -> None:
+    """``--rdzv-conf etcd_members``: the size a hosted etcd grows to, an odd number."""
+    if cfg.etcd_members not in (1, 3, 5, 7):
+        raise ConfigError(f"--rdzv-conf etcd_members={cfg.etcd_members}: use 1, 3, 5 or 7 (an odd number: "
+                          "an even one survives no more losses than the odd one below it)")
+
+
 def check_streams(cfg: LaunchConfig) -> None:
     """``--redirects`` and ``--tee`` in torchrun's syntax."""
     cfg.std_streams()
@@ -385,6 +404,6 @@ def check_devices(cfg: LaunchConfig) -> None:
 
 #: What :meth:`LaunchConfig.validate` checks, in order.
 CHECKS: Tuple[Callable[[LaunchConfig], None], ...] = (
-    check_size, check_names, check_counts, check_finite, check_durations, check_ranks, check_signals,
-    check_entrypoint, check_rendezvous, check_streams, check_devices,
+    check_size, check_names, check_counts, check_finite, check_durations, check_ranks, check_etcd_members,
+    check_signals, check_entrypoint, check_rendezvous, check_streams, check_devices,
 )

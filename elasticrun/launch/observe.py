@@ -127,13 +127,41 @@ class Observer:
         self.events.emit(EventKind.HANG, round=topo.round, step=step, stalled_s=round(stalled_s, 3))
         self._publish.set()
 
+    def node_checking(self) -> None:
+        """``--node-check`` starts: its time is badput of cause ``node_check``."""
+        self._enter(Phase.RENDEZVOUS, Cause.NODE_CHECK)
+
+    def node_checked(self, report: Any) -> None:
+        """``--node-check`` ended (a :class:`elasticrun.health.node.NodeReport`): a ``node_check`` event."""
+        self._enter(Phase.RENDEZVOUS, Cause.STARTUP)
+        self.events.emit(EventKind.NODE_CHECK, passed=report.passed, reason=report.reason,
+                         failed=[c.to_dict() for c in report.checks if c.failed])
+
+    def straggler_score(self, mine: bool, ratio: Optional[float], ranks: Dict[str, float],
+                        job_ratio: Optional[float]) -> None:
+        """The leader's latest scores: this node a straggler (``mine``, its worst ``ratio``), its ranks' compute
+        seconds per step, and the job's worst straggler ratio (goodput: cause ``straggler``)."""
+        with self._lock:
+            was = self.state.get("straggler", False)
+            self.state.update(straggler=mine, straggler_ratio=ratio, rank_compute=dict(ranks))
+            self.goodput.slowed(job_ratio)
+        if mine != was:
+            self.events.emit(EventKind.STRAGGLER, straggler=mine, ratio=ratio, round=self.state["round"])
+
+    def drained(self, reason: str) -> None:
+        """This node leaves the job as a straggler: a ``drained`` event; the re-forming is cause ``drain``."""
+        self._enter(Phase.RESCALING, Cause.DRAIN)
+        self.events.emit(EventKind.DRAINED, reason=reason, round=self.state["round"])
+
     def round_changed(self, rdzv: Rendezvous, topo: Topology) -> None:
         """Round ``topo`` ended for another reason than our workers: another node's worker failed
         (a restart) or the membership changed (a rescale)."""
         if rdzv.round_failed(topo.round):
             self._enter(Phase.RESTARTING, Cause.RESTART)
         else:
-            self._enter(Phase.RESCALING, Cause.RESCALE)
+            drained = rdzv.view.record(rdzv.keys.stragglers, records.straggler_record)
+            by_drain = drained is not None and drained.get("round") == topo.round and bool(drained.get("drain"))
+            self._enter(Phase.RESCALING, Cause.DRAIN if by_drain else Cause.RESCALE)
 
     def tick(self, rdzv: Rendezvous, outage: bool) -> None:
         """Each turn of the round loop: lease state, role, and outage begin/end."""

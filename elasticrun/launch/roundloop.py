@@ -27,6 +27,7 @@ from elasticrun.launch.inplace import InPlaceRounds
 from elasticrun.launch.observe import Observer
 from elasticrun.launch.outage import OutageGuard, stop_workers
 from elasticrun.launch.standby import Standby
+from elasticrun.launch.stragglers import Drained
 from elasticrun.launch.turn import (
     Action,
     Fenced,
@@ -68,6 +69,7 @@ class RoundLoop:
         self.say = say
         self.guard = OutageGuard(cfg, rdzv, workers, say)
         self.hang: Optional[HangWatch] = None
+        self.drain: Optional[Callable[[int], Optional[str]]] = None  # the straggler watch's drain_reason
         self.done_reported = False  # our workers' success is in etcd
         self._version = 0  # the view's version the next wait starts from
 
@@ -103,6 +105,9 @@ class RoundLoop:
         while True:
             standby.turn(time.monotonic(), rdzv.scale_up_pending(self.topo))
             rdzv.beat()  # liveness: the lease is refreshed only while this loop turns
+            reason = None if self.drain is None else self.drain(self.topo.round)
+            if reason is not None:
+                raise Drained(reason)  # the agent leaves as on SIGTERM (launch/stragglers.py)
             seen = self._look_at_workers()
             action = decide_workers(seen)
             if action is None:

@@ -72,11 +72,12 @@ def _open_lock(path: str, create: bool = False) -> Optional[int]:
     return fd
 
 
-def _create_locked(path: str) -> int:
-    """Create the root ``path``'s lock file already locked: it is made and flocked under a private
-    name, then renamed to :data:`LOCK_FILE` (the flock belongs to the open file, which the rename
-    keeps). A concurrent :func:`sweep` sees either no lock (it keeps the root) or a held one — never
-    a lock it could take between its creation and our flock, which would remove a live root."""
+def create_owner_lock(path: str) -> int:
+    """Create the lock file of the directory ``path`` an agent owns (a snapshot root, an etcd member's
+    home: launch/etcdhome.py) already locked: it is made and flocked under a private name, then renamed
+    to :data:`LOCK_FILE` (the flock belongs to the open file, which the rename keeps). A concurrent
+    sweep sees either no lock (it keeps the directory) or a held one — never a lock it could take
+    between its creation and our flock, which would remove a live directory. Keep the fd open."""
     private = os.path.join(path, f".{LOCK_FILE}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     fd = _open_lock(private, create=True)
     if fd is None:
@@ -90,8 +91,8 @@ def _create_locked(path: str) -> int:
     return fd
 
 
-def _dead(path: str) -> bool:
-    """Whether the snapshot root ``path`` is ours to remove: our uid, a real directory, its lock free."""
+def owner_gone(path: str) -> bool:
+    """Whether the owned directory ``path`` is ours to remove: our uid, a real directory, its lock free."""
     try:
         st = os.lstat(path)
     except OSError:
@@ -110,18 +111,23 @@ def _dead(path: str) -> bool:
     return True
 
 
-def sweep(base: str = SHM_DIR) -> List[str]:
-    """Remove the snapshot roots in ``base`` whose owning agent is gone; returns their paths."""
+def _is_root_name(entry: str) -> bool:
+    return parse_root_name(entry) is not None
+
+
+def sweep(base: str = SHM_DIR, named: Callable[[str], object] = _is_root_name) -> List[str]:
+    """Remove the owned directories in ``base`` whose name ``named`` accepts (default: snapshot roots) and
+    whose owning agent is gone; returns their paths."""
     removed: List[str] = []
     try:
         entries = os.listdir(base)
     except OSError:
         return removed
     for entry in entries:
-        if parse_root_name(entry) is None:
+        if not named(entry):
             continue
         path = os.path.join(base, entry)
-        if _dead(path):
+        if owner_gone(path):
             shutil.rmtree(path, ignore_errors=True)
             if not os.path.exists(path):
                 removed.append(path)
@@ -150,7 +156,7 @@ class SnapshotRoot:
         try:
             shutil.rmtree(path, ignore_errors=True)  # a leftover of an agent with our pid in this process
             os.mkdir(path, 0o700)
-            lock_fd = _create_locked(path)
+            lock_fd = create_owner_lock(path)
             with open(os.path.join(path, OWNER_FILE), "w", encoding="utf-8") as f:
                 f.write(f"{pid} {_start_time(pid) or ''}\n")
         except OSError as err:
@@ -183,4 +189,4 @@ class SnapshotRoot:
             self.watchdog = None
 
 
-__all__ = ["SnapshotRoot", "sweep"]
+__all__ = ["SnapshotRoot", "create_owner_lock", "owner_gone", "sweep"]

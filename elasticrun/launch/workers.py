@@ -67,6 +67,13 @@ class _Worker:
     err_pump: Optional[OutputPump] = None
 
 
+def step_times_dir(files_dir: str) -> str:
+    """The node's directory where each worker's StepTimer keeps its figure (elasticrun.train.steptime)."""
+    path = os.path.join(files_dir, "step-times")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
 class WorkerGroup:
     """This node's workers for one round at a time."""
 
@@ -427,6 +434,7 @@ class WorkerGroup:
                 virtual_local_rank=self.cfg.virtual_local_rank,
             )
             env[names.PROGRESS_FILE] = os.path.join(self.files_dir, "progress-step")  # the node's, kept across rounds
+            env[names.STEP_TIMES_DIR] = step_times_dir(self.files_dir)  # each rank's compute time per step
             if self.inplace:  # the assignment file of in-place re-forming (elasticrun.train.InPlace)
                 env[names.INPLACE_FILE] = self.inplace_file(local_rank)
             planned.append((spec, env, rank_dir))

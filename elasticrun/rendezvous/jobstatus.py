@@ -184,6 +184,22 @@ def _event_rows(data: Dict[str, KeyValue], keys: JobKeys, events: int) -> List[D
     return rows
 
 
+def _health(data: Dict[str, KeyValue], keys: JobKeys, topo: Optional[Topology],
+            members: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The leader's straggler scores of the current round (``stragglers``, None when none), each member's
+    ``straggler`` flag and ``straggler_ratio`` (set on ``members``), and the nodes kept out (``excluded``)."""
+    scores = records.read(data.get(keys.stragglers), records.straggler_record)
+    if scores is None or topo is None or scores["round"] != topo.round:
+        scores = None
+    slow = (scores or {}).get("nodes") or {}
+    for m in members:
+        m["straggler"] = m["node_id"] in slow
+        m["straggler_ratio"] = slow.get(m["node_id"])
+    excluded = [dict(rec, node_id=node) for node, rec in
+                sorted(_records_under(data, keys.excluded, records.excluded_record).items())]
+    return {"stragglers": scores, "excluded": excluded}
+
+
 def _round_fields(topo: Optional[Topology]) -> Dict[str, Any]:
     """The document's fields of the current round (empty values before the first round)."""
     if topo is None:
@@ -205,7 +221,9 @@ def build_job_status(
 
     Stable top-level keys: job, exists, revision, time, config, nnodes, max_restarts, state,
     round, world_size, restart_count, master_addr, master_port, round_created_at, round_end,
-    members, spares, events, goodput_nodes (each agent's goodput accounting by node id), expires_at
+    members (each with ``straggler``/``straggler_ratio``), spares, events, goodput_nodes (each agent's
+    goodput accounting by node id), stragglers (the leader's scores of this round, or None), excluded
+    (nodes kept out by a failed node check or a drain: node_id, reason, why, time), expires_at
     (when an ended job's keys leave etcd; None while it runs or when they stay). A malformed record
     (:mod:`elasticrun.job.records`) is reported once and shown as absent. ``leases`` maps a node
     record's lease id to its ``{"ttl", "granted_ttl"}`` (see
@@ -236,6 +254,7 @@ def build_job_status(
         "spares": _spares(nodes, members, progress),
         "events": _event_rows(data, keys, events),
         "goodput_nodes": _records_under(data, keys.goodput, records.goodput_record),
+        **_health(data, keys, topo, members),
         "expires_at": None if expiry is None else float(expiry["time"]) + float(expiry["ttl"]),
     }
 

@@ -65,6 +65,7 @@ class EtcdStore:
         self.timeout = timeout
         self.retry_timeout = retry_timeout
         self._hosts = parse_endpoints(endpoints)
+        self._tls = (ca_cert, cert_key, cert_cert)
         self._client_args = client_args(endpoints, self._hosts, timeout, user, ca_cert, cert_key, cert_cert)
         self._auth = (user, password)
         self._lock = threading.Lock()
@@ -134,6 +135,26 @@ class EtcdStore:
         finally:
             if self.on_call is not None:
                 self.on_call(what, time.monotonic() - start)
+
+    def call(self, what: str, fn: Callable[[MultiEndpointEtcd3Client], T]) -> T:
+        """``fn(client)`` with this store's retries and failover, for the calls of an etcd service this
+        class does not wrap (:mod:`elasticrun.store.members`)."""
+        return self._call(what, fn)
+
+    def set_endpoints(self, endpoints: str) -> None:
+        """Talk to the cluster through ``endpoints`` from now on (its members changed). Channels to members
+        still listed are kept; the watches move only when the member they are on is no longer listed (each
+        gets its ``on_error``, as after a failover)."""
+        hosts = parse_endpoints(endpoints)
+        if hosts == self._hosts:
+            return
+        user = self._auth[0]
+        args = client_args(endpoints, hosts, self.timeout, user, *self._tls)
+        with self._lock:
+            self._client.set_endpoints(args["endpoints"])
+            self._client_args, self._hosts, self.endpoints = args, hosts, endpoints
+        if self._client.watching():
+            self.watchdog.watching()  # several members now: their watch streams are checked
 
     # -- key/value ------------------------------------------------------------------
 

@@ -149,7 +149,39 @@ class Client(MultiEndpointEtcd3Client):
     def __init__(self, **kwargs: Any) -> None:
         self.watchers: List[LiveWatcher] = []  # streams that may still carry watches
         self._on = threading.local()  # .label: the member this thread's call went to
+        self._retired: List[Endpoint] = []  # endpoints no longer listed, closed at the next change
         super().__init__(**kwargs)
+
+    @property
+    def endpoint_in_use(self) -> Endpoint:
+        """The member in use (ValueError, as for a failed one, when it is no longer listed)."""
+        endpoint = self.endpoints.get(self._current_endpoint_label)
+        if endpoint is None:
+            raise ValueError("the member in use is no longer listed")
+        return endpoint
+
+    def set_endpoints(self, endpoints: List[Endpoint]) -> None:
+        """Use ``endpoints`` from now on. The list is replaced whole (other threads may be iterating the old
+        one); a member still listed keeps its channel. The channels of members no longer listed are closed
+        at the next change, not now: a call still waiting on one must end with that member's answer."""
+        old = self.endpoints
+        new = {ep.netloc: old.get(ep.netloc, ep) for ep in endpoints}
+        for ep in endpoints:
+            if new[ep.netloc] is not ep:
+                ep.close()
+        for ep in self._retired:
+            ep.close()
+        self._retired = [ep for label, ep in old.items() if label not in new]
+        self.endpoints = {**old, **new}  # the member in use stays listed until we moved off it
+        if self._current_endpoint_label not in new:
+            self._current_endpoint_label = next(iter(new))  # ends the watch stream: its watches move
+        self.endpoints = new
+
+    def close(self) -> None:
+        super().close()
+        for ep in self._retired:
+            ep.close()
+        self._retired = []
 
     @property
     def channel(self) -> grpc.Channel:
@@ -190,7 +222,9 @@ class Client(MultiEndpointEtcd3Client):
         if label is None or label == self._current_endpoint_label or exc.code() not in _FAILED_EP_CODES:
             super()._manage_grpc_errors(exc)
             return
-        self.endpoints[label].fail()
+        endpoint = self.endpoints.get(label)  # None: no longer listed (set_endpoints)
+        if endpoint is not None:
+            endpoint.fail()
         raise _EXCEPTIONS_BY_CODE[exc.code()]()
 
     def get_watcher(self) -> LiveWatcher:
@@ -216,7 +250,7 @@ class Client(MultiEndpointEtcd3Client):
                 w.end()
             elif w.probed > w.heard and now - w.probed > silence:
                 silent.append(w.label)
-                if self._current_endpoint_label == w.label:
+                if self._current_endpoint_label == w.label and w.label in self.endpoints:
                     self.endpoints[w.label].fail()
                     self._clear_old_stubs()
                 w.end()

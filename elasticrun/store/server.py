@@ -149,6 +149,7 @@ class EtcdServer:
     peer_port: int = 0
     data_dir: Optional[str] = None
     initial_cluster: Optional[str] = None  # "n0=http://h:p,n1=..." for multi-member clusters
+    joins: bool = False  # joins a running cluster (--initial-cluster-state existing): added with store.members
     binary: Optional[str] = None
     extra_args: List[str] = field(default_factory=list)
     log_path: Optional[str] = None
@@ -197,7 +198,7 @@ class EtcdServer:
             "--listen-peer-urls", self.peer_url,
             "--initial-advertise-peer-urls", self.peer_url,
             "--initial-cluster", self.initial_cluster or f"{self.name}={self.peer_url}",
-            "--initial-cluster-state", "new",
+            "--initial-cluster-state", "existing" if self.joins else "new",
             "--initial-cluster-token", self._cluster_token(),
             "--logger=zap",
             "--log-level=error",

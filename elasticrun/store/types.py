@@ -35,6 +35,27 @@ class WatchEvent:
 
 
 @dataclass(frozen=True)
+class Member:
+    """One member of an etcd cluster as etcd lists it (:mod:`elasticrun.store.members`). A member added but
+    not started yet has no name and no client URL."""
+
+    member_id: int
+    name: str
+    peer_urls: Tuple[str, ...]
+    client_urls: Tuple[str, ...]
+    learner: bool
+
+    @property
+    def started(self) -> bool:
+        """etcd names a member once it has started and published itself."""
+        return bool(self.name)
+
+    @property
+    def voter(self) -> bool:
+        return not self.learner
+
+
+@dataclass(frozen=True)
 class Guard:
     """One condition of a transaction (:meth:`EtcdStore.txn`): ``key``'s mod revision equals
     ``mod_revision`` (0: the key is absent); with ``prefix``, no key starts with ``key`` at all."""

@@ -9,6 +9,7 @@
     progress = et.ProgressReporter(ctx)              # progress in etcd for `elasticrun status`
     inplace = et.InPlace(ctx, model=m, optimizer=o, sampler=sampler)  # in-place rescales
     et.heartbeat(step)                               # or just this, once per step (also --hang-timeout)
+    timer = et.step_timer(ddp); with timer.step(): … # compute time per step: straggler detection
     ckpt = et.load_latest(root, sampler=sampler)     # newest checkpoint (+ sampler, RNG), or None
     state["rng"] = et.capture_rng(seed)              # every rank's generators, in the checkpoint
 
@@ -44,6 +45,7 @@ from elasticrun.train.resume import complete_checkpoints, load_latest
 from elasticrun.train.rng import capture_rng, derive_seed, restore_rng, seed_all
 from elasticrun.train.sampler import ElasticDistributedSampler, default_redistribution
 from elasticrun.train.signals import GracefulStop
+from elasticrun.train.steptime import StepTimer, step_timer
 
 _install_commit_fence()
 
@@ -60,6 +62,7 @@ __all__ = [
     "Reform",
     "RescaleType",
     "StepDecision",
+    "StepTimer",
     "TrainingState",
     "accumulation_steps",
     "capture_rng",
@@ -78,5 +81,6 @@ __all__ = [
     "restore_rng",
     "scale_lr",
     "seed_all",
+    "step_timer",
     "warmup_lr",
 ]

@@ -2,12 +2,13 @@
 
 The node's local rank 0 writes ``/elasticrun/<job>/progress/<node-id>`` =
 ``{"step", "loss", "samples_per_s", "rank", "round", "world_size", "time", "stalls"}`` (and
-``"closed": true`` in the last report, written by :meth:`ProgressReporter.close`) under its
-own short lease (refreshed with every write), at most once per ``interval`` seconds. After a
-restart it also carries ``"restored"`` (the step :func:`~elasticrun.train.load_latest` resumed
-from in this round) and ``"reached"`` (the last step the previous round's reporter on this node
-recorded in its :class:`StepFile`): the agent counts the steps a rollback lost as reached −
-restored, exactly, not from reports up to a second apart.
+``"closed": true`` in the last report, written by :meth:`ProgressReporter.close`), and ``"compute"``
+(every local rank's mean compute seconds per step, by rank, when the script times its steps:
+:mod:`elasticrun.train.steptime`) under its own short lease (refreshed with every write), at most once
+per ``interval`` seconds. After a restart it also carries ``"restored"`` (the step
+:func:`~elasticrun.train.load_latest` resumed from in this round) and ``"reached"`` (the last step
+the previous round's reporter on this node recorded in its :class:`StepFile`): the agent counts
+the steps a rollback lost as reached − restored, exactly, not from reports up to a second apart.
 After an in-place re-form (:class:`~elasticrun.train.InPlace`) every reporter of the process,
 :func:`heartbeat`'s included, reports the new round, rank and world size (:func:`follow_reform`):
 the agent judges hangs and counts goodput by the round it runs.
@@ -31,6 +32,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from elasticrun.errors import ElasticrunError
 from elasticrun.job import env as env_names
+from elasticrun.train import steptime
 from elasticrun.train.env import ElasticState
 from elasticrun.train.etcdlink import EtcdLink
 
@@ -111,6 +113,9 @@ class ProgressReporter:
         }
         if self._stalls:
             value["stalls"] = {k: [int(v[0]), round(v[1], 4), round(v[2], 4)] for k, v in self._stalls.items()}
+        compute = compute_times(self.state.round, self.state.rank)
+        if compute:
+            value["compute"] = compute
         if _RESTORED is not None and _RESTORED[0] == self.state.round:
             value["restored"] = _RESTORED[1]
         if self._reached is not None:
@@ -219,6 +224,17 @@ class StepFile:
             os.pwrite(self._fd, f"{round_} {step}".ljust(self.WIDTH - 1).encode()[:self.WIDTH - 1] + b"\n", 0)
         except OSError:
             self._fd = None  # best effort: the agent then counts from the reports it saw
+
+
+def compute_times(round_: int, rank: int) -> Dict[str, float]:
+    """Every local rank's mean compute seconds per step (:mod:`elasticrun.train.steptime`), by rank as text
+    (JSON keys); {} when the script times no steps."""
+    found = steptime.node_step_times(round_)
+    timer = steptime.current()
+    mean = timer.mean() if timer is not None else None
+    if mean is not None:
+        found[rank] = mean  # our own, fresher than our file
+    return {str(r): round(v, 6) for r, v in sorted(found.items())}
 
 
 _RESTORED: Optional[Tuple[int, int]] = None  # (round, step) of this process's latest restore

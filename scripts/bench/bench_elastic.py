@@ -6,10 +6,14 @@
     python scripts/bench/bench_elastic.py --runs 3 --scenario all --launcher all
     python scripts/bench/bench_elastic.py --scenario join --quick --nodes 3 --nproc 1 --client plain bench example
     python scripts/bench/bench_elastic.py --scenario leave --quick --nodes 3 --nproc 1 --client inplace
+    python scripts/bench/bench_elastic.py --scenario kill-host --quick --nodes 3 --nproc 1
 
 ``kill``: the last node's agent and every process under it get SIGKILL at once; measured to the first step at
 the smaller world size. ``join``: the last node's agent starts; measured to its first step in the job. ``leave``:
 the last node's agent gets SIGTERM; measured to the first step at the smaller world size. ``join`` and ``leave``
+``kill-host``: the same kill of the first node, which hosts the rendezvous (torchrun's TCPStore; elasticrun on
+torchrun's c10d line: its etcd, grown to 3 members once every agent was told 3, ``phases.members``: seconds
+from the first agent's start). ``join`` and ``leave``
 also report the survivors' pause (``phases.pause``: the last step at the old world size to the first at the new).
 Each run gets its own etcd or c10d port; variants run interleaved (run 1 of each, then run 2, ...); ``--json``
 writes every variant's runs and the ``summary`` (each elasticrun variant against the best torchrun one).
@@ -52,12 +56,13 @@ class Variant:
     prewarm: bool = True  # elasticrun --prewarm / --no-prewarm
     tuned: bool = False  # torchrun: tuned timeouts + TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
     inplace: bool = True  # elasticrun: --inplace / --no-inplace (matters for the ``inplace`` client)
+    hosted: bool = False  # elasticrun on torchrun's c10d line: node A hosts the job's etcd (no etcd of the bench's)
 
     def target(self, scenario: str) -> Optional[float]:
         """elasticrun's target in seconds (kill: heartbeat + 2 s; join: window + 2 s); None for torchrun."""
         if self.launcher != "elasticrun":
             return None
-        return self.heartbeat + 2.0 if scenario == "kill" else STABILITY_WINDOW + 2.0
+        return self.heartbeat + 2.0 if scenario.startswith("kill") else STABILITY_WINDOW + 2.0
 
 
 VARIANTS: Dict[str, List[Variant]] = {
@@ -78,8 +83,14 @@ VARIANTS: Dict[str, List[Variant]] = {
     ],
 }
 VARIANTS["leave"] = VARIANTS["join"]
+VARIANTS["kill-host"] = [
+    Variant("elasticrun", "elasticrun c10d hb=3 prewarm", 3.0, True, hosted=True),
+    Variant("elasticrun", "elasticrun c10d hb=5 (default) prewarm", 5.0, True, hosted=True),
+    Variant("torchrun", "torchrun c10d tuned", tuned=True),
+]
 QUICK_LABELS = {"elasticrun hb=3 prewarm", "elasticrun sw=1 prewarm", "elasticrun sw=1 prewarm no-inplace",
-                "torchrun c10d tuned"}
+                "elasticrun c10d hb=3 prewarm", "torchrun c10d tuned"}
+MEMBERS_TOLD = "(3 members;"  # an agent's line once it was told the job's etcd has 3 members
 
 
 class Run:
@@ -102,7 +113,7 @@ class Run:
         self.events: List[str] = []
         self.etcd = None
         self.port = 0
-        if variant.launcher == "elasticrun":
+        if variant.launcher == "elasticrun" and not variant.hosted:
             from elasticrun.store.server import EtcdServer
 
             self.etcd = EtcdServer(log_path=str(self.dir / "etcd.log")).start()
@@ -127,10 +138,12 @@ class Run:
         train = self.client.argv(self.dir)
         nnodes, nproc = f"1:{self.nnodes}", str(self.nproc)
         if v.launcher == "elasticrun":
-            assert self.etcd is not None
+            hosted = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-conf",
+                      f"is_host={int(name == 'A')}"]
+            rdzv = hosted if self.etcd is None else ["--rdzv-endpoint", self.etcd.endpoint]
             return [
                 sys.executable, "-m", "elasticrun", "--nnodes", nnodes, "--nproc-per-node", nproc,
-                "--rdzv-endpoint", self.etcd.endpoint, "--rdzv-id", self.job, "--node-id", name,
+                *rdzv, "--rdzv-id", self.job, "--node-id", name,
                 "--local-addr", "127.0.0.1", "--heartbeat-timeout", str(v.heartbeat),
                 "--stability-window", str(STABILITY_WINDOW), "--max-restarts", "100",
                 "--prewarm" if v.prewarm else "--no-prewarm", "--inplace" if v.inplace else "--no-inplace", *train,
@@ -240,12 +253,14 @@ def measure(run: Run, args: argparse.Namespace) -> Outcome:
     settle = args.warm_steps
     names = [chr(ord("A") + i) for i in range(run.nnodes)]
     full, less = run.nnodes * run.nproc, (run.nnodes - 1) * run.nproc
-    if run.scenario in ("kill", "leave"):
+    if run.scenario in ("kill", "leave", "kill-host"):
         for name in names:
             run.start(name)
         ready = run.wait_step(full, 0.0, args.timeout, count=settle)
         if ready.status != "ok":
             return Outcome(ready.status, None, "setup: " + ready.detail)
+        if run.scenario == "kill-host":
+            return kill_host(run, names, less, args.timeout)
         if run.scenario == "kill":
             return run.wait_step(less, run.kill(names[-1]), args.timeout)
         at = run.leave(names[-1])
@@ -270,11 +285,28 @@ def measure(run: Run, args: argparse.Namespace) -> Outcome:
     return outcome
 
 
+def kill_host(run: Run, names: List[str], less: int, timeout: float) -> Outcome:
+    """Kill node A, which hosts the rendezvous; elasticrun's hosted etcd once every agent was told 3 members."""
+    members = None
+    if run.variant.hosted:
+        deadline = time.time() + timeout
+        while not all(n.mark(MEMBERS_TOLD) for n in run.nodes.values()):
+            if time.time() > deadline:
+                return Outcome("hang", None, f"setup: the job's etcd had no 3 members within {timeout:.0f}s")
+            time.sleep(0.1)
+        members = max(n.mark(MEMBERS_TOLD) or 0.0 for n in run.nodes.values()) - run.nodes[names[0]].started
+    outcome = run.wait_step(less, run.kill(names[0]), timeout)
+    if members is not None:
+        outcome.phases["members"] = round(members, 3)
+    return outcome
+
+
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """Command-line options."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=3, help="runs per variant and scenario")
-    ap.add_argument("--scenario", choices=["kill", "join", "leave", "all"], default="all")
+    ap.add_argument("--scenario", choices=["kill", "join", "leave", "kill-host", "all"], default="all",
+                    help="all: kill, join, leave")
     ap.add_argument("--launcher", choices=["elasticrun", "torchrun", "all"], default="all")
     ap.add_argument("--quick", action="store_true", help="only elasticrun hb=3/sw=1 prewarm and tuned torchrun")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per phase before a run counts as hung")

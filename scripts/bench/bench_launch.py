@@ -10,7 +10,8 @@ Scenarios (CPU, gloo, scripts/bench/launch_worker.py: a tiny DDP model, rank 0 l
            seconds after its script started: at any moment of the round) → first step after the
            restart, ``--nodes`` nodes (agents on loopback) × ``--procs`` workers.
 
-Launchers: elasticrun (defaults), torchrun (defaults) and torchrun "at its best"
+Launchers: elasticrun (defaults; on the c10d line its etcd grows to 3 members once 3 nodes joined),
+``elasticrun-etcd1`` (``--rdzv-conf etcd_members=1``), torchrun (defaults) and torchrun "at its best"
 (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, --rdzv-conf last_call_timeout=1,keep_alive_interval=1,
 keep_alive_max_attempt=3). Each run has a timeout; a run that ends without the expected step
 counts as a failure, one that runs out of time as a hang (its processes are killed).
@@ -57,6 +58,8 @@ from launch_results import (
     restart_summary,
     summarize,
 )
+
+ONE_MEMBER = "elasticrun-etcd1"  # elasticrun whose hosted etcd stays one member (--rdzv-conf etcd_members=1)
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "launch_worker.py")
@@ -157,14 +160,16 @@ def _free_port() -> int:
 
 
 def _commands(launcher: str, nodes: int, procs: int, endpoint: str, job: str, c10d: bool = False) -> List[List[str]]:
-    """One command per node; ``c10d``: elasticrun on torchrun's c10d line too (one agent hosts etcd there).
+    """One command per node; ``c10d``: elasticrun on torchrun's c10d line too (one agent hosts etcd there, which
+    grows to 3 members once 3 nodes joined; ``elasticrun-etcd1``: it stays one member).
 
     Every launcher may restart the workers (``--max-restarts 3``): the restart scenario crashes one.
     """
-    if launcher == "elasticrun":
+    if launcher.startswith("elasticrun"):
         if nodes == 1 and not endpoint:
             return [["elasticrun", "--standalone", "--nproc-per-node", str(procs), "--max-restarts", "3", WORKER]]
-        backend = ["--rdzv-backend", "c10d"] if c10d else []
+        members = 1 if launcher == ONE_MEMBER else 3
+        backend = ["--rdzv-backend", "c10d", "--rdzv-conf", f"etcd_members={members}"] if c10d else []
         return [
             ["elasticrun", "--nnodes", str(nodes), "--nproc-per-node", str(procs), *backend,
              "--rdzv-endpoint", endpoint, "--rdzv-id", job, "--node-id", f"n{i}", "--max-restarts", "3", WORKER]
@@ -324,7 +329,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                     "restart")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="where the workers train: cpu (gloo) or cuda (NCCL, one GPU per worker of the machine)")
-    ap.add_argument("--launchers", default=",".join(LAUNCHERS))
+    ap.add_argument("--launchers", default=",".join(LAUNCHERS),
+                    help=f"comma-separated, of {', '.join(LAUNCHERS)} and {ONE_MEMBER} (elasticrun whose c10d-line "
+                         "etcd stays one member: what growing to 3 costs at start-up)")
     ap.add_argument("--json", help="also write every run here")
     ap.add_argument(
         "--crash-step", type=int, default=3,

@@ -18,7 +18,7 @@ from typing import List, Optional, Tuple
 HERE = Path(__file__).resolve().parent
 STEP_RE = re.compile(r"STEP (\d+) WORLD (\d+) TIME (\d+(?:\.\d+)?)")
 EXAMPLE_RE = re.compile(r"(?:^|\]:)step (\d+) loss \S+ world (\d+)")
-MARK_RE = re.compile(r"elasticrun\[[^]]*\]: (joined job|round \d+ \(\w+\): world size)")
+MARK_RE = re.compile(r"elasticrun\[[^]]*\]: (joined job|round \d+ \(\w+\): world size|the job's etcd is at )")
 Step = Tuple[int, int, float]
 
 
@@ -55,7 +55,7 @@ class Node:
         self.name, self.proc, self.log_path, self.started, self.client = name, proc, log_path, started, client
         self.dead = False  # killed or stopped on purpose by the benchmark
         self._steps: List[Step] = []
-        self.marks: List[Tuple[float, str]] = []  # (time, line) of the agent's "joined" and "round N (...)" lines
+        self.marks: List[Tuple[float, str]] = []  # (time, line): the agent's "joined", "round N (...)", etcd lines
         self._lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, args=(epoch,), daemon=True)
         self._reader.start()

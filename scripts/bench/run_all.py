@@ -80,6 +80,7 @@ def _specs(preset: str, scratch: str) -> List[Spec]:
             Spec("snapshot-lost", "bench_snapshot.py", ["--parts", "lost"], 720),
             Spec("metrics", "bench_metrics.py", ["--runs", "1", "--steps", "120", "--interval", "1"], 300),
             Spec("preemption", "bench_preemption.py", ["--runs", "3", "--state-gb", "0.05", "--max-delay", "3"], 300),
+            Spec("stragglers-slow", "bench_stragglers.py", ["--minutes", "2", "--slow"], 480),
         ]
     if preset == "full":
         return [
@@ -97,6 +98,8 @@ def _specs(preset: str, scratch: str) -> List[Spec]:
             Spec("metrics-storm", "bench_metrics.py", ["--runs", "3"], 900),
             Spec("preemption", "bench_preemption.py",
                  ["--runs", "20", "--state-gb", "0.4", "--notice", "30", "--max-delay", "10"], 1800),
+            Spec("stragglers", "bench_stragglers.py", ["--minutes", "10"], 1200),
+            Spec("stragglers-slow", "bench_stragglers.py", ["--minutes", "3", "--slow"], 600),
         ]
     if preset == "gpu":  # a lent GPU host (16 cores): what the device changes first, ~6 min in all
         return [

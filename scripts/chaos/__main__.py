@@ -3,6 +3,7 @@
     sudo python -m scripts.chaos --minutes 30 --seed 7                # every kind, shuffled rounds (as root)
     python -m scripts.chaos --minutes 1 --seed 1 --faults worker_kill,etcd_outage --json   # in that order
     python -m scripts.chaos --minutes 1 --seed 7 --etcd-members 3     # a 3-member etcd: member and leader loss
+    python -m scripts.chaos --minutes 2 --seed 7 --hosted-etcd --faults agent_kill   # the job's own etcd
 
 Nodes are agent processes with one worker each (``scripts/chaos/worker.py``: the example plus a per-step sample
 audit log); the fault kinds are in ``kinds.py`` and ``hostile.py``. After each fault the soak waits for the
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .audit import Tail, analyse
-from .env import REPO, Launcher, Machine, Members, freeze_code, kill_tree, send
+from .env import HOSTED, REPO, Launcher, Machine, Members, freeze_code, kill_tree, send
 from .faults import FaultKind, schedule
 from .kinds import DRAWN
 from .report import job_goodput, render, summary
@@ -52,6 +53,9 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--etcd-members", type=int, default=1, choices=[1, 3], help="1: one etcd member (faults "
                    "etcd_restart, etcd_outage); 3: a local 3-member cluster, agents given all three endpoints "
                    "(faults member_loss, leader_loss)")
+    p.add_argument("--hosted-etcd", action="store_true", help="no etcd of the soak's own: the job hosts its etcd "
+                   "(torchrun's c10d line), which grows to 3 members on 3 nodes; agent_kill then kills a node that "
+                   "runs a member, the node that hosted it first while it lives; later agents join at a live member")
     p.add_argument("--json", action="store_true", help="also print the summary as one JSON line")
     p.add_argument("--json-file", help="write the summary as JSON here")
     p.add_argument("--recovery-deadline", type=float, default=120.0, help="seconds a recovery may take")
@@ -69,6 +73,10 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
         p.error(f"--hang-timeout must be 0 (off) or between 2 and 600 seconds, got {args.hang_timeout:g}")
     if not (10 <= args.recovery_deadline <= 3600):
         p.error("--recovery-deadline must be between 10 and 3600 seconds")
+    if args.hosted_etcd:
+        if args.etcd_members != 1:
+            p.error("--hosted-etcd and --etcd-members are exclusive: the job's own etcd sizes itself")
+        args.etcd_members = HOSTED
     args.shuffle = args.shuffle or args.faults == "all"
     args.kinds = _kinds(p, args.faults, args.etcd_members)
     return args
@@ -84,6 +92,8 @@ def _kinds(p: argparse.ArgumentParser, faults: str, members: int) -> List[FaultK
     if bad or not wanted:
         p.error(f"unknown fault kind(s) {', '.join(bad) or '(none)'}; choose from {', '.join(names)}")
     wrong = [w for w in wanted if names[w].etcd_members not in (0, members)]
+    if wrong and members == HOSTED:
+        p.error(f"fault kind(s) {', '.join(wrong)} need an etcd of the soak's own: drop --hosted-etcd")
     if wrong:
         p.error(f"fault kind(s) {', '.join(wrong)} need --etcd-members {4 - members}")
     return [names[w] for w in wanted]
@@ -155,9 +165,12 @@ def prepare(machine: Machine, wanted: List[FaultKind], say: Say) -> Tuple[List[F
 
 
 def start_etcd(machine: Machine, cleanup: Cleanup) -> str:
-    """The one member (on the host side of the namespace, if any) or the 3-member cluster; its endpoint(s)."""
-    from elasticrun.store.server import EtcdServer
+    """The one member (on the host side of the namespace, if any) or the 3-member cluster; its endpoint(s).
+    A hosted etcd: the endpoint its first agent hosts it at."""
+    from elasticrun.store.server import EtcdServer, free_port
 
+    if machine.etcd_members == HOSTED:
+        return f"127.0.0.1:{free_port()}"
     if machine.etcd_members == 3:
         machine.members = Members(machine.run_dir / "etcd")
         cleanup.add(machine.members.cluster.stop)
@@ -190,7 +203,7 @@ def launcher_for(args: argparse.Namespace, machine: Machine, endpoint: str) -> L
     env["PYTHONPATH"] = os.pathsep.join([str(code_root), *filter(None, [os.environ.get("PYTHONPATH")])])
     return Launcher(endpoint, f"chaos-{args.seed}", machine.netns.host_addr if machine.netns else "127.0.0.1",
                     run_dir, machine.worker_args, env, machine.netns, args.heartbeat_timeout, args.hang_timeout,
-                    code_root, ns_slot=(args.nodes - 1) if machine.netns else None)
+                    code_root, ns_slot=(args.nodes - 1) if machine.netns else None, hosted=args.hosted_etcd)
 
 
 def run(args: argparse.Namespace, say: Say, cleanup: Cleanup) -> int:

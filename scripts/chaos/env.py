@@ -21,6 +21,7 @@ import psutil
 
 from elasticrun.store.server import EtcdCluster, EtcdServer, free_port
 
+HOSTED = 0  # Machine.etcd_members of a job that hosts its own etcd (--hosted-etcd)
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "worker.py"
 WORKER_REL = WORKER.relative_to(REPO)  # scripts/chaos/worker.py, also under a frozen copy
@@ -253,7 +254,64 @@ class Launcher:
     hang_timeout: float  # the agents' --hang-timeout (0: off)
     code_root: Path  # where the agents import elasticrun and the example from (see freeze_code)
     ns_slot: Optional[int] = None
+    hosted: bool = False  # the job hosts its etcd (c10d line): ``endpoint`` follows its members
     agents: List[AgentProc] = field(default_factory=list)
+
+    def _rdzv_args(self) -> List[str]:
+        """How an agent finds the job's etcd: the endpoint(s), or with a hosted etcd the c10d line -- the first
+        agent hosts it, every later one joins at a member that answers (a node that took over the first host's
+        address would otherwise start a second etcd)."""
+        if not self.hosted:
+            return ["--rdzv-endpoint", self.endpoint]
+        if not self.agents:
+            return ["--rdzv-backend", "c10d", "--rdzv-endpoint", self.endpoint, "--rdzv-conf", "is_host=1"]
+        return ["--rdzv-backend", "c10d", "--rdzv-endpoint", self.live_member(), "--rdzv-conf", "is_host=0"]
+
+    def _hosted_records(self, prefix: str) -> List[object]:
+        """The key/values under the hosted job's ``etcd/<prefix>``, read at the first member that answers;
+        updates ``endpoint`` to the members the job published."""
+        from elasticrun.errors import StoreError
+        from elasticrun.job import records
+        from elasticrun.job.keys import JobKeys
+        from elasticrun.rendezvous.etcdplan import endpoints_record
+        from elasticrun.store.client import connect
+
+        keys = JobKeys(self.job)
+        for endpoint in self.endpoint.split(","):
+            try:
+                with connect(endpoint, retry_timeout=2, timeout=2) as store:
+                    told = records.read(store.get(keys.etcd_endpoints), endpoints_record)
+                    kvs, _ = store.get_prefix(keys.etcd + prefix)
+            except StoreError:
+                continue
+            if told is not None:
+                self.endpoint = ",".join(told.endpoints)
+            return list(kvs)
+        return []
+
+    def members_settled(self) -> bool:
+        """The hosted job's etcd has the size its live nodes call for (its published endpoints): a node started
+        now joins at a member that stays (one removed later would leave it waiting for a dead address)."""
+        from elasticrun.rendezvous.etcdplan import target_size
+
+        self._hosted_records("endpoints")
+        return len(self.endpoint.split(",")) == target_size(len(self.live()))
+
+    def live_member(self) -> str:
+        """A client endpoint of the hosted job's etcd that answers now (the last known one when none does)."""
+        from elasticrun.store.members import answers
+
+        self._hosted_records("endpoints")
+        return next((e for e in self.endpoint.split(",") if answers(f"http://{e}", 1.0)), self.endpoint.split(",")[0])
+
+    def member_agents(self) -> List[AgentProc]:
+        """The live agents whose node runs a member of the hosted job's etcd, the first host first."""
+        from elasticrun.job import records
+        from elasticrun.rendezvous.etcdplan import member_record
+
+        holders = {rec.node_id for rec in (records.read(kv, member_record) for kv in self._hosted_records("members/"))
+                   if rec is not None}
+        return sorted((a for a in self.live() if a.label in holders), key=lambda a: a.started)
 
     def start(self, slot: int) -> AgentProc:
         incarnation = sum(1 for a in self.agents if a.slot == slot)
@@ -264,7 +322,7 @@ class Launcher:
             env["GLOO_SOCKET_IFNAME"] = self.netns.ns_if if in_ns else self.netns.host_if
         port = free_port()
         cmd = [sys.executable, "-m", "elasticrun", "run", "--nnodes", "2:4", "--nproc-per-node", "1",
-               "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.job, "--node-id", f"slot{slot}.{incarnation}",
+               *self._rdzv_args(), "--rdzv-id", self.job, "--node-id", f"slot{slot}.{incarnation}",
                "--local-addr", self.netns.ns_addr if (in_ns and self.netns) else self.host_addr,
                "--max-restarts", "100000", "--heartbeat-timeout", str(self.heartbeat), "--rescale-timeout", "600",
                "--join-timeout", "600", "--hang-timeout", f"{self.hang_timeout:g}", "--metrics-port", str(port),
@@ -287,7 +345,8 @@ class Launcher:
 
     def status(self) -> subprocess.CompletedProcess:
         """``elasticrun status --json`` of the job, as an operator reads it."""
-        return self.cli(["status", "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.job, "--json"])
+        endpoint = self.live_member() if self.hosted else self.endpoint
+        return self.cli(["status", "--rdzv-endpoint", endpoint, "--rdzv-id", self.job, "--json"])
 
     def close(self) -> None:
         for a in self.agents:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import os
 import random
 import signal
+import time
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
-from .env import NetNs, Tmpfs, send, write_atomic
+from .env import HOSTED, NetNs, Tmpfs, send, write_atomic
 from .faults import Fault, FaultKind, Recovery
 from .hostile import BadRecord, JobReuse, SlowMetrics
 
@@ -43,16 +44,24 @@ class WorkerKill(FaultKind):
 
 
 class AgentKill(FaultKind):
-    """SIGKILL one agent; a new agent starts for its slot 0.5-4 s later."""
+    """SIGKILL one agent; a new agent starts for its slot 0.5-4 s later. When the job hosts its etcd, the agent
+    killed runs one of its members (the first host while it lives): the node whose loss the etcd must survive."""
 
     name, span = "agent_kill", (0.5, 4.0)
 
     def inject(self, soak: Soak, f: Fault) -> None:
-        agent = f.choose(soak.live_agents())
-        f.target, agent.expected_exit = f"agent {agent.label}", True
+        if soak.launcher.hosted and not soak.wait(soak.launcher.members_settled, soak.deadline_s):
+            soak.violations.append(f"the job's etcd did not have the members its {len(soak.launcher.live())} nodes "
+                                   f"call for within {soak.deadline_s:.0f}s (endpoints {soak.launcher.endpoint})")
+        live = soak.live_agents()
+        holders = [a for a in soak.launcher.member_agents() if a in live] if soak.launcher.hosted else []
+        agent = holders[0] if holders else f.choose(live)
+        f.target, agent.expected_exit = f"agent {agent.label}{' (runs a member of the etcd)' * bool(holders)}", True
         send(agent.pid, signal.SIGKILL)
         soak.sleep(f.duration)
-        f.notes.append(f"new agent {soak.launcher.start(agent.slot).label} after {f.duration:.1f}s")
+        if holders and not soak.wait(soak.launcher.members_settled, soak.deadline_s):
+            f.notes.append("the job's etcd did not settle on its members")
+        f.notes.append(f"new agent {soak.launcher.start(agent.slot).label} after {time.time() - f.t_start:.1f}s")
 
 
 class AgentStop(FaultKind):
@@ -186,6 +195,8 @@ class Partition(FaultKind):
     def prepare(self, machine: Machine) -> Optional[str]:
         if machine.etcd_members == 3:
             return "the 3-member etcd listens on loopback only"
+        if machine.etcd_members == HOSTED:
+            return "the hosted etcd listens on loopback only"
         return machine.set_up("netns", NetNs(str(os.getpid() % 100000)), "network namespaces")
 
     def inject(self, soak: Soak, f: Fault) -> None:

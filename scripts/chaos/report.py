@@ -21,6 +21,8 @@ from .kinds import KINDS
 def job_goodput(launcher: Launcher) -> Dict[str, Any]:
     """``status --json``'s ``goodput`` of the job (the agents' accounts aggregated, docs/observability.md),
     or ``{"error": ...}`` saying why there is none."""
+    if launcher.hosted:
+        return {"error": "none: the job's own etcd, with its accounts, ended with the job"}
     try:
         proc = launcher.status()
     except (OSError, subprocess.TimeoutExpired) as err:
@@ -131,7 +133,7 @@ def render(res: Dict[str, Any], say: Callable[[str], None]) -> None:
     st, ck, sm = res["steps"], res["checkpoints"], res["samples"]
     facts = [
         ("run", f"seed {res['seed']}, {res['minutes']:g} min of faults, {res['elapsed_s']:.0f} s in all, "
-                f"{res['etcd_members']} etcd member(s)"),
+                + (f"{res['etcd_members']} etcd member(s)" if res["etcd_members"] else "the job's own etcd")),
         ("steps", f"{st['final']} trained, {st['executed']} executed, {st['lost_to_rollbacks']} lost to rollbacks, "
                   f"{st['generations']} worker generations"),
         ("checkpoints", f"{ck['committed']} committed, {ck['verified']} verified right after commit "

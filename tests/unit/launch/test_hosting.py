@@ -1,15 +1,25 @@
-"""An etcd a node starts (elasticrun.launch.hosting.local_etcd): the environment's binary and history."""
+"""An etcd a node starts (elasticrun.launch.etcdhome.member_server): the environment's binary and history."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
 from elasticrun.errors import ConfigError, StoreSetupError
 from elasticrun.job import env as names
-from elasticrun.launch.hosting import local_etcd
+from elasticrun.launch.etcdhome import member_server
 from elasticrun.store.compaction import Retention, parse_retention
+from elasticrun.store.server import EtcdServer
+
+
+def local_etcd(binary: Optional[str]) -> EtcdServer:
+    """A member that is never started; its home is removed at once (what its stop would do)."""
+    server = member_server("t", "n", binary)
+    for remove in server.after_stop:
+        remove()
+    return server
 
 
 def test_the_defaults(monkeypatch: pytest.MonkeyPatch):

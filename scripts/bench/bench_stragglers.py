@@ -1,0 +1,137 @@
+"""Straggler detection's false-positive budget: healthy nodes of examples/train.py, nobody may be flagged.
+
+Starts an etcd and N agents (one gloo worker each, ``--straggler-action warn``), waits until all train, then
+reads ``elasticrun status --json`` every ``--every`` seconds for ``--minutes`` and counts the readings where a
+node was flagged. With ``--slow`` the last node's worker processes are SIGSTOPped/SIGCONTed in pulses (half
+of the time) from the start of the measuring: the figure is then the time until it is flagged.
+
+    python scripts/bench/bench_stragglers.py --minutes 10 --json /tmp/stragglers.json
+    python scripts/bench/bench_stragglers.py --minutes 2 --slow --json /tmp/slow.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import psutil
+from common import REPO, shown_command, summary_row
+
+from elasticrun.store.server import EtcdServer
+
+TAG = "ELASTICRUN_BENCH_STRAGGLERS"
+
+
+def status(endpoint: str, job: str) -> Optional[Dict[str, Any]]:
+    done = subprocess.run([sys.executable, "-m", "elasticrun", "status", "--rdzv-endpoint", endpoint, "--rdzv-id",
+                           job, "--json"], capture_output=True, text=True, timeout=60, cwd=str(REPO))
+    return json.loads(done.stdout) if done.returncode == 0 else None
+
+
+def pulse(pids: List[int], stop: threading.Event, stop_s: float = 0.2, run_s: float = 0.2) -> None:
+    procs = [psutil.Process(p) for p in pids]
+    while not stop.is_set():
+        for sig, wait in ((signal.SIGSTOP, stop_s), (signal.SIGCONT, run_s)):
+            for p in procs:
+                try:
+                    p.send_signal(sig)
+                except psutil.NoSuchProcess:
+                    pass
+            stop.wait(wait)
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGCONT)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--every", type=float, default=5.0)
+    ap.add_argument("--window", type=float, default=30.0, help="--straggler-window of the agents")
+    ap.add_argument("--slow", action="store_true", help="pulse the last node's workers (half of its CPU time)")
+    ap.add_argument("--json", default="", help="write the result (with its summary rows) here")
+    args = ap.parse_args()
+    job = f"strag-{uuid.uuid4().hex[:8]}"
+    work = Path(tempfile.mkdtemp(prefix="elasticrun-bench-stragglers-"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **{TAG: job})
+    server = EtcdServer(data_dir=str(work / "etcd")).start()
+    agents: List[subprocess.Popen] = []
+    try:
+        for i in range(args.nodes):
+            agents.append(subprocess.Popen(
+                [sys.executable, "-m", "elasticrun", "--nnodes", f"2:{args.nodes}", "--nproc-per-node", "1",
+                 "--rdzv-endpoint", server.endpoint, "--rdzv-id", job, "--node-id", f"n{i}",
+                 "--straggler-window", str(args.window), "--stability-window", "3", "-q",
+                 str(REPO / "examples" / "train.py"), "--epochs", "100000", "--no-checkpoint", "--dataset-size",
+                 "512", "--batch-size", "8", "--step-sleep", "0.02"],
+                env=env, cwd=str(REPO), stdout=subprocess.DEVNULL, stderr=open(work / f"n{i}.err", "wb")))
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            doc = status(server.endpoint, job)
+            ms = (doc or {}).get("members") or []
+            if len(ms) == args.nodes and all((m.get("progress") or {}).get("round") == doc["round"] for m in ms):
+                break
+            time.sleep(2)
+        else:
+            print("the nodes did not all train within 300 s", file=sys.stderr)
+            return 1
+        stop = threading.Event()
+        if args.slow:
+            kids = [p.pid for p in psutil.Process(agents[-1].pid).children(recursive=True)]
+            threading.Thread(target=pulse, args=(kids, stop), daemon=True).start()
+        t0 = time.monotonic()
+        readings, flagged, first_flag, worst = 0, 0, None, 0.0
+        while time.monotonic() - t0 < args.minutes * 60:
+            doc = status(server.endpoint, job)
+            if doc is not None:
+                readings += 1
+                slow = [m for m in doc["members"] if m.get("straggler")]
+                ratios = [r["ratio"] for r in ((doc.get("stragglers") or {}).get("ranks") or {}).values()]
+                worst = max([worst, *ratios])
+                if slow:
+                    flagged += 1
+                    if first_flag is None:
+                        first_flag = time.monotonic() - t0
+                    if args.slow:
+                        break
+            time.sleep(args.every)
+        stop.set()
+        result = {"nodes": args.nodes, "minutes": round((time.monotonic() - t0) / 60, 2), "readings": readings,
+                  "flagged_readings": flagged, "first_flag_s": None if first_flag is None else round(first_flag, 1),
+                  "max_ratio_seen": round(worst, 3), "window_s": args.window, "slow": args.slow,
+                  "command": shown_command(__file__)}
+        metric = "seconds until a half-speed node is flagged" if args.slow else "flagged readings of healthy nodes"
+        value = (first_flag or 0.0) if args.slow else float(flagged)
+        result["summary"] = [summary_row(metric, value, "none", None, unit="s" if args.slow else "readings",
+                                         command=result["command"])]
+        print(json.dumps(result, indent=1))
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+        return 0 if (first_flag is not None) == args.slow else 1
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.send_signal(signal.SIGTERM)
+        for a in agents:
+            try:
+                a.wait(60)
+            except subprocess.TimeoutExpired:
+                a.kill()
+        server.stop()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
