@@ -108,6 +108,19 @@ def etcd_server() -> Iterator[EtcdServer]:
 
 
 @pytest.fixture
+def private_etcd() -> Iterator[EtcdServer]:
+    """An etcd of this test alone, for tests that stop it (SIGSTOP): stopping the shared one would
+    disturb other tests."""
+    server = EtcdServer().start()
+    try:
+        yield server
+    finally:
+        if server.proc is not None and server.proc.poll() is None:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        server.stop()
+
+
+@pytest.fixture
 def etcd(etcd_server: EtcdServer) -> Iterator[EtcdStore]:
     store = connect(etcd_server.endpoint)
     yield store
