@@ -17,8 +17,14 @@ What makes it elastic (see docs/training.md):
   --global-batch-size`` or ``--global-batch``), with the LR then left alone;
 - the checkpoint holds every rank's RNG state (torch, CUDA, ``random``, numpy), restored
   by ``load_latest`` together with the sampler;
+- it re-forms in place (``et.InPlace``): at a planned rescale (a node joins, a node leaves
+  gracefully) the survivors keep their processes, model and optimizer and go on at the new
+  world size with the LR and accumulation of that size and the sampler's rest of the epoch;
+  a newcomer receives the state from the survivors instead of loading a checkpoint
+  (``--no-inplace``, or the launcher's ``--no-inplace``: every rescale restarts as below);
 - on SIGTERM (the agent stopping workers for a rescale) every rank agrees to stop at the
-  same step, saves a checkpoint and exits (code 143, "terminated");
+  same step, saves a checkpoint and exits (code 143, "terminated"); in place, a node that
+  leaves alone stops without a save (the survivors hold the state);
 - it answers ``elasticrun ckpt save`` requests and reports progress (and each rank's compute time per
   step, for straggler detection) for ``elasticrun status``.
 
@@ -80,6 +86,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--agree-every", default="auto",
                    help="steps between the ranks' stop/checkpoint-request agreement, or 'auto' (about every 0.2 s)")
     p.add_argument("--backend", default=None, help="process group backend (default: nccl on GPU, else gloo)")
+    p.add_argument("--no-inplace", action="store_true",
+                   help="never re-form in place: every rescale restarts the workers from a checkpoint")
     return p.parse_args(argv)
 
 
@@ -118,7 +126,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     sampler = et.ElasticDistributedSampler(args.dataset_size, world, ctx.rank, seed=args.seed)
 
     step, resumed, loss_value, tier = 0, "nothing", float("nan"), "disk"
-    if not args.no_checkpoint:
+    # Before any other collective (a newcomer's first collectives are the survivors' re-form).
+    reform = None if args.no_inplace else et.InPlace(ctx, model=model, optimizer=optim, sampler=sampler)
+    inplace = reform is not None and reform.enabled
+    if reform is not None and reform.joined:  # a newcomer: the survivors' model, optimizer, sampler and step
+        step, loss_value = reform.step, float(reform.extra.get("loss", float("nan")))
+        resumed = f"the survivors' state (in place) at step {step}"
+    elif not args.no_checkpoint:
         # model/optimizer below; the sampler position and every rank's RNG state in the same call
         ckpt = et.load_latest(args.ckpt_dir, process_group=ctx.cpu_process_group, sampler=sampler)
         if ckpt is not None:
@@ -202,18 +216,38 @@ def main(argv: Optional[List[str]] = None) -> int:
         log0(ctx, f"checkpoint {name} saved in {time.perf_counter() - t0:.2f}s ({reason})")
         return name
 
+    def reformed() -> None:
+        """In place at a new world size: the LR rule or the accumulation of that size, DDP on the new group."""
+        nonlocal world, accum, lr, target_lr, prev_lr, resume_step, global_batch, ddp
+        prev_lr, world = lr, ctx.world_size
+        if args.global_batch:
+            accum = et.accumulation_steps(args.global_batch, args.batch_size, world)
+        else:
+            target_lr = et.scale_lr(args.lr, args.base_world_size, world)
+        resume_step, global_batch = step, args.batch_size * world * accum
+        lr = lr_at(step)
+        for group in optim.param_groups:
+            group["lr"] = lr
+        if isinstance(ddp, DDP):
+            ddp = et.rebuild_ddp(ddp)
+            et.step_timer(ddp)  # the compute timer watches the new wrapper's gradient buckets
+        requests.regroup(ctx.cpu_process_group)  # agree at the same steps as a newcomer, on the new group
+        log0(ctx, f"re-formed in place: {ctx.state.describe()} step {step} lr {lr:.4g} global_batch "
+                  f"{global_batch} accumulation {accum} pause {reform.last_pause_s:.3f}s")
+
     stopped = finished = False
     t_start = t_last = time.perf_counter()
     try:
         for epoch in range(sampler.epoch, args.epochs):
             sampler.set_epoch(epoch)
-            mine = sampler.indices()
-            per_step = args.batch_size * accum
-            for start in range(0, len(mine), per_step):
+            mine, start = sampler.indices(), 0
+            while start < len(mine):
                 if args.steps and step >= args.steps:
                     finished = True
                     break
+                per_step = args.batch_size * accum
                 chunk = mine[start : start + per_step]
+                start += per_step
                 if args.warmup_steps and lr != target_lr:
                     lr = lr_at(step)
                     for group in optim.param_groups:
@@ -246,7 +280,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     metrics.flush()
                     t_last = now
                 progress.report(step, loss_value, samples=samples_seen)
-                decision = requests.poll(step, stop=ctx.should_stop)
+                # In place, a stop is agreed by reform.check() (only the leaving ranks stop).
+                decision = requests.poll(step, stop=ctx.should_stop and not inplace)
                 if snaps is not None and (step % args.snapshot_every == 0 or decision.stop):
                     snapshot()  # also at a stop (a rescale): the next round resumes from memory at this step
                 if decision.checkpoint or (args.ckpt_every and step % args.ckpt_every == 0):
@@ -266,6 +301,17 @@ def main(argv: Optional[List[str]] = None) -> int:
                 if decision.stop:
                     stopped = True
                     break
+                if inplace:
+                    reform.step, reform.extra = step, {"loss": loss_value}
+                    result = reform.check()
+                    if result is et.Reform.STOP:
+                        if reform.group_kept:  # every rank stops here: save as the restart path does
+                            save("stop")
+                        stopped = True
+                        break
+                    if result is et.Reform.REFORMED:
+                        reformed()
+                        mine, start = sampler.indices(), 0  # this rank's rest of the epoch at the new world
             if stopped or finished:
                 break
         if stopped:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import uuid
 from pathlib import Path
 from typing import Callable, Iterator, List, Optional
@@ -50,9 +51,41 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         torch.cuda.is_available()
 
 
+class _NoProcesses:
+    """The fast tier's promise (``pytest -m "not integration"``): a test without the ``integration``
+    marker starts no process and no etcd. While such a test runs in that tier, starting one fails
+    the test with the line that says how to mark it."""
+
+    def __init__(self, nodeid: str) -> None:
+        self.nodeid = nodeid
+        self.saved = [(subprocess.Popen, "_execute_child"), (os, "fork"), (os, "posix_spawn"), (os, "posix_spawnp")]
+        self.saved = [(owner, name, getattr(owner, name)) for owner, name in self.saved if hasattr(owner, name)]
+
+    def _refuse(self, *args: object, **kwargs: object) -> None:
+        raise RuntimeError(f"{self.nodeid} starts a process in the fast tier: mark it @pytest.mark.integration")
+
+    def __enter__(self) -> None:
+        for owner, name, _ in self.saved:
+            setattr(owner, name, self._refuse)
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, name, original in self.saved:
+            setattr(owner, name, original)
+
+
+def _in_fast_tier(item: pytest.Item) -> bool:
+    marks = str(item.config.getoption("markexpr", "") or "")
+    return "not integration" in marks and item.get_closest_marker("integration") is None
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: Optional[pytest.Item]) -> Iterator[None]:
-    """``CUDA_VISIBLE_DEVICES=""`` around every test not marked ``gpu`` (setup, call and teardown)."""
+    """``CUDA_VISIBLE_DEVICES=""`` around every test not marked ``gpu`` (setup, call and teardown);
+    in the fast tier, no process started (:class:`_NoProcesses`)."""
+    if _in_fast_tier(item):
+        with _NoProcesses(item.nodeid):
+            yield
+        return
     if item.get_closest_marker("gpu") is not None:
         yield
         return
@@ -72,6 +105,19 @@ def etcd_server() -> Iterator[EtcdServer]:
     server = EtcdServer().start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def private_etcd() -> Iterator[EtcdServer]:
+    """An etcd of this test alone, for tests that stop it (SIGSTOP): stopping the shared one would
+    disturb other tests."""
+    server = EtcdServer().start()
+    try:
+        yield server
+    finally:
+        if server.proc is not None and server.proc.poll() is None:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        server.stop()
 
 
 @pytest.fixture

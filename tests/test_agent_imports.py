@@ -18,6 +18,10 @@ import textwrap
 from pathlib import Path
 from typing import Iterator, List
 
+import pytest
+
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 PACKAGE = Path(__file__).resolve().parent.parent / "elasticrun"
 AGENT_PACKAGES = ("cli", "launch", "rendezvous", "store", "job")
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench" / "bench_snapshot.py"
 
 

@@ -99,6 +99,7 @@ def test_bad_arguments_give_one_line():
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.integration
 def test_a_hosted_etcd_run_draws_no_kind_that_needs_an_etcd_of_the_soaks_own():
     every = parse(["--minutes", "1", "--seed", "3", "--hosted-etcd"])
     names = {k.name for k in every.kinds}

@@ -132,6 +132,7 @@ def test_reshard_keeps_the_source_algorithm_and_import_takes_one(tmp_path):
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.integration
 def test_cli_verify_names_the_algorithm_and_import_rejects_an_unknown_one(tmp_path):
     save(_state(), tmp_path, "c")
     out = cli("verify", str(tmp_path), "c")

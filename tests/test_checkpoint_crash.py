@@ -15,6 +15,8 @@ from elasticrun.checkpoint.commit import CRASH_ENV, PHASES
 
 from helpers.ckpt import REPO, child_env, run_group
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 CHILD = [sys.executable, str(REPO / "tests" / "scripts" / "ckpt_save_child.py")]
 
 

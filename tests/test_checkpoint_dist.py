@@ -4,7 +4,11 @@ get bit-identical tensors; async saves with retention run beside training collec
 
 from __future__ import annotations
 
+import pytest
+
 from helpers.ckpt import run_group
+
+pytestmark = pytest.mark.integration  # starts etcd or processes
 
 
 def _check(results):

@@ -63,6 +63,7 @@ def root(tmp_path: Path) -> Path:
     return r
 
 
+@pytest.mark.integration
 def test_single_file_has_format_pt_and_dotted_names(root: Path, tmp_path: Path, ckpt) -> None:
     out = tmp_path / "model.safetensors"
     res = ckpt("load", str(root), "final", "--out", str(out), "--only", "model.", "--strip-prefix")

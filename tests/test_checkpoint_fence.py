@@ -31,6 +31,8 @@ from elasticrun.job.keys import JobKeys
 from elasticrun.store.client import EtcdStore
 from elasticrun.train import load_latest
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 REPO = Path(__file__).resolve().parent.parent
 
 # Saves step 5 with the commit frozen (SIGSTOP to itself) at STALL: "metadata" (its write) or "rename".

@@ -9,6 +9,8 @@ import torch
 
 from elasticrun.checkpoint import CheckpointError, list_checkpoints, load, save, verify
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 SHARD = "shard-00000-of-00001.safetensors"
 
 

@@ -23,6 +23,8 @@ from elasticrun.checkpoint.temps import _boot_id
 
 from helpers.ckpt import child_env, cli
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 
 def _steps(root, steps, size=4):
     for s in steps:

@@ -25,6 +25,8 @@ from elasticrun.cli.run_options import Kind, Opt, Type, all_options
 from elasticrun.store.server import EtcdServer
 from elasticrun.store.settings import EtcdSettings
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 SCRIPT = "train.py"
 Case = Tuple[List[str], Dict[str, str], str]  # argv, environment, where the error line must start
 

@@ -16,6 +16,8 @@ from elasticrun.checkpoint import Shard, list_checkpoints, load, save
 from helpers.ckpt import cli
 from helpers.procs import wait_until
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 WAITING = re.compile(r"^elasticrun: (still )?waiting for ")
 
 

@@ -29,7 +29,7 @@ from helpers.procs import Agent, wait_until
 EXAMPLE = str(Path(__file__).resolve().parent.parent / "examples" / "train.py")
 SHM = "/dev/shm"
 
-pytestmark = pytest.mark.skipif(not os.path.isdir(SHM), reason="needs /dev/shm")
+pytestmark = [pytest.mark.integration, pytest.mark.skipif(not os.path.isdir(SHM), reason="needs /dev/shm")]
 
 
 def _state(v: float) -> dict:

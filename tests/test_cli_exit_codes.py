@@ -32,6 +32,8 @@ from helpers.cli import exit_code
 from helpers.launch import ECHO
 from helpers.procs import REPO, wait_until
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 DOC = REPO / "docs" / "cli.md"
 Row = Tuple[str, int]
 

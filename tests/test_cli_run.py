@@ -18,6 +18,8 @@ from elasticrun.store.server import EtcdServer, find_etcd_binary, free_port
 from helpers.launch import ECHO, SCRIPTS, assert_one_line_error, node_ids, run_cli
 from helpers.procs import Agent, wait_until
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 
 @pytest.mark.parametrize(
     "args,needles,code",

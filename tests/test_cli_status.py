@@ -33,6 +33,8 @@ from elasticrun.store.server import EtcdServer, free_port
 
 from helpers.procs import REPO, SCRIPTS, wait_until, worker_env
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 
 def cli(argv: List[str], capsys: pytest.CaptureFixture[str]) -> tuple:
     """Run ``elasticrun <argv>`` in-process; (exit code, stdout, stderr)."""

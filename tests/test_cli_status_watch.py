@@ -10,6 +10,8 @@ import subprocess
 import sys
 from typing import Any, Callable, Dict, List
 
+import pytest
+
 from elasticrun.rendezvous.jobstatus import JobNotFoundError, job_status
 from elasticrun.rendezvous.states import MemberStatus
 from elasticrun.store.client import EtcdStore
@@ -17,6 +19,8 @@ from elasticrun.store.server import EtcdServer
 
 from helpers.launch import ECHO
 from helpers.procs import REPO, wait_until, worker_env
+
+pytestmark = pytest.mark.integration  # starts etcd or processes
 
 
 def _job_visible(etcd: EtcdStore, job: str) -> bool:

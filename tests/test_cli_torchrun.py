@@ -240,6 +240,7 @@ def test_help_anywhere_before_the_script(argv: List[str]) -> None:
     assert Parser().parse(argv, {}).help
 
 
+@pytest.mark.integration
 def test_help_and_unknown_option_on_the_command_line() -> None:
     proc = run_cli(["--nproc-per-node", "2", "-h"], timeout=30, env={"COLUMNS": "160"})
     assert proc.returncode == 0 and "Usage: elasticrun [run]" in proc.stdout and "PET_NPROC_PER_NODE" in proc.stdout

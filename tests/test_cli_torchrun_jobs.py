@@ -22,6 +22,8 @@ from elasticrun.store.server import EtcdServer, free_port
 from helpers.launch import ECHO, REPORT_ENV, alive, assert_one_line_error, node_ids, reports, run_cli, wait_agents
 from helpers.procs import Agent, wait_until
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 HOSTING = "hosting the job's etcd"
 SLACK = ["--heartbeat-timeout", "15"]  # 2 loaded cores: a 5 s lease can lapse before the first keep-alive
 

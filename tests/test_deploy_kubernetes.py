@@ -35,6 +35,8 @@ from helpers import kube
 from helpers.procs import REPO, wait_until, worker_env
 from helpers.tls import Certs
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 DEPLOY = REPO / "deploy" / "kubernetes"
 KUSTOMIZATIONS = ["base", "pytorchjob", "jobset", "monitoring", "overlays/example"]
 RETRYABLE = [130, 137, 138, 143]  # Kubeflow's ExitCode policy restarts these; any other code is permanent

@@ -22,6 +22,8 @@ from elasticrun.store.server import free_port
 from helpers.launch import REPO, REPORT_ENV, reports
 from helpers.procs import SCRIPTS, wait_until, worker_env
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 SLURM = REPO / "deploy" / "slurm"
 NODES = 2
 

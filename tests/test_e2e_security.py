@@ -34,6 +34,8 @@ from helpers.launch import assert_one_line_error, run_cli, wait_agents
 from helpers.procs import REPO, Agent, wait_until
 from helpers.tls import ROOT_PASSWORD, Certs, SecureEtcd, start_secure_etcd
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 TOKEN_TTL = 2  # seconds an idle auth token stays valid (etcd --auth-token-ttl)
 EXAMPLE = REPO / "examples" / "train.py"
 

@@ -30,6 +30,8 @@ import torch
 
 from helpers.procs import SCRIPTS, Agent, wait_until
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 SCRIPT = SCRIPTS / "audit_train.py"
 N, G, EPOCHS, MICRO = 96, 12, 4, 2
 HB = 6  # lease TTL: generous, the 2 CI cores are shared with 3-4 workers and their agents

@@ -33,6 +33,8 @@ from elasticrun.rendezvous.records import (
 
 from helpers.ckpt import cli
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 FUZZ_CLI = settings(FUZZ, max_examples=25)  # each run builds the typer app (~0.4 s)
 SHARD = "shard-00000-of-00001.safetensors"

@@ -30,6 +30,8 @@ from elasticrun.store.server import EtcdServer
 
 from helpers.launch import ECHO, REPO, assert_one_line_error, run_cli
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 KUBEFLOW_RETRYABLE = {130, 137, 138, 143}  # PyTorchJob's ExitCode restart policy retries these, and no others
 
 

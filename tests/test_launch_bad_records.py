@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from typing import Callable, Dict
 
+import pytest
+
 from elasticrun.job.keys import JobKeys
 from elasticrun.rendezvous.jobstatus import JobNotFoundError, job_status
 from elasticrun.store.client import EtcdStore
@@ -14,6 +16,8 @@ from elasticrun.store.server import EtcdServer
 
 from helpers.launch import ECHO
 from helpers.procs import Agent, wait_until
+
+pytestmark = pytest.mark.integration  # starts etcd or processes
 
 NOTICE = "ignoring a malformed record in etcd at "
 

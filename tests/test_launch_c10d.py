@@ -25,7 +25,8 @@ from elasticrun.rendezvous.records import Member, Topology
 
 from helpers.procs import Agent, wait_until
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux: parent-death signals, /proc")
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux: parent-death signals, /proc")]
 
 TIMEOUT = timedelta(seconds=60)
 

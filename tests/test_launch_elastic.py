@@ -18,6 +18,8 @@ from elasticrun.job.keys import JobKeys
 from helpers.elastic import HB, agent_args, all_gone, first_step, steps, worker_pids
 from helpers.procs import wait_until
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 
 def test_sigkill_of_one_node_reforms_at_world_2(etcd_server, etcd, job_id, agents, tmp_path):
     out = tmp_path / "out"

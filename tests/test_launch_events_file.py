@@ -15,6 +15,8 @@ import pytest
 from helpers.launch import assert_one_line_error, run_cli
 from helpers.procs import SCRIPTS
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 
 def _run(path: Path) -> subprocess.CompletedProcess:
     return run_cli(["--standalone", "--nproc-per-node", "1", "--events-file", str(path),

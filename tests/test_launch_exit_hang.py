@@ -20,8 +20,12 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from helpers.launch import run_cli
 from helpers.procs import SCRIPTS
+
+pytestmark = pytest.mark.integration  # starts etcd or processes
 
 DDP = str(SCRIPTS / "ddp_snapshot.py")
 RUNS = 3

@@ -16,11 +16,15 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
+
 from elasticrun.store.client import connect
 from elasticrun.store.reach import wait_reachable
 from elasticrun.store.server import NO_FSYNC_FLAG, EtcdServer, find_etcd_binary, free_port
 
 from helpers.launch import run_cli
+
+pytestmark = pytest.mark.integration  # starts etcd or processes
 
 # The worker: was torch already imported when the script started (a preloaded interpreter)? Then the
 # torchrun environment and one all_reduce, written to OUT/rank<R>.json.

@@ -24,7 +24,8 @@ from elasticrun.rendezvous.records import Member, Topology
 from helpers.launch import assert_one_line_error, run_cli
 from helpers.procs import wait_until
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is Linux-only")
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server is Linux-only")]
 
 PROBE = '''
 import json, os, sys

@@ -20,6 +20,8 @@ from helpers import promql
 from helpers.launch import assert_one_line_error, run_cli
 from helpers.procs import SCRIPTS, Agent, wait_until
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 STEPS, STEP_S, CKPT_EVERY, STALL_S, CRASH_AT = 40, 0.15, 10, 0.4, 25
 
 

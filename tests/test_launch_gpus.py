@@ -31,6 +31,8 @@ from elasticrun.launch.node import accelerators, uses_gpu
 
 from helpers.fakelibs import NVML, build
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 UUIDS = ("GPU-aaaa-1111", "GPU-aabb-2222", "GPU-cccc-3333", "GPU-dddd-4444")
 FOUR = DriverGpus(UUIDS, "test")
 VALUES = [None, "", "-1", "0", "0,2", " 1, 3", "1gpu2,2ampere", "0,1,-1,3", "0,0", "2,x,1", "+1", "GPU-aaaa",

@@ -26,6 +26,8 @@ from elasticrun.store.client import EtcdStore
 
 from helpers.launch import SCRIPTS, run_cli
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 WORKER = str(SCRIPTS / "hang_worker.py")
 
 

@@ -17,6 +17,8 @@ from elasticrun.launch.hostlock import HostLock, private_dir
 
 from helpers.procs import wait_until
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 HOLD = """
 import fcntl, os, sys, time
 fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o666)

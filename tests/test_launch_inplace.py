@@ -8,7 +8,6 @@ On a GPU host (marked ``gpu``) the join and the leave run over NCCL, one GPU per
 
 from __future__ import annotations
 
-import json
 import signal
 from pathlib import Path
 from typing import Dict, List
@@ -19,9 +18,10 @@ import torch.distributed as dist
 
 from elasticrun.job.keys import JobKeys
 
+from helpers.inplace import log_rows, log_steps
 from helpers.procs import SCRIPTS, wait_until
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0  # read at collection: the host's GPUs
 NCCL = dist.is_available() and dist.is_nccl_available()
 
@@ -33,25 +33,15 @@ def _args(endpoint: str, job: str, node: str, max_restarts: int = 2, nnodes: str
             str(SCRIPTS / "inplace_worker.py")]
 
 
-def _records(log: Path) -> List[dict]:
-    if not log.exists():
-        return []
-    return [json.loads(line) for line in log.read_text().splitlines() if line.strip().endswith("}")]
-
-
-def _steps(log: Path) -> List[dict]:
-    return [r for r in _records(log) if "step" in r]
-
-
 def _at(log: Path, world: int, n: int, after_round: int = -1) -> bool:
-    return sum(1 for r in _steps(log) if r["world"] == world and r["round"] > after_round) >= n
+    return sum(1 for r in log_steps(log) if r["world"] == world and r["round"] > after_round) >= n
 
 
 def _pause(log: Path, old_round: int, new_round: int) -> float:
     """The survivors' pause: per worker, its last step in ``old_round`` → its first in ``new_round``; the longest."""
     last: Dict[int, float] = {}
     first: Dict[int, float] = {}
-    for r in _steps(log):
+    for r in log_steps(log):
         if r["round"] == old_round:
             last[r["pid"]] = max(last.get(r["pid"], 0.0), r["t"])
         elif r["round"] == new_round:
@@ -79,7 +69,7 @@ def _check_kept_in_place(log: Path, steps: List[dict], nodes: int) -> Dict[int, 
         ws = [r["w"] for r in steps if r["step"] == step]
         assert all(w == pytest.approx(ws[0]) for w in ws), f"step {step}: ranks differ"
     assert {r["world"] for r in steps} == {nodes - 1, nodes}
-    pauses = [r["reformed"] for r in _records(log) if "reformed" in r]
+    pauses = [r["reformed"] for r in log_rows(log) if "reformed" in r]
     assert len(pauses) == 2 * (nodes - 1), pauses
     return by_pid
 
@@ -109,7 +99,7 @@ def test_join_and_graceful_leave_reform_in_place(etcd_server, etcd, job_id, agen
     fast.touch()  # the rest of the epoch without pauses
     for n in "AC":
         assert a[n].wait(120) == 0, a[n].output()
-    steps = _steps(log)
+    steps = log_steps(log)
     _check_kept_in_place(log, steps, nodes=3)  # A, B re-formed at the join; A, C at the leave
     assert "re-formed in place" in a["A"].stderr()
 
@@ -126,12 +116,12 @@ def test_failed_reform_falls_back_to_restart(etcd_server, etcd, job_id, agents, 
     a = {n: agents(_args(etcd_server.endpoint, job_id, n, 0), name=n,
                    env={**env, **({"INPLACE_DIE": die} if n == dying else {})}) for n in "AB"}
     wait_until(lambda: _at(log, 2, 4), 150, "steps at world size 2")
-    survivors = {r["pid"] for r in _steps(log)}
+    survivors = {r["pid"] for r in log_steps(log)}
     a["C"] = agents(_args(etcd_server.endpoint, job_id, "C", 0), name="C",
                     env={**env, **({"INPLACE_DIE": die} if dying == "C" else {})})
     # The newcomer dies receiving the state, or survivor B inside its re-form (after leaving the old
     # group): the round fails, every worker restarts (new processes), the job completes.
-    wait_until(lambda: any(r["world"] == 3 and r["pid"] not in survivors and r["round"] >= 2 for r in _steps(log)),
+    wait_until(lambda: any(r["world"] == 3 and r["pid"] not in survivors and r["round"] >= 2 for r in log_steps(log)),
                150, "a restarted round at world size 3")
     fast.touch()
     for ag in a.values():
@@ -180,11 +170,11 @@ def test_join_and_graceful_leave_reform_in_place_over_nccl(etcd_server, etcd, jo
     for x in nodes:
         if x != leaver:
             assert a[x].wait(120) == 0, a[x].output()
-    steps = _steps(log)
+    steps = log_steps(log)
     assert {r["backend"] for r in steps} == {"nccl"}, "every step ran over NCCL"
     by_pid = _check_kept_in_place(log, steps, nodes=n)  # the survivors re-formed at the join, then at the leave
     gpus = {pid: {r["gpus"] for r in rows} for pid, rows in by_pid.items()}
     assert sorted(g for s in gpus.values() for g in s) == [str(i) for i in range(n)], f"one GPU per node: {gpus}"
-    pauses = [r["reformed"] for r in _records(log) if "reformed" in r]
+    pauses = [r["reformed"] for r in log_rows(log) if "reformed" in r]
     assert "re-formed in place" in a["A"].stderr()
     print(f"NCCL in-place re-form pauses (s): {sorted(pauses)}")

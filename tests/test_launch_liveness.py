@@ -21,6 +21,8 @@ from helpers.elastic import HB, agent_args, all_gone, first_step, steps, worker_
 from helpers.launch import alive, node_ids
 from helpers.procs import SCRIPTS, wait_until
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 TERM_SAVER = str(SCRIPTS / "term_saver.py")
 STALLED_AGENT = str(SCRIPTS / "stalled_agent.py")
 STALL_S = 15.0  # B's round loop stalls this long, at its first turn

@@ -17,6 +17,8 @@ from elasticrun.launch.httpserve import READ_TIMEOUT_S, BoundedHTTPServer
 
 from helpers.procs import Agent, wait_until
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 FLOOD = 300
 HALF_REQUEST = b"GET /metrics HTTP/1.1\r\nHost: agent\r\nAccept: */*\r\n"  # no blank line: never ends
 

@@ -14,6 +14,8 @@ from elasticrun.store.server import EtcdServer
 from helpers.launch import REPORT_ENV, node_ids, reports
 from helpers.procs import Agent, wait_until
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 
 def _agent(agents: Callable[..., Agent], endpoint: str, job: str, nnodes: int, nproc: int, out: Path, i: int) -> Agent:
     """Start agent ``node<i>`` of a job running report_env.py."""

@@ -30,6 +30,8 @@ from elasticrun.launch.numa import (
 
 from helpers.fakelibs import CUDA, build
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 MODES = list(AffinityMode)
 
 

@@ -13,31 +13,19 @@ import json
 import os
 import signal
 import time
-from typing import Iterator
 
 import pytest
 
 from elasticrun.job.exitcodes import ExitCode
 from elasticrun.job.keys import JobKeys
 from elasticrun.store.client import connect
-from elasticrun.store.server import EtcdServer
 
 from helpers.elastic import HB, agent_args, first_step, steps, worker_pids
 from helpers.procs import SCRIPTS, wait_until
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 TERM_SAVER = str(SCRIPTS / "term_saver.py")
-
-
-@pytest.fixture
-def private_etcd() -> Iterator[EtcdServer]:
-    """An etcd of this test alone (stopping the shared one would disturb other tests)."""
-    server = EtcdServer().start()
-    try:
-        yield server
-    finally:
-        if server.proc is not None and server.proc.poll() is None:
-            os.kill(server.proc.pid, signal.SIGCONT)
-        server.stop()
 
 
 def test_workers_train_through_an_etcd_outage(private_etcd, job_id, agents, tmp_path):

@@ -13,6 +13,8 @@ from elasticrun.launch.preload import CpuTimes, PreloadWatch, due, idle_cores, p
 
 from helpers.procs import wait_until
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 STAT = """cpu  1126539 0 229296 211361 1493 0 3561 8347 0 0
 cpu0 552303 0 114476 117517 480 0 1387 4075 0 0
 intr 12345

@@ -19,6 +19,8 @@ from elasticrun.store.server import EtcdServer
 from helpers.launch import REPORT_ENV, node_ids, reports, wait_agents
 from helpers.procs import Agent
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 REPS = 6
 
 

@@ -22,6 +22,8 @@ from elasticrun.store.server import EtcdServer
 from helpers.launch import ECHO
 from helpers.procs import REPO, Agent, wait_until, worker_env
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 
 def _args(endpoint: str, job: str, node: str, nnodes: str, *extra: str, script_args: List[str] = ()) -> List[str]:
     job_flags = ["--rdzv-id", job] if job else []

@@ -17,6 +17,8 @@ from elasticrun.launch.workers import WorkerGroup
 from helpers.launch import assert_one_line_error, run_cli
 from helpers.procs import SCRIPTS, wait_until
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 TERM_SAVER = str(SCRIPTS / "term_saver.py")
 
 

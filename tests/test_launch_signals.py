@@ -16,6 +16,8 @@ from elasticrun.store.server import EtcdServer
 from helpers.launch import ECHO, alive, node_ids
 from helpers.procs import Agent, wait_until
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 
 def _sleeping_job(
     agents: Callable[..., Agent], endpoint: str, job: str, pid_dir: Path, *extra: str

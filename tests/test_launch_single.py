@@ -20,6 +20,8 @@ from elasticrun.checkpoint import list_checkpoints
 
 from helpers.launch import ECHO, REPO, REPORT_ENV, SCRIPTS, reports, run_cli, worker_lines
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0  # read at collection: the host's GPUs
 NCCL = dist.is_available() and dist.is_nccl_available()
 

@@ -25,6 +25,8 @@ from elasticrun.rendezvous.records import Member, Topology
 
 from helpers.launch import SCRIPTS, assert_one_line_error, run_cli
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 WORKER = str(SCRIPTS / "flags_worker.py")
 FLAGS = ["--standalone", "--nproc-per-node", "2", "--virtual-local-rank", "--tee", "3",
          "--duplicate-stdout-filters", "apple,orange,,pear", "--duplicate-stderr-filters", "kiwi"]

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import List
 
+import pytest
+
 from elasticrun.launch.failures import (
     REPORT_MAX,
     WorkerFailure,
@@ -29,6 +31,8 @@ from elasticrun.launch.logs import Console, DumpFilter, LineState, add_prefix, l
 
 from helpers.launch import REPO, SCRIPTS, run_cli
 from helpers.procs import wait_until, worker_env
+
+pytestmark = pytest.mark.integration  # starts etcd or processes
 
 WORKER = str(SCRIPTS / "output_worker.py")
 REL_WORKER = os.path.relpath(WORKER, REPO)

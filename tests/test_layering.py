@@ -15,6 +15,10 @@ import functools
 from pathlib import Path
 from typing import Dict, Iterator, List, Set, Tuple
 
+import pytest
+
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 PACKAGE = Path(__file__).resolve().parent.parent / "elasticrun"
 
 # What each top-level package (or module) of elasticrun may import, top to bottom. Keep in step

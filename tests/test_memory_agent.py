@@ -23,10 +23,13 @@ from pathlib import Path
 from typing import Callable, List
 
 import psutil
+import pytest
 
 from elasticrun.store.server import EtcdServer
 
 from helpers.procs import Agent, wait_until
+
+pytestmark = pytest.mark.integration  # starts etcd or processes
 
 EXAMPLE = str(Path(__file__).resolve().parent.parent / "examples" / "train.py")
 EVERY = 5

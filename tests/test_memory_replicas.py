@@ -16,9 +16,13 @@ import subprocess
 from pathlib import Path
 from typing import List, Sequence
 
+import pytest
+
 from elasticrun.checkpoint.format import CheckpointMeta
 
 from helpers.ckpt import node_results, run_nodes
+
+pytestmark = pytest.mark.integration  # starts etcd or processes
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -26,6 +26,8 @@ import pytest
 
 from helpers.ckpt import node_results, run_nodes
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 REPO = Path(__file__).resolve().parent.parent
 
 WORKER = r"""

@@ -21,6 +21,8 @@ from elasticrun.train import load_latest
 
 from helpers.procs import wait_until
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -8,8 +8,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from elasticrun.job.shm import LOCK_FILE, OWNER_FILE, PREFIX
 from elasticrun.launch.shmroot import SnapshotRoot, sweep
+
+pytestmark = pytest.mark.integration  # starts etcd or processes
 
 _HOLD = (
     "import fcntl, sys\n"

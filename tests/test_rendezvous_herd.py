@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Any, List, Optional
 
+import pytest
+
 from elasticrun.job.keys import JobKeys
 from elasticrun.rendezvous.leader import Leadership
 from elasticrun.rendezvous.storehost import StoreHost
@@ -22,6 +24,8 @@ from elasticrun.rendezvous.storehost import StoreHost
 from helpers.fake_store import FakeStore
 from helpers.procs import wait_until
 from helpers.rdzv import JOB, join
+
+pytestmark = pytest.mark.integration  # starts etcd or processes
 
 
 class Counted(FakeStore):

@@ -8,6 +8,8 @@ import threading
 import time
 from typing import Dict, List
 
+import pytest
+
 from elasticrun.job.keys import JobKeys
 from elasticrun.rendezvous.protocol import Rendezvous
 from elasticrun.rendezvous.records import NodeInfo, RescaleType, Topology
@@ -17,6 +19,8 @@ from elasticrun.store.client import EtcdStore
 from helpers.fake_store import FakeStore
 from helpers.procs import wait_until
 from helpers.rdzv import join, next_rounds, seen, settings
+
+pytestmark = pytest.mark.integration  # starts etcd or processes
 
 
 def leaders(nodes: List[Rendezvous]) -> List[str]:

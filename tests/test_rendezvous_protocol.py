@@ -14,6 +14,8 @@ from elasticrun.rendezvous.states import JobState, RoundOutcome
 from helpers.fake_store import FakeStore
 from helpers.rdzv import JOB, join, next_rounds, seen, settings
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 
 def test_two_nodes_form_one_round_with_stable_ranks(store: FakeStore, cleanup):
     a, b = join(store, "a", nproc=2), join(store, "b")

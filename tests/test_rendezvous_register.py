@@ -16,6 +16,8 @@ from elasticrun.store.client import EtcdStore
 
 from helpers.rdzv import settings
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 
 class LeaseDroppedBeforeCreate(EtcdStore):
     """A real client whose creates number ``revoke_at`` (counting creates under a lease: the node record's

@@ -7,6 +7,8 @@ import pytest
 from elasticrun.errors import ConfigError
 from elasticrun.rendezvous.restarts import RestartBudget, format_window, parse_window
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 HOUR = 3600.0
 
 

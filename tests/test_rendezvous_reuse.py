@@ -25,6 +25,8 @@ from helpers.fake_store import FakeStore
 from helpers.procs import wait_until
 from helpers.rdzv import JOB, next_rounds, settings
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 MINE = {"nnodes": "1:3", "entrypoint": "train.py", "args": ["new"]}
 OLD = {"nnodes": "1:3", "entrypoint": "train.py", "args": ["old"]}
 ENDED = {"state": "succeeded", "reason": "all workers exited 0", "round": 0, "time": 1.0}

@@ -36,6 +36,8 @@ from helpers.procs import wait_until
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository: scripts/
 from scripts.bench.etcd_metrics import etcd_counters  # noqa: E402 - the bench's reading of etcd's counters
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 SMALL, LARGE = 16, 64
 GROWTH = 2.0  # per-agent counts may grow this much from SMALL to LARGE agents (quadratic: LARGE / SMALL = 4)
 UNCHECKED = {"forming_nodes_looked_at"}  # the leader's time-paced looks while a round forms (see above)

@@ -10,10 +10,13 @@ from pathlib import Path
 from typing import Callable, Dict, List, Set, Tuple
 
 import psutil
+import pytest
 
 from elasticrun.store.server import free_port
 
 from helpers.procs import Agent, wait_until
+
+pytestmark = pytest.mark.integration  # starts etcd or processes
 
 PROBE = """\
 import json, os, stat, sys, time

@@ -15,6 +15,8 @@ from elasticrun.store.server import EtcdServer, find_etcd_binary
 
 from helpers.procs import wait_until
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 
 def test_parse_endpoints():
     assert parse_endpoints("a:1,http://b:2379/, https://c:3") == [("a", 1), ("b", 2379), ("c", 3)]

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import List
 
 import psutil
+import pytest
 
 from elasticrun.job import env as names
 from elasticrun.job.keys import JobKeys
@@ -25,6 +26,8 @@ from elasticrun.store.server import EtcdCluster
 from helpers.elastic import agent_args, first_step, steps
 from helpers.procs import wait_until
 from helpers.tls import start_secure_cluster
+
+pytestmark = pytest.mark.integration  # starts etcd or processes
 
 
 def test_a_watch_on_a_frozen_member_moves_to_another_and_misses_nothing(tmp_path: Path) -> None:

@@ -31,6 +31,8 @@ from helpers.etcd_status import db_status
 from helpers.fake_store import FakeStore
 from helpers.procs import wait_until
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 #: A conservative floor of what one progress write costs etcd's database file when it is kept
 #: (measured: about 245 bytes; see docs/reliability.md): the bound below is stricter with a floor.
 BYTES_PER_WRITE_FLOOR = 200

@@ -11,6 +11,8 @@ import time
 import pytest
 import torch.multiprocessing as mp
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 WORLD = 3
 
 

@@ -15,6 +15,8 @@ from elasticrun.train import CheckpointRequests, ElasticState, ProgressReporter
 
 from helpers.procs import wait_until as wait_for
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 
 @pytest.fixture
 def server(etcd_server: EtcdServer) -> EtcdServer:

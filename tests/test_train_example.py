@@ -20,6 +20,8 @@ from elasticrun.store.server import EtcdServer, free_port
 
 from helpers.procs import wait_until as wait_for
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train.py"
 
 

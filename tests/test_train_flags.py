@@ -19,6 +19,8 @@ from elasticrun.errors import ConfigError
 from elasticrun.job.hints import RedistributionType
 from elasticrun.train.rng import REDERIVED, RESTORED
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 REPO = Path(__file__).resolve().parent.parent
 
 

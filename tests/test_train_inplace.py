@@ -24,7 +24,7 @@ from elasticrun.store.server import free_port
 from elasticrun.train.inplace import EXIT_INPLACE_FAILED, opted_in, write_assignment
 from tests.helpers.procs import REPO, SCRIPTS, wait_until, worker_env
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
 class Harness:

@@ -23,6 +23,8 @@ from elasticrun.store.reach import wait_for_etcd, wait_reachable
 from elasticrun.store.server import EtcdServer, free_port
 from elasticrun.waiting import Reminder
 
+pytestmark = pytest.mark.integration  # starts etcd or processes
+
 
 class Clock:
     def __init__(self) -> None:

@@ -19,14 +19,9 @@ EXIT_INPLACE_FAILED = 75  # the worker could not re-form: the agent takes the re
 #: ``init_process_group``) while the survivors keep training at the old size.
 READY_WAIT_S = 300.0
 INPLACE_DEADLINE_S = 60.0  # assignment written → every local worker re-formed
-
-
-def inplace_window(ready_wait: float = READY_WAIT_S) -> float:
-    """A failure this soon after an in-place round formed is a failed re-form (not charged to the budget)."""
-    return ready_wait + INPLACE_DEADLINE_S
-
-
-INPLACE_WINDOW_S = inplace_window()
+#: A failure row's flag (``rounds/<n>/failures/<node>``): the worker failed inside its node's in-place
+#: re-form (a survivor between its assignment and re-forming, a newcomer before it received the state).
+DURING_INPLACE = "during_inplace"
 
 #: The variables an assignment carries (the rest of the environment stays as it was).
 ASSIGNED = (
@@ -85,5 +80,5 @@ def clear(path: str) -> None:
             pass
 
 
-__all__ = ["ASSIGNED", "EXIT_INPLACE_FAILED", "clear", "formed_round", "opted_in", "read_assignment", "ready",
-           "write_assignment"]
+__all__ = ["ASSIGNED", "DURING_INPLACE", "EXIT_INPLACE_FAILED", "clear", "formed_round", "opted_in",
+           "read_assignment", "ready", "write_assignment"]

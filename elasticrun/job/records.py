@@ -27,6 +27,8 @@ import threading
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
+from elasticrun.job.inplace import DURING_INPLACE
+
 log = logging.getLogger("elasticrun.records")
 
 T = TypeVar("T")
@@ -245,7 +247,7 @@ def joining_flag(value: Any) -> Dict[str, Any]:
 _FAILURE_FIELDS: Tuple[Tuple[str, Callable[[Any], bool]], ...] = (
     ("node_id", is_text), ("host", is_text), ("rank", is_int), ("local_rank", is_int), ("exitcode", is_int),
     ("signal", is_text), ("message", is_text), ("traceback", is_text), ("timestamp", is_number),
-    ("stderr_tail", is_text),
+    ("stderr_tail", is_text), (DURING_INPLACE, is_bool),
 )
 
 

@@ -24,7 +24,6 @@ from rich.text import Text
 from elasticrun.errors import ElasticrunError, JobFailedError, StoreError
 from elasticrun.job import env as env_names
 from elasticrun.job.exitcodes import ExitCode, for_signal
-from elasticrun.job.inplace import inplace_window
 from elasticrun.job.records import progress_record, read
 from elasticrun.job.settings import drop_secrets_from_environment, to_file
 from elasticrun.job.settings import from_config as etcd_settings
@@ -322,7 +321,6 @@ class Agent:
             join_timeout=c.join_timeout,
             stall_after=max(2.0, c.heartbeat_timeout / 2),
             busy_timeout=c.shutdown_timeout + c.heartbeat_timeout + STOP_SLACK_S,
-            inplace_window=inplace_window(c.inplace_ready_timeout),
             ended_ttl=0.0 if hosting or hosted_elsewhere else c.ended_job_ttl,
             record_end=not hosted_elsewhere,
         )
@@ -389,7 +387,8 @@ class Agent:
         if self._hang is None:
             key = rdzv.keys.progress_of(self.cfg.node_id)
             self._hang = HangWatch(lambda: read(rdzv.store.get(key), progress_record), self.cfg.hang_timeout).start()
-        self._hang.start_round(topo.round)
+        kept = self.cfg.node_id in topo.inplace  # our workers report round n - 1 until they re-form
+        self._hang.start_round(topo.round, carried=topo.round - 1 if kept else None)
         return self._hang
 
 

@@ -60,15 +60,19 @@ class HangWatch:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self.round = -1
+        self.carried: Optional[int] = None  # the round our kept workers still train in (in-place re-form)
         self.step: Optional[int] = None  # the last step seen in this round
         self._advanced_at: Optional[float] = None  # when it last changed (None: not judging)
         self._seen_at = 0.0  # when the key was last read successfully
         self._gap = False  # a read failed since the last successful one
 
-    def start_round(self, round_: int) -> None:
-        """Judge reports of ``round_`` from now on (nothing until its first report)."""
+    def start_round(self, round_: int, carried: Optional[int] = None) -> None:
+        """Judge reports of ``round_`` from now on (nothing until its first report). ``carried``: the
+        round our workers still train in until they re-form in place into ``round_`` (their reports
+        name it meanwhile, up to ``--inplace-ready-timeout`` while newcomers start). Once they start
+        re-forming, the round loop starts ``round_`` again without it: the re-form's pause is no hang."""
         with self._lock:
-            self.round, self.step, self._advanced_at = round_, None, None
+            self.round, self.carried, self.step, self._advanced_at = round_, carried, None, None
 
     def start(self) -> HangWatch:
         """Poll in a daemon thread until :meth:`close`."""
@@ -95,7 +99,7 @@ class HangWatch:
             if self._gap and self._advanced_at is not None:
                 self._advanced_at = now  # the reporter could not write either: start over
             self._gap = False
-            if not isinstance(value, dict) or value.get("round") != self.round:
+            if not isinstance(value, dict) or value.get("round") not in (self.round, self.carried):
                 return  # nothing yet, a previous round's report, or expired with a dead reporter
             step = value.get("step")
             if value.get("closed"):  # the reporter was closed: training is over, whatever comes next

@@ -30,7 +30,7 @@ import enum
 import signal
 import time
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional
 
 from elasticrun.errors import ElasticrunError
 from elasticrun.job import env as names
@@ -43,6 +43,16 @@ from elasticrun.launch.workers import GroupState, WorkerGroup
 from elasticrun.proc import kill_process_group
 from elasticrun.rendezvous.protocol import Rendezvous
 from elasticrun.rendezvous.records import Member, RescaleEvent, Topology
+
+#: How an etcd operation of the in-place work runs: ``call(fn, what)`` returns ``fn()``. The round loop
+#: passes its outage guard's :meth:`~elasticrun.launch.outage.OutageGuard.call`, so a write that meets
+#: an etcd outage is retried up to ``--etcd-outage-grace`` like the restart path's.
+EtcdCall = Callable[[Callable[[], Any], str], Any]
+
+
+def direct(fn: Callable[[], Any], what: str) -> Any:  # noqa: ARG001 - the EtcdCall signature
+    """An :data:`EtcdCall` without a guard: the operation runs once."""
+    return fn()
 
 
 class InPlaceRounds:
@@ -61,6 +71,7 @@ class InPlaceRounds:
         self._published = 0.0  # when the assignments were written (0: not yet)
         self._deadline = 0.0
         self._joining = -1  # the round our newcomer workers join (-1: none)
+        self._forming = -1  # that round until our newcomer workers have the state (-1: none)
 
     @property
     def busy(self) -> bool:
@@ -82,18 +93,20 @@ class InPlaceRounds:
             self.carrying = False
             self.workers.stop(self.cfg.shutdown_timeout)
 
-    def start(self, rdzv: Rendezvous, topo: Topology, me: Member, event: Optional[RescaleEvent]) -> str:
+    def start(self, rdzv: Rendezvous, topo: Topology, me: Member, event: Optional[RescaleEvent],
+              call: EtcdCall = direct) -> str:
         """Place the kept workers in ``topo`` or start new ones; how, for the agent's log line."""
         if self.carrying:
             self.carrying = False
             if me.node_id in topo.inplace:
                 self._envs = self.workers.adopt(topo, me, event)
                 self._reforming, self._published = topo.round, 0.0
+                self._joining = self._forming = -1
                 self._deadline = time.monotonic() + self.cfg.inplace_ready_timeout
                 return f"{len(self._envs)} kept, re-forming in place"
             self.say(f"round {topo.round} restarts every worker: stopping the kept ones")
             self.workers.stop(self.cfg.shutdown_timeout)
-            rdzv.publish(inplace=False)
+            call(lambda: rdzv.publish(inplace=False), "starting a round")
             self._told = False
         self._reforming = -1  # fresh workers: nothing of an earlier re-form is pending
         for local_rank in range(me.nproc):
@@ -105,9 +118,23 @@ class InPlaceRounds:
             self.workers.start(topo, me, event)
         finally:
             self.workers.extra_env.pop(names.INPLACE_JOIN, None)
-        self._joining = topo.round if join else -1
+        self._joining = self._forming = topo.round if join else -1
         self._deadline = time.monotonic() + self.cfg.inplace_ready_timeout
         return self.workers.started_how + (", joining in-place survivors" if join else "")
+
+    @property
+    def during_inplace(self) -> bool:
+        """Our workers are inside an in-place re-form: survivors between their assignment and re-forming,
+        newcomers until they have received the state."""
+        return (self._reforming >= 0 and self._published > 0) or self._forming >= 0
+
+    def mark(self, rows: List[dict]) -> List[dict]:
+        """Failure rows of our workers, flagged :data:`~elasticrun.job.inplace.DURING_INPLACE` when they
+        failed inside the re-form (the restart that follows is then not charged to ``--max-restarts``)."""
+        if self.during_inplace:
+            for row in rows:
+                row[inplace.DURING_INPLACE] = True
+        return rows
 
     def leave_first(self, rdzv: Rendezvous, round_: int, sig: int) -> bool:
         """Graceful leave of round ``round_``: signal our workers, mark the leave and revoke our lease
@@ -159,25 +186,29 @@ class InPlaceRounds:
         return InPlaceSeen(opted_in=opted_in, joined=joined, newcomers_ready=newcomers_ready, reformed=reformed,
                           now=now)
 
-    def tick(self, rdzv: Rendezvous, topo: Topology) -> Optional[str]:
+    def tick(self, rdzv: Rendezvous, topo: Topology, call: EtcdCall = direct) -> Optional[str]:
         """One turn of the agent loop while our workers run; why the re-form failed (the caller then takes
-        the restart path: :meth:`give_up`), else None."""
+        the restart path: :meth:`give_up`), else None. Every etcd write goes through ``call``."""
         if not self.enabled:
             return None
+        files = self._files()
+        if self._forming >= 0 and files and all(inplace.formed_round(f) >= self._forming for f in files):
+            self._forming = -1  # our newcomers received the state: a failure from now on is the round's
         state = self._state()
         seen = self._look(rdzv, topo, state, time.monotonic())
         for step in inplace_steps(state, seen):
-            why = self._do(step, rdzv, topo, seen.now)
+            why = self._do(step, rdzv, topo, seen.now, call)
             if why is not None:
                 return why
         return None
 
-    def _do(self, step: InPlaceStep, rdzv: Rendezvous, topo: Topology, now: float) -> Optional[str]:
+    def _do(self, step: InPlaceStep, rdzv: Rendezvous, topo: Topology, now: float, call: EtcdCall) -> Optional[str]:
         if step is InPlaceStep.PUBLISH_OPTIN:
-            rdzv.publish(inplace=True)
+            call(lambda: rdzv.publish(inplace=True), "offering in-place re-forming")
             self._told = True
         elif step is InPlaceStep.MARK_JOINED:
-            rdzv.store.put_json(rdzv.keys.ready(self._joining, rdzv.node_id), {"time": time.time()})
+            key = rdzv.keys.ready(self._joining, rdzv.node_id)
+            call(lambda: rdzv.store.put_json(key, {"time": time.time()}), "telling the survivors we are ready")
             self._joining = -1
         elif step is InPlaceStep.STOP_JOINING:
             self._joining = -1  # the survivors give up on us: their round fails
@@ -196,14 +227,14 @@ class InPlaceRounds:
             return f"workers did not re-form within {INPLACE_DEADLINE_S:g} s"
         return None
 
-    def give_up(self, rdzv: Rendezvous, topo: Topology, why: str) -> None:
+    def give_up(self, rdzv: Rendezvous, topo: Topology, why: str, call: EtcdCall = direct) -> None:
         """The re-form failed (``why``): report our workers failed and kill them (a half-made group: no
         graceful stop); the next round restarts them."""
         self.say(f"round {topo.round}: in-place re-form failed ({why}): restarting the round")
         rows = [make_failure(w.spec.member.node_id, w.spec.member.host, w.spec.rank, w.spec.local_rank,
                              inplace.EXIT_INPLACE_FAILED, w.spec.error_file).to_dict() for w in self.workers.running]
         self._reforming = -1
-        rdzv.report_failure(topo, rows)
+        call(lambda: rdzv.report_failure(topo, rows), "reporting a failed re-form")
         stop_workers(rdzv, self.workers, 1.0, sig=signal.SIGKILL)
 
 
@@ -275,4 +306,4 @@ def inplace_steps(state: InPlaceState, seen: InPlaceSeen) -> List[InPlaceStep]:
     return steps
 
 
-__all__ = ["InPlaceRounds", "InPlaceSeen", "InPlaceState", "InPlaceStep", "inplace_steps"]
+__all__ = ["EtcdCall", "InPlaceRounds", "direct", "InPlaceSeen", "InPlaceState", "InPlaceStep", "inplace_steps"]

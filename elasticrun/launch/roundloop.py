@@ -89,7 +89,7 @@ class RoundLoop:
         )
         self.rdzv.beat(busy_for=SERVER_WAIT_S)  # the start may wait for the fork server's imports (bounded)
         self.obs.round_started(topo, event)
-        return self.inplace.start(self.rdzv, topo, me, event)
+        return self.inplace.start(self.rdzv, topo, me, event, self.guard.call)
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -121,8 +121,11 @@ class RoundLoop:
             return WorkersSeen(fenced=True, workers=self.workers.poll())
         self.obs.tick(self.rdzv, outage=self.guard.since is not None)
         state = self.workers.poll()
-        inplace_failed = self.inplace.tick(self.rdzv, self.topo) if state is GroupState.RUNNING else None
+        running = state is GroupState.RUNNING
+        inplace_failed = self.inplace.tick(self.rdzv, self.topo, self.guard.call) if running else None
         hang = self.hang
+        if hang is not None and hang.carried is not None and self.inplace.during_inplace:
+            hang.start_round(self.topo.round)  # re-forming: no step until the new round's first report
         stall = None if hang is None else Stall(hang.step, hang.stalled_for(), hang.timeout)
         return WorkersSeen(False, state, inplace_failed, stall, self.done_reported)
 
@@ -156,7 +159,7 @@ class RoundLoop:
         if isinstance(action, WorkerFailed):
             self._worker_failed()
         elif isinstance(action, InPlaceFailed):
-            self.inplace.give_up(self.rdzv, self.topo, action.why)
+            self.inplace.give_up(self.rdzv, self.topo, action.why, self.guard.call)
         elif isinstance(action, Hung):
             self._hung(action.stall)
         elif isinstance(action, RoundChanged):
@@ -180,7 +183,7 @@ class RoundLoop:
         first = failures[0]
         self.say(f"worker rank {first.rank} failed ({first.signal or first.exitcode}): stopping this round")
         self.obs.round_failed()
-        self._report_failure([f.to_dict() for f in failures], "reporting a failure")
+        self._report_failure(self.inplace.mark([f.to_dict() for f in failures]), "reporting a failure")  # in a re-form?
         stop_workers(self.rdzv, self.workers, self.cfg.shutdown_timeout)
 
     def _hung(self, stall: Stall) -> None:

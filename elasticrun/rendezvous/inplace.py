@@ -7,10 +7,10 @@ survivor's agent reported that all its workers opted in (:class:`~elasticrun.ren
 replacement, or one survivor without opt-in keeps the restart path for the whole round.
 
 A round whose in-place re-form failed (a worker exited :data:`~elasticrun.job.inplace.EXIT_INPLACE_FAILED`,
-its agent gave up waiting, or any worker failed within :data:`~elasticrun.job.inplace.INPLACE_WINDOW_S`
-of the round's start: a newcomer dying while it receives the state) falls back to the restart path
-*without* using a restart: the change was planned, and the next round is never in place (it follows
-a failure), so this cannot loop.
+its agent gave up waiting, or a worker failed inside the re-form: its agent flags the failure row
+:data:`~elasticrun.job.inplace.DURING_INPLACE` from its own re-form's progress, never from clocks)
+falls back to the restart path *without* using a restart: the change was planned, and the next
+round is never in place (it follows a failure), so this cannot loop.
 
 Both decisions take the records already read (the leader's view holds them, see
 :mod:`elasticrun.rendezvous.plan`).
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Collection, Iterable, Mapping, Optional, Sequence, Tuple
 
-from elasticrun.job.inplace import EXIT_INPLACE_FAILED, INPLACE_WINDOW_S
+from elasticrun.job.inplace import DURING_INPLACE, EXIT_INPLACE_FAILED
 from elasticrun.rendezvous.records import Member, NodeInfo, RescaleType, Topology
 
 
@@ -51,22 +51,16 @@ def plan_inplace(
     return tuple(survivors)
 
 
-def inplace_failed(
-    prev: Optional[Topology],
-    failed: Optional[Mapping[str, Any]],
-    failure_rows: Iterable[Mapping[str, Any]],
-    window: float = INPLACE_WINDOW_S,
-) -> bool:
+def inplace_failed(prev: Optional[Topology], failure_rows: Iterable[Mapping[str, Any]]) -> bool:
     """True when round ``prev`` re-formed in place and failed in that re-form: a failure row with exit
-    code :data:`EXIT_INPLACE_FAILED`, or its failure flag ``failed`` within ``window`` seconds of its start
-    (the job's newcomer start-up allowance plus the re-form deadline). The restart that follows is not
-    charged to the budget. ``failure_rows``: every node's failed workers of round ``prev``."""
+    code :data:`EXIT_INPLACE_FAILED` or flagged :data:`DURING_INPLACE` by its agent (the worker failed
+    between its assignment and re-forming, or as a newcomer before it had the state). The restart that
+    follows is not charged to the budget. ``failure_rows``: every node's failed workers of round ``prev``.
+    No clock is read: a failure after the re-form, or of a survivor still training in the old group,
+    is charged like any failure."""
     if prev is None or not prev.inplace:
         return False
-    failed_at = float((failed or {}).get("time") or 0)
-    if failed_at and failed_at - prev.created_at < window:
-        return True
-    return any(row.get("exitcode") == EXIT_INPLACE_FAILED for row in failure_rows)
+    return any(row.get("exitcode") == EXIT_INPLACE_FAILED or row.get(DURING_INPLACE) is True for row in failure_rows)
 
 
 __all__ = ["plan_inplace", "inplace_failed"]

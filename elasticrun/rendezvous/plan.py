@@ -239,7 +239,7 @@ def _round(snap: Forming, s: RendezvousSettings, marks: Marks, waiting: List[Can
     # a membership change: it does not use up a restart. A failed in-place re-form (a planned change)
     # falls back to a restart that is not charged.
     charged = (failed and kind in (RescaleType.RESTART, RescaleType.SCALE_UP)
-               and not inplace_failed(prev, snap.failed, snap.failure_rows, s.inplace_window))
+               and not inplace_failed(prev, snap.failure_rows))
     budget = RestartBudget(s.max_restarts, s.restart_window)
     if charged and prev is not None and not budget.allows(prev.restart_count, snap.restarts, snap.wall):
         return EndJob(JobState.FAILED, f"workers failed and all {budget.describe()} are used up", marks)

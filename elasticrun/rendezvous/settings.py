@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
-from elasticrun.job.inplace import INPLACE_WINDOW_S
 from elasticrun.rendezvous.states import JobState
 
 
@@ -58,7 +57,6 @@ class RendezvousSettings:
     # forming the next round without them (a node that neither stops nor loses its lease).
     busy_timeout: float = 60.0
     # After an in-place round forms, a failure this soon is a failed re-form: not charged to max_restarts.
-    inplace_window: float = INPLACE_WINDOW_S
     restart_window: float = 0.0  # --restart-window: count max_restarts within this many seconds (0: whole job)
     ended_ttl: float = 0.0  # --ended-job-ttl: seconds an ended job's keys stay in etcd (0: forever)
     record_end: bool = True  # a leaving node records a stopped job (False: the job's etcd may be gone by then)

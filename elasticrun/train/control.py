@@ -140,6 +140,15 @@ class CheckpointRequests:
 
     # -- the training loop's side -----------------------------------------------------
 
+    def regroup(self, group: Optional[Any] = None) -> None:
+        """After an in-place re-form (:class:`~elasticrun.train.InPlace`): agree over ``group`` (the
+        new round's; None: the default group) and at the next :meth:`poll` on every rank, so the
+        survivors' agreement steps line up with a newcomer's (whose schedule starts afresh)."""
+        self.group = group
+        self._next_check = 0
+        self._last_check = None
+
+
     def local_pending(self) -> List[str]:
         """Request ids rank 0 has seen and not yet handed to the loop (no collective)."""
         with self._lock:

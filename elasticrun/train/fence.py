@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Mapping, Optional, Tuple
 from elasticrun.checkpoint import fence as commit_fence
 from elasticrun.errors import CheckpointError, ElasticrunError
 from elasticrun.job import env as names
-from elasticrun.job.fence import fenced_round, refusal
+from elasticrun.job.fence import fenced_round, needs_node_lease, refusal
 from elasticrun.job.keys import JobKeys
 from elasticrun.job.settings import from_env
 from elasticrun.store.settings import EtcdSettings
@@ -32,10 +32,13 @@ _lock = threading.Lock()
 _cached: Optional[Tuple[int, EtcdSettings, str, EtcdStore]] = None  # (pid, settings, job, client)
 
 
-def _read_fence(settings: EtcdSettings, job_id: str) -> Optional[KeyValue]:
-    """The fence key's value, through a client kept for this process's next commits (a TLS + auth
-    connection costs ~0.25 s: a TLS handshake and a bcrypt password check in etcd). A client made
-    before a fork is never used in the child; after an error the next commit connects afresh."""
+def _read_fence(settings: EtcdSettings, job_id: str, node_id: str,
+                mine: int) -> Tuple[Optional[KeyValue], Optional[int]]:
+    """The fence key's value and, while an in-place re-form of ``node_id`` is pending, the lease of
+    its node record (:func:`~elasticrun.job.fence.needs_node_lease`). Through a client kept for this
+    process's next commits (a TLS + auth connection costs ~0.25 s: a TLS handshake and a bcrypt
+    password check in etcd). A client made before a fork is never used in the child; after an error
+    the next commit connects afresh."""
     global _cached
     keys = JobKeys(job_id)
     with _lock:
@@ -50,7 +53,12 @@ def _read_fence(settings: EtcdSettings, job_id: str) -> Optional[KeyValue]:
             store = settings.connect(keys.ping, retry_timeout=FENCE_TIMEOUT, timeout=FENCE_TIMEOUT)
             _cached = (os.getpid(), settings, job_id, store)
         try:
-            return store.get(keys.fence)
+            kv = store.get(keys.fence)
+            lease = None
+            if kv is not None and needs_node_lease(mine, node_id, kv.value):
+                node = store.get(keys.node(node_id))
+                lease = None if node is None else node.lease
+            return kv, lease
         except ElasticrunError:
             store.close()
             _cached = None
@@ -66,11 +74,13 @@ def check_round_is_current(env: Optional[Mapping[str, str]] = None) -> None:
     job_id = env[names.RDZV_ID].strip()
     settings = from_env(env)
     assert settings is not None
+    node_id = env.get(names.NODE_ID, "").strip()
     try:
-        kv = _read_fence(settings, job_id)
+        kv, node_lease = _read_fence(settings, job_id, node_id, mine)
     except ElasticrunError as err:
         raise CheckpointError(f"cannot confirm that round {mine} is still current ({err}); not committing") from None
-    why = refusal(mine, JobKeys(job_id).fence if kv is None else kv.key, None if kv is None else kv.value)
+    why = refusal(mine, JobKeys(job_id).fence if kv is None else kv.key, None if kv is None else kv.value, node_id,
+                  node_lease)
     if why is not None:
         raise CheckpointError(why)
 

@@ -7,6 +7,8 @@
         train_one_step(); inplace.step += 1
         result = inplace.check()           # a step boundary: one tiny all-reduce
         if result is et.Reform.STOP:       # this worker leaves (its node is going away)
+            if reform.group_kept:          # every rank stops at this step: a collective save still works
+                save()
             break
         if result is et.Reform.REFORMED:   # new world: rebuild what held the old group
             ddp = et.rebuild_ddp(ddp)
@@ -50,6 +52,7 @@ from elasticrun.job.inplace import (
 )
 from elasticrun.train.dist import ElasticContext
 from elasticrun.train.env import ElasticState
+from elasticrun.train.progress import follow_reform
 from elasticrun.train.sampler import ElasticDistributedSampler
 
 log = logging.getLogger(__name__)
@@ -101,6 +104,8 @@ class InPlace:
         self.path = os.environ.get(names.INPLACE_FILE, "").strip()
         self.last_pause_s = 0.0  # wall time of the last re-form (teardown → state synchronised)
         self.reforms = 0
+        self.joined = False  # this newcomer received the registered state from the survivors (constructor)
+        self.group_kept = False  # after STOP: every rank stops at this step, the group still works (save now)
         self._calls = 0
         self._seen: Optional[int] = None
         self._group: Any = None
@@ -109,6 +114,7 @@ class InPlace:
             if os.environ.get(names.INPLACE_JOIN) == "1":
                 os.environ.pop(names.INPLACE_JOIN, None)
                 self._guarded(self.sync, "receiving the state from the survivors")
+                self.joined = True
             self._mark()  # tell the agent: restart not needed
 
     @property
@@ -139,11 +145,15 @@ class InPlace:
         if self._calls % self.every and not self.ctx.should_stop:
             return Reform.CONTINUE
         stopping = self.ctx.should_stop  # read once: SIGTERM may land between here and the decision
-        flag = torch.tensor([_STOP if stopping else int(self._pending())])
-        self._guarded(lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group), "agreeing to re-form")
-        if int(flag.item()) == 0:
+        mine = _STOP if stopping else int(self._pending())
+        flags = torch.tensor([mine, -mine])  # one MAX all-reduce: the highest flag and the lowest
+        self._guarded(lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group), "agreeing to re-form")
+        if int(flags[0].item()) == 0:
             return Reform.CONTINUE
         if stopping:
+            if -int(flags[1].item()) == _STOP:  # every rank stops here: the job's end, keep the group to save
+                self.group_kept = True
+                return Reform.STOP
             self._leave_group()
             return Reform.STOP
         return Reform.REFORMED if self._reform() else Reform.STOP
@@ -176,6 +186,7 @@ class InPlace:
                       "collective before creating InPlace blocks it)")
         self._repoint_samplers(state)
         self._guarded(self.sync, "sending the state to newcomers")
+        follow_reform(state)  # progress reports (hang detection, the step gauge) name the new round
         self.reforms += 1
         self.last_pause_s = time.monotonic() - began
         self._mark()

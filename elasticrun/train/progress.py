@@ -9,6 +9,9 @@ per ``interval`` seconds. After a restart it also carries ``"restored"`` (the st
 :func:`~elasticrun.train.load_latest` resumed from in this round) and ``"reached"`` (the last step
 the previous round's reporter on this node recorded in its :class:`StepFile`): the agent counts
 the steps a rollback lost as reached − restored, exactly, not from reports up to a second apart.
+After an in-place re-form (:class:`~elasticrun.train.InPlace`) every reporter of the process,
+:func:`heartbeat`'s included, reports the new round, rank and world size (:func:`follow_reform`):
+the agent judges hangs and counts goodput by the round it runs.
 When the worker stops reporting (it exited, hung or died) the key vanishes after the
 lease TTL. ``stalls`` (:meth:`ProgressReporter.stalled`) holds this worker's cumulative
 checkpoint and snapshot stalls, ``{"checkpoint": [count, seconds, last], ...}``, which the agent
@@ -24,6 +27,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 from elasticrun.errors import ElasticrunError
@@ -76,6 +80,13 @@ class ProgressReporter:
         if self.active:
             self._thread = threading.Thread(target=self._run, name="elasticrun-progress", daemon=True)
             self._thread.start()
+        _LIVE.add(self)
+
+    def follow(self, state: ElasticState) -> None:
+        """Report as a worker of ``state`` from now on (an in-place re-form: same process, new round).
+        A re-form loses no step: ``reached``/``restored`` of the old round no longer apply."""
+        self.state = state
+        self._reached = None
 
     def report(
         self, step: int, loss: Optional[float] = None, samples_per_s: Optional[float] = None, *,
@@ -227,6 +238,13 @@ def compute_times(round_: int, rank: int) -> Dict[str, float]:
 
 
 _RESTORED: Optional[Tuple[int, int]] = None  # (round, step) of this process's latest restore
+_LIVE: weakref.WeakSet[ProgressReporter] = weakref.WeakSet()  # every reporter of this process
+
+
+def follow_reform(state: ElasticState) -> None:
+    """This process re-formed in place into ``state``'s round: every reporter reports that round."""
+    for reporter in list(_LIVE):
+        reporter.follow(state)
 
 
 def note_restored(step: Optional[int]) -> None:
@@ -262,4 +280,4 @@ def heartbeat(step: int, loss: Optional[float] = None) -> None:
     _HEARTBEAT.report(step, loss)
 
 
-__all__ = ["PROGRESS_DIR", "ProgressReporter", "StepFile", "heartbeat", "note_restored"]
+__all__ = ["PROGRESS_DIR", "ProgressReporter", "StepFile", "follow_reform", "heartbeat", "note_restored"]

@@ -9,6 +9,13 @@ nccl. ``INPLACE_DDP=1``: gradients through DDP, rebuilt with ``et.rebuild_ddp`` 
 epoch (120); ``INPLACE_PACE``: seconds between steps, none once ``INPLACE_FAST_FILE`` exists.
 ``INPLACE_JOIN_TIMEOUT``: seconds to wait for the first group and for a re-formed one;
 ``INPLACE_REFORM_TIMEOUT`` (default: the same) for a re-formed one only.
+``INPLACE_START_DELAY``: seconds to sleep before ``init`` (a slow newcomer: a long join window);
+``INPLACE_START_GATE``: a file to wait for before ``init`` (``<gate>.waiting`` says it waits).
+``INPLACE_CKPT_DIR`` + ``INPLACE_CKPT_EVERY``: save a checkpoint there every N steps (collective);
+rank 0 logs ``{"saved": name}`` or ``{"refused": error}`` with its round.
+``INPLACE_HEARTBEAT=1``: ``et.heartbeat(step)`` after every step; ``INPLACE_HANG_FILE``: once that
+file exists, the worker stops making progress (sleeps in its loop: a hang); ``INPLACE_CRASH_FILE``:
+once that file exists, the worker exits 1 (a crash).
 The restart path by hand: ``INPLACE_RESUME=PATH`` loads the state saved at ``PATH`` (if it exists),
 ``INPLACE_STOP_AFTER=STEP`` saves it there after STEP (rank 0) and exits 0.
 """
@@ -42,6 +49,12 @@ if die.startswith("reform:"):
 
     inplace.InPlace._reform = _dying_reform
 
+time.sleep(float(os.environ.get("INPLACE_START_DELAY", "0")))
+gate = os.environ.get("INPLACE_START_GATE", "")
+if gate:
+    open(gate + ".waiting", "w").close()
+while gate and not os.path.exists(gate):
+    time.sleep(0.02)
 ctx = et.init(timeout=float(os.environ.get("INPLACE_JOIN_TIMEOUT", "40")))
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 1).to(ctx.device)  # cpu (gloo) or this worker's GPU (nccl)
@@ -62,6 +75,29 @@ if resume and os.path.exists(resume):
 g = torch.Generator().manual_seed(7)
 X = torch.randn(DATASET, 4, generator=g).to(ctx.device)
 Y = torch.randn(DATASET, 1, generator=g).to(ctx.device)
+heartbeat = os.environ.get("INPLACE_HEARTBEAT") == "1"
+hang = os.environ.get("INPLACE_HANG_FILE", "")
+crash = os.environ.get("INPLACE_CRASH_FILE", "")
+ckpt_dir = os.environ.get("INPLACE_CKPT_DIR", "")
+ckpt_every = int(os.environ.get("INPLACE_CKPT_EVERY", "0")) if ckpt_dir else 0
+
+
+def save_checkpoint(out) -> None:
+    from elasticrun.checkpoint import save
+    from elasticrun.errors import ElasticrunError
+
+    row = {"pid": os.getpid(), "round": ctx.round, "at": reform.step}
+    try:
+        row["saved"] = save({"model": model.state_dict()}, ckpt_dir, f"step-{reform.step:08d}",
+                            process_group=ctx.cpu_process_group)
+    except ElasticrunError as err:
+        row["refused"] = str(err)
+    row["t"] = time.time()
+    if ctx.rank == 0:
+        out.write(json.dumps(row) + "\n")
+        out.flush()
+
+
 pace = float(os.environ.get("INPLACE_PACE", "0.05"))
 fast = os.environ.get("INPLACE_FAST_FILE", "")  # once this file exists: no pause between steps
 with open(os.environ["INPLACE_LOG"], "a") as log:
@@ -82,6 +118,14 @@ with open(os.environ["INPLACE_LOG"], "a") as log:
                               "gpus": os.environ.get("CUDA_VISIBLE_DEVICES"),
                               "w": model.weight.detach().flatten().tolist()}) + "\n")
         log.flush()
+        if heartbeat:
+            et.heartbeat(reform.step)
+        if crash and os.path.exists(crash):
+            os._exit(1)
+        while hang and os.path.exists(hang):
+            time.sleep(0.1)
+        if ckpt_every and reform.step % ckpt_every == 0:
+            save_checkpoint(log)
         if reform.step == stop_after:
             if ctx.rank == 0:
                 torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sampler": sampler.state_dict(),

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from elasticrun.job.inplace import EXIT_INPLACE_FAILED, INPLACE_WINDOW_S, inplace_window
+from elasticrun.job.inplace import DURING_INPLACE, EXIT_INPLACE_FAILED
 from elasticrun.rendezvous.inplace import inplace_failed, plan_inplace
 from elasticrun.rendezvous.records import Member, NodeInfo, RescaleType, Topology
 
@@ -47,20 +47,17 @@ def test_rank_zero_must_survive_and_survivors_keep_their_lease():
 
 def test_only_a_failed_reform_of_an_inplace_round_is_free():
     """The restart after a failed in-place re-form is not charged; a crash in an ordinary round, or
-    long after the re-form, is."""
+    after the re-form (however soon), is."""
     members = (_member("A", 0), _member("B", 1))
     inplace = Topology(4, members, "127.0.0.1", 1, created_at=1000.0, inplace=("A",))
     ordinary = Topology(4, members, "127.0.0.1", 1, created_at=1000.0)
-    assert not inplace_failed(inplace, None, []), "no failure recorded"
-    late = {"node": "B", "rank": 1, "time": 1000.0 + INPLACE_WINDOW_S + 3600}
+    assert not inplace_failed(inplace, []), "no failure recorded"
     crash = [{"rank": 1, "exitcode": 1}]
-    assert not inplace_failed(inplace, late, crash), "a crash an hour into the round is charged"
+    assert not inplace_failed(inplace, crash), "a crash outside the re-form is charged, however soon"
     could_not = crash + [{"rank": 0, "exitcode": EXIT_INPLACE_FAILED}]
-    assert inplace_failed(inplace, late, could_not), "a worker that could not re-form"
-    assert not inplace_failed(ordinary, late, could_not), "exit 75 outside an in-place round is a plain failure"
-    assert inplace_failed(inplace, {"node": "C", "rank": 2, "time": 1000.0 + 5}, crash), \
-        "a newcomer dying while it receives the state"
-    assert not inplace_failed(None, late, could_not)
-    after = {"node": "C", "rank": 2, "time": 1000.0 + 400}
-    assert not inplace_failed(inplace, after, crash), "past the default window (300 s start-up + 60 s re-form)"
-    assert inplace_failed(inplace, after, crash, window=inplace_window(900)), "a job that allows 900 s of start-up"
+    assert inplace_failed(inplace, could_not), "a worker that could not re-form"
+    assert not inplace_failed(ordinary, could_not), "exit 75 outside an in-place round is a plain failure"
+    in_reform = crash + [{"rank": 2, "exitcode": 3, DURING_INPLACE: True}]
+    assert inplace_failed(inplace, in_reform), "a newcomer dying while it receives the state"
+    assert not inplace_failed(inplace, [{"rank": 2, "exitcode": 3, DURING_INPLACE: False}])
+    assert not inplace_failed(None, could_not)

@@ -1,0 +1,58 @@
+"""The unmodified examples/train.py re-forms in place by default (real agents, etcd, gloo workers).
+
+Two nodes train; C joins (2 → 3), then the node that is not rank 0 leaves gracefully (3 → 2).
+Rank 0's worker process (it prints every step) lives through both changes: one ``start:`` line,
+two ``re-formed in place`` lines, every step once and in order, the world size following the
+membership. Then both remaining nodes are stopped: every rank stops at the same step and saves.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from pathlib import Path
+from typing import List
+
+import pytest
+
+from helpers.procs import wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train.py"
+
+
+def agent_args(endpoint: str, job: str, node: str, ckpts: Path) -> List[str]:
+    return ["--nnodes", "2:3", "--max-restarts", "0", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
+            "--rdzv-id", job, "--node-id", node, "--heartbeat-timeout", "3", "--stability-window", "0.5",
+            "--shutdown-timeout", "2", str(EXAMPLE), "--epochs", "1", "--dataset-size", "400000", "--batch-size", "4",
+            "--step-sleep", "0.05", "--ckpt-every", "0", "--ckpt-dir", str(ckpts)]
+
+
+def steps(out: str) -> List[tuple]:
+    return [(int(m[1]), int(m[2])) for m in re.finditer(r"\bstep (\d+) loss \S+ world (\d+)$", out, re.M)]
+
+
+def test_the_example_keeps_its_survivors_through_a_join_and_a_leave(etcd_server, job_id, agents, tmp_path):
+    ckpts = tmp_path / "ckpts"
+    a = {n: agents(agent_args(etcd_server.endpoint, job_id, n, ckpts), name=n) for n in "AB"}
+    wait_until(lambda: any(len(steps(x.stdout())) >= 5 for x in a.values()), 150, "steps at world size 2")
+    first = next(n for n, x in a.items() if steps(x.stdout()))  # rank 0's node: it prints the steps
+    other = "B" if first == "A" else "A"
+    out = a[first].stdout
+    a["C"] = agents(agent_args(etcd_server.endpoint, job_id, "C", ckpts), name="C")
+    wait_until(lambda: sum(w == 3 for _, w in steps(out())) >= 5, 150, "steps at world size 3")
+    a[other].signal(signal.SIGTERM)
+    wait_until(lambda: out().count("re-formed in place") >= 2, 150, "rank 0 re-formed for the leave")
+    wait_until(lambda: steps(out())[-1][1] == 2 and sum(w == 2 for _, w in steps(out())) >= 10, 60, "world 2 again")
+    assert a[other].wait(60) is not None
+    for n in (first, "C"):
+        a[n].signal(signal.SIGTERM)
+    for n in (first, "C"):
+        a[n].wait(60)
+    text = out()
+    assert text.count("start:") == 1, "rank 0's worker was never restarted"
+    numbers = [s for s, _ in steps(text)]
+    assert numbers == list(range(numbers[0], numbers[0] + len(numbers))), "every step once, in order"
+    worlds = [w for _, w in steps(text)]
+    assert worlds[0] == 2 and 3 in worlds and worlds[-1] == 2, "2 → 3 → 2"
+    assert re.search(r"checkpoint \S+ saved in \S+ \(stop\)", text), "every rank stopped together and saved"
