@@ -31,7 +31,7 @@ What makes it elastic (see docs/training.md):
 Rank 0 prints one ``step N loss X world W`` line per step and ends with
 ``done: steps=N world=W final_loss=X``. With ``--metrics-log FILE`` it also appends one
 JSON line per step (time, step, epoch, round, world size, lr, global batch, loss,
-samples/s) that ``scripts/perf/plot_run.py`` draws.
+samples/s) that ``scripts/perf/plot_job.py metrics`` draws.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A real hung job's --events-file: the agent logs the ``hang`` (its time is badput of cause ``hang``),
-and scripts/perf/plot_events.py reads and draws the log. Real etcd, agent and worker processes."""
+and scripts/perf/plot_job.py events reads and draws the log. Real etcd, agent and worker processes."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import pytest
 from helpers.launch import SCRIPTS, run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
-spec = importlib.util.spec_from_file_location("plot_events", ROOT / "scripts" / "perf" / "plot_events.py")
+spec = importlib.util.spec_from_file_location("plot_job", ROOT / "scripts" / "perf" / "plot_job.py")
 assert spec is not None and spec.loader is not None
-plot_events = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(plot_events)
+plot_job = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(plot_job)
 
 HANG_TIMEOUT = 2.0
 pytestmark = pytest.mark.integration
@@ -27,7 +27,7 @@ def test_a_hang_is_logged_charged_to_hang_and_drawn(tmp_path: Path) -> None:
                     "--hang-timeout", str(HANG_TIMEOUT), "--no-prewarm", "--events-file", str(events),
                     str(SCRIPTS / "hang_worker.py")], timeout=180)
     assert proc.returncode == 0, proc.stderr
-    rows = plot_events.read_events([events])
+    rows = plot_job.read_events([events])
     kinds = [r["event"] for r in rows]
     assert kinds[0] == "round_formed" and kinds[-1] == "job_ended", kinds
     assert kinds.count("hang") == 1 and kinds.count("round_formed") == 2 and kinds.count("restart") == 1, kinds
@@ -39,15 +39,15 @@ def test_a_hang_is_logged_charged_to_hang_and_drawn(tmp_path: Path) -> None:
     # the stalled seconds (>= the timeout) and the restart after them are hang, not restart
     assert goodput["badput_s"]["hang"] >= HANG_TIMEOUT, goodput
     assert goodput["badput_s"]["restart"] == 0.0, goodput
-    assert [(r, w) for _, r, w in plot_events.world_sizes(rows)] == [(0, 1), (1, 1)]
-    text = plot_events.describe(rows)
+    assert [(r, w) for _, r, w in plot_job.world_sizes(rows)] == [(0, 1), (1, 1)]
+    text = plot_job.describe(rows)
     assert len(text) == len(rows) and "hang" in text[kinds.index("hang")] and "stalled_s=" in "".join(text)
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"step": 1}) + "\n")
     with pytest.raises(SystemExit, match="lacks time/event/node"):
-        plot_events.read_events([bad])
+        plot_job.read_events([bad])
     pytest.importorskip("matplotlib")
     out = tmp_path / "timeline.png"
-    assert plot_events.main([str(events), "-o", str(out)]) == 0
+    assert plot_job.main(["events", str(events), "-o", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000

@@ -1,4 +1,4 @@
-"""scripts/perf/plot_run.py: reads examples/train.py's metrics log, finds the rescales, draws a PNG."""
+"""scripts/perf/plot_job.py metrics: reads examples/train.py's metrics log, finds the rescales, draws a PNG."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "perf" / "plot_run.py"
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "perf" / "plot_job.py"
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("plot_run", SCRIPT)
+    spec = importlib.util.spec_from_file_location("plot_job", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -45,7 +45,7 @@ def test_draws_a_png_with_a_reference(tmp_path):
     run = _log(tmp_path / "run.jsonl", [3] * 5 + [2] * 5 + [3] * 5)
     ref = _log(tmp_path / "ref.jsonl", [3] * 15)
     out = tmp_path / "run.png"
-    assert mod.main([str(run), "--reference", str(ref), "-o", str(out)]) == 0
+    assert mod.main(["metrics", str(run), "--reference", str(ref), "-o", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 
@@ -54,6 +54,6 @@ def test_bad_input_is_one_line(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"step": 1}\n')
     with pytest.raises(SystemExit, match="lacks time, world, lr"):
-        mod.main([str(bad)])
-    with pytest.raises(SystemExit, match="does not exist"):
-        mod.main([str(tmp_path / "missing.jsonl")])
+        mod.main(["metrics", str(bad)])
+    with pytest.raises(SystemExit, match="cannot read .*missing.jsonl"):
+        mod.main(["metrics", str(tmp_path / "missing.jsonl")])

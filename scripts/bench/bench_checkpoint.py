@@ -13,7 +13,6 @@ each library back to back, with the CPU time each one used (what checksumming ev
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -24,7 +23,7 @@ from typing import Dict, List
 
 import torch
 from ckpt_compare import GB, Libraries, compare_section, gpt_state, nbytes, remove, uniform_state
-from common import REPO, shown_command
+from common import REPO, md_table, shown_command, write_json
 
 sys.path.insert(0, str(REPO))  # elasticrun as in this tree
 
@@ -46,11 +45,11 @@ def save_ab(d: str, libs: Libraries, runs: int) -> None:
                 cpu[lib].append(c1 - c0)
     size = nbytes(libs.state)
     print(f"durable saves of {size / GB:.2f} GB, interleaved, median of {runs} (min–max); CPU = user+sys of this "
-          "process\n\n| save | seconds | GB/s | CPU seconds |\n|---|---:|---:|---:|")
-    for lib in names:
-        med = statistics.median(wall[lib])
-        print(f"| {lib} | {med:.2f} ({min(wall[lib]):.2f}–{max(wall[lib]):.2f}) | {size / GB / med:.2f} "
-              f"| {statistics.median(cpu[lib]):.2f} |")
+          "process\n")
+    meds = {lib: statistics.median(wall[lib]) for lib in names}
+    print(md_table(["save", "seconds", "GB/s", "CPU seconds"],
+                   ([lib, f"{m:.2f} ({min(wall[lib]):.2f}–{max(wall[lib]):.2f})", f"{size / GB / m:.2f}",
+                     f"{statistics.median(cpu[lib]):.2f}"] for lib, m in meds.items()), "lrrr"))
 
 
 def main() -> None:
@@ -86,8 +85,7 @@ def main() -> None:
         doc = compare_section(base, args.state, args.device, size, args.repeat, not args.no_dcp, settle,
                               shown_command(__file__))
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(doc, f, indent=1)
+            write_json(args.json, doc)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

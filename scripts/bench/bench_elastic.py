@@ -22,7 +22,7 @@ writes every variant's runs and the ``summary`` (each elasticrun variant against
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import os
 import re
 import shutil
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import psutil
-from common import REPO, kill_all, shown_command, tagged_processes
+from common import REPO, kill_all, shown_command, tagged_processes, tree, write_json
 from elastic_clients import CLIENTS, Client, Node
 from elastic_report import Outcome, Summary, fmt, summary_rows, table
 
@@ -175,17 +175,11 @@ class Run:
     def kill(self, name: str) -> float:
         """SIGKILL node ``name``'s agent and every process under it at once (a lost machine); the kill time."""
         node = self.nodes[name]
-        try:
-            tree = psutil.Process(node.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            tree = []
+        procs = tree([node.proc.pid])
         at = time.time()
-        node.proc.kill()
-        for p in tree:
-            try:
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
-            except psutil.NoSuchProcess:
-                pass
         node.dead = True
         self.events.append(f"{at - self.epoch:8.3f} bench: SIGKILL node {name}")
         node.proc.wait(10)
@@ -226,14 +220,7 @@ class Run:
 
     def close(self) -> None:
         """Kill every process of this run (agents, workers, orphans by marker) and stop etcd."""
-        procs: List[psutil.Process] = []
-        for node in self.nodes.values():
-            try:
-                agent = psutil.Process(node.proc.pid)
-                procs += [agent, *agent.children(recursive=True)]
-            except psutil.NoSuchProcess:
-                pass
-        kill_all(procs)
+        kill_all(tree(node.proc.pid for node in self.nodes.values()))
         for node in self.nodes.values():
             try:
                 node.proc.wait(5)
@@ -370,7 +357,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.json:
         doc = {"results": [s.as_dict() for s in summaries], "load_average_end": os.getloadavg()[0],
                "summary": summary_rows(summaries, shown_command(__file__, argv))}
-        args.json.write_text(json.dumps(doc, indent=2))
+        write_json(args.json, doc)
     if all(o.status == "ok" for s in summaries for o in s.outcomes):
         shutil.rmtree(log_root, ignore_errors=True)
     else:

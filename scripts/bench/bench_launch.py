@@ -34,10 +34,8 @@ from __future__ import annotations
 
 import argparse
 import calendar
-import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -48,6 +46,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import psutil
+from common import REPO, gpu_count, kill_tree, shown_command, write_json
 from launch_results import (
     LAUNCH_MULTI,
     LAUNCH_SCENARIOS,
@@ -142,23 +141,6 @@ def _env(extra: Dict[str, str]) -> Dict[str, str]:
     return env
 
 
-def _gpu_count() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except ImportError:
-        return 0
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _commands(launcher: str, nodes: int, procs: int, endpoint: str, job: str, c10d: bool = False) -> List[List[str]]:
     """One command per node; ``c10d``: elasticrun on torchrun's c10d line too (one agent hosts etcd there, which
     grows to 3 members once 3 nodes joined; ``elasticrun-etcd1``: it stays one member).
@@ -185,21 +167,9 @@ def _commands(launcher: str, nodes: int, procs: int, endpoint: str, job: str, c1
     ]
 
 
-def _kill_all(procs: List[subprocess.Popen]) -> None:
-    """SIGKILL the launchers and everything below them (workers may sit in their own sessions)."""
-    family: List[psutil.Process] = []
-    for p in procs:
-        try:
-            family.append(psutil.Process(p.pid))
-            family.extend(psutil.Process(p.pid).children(recursive=True))
-        except psutil.NoSuchProcess:
-            pass
-    for proc in family:
-        try:
-            proc.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(family, timeout=10)
+def _stop(procs: List[subprocess.Popen]) -> None:
+    """SIGKILL the launchers and everything below them, and reap them."""
+    kill_tree(p.pid for p in procs)
     for p in procs:
         p.wait()
 
@@ -227,7 +197,9 @@ def run_once(
     if nodes == 1:
         endpoint = ""  # --standalone for every launcher
     elif launcher.startswith("torchrun") or scenario == LAUNCH_MULTI:
-        endpoint = f"127.0.0.1:{_free_port()}"  # a c10d store (elasticrun: etcd) hosted by one of the agents
+        from elasticrun.store.server import free_port
+
+        endpoint = f"127.0.0.1:{free_port()}"  # a c10d store (elasticrun: etcd) hosted by one of the agents
     cmds = _commands(launcher, nodes, procs, endpoint, f"bench-{uuid.uuid4().hex[:8]}", c10d=scenario == LAUNCH_MULTI)
     out = Output()
     started = time.time()
@@ -266,7 +238,7 @@ def run_once(
         Path(once).unlink(missing_ok=True)
     if result is not None:
         rss = agent_rss_mib(running)  # the workers still run: the measured step just showed up
-        _kill_all(running)
+        _stop(running)
         run = Run(launcher, scenario, "ok", round(result, 3), crash_after=crash_after, agent_rss_mib=rss)
         if scenario in LAUNCH_SCENARIOS:
             first, formed = out.first_line(), round_formed(out, launcher)
@@ -277,7 +249,7 @@ def run_once(
         return run
     hung = not all(p.poll() is not None for p in running)
     codes = [p.poll() for p in running]
-    _kill_all(running)
+    _stop(running)
     tail = " | ".join(ln for ln in out.lines[-200:] if "Error" in ln or "error" in ln)[-300:]
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_launch-{launcher}-{scenario}-{uuid.uuid4().hex[:6]}.log"
     log.write_text("\n".join(out.lines) + "\n")
@@ -349,14 +321,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.error(f"--scenarios: unknown {', '.join(sorted(unknown))}; choose from launch,{LAUNCH_MULTI},restart")
     devices = {sc: args.device for sc in args.scenarios.split(",")}
     if args.device == "cuda":
-        have = _gpu_count()
+        have = gpu_count()
         for sc in devices:
             need = args.procs * (1 if sc == "launch" else args.nodes)
             if have < need:  # NCCL takes one GPU per rank: run this one on the CPU (gloo), as without --device
                 devices[sc] = "cpu"
                 print(f"{sc}: {need} workers need {need} GPUs, this machine has {have}: measured on the CPU (gloo)",
                       flush=True)
-    sys.path.insert(0, str(HERE.parent.parent))  # the repository: elasticrun as in this tree
+    sys.path.insert(0, str(REPO))  # elasticrun as in this tree
     from elasticrun.store.server import EtcdServer
 
     etcd = EtcdServer().start() if args.nodes > 1 else None
@@ -382,14 +354,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(f"procs per node: {args.procs}; restart scenario: {args.nodes} node(s) on loopback; runs: {args.runs}")
     print(summarize(runs))
     if args.json:
-        command = " ".join(["python", "scripts/bench/bench_launch.py", *(sys.argv[1:] if argv is None else argv)])
+        command = shown_command(__file__, argv)
         summary = launch_summary(runs, args.procs, args.nodes, args.timeout, command, devices)
         restarts = restart_summary(runs, args.procs, args.nodes, args.timeout, command)
         for row in restarts:
             row["device"] = devices.get("restart", args.device)
         summary += restarts
-        Path(args.json).write_text(json.dumps({"runs": [asdict(r) for r in runs], "summary": summary,
-                                               "device": args.device}, indent=2))
+        write_json(args.json, {"runs": [asdict(r) for r in runs], "summary": summary, "device": args.device})
     return 0
 
 

@@ -26,7 +26,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Dict, List
 
-from common import REPO, shown_command, summary_row
+from common import REPO, shown_command, summary_row, write_json
 
 sys.path.insert(0, str(REPO))  # elasticrun as in this tree
 from elasticrun.store.server import free_port  # noqa: E402
@@ -161,7 +161,7 @@ def main() -> None:
           f"({summary['slowdown_pct']:+.1f}%); scrapes {sum(r.get('scrapes', 0) for r in results)}, "
           f"errors while training {summary['scrape_errors']}")
     if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=2))
+        write_json(args.json, summary)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ the p95 against the notice as the ``summary`` row.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import re
@@ -33,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from common import REPO, shown_command, summary_row
+from common import REPO, shown_command, summary_row, write_json
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -205,8 +204,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         row = summary_row(f"preemption drain, SIGTERM -> saved and exited 143, p95 of {len(rows)} "
                           f"({args.state_gb:g} GB state, {args.nproc} workers)", stats["p95"],
                           "the notice (every drain must fit)", args.notice, command=shown_command(__file__, argv))
-        Path(args.json).write_text(json.dumps({"summary": [row], "drain_s": stats, "failed": len(failed),
-                                               "runs": rows}, indent=1))
+        write_json(args.json, {"summary": [row], "drain_s": stats, "failed": len(failed), "runs": rows})
     return 1 if failed else 0
 
 

@@ -29,7 +29,8 @@ import time
 import uuid
 from typing import Any, Dict, Iterator, List, Optional
 
-from etcd_metrics import etcd_counters  # a sibling file of this script
+from common import write_json  # sibling files of this script
+from etcd_metrics import etcd_counters
 
 from elasticrun.job.keys import JobKeys
 from elasticrun.store.client import EtcdStore, connect
@@ -238,8 +239,7 @@ def main() -> None:
         if args.json:
             print(json.dumps(result, indent=2))
         if args.out:
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
+            write_json(args.out, result)
     finally:
         store.close()
         server.stop()

@@ -41,6 +41,7 @@ import tempfile
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
+from common import write_json
 from snapshot_jobs import bench_jobs
 
 PARTS = ("stall", "restore", "lost")
@@ -361,8 +362,7 @@ def main(argv: List[str]) -> int:
     doc.setdefault("bytes", 0)
     print(json.dumps(doc))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1)
+        write_json(args.json, doc)
     return 0
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import psutil
-from common import REPO, shown_command, summary_row
+from common import REPO, shown_command, summary_row, write_json
 
 from elasticrun.store.server import EtcdServer
 
@@ -119,7 +119,7 @@ def main() -> int:
                                          command=result["command"])]
         print(json.dumps(result, indent=1))
         if args.json:
-            Path(args.json).write_text(json.dumps(result, indent=1))
+            write_json(args.json, result)
         return 0 if (first_flag is not None) == args.slow else 1
     finally:
         for a in agents:

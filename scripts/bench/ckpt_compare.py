@@ -17,7 +17,7 @@ import time
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
-from common import summary_row
+from common import md_table, summary_row
 
 GB = 1e9
 VOCAB, CTX = 50304, 1024
@@ -245,13 +245,13 @@ def compare_section(base: str, state_kind: str, device: str, size: int, repeat: 
     rows = summarize(runs, real, device, label, command)
     print(f"\ninterleaved comparison: {label} state, {real / GB:.3f} GB in {len(state)} tensors on {device}; "
           f"posix_fadvise(DONTNEED) before loads; medians of {repeat} rounds after a dropped warm-up\n")
-    print("| operation | seconds (median, min–max) | GB/s |\n|---|---:|---:|")
-    for label, ts in runs.items():
-        m = statistics.median(ts)
-        print(f"| {label} | {m:.3f} ({min(ts):.3f}–{max(ts):.3f}) | {real / GB / m:.2f} |")
-    print("\n| metric | elasticrun | alternative | ratio (> 1: elasticrun wins) |\n|---|---:|---|---:|")
-    for r in rows:
-        print(f"| {r['metric']} | {r['elasticrun']:.3f} {r['unit']} | {r['alternative']} {r['alt_value']:.3f} | "
-              f"{r['ratio']:.2f} |")
+    meds = {label: statistics.median(ts) for label, ts in runs.items()}
+    print(md_table(["operation", "seconds (median, min–max)", "GB/s"],
+                   ([label, f"{m:.3f} ({min(runs[label]):.3f}–{max(runs[label]):.3f})", f"{real / GB / m:.2f}"]
+                    for label, m in meds.items()), "lrr"))
+    print()
+    print(md_table(["metric", "elasticrun", "alternative", "ratio (> 1: elasticrun wins)"],
+                   ([r["metric"], f"{r['elasticrun']:.3f} {r['unit']}", f"{r['alternative']} {r['alt_value']:.3f}",
+                     f"{r['ratio']:.2f}"] for r in rows), "lrlr"))
     return {"compare": {"state": state_kind, "device": device, "size_bytes": real, "tensors": len(state),
                         "eviction": "fadvise", "runs": runs}, "summary": rows}

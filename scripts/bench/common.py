@@ -4,11 +4,13 @@ environment."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
+import signal
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 import psutil
 
@@ -25,6 +27,12 @@ def summary_row(metric: str, elasticrun: float, alternative: str, alt_value: Opt
     return {"metric": metric, "elasticrun": round(elasticrun, 4), "alternative": alternative,
             "alt_value": None if alt_value is None else round(alt_value, 4), "unit": unit, "better": better,
             "ratio": ratio, "device": device, "command": command}
+
+
+def md_table(header: Sequence[str], rows: Iterable[Sequence[Any]], align: str = "") -> str:
+    """A markdown table; ``align`` has one letter per column, ``r`` for right-aligned (the rest are left)."""
+    rule = ["---:" if a == "r" else "---" for a in align.ljust(len(header), "l")]
+    return "\n".join("| " + " | ".join(map(str, cells)) + " |" for cells in [header, rule, *rows])
 
 
 def shown_command(script: str, argv: Optional[Sequence[str]] = None) -> str:
@@ -45,11 +53,44 @@ def tagged_processes(var: str, tag: str) -> List[psutil.Process]:
     return found
 
 
-def kill_all(procs: List[psutil.Process]) -> None:
-    """SIGKILL each process and reap what can be reaped."""
+def kill_all(procs: List[psutil.Process], timeout: float = 5) -> None:
+    """SIGCONT then SIGKILL each process (a stopped one must not block cleanup) and reap what can be reaped."""
     for p in procs:
         try:
+            p.send_signal(signal.SIGCONT)
             p.kill()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
-    psutil.wait_procs(procs, timeout=5)
+    psutil.wait_procs(procs, timeout=timeout)
+
+
+def tree(pids: Iterable[int]) -> List[psutil.Process]:
+    """Each live process of ``pids`` and every process under it."""
+    found: List[psutil.Process] = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            found += [p, *p.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def kill_tree(pids: Iterable[int], timeout: float = 10) -> None:
+    """SIGKILL each process of ``pids`` and everything below it (workers may sit in their own sessions)."""
+    kill_all(tree(pids), timeout)
+
+
+def write_json(path: Any, doc: Any) -> None:
+    """Write a bench's JSON document to ``path`` (indented, one trailing newline)."""
+    Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def gpu_count() -> int:
+    """CUDA devices torch sees (0 without torch or CUDA)."""
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        return 0

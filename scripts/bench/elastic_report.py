@@ -6,7 +6,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from common import summary_row
+from common import md_table, summary_row
 
 
 @dataclass
@@ -54,17 +54,17 @@ def fmt(x: Optional[float]) -> str:
 
 def table(summaries: List[Summary]) -> str:
     """A markdown table: runs, median and range, failures and hangs, elasticrun's target, phases."""
-    lines = ["| scenario | client | variant | runs | median s | min–max s | failed | hung | target s (met) | phases |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for s in summaries:
         t, target = s.times, s.variant.target(s.scenario)
         met = f"{target:.0f} ({sum(x <= target for x in t)}/{len(s.outcomes)})" if target is not None else "–"
         phases = ", ".join(f"{k} {v:.2f}" for k, v in s.phases().items())
-        lines.append(f"| {s.scenario} | {s.client} | {s.variant.label} | {len(s.outcomes)} | {fmt(s.median())} | "
-                     f"{fmt(min(t) if t else None)}–{fmt(max(t) if t else None)} | "
-                     f"{sum(o.status == 'failed' for o in s.outcomes)} | {sum(o.status == 'hang' for o in s.outcomes)} "
-                     f"| {met} | {phases} |")
-    return "\n".join(lines)
+        rows.append([s.scenario, s.client, s.variant.label, len(s.outcomes), fmt(s.median()),
+                     f"{fmt(min(t) if t else None)}–{fmt(max(t) if t else None)}",
+                     sum(o.status == "failed" for o in s.outcomes), sum(o.status == "hang" for o in s.outcomes), met,
+                     phases])
+    return md_table(["scenario", "client", "variant", "runs", "median s", "min–max s", "failed", "hung",
+                     "target s (met)", "phases"], rows)
 
 
 def summary_rows(summaries: List[Summary], command: str) -> List[Dict[str, Any]]:

@@ -6,6 +6,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+from common import md_table
+
 LAUNCHERS = ["elasticrun", "torchrun-default", "torchrun-best"]
 LAUNCH_MULTI = "launch-multi"
 LAUNCH_SCENARIOS = ("launch", LAUNCH_MULTI)
@@ -131,8 +133,7 @@ def _median(values: List[float], fmt: str) -> str:
 def summarize(runs: List[Run]) -> str:
     """A markdown table: per launcher and scenario, median/min/max of good runs and the bad ones, and the
     medians of the script's first line, the first fork's wait and the agent's RSS where measured."""
-    rows = ["| scenario | launcher | ok | fail | hang | median s | min s | max s | first line s | fork wait s "
-            "| agent RSS MiB |", "|---" * 11 + "|"]
+    rows = []
     for scenario in dict.fromkeys(label(r) for r in runs):
         for launcher in LAUNCHERS:
             mine = [r for r in runs if r.launcher == launcher and label(r) == scenario]
@@ -145,5 +146,6 @@ def summarize(runs: List[Run]) -> str:
             counts = [str(sum(r.outcome == k for r in mine)) for k in ("ok", "fail", "hang")]
             extra = [_median(_figure(mine, "first_line"), ".2f"), _median(_figure(mine, "fork_wait"), ".3f"),
                      _median(_figure(mine, "agent_rss_mib"), ".0f")]
-            rows.append("| " + " | ".join([scenario, launcher, *counts, *stats, *extra]) + " |")
-    return "\n".join(rows)
+            rows.append([scenario, launcher, *counts, *stats, *extra])
+    return md_table(["scenario", "launcher", "ok", "fail", "hang", "median s", "min s", "max s", "first line s",
+                     "fork wait s", "agent RSS MiB"], rows)

@@ -28,8 +28,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from scripts.bench.common import kill_tree
+
 from .audit import Tail, analyse
-from .env import HOSTED, REPO, Launcher, Machine, Members, freeze_code, kill_tree, send
+from .env import HOSTED, REPO, Launcher, Machine, Members, freeze_code, send
 from .faults import FaultKind, schedule
 from .kinds import DRAWN
 from .report import job_goodput, render, summary
@@ -128,7 +130,7 @@ def sweep(marker: str) -> None:
     for p in psutil.process_iter(["cmdline"]):
         try:
             if p.pid not in mine and any(marker in part for part in (p.info["cmdline"] or [])):
-                kill_tree(p.pid)
+                kill_tree([p.pid])
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -17,9 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, List, Optional, Union
 
-import psutil
-
 from elasticrun.store.server import EtcdCluster, EtcdServer, free_port
+from scripts.bench.common import kill_tree
 
 HOSTED = 0  # Machine.etcd_members of a job that hosts its own etcd (--hosted-etcd)
 REPO = Path(__file__).resolve().parents[2]
@@ -167,22 +165,6 @@ def freeze_code(dest: Path) -> Path:
     (dest / WORKER_REL).parent.mkdir(parents=True)
     shutil.copy2(WORKER, dest / WORKER_REL)
     return dest
-
-
-def kill_tree(pid: int) -> None:
-    """SIGCONT then SIGKILL ``pid`` and every descendant (a stopped process must not block cleanup)."""
-    try:
-        p = psutil.Process(pid)
-        procs = [p, *p.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGCONT)
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(procs, timeout=10)
 
 
 def send(pid: int, sig: int) -> None:
@@ -350,7 +332,7 @@ class Launcher:
 
     def close(self) -> None:
         for a in self.agents:
-            kill_tree(a.pid)
+            kill_tree([a.pid])
             try:
                 a.proc.wait(5)
             except subprocess.TimeoutExpired:

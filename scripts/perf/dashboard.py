@@ -1,11 +1,15 @@
-"""Draw deploy/grafana/elasticrun.json's panels from scrapes of a real run (no Grafana needed).
+"""Scrape agents' ``/metrics`` into a JSON-lines file (what Prometheus would store), and draw
+deploy/grafana/elasticrun.json's panels from it (no Grafana needed)::
 
-    python scripts/perf/plot_dashboard.py scrapes.jsonl -o docs/img/observability.png
+    python scripts/perf/dashboard.py scrape 127.0.0.1:9400 127.0.0.1:9401 -o scrapes.jsonl --every 0.5
+    python scripts/perf/dashboard.py draw scrapes.jsonl -o docs/img/observability.png
 
-Input: ``scripts/perf/scrape_metrics.py``'s file. Each panel's PromQL (in the dashboard and
-docs/observability.md) is evaluated here by hand over the scrapes: sums and maxima across the
-agents at each scrape time, ``rate``/``deriv`` as differences over ``--window`` seconds, and
-``histogram_quantile`` by Prometheus's linear interpolation within the bucket. Needs matplotlib.
+``scrape`` writes one line per successful scrape: ``{"time", "target", "samples": [[name, {labels}, value], ...]}``;
+a target that does not answer is skipped that turn. It stops on Ctrl-C, after ``--duration`` seconds, or once
+every target that answered has been silent for ``--idle`` s. ``draw`` evaluates each panel's PromQL (in the
+dashboard and docs/observability.md) by hand over the scrapes: sums and maxima across the agents at each scrape
+time, ``rate``/``deriv`` as differences over ``--window`` seconds, ``histogram_quantile`` by Prometheus's linear
+interpolation within the bucket. Drawing needs matplotlib.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import time
+import urllib.request
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -20,17 +26,50 @@ from typing import Any, Dict, List, Optional, Tuple
 Series = Dict[str, List[Tuple[float, float]]]
 
 
+def scrape(target: str, timeout: float = 2.0) -> List[List[Any]]:
+    """The samples of one scrape of ``http://target/metrics``: [name, labels, value] each."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{target}/metrics", timeout=timeout) as resp:
+        text = resp.read().decode()
+    return [[s.name, dict(s.labels), s.value] for f in text_string_to_metric_families(text) for s in f.samples]
+
+
+def scrape_loop(targets: List[str], out_path: Path, every: float, duration: float, idle: float) -> None:
+    """Append a scrape of every target to ``out_path`` each ``every`` s until a stop condition holds."""
+    start = time.monotonic()
+    last_ok = {t: 0.0 for t in targets}
+    with open(out_path, "a", encoding="utf-8") as out:
+        try:
+            while not duration or time.monotonic() - start < duration:
+                turn = time.monotonic()
+                for target in targets:
+                    try:
+                        samples = scrape(target)
+                    except OSError:
+                        continue
+                    last_ok[target] = turn
+                    out.write(json.dumps({"time": round(time.time(), 3), "target": target, "samples": samples}) + "\n")
+                out.flush()
+                seen = [t for t in last_ok.values() if t]
+                if seen and turn - max(seen) > idle:
+                    break
+                time.sleep(max(0.0, every - (time.monotonic() - turn)))
+        except KeyboardInterrupt:
+            pass
+
+
 def read_scrapes(path: Path) -> List[Dict[str, Any]]:
-    """The scrapes, in time order; SystemExit with one line for a file that is not scrape_metrics.py's."""
+    """The scrapes, in time order; SystemExit with one line for a file that is not ``scrape``'s."""
     rows = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         try:
             rec = json.loads(line)
             rows.append({"time": float(rec["time"]), "target": rec["target"], "samples": rec["samples"]})
         except (ValueError, KeyError, TypeError):
-            raise SystemExit(f"plot_dashboard: {path}:{n} is not a scrape (give scrape_metrics.py's file)") from None
+            raise SystemExit(f"dashboard: {path}:{n} is not a scrape (give the file of dashboard.py scrape)") from None
     if not rows:
-        raise SystemExit(f"plot_dashboard: {path} holds no scrapes")
+        raise SystemExit(f"dashboard: {path} holds no scrapes")
     return sorted(rows, key=lambda r: r["time"])
 
 
@@ -182,12 +221,23 @@ def plot(scrapes: List[Dict[str, Any]], out: Path, window: float, title: str) ->
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("scrapes", type=Path, help="scripts/perf/scrape_metrics.py's output")
-    p.add_argument("-o", "--out", type=Path, default=Path("dashboard.png"))
-    p.add_argument("--window", type=float, default=5.0, help="seconds a rate() looks back")
-    p.add_argument("--title", default="elasticrun dashboard panels, drawn from a real run's scrapes")
+    p = argparse.ArgumentParser(description="Scrape agents' /metrics, or draw the dashboard's panels from scrapes")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sc = sub.add_parser("scrape", help="append scrapes of agents' /metrics to a JSON-lines file")
+    sc.add_argument("targets", nargs="+", help="HOST:PORT of each agent's --metrics-port")
+    sc.add_argument("-o", "--out", type=Path, required=True, help="JSON-lines file to append to")
+    sc.add_argument("--every", type=float, default=0.5, help="seconds between scrapes")
+    sc.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds (0: no limit)")
+    sc.add_argument("--idle", type=float, default=10.0, help="stop once every target is silent this long")
+    dr = sub.add_parser("draw", help="draw deploy/grafana/elasticrun.json's panels from the scrapes")
+    dr.add_argument("scrapes", type=Path, help="the file of dashboard.py scrape")
+    dr.add_argument("-o", "--out", type=Path, default=Path("dashboard.png"))
+    dr.add_argument("--window", type=float, default=5.0, help="seconds a rate() looks back")
+    dr.add_argument("--title", default="elasticrun dashboard panels, drawn from a real run's scrapes")
     args = p.parse_args(argv)
+    if args.cmd == "scrape":
+        scrape_loop(args.targets, args.out, args.every, args.duration, args.idle)
+        return 0
     plot(read_scrapes(args.scrapes), args.out, args.window, args.title)
     print(f"wrote {args.out}")
     return 0

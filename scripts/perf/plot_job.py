@@ -1,0 +1,260 @@
+"""Draw one job: its training metrics log, or its agents' event logs (JSON lines)::
+
+    python scripts/perf/plot_job.py metrics run.jsonl --reference ref.jsonl -o docs/img/elastic_run.png
+    python scripts/perf/plot_job.py events events-*.jsonl -o timeline.png
+    python scripts/perf/plot_job.py events events-*.jsonl --print      # the timeline as text, no drawing
+
+``metrics``: the log of ``examples/train.py --metrics-log FILE`` (one object per step: time, step, round, world,
+lr, global_batch, loss, samples_per_s): world size, LR, global batch, loss and samples/s over time, every change of
+world size marked on every panel; ``--reference`` (the same job run without interruptions) is drawn on the loss
+panel against the step number. ``events``: the ``--events-file`` logs of the agents (one per node, or one shared;
+records ``{"time", "event", "job", "node", ...}``, see elasticrun/launch/events.py). Drawing needs matplotlib:
+``pip install 'elasticrun[plot]'``; ``--print`` does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+FIELDS = ("time", "step", "world", "lr", "global_batch", "loss", "samples_per_s")
+KINDS = ("round_formed", "rescale", "restart", "checkpoint_committed", "hang", "outage_begin", "outage_end",
+         "job_ended")
+MARKS = {"rescale": ("D", "tab:blue"), "restart": ("X", "tab:red"), "checkpoint_committed": ("|", "tab:green"),
+         "hang": ("v", "tab:purple"), "outage_begin": ("<", "tab:gray"), "outage_end": (">", "tab:gray"),
+         "job_ended": ("s", "black"), "round_formed": ("o", "tab:orange")}
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend; SystemExit with what to install when it is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("plot_job: drawing needs matplotlib: pip install 'elasticrun[plot]'") from None
+    return plt
+
+
+def json_lines(path: Path, flag: str) -> Iterator[Tuple[int, Any]]:
+    """(line number, record) of a JSON-lines file; SystemExit with one line for a file that is not one."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as err:
+        raise SystemExit(f"plot_job: cannot read {path} ({err.strerror}); give the file of {flag}") from None
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                yield n, json.loads(line)
+            except ValueError:
+                raise SystemExit(f"plot_job: {path}:{n} is not JSON (give the file of {flag})") from None
+
+
+def read_log(path: Path) -> List[Dict[str, Any]]:
+    """The step records of a metrics log, in step order; the last record of a step wins (a step
+    trained again after a rollback replaces the one that was lost)."""
+    by_step: Dict[int, Dict[str, Any]] = {}
+    for n, rec in json_lines(path, "--metrics-log"):
+        missing = [k for k in FIELDS if not isinstance(rec, dict) or k not in rec]
+        if missing:
+            raise SystemExit(f"plot_job: {path}:{n} lacks {', '.join(missing)} (is it a --metrics-log file?)")
+        by_step[int(rec["step"])] = rec
+    if not by_step:
+        raise SystemExit(f"plot_job: {path} holds no steps")
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def read_events(paths: List[Path]) -> List[Dict[str, Any]]:
+    """Every event of ``paths``, in time order; SystemExit with one line for a file that is not an events log."""
+    events: List[Dict[str, Any]] = []
+    for path in paths:
+        for n, rec in json_lines(path, "--events-file"):
+            if not isinstance(rec, dict) or not {"time", "event", "node"} <= set(rec):
+                raise SystemExit(f"plot_job: {path}:{n} lacks time/event/node (is it an --events-file log?)")
+            events.append(rec)
+    if not events:
+        raise SystemExit("plot_job: no events in " + ", ".join(map(str, paths)))
+    return sorted(events, key=lambda e: e["time"])
+
+
+def pauses(rows: List[Dict[str, Any]]) -> List[Tuple[float, float]]:
+    """(start, end) times when no step was trained: between the last step of a round and the first
+    step of the next one (the rescale or restart: stop, rendezvous, worker start, resume)."""
+    return [(float(a["time"]), float(b["time"])) for a, b in zip(rows, rows[1:])
+            if a.get("round") != b.get("round")]
+
+
+def rescales(rows: List[Dict[str, Any]]) -> List[Tuple[float, int, int]]:
+    """(time, old world, new world) for every change of world size."""
+    out = []
+    for prev, cur in zip(rows, rows[1:]):
+        if cur["world"] != prev["world"]:
+            out.append((float(cur["time"]), int(prev["world"]), int(cur["world"])))
+    return out
+
+
+def plot_metrics(rows: List[Dict[str, Any]], out: Path, reference: Optional[List[Dict[str, Any]]] = None,
+                 title: str = "") -> None:
+    """World size, LR, global batch, loss and samples/s over time; rescales marked, pauses shaded."""
+    plt = pyplot()
+    t0 = float(rows[0]["time"])
+    panels = [("world", "world size", "steps-post"), ("lr", "learning rate", "steps-post"),
+              ("global_batch", "global batch", "steps-post"), ("loss", "loss", None),
+              ("samples_per_s", "samples/s", None)]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 9), sharex=True)
+    marks = rescales(rows)
+    gaps = pauses(rows)
+    for ax, (key, label, draw) in zip(axes, panels):
+        _panel(ax, rows, key, label, draw, t0, marks, gaps if ax is axes[3] else [])
+        for a, b in gaps:  # the pauses shaded on every panel, labelled on the loss panel
+            ax.axvspan(a - t0, b - t0, color="0.85", lw=0)
+    for when, old, new in marks:
+        axes[0].annotate(f"{old}→{new}", (when - t0, new), textcoords="offset points", xytext=(3, 4), fontsize=8)
+    if reference:
+        # the uninterrupted run on the same time axis as the elastic run's steps: by step number
+        step_time = {int(r["step"]): float(r["time"]) - t0 for r in rows}
+        ref = [(step_time[int(r["step"])], float(r["loss"])) for r in reference if int(r["step"]) in step_time]
+        if ref:
+            axes[3].plot([a for a, _ in ref], [b for _, b in ref], color="black", lw=1, ls=":",
+                         label="uninterrupted run (same step)")
+        axes[3].legend(fontsize=8)
+    axes[3].set_yscale("log")
+    axes[-1].set_xlabel("seconds since the first step")
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+
+
+def _panel(ax: Any, rows: List[Dict[str, Any]], key: str, label: str, draw: Optional[str], t0: float,
+           marks: List[Tuple[float, int, int]], legend_gaps: List[Tuple[float, float]]) -> None:
+    """One quantity over time, one line per round (no line across a pause); rescales as dashed lines."""
+    t = [float(r["time"]) - t0 for r in rows]
+    ys = [float(r[key]) for r in rows]
+    for k, (lo, hi) in enumerate(_segments(rows)):
+        ax.plot(t[lo:hi], ys[lo:hi], drawstyle=draw or "default", color="tab:blue", lw=1.5,
+                label="elastic run" if k == 0 else None)
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3)
+    if legend_gaps:
+        ax.axvspan(*(x - t0 for x in legend_gaps[0]), color="0.85", lw=0, label="no training (rescale/restart)")
+    for when, old, new in marks:
+        ax.axvline(when - t0, color="tab:red" if new < old else "tab:green", ls="--", lw=1)
+
+
+def _segments(rows: List[Dict[str, Any]]) -> List[Tuple[int, int]]:
+    """Index ranges [lo, hi) of consecutive rows of the same round."""
+    out, lo = [], 0
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or rows[i].get("round") != rows[i - 1].get("round"):
+            out.append((lo, i))
+            lo = i
+    return out
+
+
+def world_sizes(events: List[Dict[str, Any]]) -> List[Tuple[float, int, int]]:
+    """(time, round, world size) of every round, once per round (the first node to log it)."""
+    seen: Dict[int, Tuple[float, int, int]] = {}
+    for e in events:
+        if e["event"] == "round_formed" and e.get("round") not in seen:
+            seen[e["round"]] = (e["time"], e["round"], int(e.get("world_size", 0)))
+    return sorted(seen.values())
+
+
+def outages(events: List[Dict[str, Any]]) -> List[Tuple[str, float, Optional[float]]]:
+    """(node, begin, end or None while still open) of every outage."""
+    open_: Dict[str, float] = {}
+    spans: List[Tuple[str, float, Optional[float]]] = []
+    for e in events:
+        if e["event"] == "outage_begin":
+            open_[e["node"]] = e["time"]
+        elif e["event"] == "outage_end" and e["node"] in open_:
+            spans.append((e["node"], open_.pop(e["node"]), e["time"]))
+    spans += [(node, begin, None) for node, begin in open_.items()]
+    return spans
+
+
+def describe(events: List[Dict[str, Any]]) -> List[str]:
+    """The timeline as text: seconds since the first event, node, event and its details."""
+    t0 = events[0]["time"]
+    skip = {"time", "event", "node", "job", "goodput"}
+    out = []
+    for e in events:
+        details = " ".join(f"{k}={e[k]}" for k in sorted(e) if k not in skip)
+        if e["event"] == "job_ended" and isinstance(e.get("goodput"), dict):
+            details += f" goodput={e['goodput'].get('goodput_ratio')}"
+        out.append(f"{e['time'] - t0:8.2f} s  {e['node']:<12} {e['event']:<21} {details}".rstrip())
+    return out
+
+
+def plot_events(events: List[Dict[str, Any]], out: Path, title: str = "") -> None:
+    """The world size of each round as a step line, one lane per node with a mark per event, outages shaded."""
+    plt = pyplot()
+    t0 = events[0]["time"]
+    end = events[-1]["time"] - t0
+    nodes = sorted({e["node"] for e in events})
+    fig, (top, lanes) = plt.subplots(2, 1, figsize=(10, 2.2 + 0.5 * len(nodes)), sharex=True,
+                                     gridspec_kw={"height_ratios": [2, max(1, len(nodes))]})
+    rounds = world_sizes(events)
+    if rounds:
+        xs = [t - t0 for t, _, _ in rounds] + [end]
+        ys = [w for _, _, w in rounds] + [rounds[-1][2]]
+        top.step(xs, ys, where="post", color="tab:orange")
+        for t, r, w in rounds:
+            top.annotate(f"r{r}", (t - t0, w), textcoords="offset points", xytext=(2, 3), fontsize=7)
+        top.set_ylim(0, max(ys) + 1)
+    top.set_ylabel("world size")
+    lane = {n: i for i, n in enumerate(nodes)}
+    for _node, begin, stop in outages(events):
+        lanes.axvspan(begin - t0, (stop if stop is not None else events[-1]["time"]) - t0, color="0.85")
+    for kind in KINDS:
+        pts = [(e["time"] - t0, lane[e["node"]]) for e in events if e["event"] == kind]
+        if pts:
+            marker, color = MARKS[kind]
+            lanes.scatter([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=color, label=kind, s=40)
+    lanes.set_yticks(range(len(nodes)), nodes)
+    lanes.set_ylim(-0.6, len(nodes) - 0.4)
+    lanes.set_xlabel("seconds since the first event")
+    lanes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=4, fontsize=8, frameon=False)
+    top.set_title(title or f"job {events[0].get('job', '')}")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description="Draw a job's training metrics log or its agents' event logs")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("metrics", help="a metrics log (examples/train.py --metrics-log) over time")
+    m.add_argument("log", type=Path, help="metrics log (examples/train.py --metrics-log)")
+    m.add_argument("--reference", type=Path, help="metrics log of the uninterrupted run, drawn on the loss panel")
+    m.add_argument("-o", "--out", type=Path, default=Path("run.png"))
+    m.add_argument("--title", default="")
+    e = sub.add_parser("events", help="a job's timeline from its --events-file logs")
+    e.add_argument("events", type=Path, nargs="+", help="--events-file logs (one per node, or shared)")
+    e.add_argument("-o", "--out", type=Path, default=Path("timeline.png"))
+    e.add_argument("--title", default="")
+    e.add_argument("--print", action="store_true", help="print the timeline as text instead of drawing it")
+    args = p.parse_args(argv)
+    if args.cmd == "events":
+        events = read_events(args.events)
+        if args.print:
+            print("\n".join(describe(events)))
+            return 0
+        plot_events(events, args.out, args.title)
+        print(f"wrote {args.out}")
+        return 0
+    rows = read_log(args.log)
+    plot_metrics(rows, args.out, read_log(args.reference) if args.reference else None, args.title)
+    paused = sum(b - a for a, b in pauses(rows))
+    print(f"wrote {args.out}: {len(rows)} steps, {len(rescales(rows))} rescale(s), {paused:.1f}s without training")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
