@@ -248,6 +248,11 @@ class InPlace:
         os.replace(tmp, self.path + ".optin")
 
     def _new_group(self) -> None:
+        """Our gloo group, whose short ``timeout`` tells a gone peer fast. Its creation connects every
+        rank within that timeout, so every rank first meets on the default group (bounded by the
+        join timeout): a newcomer that builds its model and optimizer after joining the default group
+        arrives late on a loaded host, and must not fail the survivors' re-form for that."""
+        dist.barrier(group=self.ctx.cpu_group)
         self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
 
     def _guarded(self, fn: Any, what: str) -> None:
