@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -66,58 +67,91 @@ def consolidate(
     files never are. Returns the tensor names written.
     """
     storage, name, meta = _open_checked(root, name, verify, storage_options)
-    names = [n for n in meta.tensors if only is None or n.startswith(only)]
-    if not names:
-        raise CheckpointError(f"checkpoint {name!r} has no tensor starting with {only!r}")
-    keys = [n[len(only):] if strip_prefix and only else n for n in names]
-    if any(not k for k in keys):
-        raise CheckpointError(f"--only {only!r} with --strip-prefix leaves an empty tensor name")
+    names, keys = select_tensors(list(meta.tensors), name, only, strip_prefix)
     own_dir = storage.join(name) if isinstance(storage, LocalStorage) else None
     file_meta = {**export.FORMAT_METADATA, "elasticrun.checkpoint": name,
                  "elasticrun.training_state": json.dumps(meta.training_state),
                  "elasticrun.user_metadata": json.dumps(meta.user_metadata)}
-    single = out.endswith(".safetensors") and max_shard_size is None
-    if single:
-        export.check_target([out], force, own_dir)
-        plan = [(out, list(zip(keys, names)))]
-        index = None
-    else:
-        if out.endswith(".safetensors"):
-            raise CheckpointError(f"--out {out}: --max-shard-size writes a directory; give a directory name")
-        limit = max_shard_size or export.DEFAULT_MAX_SHARD_SIZE
-        groups = export.split_shards([(k, meta.tensors[n].nbytes) for k, n in zip(keys, names)], limit)
-        files = export.shard_file_names(len(groups))
-        by_key = dict(zip(keys, names))
-        plan = [(os.path.join(out, f), [(k, by_key[k]) for k in g]) for f, g in zip(files, groups)]
-        stale = [os.path.join(out, f) for f in export.existing_export_files(out)]
-        export.check_target([p for p, _ in plan] + [os.path.join(out, export.INDEX_FILE)] + stale, force, own_dir)
-        weight_map = {k: f for f, g in zip(files, groups) for k in g}
-        total = sum(meta.tensors[n].nbytes for n in names)
-        index = export.index_json(weight_map, total) if len(groups) > 1 else None
-        try:
-            os.makedirs(out, exist_ok=True)
-            for path in stale:  # a previous export's shards (--force): gone, so no mix of old and new
-                if path not in {p for p, _ in plan}:
-                    os.remove(path)
-        except OSError as err:
-            raise CheckpointError(f"cannot write {out}: {describe(err)}") from None
+    layout = plan_export(out, list(zip(keys, names)), {n: meta.tensors[n].nbytes for n in names}, max_shard_size)
+    _prepare_target(layout, out, force, own_dir)
     shard_files = ShardFiles(storage, name, meta)
     written: List[str] = []
     try:
-        for path, items in plan:
+        for path, items in layout.files:
             _write_file(path, items, meta, shard_files, file_meta, progress)
             written.append(path)
-        if index is not None:
+        if layout.index is not None:
             index_path = os.path.join(out, export.INDEX_FILE)
             tmp = f"{index_path}.tmp-{new_token()}"
             with open(tmp, "w") as f:
-                f.write(index)
+                f.write(layout.index)
             os.replace(tmp, index_path)
     except OSError as err:
         raise CheckpointError(f"cannot write {out}: {describe(err)}") from None
     finally:
         shard_files.close()
     return keys
+
+
+def select_tensors(tensor_names: Sequence[str], name: str, only: Optional[str],
+                   strip_prefix: bool) -> Tuple[List[str], List[str]]:
+    """``(names, keys)``: the checkpoint's tensors that ``only`` keeps and the names they are written
+    under (``only`` removed when ``strip_prefix``); raises when none is kept or a key would be empty."""
+    names = [n for n in tensor_names if only is None or n.startswith(only)]
+    if not names:
+        raise CheckpointError(f"checkpoint {name!r} has no tensor starting with {only!r}")
+    keys = [n[len(only):] if strip_prefix and only else n for n in names]
+    if any(not k for k in keys):
+        raise CheckpointError(f"--only {only!r} with --strip-prefix leaves an empty tensor name")
+    return names, keys
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    """What :func:`consolidate` writes: each file's path and its ``[(key written, checkpoint name)]``,
+    the index's text (several files only), and whether ``out`` is a directory."""
+
+    files: List[Tuple[str, List[Tuple[str, str]]]]
+    index: Optional[str]
+    directory: bool
+
+
+def plan_export(out: str, items: List[Tuple[str, str]], nbytes: Dict[str, int],
+                max_shard_size: Optional[int]) -> ExportPlan:
+    """The files of an export of ``items`` (``[(key, checkpoint name)]``; ``nbytes`` by checkpoint
+    name) to ``out``: one file when it ends in ``.safetensors`` and no shard size is given, else
+    Hugging Face shards of at most ``max_shard_size`` bytes in the directory ``out``."""
+    if out.endswith(".safetensors") and max_shard_size is None:
+        return ExportPlan([(out, list(items))], None, directory=False)
+    if out.endswith(".safetensors"):
+        raise CheckpointError(f"--out {out}: --max-shard-size writes a directory; give a directory name")
+    limit = max_shard_size or export.DEFAULT_MAX_SHARD_SIZE
+    groups = export.split_shards([(k, nbytes[n]) for k, n in items], limit)
+    files = export.shard_file_names(len(groups))
+    by_key = dict(items)
+    plan = [(os.path.join(out, f), [(k, by_key[k]) for k in g]) for f, g in zip(files, groups)]
+    weight_map = {k: f for f, g in zip(files, groups) for k in g}
+    total = sum(nbytes[n] for _k, n in items)
+    index = export.index_json(weight_map, total) if len(groups) > 1 else None
+    return ExportPlan(plan, index, directory=True)
+
+
+def _prepare_target(layout: ExportPlan, out: str, force: bool, own_dir: Optional[str]) -> None:
+    """Refuse existing files (unless ``force``) and the checkpoint's own; for a directory, create it
+    and remove a previous export's shards that this one does not overwrite."""
+    if not layout.directory:
+        export.check_target([out], force, own_dir)
+        return
+    paths = {p for p, _ in layout.files}
+    stale = [os.path.join(out, f) for f in export.existing_export_files(out)]
+    export.check_target([p for p, _ in layout.files] + [os.path.join(out, export.INDEX_FILE)] + stale, force, own_dir)
+    try:
+        os.makedirs(out, exist_ok=True)
+        for path in stale:  # a previous export's shards (--force): gone, so no mix of old and new
+            if path not in paths:
+                os.remove(path)
+    except OSError as err:
+        raise CheckpointError(f"cannot write {out}: {describe(err)}") from None
 
 
 def _write_file(
@@ -242,4 +276,4 @@ def import_file(path: str, root: str, name: str, *, storage_options: Optional[Di
                 storage_options=storage_options, checksum=checksum)
 
 
-__all__ = ["Shard", "consolidate", "import_file", "reshard"]
+__all__ = ["ExportPlan", "Shard", "consolidate", "import_file", "plan_export", "reshard", "select_tensors"]

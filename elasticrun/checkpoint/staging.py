@@ -181,15 +181,30 @@ def host_pieces(tensors: Sequence[torch.Tensor], before_reuse: Callable[[int], N
     consumes views asynchronously (hashing on a helper thread) can wait for them first.
     ``stage_cpu`` stages CPU tensors too (the tests' way to run the rotation without a GPU).
     """
-
-    def staged(t: torch.Tensor) -> bool:
-        return t.device.type != "cpu" or stage_cpu
-
+    staged = [t.device.type != "cpu" or stage_cpu for t in tensors]
     step = min(piece, STAGE_BYTES)
-    # Units in byte order: a view of a CPU tensor (k, start, length, None), or one staging
-    # buffer's worth of device bytes, small tensors packed together: (-1, 0, length, segments).
-    units: List[Tuple[int, int, int, Optional[List[Tuple[int, int, int, int]]]]] = []
-    group: List[Tuple[int, int, int, int]] = []  # (tensor, start, length, offset in the buffer)
+    units = piece_units([t.numel() * t.element_size() for t in tensors], staged, piece, step)
+    devices = {t.device for t, s in zip(tensors, staged) if s}
+    if not devices:
+        for k, a, n, _ in units:
+            yield byte_view(tensors[k])[a:a + n]
+        return
+    yield from _staged_pieces(tensors, units, devices, before_reuse, step)
+
+
+#: ``(tensor, start, length, offset in the buffer)``: one tensor's bytes copied into a staging buffer.
+Segment = Tuple[int, int, int, int]
+#: A view of a CPU tensor ``(k, start, length, None)``, or one staging buffer's worth of
+#: device bytes, small tensors packed together: ``(-1, 0, length, segments)``.
+Unit = Tuple[int, int, int, Optional[List[Segment]]]
+
+
+def piece_units(sizes: Sequence[int], staged: Sequence[bool], piece: int, step: int) -> List[Unit]:
+    """The units :func:`host_pieces` yields, in byte order, for tensors of ``sizes`` bytes:
+    unstaged tensors cut into views of at most ``piece`` bytes, staged ones packed into
+    buffers of ``step`` bytes (a tensor may span buffers; a buffer may hold several tensors)."""
+    units: List[Unit] = []
+    group: List[Segment] = []
     filled = 0
 
     def close_group() -> None:
@@ -198,9 +213,8 @@ def host_pieces(tensors: Sequence[torch.Tensor], before_reuse: Callable[[int], N
             units.append((-1, 0, filled, group))
         group, filled = [], 0
 
-    for k, t in enumerate(tensors):
-        n = t.numel() * t.element_size()
-        if not staged(t):
+    for k, n in enumerate(sizes):
+        if not staged[k]:
             close_group()
             units += [(k, a, min(piece, n - a), None) for a in range(0, n, piece)]
             continue
@@ -213,11 +227,12 @@ def host_pieces(tensors: Sequence[torch.Tensor], before_reuse: Callable[[int], N
             if filled == step:
                 close_group()
     close_group()
-    devices = {t.device for t in tensors if staged(t)}
-    if not devices:
-        for k, a, n, _ in units:
-            yield byte_view(tensors[k])[a:a + n]
-        return
+    return units
+
+
+def _staged_pieces(tensors: Sequence[torch.Tensor], units: List[Unit], devices: set,
+                   before_reuse: Callable[[int], None], step: int) -> Iterator[memoryview]:
+    """Yield ``units`` through two rotating staging buffers (see :func:`host_pieces`)."""
     flats = [t.detach().reshape(-1).view(torch.uint8) if t.numel() else t for t in tensors]
     cuda = any(d.type == "cuda" for d in devices)
     streams = {d: torch.cuda.Stream(d) for d in devices if d.type == "cuda"}

@@ -10,7 +10,7 @@ the default cap of :mod:`~.space` (half of shared memory and of the container's 
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from elasticrun.checkpoint.comm import Comm
 from elasticrun.checkpoint.format import Placement, Shard
@@ -39,6 +39,14 @@ def plan_memory(state_dict: Mapping[str, Any], placements: Optional[Mapping[str,
     A node holds, per generation, the parts its ranks write (their shards, and their share of
     the replicated tensors) plus, when there are several nodes, its ring predecessor's parts
     (the replica); that is checked against the node's free shared memory and the cap."""
+    everyone = comm.all_gather(_measure(state_dict, placements, base))
+    return fit_generations(everyone, comm.rank, comm.world_size, generations)
+
+
+def _measure(state_dict: Mapping[str, Any], placements: Optional[Mapping[str, Placement]],
+             base: Optional[str]) -> Dict[str, Any]:
+    """This rank's record for :func:`fit_generations`: its snapshot directory, bytes replicated and
+    sharded, the tier's free and used space and cap, and what went wrong (never raised)."""
     from elasticrun.checkpoint.tree import flatten
 
     error: Optional[str] = None
@@ -66,19 +74,17 @@ def plan_memory(state_dict: Mapping[str, Any], placements: Optional[Mapping[str,
         cap_error = f"{env_names.SNAPSHOT_MEMORY}: {err}"
     except Exception as err:  # noqa: BLE001 - reported collectively below
         error = f"cannot size the snapshot: {err}"
-    mine = {"dir": os.path.realpath(base or "."), "rep": rep, "shard": shard, "free": free, "used": used,
+    return {"dir": os.path.realpath(base or "."), "rep": rep, "shard": shard, "free": free, "used": used,
             "cap": cap, "cap_from": cap_from, "cap_error": cap_error, "error": error, "missing": missing}
-    everyone = comm.all_gather(mine)
-    for r, g in enumerate(everyone):
-        if g["missing"]:
-            raise SnapshotUnavailable(g["missing"] if comm.world_size == 1 else f"rank {r}: {g['missing']}")
-    for g in everyone:
-        if g["cap_error"]:
-            raise SnapshotMemoryError(g["cap_error"])
-    for r, g in enumerate(everyone):
-        if g["error"]:
-            raise CheckpointError(f"rank {r}: {g['error']}")
-    layout = NodeLayout.from_dirs([g["dir"] for g in everyone], comm.rank)
+
+
+def fit_generations(everyone: Sequence[Mapping[str, Any]], rank: int, world_size: int,
+                    generations: int) -> Tuple[int, NodeLayout]:
+    """From every rank's gathered record (see :func:`_measure`): the bytes of one generation and the
+    node layout, or the refusal every rank raises alike (a rank's problem, or a node over its cap
+    or its free space)."""
+    _raise_reported(everyone, world_size)
+    layout = NodeLayout.from_dirs([g["dir"] for g in everyone], rank)
     gen = everyone[0]["rep"] + sum(g["shard"] for g in everyone)
     world = len(everyone)
     parts = [everyone[0]["rep"] * len(ranks) // world + sum(everyone[r]["shard"] for r in ranks)
@@ -108,4 +114,17 @@ def plan_memory(state_dict: Mapping[str, Any], placements: Optional[Mapping[str,
     return gen, layout
 
 
-__all__ = ["SnapshotMemoryError", "SnapshotUnavailable", "plan_memory"]
+def _raise_reported(everyone: Sequence[Mapping[str, Any]], world_size: int) -> None:
+    """Raise the first problem a rank reported: no memory tier, then a bad cap, then any other."""
+    for r, g in enumerate(everyone):
+        if g["missing"]:
+            raise SnapshotUnavailable(g["missing"] if world_size == 1 else f"rank {r}: {g['missing']}")
+    for g in everyone:
+        if g["cap_error"]:
+            raise SnapshotMemoryError(g["cap_error"])
+    for r, g in enumerate(everyone):
+        if g["error"]:
+            raise CheckpointError(f"rank {r}: {g['error']}")
+
+
+__all__ = ["SnapshotMemoryError", "SnapshotUnavailable", "fit_generations", "plan_memory"]

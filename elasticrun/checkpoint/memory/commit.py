@@ -82,49 +82,66 @@ class NodeSaveJob(SaveJob):
 
     def run(self) -> str:
         assert self.layout is not None
-        rank, leader, name = self.comm.rank, self.layout.leader, self.name
-        crash_point("start", rank)
-        if leader and not self.error:
-            try:
-                self.storage.mkdirs(self.tmp)
-                write_marker(self.storage, self.tmp)  # so a torn one is reclaimed on this node too
-            except OSError as err:
-                self.error = f"cannot create {self.tmp}: {err}"
+        crash_point("start", self.comm.rank)
+        if self.layout.leader and not self.error:
+            self._make_tmp()
         results = self.comm.all_gather(self._write_phase())
-        failed = [(r, res["error"]) for r, res in enumerate(results) if "error" in res]
-        if failed:
-            note = rollback(self.storage, self.tmp) if leader else "it was rolled back"
-            r, msg = failed[0]
-            where = f" on rank {r}" if self.comm.world_size > 1 else ""
-            raise CheckpointError(f"snapshot {name!r} failed{where}: {msg}; {note}")
-        status: dict = {}
-        if leader:
-            files = files_of_results(results)
-            try:
-                meta = CheckpointMeta(
-                    name=name, world_size=self.comm.world_size, created=self.created, tensors=self.plan.tensors,
-                    files=files, tree=self.tree, training_state=self.training_state,
-                    user_metadata=self.user_metadata, seq=int(self.created * 1000),  # the same on every node
-                )
-                commit(self.storage, self.tmp, self.final, meta.dumps(), rank)
-                status = {"ok": True}
-            except Exception as err:  # noqa: BLE001 - reported to every rank below
-                status = {"error": f"{err}; {rollback(self.storage, self.tmp)}"}
+        self._raise_if_write_failed(results)
+        status = self._commit_on_leader(results) if self.layout.leader else {}
+        self._confirm_commit(status)
+        if self.layout.leader and self.keep_last is not None:
+            retain(self.storage.root, self.keep_last, protect=self.name)
+        return self.name
+
+    def _make_tmp(self) -> None:
+        try:
+            self.storage.mkdirs(self.tmp)
+            write_marker(self.storage, self.tmp)  # so a torn one is reclaimed on this node too
+        except OSError as err:
+            self.error = f"cannot create {self.tmp}: {err}"
+
+    def _raise_if_write_failed(self, results: Sequence[dict]) -> None:
+        failed = first_error(results)
+        if failed is None:
+            return
+        assert self.layout is not None
+        note = rollback(self.storage, self.tmp) if self.layout.leader else "it was rolled back"
+        r, msg = failed
+        where = f" on rank {r}" if self.comm.world_size > 1 else ""
+        raise CheckpointError(f"snapshot {self.name!r} failed{where}: {msg}; {note}")
+
+    def _commit_on_leader(self, results: Sequence[dict]) -> dict:
+        """Write the global metadata into this node's temporary directory and rename it."""
+        try:
+            meta = CheckpointMeta(
+                name=self.name, world_size=self.comm.world_size, created=self.created, tensors=self.plan.tensors,
+                files=files_of_results(results), tree=self.tree, training_state=self.training_state,
+                user_metadata=self.user_metadata, seq=int(self.created * 1000),  # the same on every node
+            )
+            commit(self.storage, self.tmp, self.final, meta.dumps(), self.comm.rank)
+            return {"ok": True}
+        except Exception as err:  # noqa: BLE001 - reported to every rank below
+            return {"error": f"{err}; {rollback(self.storage, self.tmp)}"}
+
+    def _confirm_commit(self, status: dict) -> None:
+        """Gather every node's commit status; withdraw this node's commit unless all succeeded."""
         try:
             statuses = self.comm.all_gather(status)
         except CheckpointError:
             if status.get("ok"):
                 shutil.rmtree(self.final, ignore_errors=True)  # a peer died: this generation cannot complete
             raise
-        bad = [(r, s["error"]) for r, s in enumerate(statuses) if "error" in s]
+        bad = first_error(statuses)
         if bad:
             if status.get("ok"):
                 shutil.rmtree(self.final, ignore_errors=True)  # withdraw: another node could not commit
-            r, msg = bad[0]
-            raise CheckpointError(f"committing snapshot {name!r} failed on rank {r}: {msg}")
-        if leader and self.keep_last is not None:
-            retain(self.storage.root, self.keep_last, protect=name)
-        return name
+            r, msg = bad
+            raise CheckpointError(f"committing snapshot {self.name!r} failed on rank {r}: {msg}")
+
+
+def first_error(replies: Sequence[dict]) -> Optional[Tuple[int, str]]:
+    """``(rank, error)`` of the lowest rank whose gathered reply carries an ``"error"``, or None."""
+    return next(((r, reply["error"]) for r, reply in enumerate(replies) if "error" in reply), None)
 
 
 def generation_step(name: str) -> int:
@@ -173,4 +190,4 @@ def to_node_job(job: SaveJob, layout: NodeLayout) -> NodeSaveJob:
     return NodeSaveJob(**kwargs, layout=layout)
 
 
-__all__ = ["NodeLayout", "NodeSaveJob", "committed", "generation_step", "retain", "to_node_job"]
+__all__ = ["NodeLayout", "NodeSaveJob", "committed", "first_error", "generation_step", "retain", "to_node_job"]

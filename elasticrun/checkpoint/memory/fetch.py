@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from elasticrun.checkpoint.comm import Comm
@@ -115,8 +116,45 @@ def materialize(name: str, process_group: Any = None, names: Optional[Sequence[s
         raise CheckpointError(f"memory snapshot {name!r}: a rank has no memory tier")
     layout = NodeLayout.from_dirs([d or "" for d in dirs], comm.rank)
     have = [invs[ranks[0]].get(name, {"gen": [], "rep": []}) for ranks in layout.nodes]
-    holder = next((ranks[0] for ranks, h in zip(layout.nodes, have) if h["gen"] or h["rep"]), None)
     base = snapshot_dir() or ""
+    raw = _gather_metadata(comm, name, layout, have, base)
+    meta = CheckpointMeta.loads(raw, f"memory snapshot {name}")
+    need = _gather_needs(comm, meta, names, placements, layout)
+    plan = plan_transfers(name, need, _leave_out(have, layout, corrupt))
+
+    me, leader = layout.me, layout.leader
+    restore = os.path.join(ShmLayout(base).restore, name)
+    problem: Optional[str] = None
+    if leader and not plan.local[me]:
+        incoming = len(raw) + sum(meta.files[f].size for f, _s, d in plan.transfers if d == me)
+        problem = _prepare_restore(base, name, me, restore, incoming)
+    _raise_first(name, comm.all_gather(problem))  # before any transfer: every rank alike
+
+    problems, fetched = _run_transfers(name, meta, plan.transfers, layout, comm, base, restore)
+    if leader and not plan.local[me] and not problems:
+        problem = _assemble(name, base, restore, sorted(need[me] & plan.present[me]), raw, me)
+        if problem:
+            problems.append(problem)
+    _raise_first(name, comm.all_gather(problems[0] if problems else None))
+    root = ShmLayout(base).generations if plan.local[me] else ShmLayout(base).restore
+    return root, fetched
+
+
+def _gather_needs(comm: Comm, meta: CheckpointMeta, names: Optional[Sequence[str]],
+                  placements: Optional[Mapping[str, Any]], layout: NodeLayout) -> List[Set[str]]:
+    """The files each node's ranks read (collective; see :func:`files_needed`)."""
+    try:
+        mine = sorted(files_needed(meta, names, placements or {}, comm.rank, comm.world_size))
+    except CheckpointError:
+        mine = sorted(meta.files)  # the load itself says what is wrong
+    wanted = comm.all_gather(mine)
+    return [set().union(*(wanted[r] for r in ranks)) for ranks in layout.nodes]
+
+
+def _gather_metadata(comm: Comm, name: str, layout: NodeLayout, have: List[Dict[str, Any]], base: str) -> bytes:
+    """``metadata.json`` of generation ``name`` as the first node that holds any of its files read it
+    (collective); raises on every rank alike when no node could."""
+    holder = next((ranks[0] for ranks, h in zip(layout.nodes, have) if h["gen"] or h["rep"]), None)
     meta_bytes: Optional[bytes] = None
     if comm.rank == holder:
         p = next((os.path.join(base, sub, name, METADATA_FILE) for sub in (GENERATIONS, REPLICAS)
@@ -130,43 +168,56 @@ def materialize(name: str, process_group: Any = None, names: Optional[Sequence[s
     raw = got[holder] if holder is not None else None
     if raw is None:
         raise CheckpointError(f"memory snapshot {name!r} is no longer in memory")
-    meta = CheckpointMeta.loads(raw, f"memory snapshot {name}")
-    try:
-        mine = sorted(files_needed(meta, names, placements or {}, comm.rank, comm.world_size))
-    except CheckpointError:
-        mine = sorted(meta.files)  # the load itself says what is wrong
-    wanted = comm.all_gather(mine)
-    need = [set().union(*(wanted[r] for r in ranks)) for ranks in layout.nodes]
-    have = _leave_out(have, layout, corrupt)
+    return raw
 
-    # Every transfer (file, from node, to node), in one order computed alike on every rank.
-    local_all = [need[n] <= set(h["gen"]) for n, h in enumerate(have)]
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """Which nodes load from their own generation (``local``), the files each node holds
+    (``present``), and every transfer ``(file, from node, to node)`` in the one global order."""
+
+    local: List[bool]
+    present: List[Set[str]]
+    transfers: List[Tuple[str, int, int]]
+
+
+def plan_transfers(name: str, need: Sequence[Set[str]], have: Sequence[Mapping[str, Any]]) -> TransferPlan:
+    """The transfers that bring every node the files it ``need``s, from the first node that holds
+    each (``have[n]``: node ``n``'s usable ``gen`` and ``rep`` files, and the ``corrupt`` ones it
+    left out); computed alike on every rank. Raises when a needed file is on no node."""
+    local = [need[n] <= set(h["gen"]) for n, h in enumerate(have)]
     present = [set(h["gen"]) | set(h["rep"]) for h in have]
     transfers: List[Tuple[str, int, int]] = []
-    for n in range(len(layout.nodes)):
-        if local_all[n]:
+    for n in range(len(have)):
+        if local[n]:
             continue
         for fname in sorted(need[n] - present[n]):
-            src = next((m for m in range(len(layout.nodes)) if fname in present[m]), None)
+            src = next((m for m in range(len(have)) if fname in present[m]), None)
             if src is None:
                 damaged = [str(m) for m, h in enumerate(have) if fname in h.get("corrupt", ())]
                 why = (f"fails its checksum on node {', '.join(damaged)} and no other node holds it" if damaged
                        else "is on no node any more")
                 raise CheckpointError(f"memory snapshot {name!r}: {fname} {why}")
             transfers.append((fname, src, n))
+    return TransferPlan(local, present, transfers)
 
+
+def _prepare_restore(base: str, name: str, me: int, restore: str, nbytes: int) -> Optional[str]:
+    """On a leader whose node fetches: check its room for ``nbytes`` and create an empty ``restore``."""
+    problem = _room_problem(base, name, me, nbytes)
+    try:
+        shutil.rmtree(restore, ignore_errors=True)
+        os.makedirs(restore)
+    except OSError as err:
+        problem = problem or f"memory snapshot {name!r}: cannot create its restore directory on node {me}: {err}"
+    return problem
+
+
+def _run_transfers(name: str, meta: CheckpointMeta, transfers: List[Tuple[str, int, int]], layout: NodeLayout,
+                   comm: Comm, base: str, restore: str) -> Tuple[List[str], Dict[str, int]]:
+    """Send and receive this node's share of ``transfers`` (leaders only); returns the problems
+    and what this node fetched."""
     me, leader = layout.me, layout.leader
-    restore = os.path.join(ShmLayout(base).restore, name)
-    problem: Optional[str] = None
-    if leader and not local_all[me]:
-        problem = _room_problem(base, name, me, len(raw) + sum(meta.files[f].size for f, _s, d in transfers if d == me))
-        try:
-            shutil.rmtree(restore, ignore_errors=True)
-            os.makedirs(restore)
-        except OSError as err:
-            problem = problem or f"memory snapshot {name!r}: cannot create its restore directory on node {me}: {err}"
-    _raise_first(name, comm.all_gather(problem))  # before any transfer: every rank alike
-
     problems: List[str] = []
     fetched = {"files": 0, "bytes": 0}
     for fname, src, dst in transfers:
@@ -184,20 +235,22 @@ def materialize(name: str, process_group: Any = None, names: Optional[Sequence[s
             p = f"{fname}: {describe(err)}"
         if p:
             problems.append(f"memory snapshot {name!r}: {p}")
-    if leader and not local_all[me] and not problems:
-        try:
-            for fname in sorted(need[me] & present[me]):
-                src_path = _local_path(base, name, fname)
-                if src_path is None:
-                    raise CheckpointError(f"memory snapshot {name!r}: {fname} vanished from this node")
-                os.link(src_path, os.path.join(restore, fname))
-            with open(os.path.join(restore, METADATA_FILE), "wb") as f:
-                f.write(raw)
-        except (OSError, CheckpointError) as err:
-            problems.append(f"memory snapshot {name!r} cannot be assembled on node {me}: {err}")
-    _raise_first(name, comm.all_gather(problems[0] if problems else None))
-    root = ShmLayout(base).generations if local_all[me] else ShmLayout(base).restore
-    return root, fetched
+    return problems, fetched
+
+
+def _assemble(name: str, base: str, restore: str, held: List[str], raw: bytes, me: int) -> Optional[str]:
+    """Link the ``held`` files this node needs into ``restore`` and write its metadata; the problem, if any."""
+    try:
+        for fname in held:
+            src_path = _local_path(base, name, fname)
+            if src_path is None:
+                raise CheckpointError(f"memory snapshot {name!r}: {fname} vanished from this node")
+            os.link(src_path, os.path.join(restore, fname))
+        with open(os.path.join(restore, METADATA_FILE), "wb") as f:
+            f.write(raw)
+    except (OSError, CheckpointError) as err:
+        return f"memory snapshot {name!r} cannot be assembled on node {me}: {err}"
+    return None
 
 
 def _raise_first(name: str, problems: List[Optional[str]]) -> None:
@@ -215,4 +268,4 @@ def release(name: str) -> None:
         shutil.rmtree(os.path.join(ShmLayout(base).restore, name), ignore_errors=True)
 
 
-__all__ = ["files_needed", "materialize", "release"]
+__all__ = ["TransferPlan", "files_needed", "materialize", "plan_transfers", "release"]

@@ -12,8 +12,8 @@ import hashlib
 import logging
 import os
 import shutil
-from dataclasses import replace
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from elasticrun.checkpoint.checksum import DEFAULT_CHECKSUM, DISK_CHECKSUMS, Digest
 from elasticrun.checkpoint.format import METADATA_FILE, CheckpointMeta, FileEntry, tmp_dir_name
@@ -83,6 +83,18 @@ def persist_generation(src_dir: str, name: str, disk_root: str, keep_last: Optio
     return name
 
 
+@dataclass
+class _NodePart:
+    """What one node's leader copied of a generation into the disk root's temporary directory."""
+
+    storage: Any = None
+    tmp: str = ""
+    final: str = ""
+    meta: Optional[CheckpointMeta] = None
+    copied: List[FileEntry] = field(default_factory=list)  # this node's files as the disk checkpoint lists them
+    error: Optional[str] = None
+
+
 def persist_across_nodes(base: str, name: str, layout: Any, group: Any, disk_root: str,
                          keep_last: Optional[int] = None) -> Optional[str]:
     """Collective over ``group`` (every rank of the snapshot's group calls it, in the same order):
@@ -92,70 +104,93 @@ def persist_across_nodes(base: str, name: str, layout: Any, group: Any, disk_roo
     (training goes on; a later generation is persisted instead)."""
     import torch.distributed as dist
 
-    from elasticrun.checkpoint.commit import commit, rollback
     from elasticrun.checkpoint.retention import apply_keep_last
-    from elasticrun.checkpoint.storage import get_storage
-    from elasticrun.checkpoint.temps import write_marker
-    from elasticrun.checkpoint.validate import next_seq
 
-    token = hashlib.sha256(name.encode()).hexdigest()[:12]  # the same temporary directory on every node
-    error: Optional[str] = None
-    meta: Optional[CheckpointMeta] = None
-    copied: List[FileEntry] = []  # this node's files as the disk checkpoint lists them
-    storage: Any = None
-    tmp = final = ""
-    stage = os.path.join(ShmLayout(base).persist, name)
-    try:
-        storage = get_storage(disk_root)
-        tmp, final = storage.join(tmp_dir_name(name, token)), storage.join(name)
-        if layout.leader:
-            gen = os.path.join(ShmLayout(base).generations, name)
-            with open(os.path.join(gen, METADATA_FILE), "rb") as f:
-                meta = CheckpointMeta.loads(f.read(), os.path.join(gen, METADATA_FILE))
-            mine: List[FileEntry] = layout.files_of_node(meta, layout.me)
-            shutil.rmtree(stage, ignore_errors=True)
-            os.makedirs(stage)
-            for e in mine:  # hard links pin the files: retention may drop the generation meanwhile
-                os.link(os.path.join(gen, e.name), os.path.join(stage, e.name))
-            storage.mkdirs(tmp)
-            copied = [_copy_checked(os.path.join(stage, e.name), storage, f"{tmp}/{e.name}", e, name) for e in mine]
-    except Exception as err:  # noqa: BLE001 - agreed on below
-        error = f"node {layout.me}: {err}"
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
+    part = _copy_node_part(base, name, layout, disk_root)
     results: List[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(results, (error, copied), group=group)
+    dist.all_gather_object(results, (part.error, part.copied), group=group)
     done: List[Optional[str]] = [None]
     if dist.get_rank(group) == 0:
-        try:
-            bad = [p for p, _files in results if p]
-            if bad:
-                raise CheckpointError(bad[0])
-            assert meta is not None and storage is not None
-            meta.files.update({e.name: e for _p, files in results for e in files})
-            missing = [f for f, e in sorted(meta.files.items())
-                       if not storage.exists(f"{tmp}/{f}") or storage.size(f"{tmp}/{f}") != e.size]
-            if missing:
-                raise CheckpointError(f"{missing[0]} is not in {storage.display(tmp)} (is the disk root shared "
-                                      "by every node?)")
-            write_marker(storage, tmp)
-            meta.seq = next_seq(storage)
-            commit(storage, tmp, final, meta.dumps(), 0)
-            done[0] = name
-        except Exception as err:  # noqa: BLE001 - a failed copy must not stop training
-            note = rollback(storage, tmp) if storage is not None and tmp else ""
-            log.warning("snapshot %s was not persisted to %s: %s; %s", name, disk_root, err, note)
+        done[0] = _commit_parts(part, results, name, disk_root)
     dist.broadcast_object_list(done, src=dist.get_global_rank(group, 0), group=group)
     if done[0] is None:
-        if layout.leader and storage is not None and tmp:
+        if layout.leader and part.storage is not None and part.tmp:
             try:  # a disk root that is not shared leaves each node's part here
-                storage.remove_tree(tmp)
+                part.storage.remove_tree(part.tmp)
             except Exception:  # noqa: BLE001 - already gone (a shared root: rank 0 rolled it back)
                 pass
         return None
     if dist.get_rank(group) == 0 and keep_last is not None:
-        apply_keep_last(storage, keep_last, protect=name)
+        apply_keep_last(part.storage, keep_last, protect=name)
     return done[0] if dist.get_rank(group) == 0 else None
 
 
-__all__ = ["persist_across_nodes", "persist_generation"]
+def _copy_node_part(base: str, name: str, layout: Any, disk_root: str) -> _NodePart:
+    """On a node's leader: copy the node's files of generation ``name`` into the temporary
+    directory of ``disk_root`` (the same on every node). A failure is recorded, not raised."""
+    from elasticrun.checkpoint.storage import get_storage
+
+    token = hashlib.sha256(name.encode()).hexdigest()[:12]  # the same temporary directory on every node
+    part = _NodePart()
+    stage = os.path.join(ShmLayout(base).persist, name)
+    try:
+        part.storage = storage = get_storage(disk_root)
+        part.tmp, part.final = storage.join(tmp_dir_name(name, token)), storage.join(name)
+        if layout.leader:
+            gen = os.path.join(ShmLayout(base).generations, name)
+            with open(os.path.join(gen, METADATA_FILE), "rb") as f:
+                part.meta = CheckpointMeta.loads(f.read(), os.path.join(gen, METADATA_FILE))
+            mine: List[FileEntry] = layout.files_of_node(part.meta, layout.me)
+            shutil.rmtree(stage, ignore_errors=True)
+            os.makedirs(stage)
+            for e in mine:  # hard links pin the files: retention may drop the generation meanwhile
+                os.link(os.path.join(gen, e.name), os.path.join(stage, e.name))
+            storage.mkdirs(part.tmp)
+            part.copied = [_copy_checked(os.path.join(stage, e.name), storage, f"{part.tmp}/{e.name}", e, name)
+                           for e in mine]
+    except Exception as err:  # noqa: BLE001 - agreed on below
+        part.error = f"node {layout.me}: {err}"
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return part
+
+
+def _commit_parts(part: _NodePart, results: List[Any], name: str, disk_root: str) -> Optional[str]:
+    """On rank 0: check that every node copied its part and commit; ``name``, or None (logged, rolled back)."""
+    from elasticrun.checkpoint.commit import commit, rollback
+    from elasticrun.checkpoint.temps import write_marker
+    from elasticrun.checkpoint.validate import next_seq
+
+    storage, tmp, meta = part.storage, part.tmp, part.meta
+    try:
+        bad = first_node_error(results)
+        if bad is not None:
+            raise CheckpointError(bad)
+        assert meta is not None and storage is not None
+        meta.files.update({e.name: e for _p, files in results for e in files})
+        sizes = {f: storage.size(f"{tmp}/{f}") if storage.exists(f"{tmp}/{f}") else None for f in sorted(meta.files)}
+        missing = missing_files(meta.files, sizes)
+        if missing:
+            raise CheckpointError(f"{missing[0]} is not in {storage.display(tmp)} (is the disk root shared "
+                                  "by every node?)")
+        write_marker(storage, tmp)
+        meta.seq = next_seq(storage)
+        commit(storage, tmp, part.final, meta.dumps(), 0)
+        return name
+    except Exception as err:  # noqa: BLE001 - a failed copy must not stop training
+        note = rollback(storage, tmp) if storage is not None and tmp else ""
+        log.warning("snapshot %s was not persisted to %s: %s; %s", name, disk_root, err, note)
+        return None
+
+
+def first_node_error(results: Sequence[Tuple[Optional[str], Any]]) -> Optional[str]:
+    """The first error among the nodes' gathered ``(error, copied files)``, or None."""
+    return next((p for p, _files in results if p), None)
+
+
+def missing_files(files: Dict[str, FileEntry], sizes: Dict[str, Optional[int]]) -> List[str]:
+    """The names in ``files``, in order, whose copy is absent (size None) or of another size."""
+    return [f for f, e in sorted(files.items()) if sizes.get(f) is None or sizes[f] != e.size]
+
+
+__all__ = ["first_node_error", "missing_files", "persist_across_nodes", "persist_generation"]
