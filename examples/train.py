@@ -231,7 +231,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if isinstance(ddp, DDP):
             ddp = et.rebuild_ddp(ddp)
             et.step_timer(ddp)  # the compute timer watches the new wrapper's gradient buckets
-        requests.regroup(ctx.cpu_process_group)  # agree at the same steps as a newcomer, on the new group
+        # Agree at the same steps as a newcomer, on the new group; the new rank 0 answers requests.
+        requests.regroup(ctx.cpu_process_group, rank=ctx.state.rank)
         log0(ctx, f"re-formed in place: {ctx.state.describe()} step {step} lr {lr:.4g} global_batch "
                   f"{global_batch} accumulation {accum} pause {reform.last_pause_s:.3f}s")
 

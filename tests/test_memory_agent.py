@@ -155,7 +155,7 @@ def _node(agents: Callable[..., Agent], endpoint: str, job: str, node: str, ckpt
          "--node-id", node, "--heartbeat-timeout", "3", "--stability-window", "0.5", "--max-restarts", "3",
          "--no-prewarm", "--shutdown-timeout", "3", EXAMPLE, "--epochs", "1000", "--dataset-size", "512",
          "--step-sleep", "0.05", "--ckpt-dir", str(ckpt), "--steps", "100000", "--ckpt-every", "0",
-         "--snapshot-every", str(EVERY)],
+         "--snapshot-every", str(EVERY), "--no-inplace"],  # the restart path: every rank resumes from memory
         name=node,
     )
 

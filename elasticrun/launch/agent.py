@@ -175,27 +175,10 @@ class Agent:
             teardown.callback(self._ignore_signals, handled)
             try:
                 self.obs.start()  # a busy --metrics-port: one line, before anything started
-                log_dir = cfg.log_dir
-                if log_dir is None and cfg.keeps_log_files():
-                    # Not under files_dir: that one is removed at exit, and these logs must outlive us.
-                    log_dir = tempfile.mkdtemp(prefix=f"elasticrun-logs-{cfg.rdzv_id}-")
-                    self.say(f"worker logs in {log_dir}")
                 drop_secrets_from_environment(cfg, self.say)  # before any child process starts
-                workers = WorkerGroup(cfg, self.label, files_dir, log_dir, uses_gpu(cfg.device_kind),
-                                      on_exit=lambda: self._wake())
-                workers.round_store = round_store  # served by a store host in the rounds we lead
-                if cfg.numa_binding:  # torchrun's choice of each local rank's CPUs, once, before the job starts
-                    workers.cpus = worker_cpus(AffinityMode(cfg.numa_binding), cfg.nproc_per_node)
-                    self.say(describe_binding(AffinityMode(cfg.numa_binding), workers.cpus))
-                for line in unfed_warnings(cfg):
-                    self.say(line)
+                workers = self._worker_group(files_dir, round_store)
                 self.inplace = InPlaceRounds(cfg, workers, self.say)
-                if cfg.snapshots:
-                    snapshots = SnapshotRoot.create(cfg.rdzv_id, cfg.node_id, say=self.say)  # the memory tier, ours
-                if snapshots is not None:
-                    workers.extra_env[env_names.SNAPSHOT_DIR] = snapshots.path
-                    if cfg.snapshot_memory is not None:
-                        workers.extra_env[env_names.SNAPSHOT_MEMORY] = str(cfg.snapshot_memory)
+                snapshots = self._snapshot_root(workers)
                 # The fork server (bare: the round loop has it preload once the CPU is free), or warm interpreters.
                 workers.prewarm(preload=False)
                 if cfg.nnodes_max == 1:  # we lead every round: the first store's host imports torch meanwhile
@@ -207,17 +190,8 @@ class Agent:
                 admit(cfg, store, self.say, self.obs.node_checked)  # --node-check: NodeExcluded (exit 6) if it fails
                 # Workers reach etcd (commit fence, progress, checkpoint requests) with the same settings.
                 workers.etcd_settings_file = to_file(etcd_settings(cfg), os.path.join(files_dir, "etcd-settings.json"))
-                host, port = parse_endpoints(cfg.rdzv_endpoint)[0]
-                node = NodeInfo(
-                    node_id=cfg.node_id,
-                    host=socket.gethostname(),
-                    addr=cfg.local_addr or local_address(host, port),
-                    nproc=cfg.nproc_per_node,
-                    pid=os.getpid(),
-                    node_rank=-1 if cfg.node_rank is None else cfg.node_rank,
-                    accelerators=accelerators(workers.use_gpu),  # from the driver: no torch here
-                )
-                rdzv = Rendezvous(store, self._settings(hosting=etcd is not None), node, round_store.fresh,
+                rdzv = Rendezvous(store, self._settings(hosting=etcd is not None), self._node_info(workers),
+                                  round_store.fresh,
                                   on_progress=self.say)
                 self._wake = rdzv.view.poke
                 rdzv.on_beat = self._raise_pending_signal
@@ -242,6 +216,54 @@ class Agent:
                     exclude(store, cfg.rdzv_id, cfg.node_id, drained.reason, "straggler")
                 return self._leave_on_signal(drained, rdzv, workers)
         raise AssertionError("unreachable")  # pragma: no cover - the block returns or raises
+
+    # -- start-up steps of run() ------------------------------------------------------------------
+
+    def _worker_group(self, files_dir: str, round_store: RoundStore) -> WorkerGroup:
+        """This node's workers: their log dir (-r/-t/filters without --log-dir: a temporary one that
+        outlives us), the c10d store host of the rounds we lead, ``--numa-binding``'s CPUs."""
+        cfg = self.cfg
+        log_dir = cfg.log_dir
+        if log_dir is None and cfg.keeps_log_files():
+            # Not under files_dir: that one is removed at exit, and these logs must outlive us.
+            log_dir = tempfile.mkdtemp(prefix=f"elasticrun-logs-{cfg.rdzv_id}-")
+            self.say(f"worker logs in {log_dir}")
+        workers = WorkerGroup(cfg, self.label, files_dir, log_dir, uses_gpu(cfg.device_kind),
+                              on_exit=lambda: self._wake())
+        workers.round_store = round_store  # served by a store host in the rounds we lead
+        if cfg.numa_binding:  # torchrun's choice of each local rank's CPUs, once, before the job starts
+            workers.cpus = worker_cpus(AffinityMode(cfg.numa_binding), cfg.nproc_per_node)
+            self.say(describe_binding(AffinityMode(cfg.numa_binding), workers.cpus))
+        for line in unfed_warnings(cfg):
+            self.say(line)
+        return workers
+
+    def _snapshot_root(self, workers: WorkerGroup) -> Optional[SnapshotRoot]:
+        """The memory tier's root of this agent (``--snapshots``), named in the workers' environment."""
+        cfg = self.cfg
+        if not cfg.snapshots:
+            return None
+        snapshots = SnapshotRoot.create(cfg.rdzv_id, cfg.node_id, say=self.say)
+        if snapshots is None:  # no usable /dev/shm: the workers say so when they snapshot
+            return None
+        workers.extra_env[env_names.SNAPSHOT_DIR] = snapshots.path
+        if cfg.snapshot_memory is not None:
+            workers.extra_env[env_names.SNAPSHOT_MEMORY] = str(cfg.snapshot_memory)
+        return snapshots
+
+    def _node_info(self, workers: WorkerGroup) -> NodeInfo:
+        """What this node tells the job about itself (its node record)."""
+        cfg = self.cfg
+        host, port = parse_endpoints(cfg.rdzv_endpoint)[0]
+        return NodeInfo(
+            node_id=cfg.node_id,
+            host=socket.gethostname(),
+            addr=cfg.local_addr or local_address(host, port),
+            nproc=cfg.nproc_per_node,
+            pid=os.getpid(),
+            node_rank=-1 if cfg.node_rank is None else cfg.node_rank,
+            accelerators=accelerators(workers.use_gpu),  # from the driver: no torch here
+        )
 
     def _leave_on_signal(self, sig: Union[AgentSignal, Drained], rdzv: Optional[Rendezvous],
                          workers: Optional[WorkerGroup]) -> int:

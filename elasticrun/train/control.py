@@ -140,13 +140,21 @@ class CheckpointRequests:
 
     # -- the training loop's side -----------------------------------------------------
 
-    def regroup(self, group: Optional[Any] = None) -> None:
+    def regroup(self, group: Optional[Any] = None, rank: Optional[int] = None) -> None:
         """After an in-place re-form (:class:`~elasticrun.train.InPlace`): agree over ``group`` (the
         new round's; None: the default group) and at the next :meth:`poll` on every rank, so the
-        survivors' agreement steps line up with a newcomer's (whose schedule starts afresh)."""
+        survivors' agreement steps line up with a newcomer's (whose schedule starts afresh).
+        ``rank``: this worker's rank in the new round; the one that becomes rank 0 (rank 0 left)
+        starts watching for requests."""
         self.group = group
         self._next_check = 0
         self._last_check = None
+        if rank is not None and rank != self.rank:
+            self.rank = rank
+            if rank == 0 and self._thread is None and self.link.enabled and not self._closed.is_set():
+                self._resync.set()
+                self._thread = threading.Thread(target=self._run, name="elasticrun-ckpt-requests", daemon=True)
+                self._thread.start()
 
 
     def local_pending(self) -> List[str]:
