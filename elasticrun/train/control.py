@@ -133,10 +133,8 @@ class CheckpointRequests:
         self.agreements = 0
         self.agreement_seconds = 0.0
         self._thread: Optional[threading.Thread] = None
-        if self.rank == 0 and self.link.enabled:
-            self._resync.set()
-            self._thread = threading.Thread(target=self._run, name="elasticrun-ckpt-requests", daemon=True)
-            self._thread.start()
+        if self.rank == 0:
+            self._watch()
 
     # -- the training loop's side -----------------------------------------------------
 
@@ -151,10 +149,15 @@ class CheckpointRequests:
         self._last_check = None
         if rank is not None and rank != self.rank:
             self.rank = rank
-            if rank == 0 and self._thread is None and self.link.enabled and not self._closed.is_set():
-                self._resync.set()
-                self._thread = threading.Thread(target=self._run, name="elasticrun-ckpt-requests", daemon=True)
-                self._thread.start()
+            if rank == 0:
+                self._watch()
+
+    def _watch(self) -> None:
+        """Rank 0: watch for requests on a background thread (once; not after :meth:`close`)."""
+        if self._thread is None and self.link.enabled and not self._closed.is_set():
+            self._resync.set()
+            self._thread = threading.Thread(target=self._run, name="elasticrun-ckpt-requests", daemon=True)
+            self._thread.start()
 
 
     def local_pending(self) -> List[str]:
