@@ -8,6 +8,7 @@ import logging
 import os
 import struct
 from pathlib import Path
+from typing import List, Tuple
 
 import pytest
 import torch
@@ -89,8 +90,9 @@ dist.destroy_process_group()
 """
 
 
-@pytest.mark.integration
-def test_a_changed_part_is_fetched_from_the_replica_on_the_next_node(tmp_path: Path) -> None:
+def _saved_on_two_nodes(tmp_path: Path) -> Tuple[Path, Path, Path, Path, List[Path]]:
+    """Two nodes save a memory generation (and the disk checkpoint ``disk``): (disk, node 0's and node 1's
+    shm dirs, node 0's generation, node 0's own part files in it)."""
     disk, n0, n1 = tmp_path / "disk", tmp_path / "node0", tmp_path / "node1"
     for d in (n0, n1):
         d.mkdir()
@@ -98,7 +100,12 @@ def test_a_changed_part_is_fetched_from_the_replica_on_the_next_node(tmp_path: P
     assert all(o.returncode == 0 for o in saved), [o.stdout[-2000:] for o in saved]
     (gen,) = [p for p in (n0 / GENERATIONS).iterdir() if (p / "metadata.json").exists()]
     meta = CheckpointMeta.loads((gen / "metadata.json").read_bytes(), str(gen))
-    mine = [gen / n for n, e in meta.files.items() if e.rank == 0]
+    return disk, n0, n1, gen, [gen / n for n, e in meta.files.items() if e.rank == 0]
+
+
+@pytest.mark.integration
+def test_a_changed_part_is_fetched_from_the_replica_on_the_next_node(tmp_path: Path) -> None:
+    disk, n0, n1, gen, mine = _saved_on_two_nodes(tmp_path)
     assert mine and (n1 / "replicas" / gen.name / mine[0].name).exists(), "node 1 holds node 0's replica"
     _spoil(mine[0])
     outs = run_nodes(WORKER, ["load", str(disk)], [n0, n1])
@@ -112,14 +119,7 @@ def test_a_changed_part_is_fetched_from_the_replica_on_the_next_node(tmp_path: P
 def test_a_changed_part_whose_replica_changed_too_falls_back_to_disk_on_every_rank(tmp_path: Path) -> None:
     """No good copy left anywhere: the replica fetched from node 1 fails its check on receipt, the
     restore fails on both ranks alike with a line naming the file, and both load the disk checkpoint."""
-    disk, n0, n1 = tmp_path / "disk", tmp_path / "node0", tmp_path / "node1"
-    for d in (n0, n1):
-        d.mkdir()
-    saved = run_nodes(WORKER, ["save", str(disk)], [n0, n1])
-    assert all(o.returncode == 0 for o in saved), [o.stdout[-2000:] for o in saved]
-    (gen,) = [p for p in (n0 / GENERATIONS).iterdir() if (p / "metadata.json").exists()]
-    meta = CheckpointMeta.loads((gen / "metadata.json").read_bytes(), str(gen))
-    mine = [gen / n for n, e in meta.files.items() if e.rank == 0]
+    disk, n0, n1, gen, mine = _saved_on_two_nodes(tmp_path)
     replica = n1 / "replicas" / gen.name / mine[0].name
     assert mine and replica.exists(), "node 1 holds node 0's replica"
     _spoil(mine[0])
