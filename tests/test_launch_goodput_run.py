@@ -136,12 +136,16 @@ def test_goodput_of_a_job_with_a_crash_matches_its_ground_truth(
     # Tolerances: checkpoint stalls are the workers' own measurements (exact up to rounding);
     # goodput and rollback differ from the truth by what happens between the worker's events and
     # the agent's clock: the end (the worker's exit → the agent's success report, ~0.1 s), the
-    # rollback point interpolated between reports of uniform steps (≤ one step, 0.15 s).
+    # rollback point interpolated between reports (≤ one step, 0.15 s, while steps are uniform) and
+    # when the agent learns of the crash. On a loaded host (the whole suite on 2 cores) steps stop
+    # being uniform and the last report before the crash can land late: up to 0.75 s, half the
+    # rollback here and under the reporter's one-second interval, so an uncounted rollback (0) or
+    # one counted from the round's start (~5 s) still fails.
     assert got["badput_s"]["checkpoint_stall"] == pytest.approx(truth["stall"], abs=0.05), (got, truth)
-    assert got["badput_s"]["rollback"] == pytest.approx(truth["rollback"], abs=0.4), (got, truth)
-    assert got["goodput_s"] == pytest.approx(truth["kept"], abs=0.6), (got, truth)
+    assert got["badput_s"]["rollback"] == pytest.approx(truth["rollback"], abs=0.75), (got, truth)
+    assert got["goodput_s"] == pytest.approx(truth["kept"], abs=0.9), (got, truth)
     assert 0 < got["goodput_ratio"] < 1
-    assert got["goodput_ratio"] == pytest.approx(truth["kept"] / got["wall_s"], abs=0.6 / got["wall_s"])
+    assert got["goodput_ratio"] == pytest.approx(truth["kept"] / got["wall_s"], abs=0.9 / got["wall_s"])
 
     # Prometheus' view of the same scrapes: no counter ever went down, and docs/observability.md's
     # goodput query (training less training found lost, as increase() over the span scraped while
