@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import psutil
-from common import REPO, kill_all, shown_command, tagged_processes, tree, write_json
+from common import REPO, interrupt_on, kill_all, shown_command, tagged_processes, tree, write_json
 from elastic_clients import CLIENTS, Client, Node
 from elastic_report import Outcome, Summary, fmt, summary_rows, table
 
@@ -309,11 +309,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    """Turn SIGINT/SIGTERM/SIGHUP into KeyboardInterrupt so the cleanup runs."""
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def chosen(args: argparse.Namespace, scenario: str, client: str) -> List[Summary]:
     """The variants ``--launcher`` and ``--quick`` select for one scenario and client."""
     return [Summary(scenario, v, client) for v in VARIANTS[scenario]
@@ -344,8 +339,7 @@ def measure_all(args: argparse.Namespace, log_root: Path) -> List[Summary]:
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the selected scenarios and variants; print progress and the results table."""
     args = parse_args(argv)
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGINT too: may be ignored when backgrounded
-        signal.signal(sig, _interrupt)
+    interrupt_on(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGINT too: may be ignored when backgrounded
     log_root = Path(tempfile.mkdtemp(prefix="bench_elastic-"))
     print(f"# logs in {log_root}; load average {os.getloadavg()[0]:.2f} at start", flush=True)
     try:

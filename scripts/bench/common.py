@@ -18,15 +18,16 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def summary_row(metric: str, elasticrun: float, alternative: str, alt_value: Optional[float], unit: str = "s",
-                better: str = "lower", device: str = "cpu", command: str = "") -> Dict[str, Any]:
+                better: str = "lower", device: str = "cpu", command: str = "", **extra: Any) -> Dict[str, Any]:
     """One row; its ratio is above 1 where elasticrun is ahead: alternative ÷ elasticrun for a figure where lower
-    is better, elasticrun ÷ alternative for one where higher is (None without both values)."""
+    is better, elasticrun ÷ alternative for one where higher is (None without both values); ``extra``: more
+    fields of the bench's own."""
     ratio = None
     if elasticrun and alt_value:
         ratio = round(alt_value / elasticrun if better == "lower" else elasticrun / alt_value, 3)
     return {"metric": metric, "elasticrun": round(elasticrun, 4), "alternative": alternative,
             "alt_value": None if alt_value is None else round(alt_value, 4), "unit": unit, "better": better,
-            "ratio": ratio, "device": device, "command": command}
+            "ratio": ratio, "device": device, "command": command, **extra}
 
 
 def md_table(header: Sequence[str], rows: Iterable[Sequence[Any]], align: str = "") -> str:
@@ -79,6 +80,16 @@ def tree(pids: Iterable[int]) -> List[psutil.Process]:
 def kill_tree(pids: Iterable[int], timeout: float = 10) -> None:
     """SIGKILL each process of ``pids`` and everything below it (workers may sit in their own sessions)."""
     kill_all(tree(pids), timeout)
+
+
+def interrupt_on(*signals: int) -> None:
+    """Turn each of ``signals`` into KeyboardInterrupt, so that the cleanup of a Ctrl-C runs for them too."""
+
+    def interrupt(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    for sig in signals:
+        signal.signal(sig, interrupt)
 
 
 def write_json(path: Any, doc: Any) -> None:

@@ -186,24 +186,12 @@ def run_job(scenario: str, mode: str, every: int, *, mb: float, step_sleep: floa
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def replicas_available() -> bool:
-    """Whether memory snapshots work across nodes in this build (peer replicas)."""
-    import inspect
-
-    from elasticrun.checkpoint import Snapshotter
-
-    return "replicate" in inspect.signature(Snapshotter.__init__).parameters
-
-
-
 def bench_jobs(args: argparse.Namespace) -> Dict[str, Any]:
     """The ``lost`` part: real jobs, one per (scenario group, mode, interval), interleaved by mode."""
     from elasticrun.store.server import EtcdServer
 
     groups = (["worker"] if "worker" in args.scenarios else []) + (
         ["node"] if {"node", "scaleup"} & set(args.scenarios) else [])
-    replicas = replicas_available()
-    notes: List[str] = []
     jobs: List[Dict[str, Any]] = []
     server = EtcdServer().start() if "node" in groups else None
     try:
@@ -211,12 +199,6 @@ def bench_jobs(args: argparse.Namespace) -> Dict[str, Any]:
             for group in groups:
                 for every in args.intervals:
                     for mode in ("memory", "disk", "dcp"):
-                        if group == "node" and mode == "memory" and not replicas:
-                            note = ("node/scaleup with memory snapshots skipped: this build has no peer replicas "
-                                    "(memory snapshots refuse multi-node jobs)")
-                            if note not in notes:
-                                notes.append(note)
-                            continue
                         t0 = time.perf_counter()
                         try:
                             r = run_job(group, mode, every, mb=args.job_mb, step_sleep=args.step_sleep,
@@ -241,7 +223,7 @@ def bench_jobs(args: argparse.Namespace) -> Dict[str, Any]:
                         for e in j["events"] if e["scenario"] == scenario]
                 if vals:
                     lost.setdefault(scenario, {})[f"{mode}@{every}"] = statistics.mean(vals)
-    return {"jobs": jobs, "steps_lost": lost, "notes": notes, "replicas": replicas}
+    return {"jobs": jobs, "steps_lost": lost}
 
 
-__all__ = ["KILL_STEPS", "Job", "bench_jobs", "replicas_available", "run_job"]
+__all__ = ["KILL_STEPS", "Job", "bench_jobs", "run_job"]
