@@ -28,8 +28,7 @@ from typing import Any, Dict, List
 
 from common import REPO, shown_command, summary_row, write_json
 
-sys.path.insert(0, str(REPO))  # elasticrun as in this tree
-from elasticrun.store.server import free_port  # noqa: E402
+from elasticrun.store.server import free_port
 
 
 class Storm:

@@ -104,7 +104,7 @@ def bench_local(args: argparse.Namespace, command: str) -> Dict[str, Any]:
     total = sum(t.numel() * t.element_size() for t in state.values())
     _sweep(args.shm)
     base = tempfile.mkdtemp(prefix=f"elasticrun-bench-snap-{os.getpid()}-", dir=args.shm)
-    disk = args.disk_dir or tempfile.mkdtemp(prefix="bench-snap-disk-", dir=".")
+    disk = tempfile.mkdtemp(prefix="bench-snap-disk-", dir=".")
     dcp_root = tempfile.mkdtemp(prefix="bench-snap-dcp-", dir=os.path.dirname(os.path.abspath(disk)))
     step = [0]
     res: Dict[str, Any] = {}
@@ -172,8 +172,7 @@ def bench_local(args: argparse.Namespace, command: str) -> Dict[str, Any]:
         sync_snaps.close()
         shutil.rmtree(base, ignore_errors=True)
         shutil.rmtree(dcp_root, ignore_errors=True)
-        if args.disk_dir is None:
-            shutil.rmtree(disk, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
     res.update({k: statistics.median(v) for k, v in samples.items()})
     res["samples"] = samples
     res["bytes"] = total
@@ -277,14 +276,12 @@ def main(argv: List[str]) -> int:
     p.add_argument("--parts", default="stall,restore", help="comma-separated: stall, restore, lost (real jobs: "
                    "~8 min on 2 cores) [default: stall,restore]")
     p.add_argument("--shm", default="/dev/shm", help="the shared-memory filesystem")
-    p.add_argument("--disk-dir", default=None, help="disk checkpoint root (default: a temporary dir here)")
     p.add_argument("--step-ms", type=float, default=200.0, help="compute per training step in the overhead loop")
     p.add_argument("--overhead-steps", type=int, default=2, help="steps per method per round in the overhead loop")
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help="lost: worker, node, scaleup")
     p.add_argument("--intervals", default="1,10", help="lost: checkpoint intervals in steps")
     p.add_argument("--job-mb", type=float, default=4.0, help="lost: state size per rank in MiB")
     p.add_argument("--step-sleep", type=float, default=0.05, help="lost: seconds per training step")
-    p.add_argument("--job-repeat", type=int, default=1, help="lost: jobs per configuration (3 worker kills each)")
     p.add_argument("--async-snapshots", action="store_true", help="lost: async memory snapshots")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = p.parse_args(argv)
@@ -299,8 +296,8 @@ def main(argv: List[str]) -> int:
         print(f"bench_snapshot.py: error: unknown part/scenario {bad} or bad --intervals: parts are "
               f"{', '.join(PARTS)}; scenarios {', '.join(SCENARIOS)}; intervals positive integers", file=sys.stderr)
         return 2
-    if args.mb < 1 or args.repeat < 1 or args.job_repeat < 1 or args.overhead_steps < 1:
-        print("bench_snapshot.py: error: --mb, --repeat, --job-repeat and --overhead-steps must be positive",
+    if args.mb < 1 or args.repeat < 1 or args.overhead_steps < 1:
+        print("bench_snapshot.py: error: --mb, --repeat and --overhead-steps must be positive",
               file=sys.stderr)
         return 2
     if not os.path.isdir(args.shm):

@@ -1,6 +1,6 @@
 """What the benches share: the ``summary`` rows of their JSON (what scripts/perf/perf_report.py puts in the
-table), the command line they show for a rerun, and ending a bench's processes by the marker in their
-environment."""
+table), the command line they show for a rerun, ending a bench's processes by the marker in their
+environment, and ``elasticrun`` imported from this tree (the repository goes first on ``sys.path``)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 import psutil
 
 REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # the benches import elasticrun as in this tree
+    sys.path.insert(0, str(REPO))
 
 
 def summary_row(metric: str, elasticrun: float, alternative: str, alt_value: Optional[float], unit: str = "s",

@@ -195,23 +195,22 @@ def bench_jobs(args: argparse.Namespace) -> Dict[str, Any]:
     jobs: List[Dict[str, Any]] = []
     server = EtcdServer().start() if "node" in groups else None
     try:
-        for _ in range(args.job_repeat):
-            for group in groups:
-                for every in args.intervals:
-                    for mode in ("memory", "disk", "dcp"):
-                        t0 = time.perf_counter()
-                        try:
-                            r = run_job(group, mode, every, mb=args.job_mb, step_sleep=args.step_sleep,
-                                        async_snapshots=args.async_snapshots,
-                                        endpoint=server.endpoint if server else "")
-                        except (TimeoutError, RuntimeError) as err:
-                            r = {"scenario": group, "mode": mode, "every": every, "events": [], "error": str(err)}
-                        r["wall_s"] = round(time.perf_counter() - t0, 1)
-                        print(f"  job {group:6s} {mode:6s} every {every:3d}: "
-                              + (", ".join(f"{e['scenario']} lost {e['lost']} (resumed {e['resumed']} from "
-                                           f"{e['tier']}, {e['recovery_s']:.1f}s)" for e in r["events"])
-                                 or r.get("error", "?")), flush=True)
-                        jobs.append(r)
+        for group in groups:
+            for every in args.intervals:
+                for mode in ("memory", "disk", "dcp"):
+                    t0 = time.perf_counter()
+                    try:
+                        r = run_job(group, mode, every, mb=args.job_mb, step_sleep=args.step_sleep,
+                                    async_snapshots=args.async_snapshots,
+                                    endpoint=server.endpoint if server else "")
+                    except (TimeoutError, RuntimeError) as err:
+                        r = {"scenario": group, "mode": mode, "every": every, "events": [], "error": str(err)}
+                    r["wall_s"] = round(time.perf_counter() - t0, 1)
+                    print(f"  job {group:6s} {mode:6s} every {every:3d}: "
+                          + (", ".join(f"{e['scenario']} lost {e['lost']} (resumed {e['resumed']} from "
+                                       f"{e['tier']}, {e['recovery_s']:.1f}s)" for e in r["events"])
+                             or r.get("error", "?")), flush=True)
+                    jobs.append(r)
     finally:
         if server is not None:
             server.stop()
