@@ -10,13 +10,13 @@
 
 ``kill``: the last node's agent and every process under it get SIGKILL at once; measured to the first step at
 the smaller world size. ``join``: the last node's agent starts; measured to its first step in the job. ``leave``:
-the last node's agent gets SIGTERM; measured to the first step at the smaller world size. ``join`` and ``leave``
-``kill-host``: the same kill of the first node, which hosts the rendezvous (torchrun's TCPStore; elasticrun on
-torchrun's c10d line: its etcd, grown to 3 members once every agent was told 3, ``phases.members``: seconds
-from the first agent's start). ``join`` and ``leave``
-also report the survivors' pause (``phases.pause``: the last step at the old world size to the first at the new).
-Each run gets its own etcd or c10d port; variants run interleaved (run 1 of each, then run 2, ...); ``--json``
-writes every variant's runs and the ``summary`` (each elasticrun variant against the best torchrun one).
+the last node's agent gets SIGTERM; measured to the first step at the smaller world size. ``kill-host``: the same
+kill of the first node, which hosts the rendezvous (torchrun's TCPStore; elasticrun on torchrun's c10d line: its
+etcd, grown to 3 members once every agent was told 3, ``phases.members``: seconds from the first agent's
+start). ``join`` and ``leave`` also report the survivors' pause (``phases.pause``: the last step at the old world
+size to the first at the new). Each run gets its own etcd or c10d port; variants run interleaved (run 1 of each,
+then run 2, ...); ``--json`` writes every variant's runs and the ``summary`` (each elasticrun variant against the
+best torchrun one).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
-import psutil
 from common import REPO, interrupt_on, kill_all, shown_command, tagged_processes, tree, write_json
 from elastic_clients import CLIENTS, Client, Node
 from elastic_report import Outcome, Summary, fmt, summary_rows, table
@@ -177,9 +176,7 @@ class Run:
         node = self.nodes[name]
         procs = tree([node.proc.pid])
         at = time.time()
-        for p in procs:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
+        kill_all(procs)
         node.dead = True
         self.events.append(f"{at - self.epoch:8.3f} bench: SIGKILL node {name}")
         node.proc.wait(10)
@@ -222,10 +219,8 @@ class Run:
         """Kill every process of this run (agents, workers, orphans by marker) and stop etcd."""
         kill_all(tree(node.proc.pid for node in self.nodes.values()))
         for node in self.nodes.values():
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 node.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
         kill_all(tagged_processes(TAG_VAR, self.tag))
         for node in self.nodes.values():
             node.join_reader()

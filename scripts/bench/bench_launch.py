@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import psutil
-from common import gpu_count, kill_tree, shown_command, write_json
+from common import gpu_count, kill_and_reap, shown_command, write_json
 from launch_results import (
     LAUNCH_MULTI,
     LAUNCH_SCENARIOS,
@@ -165,13 +165,6 @@ def _commands(launcher: str, nodes: int, procs: int, endpoint: str, job: str, c1
     ]
 
 
-def _stop(procs: List[subprocess.Popen]) -> None:
-    """SIGKILL the launchers and everything below them, and reap them."""
-    kill_tree(p.pid for p in procs)
-    for p in procs:
-        p.wait()
-
-
 def _restart_env(crash_step: int, crash_after: Optional[float]) -> Dict[str, str]:
     """The worker's crash settings: at step ``crash_step``, or ``crash_after`` s after its script started."""
     if crash_after is None:
@@ -229,7 +222,7 @@ def run_once(
         Path(once).unlink(missing_ok=True)
     if result is not None:
         rss = agent_rss_mib(running)  # the workers still run: the measured step just showed up
-        _stop(running)
+        kill_and_reap(running)
         run = Run(launcher, scenario, "ok", round(result, 3), crash_after=crash_after, agent_rss_mib=rss)
         if scenario in LAUNCH_SCENARIOS:
             first, formed = out.first_line(), round_formed(out, launcher)
@@ -240,7 +233,7 @@ def run_once(
         return run
     hung = not all(p.poll() is not None for p in running)
     codes = [p.poll() for p in running]
-    _stop(running)
+    kill_and_reap(running)
     tail = " | ".join(ln for ln in out.lines[-200:] if "Error" in ln or "error" in ln)[-300:]
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_launch-{launcher}-{scenario}-{uuid.uuid4().hex[:6]}.log"
     log.write_text("\n".join(out.lines) + "\n")

@@ -8,7 +8,9 @@ import json
 import os
 import shlex
 import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
@@ -92,6 +94,29 @@ def interrupt_on(*signals: int) -> None:
 
     for sig in signals:
         signal.signal(sig, interrupt)
+
+
+def kill_and_reap(procs: Sequence[subprocess.Popen]) -> None:
+    """SIGKILL the launchers ``procs`` and everything below them, and reap them."""
+    kill_tree(p.pid for p in procs)
+    for p in procs:
+        p.wait()
+
+
+def stop(procs: Sequence[subprocess.Popen], timeout: float = 60.0) -> List[Optional[int]]:
+    """SIGTERM every live launcher of ``procs`` (as a user's Ctrl-C would), wait up to ``timeout`` s in all, then
+    SIGKILL what is left with everything below it; their exit codes."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline, codes = time.monotonic() + timeout, []
+    for p in procs:
+        try:
+            codes.append(p.wait(max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            kill_tree([p.pid])
+            codes.append(p.wait())
+    return codes
 
 
 def write_json(path: Any, doc: Any) -> None:

@@ -29,6 +29,8 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from common import kill_and_reap, stop
+
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "snapshot_worker.py")
 _LINE = re.compile(r"^\[([^\]/]+)/(\d+)\]:(.*)$")
 KILL_STEPS = (12, 29, 46)
@@ -121,18 +123,7 @@ class Job:
 
     def close(self, timeout: float = 60.0) -> List[Optional[int]]:
         """Stop the job (SIGTERM to every live agent, as a user's Ctrl-C would); their exit codes."""
-        codes = []
-        for proc in self.agents.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for proc in self.agents.values():
-            try:
-                codes.append(proc.wait(max(0.1, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                codes.append(proc.wait())
-        return codes
+        return stop(list(self.agents.values()), timeout)
 
 
 def _kill_node(job: Job, node: str) -> None:
@@ -176,13 +167,7 @@ def run_job(scenario: str, mode: str, every: int, *, mb: float, step_sleep: floa
         return {"scenario": scenario, "mode": mode, "every": every, "events": events, "step_s": step_s,
                 "exit_codes": codes}
     finally:
-        for proc in job.agents.values():
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
+        kill_and_reap(list(job.agents.values()))
         shutil.rmtree(workdir, ignore_errors=True)
 
 
