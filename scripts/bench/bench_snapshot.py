@@ -42,6 +42,9 @@ from typing import Any, Callable, Dict, List, Optional
 from common import shown_command, summary_row, write_json
 from snapshot_jobs import bench_jobs
 
+from elasticrun.checkpoint.memory.space import dir_bytes
+from elasticrun.proc import pid_alive
+
 PARTS = ("stall", "restore", "lost")
 SCENARIOS = ("worker", "node", "scaleup")
 
@@ -57,18 +60,8 @@ def _sweep(shm: str) -> None:
     """Remove the shared memory of earlier runs that were killed (their pid is gone)."""
     for entry in os.listdir(shm):
         m = re.match(r"^elasticrun-bench-snap-(\d+)-", entry)
-        if m is None:
-            continue
-        try:
-            os.kill(int(m.group(1)), 0)
-        except ProcessLookupError:
+        if m is not None and not pid_alive(int(m.group(1))):
             shutil.rmtree(os.path.join(shm, entry), ignore_errors=True)
-        except PermissionError:
-            pass
-
-
-def _dir_bytes(path: str) -> int:
-    return sum(os.lstat(os.path.join(d, f)).st_blocks * 512 for d, _dirs, fs in os.walk(path) for f in fs)
 
 
 def _memory_tier(base: Optional[str]) -> Any:
@@ -154,7 +147,7 @@ def bench_local(args: argparse.Namespace, command: str) -> Dict[str, Any]:
             res.update(overhead(args, state, sync, {"snapshot_async": snap_async, "snapshot": snap_sync,
                                                     "disk_save": disk_save, "dcp_save": dcp_save}, async_snaps))
         async_snaps.wait()
-        res["shm_bytes"] = _dir_bytes(base)
+        res["shm_bytes"] = dir_bytes(base)
         res["generation_bytes"] = sync_snaps.generation_bytes
         if "restore" in args.parts:
             newest = os.path.join(dcp_root, sorted(os.listdir(dcp_root))[-1])
