@@ -28,6 +28,7 @@ per measure, then one JSON line (every measure, ``summary``, ``jobs``, …);
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -37,7 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from common import shown_command, summary_row, write_json
 from snapshot_jobs import bench_jobs
@@ -64,14 +65,18 @@ def _sweep(shm: str) -> None:
             shutil.rmtree(os.path.join(shm, entry), ignore_errors=True)
 
 
-def _memory_tier(base: Optional[str]) -> Any:
+@contextlib.contextmanager
+def _memory_tier(base: Optional[str]) -> Iterator[None]:
     """``ELASTICRUN_SNAPSHOT_DIR`` = ``base`` (None: no memory tier) for the duration."""
-    from unittest import mock
-
     from elasticrun.job.env import SNAPSHOT_DIR
 
-    env = {k: v for k, v in os.environ.items() if k != SNAPSHOT_DIR}
-    return mock.patch.dict(os.environ, {**env, **({SNAPSHOT_DIR: base} if base is not None else {})}, clear=True)
+    old = os.environ.pop(SNAPSHOT_DIR, None)
+    os.environ.update({SNAPSHOT_DIR: base} if base is not None else {})
+    try:
+        yield
+    finally:
+        os.environ.pop(SNAPSHOT_DIR, None)
+        os.environ.update({SNAPSHOT_DIR: old} if old is not None else {})
 
 
 def _timed(fn: Callable[[], Any], sync: Callable[[], None]) -> float:
