@@ -36,13 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from common import REPO, interrupt_on, kill_all, shown_command, tagged_processes, tree, write_json
+from common import REPO, TORCHRUN_TUNED_CONF, interrupt_on, kill_all, shown_command, tagged_processes, tree, write_json
 from elastic_clients import CLIENTS, Client, Node
 from elastic_report import Outcome, Summary, fmt, summary_rows, table
 
 TAG_VAR = "BENCH_ELASTIC_TAG"
 STABILITY_WINDOW = 1.0
-TUNED_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
 @dataclass(frozen=True)
@@ -149,7 +148,7 @@ class Run:
             ]
         conf = f"is_host={'true' if name == 'A' else 'false'}"
         if v.tuned:
-            conf = f"{TUNED_CONF},{conf}"
+            conf = f"{TORCHRUN_TUNED_CONF},{conf}"
         return [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", nproc,
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", self.job,

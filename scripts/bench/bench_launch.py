@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import psutil
-from common import gpu_count, kill_and_reap, shown_command, write_json
+from common import TORCHRUN_TUNED_CONF, gpu_count, kill_and_reap, shown_command, write_json
 from launch_results import (
     LAUNCH_MULTI,
     LAUNCH_SCENARIOS,
@@ -67,7 +67,6 @@ CRASH = re.compile(r"bench-crash t=([\d.]+)")
 FIRST_LINE = re.compile(r"bench-start t=([\d.]+)")
 # torchrun's INFO lines (glog style, local time): I<MMDD> <HH:MM:SS.micro> <pid> <file:line>] <message>
 TORCHRUN_FORMED = re.compile(r"^[IWE](\d\d)(\d\d) (\d\d:\d\d:\d\d)(\.\d+) .*Rendezvous complete for workers")
-BEST_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
 @dataclass
@@ -155,7 +154,7 @@ def _commands(launcher: str, nodes: int, procs: int, endpoint: str, job: str, c1
              "--rdzv-endpoint", endpoint, "--rdzv-id", job, "--node-id", f"n{i}", "--max-restarts", "3", WORKER]
             for i in range(nodes)
         ]
-    conf = ["--rdzv-conf", BEST_CONF] if launcher == "torchrun-best" else []
+    conf = ["--rdzv-conf", TORCHRUN_TUNED_CONF] if launcher == "torchrun-best" else []
     if nodes == 1 and not endpoint:
         return [["torchrun", "--standalone", "--nproc-per-node", str(procs), "--max-restarts", "3", *conf, WORKER]]
     return [

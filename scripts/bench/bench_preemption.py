@@ -32,12 +32,11 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from common import REPO, shown_command, summary_row, write_json
+from common import REPO, TRAIN, shown_command, summary_row, write_json
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-TRAIN = REPO / "examples" / "train.py"
 PREFIX = re.compile(r"^\[[^\]]*\]:")
 START = re.compile(r"^start: .* step (\d+) epoch")
 STEP = re.compile(r"^step (\d+) ")

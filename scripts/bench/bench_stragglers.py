@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import psutil
-from common import REPO, shown_command, stop, summary_row, write_json
+from common import REPO, TRAIN, shown_command, stop, summary_row, write_json
 
 from elasticrun.store.server import EtcdServer
 
@@ -76,7 +76,7 @@ def main() -> int:
                 [sys.executable, "-m", "elasticrun", "--nnodes", f"2:{args.nodes}", "--nproc-per-node", "1",
                  "--rdzv-endpoint", server.endpoint, "--rdzv-id", job, "--node-id", f"n{i}",
                  "--straggler-window", str(args.window), "--stability-window", "3", "-q",
-                 str(REPO / "examples" / "train.py"), "--epochs", "100000", "--no-checkpoint", "--dataset-size",
+                 str(TRAIN), "--epochs", "100000", "--no-checkpoint", "--dataset-size",
                  "512", "--batch-size", "8", "--step-sleep", "0.02"],
                 env=env, cwd=str(REPO), stdout=subprocess.DEVNULL, stderr=open(work / f"n{i}.err", "wb")))
         deadline = time.monotonic() + 300

@@ -17,6 +17,9 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 import psutil
 
 REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "examples" / "train.py"  # the example the benches run as a real training job
+# torchrun "at its best": its c10d rendezvous with the shortest timeouts that still hold on a loaded machine
+TORCHRUN_TUNED_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 if str(REPO) not in sys.path:  # the benches import elasticrun as in this tree
     sys.path.insert(0, str(REPO))
 
