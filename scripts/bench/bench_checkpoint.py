@@ -16,16 +16,13 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from typing import Dict, List
 
 import torch
 from ckpt_compare import GB, Libraries, compare_section, gpt_state, nbytes, remove, uniform_state
-from common import REPO, md_table, shown_command, write_json
-
-sys.path.insert(0, str(REPO))  # elasticrun as in this tree
+from common import md_table, shown_command, write_json
 
 
 def save_ab(d: str, libs: Libraries, runs: int) -> None:
@@ -64,7 +61,6 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="rounds; the tables show medians [3]")
     ap.add_argument("--settle", type=float, default=1.0,
                     help="seconds of quiet (after a sync) before every timed operation [1.0]")
-    ap.add_argument("--no-dcp", action="store_true", help="leave torch.distributed.checkpoint out")
     ap.add_argument("--save-ab", type=int, default=0, metavar="N", help="only N interleaved durable saves each")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = ap.parse_args()
@@ -81,8 +77,8 @@ def main() -> None:
     try:
         if args.save_ab:
             state = gpt_state(size, args.device) if args.state == "gpt" else uniform_state(size, args.device)
-            return save_ab(base, Libraries(state, args.device, dcp=True), args.save_ab)
-        doc = compare_section(base, args.state, args.device, size, args.repeat, not args.no_dcp, settle,
+            return save_ab(base, Libraries(state, args.device), args.save_ab)
+        doc = compare_section(base, args.state, args.device, size, args.repeat, settle,
                               shown_command(__file__))
         if args.json:
             write_json(args.json, doc)

@@ -10,13 +10,13 @@
 
 ``kill``: the last node's agent and every process under it get SIGKILL at once; measured to the first step at
 the smaller world size. ``join``: the last node's agent starts; measured to its first step in the job. ``leave``:
-the last node's agent gets SIGTERM; measured to the first step at the smaller world size. ``join`` and ``leave``
-``kill-host``: the same kill of the first node, which hosts the rendezvous (torchrun's TCPStore; elasticrun on
-torchrun's c10d line: its etcd, grown to 3 members once every agent was told 3, ``phases.members``: seconds
-from the first agent's start). ``join`` and ``leave``
-also report the survivors' pause (``phases.pause``: the last step at the old world size to the first at the new).
-Each run gets its own etcd or c10d port; variants run interleaved (run 1 of each, then run 2, ...); ``--json``
-writes every variant's runs and the ``summary`` (each elasticrun variant against the best torchrun one).
+the last node's agent gets SIGTERM; measured to the first step at the smaller world size. ``kill-host``: the same
+kill of the first node, which hosts the rendezvous (torchrun's TCPStore; elasticrun on torchrun's c10d line: its
+etcd, grown to 3 members once every agent was told 3, ``phases.members``: seconds from the first agent's
+start). ``join`` and ``leave`` also report the survivors' pause (``phases.pause``: the last step at the old world
+size to the first at the new). Each run gets its own etcd or c10d port; variants run interleaved (run 1 of each,
+then run 2, ...); ``--json`` writes every variant's runs and the ``summary`` (each elasticrun variant against the
+best torchrun one).
 """
 
 from __future__ import annotations
@@ -36,14 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
-import psutil
-from common import REPO, kill_all, shown_command, tagged_processes, tree, write_json
+from common import REPO, TORCHRUN_TUNED_CONF, interrupt_on, kill_all, shown_command, tagged_processes, tree, write_json
 from elastic_clients import CLIENTS, Client, Node
 from elastic_report import Outcome, Summary, fmt, summary_rows, table
 
 TAG_VAR = "BENCH_ELASTIC_TAG"
 STABILITY_WINDOW = 1.0
-TUNED_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
 @dataclass(frozen=True)
@@ -150,7 +148,7 @@ class Run:
             ]
         conf = f"is_host={'true' if name == 'A' else 'false'}"
         if v.tuned:
-            conf = f"{TUNED_CONF},{conf}"
+            conf = f"{TORCHRUN_TUNED_CONF},{conf}"
         return [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", nproc,
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", self.job,
@@ -177,9 +175,7 @@ class Run:
         node = self.nodes[name]
         procs = tree([node.proc.pid])
         at = time.time()
-        for p in procs:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.kill()
+        kill_all(procs)
         node.dead = True
         self.events.append(f"{at - self.epoch:8.3f} bench: SIGKILL node {name}")
         node.proc.wait(10)
@@ -222,10 +218,8 @@ class Run:
         """Kill every process of this run (agents, workers, orphans by marker) and stop etcd."""
         kill_all(tree(node.proc.pid for node in self.nodes.values()))
         for node in self.nodes.values():
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 node.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
         kill_all(tagged_processes(TAG_VAR, self.tag))
         for node in self.nodes.values():
             node.join_reader()
@@ -309,11 +303,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    """Turn SIGINT/SIGTERM/SIGHUP into KeyboardInterrupt so the cleanup runs."""
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def chosen(args: argparse.Namespace, scenario: str, client: str) -> List[Summary]:
     """The variants ``--launcher`` and ``--quick`` select for one scenario and client."""
     return [Summary(scenario, v, client) for v in VARIANTS[scenario]
@@ -344,8 +333,7 @@ def measure_all(args: argparse.Namespace, log_root: Path) -> List[Summary]:
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the selected scenarios and variants; print progress and the results table."""
     args = parse_args(argv)
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGINT too: may be ignored when backgrounded
-        signal.signal(sig, _interrupt)
+    interrupt_on(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # SIGINT too: may be ignored when backgrounded
     log_root = Path(tempfile.mkdtemp(prefix="bench_elastic-"))
     print(f"# logs in {log_root}; load average {os.getloadavg()[0]:.2f} at start", flush=True)
     try:

@@ -43,10 +43,10 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import psutil
-from common import REPO, gpu_count, kill_tree, shown_command, write_json
+from common import TORCHRUN_TUNED_CONF, gpu_count, kill_and_reap, shown_command, write_json
 from launch_results import (
     LAUNCH_MULTI,
     LAUNCH_SCENARIOS,
@@ -67,7 +67,6 @@ CRASH = re.compile(r"bench-crash t=([\d.]+)")
 FIRST_LINE = re.compile(r"bench-start t=([\d.]+)")
 # torchrun's INFO lines (glog style, local time): I<MMDD> <HH:MM:SS.micro> <pid> <file:line>] <message>
 TORCHRUN_FORMED = re.compile(r"^[IWE](\d\d)(\d\d) (\d\d:\d\d:\d\d)(\.\d+) .*Rendezvous complete for workers")
-BEST_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
 @dataclass
@@ -106,16 +105,20 @@ class Output:
         return None
 
 
+def _stamped(out: Output) -> List[Tuple[float, str]]:
+    """(unix time, line) of elasticrun's agent lines (``<ISO time> elasticrun[node]: <message>``)."""
+    with out.cond:
+        found = [(m, ln) for m, ln in ((STAMP.match(ln), ln) for ln in out.lines) if m]
+    return [(calendar.timegm(time.strptime(m[1], "%Y-%m-%dT%H:%M:%S")) + float(m[2] or 0), ln) for m, ln in found]
+
+
 def round_formed(out: Output, launcher: str) -> Optional[float]:
     """When the first round formed (unix time), from the launcher's own log lines."""
+    if launcher == "elasticrun":
+        return next((t for t, line in _stamped(out) if "round 0 (Start)" in line), None)
     with out.cond:
         lines = list(out.lines)
     for line in lines:
-        if launcher == "elasticrun":
-            m = STAMP.match(line)
-            if m and "round 0 (Start)" in line:
-                return calendar.timegm(time.strptime(m[1], "%Y-%m-%dT%H:%M:%S")) + float(m[2] or 0)
-            continue
         m = TORCHRUN_FORMED.match(line)
         if m:
             year = time.localtime().tm_year
@@ -135,12 +138,6 @@ def agent_rss_mib(procs: List[subprocess.Popen]) -> Optional[float]:
     return round(max(sizes) / 2**20, 1) if sizes else None
 
 
-def _env(extra: Dict[str, str]) -> Dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", BENCH_STEPS="5", BENCH_STEP_S="0.2")
-    env.update(extra)
-    return env
-
-
 def _commands(launcher: str, nodes: int, procs: int, endpoint: str, job: str, c10d: bool = False) -> List[List[str]]:
     """One command per node; ``c10d``: elasticrun on torchrun's c10d line too (one agent hosts etcd there, which
     grows to 3 members once 3 nodes joined; ``elasticrun-etcd1``: it stays one member).
@@ -157,7 +154,7 @@ def _commands(launcher: str, nodes: int, procs: int, endpoint: str, job: str, c1
              "--rdzv-endpoint", endpoint, "--rdzv-id", job, "--node-id", f"n{i}", "--max-restarts", "3", WORKER]
             for i in range(nodes)
         ]
-    conf = ["--rdzv-conf", BEST_CONF] if launcher == "torchrun-best" else []
+    conf = ["--rdzv-conf", TORCHRUN_TUNED_CONF] if launcher == "torchrun-best" else []
     if nodes == 1 and not endpoint:
         return [["torchrun", "--standalone", "--nproc-per-node", str(procs), "--max-restarts", "3", *conf, WORKER]]
     return [
@@ -165,13 +162,6 @@ def _commands(launcher: str, nodes: int, procs: int, endpoint: str, job: str, c1
          "--rdzv-endpoint", endpoint, "--rdzv-id", job, "--max-restarts", "3", *conf, WORKER]
         for _ in range(nodes)
     ]
-
-
-def _stop(procs: List[subprocess.Popen]) -> None:
-    """SIGKILL the launchers and everything below them, and reap them."""
-    kill_tree(p.pid for p in procs)
-    for p in procs:
-        p.wait()
 
 
 def _restart_env(crash_step: int, crash_after: Optional[float]) -> Dict[str, str]:
@@ -206,7 +196,9 @@ def run_once(
     running = []
     for cmd in cmds:
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             env=_env(extra), start_new_session=True)
+                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                                                  "BENCH_STEPS": "5", "BENCH_STEP_S": "0.2", **extra},
+                             start_new_session=True)
         running.append(p)
         threading.Thread(target=out.pump, args=(p.stdout,), daemon=True).start()
 
@@ -221,24 +213,15 @@ def run_once(
         return after[0]["t"] - crash if after else None
 
     deadline = time.monotonic() + timeout
-    result: Optional[float] = None
-    with out.cond:
-        while True:
-            out.cond.release()
-            try:
-                result = measured()
-                done = all(p.poll() is not None for p in running)
-            finally:
-                out.cond.acquire()
-            if result is not None or done or time.monotonic() > deadline:
-                break
-            out.cond.wait(0.2)
+    while (result := measured()) is None and any(p.poll() is None for p in running) and time.monotonic() < deadline:
+        with out.cond:
+            out.cond.wait(0.2)  # woken by each new line
     once = extra.get("BENCH_CRASH_ONCE_FILE")
     if once:
         Path(once).unlink(missing_ok=True)
     if result is not None:
         rss = agent_rss_mib(running)  # the workers still run: the measured step just showed up
-        _stop(running)
+        kill_and_reap(running)
         run = Run(launcher, scenario, "ok", round(result, 3), crash_after=crash_after, agent_rss_mib=rss)
         if scenario in LAUNCH_SCENARIOS:
             first, formed = out.first_line(), round_formed(out, launcher)
@@ -249,7 +232,7 @@ def run_once(
         return run
     hung = not all(p.poll() is not None for p in running)
     codes = [p.poll() for p in running]
-    _stop(running)
+    kill_and_reap(running)
     tail = " | ".join(ln for ln in out.lines[-200:] if "Error" in ln or "error" in ln)[-300:]
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_launch-{launcher}-{scenario}-{uuid.uuid4().hex[:6]}.log"
     log.write_text("\n".join(out.lines) + "\n")
@@ -273,16 +256,10 @@ STAMP = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?Z elasticrun\[")
 def launch_phases(out: Output, started: float, first_step: float) -> Dict[str, float]:
     """Seconds from the launch to each milestone of the agents' log lines, and to the first step."""
     marks: Dict[str, float] = {}
-    with out.cond:
-        lines = list(out.lines)
-    for line in lines:
-        m = STAMP.match(line)
-        if not m:
-            continue
-        t = calendar.timegm(time.strptime(m[1], "%Y-%m-%dT%H:%M:%S")) + float(m[2] or 0) - started
+    for t, line in _stamped(out):
         for name, pattern, which in MILESTONES:
             if pattern.search(line) and (which == "last" or name not in marks):
-                marks[name] = round(t, 3)
+                marks[name] = round(t - started, 3)
     first = out.first_line()
     if first is not None:
         marks["first line"] = round(first - started, 3)
@@ -328,7 +305,6 @@ def main(argv: Optional[List[str]] = None) -> int:
                 devices[sc] = "cpu"
                 print(f"{sc}: {need} workers need {need} GPUs, this machine has {have}: measured on the CPU (gloo)",
                       flush=True)
-    sys.path.insert(0, str(REPO))  # elasticrun as in this tree
     from elasticrun.store.server import EtcdServer
 
     etcd = EtcdServer().start() if args.nodes > 1 else None

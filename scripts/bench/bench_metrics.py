@@ -26,10 +26,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Dict, List
 
-from common import REPO, shown_command, summary_row, write_json
+from common import REPO, TRAIN, shown_command, summary_row, write_json
 
-sys.path.insert(0, str(REPO))  # elasticrun as in this tree
-from elasticrun.store.server import free_port  # noqa: E402
+from elasticrun.store.server import free_port
 
 
 class Storm:
@@ -79,7 +78,7 @@ def one_run(args: argparse.Namespace, storm: bool, workdir: Path, index: int) ->
     port = free_port()
     log = workdir / f"steps-{index}.jsonl"
     cmd = [sys.executable, "-m", "elasticrun", "--standalone", "--nproc-per-node", str(args.nproc), "-q",
-           "--metrics-port", str(port), str(REPO / "examples" / "train.py"), "--steps", str(args.steps),
+           "--metrics-port", str(port), str(TRAIN), "--steps", str(args.steps),
            "--no-checkpoint", "--metrics-log", str(log), "--dataset-size", "100000"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     scrapes: Dict[str, Any] = {}

@@ -32,12 +32,11 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from common import REPO, shown_command, summary_row, write_json
+from common import REPO, TRAIN, shown_command, summary_row, write_json
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-TRAIN = REPO / "examples" / "train.py"
 PREFIX = re.compile(r"^\[[^\]]*\]:")
 START = re.compile(r"^start: .* step (\d+) epoch")
 STEP = re.compile(r"^step (\d+) ")
@@ -116,19 +115,8 @@ def pct(values: List[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def _preempt(run: Run, i: int, args: argparse.Namespace, rng: random.Random, ckpt_dir: Path,
-             rows: List[Dict[str, object]], expect_resume: int, console: Console) -> Optional[int]:
-    """Launch ``i``: check its resume step, then SIGTERM it (all but the last); the step it stopped at."""
-    if not run.wait_training(600):
-        run.finish(5)
-        return None
-    resumed_ok = run.start_step == expect_resume
-    if i == args.runs:
-        run.proc.send_signal(signal.SIGTERM)
-        run.finish(args.notice + 30)
-        rows[-1]["resumed_at"] = run.start_step
-        rows[-1]["ok"] = bool(rows[-1]["ok"]) and resumed_ok
-        return -1
+def _preempt(run: Run, i: int, args: argparse.Namespace, rng: random.Random, ckpt_dir: Path) -> Dict[str, object]:
+    """SIGTERM launch ``i`` at a random point after its training started; what its drain did."""
     delay = rng.uniform(0.0, args.max_delay)
     time.sleep(delay)
     sent = time.monotonic()
@@ -136,16 +124,9 @@ def _preempt(run: Run, i: int, args: argparse.Namespace, rng: random.Random, ckp
     code = run.finish(args.notice + 60)
     took = time.monotonic() - sent
     saved = newest_step(ckpt_dir)
-    row: Dict[str, object] = {"run": i, "delay_s": round(delay, 2), "drain_s": round(took, 2), "exit": code,
-                              "stopped_at": run.stopped_at, "saved_at": saved, "resumed_from": run.start_step}
-    row["ok"] = code == 143 and run.stopped_at is not None and saved == run.stopped_at and took <= args.notice
-    if rows:  # this launch resumed from the previous preemption's checkpoint
-        rows[-1]["resumed_at"] = run.start_step
-        rows[-1]["ok"] = bool(rows[-1]["ok"]) and resumed_ok
-    rows.append(row)
-    console.print(Text(f"  {i + 1}/{args.runs}: SIGTERM after {delay:.1f}s -> exit {code} in {took:.2f}s, "
-                       f"stopped at step {run.stopped_at}, checkpoint at step {saved}"))
-    return run.stopped_at if run.stopped_at is not None else -2
+    return {"run": i, "delay_s": round(delay, 2), "drain_s": round(took, 2), "exit": code,
+            "stopped_at": run.stopped_at, "saved_at": saved, "resumed_from": run.start_step,
+            "ok": code == 143 and run.stopped_at is not None and saved == run.stopped_at and took <= args.notice}
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
@@ -175,20 +156,31 @@ def main(argv: Optional[List[str]] = None) -> int:
     console.print(Text(f"{args.runs} preemptions of examples/train.py ({args.state_gb} GB state, {args.nproc} "
                        f"workers, notice {args.notice:.0f}s); logs in {log}"))
     rows: List[Dict[str, object]] = []
-    expect_resume = 0
     for i in range(args.runs + 1):  # the last launch only checks the resume of the last preemption
         run = Run(args, ckpt_dir, log)
         try:
-            done = _preempt(run, i, args, rng, ckpt_dir, rows, expect_resume, console)
+            if not run.wait_training(600):
+                run.finish(5)
+                console.print(Text(f"launch {i}: training never started (see {log})"))
+                return 1
+            if rows:  # this launch resumed from the previous preemption's checkpoint
+                last = rows[-1]
+                expected = last["stopped_at"] if last["stopped_at"] is not None else -2
+                last.update(resumed_at=run.start_step, ok=bool(last["ok"]) and run.start_step == expected)
+            if i == args.runs:
+                run.proc.send_signal(signal.SIGTERM)
+                run.finish(args.notice + 30)
+                break
+            rows.append(_preempt(run, i, args, rng, ckpt_dir))
+            r = rows[-1]
+            console.print(Text(f"  {i + 1}/{args.runs}: SIGTERM after {r['delay_s']:.1f}s -> exit {r['exit']} in "
+                               f"{r['drain_s']:.2f}s, stopped at step {r['stopped_at']}, checkpoint at step "
+                               f"{r['saved_at']}"))
         except BaseException:
             if run.proc.poll() is None:  # interrupted: leave no job behind
                 run.proc.send_signal(signal.SIGTERM)
                 run.finish(args.notice + 30)
             raise
-        if done is None:
-            console.print(Text(f"launch {i}: training never started (see {log})"))
-            return 1
-        expect_resume = done
     drains = [float(r["drain_s"]) for r in rows]  # type: ignore[arg-type]
     stats = {q: round(pct(drains, v), 2) for q, v in (("min", 0), ("median", 0.5), ("p90", 0.9), ("p95", 0.95),
                                                        ("max", 1))}

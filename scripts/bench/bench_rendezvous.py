@@ -29,7 +29,7 @@ import time
 import uuid
 from typing import Any, Dict, Iterator, List, Optional
 
-from common import write_json  # sibling files of this script
+from common import shown_command, summary_row, write_json  # sibling files of this script
 from etcd_metrics import etcd_counters
 
 from elasticrun.job.keys import JobKeys
@@ -163,11 +163,9 @@ def summary_rows(rows: List[Dict[str, Any]], sizes: List[int], command: str) -> 
     for n in sizes:
         times = [r["all_hold_s"] for r in rows if r["nodes"] == n and r["phase"] == "round 0" and "failed" not in r]
         if times:
-            med, target = statistics.median(times), max(1.0, 5.0 * n / 256)
-            out.append({"metric": f"rendezvous of {n} agents (simulated) -> all hold round 0", "elasticrun": med,
-                        "alternative": "target (5 s at 256 agents, linear)", "alt_value": target, "unit": "s",
-                        "better": "lower", "ratio": target / med if med > 0 else 0.0, "device": "cpu",
-                        "command": command})
+            out.append(summary_row(f"rendezvous of {n} agents (simulated) -> all hold round 0",
+                                   statistics.median(times), "target (5 s at 256 agents, linear)",
+                                   max(1.0, 5.0 * n / 256), command=command))
     return out
 
 
@@ -205,9 +203,8 @@ def main() -> None:
                     help="after round 0 (always): loss: one node dies; join: one node joins")
     ap.add_argument("--no-fsync", action="store_true", help="start etcd with --unsafe-no-fsync")
     ap.add_argument("--record-only", action="store_true", help="only measure reading the round record per size")
-    ap.add_argument("--json", action="store_true", help="print the raw rows as JSON too")
     ap.add_argument("--out", default="", metavar="FILE", help="also write the rows as JSON to FILE "
-                    "(scripts/perf/plot_rendezvous.py draws them)")
+                    "(scripts/perf/perf_charts.py draws them)")
     args = ap.parse_args()
     parses = [record_parse(n) for n in args.nodes]
     if args.record_only:
@@ -233,11 +230,9 @@ def main() -> None:
                     print(format_row(r), flush=True)
         print("every agent also reads each round's record: " + ", ".join(
             f"{p['nodes']} members {p['record_bytes'] / 1e3:.0f} KB {p['parse_ms']:.1f} ms" for p in parses))
-        command = " ".join(["python", "scripts/bench/bench_rendezvous.py", *sys.argv[1:]])
+        command = shown_command(__file__)
         result = {"rows": rows, "summary": summary_rows(rows, args.nodes, command), "command": command,
                   "cpus": os.cpu_count(), "load_at_start": load, "record_parse": parses}
-        if args.json:
-            print(json.dumps(result, indent=2))
         if args.out:
             write_json(args.out, result)
     finally:

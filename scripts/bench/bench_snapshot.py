@@ -18,11 +18,10 @@ Parts (``stall,restore`` by default, a couple of minutes; ``lost`` runs real job
   cold cache), and ``dcp.load`` warm and cold; all into the preallocated state dict.
 - ``lost``: real elasticrun jobs (``scripts/bench/snapshot_jobs.py``): steps lost per worker
   crash, node SIGKILL and scale-up, with memory snapshots, disk checkpoints and DCP every
-  ``--intervals`` steps (node/scaleup with memory snapshots need peer replicas; skipped with a
-  note when this build has none).
+  ``--intervals`` steps (node and scale-up restore memory snapshots from the peer replicas).
 
 All comparisons are interleaved (A B C … per round) and reported as medians. Prints one line
-per measure, then one JSON line (the fields of earlier versions plus ``summary``, ``jobs``, …);
+per measure, then one JSON line (every measure, ``summary``, ``jobs``, …);
 ``--json FILE`` writes the same document to FILE.
 """
 
@@ -41,8 +40,11 @@ import tempfile
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from common import write_json
+from common import shown_command, summary_row, write_json
 from snapshot_jobs import bench_jobs
+
+from elasticrun.checkpoint.memory.space import dir_bytes
+from elasticrun.proc import pid_alive
 
 PARTS = ("stall", "restore", "lost")
 SCENARIOS = ("worker", "node", "scaleup")
@@ -59,18 +61,8 @@ def _sweep(shm: str) -> None:
     """Remove the shared memory of earlier runs that were killed (their pid is gone)."""
     for entry in os.listdir(shm):
         m = re.match(r"^elasticrun-bench-snap-(\d+)-", entry)
-        if m is None:
-            continue
-        try:
-            os.kill(int(m.group(1)), 0)
-        except ProcessLookupError:
+        if m is not None and not pid_alive(int(m.group(1))):
             shutil.rmtree(os.path.join(shm, entry), ignore_errors=True)
-        except PermissionError:
-            pass
-
-
-def _dir_bytes(path: str) -> int:
-    return sum(os.lstat(os.path.join(d, f)).st_blocks * 512 for d, _dirs, fs in os.walk(path) for f in fs)
 
 
 @contextlib.contextmanager
@@ -79,14 +71,12 @@ def _memory_tier(base: Optional[str]) -> Iterator[None]:
     from elasticrun.job.env import SNAPSHOT_DIR
 
     old = os.environ.pop(SNAPSHOT_DIR, None)
-    if base is not None:
-        os.environ[SNAPSHOT_DIR] = base
+    os.environ.update({SNAPSHOT_DIR: base} if base is not None else {})
     try:
         yield
     finally:
         os.environ.pop(SNAPSHOT_DIR, None)
-        if old is not None:
-            os.environ[SNAPSHOT_DIR] = old
+        os.environ.update({SNAPSHOT_DIR: old} if old is not None else {})
 
 
 def _timed(fn: Callable[[], Any], sync: Callable[[], None]) -> float:
@@ -95,16 +85,6 @@ def _timed(fn: Callable[[], Any], sync: Callable[[], None]) -> float:
     fn()
     sync()
     return time.perf_counter() - t0
-
-
-def _row(metric: str, ours: float, alt: str, alt_value: float, unit: str, better: str, device: str,
-         command: str, **extra: Any) -> Dict[str, Any]:
-    if better == "lower":
-        ratio = alt_value / ours if ours > 0 else (1e9 if alt_value > 0 else 1.0)
-    else:
-        ratio = ours / alt_value if alt_value > 0 else 1e9
-    return {"metric": metric, "elasticrun": round(ours, 6), "alternative": alt, "alt_value": round(alt_value, 6),
-            "unit": unit, "better": better, "ratio": round(ratio, 3), "device": device, "command": command, **extra}
 
 
 def bench_local(args: argparse.Namespace, command: str) -> Dict[str, Any]:
@@ -122,7 +102,7 @@ def bench_local(args: argparse.Namespace, command: str) -> Dict[str, Any]:
     total = sum(t.numel() * t.element_size() for t in state.values())
     _sweep(args.shm)
     base = tempfile.mkdtemp(prefix=f"elasticrun-bench-snap-{os.getpid()}-", dir=args.shm)
-    disk = args.disk_dir or tempfile.mkdtemp(prefix="bench-snap-disk-", dir=".")
+    disk = tempfile.mkdtemp(prefix="bench-snap-disk-", dir=".")
     dcp_root = tempfile.mkdtemp(prefix="bench-snap-dcp-", dir=os.path.dirname(os.path.abspath(disk)))
     step = [0]
     res: Dict[str, Any] = {}
@@ -130,26 +110,31 @@ def bench_local(args: argparse.Namespace, command: str) -> Dict[str, Any]:
     sync_snaps = Snapshotter(base=base)
     async_snaps = Snapshotter(base=base, async_snapshots=True)
 
-    def snap_sync() -> None:
-        step[0] += 1
-        sync_snaps.snapshot(state, training_state={"step": step[0]})
+    def saver(fn: Callable[[int], Any]) -> Callable[[], None]:
+        """A checkpoint of the next step by ``fn(step)``."""
+        def run() -> None:
+            step[0] += 1
+            fn(step[0])
+        return run
 
-    def snap_async() -> None:
-        step[0] += 1
-        async_snaps.snapshot(state, training_state={"step": step[0]})
-
-    def disk_save() -> None:
-        step[0] += 1
-        save(state, disk, training_state={"step": step[0]}, keep_last=2)
-
-    def dcp_save() -> None:
-        step[0] += 1
-        dcp.save(state, checkpoint_id=os.path.join(dcp_root, f"step-{step[0]:08d}"))
+    def dcp_keep_2(n: int) -> None:
+        dcp.save(state, checkpoint_id=os.path.join(dcp_root, f"step-{n:08d}"))
         for old in sorted(os.listdir(dcp_root))[:-2]:
             shutil.rmtree(os.path.join(dcp_root, old), ignore_errors=True)
 
+    snap_sync = saver(lambda n: sync_snaps.snapshot(state, training_state={"step": n}))
+    snap_async = saver(lambda n: async_snaps.snapshot(state, training_state={"step": n}))
+    disk_save = saver(lambda n: save(state, disk, training_state={"step": n}, keep_last=2))
+    dcp_save = saver(dcp_keep_2)
+
     def record(key: str, value: float) -> None:
         samples.setdefault(key, []).append(value)
+
+    def cold_and_warm(key: str, load: Callable[[], Any], path: str) -> None:
+        """``load`` timed with a warm page cache, then again after ``path`` was evicted (``key`` and ``key_cold``)."""
+        record(f"{key}_s", _timed(load, sync))
+        _evict(path)
+        record(f"{key}_cold_s", _timed(load, sync))
 
     try:
         for fn in (snap_sync, snap_async, disk_save, dcp_save):  # first touch: buffers, files, imports
@@ -167,33 +152,25 @@ def bench_local(args: argparse.Namespace, command: str) -> Dict[str, Any]:
             res.update(overhead(args, state, sync, {"snapshot_async": snap_async, "snapshot": snap_sync,
                                                     "disk_save": disk_save, "dcp_save": dcp_save}, async_snaps))
         async_snaps.wait()
-        res["shm_bytes"] = _dir_bytes(base)
+        res["shm_bytes"] = dir_bytes(base)
         res["generation_bytes"] = sync_snaps.generation_bytes
         if "restore" in args.parts:
-            newest = sorted(os.listdir(dcp_root))[-1]
+            newest = os.path.join(dcp_root, sorted(os.listdir(dcp_root))[-1])
             empty = os.path.join(base, "no-disk")
             for _ in range(args.repeat):
                 with _memory_tier(base):
-                    t = _timed(lambda: load_latest(empty, state_dict=state, restore_rng=False), sync)
-                    record("restore_memory_s", t)
+                    record("restore_memory_s", _timed(lambda: load_latest(empty, state_dict=state, restore_rng=False),
+                                                      sync))
                 with _memory_tier(None):
-                    record("restore_disk_s", _timed(lambda: load_latest(disk, state_dict=state, memory=False,
-                                                                        restore_rng=False), sync))
-                    _evict(disk)
-                    record("restore_disk_cold_s", _timed(lambda: load_latest(disk, state_dict=state, memory=False,
-                                                                             restore_rng=False), sync))
-                record("dcp_load_s", _timed(lambda: dcp.load(state, checkpoint_id=os.path.join(dcp_root, newest)),
-                                            sync))
-                _evict(os.path.join(dcp_root, newest))
-                record("dcp_load_cold_s", _timed(lambda: dcp.load(state, checkpoint_id=os.path.join(dcp_root,
-                                                                                                    newest)), sync))
+                    cold_and_warm("restore_disk", lambda: load_latest(disk, state_dict=state, memory=False,
+                                                                      restore_rng=False), disk)
+                cold_and_warm("dcp_load", lambda: dcp.load(state, checkpoint_id=newest), newest)
     finally:
         async_snaps.close()
         sync_snaps.close()
         shutil.rmtree(base, ignore_errors=True)
         shutil.rmtree(dcp_root, ignore_errors=True)
-        if args.disk_dir is None:
-            shutil.rmtree(disk, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
     res.update({k: statistics.median(v) for k, v in samples.items()})
     res["samples"] = samples
     res["bytes"] = total
@@ -244,36 +221,34 @@ def overhead(args: argparse.Namespace, state: Dict[str, Any], sync: Callable[[],
 
 def summarize(res: Dict[str, Any], lost: Optional[Dict[str, Any]], args: argparse.Namespace,
               command: str) -> List[Dict[str, Any]]:
+    """The ``summary`` rows: stalls, step times and restores against disk and DCP, then the jobs' figures."""
     dev = "cuda" if args.device.startswith("cuda") else "cpu"
-    rows: List[Dict[str, Any]] = []
     gb = f"{res.get('bytes', 0) / (1 << 20):.0f} MiB state"
-    if "snapshot_async_stall_s" in res:
-        for alt, key in (("elasticrun disk save", "disk_save_s"), ("DCP save", "dcp_save_s")):
-            rows.append(_row(f"training stall per checkpoint ({gb}): async memory snapshot",
-                             res["snapshot_async_stall_s"], alt, res[key], "s", "lower", dev, command))
-        for alt, key in (("elasticrun disk save", "disk_save_s"), ("DCP save", "dcp_save_s")):
-            rows.append(_row(f"training stall per checkpoint ({gb}): sync memory snapshot", res["snapshot_s"],
-                             alt, res[key], "s", "lower", dev, command))
-        for alt, key in (("disk save every step", "step_disk_save_s"), ("DCP save every step", "step_dcp_save_s")):
-            rows.append(_row(f"step time with a checkpoint every step ({gb}, {args.step_ms:.0f} ms steps): async "
-                             "memory snapshot", res["step_snapshot_async_s"], alt, res[key], "s", "lower", dev,
-                             command, overhead_pct=round(res["overhead_snapshot_async_pct"], 1)))
-    if "restore_memory_s" in res:
-        for alt, key in (("elasticrun disk load, cold cache", "restore_disk_cold_s"),
-                         ("elasticrun disk load, warm cache", "restore_disk_s"),
-                         ("DCP load, cold cache", "dcp_load_cold_s"), ("DCP load, warm cache", "dcp_load_s")):
-            rows.append(_row(f"restore ({gb}): load_latest from memory", res["restore_memory_s"], alt, res[key], "s",
-                             "lower", dev, command))
+    disk_dcp = (("elasticrun disk save", "disk_save_s"), ("DCP save", "dcp_save_s"))
+    every_step = f"step time with a checkpoint every step ({gb}, {args.step_ms:.0f} ms steps): async memory snapshot"
+    local = [  # (metric, our key, (alternative, its key) ..., extra fields)
+        (f"training stall per checkpoint ({gb}): async memory snapshot", "snapshot_async_stall_s", disk_dcp, {}),
+        (f"training stall per checkpoint ({gb}): sync memory snapshot", "snapshot_s", disk_dcp, {}),
+        (every_step, "step_snapshot_async_s", (("disk save every step", "step_disk_save_s"),
+                                               ("DCP save every step", "step_dcp_save_s")),
+         {"overhead_pct": round(res.get("overhead_snapshot_async_pct", 0.0), 1)}),
+        (f"restore ({gb}): load_latest from memory", "restore_memory_s", (
+            ("elasticrun disk load, cold cache", "restore_disk_cold_s"),
+            ("elasticrun disk load, warm cache", "restore_disk_s"), ("DCP load, cold cache", "dcp_load_cold_s"),
+            ("DCP load, warm cache", "dcp_load_s")), {})]
+    rows = [summary_row(metric, res[ours], alt, res[key], "s", "lower", dev, command, **extra)
+            for metric, ours, alts, extra in local if ours in res for alt, key in alts]
     step_of = {(j["mode"], j["every"]): j.get("step_s") for j in (lost or {}).get("jobs", [])
                if j.get("scenario") == "worker" and j.get("step_s")}
+    tiers = (("disk", "disk checkpoints"), ("dcp", "DCP"))
     for every in args.intervals:
         ours = step_of.get(("memory", every))
-        for mode, label in (("disk", "disk checkpoints"), ("dcp", "DCP")):
+        for mode, label in tiers:
             alt = step_of.get((mode, every))
             if ours and alt:
-                rows.append(_row(f"job step time, checkpoint every {every} step(s) ({args.job_mb:g} MiB per rank, "
-                                 f"{args.step_sleep:g} s steps): memory snapshots", ours, f"{label} every {every}",
-                                 alt, "s", "lower", "cpu", command))
+                rows.append(summary_row(f"job step time, checkpoint every {every} step(s) ({args.job_mb:g} MiB per "
+                                        f"rank, {args.step_sleep:g} s steps): memory snapshots", ours,
+                                        f"{label} every {every}", alt, command=command))
     # Steps lost: the interval decides it (every tier at the same interval loses the same), so the
     # row that matters is what a checkpoint every step costs, above, and what it saves against the
     # sparsest interval measured. Floored at 1 step for the ratio; the measured means are kept.
@@ -281,14 +256,13 @@ def summarize(res: Dict[str, Any], lost: Optional[Dict[str, Any]], args: argpars
     what = {"worker": "worker crash", "node": "node loss (SIGKILL)", "scaleup": "scale-up"}
     for scenario, by in (lost or {}).get("steps_lost", {}).items():
         ours = by.get(f"memory@{lo}")
-        for mode, label in (("disk", "disk checkpoints"), ("dcp", "DCP")):
+        for mode, label in tiers:
             alt = by.get(f"{mode}@{hi}")
             if ours is not None and alt is not None and hi != lo:
-                row = _row(f"steps lost per {what[scenario]}: memory snapshot every {lo}", ours,
-                           f"{label} every {hi}", alt, "steps", "lower", "cpu", command,
-                           note="means per failure; the ratio floors both at 1 step")
-                row["ratio"] = round(max(alt, 1.0) / max(ours, 1.0), 3)
-                rows.append(row)
+                rows.append(summary_row(f"steps lost per {what[scenario]}: memory snapshot every {lo}", ours,
+                                        f"{label} every {hi}", alt, "steps", command=command,
+                                        note="means per failure; the ratio floors both at 1 step"))
+                rows[-1]["ratio"] = round(max(alt, 1.0) / max(ours, 1.0), 3)
     return rows
 
 
@@ -300,14 +274,12 @@ def main(argv: List[str]) -> int:
     p.add_argument("--parts", default="stall,restore", help="comma-separated: stall, restore, lost (real jobs: "
                    "~8 min on 2 cores) [default: stall,restore]")
     p.add_argument("--shm", default="/dev/shm", help="the shared-memory filesystem")
-    p.add_argument("--disk-dir", default=None, help="disk checkpoint root (default: a temporary dir here)")
     p.add_argument("--step-ms", type=float, default=200.0, help="compute per training step in the overhead loop")
     p.add_argument("--overhead-steps", type=int, default=2, help="steps per method per round in the overhead loop")
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help="lost: worker, node, scaleup")
     p.add_argument("--intervals", default="1,10", help="lost: checkpoint intervals in steps")
     p.add_argument("--job-mb", type=float, default=4.0, help="lost: state size per rank in MiB")
     p.add_argument("--step-sleep", type=float, default=0.05, help="lost: seconds per training step")
-    p.add_argument("--job-repeat", type=int, default=1, help="lost: jobs per configuration (3 worker kills each)")
     p.add_argument("--async-snapshots", action="store_true", help="lost: async memory snapshots")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = p.parse_args(argv)
@@ -322,8 +294,8 @@ def main(argv: List[str]) -> int:
         print(f"bench_snapshot.py: error: unknown part/scenario {bad} or bad --intervals: parts are "
               f"{', '.join(PARTS)}; scenarios {', '.join(SCENARIOS)}; intervals positive integers", file=sys.stderr)
         return 2
-    if args.mb < 1 or args.repeat < 1 or args.job_repeat < 1 or args.overhead_steps < 1:
-        print("bench_snapshot.py: error: --mb, --repeat, --job-repeat and --overhead-steps must be positive",
+    if args.mb < 1 or args.repeat < 1 or args.overhead_steps < 1:
+        print("bench_snapshot.py: error: --mb, --repeat and --overhead-steps must be positive",
               file=sys.stderr)
         return 2
     if not os.path.isdir(args.shm):
@@ -337,7 +309,7 @@ def main(argv: List[str]) -> int:
             return 2
     # A time limit's SIGTERM ends the run through the finally blocks: no shared memory left behind.
     signal.signal(signal.SIGTERM, lambda *_a: sys.exit(143))
-    command = "python scripts/bench/bench_snapshot.py " + " ".join(argv)
+    command = shown_command(__file__, argv)
     res: Dict[str, Any] = {}
     if {"stall", "restore"} & set(args.parts):
         res = bench_local(args, command)
@@ -355,8 +327,6 @@ def main(argv: List[str]) -> int:
         lost = bench_jobs(args)
         for scenario, by in lost["steps_lost"].items():
             print(f"steps lost per {scenario:8s} " + "  ".join(f"{k} {v:.1f}" for k, v in sorted(by.items())))
-        for note in lost["notes"]:
-            print(f"note: {note}")
     doc = {"device": args.device, "repeat": args.repeat, **res, **(lost or {}),
            "machine": f"{os.cpu_count()} cpus", "summary": summarize(res, lost, args, command)}
     doc.setdefault("bytes", 0)

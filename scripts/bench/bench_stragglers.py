@@ -12,6 +12,7 @@ of the time) from the start of the measuring: the figure is then the time until 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import psutil
-from common import REPO, shown_command, summary_row, write_json
+from common import REPO, TRAIN, shown_command, stop, summary_row, write_json
 
 from elasticrun.store.server import EtcdServer
 
@@ -38,21 +39,21 @@ def status(endpoint: str, job: str) -> Optional[Dict[str, Any]]:
     return json.loads(done.stdout) if done.returncode == 0 else None
 
 
-def pulse(pids: List[int], stop: threading.Event, stop_s: float = 0.2, run_s: float = 0.2) -> None:
+def pulse(pids: List[int], done: threading.Event, stop_s: float = 0.2, run_s: float = 0.2) -> None:
+    """SIGSTOP ``pids`` for ``stop_s``, SIGCONT them for ``run_s``, and again until ``done`` is set."""
     procs = [psutil.Process(p) for p in pids]
-    while not stop.is_set():
-        for sig, wait in ((signal.SIGSTOP, stop_s), (signal.SIGCONT, run_s)):
-            for p in procs:
-                try:
-                    p.send_signal(sig)
-                except psutil.NoSuchProcess:
-                    pass
-            stop.wait(wait)
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGCONT)
-        except psutil.NoSuchProcess:
-            pass
+
+    def send(sig: int) -> None:
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(sig)
+
+    while not done.is_set():
+        send(signal.SIGSTOP)
+        done.wait(stop_s)
+        send(signal.SIGCONT)
+        done.wait(run_s)
+    send(signal.SIGCONT)
 
 
 def main() -> int:
@@ -75,7 +76,7 @@ def main() -> int:
                 [sys.executable, "-m", "elasticrun", "--nnodes", f"2:{args.nodes}", "--nproc-per-node", "1",
                  "--rdzv-endpoint", server.endpoint, "--rdzv-id", job, "--node-id", f"n{i}",
                  "--straggler-window", str(args.window), "--stability-window", "3", "-q",
-                 str(REPO / "examples" / "train.py"), "--epochs", "100000", "--no-checkpoint", "--dataset-size",
+                 str(TRAIN), "--epochs", "100000", "--no-checkpoint", "--dataset-size",
                  "512", "--batch-size", "8", "--step-sleep", "0.02"],
                 env=env, cwd=str(REPO), stdout=subprocess.DEVNULL, stderr=open(work / f"n{i}.err", "wb")))
         deadline = time.monotonic() + 300
@@ -88,10 +89,10 @@ def main() -> int:
         else:
             print("the nodes did not all train within 300 s", file=sys.stderr)
             return 1
-        stop = threading.Event()
+        pulsing = threading.Event()
         if args.slow:
             kids = [p.pid for p in psutil.Process(agents[-1].pid).children(recursive=True)]
-            threading.Thread(target=pulse, args=(kids, stop), daemon=True).start()
+            threading.Thread(target=pulse, args=(kids, pulsing), daemon=True).start()
         t0 = time.monotonic()
         readings, flagged, first_flag, worst = 0, 0, None, 0.0
         while time.monotonic() - t0 < args.minutes * 60:
@@ -108,7 +109,7 @@ def main() -> int:
                     if args.slow:
                         break
             time.sleep(args.every)
-        stop.set()
+        pulsing.set()
         result = {"nodes": args.nodes, "minutes": round((time.monotonic() - t0) / 60, 2), "readings": readings,
                   "flagged_readings": flagged, "first_flag_s": None if first_flag is None else round(first_flag, 1),
                   "max_ratio_seen": round(worst, 3), "window_s": args.window, "slow": args.slow,
@@ -122,14 +123,7 @@ def main() -> int:
             write_json(args.json, result)
         return 0 if (first_flag is not None) == args.slow else 1
     finally:
-        for a in agents:
-            if a.poll() is None:
-                a.send_signal(signal.SIGTERM)
-        for a in agents:
-            try:
-                a.wait(60)
-            except subprocess.TimeoutExpired:
-                a.kill()
+        stop(agents)
         server.stop()
 
 

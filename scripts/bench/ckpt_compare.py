@@ -102,10 +102,10 @@ def disk_cold_read(d: str, size: int) -> float:
 class Libraries:
     """Durable save and load-into-existing-tensors of each library, for one state on one device."""
 
-    def __init__(self, state: Dict[str, torch.Tensor], device: str, dcp: bool) -> None:
+    def __init__(self, state: Dict[str, torch.Tensor], device: str) -> None:
         self.state, self.device = state, device
         self.target = {k: torch.zeros_like(v) for k, v in state.items()}
-        self.names = ["elasticrun", "safetensors", "torch.save", *(["DCP"] if dcp else [])]
+        self.names = ["elasticrun", "safetensors", "torch.save", "DCP"]
 
     def sync(self) -> None:
         if self.device == "cuda":
@@ -233,14 +233,14 @@ def summarize(runs: Dict[str, List[float]], size: int, device: str, state_label:
     return rows
 
 
-def compare_section(base: str, state_kind: str, device: str, size: int, repeat: int, dcp: bool,
+def compare_section(base: str, state_kind: str, device: str, size: int, repeat: int,
                     settle: Callable[[], None], command: str) -> Dict[str, Any]:
     """Build the state, run the rounds, print the tables; the JSON document's part of it."""
     state = gpt_state(size, device) if state_kind == "gpt" else uniform_state(size, device)
     real = nbytes(state)
     d = os.path.join(base, "compare")
     os.makedirs(d)
-    runs = run_compare(d, Libraries(state, device, dcp), repeat, settle)
+    runs = run_compare(d, Libraries(state, device), repeat, settle)
     label = "GPT-like bf16" if state_kind == "gpt" else "uniform float32"
     rows = summarize(runs, real, device, label, command)
     print(f"\ninterleaved comparison: {label} state, {real / GB:.3f} GB in {len(state)} tensors on {device}; "

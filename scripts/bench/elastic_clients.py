@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Tuple
 
+from common import TRAIN
+
 HERE = Path(__file__).resolve().parent
 STEP_RE = re.compile(r"STEP (\d+) WORLD (\d+) TIME (\d+(?:\.\d+)?)")
 EXAMPLE_RE = re.compile(r"(?:^|\]:)step (\d+) loss \S+ world (\d+)")
@@ -31,7 +33,7 @@ class Client:
     def argv(self, out_dir: Path) -> List[str]:
         """The script and its arguments (after the launcher's own options)."""
         if self.name == "example":
-            return [str(HERE.parent.parent / "examples" / "train.py"), "--epochs", "1000000", "--ckpt-dir",
+            return [str(TRAIN), "--epochs", "1000000", "--ckpt-dir",
                     str(out_dir / "ckpt"), "--ckpt-every", "0", "--step-sleep", "0.05"]
         return [str(HERE / "elastic_worker.py"), self.name, str(out_dir)]
 

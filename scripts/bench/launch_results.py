@@ -43,86 +43,65 @@ def label(r: Run) -> str:
     return r.scenario if r.crash_after is None else f"{r.scenario}@{r.crash_after:g}s"
 
 
-def restart_summary(runs: List[Run], procs: int, nodes: int, timeout: float, command: str) -> List[Dict]:
-    """The JSON ``summary`` rows of the restart scenario: elasticrun's median against the better torchrun.
+def _figure(runs: List[Run], name: str) -> List[float]:
+    """The values of field ``name`` in the ok runs that have one (``seconds``: only non-zero ones)."""
+    values = (getattr(r, name) for r in runs if r.outcome == "ok")
+    return [v for v in values if v is not None and (v or name != "seconds")]
 
-    A torchrun with no good run is given ``timeout`` (a lower bound on its time) and says so.
-    """
+
+def _against_torchrun(mine: List[Run], name: str, timeout: Optional[float]) -> Optional[Dict]:
+    """elasticrun's median of ``name`` against the lowest torchrun median, or None without both. With a
+    ``timeout``, a torchrun with no good run counts as that (a lower bound) and says so; without, it is left out."""
+    ours = _figure([r for r in mine if r.launcher == "elasticrun"], name)
+    alts = []
+    for launcher in dict.fromkeys(r.launcher for r in mine if r.launcher != "elasticrun"):
+        theirs = [r for r in mine if r.launcher == launcher]
+        good = _figure(theirs, name)
+        if timeout is not None:
+            note = f"{launcher} ({len(good)}/{len(theirs)} ok{'' if good else ', timeout as lower bound'})"
+            alts.append((statistics.median(good) if good else timeout, note))
+        elif good:
+            alts.append((statistics.median(good), f"{launcher} ({len(good)} runs)"))
+    if not ours or not alts:
+        return None
+    alt_value, alt = min(alts)
+    value = statistics.median(ours)
+    return {"elasticrun": value, "alternative": alt, "alt_value": alt_value, "unit": "s", "better": "lower",
+            "ratio": round(alt_value / value, 3) if value else None, "runs": len(ours)}
+
+
+def restart_summary(runs: List[Run], procs: int, nodes: int, timeout: float, command: str) -> List[Dict]:
+    """The JSON ``summary`` rows of the restart scenario, one per crash moment: elasticrun's median against
+    the better torchrun (one with no good run is given ``timeout``, a lower bound on its time, and says so)."""
     rows: List[Dict] = []
     for name in dict.fromkeys(label(r) for r in runs if r.scenario == "restart"):
-        mine = [r for r in runs if label(r) == name]
-        ours = [r.seconds for r in mine if r.launcher == "elasticrun" and r.outcome == "ok" and r.seconds]
-        if not ours:
-            continue
-        alts = []
-        for launcher in LAUNCHERS[1:]:
-            theirs = [r for r in mine if r.launcher == launcher]
-            good = [r.seconds for r in theirs if r.outcome == "ok" and r.seconds]
-            if theirs:
-                value = statistics.median(good) if good else timeout
-                note = f"{launcher} ({len(good)}/{len(theirs)} ok{'' if good else ', timeout as lower bound'})"
-                alts.append((value, note))
-        if not alts:
-            continue
-        alt_value, alt = min(alts)
-        value = statistics.median(ours)
-        moment = "step 3" if name == "restart" else name.split("@")[1]
-        rows.append({"metric": f"worker crash ({moment} into the round) -> first step, {nodes} x {procs}",
-                     "elasticrun": value, "alternative": alt, "alt_value": alt_value, "unit": "s",
-                     "better": "lower", "ratio": round(alt_value / value, 3), "device": "cpu", "command": command})
-    return rows
-
-
-def _figure(runs: List[Run], name: str) -> List[float]:
-    return [v for v in (getattr(r, name) for r in runs if r.outcome == "ok") if v is not None]
-
-
-def figure_rows(runs: List[Run], shape: str, scenario: str, command: str, device: str) -> List[Dict]:
-    """Rows for :data:`LAUNCH_FIGURES`: elasticrun's median against the lowest torchrun median."""
-    rows: List[Dict] = []
-    mine = [r for r in runs if r.scenario == scenario]
-    for name, (metric, unit) in LAUNCH_FIGURES.items():
-        ours = _figure([r for r in mine if r.launcher == "elasticrun"], name)
-        alts = []
-        for launcher in dict.fromkeys(r.launcher for r in mine if r.launcher != "elasticrun"):
-            theirs = _figure([r for r in mine if r.launcher == launcher], name)
-            if theirs:
-                alts.append((statistics.median(theirs), f"{launcher} ({len(theirs)} runs)"))
-        if not ours or not alts:
-            continue
-        alt_value, alt = min(alts)
-        value = statistics.median(ours)
-        rows.append({"metric": f"{metric}, {shape}", "elasticrun": round(value, 3), "alternative": alt,
-                     "alt_value": round(alt_value, 3), "unit": unit, "better": "lower",
-                     "ratio": round(alt_value / value, 3) if value else None, "runs": len(ours), "device": device,
-                     "command": command})
+        row = _against_torchrun([r for r in runs if label(r) == name], "seconds", timeout)
+        if row:
+            moment = "step 3" if name == "restart" else name.split("@")[1]
+            rows.append({"metric": f"worker crash ({moment} into the round) -> first step, {nodes} x {procs}", **row,
+                         "device": "cpu", "command": command})
     return rows
 
 
 def launch_summary(runs: List[Run], procs: int, nodes: int, timeout: float, command: str,
                    devices: Optional[Dict[str, str]] = None) -> List[Dict]:
-    """The JSON ``summary`` rows of the launch scenarios: elasticrun's median against the best torchrun's,
-    and ``delta_s`` (elasticrun minus the alternative). A torchrun with no good run counts as ``timeout``."""
+    """The JSON ``summary`` rows of the launch scenarios: elasticrun's median against the best torchrun's (one
+    with no good run counts as ``timeout``) with ``delta_s`` (elasticrun minus it), then :data:`LAUNCH_FIGURES`."""
     rows: List[Dict] = []
     for scenario in LAUNCH_SCENARIOS:
         mine = [r for r in runs if r.scenario == scenario]
-        ours = [r.seconds for r in mine if r.launcher == "elasticrun" and r.outcome == "ok" and r.seconds]
-        alts = []
-        for launcher in dict.fromkeys(r.launcher for r in mine if r.launcher != "elasticrun"):
-            theirs = [r for r in mine if r.launcher == launcher]
-            good = [r.seconds for r in theirs if r.outcome == "ok" and r.seconds]
-            note = f"{launcher} ({len(good)}/{len(theirs)} ok{'' if good else ', timeout as lower bound'})"
-            alts.append((statistics.median(good) if good else timeout, note))
-        if not ours or not alts:
-            continue
-        alt_value, alt = min(alts)
-        value = statistics.median(ours)
         shape = f"1 x {procs}, --standalone" if scenario == "launch" else f"{nodes} x {procs}, c10d"
         device = (devices or {}).get(scenario, "cpu")
-        rows.append({"metric": f"launch -> first step, {shape}", "elasticrun": value, "alternative": alt,
-                     "alt_value": alt_value, "unit": "s", "better": "lower", "ratio": round(alt_value / value, 3),
-                     "delta_s": round(value - alt_value, 3), "runs": len(ours), "device": device, "command": command})
-        rows += figure_rows(runs, shape, scenario, command, device)
+        row = _against_torchrun(mine, "seconds", timeout)
+        if row is None:
+            continue
+        rows.append({"metric": f"launch -> first step, {shape}", **row,
+                     "delta_s": round(row["elasticrun"] - row["alt_value"], 3), "device": device, "command": command})
+        for name, (metric, unit) in LAUNCH_FIGURES.items():
+            fig = _against_torchrun(mine, name, None)
+            if fig:
+                fig.update(elasticrun=round(fig["elasticrun"], 3), alt_value=round(fig["alt_value"], 3), unit=unit)
+                rows.append({"metric": f"{metric}, {shape}", **fig, "device": device, "command": command})
     return rows
 
 

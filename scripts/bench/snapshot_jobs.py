@@ -29,6 +29,8 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from common import kill_and_reap, stop
+
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "snapshot_worker.py")
 _LINE = re.compile(r"^\[([^\]/]+)/(\d+)\]:(.*)$")
 KILL_STEPS = (12, 29, 46)
@@ -121,18 +123,7 @@ class Job:
 
     def close(self, timeout: float = 60.0) -> List[Optional[int]]:
         """Stop the job (SIGTERM to every live agent, as a user's Ctrl-C would); their exit codes."""
-        codes = []
-        for proc in self.agents.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for proc in self.agents.values():
-            try:
-                codes.append(proc.wait(max(0.1, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                codes.append(proc.wait())
-        return codes
+        return stop(list(self.agents.values()), timeout)
 
 
 def _kill_node(job: Job, node: str) -> None:
@@ -176,24 +167,8 @@ def run_job(scenario: str, mode: str, every: int, *, mb: float, step_sleep: floa
         return {"scenario": scenario, "mode": mode, "every": every, "events": events, "step_s": step_s,
                 "exit_codes": codes}
     finally:
-        for proc in job.agents.values():
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
+        kill_and_reap(list(job.agents.values()))
         shutil.rmtree(workdir, ignore_errors=True)
-
-
-def replicas_available() -> bool:
-    """Whether memory snapshots work across nodes in this build (peer replicas)."""
-    import inspect
-
-    from elasticrun.checkpoint import Snapshotter
-
-    return "replicate" in inspect.signature(Snapshotter.__init__).parameters
-
 
 
 def bench_jobs(args: argparse.Namespace) -> Dict[str, Any]:
@@ -202,34 +177,25 @@ def bench_jobs(args: argparse.Namespace) -> Dict[str, Any]:
 
     groups = (["worker"] if "worker" in args.scenarios else []) + (
         ["node"] if {"node", "scaleup"} & set(args.scenarios) else [])
-    replicas = replicas_available()
-    notes: List[str] = []
     jobs: List[Dict[str, Any]] = []
     server = EtcdServer().start() if "node" in groups else None
     try:
-        for _ in range(args.job_repeat):
-            for group in groups:
-                for every in args.intervals:
-                    for mode in ("memory", "disk", "dcp"):
-                        if group == "node" and mode == "memory" and not replicas:
-                            note = ("node/scaleup with memory snapshots skipped: this build has no peer replicas "
-                                    "(memory snapshots refuse multi-node jobs)")
-                            if note not in notes:
-                                notes.append(note)
-                            continue
-                        t0 = time.perf_counter()
-                        try:
-                            r = run_job(group, mode, every, mb=args.job_mb, step_sleep=args.step_sleep,
-                                        async_snapshots=args.async_snapshots,
-                                        endpoint=server.endpoint if server else "")
-                        except (TimeoutError, RuntimeError) as err:
-                            r = {"scenario": group, "mode": mode, "every": every, "events": [], "error": str(err)}
-                        r["wall_s"] = round(time.perf_counter() - t0, 1)
-                        print(f"  job {group:6s} {mode:6s} every {every:3d}: "
-                              + (", ".join(f"{e['scenario']} lost {e['lost']} (resumed {e['resumed']} from "
-                                           f"{e['tier']}, {e['recovery_s']:.1f}s)" for e in r["events"])
-                                 or r.get("error", "?")), flush=True)
-                        jobs.append(r)
+        for group in groups:
+            for every in args.intervals:
+                for mode in ("memory", "disk", "dcp"):
+                    t0 = time.perf_counter()
+                    try:
+                        r = run_job(group, mode, every, mb=args.job_mb, step_sleep=args.step_sleep,
+                                    async_snapshots=args.async_snapshots,
+                                    endpoint=server.endpoint if server else "")
+                    except (TimeoutError, RuntimeError) as err:
+                        r = {"scenario": group, "mode": mode, "every": every, "events": [], "error": str(err)}
+                    r["wall_s"] = round(time.perf_counter() - t0, 1)
+                    print(f"  job {group:6s} {mode:6s} every {every:3d}: "
+                          + (", ".join(f"{e['scenario']} lost {e['lost']} (resumed {e['resumed']} from "
+                                       f"{e['tier']}, {e['recovery_s']:.1f}s)" for e in r["events"])
+                             or r.get("error", "?")), flush=True)
+                    jobs.append(r)
     finally:
         if server is not None:
             server.stop()
@@ -241,7 +207,7 @@ def bench_jobs(args: argparse.Namespace) -> Dict[str, Any]:
                         for e in j["events"] if e["scenario"] == scenario]
                 if vals:
                     lost.setdefault(scenario, {})[f"{mode}@{every}"] = statistics.mean(vals)
-    return {"jobs": jobs, "steps_lost": lost, "notes": notes, "replicas": replicas}
+    return {"jobs": jobs, "steps_lost": lost}
 
 
-__all__ = ["KILL_STEPS", "Job", "bench_jobs", "replicas_available", "run_job"]
+__all__ = ["KILL_STEPS", "Job", "bench_jobs", "run_job"]

@@ -26,9 +26,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
-from scripts.bench.common import kill_tree
+from scripts.bench.common import interrupt_on, kill_tree
 
 from .audit import Tail, analyse
 from .env import HOSTED, REPO, Launcher, Machine, Members, freeze_code, send
@@ -140,12 +140,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     say: Say = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
     cleanup = Cleanup()
     atexit.register(cleanup)
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, on_signal)
+    interrupt_on(signal.SIGTERM, signal.SIGHUP)
     try:
         return run(args, say, cleanup)
     except KeyboardInterrupt:
