@@ -8,7 +8,7 @@ from typing import List
 
 import pytest
 
-from elasticrun.cli.run_config import line_filters
+from elasticrun.cli.run_values import line_filters
 from elasticrun.launch.config import LaunchConfig
 from elasticrun.launch.logfilter import FilteredCopy, copied, open_filtered, unfed_warnings
 

@@ -1,6 +1,8 @@
 """From parsed ``elasticrun run`` arguments to a :class:`~elasticrun.launch.config.LaunchConfig`.
 
-Decides what each torchrun flag means here (see docs/cli.md, "torchrun flags"):
+An option fills the fields its entry in :mod:`elasticrun.cli.run_options` names; a plain option is
+copied into its one field, converted as the entry says. The joint ones are decided here, with what
+each torchrun flag means (see docs/cli.md, "torchrun flags"):
 
 - the rendezvous: ``--standalone`` (a private etcd); ``--rdzv-backend etcd|etcd-v2|etcd-v3``, or
   no backend with ``--rdzv-endpoint`` (an etcd server somewhere); ``c10d`` (the agent on the
@@ -14,16 +16,12 @@ Decides what each torchrun flag means here (see docs/cli.md, "torchrun flags"):
 from __future__ import annotations
 
 import uuid
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Tuple
 
+from elasticrun.cli.run_options import RDZV_CONF, Opt, all_options
 from elasticrun.cli.torchrun_args import Parsed
 from elasticrun.errors import ConfigError, StoreError
-from elasticrun.health.straggler import StragglerAction
-from elasticrun.health.thresholds import Thresholds
-from elasticrun.job.hints import AdaptationStrategy, RedistributionType
-from elasticrun.launch.config import LaunchConfig, RdzvBackend, default_node_id, parse_nnodes, parse_nproc
-from elasticrun.rendezvous.restarts import parse_duration, parse_window
-from elasticrun.sizes import RULE, parse_size
+from elasticrun.launch.config import LaunchConfig, RdzvBackend, parse_nnodes, parse_nproc
 from elasticrun.store.types import parse_endpoints
 
 STATIC_PORT = 29500  # torchrun's default --master-port
@@ -31,38 +29,6 @@ C10D_PORT = 29400  # torchrun's default port of a c10d endpoint without one
 BACKENDS = {"etcd": RdzvBackend.ETCD, "etcd-v2": RdzvBackend.ETCD, "etcd-v3": RdzvBackend.ETCD,
             "c10d": RdzvBackend.C10D, "static": RdzvBackend.STATIC}
 EVENT_HANDLERS = ("null", "console", "dynamic_rendezvous")
-
-# --rdzv-conf key → (LaunchConfig field, kind). torchrun's keys first, then elasticrun's own.
-RDZV_CONF: Dict[str, Tuple[str, str]] = {
-    "join_timeout": ("join_timeout", "seconds"),
-    "timeout": ("join_timeout", "seconds"),  # etcd-v1 and static backends' name for it
-    "last_call_timeout": ("stability_window", "seconds"),
-    "close_timeout": ("rdzv_close_timeout", "seconds"),
-    "heartbeat_timeout": ("heartbeat_timeout", "seconds"),
-    "read_timeout": ("etcd_timeout", "seconds"),
-    "keep_alive_interval": ("", "seconds"),  # × keep_alive_max_attempt → heartbeat_timeout
-    "keep_alive_max_attempt": ("", "count"),
-    "is_host": ("rdzv_is_host", "bool"),
-    "rank": ("node_rank", "count"),
-    "protocol": ("", "protocol"),
-    "cacert": ("etcd_cacert", "path"),
-    "ca_cert": ("etcd_cacert", "path"),
-    "cert": ("etcd_cert", "path"),
-    "ssl_cert": ("etcd_cert", "path"),
-    "key": ("etcd_key", "path"),
-    "ssl_cert_key": ("etcd_key", "path"),
-    "store_type": ("", "store_type"),
-    "stability_window": ("stability_window", "seconds"),
-    "rescale_timeout": ("rescale_timeout", "seconds"),
-    "etcd_timeout": ("etcd_timeout", "seconds"),
-    "etcd_members": ("etcd_members", "count"),  # the members a hosted etcd grows to (launch/etcdmembers.py)
-}
-# Flags that override the --rdzv-conf key setting the same field.
-_FLAG_OF_FIELD = {"join_timeout": "join_timeout", "stability_window": "stability_window",
-                  "heartbeat_timeout": "heartbeat_timeout", "rescale_timeout": "rescale_timeout",
-                  "etcd_timeout": "etcd_timeout", "node_rank": "node_rank", "etcd_cacert": "etcd_cacert",
-                  "etcd_cert": "etcd_cert", "etcd_key": "etcd_key"}
-
 
 _SECURITY = ("etcd_user", "etcd_password", "etcd_password_file", "etcd_cacert", "etcd_cert", "etcd_key")
 
@@ -141,46 +107,6 @@ def _check_torchrun_choices(p: Parsed) -> None:
     if handler not in EVENT_HANDLERS:
         raise ConfigError(f"{p.where('event_log_handler')}: elasticrun records events in etcd (`elasticrun "
                           f"status`) and on stderr; use one of {', '.join(EVENT_HANDLERS)}")
-
-
-def line_filters(text: Optional[str]) -> List[str]:
-    """torchrun's ``--duplicate-*-filters`` list: split at commas, ``,,`` a literal comma; absent: none.
-
-    As in torchrun, an empty entry (``""``, a trailing comma) matches every line.
-    """
-    if text is None:
-        return []
-    placeholder = "\0"
-    return [item.replace(placeholder, ",") for item in str(text).replace(",,", placeholder).split(",")]
-
-
-def _ranks_filter(p: Parsed) -> Optional[List[int]]:
-    text = str(p.values["local_ranks_filter"] or "").strip()
-    if not text:
-        return None
-    try:
-        ranks = sorted({int(r) for r in text.split(",")})
-    except ValueError:
-        raise ConfigError(f"{p.shown('local_ranks_filter')}: must be a comma-separated list of integers, e.g. "
-                          "--local-ranks-filter=0,1,2") from None
-    if ranks[0] < 0:
-        raise ConfigError(f"{p.shown('local_ranks_filter')}: local rank {ranks[0]} must not be negative")
-    return ranks
-
-
-def _snapshot_memory(p: Parsed) -> Optional[int]:
-    """``--snapshot-memory SIZE`` (or ELASTICRUN_SNAPSHOT_MEMORY) in bytes; None when not given."""
-    text = str(p.values.get("snapshot_memory") or "").strip()
-    if not text:
-        return None
-    where = p.shown("snapshot_memory")
-    try:
-        size = parse_size(text)
-    except ValueError:
-        raise ConfigError(f"{where}: not a size; use {RULE} (e.g. --snapshot-memory 8GiB)") from None
-    if size <= 0:
-        raise ConfigError(f"{where}: must be more than 0 (use --no-snapshots to turn memory snapshots off)")
-    return size
 
 
 def _shutdown_timeout(p: Parsed) -> float:
@@ -303,11 +229,12 @@ def _static(p: Parsed, settings: Dict[str, Any], endpoint: str) -> None:
 
 def _apply_rdzv_conf(p: Parsed, settings: Dict[str, Any]) -> None:
     where = p.where("rdzv_conf")
+    flag_of_field = _flag_of_field(all_options())
     conf = parse_rdzv_conf(str(p.values["rdzv_conf"] or ""), where)
     for key, text in conf.items():
         field_name, kind = RDZV_CONF[key]
         value = _conf_value(key, kind, text, where)
-        if field_name and not p.given(_FLAG_OF_FIELD.get(field_name, "")):  # a dedicated flag wins
+        if field_name and not p.given(flag_of_field.get(field_name, "")):  # a dedicated flag wins
             settings[field_name] = value
     if ("keep_alive_interval" in conf or "keep_alive_max_attempt" in conf) and not (
         p.given("heartbeat_timeout") or "heartbeat_timeout" in conf
@@ -322,81 +249,57 @@ def _apply_rdzv_conf(p: Parsed, settings: Dict[str, Any]) -> None:
         raise ConfigError(f"{where}: protocol=http contradicts the CA certificate given; use protocol=https")
 
 
-def build_config(p: Parsed) -> LaunchConfig:
-    """The launch configuration the parsed arguments ask for (not yet validated)."""
+def _flag_of_field(options: Tuple[Opt, ...]) -> Dict[str, str]:
+    """Field → the dest of the option that fills it alone (a ``--rdzv-conf`` key yields to that flag)."""
+    return {opt.fills[0]: opt.dest for opt in options if not opt.joint and len(opt.fills) == 1}
+
+
+def _direct(p: Parsed) -> Dict[str, Any]:
+    """Every option that is not ``joint``: its one field, its value converted (run_options' table)."""
+    fields: Dict[str, Any] = {}
+    for opt in all_options():
+        if opt.joint or not opt.fills:
+            continue
+        (name,) = opt.fills
+        value = p.values[opt.dest]
+        fields[name] = opt.convert(value, p.shown(opt.dest)) if opt.convert else value
+    return fields
+
+
+def _size(p: Parsed) -> Dict[str, Any]:
+    """``--nnodes`` and ``--nproc-per-node`` (and ``--node-rank`` below the node count)."""
     v = p.values
-    _check_torchrun_choices(p)
     nmin, nmax = parse_nnodes(v["nnodes"], p.shown("nnodes"))
     nproc, kind = parse_nproc(v["nproc_per_node"], p.shown("nproc_per_node"))
     if v["node_rank"] is not None and v["node_rank"] >= nmax:
         raise ConfigError(f"{p.shown('node_rank')}: must be 0 .. {nmax - 1} with {p.shown('nnodes')} (give every "
                           "node its own rank below the node count)")
-    module, no_python = bool(v["module"]), bool(v["no_python"])
-    if v["run_path"]:
+    return {"nnodes_min": nmin, "nnodes_max": nmax, "nproc_per_node": nproc, "device_kind": kind}
+
+
+def _script_kind(p: Parsed) -> Dict[str, Any]:
+    """``-m``, ``--no-python`` and ``--run-path``: how the script runs."""
+    module, no_python = bool(p.values["module"]), bool(p.values["no_python"])
+    if p.values["run_path"]:
         module = no_python = False  # torchrun: --run-path takes precedence
     elif module and no_python:
         raise ConfigError("don't use both the --no-python flag and the -m/--module flag at the same time")
-    settings: Dict[str, Any] = {
-        "nnodes_min": nmin, "nnodes_max": nmax, "nproc_per_node": nproc, "device_kind": kind,
-        "node_rank": v["node_rank"],
-    }
-    for name in ("heartbeat_timeout", "stability_window", "rescale_timeout", "join_timeout", "etcd_timeout"):
-        settings[name] = float(v[name])
-    for name in ("etcd_user", "etcd_password", "etcd_cacert", "etcd_cert", "etcd_key"):
-        settings[name] = v.get(name)
+    return {"module": module, "no_python": no_python}
+
+
+def build_config(p: Parsed) -> LaunchConfig:
+    """The launch configuration the parsed arguments ask for (not yet validated).
+
+    Every option fills the fields its table entry names (:data:`~elasticrun.cli.run_options.Opt.fills`):
+    the plain ones by :func:`_direct`, the joint ones by the rules here."""
+    _check_torchrun_choices(p)
+    fields: Dict[str, Any] = {"entrypoint": p.script, "args": list(p.script_args)}
+    fields.update(_size(p))
+    fields.update(_script_kind(p))
+    fields.update(_direct(p))
+    fields["shutdown_timeout"] = _shutdown_timeout(p)
     if p.given("rdzv_id"):
-        settings["rdzv_id"] = str(v["rdzv_id"])
-    _apply_rdzv_conf(p, settings)
-    _rendezvous(p, settings)
-    kwargs: Dict[str, Any] = dict(
-        entrypoint=p.script,
-        args=list(p.script_args),
-        module=module,
-        no_python=no_python,
-        heterogeneous=bool(v["heterogeneous"]),
-        node_id=v["node_id"] or default_node_id(),
-        local_addr=v["local_addr"],
-        max_restarts=int(v["max_restarts"]),
-        shutdown_timeout=_shutdown_timeout(p),
-        monitor_interval=float(v["monitor_interval"]),
-        start_method=str(v["start_method"]),
-        log_dir=v["log_dir"],
-        redirects=str(v["redirects"]),
-        tee=str(v["tee"]),
-        local_ranks_filter=_ranks_filter(p),
-        duplicate_stdout_filters=line_filters(v["duplicate_stdout_filters"]),
-        duplicate_stderr_filters=line_filters(v["duplicate_stderr_filters"]),
-        numa_binding=v["numa_binding"] or None,
-        virtual_local_rank=bool(v["virtual_local_rank"]),
-        signals_to_handle=[s.strip().upper() for s in str(v["signals_to_handle"]).split(",") if s.strip()],
-        event_log_handler=str(v["event_log_handler"]).strip(),
-        role=str(v["role"]),
-        backend=v["backend"],
-        lr_strategy=AdaptationStrategy(v["lr_scaling"]),
-        redistribution=RedistributionType(v["redistribution"]),
-        global_batch_size=int(v["global_batch_size"]),
-        restart_window=parse_window(v["restart_window"], p.shown("restart_window")),
-        ended_job_ttl=parse_duration(v["ended_job_ttl"], p.shown("ended_job_ttl"), "to keep them forever"),
-        etcd_binary=v["etcd_binary"],
-        quiet=bool(v["quiet"]),
-        prewarm=bool(v["prewarm"]),
-        inplace=bool(v["inplace"]),
-        inplace_ready_timeout=float(v["inplace_ready_timeout"]),
-        standby=int(v["standby"]),
-        snapshots=bool(v["snapshots"]),
-        snapshot_memory=_snapshot_memory(p),
-        hang_timeout=float(v["hang_timeout"]),
-        node_check=bool(v["node_check"]),
-        node_check_thresholds=Thresholds().parse_list(str(v["node_check_thresholds"] or "")),
-        straggler_threshold=float(v["straggler_threshold"]),
-        straggler_window=float(v["straggler_window"]),
-        straggler_action=StragglerAction(v["straggler_action"]),
-        metrics_port=int(v["metrics_port"]),
-        metrics_host=str(v["metrics_host"] or "127.0.0.1").strip(),
-        events_file=v["events_file"] or None,
-        **settings,
-    )
-    for name in v:  # etcd connection options that etcd_options may add later, by field name
-        if name.startswith("etcd_") and name in LaunchConfig.__dataclass_fields__ and name not in kwargs:
-            kwargs[name] = v[name]
-    return LaunchConfig(**kwargs)
+        fields["rdzv_id"] = str(p.values["rdzv_id"])
+    _apply_rdzv_conf(p, fields)
+    _rendezvous(p, fields)
+    return LaunchConfig(**fields)

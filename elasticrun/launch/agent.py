@@ -26,7 +26,6 @@ from elasticrun.job import env as env_names
 from elasticrun.job.exitcodes import ExitCode, for_signal
 from elasticrun.job.records import progress_record, read
 from elasticrun.job.settings import drop_secrets_from_environment, to_file
-from elasticrun.job.settings import from_config as etcd_settings
 from elasticrun.launch.c10d import RoundStore
 from elasticrun.launch.config import LaunchConfig, RdzvBackend, signal_number
 from elasticrun.launch.etcdmembers import EtcdMembers, start_members
@@ -175,7 +174,8 @@ class Agent:
             teardown.callback(self._ignore_signals, handled)
             try:
                 self.obs.start()  # a busy --metrics-port: one line, before anything started
-                drop_secrets_from_environment(cfg, self.say)  # before any child process starts
+                cfg.etcd_settings()  # resolve the password source now: a bad one fails before anything starts
+                drop_secrets_from_environment(self.say)  # before any child process starts
                 workers = self._worker_group(files_dir, round_store)
                 self.inplace = InPlaceRounds(cfg, workers, self.say)
                 snapshots = self._snapshot_root(workers)
@@ -189,7 +189,7 @@ class Agent:
                     self.obs.node_checking()
                 admit(cfg, store, self.say, self.obs.node_checked)  # --node-check: NodeExcluded (exit 6) if it fails
                 # Workers reach etcd (commit fence, progress, checkpoint requests) with the same settings.
-                workers.etcd_settings_file = to_file(etcd_settings(cfg), os.path.join(files_dir, "etcd-settings.json"))
+                workers.etcd_settings_file = to_file(cfg.etcd_settings(), os.path.join(files_dir, "etcd-settings.json"))
                 rdzv = Rendezvous(store, self._settings(hosting=etcd is not None), self._node_info(workers),
                                   round_store.fresh,
                                   on_progress=self.say)

@@ -22,8 +22,10 @@ from elasticrun.health.straggler import StragglerAction
 from elasticrun.health.thresholds import Thresholds
 from elasticrun.job.hints import AdaptationStrategy, RedistributionType
 from elasticrun.job.inplace import READY_WAIT_S
+from elasticrun.job.settings import from_options
 from elasticrun.launch.gpus import VISIBLE_DEVICES, virtual_visible_device, visible_gpu_count
 from elasticrun.rendezvous.ended import ETCD_MAX_TTL
+from elasticrun.store.settings import EtcdSettings
 
 _JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@:-]{0,200}$")
@@ -151,7 +153,7 @@ class LaunchConfig:
     restart_window: float = 0.0  # --restart-window in seconds; 0 = max_restarts counts over the whole job
     etcd_user: Optional[str] = None
     etcd_password: Optional[str] = field(default=None, repr=False)  # never shown
-    etcd_password_file: Optional[str] = None  # read by elasticrun.job.settings (never passed on)
+    etcd_password_file: Optional[str] = None  # read by etcd_settings() (never passed on)
     etcd_cacert: Optional[str] = None
     etcd_cert: Optional[str] = None
     etcd_key: Optional[str] = None
@@ -209,6 +211,15 @@ class LaunchConfig:
         if not self.heterogeneous:
             settings["nproc_per_node"] = self.nproc_per_node
         return settings
+
+    def etcd_settings(self) -> EtcdSettings:
+        """The etcd connection settings of ``--rdzv-endpoint`` and the ``--etcd-*`` flags, resolved (the
+        password read from its flag, variable or file: ConfigError, one line, when unusable)."""
+        return from_options(
+            self.rdzv_endpoint, user=self.etcd_user, password=self.etcd_password,
+            password_file=self.etcd_password_file, ca_cert=self.etcd_cacert, cert=self.etcd_cert,
+            key=self.etcd_key, timeout=5.0, retry_timeout=self.etcd_timeout,
+        )
 
     def std_streams(self) -> Tuple[Dict[int, Std], Dict[int, Std]]:
         """(redirects, tee) as {local_rank-or--1: :class:`Std`} maps; -1 = every rank."""

@@ -33,7 +33,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from elasticrun.errors import ElasticrunError, StoreError, StoreSetupError
 from elasticrun.job import records
-from elasticrun.job.settings import from_config as etcd_settings
 from elasticrun.job.settings import to_file
 from elasticrun.launch.config import LaunchConfig
 from elasticrun.launch.etcdhome import member_server, sweep
@@ -118,7 +117,7 @@ class EtcdMembers:
 
     def _run(self) -> None:
         try:
-            self.store = etcd_settings(self.cfg).connect(None, check=False, retry_timeout=CALL_RETRY_S)
+            self.store = self.cfg.etcd_settings().connect(None, check=False, retry_timeout=CALL_RETRY_S)
             if self.member is not None:
                 self._record_hosted()
             version = 0
@@ -176,7 +175,7 @@ class EtcdMembers:
         self.store.set_endpoints(joined)
         self.rdzv.store.set_endpoints(joined)
         if self.settings_file:
-            to_file(etcd_settings(self.cfg).replace(endpoints=joined), self.settings_file)
+            to_file(self.cfg.etcd_settings().replace(endpoints=joined), self.settings_file)
         self.say(f"the job's etcd is at {joined} ({len(endpoints)} member{'s' * (len(endpoints) > 1)}; "
                  f"`elasticrun status --rdzv-endpoint` takes any of them)")
 

@@ -31,7 +31,6 @@ from typing import Callable, List, Optional, Tuple
 
 from elasticrun.errors import ElasticrunError, StoreError, StoreSetupError
 from elasticrun.job.keys import JobKeys
-from elasticrun.job.settings import from_config as etcd_settings
 from elasticrun.launch.config import LaunchConfig, RdzvBackend
 from elasticrun.launch.etcdhome import member_server
 from elasticrun.launch.hostlock import HostLock
@@ -168,7 +167,7 @@ def open_store(cfg: LaunchConfig, say: Say) -> Tuple[Optional[EtcdServer], EtcdS
         except StoreError as err:
             raise StoreError(str(err)) from None
     try:
-        store = etcd_settings(cfg).connect(JobKeys(cfg.rdzv_id).ping, retry_timeout=retry)
+        store = cfg.etcd_settings().connect(JobKeys(cfg.rdzv_id).ping, retry_timeout=retry)
     except StoreError as err:
         if etcd is not None:
             etcd.stop()
