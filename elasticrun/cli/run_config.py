@@ -21,7 +21,14 @@ from typing import Any, Dict, Tuple
 from elasticrun.cli.run_options import RDZV_CONF, Opt, all_options
 from elasticrun.cli.torchrun_args import Parsed
 from elasticrun.errors import ConfigError, StoreError
-from elasticrun.launch.config import LaunchConfig, RdzvBackend, parse_nnodes, parse_nproc
+from elasticrun.launch.config import (
+    EtcdConfig,
+    LaunchConfig,
+    RdzvBackend,
+    RendezvousConfig,
+    parse_nnodes,
+    parse_nproc,
+)
 from elasticrun.store.types import parse_endpoints
 
 STATIC_PORT = 29500  # torchrun's default --master-port
@@ -29,9 +36,6 @@ C10D_PORT = 29400  # torchrun's default port of a c10d endpoint without one
 BACKENDS = {"etcd": RdzvBackend.ETCD, "etcd-v2": RdzvBackend.ETCD, "etcd-v3": RdzvBackend.ETCD,
             "c10d": RdzvBackend.C10D, "static": RdzvBackend.STATIC}
 EVENT_HANDLERS = ("null", "console", "dynamic_rendezvous")
-
-_SECURITY = ("etcd_user", "etcd_password", "etcd_password_file", "etcd_cacert", "etcd_cert", "etcd_key")
-
 
 def parse_rdzv_conf(text: str, where: str = "--rdzv-conf") -> Dict[str, str]:
     """``"a=1,b=2"`` → ``{"a": "1", "b": "2"}``; one clear error for a malformed or unknown key."""
@@ -147,25 +151,27 @@ def _endpoint(host_port: str, default_port: int, where: str) -> str:
     return f"{host}:{port or default_port}"
 
 
-def _rendezvous(p: Parsed, settings: Dict[str, Any]) -> None:
-    """Fill the rendezvous part of ``settings`` (backend, endpoint, hosting, node rank, nnodes)."""
+def _rendezvous(p: Parsed, cfg: LaunchConfig) -> None:
+    """Decide the rendezvous of ``cfg`` (backend, endpoint, hosting, node rank, nnodes)."""
+    r = cfg.rendezvous
     endpoint = str(p.values["rdzv_endpoint"] or "").strip()
     backend_name = _backend_name(p)
-    if _standalone(p, backend_name, endpoint, settings["nnodes_max"]):
-        settings.update(standalone=True, rdzv_backend=RdzvBackend.ETCD, rdzv_endpoint="")
-        settings.setdefault("rdzv_id", f"standalone-{uuid.uuid4().hex[:8]}")
+    if _standalone(p, backend_name, endpoint, r.nnodes_max):
+        r.standalone, r.rdzv_backend, r.rdzv_endpoint = True, RdzvBackend.ETCD, ""
+        if not p.given("rdzv_id"):
+            r.rdzv_id = f"standalone-{uuid.uuid4().hex[:8]}"
         return
     # Without a backend an endpoint is an etcd server; without either, torchrun's static rendezvous.
     backend = BACKENDS[backend_name or ("etcd" if endpoint else "static")]
-    settings["rdzv_backend"] = backend
+    r.rdzv_backend = backend
     if backend is RdzvBackend.ETCD:
-        settings["rdzv_endpoint"] = _etcd_endpoints(p, endpoint)
+        r.rdzv_endpoint = _etcd_endpoints(p, endpoint)
         return
-    _refuse_security(p, settings, backend)
+    _refuse_security(p, cfg.etcd, backend)
     if backend is RdzvBackend.C10D:
-        settings["rdzv_endpoint"] = _c10d_endpoint(p, endpoint)
+        r.rdzv_endpoint = _c10d_endpoint(p, endpoint)
     else:
-        _static(p, settings, endpoint)
+        _static(p, r, endpoint)
 
 
 def _backend_name(p: Parsed) -> str:
@@ -194,9 +200,12 @@ def _etcd_endpoints(p: Parsed, endpoint: str) -> str:
     return endpoint
 
 
-def _refuse_security(p: Parsed, settings: Dict[str, Any], backend: RdzvBackend) -> None:
+def _refuse_security(p: Parsed, etcd: EtcdConfig, backend: RdzvBackend) -> None:
     """The etcd a c10d/static job hosts is plain: one line for any TLS or user setting."""
-    secured = [p.where(k) for k in _SECURITY if settings.get(k) or (p.values.get(k) and p.given(k))]
+    settings = {"etcd_user": etcd.etcd_user, "etcd_password": etcd.etcd_password,
+                "etcd_password_file": etcd.etcd_password_file, "etcd_cacert": etcd.etcd_cacert,
+                "etcd_cert": etcd.etcd_cert, "etcd_key": etcd.etcd_key}  # option dest → value
+    secured = [p.where(k) for k in settings if settings[k] or (p.values.get(k) and p.given(k))]
     if secured:
         raise ConfigError(f"{secured[0]}: the etcd a {backend.value} job hosts is plain (no TLS, no users); "
                           "drop the etcd security settings, or run a secured etcd and use --rdzv-backend etcd")
@@ -210,24 +219,25 @@ def _c10d_endpoint(p: Parsed, endpoint: str) -> str:
     return _endpoint(endpoint, C10D_PORT, p.shown("rdzv_endpoint"))
 
 
-def _static(p: Parsed, settings: Dict[str, Any], endpoint: str) -> None:
+def _static(p: Parsed, r: RendezvousConfig, endpoint: str) -> None:
     """torchrun's static rendezvous at --master-addr:--master-port (or an explicit endpoint): exactly MAX
     nodes, fixed node ranks, node rank 0 hosts the job's etcd."""
     v = p.values
     if endpoint:
-        settings["rdzv_endpoint"] = _endpoint(endpoint, STATIC_PORT, p.shown("rdzv_endpoint"))
+        r.rdzv_endpoint = _endpoint(endpoint, STATIC_PORT, p.shown("rdzv_endpoint"))
     else:
         port = v["master_port"] if v["master_port"] is not None else STATIC_PORT  # its range: run_options
         addr = str(v["master_addr"] or "").strip() or "127.0.0.1"
-        settings["rdzv_endpoint"] = _endpoint(f"{addr}:{port}", STATIC_PORT, p.shown("master_addr"))
-    settings["nnodes_min"] = settings["nnodes_max"]  # a static job has exactly MAX nodes, as in torchrun
-    if settings.get("node_rank") is None:
-        settings["node_rank"] = 0  # torchrun's default --node-rank
-    if settings.get("rdzv_is_host") is None:
-        settings["rdzv_is_host"] = settings["node_rank"] == 0
+        r.rdzv_endpoint = _endpoint(f"{addr}:{port}", STATIC_PORT, p.shown("master_addr"))
+    r.nnodes_min = r.nnodes_max  # a static job has exactly MAX nodes, as in torchrun
+    if r.node_rank is None:
+        r.node_rank = 0  # torchrun's default --node-rank
+    if r.rdzv_is_host is None:
+        r.rdzv_is_host = r.node_rank == 0
 
 
-def _apply_rdzv_conf(p: Parsed, settings: Dict[str, Any]) -> None:
+def _apply_rdzv_conf(p: Parsed, fields: Dict[str, Any]) -> None:
+    """``--rdzv-conf`` keys into ``fields`` (``{"group.field": value}``), where no dedicated flag was given."""
     where = p.where("rdzv_conf")
     flag_of_field = _flag_of_field(all_options())
     conf = parse_rdzv_conf(str(p.values["rdzv_conf"] or ""), where)
@@ -235,17 +245,17 @@ def _apply_rdzv_conf(p: Parsed, settings: Dict[str, Any]) -> None:
         field_name, kind = RDZV_CONF[key]
         value = _conf_value(key, kind, text, where)
         if field_name and not p.given(flag_of_field.get(field_name, "")):  # a dedicated flag wins
-            settings[field_name] = value
+            fields[field_name] = value
     if ("keep_alive_interval" in conf or "keep_alive_max_attempt" in conf) and not (
         p.given("heartbeat_timeout") or "heartbeat_timeout" in conf
     ):
         interval = _conf_value("keep_alive_interval", "seconds", conf.get("keep_alive_interval", "5"), where)
         attempts = _conf_value("keep_alive_max_attempt", "count", conf.get("keep_alive_max_attempt", "3"), where)
-        settings["heartbeat_timeout"] = float(interval) * float(attempts)
+        fields["rendezvous.heartbeat_timeout"] = float(interval) * float(attempts)
     protocol = conf.get("protocol", "").lower()
-    if protocol == "https" and not settings.get("etcd_cacert"):
+    if protocol == "https" and not fields.get("etcd.etcd_cacert"):
         raise ConfigError(f"{where}: protocol=https needs cacert=FILE (or --etcd-cacert FILE)")
-    if protocol == "http" and settings.get("etcd_cacert"):
+    if protocol == "http" and fields.get("etcd.etcd_cacert"):
         raise ConfigError(f"{where}: protocol=http contradicts the CA certificate given; use protocol=https")
 
 
@@ -274,7 +284,8 @@ def _size(p: Parsed) -> Dict[str, Any]:
     if v["node_rank"] is not None and v["node_rank"] >= nmax:
         raise ConfigError(f"{p.shown('node_rank')}: must be 0 .. {nmax - 1} with {p.shown('nnodes')} (give every "
                           "node its own rank below the node count)")
-    return {"nnodes_min": nmin, "nnodes_max": nmax, "nproc_per_node": nproc, "device_kind": kind}
+    return {"rendezvous.nnodes_min": nmin, "rendezvous.nnodes_max": nmax, "workers.nproc_per_node": nproc,
+            "workers.device_kind": kind}
 
 
 def _script_kind(p: Parsed) -> Dict[str, Any]:
@@ -284,7 +295,7 @@ def _script_kind(p: Parsed) -> Dict[str, Any]:
         module = no_python = False  # torchrun: --run-path takes precedence
     elif module and no_python:
         raise ConfigError("don't use both the --no-python flag and the -m/--module flag at the same time")
-    return {"module": module, "no_python": no_python}
+    return {"workers.module": module, "workers.no_python": no_python}
 
 
 def build_config(p: Parsed) -> LaunchConfig:
@@ -293,13 +304,14 @@ def build_config(p: Parsed) -> LaunchConfig:
     Every option fills the fields its table entry names (:data:`~elasticrun.cli.run_options.Opt.fills`):
     the plain ones by :func:`_direct`, the joint ones by the rules here."""
     _check_torchrun_choices(p)
-    fields: Dict[str, Any] = {"entrypoint": p.script, "args": list(p.script_args)}
+    fields: Dict[str, Any] = {"workers.entrypoint": p.script, "workers.args": list(p.script_args)}
     fields.update(_size(p))
     fields.update(_script_kind(p))
     fields.update(_direct(p))
-    fields["shutdown_timeout"] = _shutdown_timeout(p)
+    fields["workers.shutdown_timeout"] = _shutdown_timeout(p)
     if p.given("rdzv_id"):
-        fields["rdzv_id"] = str(p.values["rdzv_id"])
+        fields["rendezvous.rdzv_id"] = str(p.values["rdzv_id"])
     _apply_rdzv_conf(p, fields)
-    _rendezvous(p, fields)
-    return LaunchConfig(**fields)
+    cfg = LaunchConfig.of(fields)
+    _rendezvous(p, cfg)
+    return cfg

@@ -17,7 +17,7 @@ import pytest
 from elasticrun.cli.run_config import build_config
 from elasticrun.cli.run_options import INTERNAL_FIELDS, POSITIONAL_FIELDS, Kind, Opt, Type, all_options
 from elasticrun.cli.torchrun_args import Parser
-from elasticrun.launch.config import LaunchConfig
+from elasticrun.launch.config import GROUPS, LaunchConfig
 
 BASE = ["--node-id", "n0", "--rdzv-endpoint", "etcd-host:2379"]  # an external etcd: a fixed id and rendezvous
 STATIC = ["--node-id", "n0", "--nnodes", "2"]  # torchrun's static rendezvous: node rank 0 hosts the etcd
@@ -87,11 +87,12 @@ def _config(argv: List[str]) -> LaunchConfig:
 
 
 def _values(cfg: LaunchConfig) -> Dict[str, Any]:
-    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    return cfg.paths()
 
 
 def _field_names() -> Set[str]:
-    return {f.name for f in dataclasses.fields(LaunchConfig)}
+    """Every field of LaunchConfig's groups, as ``group.field``."""
+    return {f"{group}.{f.name}" for group, kind in GROUPS.items() for f in dataclasses.fields(kind)}
 
 
 @pytest.mark.parametrize("opt", all_options(), ids=lambda o: o.long)
@@ -134,4 +135,18 @@ def test_rdzv_conf_keys_fill_every_field_they_name() -> None:
 
 def test_the_positional_arguments_fill_the_script_fields() -> None:
     cfg = _config(BASE)
-    assert (cfg.entrypoint, cfg.args) == ("train.py", ["--epochs", "3"])
+    assert (cfg.workers.entrypoint, cfg.workers.args) == ("train.py", ["--epochs", "3"])
+
+
+def test_the_groups_are_exactly_launch_configs_fields() -> None:
+    assert list(GROUPS) == [f.name for f in dataclasses.fields(LaunchConfig)]
+    assert set(LaunchConfig().paths()) == _field_names()
+
+
+def test_of_builds_the_groups_and_refuses_a_field_it_does_not_have() -> None:
+    cfg = LaunchConfig.of({"workers.entrypoint": "t.py", "rendezvous.heartbeat_timeout": 9.0})
+    assert (cfg.workers.entrypoint, cfg.rendezvous.heartbeat_timeout) == ("t.py", 9.0)
+    with pytest.raises(TypeError):
+        LaunchConfig.of({"workers.no_such_field": 1})
+    with pytest.raises(TypeError):
+        LaunchConfig.of({"heartbeat_timeout": 9.0})
