@@ -150,3 +150,18 @@ def test_of_builds_the_groups_and_refuses_a_field_it_does_not_have() -> None:
         LaunchConfig.of({"workers.no_such_field": 1})
     with pytest.raises(TypeError):
         LaunchConfig.of({"heartbeat_timeout": 9.0})
+
+
+@pytest.mark.parametrize("flag, key, path, want", [
+    (["--join-timeout", "7"], "join_timeout=5", "rendezvous.join_timeout", 7.0),
+    (["--heartbeat-timeout", "9"], "keep_alive_interval=2,keep_alive_max_attempt=2", "rendezvous.heartbeat_timeout",
+     9.0),
+    (["--etcd-timeout", "3"], "read_timeout=4", "etcd.etcd_timeout", 3.0),
+    (["--etcd-cacert", "/flag.pem"], "cacert=/key.pem", "etcd.etcd_cacert", "/flag.pem"),
+    (["--node-rank", "0"], "rank=1", "rendezvous.node_rank", 0),
+    ([], "join_timeout=5", "rendezvous.join_timeout", 5.0),
+])
+def test_a_dedicated_flag_beats_the_rdzv_conf_key_for_its_field(flag: List[str], key: str, path: str,
+                                                                 want: Any) -> None:
+    cfg = _config([*BASE, "--nnodes", "1:2", *flag, "--rdzv-conf", key])
+    assert cfg.paths()[path] == want
