@@ -27,8 +27,11 @@ Check = Callable[[LaunchConfig], None]
 
 
 def expect(**fields: Any) -> Check:
+    """A check of the named fields (by their names inside LaunchConfig's groups)."""
+
     def check(cfg: LaunchConfig) -> None:
-        got = {k: getattr(cfg, k) for k in fields}
+        by_name = {path.partition(".")[2]: value for path, value in cfg.paths().items()}
+        got = {k: by_name[k] for k in fields}
         assert got == fields
 
     return check
@@ -128,28 +131,32 @@ def test_every_torchrun_flag_and_pet_variable(opt: Opt, argv: List[str], env: Di
         return
     cfg = _config([*argv, *script], env)
     want(cfg)
-    assert cfg.entrypoint == script[0]
+    assert cfg.workers.entrypoint == script[0]
 
 
 def test_defaults_are_torchruns() -> None:
     cfg = _config([ECHO])
-    assert (cfg.standalone, cfg.nnodes_min, cfg.nnodes_max, cfg.nproc_per_node) == (True, 1, 1, 1)
-    assert cfg.max_restarts == 0 and cfg.shutdown_timeout == 30.0 and cfg.monitor_interval == 0.1
-    assert cfg.signals_to_handle == ["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"] and cfg.role == "default"
-    assert cfg.redirects == "0" and cfg.tee == "0" and cfg.local_ranks_filter is None and cfg.log_dir is None
-    assert _config([ECHO], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "12"}).shutdown_timeout == 12.0
+    assert (cfg.rendezvous.standalone, cfg.rendezvous.nnodes_min, cfg.rendezvous.nnodes_max,
+            cfg.workers.nproc_per_node) == (True, 1, 1, 1)
+    assert cfg.rendezvous.max_restarts == 0
+    assert cfg.workers.shutdown_timeout == 30.0 and cfg.workers.monitor_interval == 0.1
+    assert cfg.workers.signals_to_handle == ["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"] and cfg.workers.role == "default"
+    assert cfg.logs.redirects == "0" and cfg.logs.tee == "0"
+    assert cfg.logs.local_ranks_filter is None and cfg.logs.log_dir is None
+    assert _config([ECHO], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "12"}).workers.shutdown_timeout == 12.0
     # torchrun's static default for several nodes: node rank 0 at 127.0.0.1:29500 hosts the rendezvous.
     cfg = _config(["--nnodes", "2", ECHO])
-    assert (cfg.rdzv_backend, cfg.rdzv_endpoint, cfg.node_rank, cfg.rdzv_is_host) == (
+    assert (cfg.rendezvous.rdzv_backend, cfg.rendezvous.rdzv_endpoint, cfg.rendezvous.node_rank,
+            cfg.rendezvous.rdzv_is_host) == (
         RdzvBackend.STATIC, "127.0.0.1:29500", 0, True)
 
 
 def test_flag_beats_pet_variable_which_beats_elasticrun_variable() -> None:
     env = {"PET_NPROC_PER_NODE": "4", "PET_RDZV_ENDPOINT": "pet:1", "ELASTICRUN_RDZV_ENDPOINT": "own:2"}
     cfg = _config(["--nproc-per-node", "2", ECHO], env)
-    assert cfg.nproc_per_node == 2 and cfg.rdzv_endpoint == "pet:1"
-    assert _config([ECHO], {"ELASTICRUN_RDZV_ENDPOINT": "own:2"}).rdzv_endpoint == "own:2"
-    assert _config([*ETCD, ECHO], {"PET_STANDALONE": "0"}).standalone is False
+    assert cfg.workers.nproc_per_node == 2 and cfg.rendezvous.rdzv_endpoint == "pet:1"
+    assert _config([ECHO], {"ELASTICRUN_RDZV_ENDPOINT": "own:2"}).rendezvous.rdzv_endpoint == "own:2"
+    assert _config([*ETCD, ECHO], {"PET_STANDALONE": "0"}).rendezvous.standalone is False
     with pytest.raises(ConfigError, match="PET_STANDALONE='yes': use 1"):
         _config([ECHO], {"PET_STANDALONE": "yes"})
     with pytest.raises(ConfigError, match=r"PET_MAX_RESTARTS='x': expected a whole number"):
@@ -160,22 +167,26 @@ def test_kubeflow_pytorchjob_environment_makes_a_static_job() -> None:
     env = {"PET_NNODES": "2", "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": "1", "PET_MASTER_ADDR": "job-master-0",
            "PET_MASTER_PORT": "23456"}
     cfg = _config([ECHO], env)
-    assert (cfg.rdzv_backend, cfg.rdzv_endpoint, cfg.node_rank, cfg.rdzv_is_host, cfg.nnodes_min) == (
+    assert (cfg.rendezvous.rdzv_backend, cfg.rendezvous.rdzv_endpoint, cfg.rendezvous.node_rank,
+            cfg.rendezvous.rdzv_is_host, cfg.rendezvous.nnodes_min) == (
         RdzvBackend.STATIC, "job-master-0:23456", 1, False, 2)
 
 
 @pytest.mark.parametrize("backend", ["etcd", "etcd-v2", "etcd-v3", "ETCD"])
 def test_etcd_backends_all_mean_the_etcd_v3_rendezvous(backend: str) -> None:
     cfg = _config(["--rdzv-backend", backend, "--rdzv-endpoint", "e:2379", "--nnodes", "1:4", ECHO])
-    assert (cfg.rdzv_backend, cfg.rdzv_endpoint, cfg.nnodes_min, cfg.nnodes_max) == (RdzvBackend.ETCD, "e:2379", 1, 4)
+    assert (cfg.rendezvous.rdzv_backend, cfg.rendezvous.rdzv_endpoint, cfg.rendezvous.nnodes_min,
+            cfg.rendezvous.nnodes_max) == (RdzvBackend.ETCD, "e:2379", 1, 4)
 
 
 def test_c10d_endpoint_without_port_gets_torchruns_default_and_is_host_override() -> None:
     cfg = _config(["--rdzv-backend=c10d", "--rdzv-endpoint=node0", "--rdzv-conf=is_host=false", "--nnodes=1:2", ECHO])
-    assert (cfg.rdzv_endpoint, cfg.rdzv_is_host, cfg.nnodes_min) == ("node0:29400", False, 1)
+    assert (cfg.rendezvous.rdzv_endpoint, cfg.rendezvous.rdzv_is_host, cfg.rendezvous.nnodes_min) == ("node0:29400",
+            False, 1)
     cfg = _config(["--rdzv-backend", "static", "--rdzv-endpoint", "n0:1234", "--nnodes", "1:3", "--node-rank", "2",
                    ECHO])
-    assert (cfg.rdzv_endpoint, cfg.nnodes_min, cfg.nnodes_max, cfg.rdzv_is_host) == ("n0:1234", 3, 3, False)
+    assert (cfg.rendezvous.rdzv_endpoint, cfg.rendezvous.nnodes_min, cfg.rendezvous.nnodes_max,
+            cfg.rendezvous.rdzv_is_host) == ("n0:1234", 3, 3, False)
 
 
 @pytest.mark.parametrize(
@@ -224,13 +235,15 @@ def test_validation_of_ranks_and_signals() -> None:
 def test_script_and_its_arguments_pass_through_untouched() -> None:
     args = ["--nnodes", "5", "--rdzv-backend=c10d", "-h", "--", "-m", "x"]
     cfg = _config(["--nproc_per_node=2", ECHO, *args])
-    assert (cfg.entrypoint, cfg.args, cfg.nproc_per_node, cfg.nnodes_max) == (ECHO, args, 2, 1)
+    assert (cfg.workers.entrypoint, cfg.workers.args, cfg.workers.nproc_per_node,
+            cfg.rendezvous.nnodes_max) == (ECHO, args, 2, 1)
     # `--` ends the options: the next word is the script even if it looks like an option.
     cfg = _config(["--nproc", "2", "--", "-weird.py", "--x"])
-    assert (cfg.entrypoint, cfg.args, cfg.nproc_per_node) == ("-weird.py", ["--x"], 2)
+    assert (cfg.workers.entrypoint, cfg.workers.args, cfg.workers.nproc_per_node) == ("-weird.py", ["--x"], 2)
     # short forms as argparse takes them
     cfg = _config(["-r3", "-t=1", "-mq", "pkg.mod", "-r", "0"])
-    assert (cfg.redirects, cfg.tee, cfg.module, cfg.quiet, cfg.args) == ("3", "1", True, True, ["-r", "0"])
+    assert (cfg.logs.redirects, cfg.logs.tee, cfg.workers.module, cfg.logs.quiet, cfg.workers.args) == ("3", "1",
+            True, True, ["-r", "0"])
     with pytest.raises(ConfigError, match="--max-restarts '-1'"):  # a negative number is a value (then refused)
         _config(["--max-restarts", "-1", ECHO])
 

@@ -175,10 +175,11 @@ def test_monitoring_scrapes_the_agents_metrics_port() -> None:
         # the agent serves /metrics on that port, bound where the scraper (via the Service's endpoints,
         # the pod's IP) and the kubelet's probe (the pod's IP) reach it: not loopback, the default
         cfg = agent_config(job)
-        assert cfg.metrics_port == ports[svc["spec"]["ports"][0]["targetPort"]] == svc["spec"]["ports"][0]["port"]
-        assert ipaddress.ip_address(cfg.metrics_host).is_unspecified, f"{name}: /metrics on {cfg.metrics_host}"
+        assert cfg.logs.metrics_port == ports[svc["spec"]["ports"][0]["targetPort"]] == svc["spec"]["ports"][0]["port"]
+        host = cfg.logs.metrics_host
+        assert ipaddress.ip_address(host).is_unspecified, f"{name}: /metrics on {host}"
         probe = c["livenessProbe"]["httpGet"]
-        assert probe["path"] == "/metrics" and ports.get(probe["port"], probe["port"]) == cfg.metrics_port
+        assert probe["path"] == "/metrics" and ports.get(probe["port"], probe["port"]) == cfg.logs.metrics_port
         assert c["livenessProbe"]["periodSeconds"] * c["livenessProbe"]["failureThreshold"] >= 60, \
             "a minute at least before a slow answer restarts an agent"
     etcd = find(docs_of("base"), "Service", "etcd")
@@ -203,15 +204,17 @@ def test_every_variable_the_operator_injects_is_accepted() -> None:
     (c,) = pod_spec(job)["containers"]
     env = {**{e["name"]: e["value"] for e in c["env"]}, **env}
     cfg = build_config(Parser().parse([*c["command"][1:], *c["args"]], env))  # the container's command line
-    assert (cfg.nnodes_min, cfg.nnodes_max, cfg.nproc_per_node, cfg.max_restarts) == (1, 4, 1, 3)
-    assert cfg.rdzv_backend is RdzvBackend.ETCD and cfg.rdzv_id == "elastic-demo"
-    assert (cfg.shutdown_timeout, cfg.snapshot_memory, cfg.etcd_user) == (60.0, 6 * 2**30, "elastic-demo")
-    assert cfg.entrypoint == "/app/train.py" and cfg.args[0] == "--epochs=1000"
-    assert cfg.rdzv_endpoint == "etcd-0.etcd:2379,etcd-1.etcd:2379,etcd-2.etcd:2379"
-    assert (cfg.join_timeout, cfg.stability_window) == (900.0, 10.0)
+    assert (cfg.rendezvous.nnodes_min, cfg.rendezvous.nnodes_max, cfg.workers.nproc_per_node,
+            cfg.rendezvous.max_restarts) == (1, 4, 1, 3)
+    assert cfg.rendezvous.rdzv_backend is RdzvBackend.ETCD and cfg.rendezvous.rdzv_id == "elastic-demo"
+    assert (cfg.workers.shutdown_timeout, cfg.memory.snapshot_memory, cfg.etcd.etcd_user) == (60.0, 6 * 2**30,
+            "elastic-demo")
+    assert cfg.workers.entrypoint == "/app/train.py" and cfg.workers.args[0] == "--epochs=1000"
+    assert cfg.rendezvous.rdzv_endpoint == "etcd-0.etcd:2379,etcd-1.etcd:2379,etcd-2.etcd:2379"
+    assert (cfg.rendezvous.join_timeout, cfg.rendezvous.stability_window) == (900.0, 10.0)
     # elasticPolicy.standalone: true → PET_STANDALONE="" (presence means on; torchrun fails on it)
     job["spec"]["elasticPolicy"]["standalone"] = True
-    assert build_config(Parser().parse(["/app/train.py"], kube.pytorchjob_env(job))).standalone is True
+    assert build_config(Parser().parse(["/app/train.py"], kube.pytorchjob_env(job))).rendezvous.standalone is True
 
 
 # -- the PyTorchJob as local processes ------------------------------------------------------------

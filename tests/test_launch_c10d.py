@@ -18,7 +18,7 @@ from typing import Any, Callable, List, Optional
 import pytest
 
 from elasticrun.launch.c10d import RoundStore
-from elasticrun.launch.config import LaunchConfig
+from elasticrun.launch.config import LaunchConfig, RendezvousConfig, WorkersConfig
 from elasticrun.launch.storeserver import ERROR_PREFIX
 from elasticrun.launch.workers import WorkerGroup
 from elasticrun.rendezvous.records import Member, Topology
@@ -97,7 +97,8 @@ def test_a_single_nodes_first_store_is_served_before_its_round() -> None:
 def test_a_store_host_forked_from_the_fork_server_serves_at_once(tmp_path: Path) -> None:
     """Leading a round, the worker group hosts the store as a child of its fork server (bare here: the
     child imports torch itself); a node that does not lead never starts one."""
-    cfg = LaunchConfig(entrypoint=str(tmp_path / "unused.py"), nproc_per_node=1, standalone=True, standby=1)
+    cfg = LaunchConfig(rendezvous=RendezvousConfig(standalone=True),
+                       workers=WorkersConfig(entrypoint=str(tmp_path / "unused.py"), nproc_per_node=1, standby=1))
     group = WorkerGroup(cfg, "n", str(tmp_path), None, False, on_exit=lambda: None)
     group.round_store = RoundStore(timeout_s=60)
     try:

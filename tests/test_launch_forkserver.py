@@ -16,7 +16,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import pytest
 
 from elasticrun.launch import forkserver
-from elasticrun.launch.config import LaunchConfig
+from elasticrun.launch.config import LaunchConfig, RendezvousConfig, WorkersConfig
 from elasticrun.launch.forkserver import ForkedProcess, ForkServer, ServerState
 from elasticrun.launch.workers import WorkerGroup
 from elasticrun.rendezvous.records import Member, Topology
@@ -147,7 +147,8 @@ def test_a_preload_that_starts_a_thread_stops_the_forks_but_keeps_the_workers(
     (site / "sitecustomize.py").write_text(THREAD_ON_PRELOAD)
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
-    cfg = LaunchConfig(entrypoint=str(script), nproc_per_node=1, standalone=True, standby=1)
+    cfg = LaunchConfig(rendezvous=RendezvousConfig(standalone=True),
+                       workers=WorkersConfig(entrypoint=str(script), nproc_per_node=1, standby=1))
     group = WorkerGroup(cfg, "n", str(tmp_path), None, False, on_exit=lambda: None)
     old = os.environ.get("PYTHONPATH")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), *([old] if old else [])]))
@@ -210,7 +211,8 @@ def test_a_server_that_started_a_thread_is_not_forked_from(tmp_path: Path, monke
                                            "threading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n")
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
-    cfg = LaunchConfig(entrypoint=str(script), nproc_per_node=1, standalone=True, standby=1)
+    cfg = LaunchConfig(rendezvous=RendezvousConfig(standalone=True),
+                       workers=WorkersConfig(entrypoint=str(script), nproc_per_node=1, standby=1))
     group = WorkerGroup(cfg, "n", str(tmp_path), None, False, on_exit=lambda: None)
     monkeypatch.setenv("PYTHONPATH", str(site))
     try:
@@ -265,7 +267,8 @@ def test_a_fork_that_times_out_closes_the_server_before_the_fallback(
     monkeypatch.setenv("HOLD_DIR", str(tmp_path))
     monkeypatch.setenv("HOLD_MARKER", marker)
     monkeypatch.setattr(forkserver, "FORK_TIMEOUT_S", 1.5, raising=False)
-    cfg = LaunchConfig(entrypoint=str(script), nproc_per_node=2, standalone=True, standby=1)
+    cfg = LaunchConfig(rendezvous=RendezvousConfig(standalone=True),
+                       workers=WorkersConfig(entrypoint=str(script), nproc_per_node=2, standby=1))
     group = WorkerGroup(cfg, "n", str(tmp_path), None, False, on_exit=lambda: None)
     group.prewarm()
     server = group.server

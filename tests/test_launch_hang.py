@@ -68,9 +68,9 @@ def _parse(args: List[str], env: dict) -> Any:
 
 
 def test_hang_timeout_comes_from_the_flag_or_the_variable() -> None:
-    assert _parse([], {}).hang_timeout == 0.0
-    assert _parse([], {"ELASTICRUN_HANG_TIMEOUT": "45"}).hang_timeout == 45.0
-    assert _parse(["--hang-timeout", "7.5"], {"ELASTICRUN_HANG_TIMEOUT": "45"}).hang_timeout == 7.5
+    assert _parse([], {}).health.hang_timeout == 0.0
+    assert _parse([], {"ELASTICRUN_HANG_TIMEOUT": "45"}).health.hang_timeout == 45.0
+    assert _parse(["--hang-timeout", "7.5"], {"ELASTICRUN_HANG_TIMEOUT": "45"}).health.hang_timeout == 7.5
 
 
 def test_a_hung_round_shows_every_workers_stack_and_restarts() -> None:

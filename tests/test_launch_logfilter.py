@@ -8,8 +8,8 @@ from typing import List
 
 import pytest
 
-from elasticrun.cli.run_config import line_filters
-from elasticrun.launch.config import LaunchConfig
+from elasticrun.cli.run_values import line_filters
+from elasticrun.launch.config import LaunchConfig, LogsConfig, WorkersConfig
 from elasticrun.launch.logfilter import FilteredCopy, copied, open_filtered, unfed_warnings
 
 
@@ -47,8 +47,9 @@ def test_filters_split_like_torchruns_comma_separated_list(text: str, want: List
 
 
 def test_torchrun_copies_tee_d_streams_of_ranks_on_the_console_only(tmp_path: Path) -> None:
-    cfg = LaunchConfig(entrypoint="x.py", nproc_per_node=3, tee="0:3,1:1,2:3", local_ranks_filter=[0, 1],
-                       duplicate_stdout_filters=["a"], duplicate_stderr_filters=["b"])
+    cfg = LaunchConfig(workers=WorkersConfig(entrypoint="x.py", nproc_per_node=3),
+                       logs=LogsConfig(tee="0:3,1:1,2:3", local_ranks_filter=[0, 1], duplicate_stdout_filters=["a"],
+                                       duplicate_stderr_filters=["b"]))
     assert [copied(cfg, r, 1) for r in range(3)] == [True, True, False], "rank 2 is off the console"
     assert [copied(cfg, r, 2) for r in range(3)] == [True, False, False], "rank 1 tees stdout only"
     assert unfed_warnings(cfg) == []
@@ -57,9 +58,10 @@ def test_torchrun_copies_tee_d_streams_of_ranks_on_the_console_only(tmp_path: Pa
                                                                           "filtered_stdout.log"]
     for copy in files.values():
         copy.close()
-    quiet = LaunchConfig(entrypoint="x.py", nproc_per_node=2, duplicate_stdout_filters=["a"])
+    quiet = LaunchConfig(workers=WorkersConfig(entrypoint="x.py", nproc_per_node=2),
+                         logs=LogsConfig(duplicate_stdout_filters=["a"]))
     assert [copied(quiet, r, 1) for r in range(2)] == [False, False]
     assert unfed_warnings(quiet) == ["--duplicate-stdout-filters: no local rank's stdout is tee'd (--tee 1 or 3) "
                                      "and shown, so filtered_stdout.log stays empty (as under torchrun)"]
-    assert open_filtered(LaunchConfig(entrypoint="x.py"), str(tmp_path / "none")) == {}
+    assert open_filtered(LaunchConfig(workers=WorkersConfig(entrypoint="x.py")), str(tmp_path / "none")) == {}
     assert not (tmp_path / "none").exists()

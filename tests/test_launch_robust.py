@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticrun.launch.config import LaunchConfig
+from elasticrun.launch.config import LaunchConfig, RendezvousConfig, WorkersConfig
 from elasticrun.launch.workers import WorkerGroup
 
 from helpers.launch import assert_one_line_error, run_cli
@@ -24,7 +24,8 @@ TERM_SAVER = str(SCRIPTS / "term_saver.py")
 
 def test_big_argv_to_a_stalled_warm_worker_does_not_block(tmp_path: Path) -> None:
     big = [f"{i:04d}" + "x" * 4092 for i in range(50)]  # 200 KiB of arguments (each well below MAX_ARG_STRLEN)
-    cfg = LaunchConfig(entrypoint=TERM_SAVER, args=[str(tmp_path), *big], nproc_per_node=1, standalone=True)
+    cfg = LaunchConfig(rendezvous=RendezvousConfig(standalone=True),
+                       workers=WorkersConfig(entrypoint=TERM_SAVER, args=[str(tmp_path), *big], nproc_per_node=1))
     group = WorkerGroup(cfg, "n", str(tmp_path), None, False, on_exit=lambda: None)
     group._fork_unsafe = "this test: the spawned standby's path"  # not the fork server (test_launch_forkserver)
     group.prewarm()

@@ -19,7 +19,7 @@ from typing import Dict, List, Tuple
 
 import pytest
 
-from elasticrun.launch.config import LaunchConfig
+from elasticrun.launch.config import LaunchConfig, RendezvousConfig, WorkersConfig
 from elasticrun.launch.workers import GroupState, WorkerGroup
 from elasticrun.rendezvous.records import Member, Topology
 
@@ -150,8 +150,9 @@ def test_a_custom_logs_specs_is_one_line_and_fails_under_torchrun_too(tmp_path: 
 def test_each_worker_runs_bound_to_its_cpus(tmp_path: Path, path: str) -> None:
     allowed = sorted(os.sched_getaffinity(0))
     cpus = {0: frozenset({allowed[0]}), 1: frozenset({allowed[-1]})}
-    cfg = LaunchConfig(entrypoint=WORKER, args=[str(tmp_path)], nproc_per_node=2, standalone=True,
-                       standby=1 if path == "forked" else 0, prewarm=path != "fresh")
+    cfg = LaunchConfig(rendezvous=RendezvousConfig(standalone=True),
+                       workers=WorkersConfig(entrypoint=WORKER, args=[str(tmp_path)], nproc_per_node=2,
+                                             standby=1 if path == "forked" else 0, prewarm=path != "fresh"))
     group = WorkerGroup(cfg, "n", str(tmp_path), None, False, on_exit=lambda: None)
     group.cpus = cpus
     member = Member("n", "h", "127.0.0.1", 2, 0, 0)

@@ -7,7 +7,7 @@ import pytest
 
 from elasticrun.errors import ConfigError
 from elasticrun.job.inplace import READY_WAIT_S
-from elasticrun.launch.config import LaunchConfig
+from elasticrun.launch.config import LaunchConfig, RendezvousConfig, WorkersConfig
 from elasticrun.rendezvous.records import Member, Topology
 from elasticrun.rendezvous.settings import describe_mismatch
 
@@ -27,9 +27,11 @@ def test_round_record_carries_the_inplace_members():
 
 
 def test_inplace_ready_timeout_is_a_job_setting_and_validated():
-    a = LaunchConfig(entrypoint="t.py").job_settings()
-    b = LaunchConfig(entrypoint="t.py", inplace_ready_timeout=900).job_settings()
+    a = LaunchConfig(workers=WorkersConfig(entrypoint="t.py")).job_settings()
+    b = LaunchConfig(rendezvous=RendezvousConfig(inplace_ready_timeout=900),
+                     workers=WorkersConfig(entrypoint="t.py")).job_settings()
     assert a["inplace_ready_timeout"] == READY_WAIT_S and "inplace_ready_timeout: job has 300.0" in (
         describe_mismatch(a, b) or ""), "every agent (any may lead) must judge a failed re-form alike"
     with pytest.raises(ConfigError, match="--inplace-ready-timeout 0"):
-        LaunchConfig(entrypoint=__file__, standalone=True, inplace_ready_timeout=0).validate()
+        LaunchConfig(rendezvous=RendezvousConfig(standalone=True, inplace_ready_timeout=0),
+                     workers=WorkersConfig(entrypoint=__file__)).validate()

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from elasticrun.errors import ConfigError
-from elasticrun.launch.config import LaunchConfig, parse_nnodes, parse_nproc
+from elasticrun.launch.config import LaunchConfig, RendezvousConfig, WorkersConfig, parse_nnodes, parse_nproc
 from elasticrun.rendezvous.ranks import assign_ranks, classify, plan_members
 from elasticrun.rendezvous.records import Member, NodeInfo, RescaleType, Topology
 from elasticrun.rendezvous.settings import describe_mismatch
@@ -80,30 +80,31 @@ def test_nnodes_and_nproc_parsing():
 def test_config_validation_messages(tmp_path):
     script = tmp_path / "t.py"
     script.write_text("")
-    ok = LaunchConfig(entrypoint=str(script), rdzv_endpoint="127.0.0.1:2379")
+    ok = LaunchConfig(rendezvous=RendezvousConfig(rdzv_endpoint="127.0.0.1:2379"),
+                      workers=WorkersConfig(entrypoint=str(script)))
     assert ok.validate() is ok
     cases = [
-        (dict(rdzv_endpoint=""), "--standalone"),
-        (dict(entrypoint=str(tmp_path / "nope.py")), "not found"),
-        (dict(heartbeat_timeout=1), "at least 2 seconds"),
-        (dict(rdzv_id="bad id!"), "--rdzv-id"),
-        (dict(redirects="9"), "--redirects"),
-        (dict(max_restarts=-1), "--max-restarts"),
+        ({"rendezvous.rdzv_endpoint": ""}, "--standalone"),
+        ({"workers.entrypoint": str(tmp_path / "nope.py")}, "not found"),
+        ({"rendezvous.heartbeat_timeout": 1}, "at least 2 seconds"),
+        ({"rendezvous.rdzv_id": "bad id!"}, "--rdzv-id"),
+        ({"logs.redirects": "9"}, "--redirects"),
+        ({"rendezvous.max_restarts": -1}, "--max-restarts"),
     ]
     for changes, msg in cases:
-        cfg = LaunchConfig(entrypoint=str(script), rdzv_endpoint="127.0.0.1:2379")
-        for k, v in changes.items():
-            setattr(cfg, k, v)
+        cfg = LaunchConfig.of({"rendezvous.rdzv_endpoint": "127.0.0.1:2379", "workers.entrypoint": str(script),
+                               **changes})
         with pytest.raises(ConfigError, match=msg):
             cfg.validate()
 
 
 def test_job_settings_mismatch_is_described():
-    a = LaunchConfig(entrypoint="t.py", nproc_per_node=2).job_settings()
-    b = LaunchConfig(entrypoint="t.py", nproc_per_node=3).job_settings()
+    a = LaunchConfig(workers=WorkersConfig(entrypoint="t.py", nproc_per_node=2)).job_settings()
+    b = LaunchConfig(workers=WorkersConfig(entrypoint="t.py", nproc_per_node=3)).job_settings()
     assert "nproc_per_node: job has 2, this node has 3" in describe_mismatch(a, b)
     assert describe_mismatch(a, dict(a)) is None
-    het = LaunchConfig(entrypoint="t.py", nproc_per_node=3, heterogeneous=True).job_settings()
+    het = LaunchConfig(rendezvous=RendezvousConfig(heterogeneous=True),
+                       workers=WorkersConfig(entrypoint="t.py", nproc_per_node=3)).job_settings()
     assert "nproc_per_node" not in het
 
 

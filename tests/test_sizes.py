@@ -49,7 +49,7 @@ def test_a_bad_size_is_one_line_that_says_how(text: str) -> None:
 
 
 def _snapshot_memory(argv: List[str], env: Dict[str, str]) -> Any:
-    return build_config(parse(["--standalone", *argv, "train.py"], env)).snapshot_memory
+    return build_config(parse(["--standalone", *argv, "train.py"], env)).memory.snapshot_memory
 
 
 def test_snapshot_memory_flag_and_variable_follow_the_rule() -> None:

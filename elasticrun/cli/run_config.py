@@ -1,6 +1,8 @@
 """From parsed ``elasticrun run`` arguments to a :class:`~elasticrun.launch.config.LaunchConfig`.
 
-Decides what each torchrun flag means here (see docs/cli.md, "torchrun flags"):
+An option fills the fields its entry in :mod:`elasticrun.cli.run_options` names; a plain option is
+copied into its one field, converted as the entry says. The joint ones are decided here, with what
+each torchrun flag means (see docs/cli.md, "torchrun flags"):
 
 - the rendezvous: ``--standalone`` (a private etcd); ``--rdzv-backend etcd|etcd-v2|etcd-v3``, or
   no backend with ``--rdzv-endpoint`` (an etcd server somewhere); ``c10d`` (the agent on the
@@ -14,16 +16,19 @@ Decides what each torchrun flag means here (see docs/cli.md, "torchrun flags"):
 from __future__ import annotations
 
 import uuid
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Tuple
 
+from elasticrun.cli.run_options import RDZV_CONF, Opt, all_options
 from elasticrun.cli.torchrun_args import Parsed
 from elasticrun.errors import ConfigError, StoreError
-from elasticrun.health.straggler import StragglerAction
-from elasticrun.health.thresholds import Thresholds
-from elasticrun.job.hints import AdaptationStrategy, RedistributionType
-from elasticrun.launch.config import LaunchConfig, RdzvBackend, default_node_id, parse_nnodes, parse_nproc
-from elasticrun.rendezvous.restarts import parse_duration, parse_window
-from elasticrun.sizes import RULE, parse_size
+from elasticrun.launch.config import (
+    EtcdConfig,
+    LaunchConfig,
+    RdzvBackend,
+    RendezvousConfig,
+    parse_nnodes,
+    parse_nproc,
+)
 from elasticrun.store.types import parse_endpoints
 
 STATIC_PORT = 29500  # torchrun's default --master-port
@@ -31,41 +36,6 @@ C10D_PORT = 29400  # torchrun's default port of a c10d endpoint without one
 BACKENDS = {"etcd": RdzvBackend.ETCD, "etcd-v2": RdzvBackend.ETCD, "etcd-v3": RdzvBackend.ETCD,
             "c10d": RdzvBackend.C10D, "static": RdzvBackend.STATIC}
 EVENT_HANDLERS = ("null", "console", "dynamic_rendezvous")
-
-# --rdzv-conf key → (LaunchConfig field, kind). torchrun's keys first, then elasticrun's own.
-RDZV_CONF: Dict[str, Tuple[str, str]] = {
-    "join_timeout": ("join_timeout", "seconds"),
-    "timeout": ("join_timeout", "seconds"),  # etcd-v1 and static backends' name for it
-    "last_call_timeout": ("stability_window", "seconds"),
-    "close_timeout": ("rdzv_close_timeout", "seconds"),
-    "heartbeat_timeout": ("heartbeat_timeout", "seconds"),
-    "read_timeout": ("etcd_timeout", "seconds"),
-    "keep_alive_interval": ("", "seconds"),  # × keep_alive_max_attempt → heartbeat_timeout
-    "keep_alive_max_attempt": ("", "count"),
-    "is_host": ("rdzv_is_host", "bool"),
-    "rank": ("node_rank", "count"),
-    "protocol": ("", "protocol"),
-    "cacert": ("etcd_cacert", "path"),
-    "ca_cert": ("etcd_cacert", "path"),
-    "cert": ("etcd_cert", "path"),
-    "ssl_cert": ("etcd_cert", "path"),
-    "key": ("etcd_key", "path"),
-    "ssl_cert_key": ("etcd_key", "path"),
-    "store_type": ("", "store_type"),
-    "stability_window": ("stability_window", "seconds"),
-    "rescale_timeout": ("rescale_timeout", "seconds"),
-    "etcd_timeout": ("etcd_timeout", "seconds"),
-    "etcd_members": ("etcd_members", "count"),  # the members a hosted etcd grows to (launch/etcdmembers.py)
-}
-# Flags that override the --rdzv-conf key setting the same field.
-_FLAG_OF_FIELD = {"join_timeout": "join_timeout", "stability_window": "stability_window",
-                  "heartbeat_timeout": "heartbeat_timeout", "rescale_timeout": "rescale_timeout",
-                  "etcd_timeout": "etcd_timeout", "node_rank": "node_rank", "etcd_cacert": "etcd_cacert",
-                  "etcd_cert": "etcd_cert", "etcd_key": "etcd_key"}
-
-
-_SECURITY = ("etcd_user", "etcd_password", "etcd_password_file", "etcd_cacert", "etcd_cert", "etcd_key")
-
 
 def parse_rdzv_conf(text: str, where: str = "--rdzv-conf") -> Dict[str, str]:
     """``"a=1,b=2"`` → ``{"a": "1", "b": "2"}``; one clear error for a malformed or unknown key."""
@@ -143,46 +113,6 @@ def _check_torchrun_choices(p: Parsed) -> None:
                           f"status`) and on stderr; use one of {', '.join(EVENT_HANDLERS)}")
 
 
-def line_filters(text: Optional[str]) -> List[str]:
-    """torchrun's ``--duplicate-*-filters`` list: split at commas, ``,,`` a literal comma; absent: none.
-
-    As in torchrun, an empty entry (``""``, a trailing comma) matches every line.
-    """
-    if text is None:
-        return []
-    placeholder = "\0"
-    return [item.replace(placeholder, ",") for item in str(text).replace(",,", placeholder).split(",")]
-
-
-def _ranks_filter(p: Parsed) -> Optional[List[int]]:
-    text = str(p.values["local_ranks_filter"] or "").strip()
-    if not text:
-        return None
-    try:
-        ranks = sorted({int(r) for r in text.split(",")})
-    except ValueError:
-        raise ConfigError(f"{p.shown('local_ranks_filter')}: must be a comma-separated list of integers, e.g. "
-                          "--local-ranks-filter=0,1,2") from None
-    if ranks[0] < 0:
-        raise ConfigError(f"{p.shown('local_ranks_filter')}: local rank {ranks[0]} must not be negative")
-    return ranks
-
-
-def _snapshot_memory(p: Parsed) -> Optional[int]:
-    """``--snapshot-memory SIZE`` (or ELASTICRUN_SNAPSHOT_MEMORY) in bytes; None when not given."""
-    text = str(p.values.get("snapshot_memory") or "").strip()
-    if not text:
-        return None
-    where = p.shown("snapshot_memory")
-    try:
-        size = parse_size(text)
-    except ValueError:
-        raise ConfigError(f"{where}: not a size; use {RULE} (e.g. --snapshot-memory 8GiB)") from None
-    if size <= 0:
-        raise ConfigError(f"{where}: must be more than 0 (use --no-snapshots to turn memory snapshots off)")
-    return size
-
-
 def _shutdown_timeout(p: Parsed) -> float:
     if p.given("shutdown_timeout"):
         return float(p.values["shutdown_timeout"])
@@ -221,25 +151,27 @@ def _endpoint(host_port: str, default_port: int, where: str) -> str:
     return f"{host}:{port or default_port}"
 
 
-def _rendezvous(p: Parsed, settings: Dict[str, Any]) -> None:
-    """Fill the rendezvous part of ``settings`` (backend, endpoint, hosting, node rank, nnodes)."""
+def _rendezvous(p: Parsed, cfg: LaunchConfig) -> None:
+    """Decide the rendezvous of ``cfg`` (backend, endpoint, hosting, node rank, nnodes)."""
+    r = cfg.rendezvous
     endpoint = str(p.values["rdzv_endpoint"] or "").strip()
     backend_name = _backend_name(p)
-    if _standalone(p, backend_name, endpoint, settings["nnodes_max"]):
-        settings.update(standalone=True, rdzv_backend=RdzvBackend.ETCD, rdzv_endpoint="")
-        settings.setdefault("rdzv_id", f"standalone-{uuid.uuid4().hex[:8]}")
+    if _standalone(p, backend_name, endpoint, r.nnodes_max):
+        r.standalone, r.rdzv_backend, r.rdzv_endpoint = True, RdzvBackend.ETCD, ""
+        if not p.given("rdzv_id"):
+            r.rdzv_id = f"standalone-{uuid.uuid4().hex[:8]}"
         return
     # Without a backend an endpoint is an etcd server; without either, torchrun's static rendezvous.
     backend = BACKENDS[backend_name or ("etcd" if endpoint else "static")]
-    settings["rdzv_backend"] = backend
+    r.rdzv_backend = backend
     if backend is RdzvBackend.ETCD:
-        settings["rdzv_endpoint"] = _etcd_endpoints(p, endpoint)
+        r.rdzv_endpoint = _etcd_endpoints(p, endpoint)
         return
-    _refuse_security(p, settings, backend)
+    _refuse_security(p, cfg.etcd, backend)
     if backend is RdzvBackend.C10D:
-        settings["rdzv_endpoint"] = _c10d_endpoint(p, endpoint)
+        r.rdzv_endpoint = _c10d_endpoint(p, endpoint)
     else:
-        _static(p, settings, endpoint)
+        _static(p, r, endpoint)
 
 
 def _backend_name(p: Parsed) -> str:
@@ -268,9 +200,12 @@ def _etcd_endpoints(p: Parsed, endpoint: str) -> str:
     return endpoint
 
 
-def _refuse_security(p: Parsed, settings: Dict[str, Any], backend: RdzvBackend) -> None:
+def _refuse_security(p: Parsed, etcd: EtcdConfig, backend: RdzvBackend) -> None:
     """The etcd a c10d/static job hosts is plain: one line for any TLS or user setting."""
-    secured = [p.where(k) for k in _SECURITY if settings.get(k) or (p.values.get(k) and p.given(k))]
+    settings = {"etcd_user": etcd.etcd_user, "etcd_password": etcd.etcd_password,
+                "etcd_password_file": etcd.etcd_password_file, "etcd_cacert": etcd.etcd_cacert,
+                "etcd_cert": etcd.etcd_cert, "etcd_key": etcd.etcd_key}  # option dest → value
+    secured = [p.where(k) for k in settings if settings[k] or (p.values.get(k) and p.given(k))]
     if secured:
         raise ConfigError(f"{secured[0]}: the etcd a {backend.value} job hosts is plain (no TLS, no users); "
                           "drop the etcd security settings, or run a secured etcd and use --rdzv-backend etcd")
@@ -284,119 +219,99 @@ def _c10d_endpoint(p: Parsed, endpoint: str) -> str:
     return _endpoint(endpoint, C10D_PORT, p.shown("rdzv_endpoint"))
 
 
-def _static(p: Parsed, settings: Dict[str, Any], endpoint: str) -> None:
+def _static(p: Parsed, r: RendezvousConfig, endpoint: str) -> None:
     """torchrun's static rendezvous at --master-addr:--master-port (or an explicit endpoint): exactly MAX
     nodes, fixed node ranks, node rank 0 hosts the job's etcd."""
     v = p.values
     if endpoint:
-        settings["rdzv_endpoint"] = _endpoint(endpoint, STATIC_PORT, p.shown("rdzv_endpoint"))
+        r.rdzv_endpoint = _endpoint(endpoint, STATIC_PORT, p.shown("rdzv_endpoint"))
     else:
         port = v["master_port"] if v["master_port"] is not None else STATIC_PORT  # its range: run_options
         addr = str(v["master_addr"] or "").strip() or "127.0.0.1"
-        settings["rdzv_endpoint"] = _endpoint(f"{addr}:{port}", STATIC_PORT, p.shown("master_addr"))
-    settings["nnodes_min"] = settings["nnodes_max"]  # a static job has exactly MAX nodes, as in torchrun
-    if settings.get("node_rank") is None:
-        settings["node_rank"] = 0  # torchrun's default --node-rank
-    if settings.get("rdzv_is_host") is None:
-        settings["rdzv_is_host"] = settings["node_rank"] == 0
+        r.rdzv_endpoint = _endpoint(f"{addr}:{port}", STATIC_PORT, p.shown("master_addr"))
+    r.nnodes_min = r.nnodes_max  # a static job has exactly MAX nodes, as in torchrun
+    if r.node_rank is None:
+        r.node_rank = 0  # torchrun's default --node-rank
+    if r.rdzv_is_host is None:
+        r.rdzv_is_host = r.node_rank == 0
 
 
-def _apply_rdzv_conf(p: Parsed, settings: Dict[str, Any]) -> None:
+def _apply_rdzv_conf(p: Parsed, fields: Dict[str, Any]) -> None:
+    """``--rdzv-conf`` keys into ``fields`` (``{"group.field": value}``), where no dedicated flag was given."""
     where = p.where("rdzv_conf")
+    flag_of_field = _flag_of_field(all_options())
     conf = parse_rdzv_conf(str(p.values["rdzv_conf"] or ""), where)
     for key, text in conf.items():
         field_name, kind = RDZV_CONF[key]
         value = _conf_value(key, kind, text, where)
-        if field_name and not p.given(_FLAG_OF_FIELD.get(field_name, "")):  # a dedicated flag wins
-            settings[field_name] = value
+        if field_name and not p.given(flag_of_field.get(field_name, "")):  # a dedicated flag wins
+            fields[field_name] = value
     if ("keep_alive_interval" in conf or "keep_alive_max_attempt" in conf) and not (
         p.given("heartbeat_timeout") or "heartbeat_timeout" in conf
     ):
         interval = _conf_value("keep_alive_interval", "seconds", conf.get("keep_alive_interval", "5"), where)
         attempts = _conf_value("keep_alive_max_attempt", "count", conf.get("keep_alive_max_attempt", "3"), where)
-        settings["heartbeat_timeout"] = float(interval) * float(attempts)
+        fields["rendezvous.heartbeat_timeout"] = float(interval) * float(attempts)
     protocol = conf.get("protocol", "").lower()
-    if protocol == "https" and not settings.get("etcd_cacert"):
+    if protocol == "https" and not fields.get("etcd.etcd_cacert"):
         raise ConfigError(f"{where}: protocol=https needs cacert=FILE (or --etcd-cacert FILE)")
-    if protocol == "http" and settings.get("etcd_cacert"):
+    if protocol == "http" and fields.get("etcd.etcd_cacert"):
         raise ConfigError(f"{where}: protocol=http contradicts the CA certificate given; use protocol=https")
 
 
-def build_config(p: Parsed) -> LaunchConfig:
-    """The launch configuration the parsed arguments ask for (not yet validated)."""
+def _flag_of_field(options: Tuple[Opt, ...]) -> Dict[str, str]:
+    """Field → the dest of the option that fills it alone (a ``--rdzv-conf`` key yields to that flag)."""
+    return {opt.fills[0]: opt.dest for opt in options if not opt.joint and len(opt.fills) == 1}
+
+
+def _direct(p: Parsed) -> Dict[str, Any]:
+    """Every option that is not ``joint``: its one field, its value converted (run_options' table)."""
+    fields: Dict[str, Any] = {}
+    for opt in all_options():
+        if opt.joint or not opt.fills:
+            continue
+        (name,) = opt.fills
+        value = p.values[opt.dest]
+        fields[name] = opt.convert(value, p.shown(opt.dest)) if opt.convert else value
+    return fields
+
+
+def _size(p: Parsed) -> Dict[str, Any]:
+    """``--nnodes`` and ``--nproc-per-node`` (and ``--node-rank`` below the node count)."""
     v = p.values
-    _check_torchrun_choices(p)
     nmin, nmax = parse_nnodes(v["nnodes"], p.shown("nnodes"))
     nproc, kind = parse_nproc(v["nproc_per_node"], p.shown("nproc_per_node"))
     if v["node_rank"] is not None and v["node_rank"] >= nmax:
         raise ConfigError(f"{p.shown('node_rank')}: must be 0 .. {nmax - 1} with {p.shown('nnodes')} (give every "
                           "node its own rank below the node count)")
-    module, no_python = bool(v["module"]), bool(v["no_python"])
-    if v["run_path"]:
+    return {"rendezvous.nnodes_min": nmin, "rendezvous.nnodes_max": nmax, "workers.nproc_per_node": nproc,
+            "workers.device_kind": kind}
+
+
+def _script_kind(p: Parsed) -> Dict[str, Any]:
+    """``-m``, ``--no-python`` and ``--run-path``: how the script runs."""
+    module, no_python = bool(p.values["module"]), bool(p.values["no_python"])
+    if p.values["run_path"]:
         module = no_python = False  # torchrun: --run-path takes precedence
     elif module and no_python:
         raise ConfigError("don't use both the --no-python flag and the -m/--module flag at the same time")
-    settings: Dict[str, Any] = {
-        "nnodes_min": nmin, "nnodes_max": nmax, "nproc_per_node": nproc, "device_kind": kind,
-        "node_rank": v["node_rank"],
-    }
-    for name in ("heartbeat_timeout", "stability_window", "rescale_timeout", "join_timeout", "etcd_timeout"):
-        settings[name] = float(v[name])
-    for name in ("etcd_user", "etcd_password", "etcd_cacert", "etcd_cert", "etcd_key"):
-        settings[name] = v.get(name)
+    return {"workers.module": module, "workers.no_python": no_python}
+
+
+def build_config(p: Parsed) -> LaunchConfig:
+    """The launch configuration the parsed arguments ask for (not yet validated).
+
+    Every option fills the fields its table entry names (:data:`~elasticrun.cli.run_options.Opt.fills`):
+    the plain ones by :func:`_direct`, the joint ones by the rules here."""
+    _check_torchrun_choices(p)
+    fields: Dict[str, Any] = {"workers.entrypoint": p.script, "workers.args": list(p.script_args)}
+    fields.update(_size(p))
+    fields.update(_script_kind(p))
+    fields.update(_direct(p))
+    fields["workers.shutdown_timeout"] = _shutdown_timeout(p)
     if p.given("rdzv_id"):
-        settings["rdzv_id"] = str(v["rdzv_id"])
-    _apply_rdzv_conf(p, settings)
-    _rendezvous(p, settings)
-    kwargs: Dict[str, Any] = dict(
-        entrypoint=p.script,
-        args=list(p.script_args),
-        module=module,
-        no_python=no_python,
-        heterogeneous=bool(v["heterogeneous"]),
-        node_id=v["node_id"] or default_node_id(),
-        local_addr=v["local_addr"],
-        max_restarts=int(v["max_restarts"]),
-        shutdown_timeout=_shutdown_timeout(p),
-        monitor_interval=float(v["monitor_interval"]),
-        start_method=str(v["start_method"]),
-        log_dir=v["log_dir"],
-        redirects=str(v["redirects"]),
-        tee=str(v["tee"]),
-        local_ranks_filter=_ranks_filter(p),
-        duplicate_stdout_filters=line_filters(v["duplicate_stdout_filters"]),
-        duplicate_stderr_filters=line_filters(v["duplicate_stderr_filters"]),
-        numa_binding=v["numa_binding"] or None,
-        virtual_local_rank=bool(v["virtual_local_rank"]),
-        signals_to_handle=[s.strip().upper() for s in str(v["signals_to_handle"]).split(",") if s.strip()],
-        event_log_handler=str(v["event_log_handler"]).strip(),
-        role=str(v["role"]),
-        backend=v["backend"],
-        lr_strategy=AdaptationStrategy(v["lr_scaling"]),
-        redistribution=RedistributionType(v["redistribution"]),
-        global_batch_size=int(v["global_batch_size"]),
-        restart_window=parse_window(v["restart_window"], p.shown("restart_window")),
-        ended_job_ttl=parse_duration(v["ended_job_ttl"], p.shown("ended_job_ttl"), "to keep them forever"),
-        etcd_binary=v["etcd_binary"],
-        quiet=bool(v["quiet"]),
-        prewarm=bool(v["prewarm"]),
-        inplace=bool(v["inplace"]),
-        inplace_ready_timeout=float(v["inplace_ready_timeout"]),
-        standby=int(v["standby"]),
-        snapshots=bool(v["snapshots"]),
-        snapshot_memory=_snapshot_memory(p),
-        hang_timeout=float(v["hang_timeout"]),
-        node_check=bool(v["node_check"]),
-        node_check_thresholds=Thresholds().parse_list(str(v["node_check_thresholds"] or "")),
-        straggler_threshold=float(v["straggler_threshold"]),
-        straggler_window=float(v["straggler_window"]),
-        straggler_action=StragglerAction(v["straggler_action"]),
-        metrics_port=int(v["metrics_port"]),
-        metrics_host=str(v["metrics_host"] or "127.0.0.1").strip(),
-        events_file=v["events_file"] or None,
-        **settings,
-    )
-    for name in v:  # etcd connection options that etcd_options may add later, by field name
-        if name.startswith("etcd_") and name in LaunchConfig.__dataclass_fields__ and name not in kwargs:
-            kwargs[name] = v[name]
-    return LaunchConfig(**kwargs)
+        fields["rendezvous.rdzv_id"] = str(p.values["rdzv_id"])
+    _apply_rdzv_conf(p, fields)
+    cfg = LaunchConfig.of(fields)
+    _rendezvous(p, cfg)
+    return cfg

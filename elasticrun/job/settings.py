@@ -14,7 +14,7 @@ import json
 import os
 import sys
 import tempfile
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence
 
 from elasticrun.errors import ConfigError
 from elasticrun.job import env as names
@@ -106,36 +106,19 @@ def from_options(
     ).resolved()
 
 
-def from_config(cfg: Any) -> EtcdSettings:
-    """The settings of a :class:`~elasticrun.launch.config.LaunchConfig` (its ``etcd_*`` fields), resolved."""
-    return from_options(
-        cfg.rdzv_endpoint,
-        user=getattr(cfg, "etcd_user", None),
-        password=getattr(cfg, "etcd_password", None),
-        password_file=getattr(cfg, "etcd_password_file", None),
-        ca_cert=getattr(cfg, "etcd_cacert", None),
-        cert=getattr(cfg, "etcd_cert", None),
-        key=getattr(cfg, "etcd_key", None),
-        timeout=5.0,
-        retry_timeout=float(getattr(cfg, "etcd_timeout", 10.0)),
-    )
-
-
 def password_on_command_line(argv: Sequence[str]) -> bool:
     """True when ``argv`` carries ``--etcd-password`` (visible to every user in ``ps``)."""
     return any(a == "--etcd-password" or a.startswith("--etcd-password=") for a in argv)
 
 
-def drop_secrets_from_environment(cfg: Any, say: Any = None) -> EtcdSettings:
-    """Agent start: resolve the etcd settings of ``cfg`` (fails at once on a bad password source),
-    then remove :data:`~elasticrun.job.env.SECRET_NAMES` from ``os.environ`` so that no child
-    (workers, standby interpreters, a hosted etcd) inherits them. ``say`` gets the ``ps`` warning."""
-    settings = from_config(cfg)
+def drop_secrets_from_environment(say: Optional[Callable[[str], None]] = None) -> None:
+    """Agent start, once its etcd settings are resolved (a bad password source has failed by then):
+    remove :data:`~elasticrun.job.env.SECRET_NAMES` from ``os.environ`` so that no child (workers,
+    standby interpreters, a hosted etcd) inherits them. ``say`` gets the ``ps`` warning."""
     if say is not None and password_on_command_line(sys.argv):
         say(PASSWORD_IN_ARGV_WARNING)
     for name in names.SECRET_NAMES:
         os.environ.pop(name, None)
-    return settings
 
 
 PASSWORD_IN_ARGV_WARNING = (
@@ -145,6 +128,6 @@ PASSWORD_IN_ARGV_WARNING = (
 
 
 __all__ = [
-    "PASSWORD_IN_ARGV_WARNING", "drop_secrets_from_environment", "from_config", "from_env", "from_file",
+    "PASSWORD_IN_ARGV_WARNING", "drop_secrets_from_environment", "from_env", "from_file",
     "from_options", "password_on_command_line", "to_dict", "to_file",
 ]

@@ -26,7 +26,6 @@ from elasticrun.job import env as env_names
 from elasticrun.job.exitcodes import ExitCode, for_signal
 from elasticrun.job.records import progress_record, read
 from elasticrun.job.settings import drop_secrets_from_environment, to_file
-from elasticrun.job.settings import from_config as etcd_settings
 from elasticrun.launch.c10d import RoundStore
 from elasticrun.launch.config import LaunchConfig, RdzvBackend, signal_number
 from elasticrun.launch.etcdmembers import EtcdMembers, start_members
@@ -105,8 +104,8 @@ class Agent:
 
     def __init__(self, cfg: LaunchConfig) -> None:
         self.cfg = cfg
-        self.label = cfg.node_id if "@" not in cfg.node_id else socket.gethostname()
-        self.say = Reporter(self.label, quiet=cfg.quiet)
+        self.label = cfg.rendezvous.node_id if "@" not in cfg.rendezvous.node_id else socket.gethostname()
+        self.say = Reporter(self.label, quiet=cfg.logs.quiet)
         self._signal: Optional[int] = None
         self._stopping = False  # set once the agent is stopping: no signal is raised again
         self._etcd_failed = False  # leaving on an etcd error: the teardown makes no call that waits on etcd
@@ -142,7 +141,7 @@ class Agent:
 
     def _handled_signals(self) -> List[int]:
         """--signals-to-handle (torchrun's default SIGTERM,SIGINT,SIGHUP,SIGQUIT); SIGTERM, SIGINT always."""
-        numbers = {signal_number(name) for name in self.cfg.signals_to_handle}
+        numbers = {signal_number(name) for name in self.cfg.workers.signals_to_handle}
         return sorted(numbers | {int(signal.SIGTERM), int(signal.SIGINT)})
 
     # -- main ---------------------------------------------------------------------------------
@@ -156,7 +155,7 @@ class Agent:
         rdzv: Optional[Rendezvous] = None
         workers: Optional[WorkerGroup] = None
         snapshots: Optional[SnapshotRoot] = None
-        files_dir = tempfile.mkdtemp(prefix=f"elasticrun-{cfg.rdzv_id}-")
+        files_dir = tempfile.mkdtemp(prefix=f"elasticrun-{cfg.rendezvous.rdzv_id}-")
         round_store = RoundStore(on_error=lambda line: self._store_failed(line, workers))
         with contextlib.ExitStack() as teardown:  # runs bottom to top; each line sees the resource made meanwhile
             teardown.callback(self._restore_signals, handled)
@@ -175,21 +174,22 @@ class Agent:
             teardown.callback(self._ignore_signals, handled)
             try:
                 self.obs.start()  # a busy --metrics-port: one line, before anything started
-                drop_secrets_from_environment(cfg, self.say)  # before any child process starts
+                cfg.etcd_settings()  # resolve the password source now: a bad one fails before anything starts
+                drop_secrets_from_environment(self.say)  # before any child process starts
                 workers = self._worker_group(files_dir, round_store)
                 self.inplace = InPlaceRounds(cfg, workers, self.say)
                 snapshots = self._snapshot_root(workers)
                 # The fork server (bare: the round loop has it preload once the CPU is free), or warm interpreters.
                 workers.prewarm(preload=False)
-                if cfg.nnodes_max == 1:  # we lead every round: the first store's host imports torch meanwhile
+                if cfg.rendezvous.nnodes_max == 1:  # we lead every round: the first store's host imports torch now
                     round_store.prepare(workers.host_store)
                 etcd, store = open_store(cfg, self.say)  # standalone / c10d / static: may host the job's etcd
                 self.obs.attach(store)
-                if cfg.node_check:
+                if cfg.health.node_check:
                     self.obs.node_checking()
                 admit(cfg, store, self.say, self.obs.node_checked)  # --node-check: NodeExcluded (exit 6) if it fails
                 # Workers reach etcd (commit fence, progress, checkpoint requests) with the same settings.
-                workers.etcd_settings_file = to_file(etcd_settings(cfg), os.path.join(files_dir, "etcd-settings.json"))
+                workers.etcd_settings_file = to_file(cfg.etcd_settings(), os.path.join(files_dir, "etcd-settings.json"))
                 rdzv = Rendezvous(store, self._settings(hosting=etcd is not None), self._node_info(workers),
                                   round_store.fresh,
                                   on_progress=self.say)
@@ -199,10 +199,11 @@ class Agent:
                 rdzv.register()  # a running job starts its stability window now
                 self._stragglers = StragglerWatch(cfg, rdzv, self.say, self.obs.straggler_score).start()
                 self._members = start_members(cfg, rdzv, etcd, workers.etcd_settings_file, self.say)
+                r = cfg.rendezvous
                 self.say(
-                    f"joined job {cfg.rdzv_id!r} at {cfg.rdzv_endpoint} as {cfg.node_id} "
-                    f"(nnodes {cfg.nnodes_min}:{cfg.nnodes_max}, {cfg.nproc_per_node} "
-                    f"worker{'s' * (cfg.nproc_per_node != 1)})"
+                    f"joined job {r.rdzv_id!r} at {r.rdzv_endpoint} as {r.node_id} "
+                    f"(nnodes {r.nnodes_min}:{r.nnodes_max}, {cfg.workers.nproc_per_node} "
+                    f"worker{'s' * (cfg.workers.nproc_per_node != 1)})"
                 )
                 return self._loop(rdzv, workers)
             except StoreError:
@@ -213,7 +214,7 @@ class Agent:
             except Drained as drained:
                 self.obs.drained(drained.reason)
                 if store is not None:  # status shows it under excluded
-                    exclude(store, cfg.rdzv_id, cfg.node_id, drained.reason, "straggler")
+                    exclude(store, cfg.rendezvous.rdzv_id, cfg.rendezvous.node_id, drained.reason, "straggler")
                 return self._leave_on_signal(drained, rdzv, workers)
         raise AssertionError("unreachable")  # pragma: no cover - the block returns or raises
 
@@ -223,17 +224,17 @@ class Agent:
         """This node's workers: their log dir (-r/-t/filters without --log-dir: a temporary one that
         outlives us), the c10d store host of the rounds we lead, ``--numa-binding``'s CPUs."""
         cfg = self.cfg
-        log_dir = cfg.log_dir
+        log_dir = cfg.logs.log_dir
         if log_dir is None and cfg.keeps_log_files():
             # Not under files_dir: that one is removed at exit, and these logs must outlive us.
-            log_dir = tempfile.mkdtemp(prefix=f"elasticrun-logs-{cfg.rdzv_id}-")
+            log_dir = tempfile.mkdtemp(prefix=f"elasticrun-logs-{cfg.rendezvous.rdzv_id}-")
             self.say(f"worker logs in {log_dir}")
-        workers = WorkerGroup(cfg, self.label, files_dir, log_dir, uses_gpu(cfg.device_kind),
+        workers = WorkerGroup(cfg, self.label, files_dir, log_dir, uses_gpu(cfg.workers.device_kind),
                               on_exit=lambda: self._wake())
         workers.round_store = round_store  # served by a store host in the rounds we lead
-        if cfg.numa_binding:  # torchrun's choice of each local rank's CPUs, once, before the job starts
-            workers.cpus = worker_cpus(AffinityMode(cfg.numa_binding), cfg.nproc_per_node)
-            self.say(describe_binding(AffinityMode(cfg.numa_binding), workers.cpus))
+        if cfg.workers.numa_binding:  # torchrun's choice of each local rank's CPUs, once, before the job starts
+            workers.cpus = worker_cpus(AffinityMode(cfg.workers.numa_binding), cfg.workers.nproc_per_node)
+            self.say(describe_binding(AffinityMode(cfg.workers.numa_binding), workers.cpus))
         for line in unfed_warnings(cfg):
             self.say(line)
         return workers
@@ -241,27 +242,27 @@ class Agent:
     def _snapshot_root(self, workers: WorkerGroup) -> Optional[SnapshotRoot]:
         """The memory tier's root of this agent (``--snapshots``), named in the workers' environment."""
         cfg = self.cfg
-        if not cfg.snapshots:
+        if not cfg.memory.snapshots:
             return None
-        snapshots = SnapshotRoot.create(cfg.rdzv_id, cfg.node_id, say=self.say)
+        snapshots = SnapshotRoot.create(cfg.rendezvous.rdzv_id, cfg.rendezvous.node_id, say=self.say)
         if snapshots is None:  # no usable /dev/shm: the workers say so when they snapshot
             return None
         workers.extra_env[env_names.SNAPSHOT_DIR] = snapshots.path
-        if cfg.snapshot_memory is not None:
-            workers.extra_env[env_names.SNAPSHOT_MEMORY] = str(cfg.snapshot_memory)
+        if cfg.memory.snapshot_memory is not None:
+            workers.extra_env[env_names.SNAPSHOT_MEMORY] = str(cfg.memory.snapshot_memory)
         return snapshots
 
     def _node_info(self, workers: WorkerGroup) -> NodeInfo:
         """What this node tells the job about itself (its node record)."""
         cfg = self.cfg
-        host, port = parse_endpoints(cfg.rdzv_endpoint)[0]
+        host, port = parse_endpoints(cfg.rendezvous.rdzv_endpoint)[0]
         return NodeInfo(
-            node_id=cfg.node_id,
+            node_id=cfg.rendezvous.node_id,
             host=socket.gethostname(),
-            addr=cfg.local_addr or local_address(host, port),
-            nproc=cfg.nproc_per_node,
+            addr=cfg.rendezvous.local_addr or local_address(host, port),
+            nproc=cfg.workers.nproc_per_node,
             pid=os.getpid(),
-            node_rank=-1 if cfg.node_rank is None else cfg.node_rank,
+            node_rank=-1 if cfg.rendezvous.node_rank is None else cfg.rendezvous.node_rank,
             accelerators=accelerators(workers.use_gpu),  # from the driver: no torch here
         )
 
@@ -279,7 +280,7 @@ class Agent:
         if rdzv is not None and self.inplace is not None and self.inplace.leave_first(rdzv, self._round, wsig):
             wsig = 0  # signalled once already (a second SIGTERM kills); leave_first left the job
         if workers is not None:
-            workers.stop(self.cfg.shutdown_timeout, sig=wsig)
+            workers.stop(self.cfg.workers.shutdown_timeout, sig=wsig)
         if rdzv is not None:  # the job's end if we are its last node (rendezvous/ended.py)
             rdzv.leaving(why, code)
         if rdzv is not None and rdzv.lease is not None:
@@ -312,7 +313,7 @@ class Agent:
             signal.signal(number, signal.default_int_handler if number == signal.SIGINT else signal.SIG_DFL)
 
     def _stop_workers(self, workers: WorkerGroup) -> None:
-        workers.stop(self.cfg.shutdown_timeout)
+        workers.stop(self.cfg.workers.shutdown_timeout)
         workers.discard_warm()
 
     def _wait_others_left(
@@ -323,27 +324,27 @@ class Agent:
         if self._members is not None:
             self._members.close(signalled=self._signal is not None, etcd_failed=self._etcd_failed)
         elif etcd is not None and store is not None and rdzv is not None and self._signal is None:
-            wait_others_left(store, rdzv.keys.nodes, self.cfg.rdzv_close_timeout, self.say)
+            wait_others_left(store, rdzv.keys.nodes, self.cfg.rendezvous.rdzv_close_timeout, self.say)
 
     def _settings(self, hosting: bool = False) -> RendezvousSettings:
         """The protocol's settings. ``hosting``: this agent runs the job's etcd (``--standalone``, or the
         host of a c10d/static line): it goes with the job, so nothing there needs to expire; the other
         agents of a hosted etcd record nothing when they leave (their host may stop it as they go)."""
-        c = self.cfg
-        hosted_elsewhere = not hosting and c.rdzv_backend in (RdzvBackend.C10D, RdzvBackend.STATIC)
+        r = self.cfg.rendezvous
+        hosted_elsewhere = not hosting and r.rdzv_backend in (RdzvBackend.C10D, RdzvBackend.STATIC)
         return RendezvousSettings(
-            job_id=c.rdzv_id,
-            min_nodes=c.nnodes_min,
-            max_nodes=c.nnodes_max,
-            max_restarts=c.max_restarts,
-            restart_window=c.restart_window,
-            heartbeat_timeout=c.heartbeat_timeout,
-            stability_window=c.stability_window,
-            rescale_timeout=c.rescale_timeout,
-            join_timeout=c.join_timeout,
-            stall_after=max(2.0, c.heartbeat_timeout / 2),
-            busy_timeout=c.shutdown_timeout + c.heartbeat_timeout + STOP_SLACK_S,
-            ended_ttl=0.0 if hosting or hosted_elsewhere else c.ended_job_ttl,
+            job_id=r.rdzv_id,
+            min_nodes=r.nnodes_min,
+            max_nodes=r.nnodes_max,
+            max_restarts=r.max_restarts,
+            restart_window=r.restart_window,
+            heartbeat_timeout=r.heartbeat_timeout,
+            stability_window=r.stability_window,
+            rescale_timeout=r.rescale_timeout,
+            join_timeout=r.join_timeout,
+            stall_after=max(2.0, r.heartbeat_timeout / 2),
+            busy_timeout=self.cfg.workers.shutdown_timeout + r.heartbeat_timeout + STOP_SLACK_S,
+            ended_ttl=0.0 if hosting or hosted_elsewhere else self.cfg.etcd.ended_job_ttl,
             record_end=not hosted_elsewhere,
         )
 
@@ -380,15 +381,17 @@ class Agent:
         self.obs.finish("succeeded" if ended.succeeded else "failed")
         outcome = str(ended.state.get("state", "failed"))
         if ended.spare:  # exits with the job's outcome, as its other nodes do (docs/deploy.md)
-            self.say(f"job {self.cfg.rdzv_id!r} {outcome} while this node waited as a spare: it ran no worker")
+            self.say(f"job {self.cfg.rendezvous.rdzv_id!r} {outcome} while this node waited as a spare: "
+                     "it ran no worker")
         if ended.succeeded:
             self.say("the job has finished successfully")
             return ExitCode.SUCCEEDED
         rows = rdzv.root_cause(int(ended.state.get("round", -1)))
         reason = ended.state.get("reason", "job failed")
         if rows:
-            self.say.table(root_cause_table(rows, f"job {self.cfg.rdzv_id!r} failed: {reason}"))
-        err = JobFailedError(f"job {self.cfg.rdzv_id!r} {'stopped' if ended.stopped else 'failed'}: {reason}")
+            self.say.table(root_cause_table(rows, f"job {self.cfg.rendezvous.rdzv_id!r} failed: {reason}"))
+        how = "stopped" if ended.stopped else "failed"
+        err = JobFailedError(f"job {self.cfg.rendezvous.rdzv_id!r} {how}: {reason}")
         code = ended.state.get("exit_code")  # the node that ended the job chose it (absent: 1)
         err.exit_code = code if isinstance(code, int) else None
         raise err
@@ -404,12 +407,13 @@ class Agent:
 
     def _hang_watch(self, rdzv: Rendezvous, topo: Topology) -> Optional[HangWatch]:
         """``--hang-timeout``: watch the progress our node's local rank 0 reports (see launch/hang.py)."""
-        if self.cfg.hang_timeout <= 0:
+        if self.cfg.health.hang_timeout <= 0:
             return None
         if self._hang is None:
-            key = rdzv.keys.progress_of(self.cfg.node_id)
-            self._hang = HangWatch(lambda: read(rdzv.store.get(key), progress_record), self.cfg.hang_timeout).start()
-        kept = self.cfg.node_id in topo.inplace  # our workers report round n - 1 until they re-form
+            key = rdzv.keys.progress_of(self.cfg.rendezvous.node_id)
+            self._hang = HangWatch(lambda: read(rdzv.store.get(key), progress_record),
+                                   self.cfg.health.hang_timeout).start()
+        kept = self.cfg.rendezvous.node_id in topo.inplace  # our workers report round n - 1 until they re-form
         self._hang.start_round(topo.round, carried=topo.round - 1 if kept else None)
         return self._hang
 

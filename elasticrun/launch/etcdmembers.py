@@ -33,7 +33,6 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from elasticrun.errors import ElasticrunError, StoreError, StoreSetupError
 from elasticrun.job import records
-from elasticrun.job.settings import from_config as etcd_settings
 from elasticrun.job.settings import to_file
 from elasticrun.launch.config import LaunchConfig
 from elasticrun.launch.etcdhome import member_server, sweep
@@ -83,12 +82,12 @@ class EtcdMembers:
         self.rdzv = rdzv
         self.keys = rdzv.keys
         self.say = say
-        self.settings = settings or etcdplan.Settings(most=cfg.etcd_members)
+        self.settings = settings or etcdplan.Settings(most=cfg.rendezvous.etcd_members)
         self.settings_file = settings_file
         self.store: Optional[EtcdStore] = None  # our own client (made by the thread)
         self.member: Optional[EtcdServer] = hosted  # the member this node runs (hosted: started by the agent)
         self._spawned = False  # we started self.member's process (we stop it)
-        self._endpoints = cfg.rdzv_endpoint  # what every client of ours talks to
+        self._endpoints = cfg.rendezvous.rdzv_endpoint  # what every client of ours talks to
         self._stop = threading.Event()
         self._signalled = False
         self._etcd_failed = False
@@ -112,13 +111,13 @@ class EtcdMembers:
         self._signalled, self._etcd_failed = signalled, etcd_failed
         self._stop.set()
         self.rdzv.view.poke()
-        self._thread.join(self.cfg.rdzv_close_timeout + 2 * CALL_RETRY_S + 10.0)
+        self._thread.join(self.cfg.rendezvous.rdzv_close_timeout + 2 * CALL_RETRY_S + 10.0)
 
     # -- the thread ---------------------------------------------------------------------------------
 
     def _run(self) -> None:
         try:
-            self.store = etcd_settings(self.cfg).connect(None, check=False, retry_timeout=CALL_RETRY_S)
+            self.store = self.cfg.etcd_settings().connect(None, check=False, retry_timeout=CALL_RETRY_S)
             if self.member is not None:
                 self._record_hosted()
             version = 0
@@ -176,7 +175,7 @@ class EtcdMembers:
         self.store.set_endpoints(joined)
         self.rdzv.store.set_endpoints(joined)
         if self.settings_file:
-            to_file(etcd_settings(self.cfg).replace(endpoints=joined), self.settings_file)
+            to_file(self.cfg.etcd_settings().replace(endpoints=joined), self.settings_file)
         self.say(f"the job's etcd is at {joined} ({len(endpoints)} member{'s' * (len(endpoints) > 1)}; "
                  f"`elasticrun status --rdzv-endpoint` takes any of them)")
 
@@ -263,8 +262,8 @@ class EtcdMembers:
         assert self.store is not None
         node = self.rdzv.node
         name = f"{node.node_id}-{secrets.token_hex(3)}"
-        server = member_server(self.cfg.rdzv_id, node.node_id, self.cfg.etcd_binary, name=name, host=node.addr,
-                               joins=True)
+        server = member_server(self.cfg.rendezvous.rdzv_id, node.node_id, self.cfg.etcd.etcd_binary, name=name,
+                               host=node.addr, joins=True)
         self.member, self._spawned = server, True
         guard = Guard(request.key, request.mod_revision)
         if not self._put_record(server, 0, guard):
@@ -406,7 +405,8 @@ class EtcdMembers:
         if self.member is None:
             return
         if not self._etcd_failed and not self._remove_own():
-            wait = self.cfg.rdzv_close_timeout if not self._signalled else min(HANDOVER_S, self.cfg.rdzv_close_timeout)
+            close = self.cfg.rendezvous.rdzv_close_timeout
+            wait = close if not self._signalled else min(HANDOVER_S, close)
             self._serve_last(wait)
         if self._spawned:
             assert self.member is not None

@@ -31,7 +31,6 @@ from typing import Callable, List, Optional, Tuple
 
 from elasticrun.errors import ElasticrunError, StoreError, StoreSetupError
 from elasticrun.job.keys import JobKeys
-from elasticrun.job.settings import from_config as etcd_settings
 from elasticrun.launch.config import LaunchConfig, RdzvBackend
 from elasticrun.launch.etcdhome import member_server
 from elasticrun.launch.hostlock import HostLock
@@ -106,8 +105,8 @@ def _try_host(cfg: LaunchConfig, host: str, port: int, forced: bool, say: Say) -
                                   "machine; pick a free --master-port / endpoint port")
         return None  # another agent on this machine hosts it: join it
     try:
-        server = member_server(cfg.rdzv_id, cfg.node_id, cfg.etcd_binary, name=HOSTED_NAME, host=ip,
-                               client_port=port, peer_port=free_port(ip))
+        server = member_server(cfg.rendezvous.rdzv_id, cfg.rendezvous.node_id, cfg.etcd.etcd_binary,
+                               name=HOSTED_NAME, host=ip, client_port=port, peer_port=free_port(ip))
     except ElasticrunError:
         lock.release()
         raise
@@ -122,7 +121,7 @@ def _try_host(cfg: LaunchConfig, host: str, port: int, forced: bool, say: Say) -
             return None  # taken meanwhile by something else: join whatever serves there
         raise
     server.after_stop.append(lock.release)  # held while the server runs; removed when it stops
-    n = cfg.etcd_members
+    n = cfg.rendezvous.etcd_members
     future = f"it grows to {n} members on {n} nodes once they joined" if n > 1 else \
         "the job cannot continue if this node dies"
     say(f"hosting the job's etcd at {host}:{port} ({future})")
@@ -139,43 +138,43 @@ def open_store(cfg: LaunchConfig, say: Say) -> Tuple[Optional[EtcdServer], EtcdS
     once, then every few seconds, and gives up at its deadline (``--etcd-timeout``; a node that
     joins a hosted etcd: ``--join-timeout``)."""
     etcd: Optional[EtcdServer] = None
-    retry = cfg.etcd_timeout
-    if cfg.standalone and not cfg.rdzv_endpoint:
-        etcd = member_server(cfg.rdzv_id, cfg.node_id, cfg.etcd_binary).start()
-        cfg.rdzv_endpoint = etcd.endpoint
+    retry = cfg.etcd.etcd_timeout
+    if cfg.rendezvous.standalone and not cfg.rendezvous.rdzv_endpoint:
+        etcd = member_server(cfg.rendezvous.rdzv_id, cfg.rendezvous.node_id, cfg.etcd.etcd_binary).start()
+        cfg.rendezvous.rdzv_endpoint = etcd.endpoint
         say(f"started a private etcd at {etcd.endpoint}")
-    elif cfg.rdzv_backend in (RdzvBackend.C10D, RdzvBackend.STATIC):
-        host, port = parse_endpoints(cfg.rdzv_endpoint)[0]
-        if cfg.rdzv_is_host is not False:
-            etcd = _try_host(cfg, host, port, forced=cfg.rdzv_is_host is True, say=say)
+    elif cfg.rendezvous.rdzv_backend in (RdzvBackend.C10D, RdzvBackend.STATIC):
+        host, port = parse_endpoints(cfg.rendezvous.rdzv_endpoint)[0]
+        if cfg.rendezvous.rdzv_is_host is not False:
+            etcd = _try_host(cfg, host, port, forced=cfg.rendezvous.rdzv_is_host is True, say=say)
         if etcd is None:
-            who = "node rank 0" if cfg.rdzv_backend is RdzvBackend.STATIC else f"the agent on {host}"
-            say(f"joining the job's etcd at {cfg.rdzv_endpoint} (hosted by {who})")
-            join = max(1.0, cfg.join_timeout)
+            who = "node rank 0" if cfg.rendezvous.rdzv_backend is RdzvBackend.STATIC else f"the agent on {host}"
+            say(f"joining the job's etcd at {cfg.rendezvous.rdzv_endpoint} (hosted by {who})")
+            join = max(1.0, cfg.rendezvous.join_timeout)
             try:  # the hosting node may start later: wait for its port, then connect at once
-                retry = max(1.0, wait_for_etcd(cfg.rdzv_endpoint, join, say, "--join-timeout",
-                                               what=f"the job's etcd at {cfg.rdzv_endpoint}"))
+                retry = max(1.0, wait_for_etcd(cfg.rendezvous.rdzv_endpoint, join, say, "--join-timeout",
+                                               what=f"the job's etcd at {cfg.rendezvous.rdzv_endpoint}"))
             except StoreError:
-                raise StoreError(f"no etcd at {cfg.rdzv_endpoint} after {join:.0f}s (--join-timeout): start "
+                raise StoreError(f"no etcd at {cfg.rendezvous.rdzv_endpoint} after {join:.0f}s (--join-timeout): start "
                                  f"{who.replace(host, 'that host')}, which hosts the job's etcd, with the same "
                                  "flags") from None
     else:
         try:
-            retry = max(1.0, wait_for_etcd(cfg.rdzv_endpoint, cfg.etcd_timeout, say, "--etcd-timeout",
+            retry = max(1.0, wait_for_etcd(cfg.rendezvous.rdzv_endpoint, cfg.etcd.etcd_timeout, say, "--etcd-timeout",
                                            hint=f"{START_HINT}, {STANDALONE_HINT}"))
         except StoreSetupError:
             raise
         except StoreError as err:
             raise StoreError(str(err)) from None
     try:
-        store = etcd_settings(cfg).connect(JobKeys(cfg.rdzv_id).ping, retry_timeout=retry)
+        store = cfg.etcd_settings().connect(JobKeys(cfg.rendezvous.rdzv_id).ping, retry_timeout=retry)
     except StoreError as err:
         if etcd is not None:
             etcd.stop()
         if str(err).startswith("cannot reach etcd") and STANDALONE_HINT not in str(err):
             raise type(err)(f"{err}, {STANDALONE_HINT}") from None
         raise
-    store.retry_timeout = cfg.etcd_timeout
+    store.retry_timeout = cfg.etcd.etcd_timeout
     return etcd, store
 
 

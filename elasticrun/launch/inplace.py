@@ -60,9 +60,9 @@ class InPlaceRounds:
 
     def __init__(self, cfg: LaunchConfig, workers: WorkerGroup, say: Callable[[str], None]) -> None:
         self.cfg = cfg
-        self.enabled = cfg.inplace
+        self.enabled = cfg.rendezvous.inplace
         self.workers = workers
-        workers.inplace = cfg.inplace
+        workers.inplace = cfg.rendezvous.inplace
         self.say = say
         self.carrying = False  # workers kept through a round change, not yet placed in the next round
         self._told = False  # our node record says inplace=True
@@ -91,7 +91,7 @@ class InPlaceRounds:
         """Stop workers kept through a round change (our lease was lost: no re-form, no stale worker)."""
         if self.carrying:
             self.carrying = False
-            self.workers.stop(self.cfg.shutdown_timeout)
+            self.workers.stop(self.cfg.workers.shutdown_timeout)
 
     def start(self, rdzv: Rendezvous, topo: Topology, me: Member, event: Optional[RescaleEvent],
               call: EtcdCall = direct) -> str:
@@ -102,10 +102,10 @@ class InPlaceRounds:
                 self._envs = self.workers.adopt(topo, me, event)
                 self._reforming, self._published = topo.round, 0.0
                 self._joining = self._forming = -1
-                self._deadline = time.monotonic() + self.cfg.inplace_ready_timeout
+                self._deadline = time.monotonic() + self.cfg.rendezvous.inplace_ready_timeout
                 return f"{len(self._envs)} kept, re-forming in place"
             self.say(f"round {topo.round} restarts every worker: stopping the kept ones")
-            self.workers.stop(self.cfg.shutdown_timeout)
+            self.workers.stop(self.cfg.workers.shutdown_timeout)
             call(lambda: rdzv.publish(inplace=False), "starting a round")
             self._told = False
         self._reforming = -1  # fresh workers: nothing of an earlier re-form is pending
@@ -119,7 +119,7 @@ class InPlaceRounds:
         finally:
             self.workers.extra_env.pop(names.INPLACE_JOIN, None)
         self._joining = self._forming = topo.round if join else -1
-        self._deadline = time.monotonic() + self.cfg.inplace_ready_timeout
+        self._deadline = time.monotonic() + self.cfg.rendezvous.inplace_ready_timeout
         return self.workers.started_how + (", joining in-place survivors" if join else "")
 
     @property
@@ -221,7 +221,7 @@ class InPlaceRounds:
             self.say(f"round {self._reforming}: workers re-formed in place in {now - self._published:.2f} s")
             self._reforming = -1
         elif step is InPlaceStep.NEWCOMERS_LATE:
-            wait = self.cfg.inplace_ready_timeout
+            wait = self.cfg.rendezvous.inplace_ready_timeout
             return f"newcomers {', '.join(_newcomers(topo))} not ready within {wait:g} s"
         elif step is InPlaceStep.REFORM_LATE:
             return f"workers did not re-form within {INPLACE_DEADLINE_S:g} s"

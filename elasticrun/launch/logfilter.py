@@ -28,7 +28,7 @@ _LINE_END = re.compile(rb"\r\n|\r|\n")
 
 def stream_filters(cfg: LaunchConfig) -> Dict[int, List[str]]:
     """Stream (1 stdout, 2 stderr) → its filter strings, for the streams that have some."""
-    filters = {1: cfg.duplicate_stdout_filters, 2: cfg.duplicate_stderr_filters}
+    filters = {1: cfg.logs.duplicate_stdout_filters, 2: cfg.logs.duplicate_stderr_filters}
     return {stream: list(needles) for stream, needles in filters.items() if needles}
 
 
@@ -36,14 +36,14 @@ def copied(cfg: LaunchConfig, local_rank: int, stream: int) -> bool:
     """Whether ``local_rank``'s ``stream`` feeds the attempt's filtered file (it is tee'd and shown)."""
     _, tee = cfg.std_streams()
     return (stream in stream_filters(cfg) and stream_selected(tee, local_rank, stream)
-            and on_console(local_rank, cfg.local_ranks_filter))
+            and on_console(local_rank, cfg.logs.local_ranks_filter))
 
 
 def unfed_warnings(cfg: LaunchConfig) -> List[str]:
     """One line per filtered stream that no local worker feeds (as in torchrun, its file stays empty)."""
     lines = []
     for stream in stream_filters(cfg):
-        if not any(copied(cfg, rank, stream) for rank in range(cfg.nproc_per_node)):
+        if not any(copied(cfg, rank, stream) for rank in range(cfg.workers.nproc_per_node)):
             name = STREAMS[stream]
             lines.append(f"--duplicate-{name}-filters: no local rank's {name} is tee'd (--tee {stream} or 3) and "
                          f"shown, so {FILTERED_NAMES[stream]} stays empty (as under torchrun)")

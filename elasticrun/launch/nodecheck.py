@@ -48,12 +48,13 @@ def readmit(store: EtcdStore, job_id: str, node_id: str) -> None:
 def check_plan(cfg: LaunchConfig, store: EtcdStore) -> CheckPlan:
     """What ``--node-check`` checks: the checkpoint directory of ``$ELASTICRUN_CHECKPOINT_DIR`` (else the
     working directory), /dev/shm, the job's etcd when it runs outside the job, the GPUs when there are any."""
-    external = cfg.rdzv_backend not in (RdzvBackend.C10D, RdzvBackend.STATIC) and not cfg.standalone
-    ping = JobKeys(cfg.rdzv_id).ping
+    r = cfg.rendezvous
+    external = r.rdzv_backend not in (RdzvBackend.C10D, RdzvBackend.STATIC) and not r.standalone
+    ping = JobKeys(cfg.rendezvous.rdzv_id).ping
     return CheckPlan(ckpt_dir=os.environ.get(env_names.CHECKPOINT_DIR) or os.getcwd(),
-                     endpoint=cfg.rdzv_endpoint if external else "",
+                     endpoint=cfg.rendezvous.rdzv_endpoint if external else "",
                      etcd_read=(lambda: store.get(ping)) if external else None,
-                     thresholds=cfg.node_check_thresholds, gpu=True, allreduce=True)
+                     thresholds=cfg.health.node_check_thresholds, gpu=True, allreduce=True)
 
 
 def admit(cfg: LaunchConfig, store: EtcdStore, say: Callable[[str], None],
@@ -61,7 +62,7 @@ def admit(cfg: LaunchConfig, store: EtcdStore, say: Callable[[str], None],
     """Run ``--node-check`` (when on) before the node joins; NodeExcluded when it fails. Without the flag,
     or when it passes, the node's old exclusion record (a drain, an earlier failed check) is removed."""
     report: Optional[NodeReport] = None
-    if cfg.node_check:
+    if cfg.health.node_check:
         say("checking this node before it joins (--node-check)")
         t0 = time.monotonic()
         report = run_check(check_plan(cfg, store))
@@ -70,11 +71,12 @@ def admit(cfg: LaunchConfig, store: EtcdStore, say: Callable[[str], None],
             for c in report.checks:
                 if c.failed:
                     say(f"node check failed: {c.name}: {c.detail} (threshold {c.threshold} {c.unit})")
-            exclude(store, cfg.rdzv_id, cfg.node_id, report.reason, "node-check",
+            exclude(store, cfg.rendezvous.rdzv_id, cfg.rendezvous.node_id, report.reason, "node-check",
                     [c.to_dict() for c in report.checks if c.failed])
-            raise NodeExcluded(f"this node failed its check and stays out of job {cfg.rdzv_id!r}: {report.reason}")
+            raise NodeExcluded(f"this node failed its check and stays out of job {cfg.rendezvous.rdzv_id!r}: "
+                               f"{report.reason}")
         say(f"node check passed ({len(report.checks)} checks in {time.monotonic() - t0:.1f} s)")
-    readmit(store, cfg.rdzv_id, cfg.node_id)
+    readmit(store, cfg.rendezvous.rdzv_id, cfg.rendezvous.node_id)
     return report
 
 

@@ -37,13 +37,14 @@ class Observer:
 
     def __init__(self, cfg: LaunchConfig) -> None:
         self.cfg = cfg
-        self.keys = JobKeys(cfg.rdzv_id)
+        self.keys = JobKeys(cfg.rendezvous.rdzv_id)
         self._lock = threading.Lock()
         self.goodput = Goodput()
-        self.events = EventLog(cfg.events_file, cfg.rdzv_id, cfg.node_id)
+        self.events = EventLog(cfg.logs.events_file, cfg.rendezvous.rdzv_id, cfg.rendezvous.node_id)
         self.state: Dict[str, Any] = {"round": -1, "world_size": 0, "nodes": 0, "restarts": 0, "rescales": {},
                                       "role": "member", "lease": "lost", "samples_per_s": None}
-        self.metrics = Metrics(cfg.rdzv_id, cfg.node_id, self.snapshot) if cfg.metrics_port else None
+        self.metrics = (Metrics(cfg.rendezvous.rdzv_id, cfg.rendezvous.node_id, self.snapshot)
+                        if cfg.logs.metrics_port else None)
         self.port: Optional[int] = None
         self._store: Optional[EtcdStore] = None
         self._lease_id: Optional[int] = None
@@ -59,7 +60,7 @@ class Observer:
     def start(self) -> Optional[int]:
         """Serve /metrics (if asked); the port bound. ConfigError when it cannot listen."""
         if self.metrics is not None:
-            self.port = self.metrics.serve(self.cfg.metrics_host, self.cfg.metrics_port)
+            self.port = self.metrics.serve(self.cfg.logs.metrics_host, self.cfg.logs.metrics_port)
         return self.port
 
     def attach(self, store: EtcdStore) -> None:
@@ -176,7 +177,7 @@ class Observer:
     def _see(self, rdzv: Rendezvous) -> None:
         lease = rdzv.lease
         self._lease_id = None if lease is None else lease.lease_id
-        leader = rdzv.leadership.holder() == self.cfg.node_id
+        leader = rdzv.leadership.holder() == self.cfg.rendezvous.node_id
         with self._lock:
             self.state.update(lease=_LEASE.get(rdzv.lease_health(), "lost"), role="leader" if leader else "member")
 
@@ -225,7 +226,7 @@ class Observer:
         if store is None:
             return
         try:
-            p = records.read(store.get(self.keys.progress_of(self.cfg.node_id)), records.progress_record)
+            p = records.read(store.get(self.keys.progress_of(self.cfg.rendezvous.node_id)), records.progress_record)
         except ElasticrunError:
             return
         if not isinstance(p, dict) or "step" not in p or p.get("time") == self._seen:
@@ -276,7 +277,7 @@ class Observer:
         if store is None or (lease is None and not final):
             return
         try:
-            store.put_json(self.keys.goodput_of(self.cfg.node_id), dict(self.summary(), time=time.time()),
+            store.put_json(self.keys.goodput_of(self.cfg.rendezvous.node_id), dict(self.summary(), time=time.time()),
                            lease=None if final else lease)
         except ElasticrunError:
             pass  # etcd or our lease is gone for now: the next report tries again

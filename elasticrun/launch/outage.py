@@ -103,21 +103,22 @@ class OutageGuard:
             self.since = time.monotonic() - (lease.unconfirmed_for() if lease is not None else 0.0)
             self.say(
                 f"etcd does not answer (lease unconfirmed for {self._outage_age():.0f}s): workers keep "
-                f"training for up to --etcd-outage-grace {self.cfg.etcd_outage_grace:.0f}s"
+                f"training for up to --etcd-outage-grace {self.cfg.etcd.etcd_outage_grace:.0f}s"
             )
 
     def _give_up(self, what: str) -> None:
         if self.full is not None:
             self.say(f"etcd refused writes for {self._outage_age():.0f}s (more than --etcd-outage-grace "
-                     f"{self.cfg.etcd_outage_grace:.0f}s): stopping workers (SIGTERM, "
-                     f"{self.cfg.shutdown_timeout:.0f}s to save)")
-            stop_workers(self.rdzv, self.workers, self.cfg.shutdown_timeout)
+                     f"{self.cfg.etcd.etcd_outage_grace:.0f}s): stopping workers (SIGTERM, "
+                     f"{self.cfg.workers.shutdown_timeout:.0f}s to save)")
+            stop_workers(self.rdzv, self.workers, self.cfg.workers.shutdown_timeout)
             raise StoreFullError(f"{self.full} (while {what}; workers were stopped)")
         self.say(
             f"etcd unreachable for {self._outage_age():.0f}s (more than --etcd-outage-grace "
-            f"{self.cfg.etcd_outage_grace:.0f}s): stopping workers (SIGTERM, {self.cfg.shutdown_timeout:.0f}s to save)"
+            f"{self.cfg.etcd.etcd_outage_grace:.0f}s): stopping workers (SIGTERM, "
+            f"{self.cfg.workers.shutdown_timeout:.0f}s to save)"
         )
-        stop_workers(self.rdzv, self.workers, self.cfg.shutdown_timeout)
+        stop_workers(self.rdzv, self.workers, self.cfg.workers.shutdown_timeout)
         raise StoreError(f"etcd unreachable for {self._outage_age():.0f}s while {what}; workers were stopped")
 
     def check(self, topo: Topology) -> Optional[RoundOutcome]:
@@ -131,7 +132,7 @@ class OutageGuard:
             return None
         if health is LeaseHealth.IN_DOUBT:
             self._enter()
-            if self._outage_age() > self.cfg.etcd_outage_grace:
+            if self._outage_age() > self.cfg.etcd.etcd_outage_grace:
                 self._give_up("running a round")
             return None
         lease = self.rdzv.lease
@@ -147,7 +148,7 @@ class OutageGuard:
         except StoreError:
             if self.since is None:
                 self._enter()
-            if self._outage_age() > self.cfg.etcd_outage_grace:
+            if self._outage_age() > self.cfg.etcd.etcd_outage_grace:
                 self._give_up("rejoining after an outage")
             return None  # etcd flaps: try again next turn (the lease is re-taken then)
         age = self._outage_age()
@@ -168,7 +169,7 @@ class OutageGuard:
         Raises LeaseLost (after stopping our workers) when etcd answers but our lease is gone.
         """
         while True:
-            self.rdzv.beat(busy_for=self.cfg.etcd_timeout + self.rdzv.store.timeout)
+            self.rdzv.beat(busy_for=self.cfg.etcd.etcd_timeout + self.rdzv.store.timeout)
             try:
                 result = fn()
             except StoreError as err:
@@ -182,11 +183,11 @@ class OutageGuard:
                 if isinstance(err, StoreFullError) and self.full is None:
                     self.full = str(err)  # etcd answers: say why it refuses, not "does not answer"
                     self.since = self.since or time.monotonic()
-                    self.say(f"{err}; retrying for up to --etcd-outage-grace {self.cfg.etcd_outage_grace:.0f}s")
+                    self.say(f"{err}; retrying for up to --etcd-outage-grace {self.cfg.etcd.etcd_outage_grace:.0f}s")
                 if self.since is None:
-                    self.since = time.monotonic() - self.cfg.etcd_timeout
+                    self.since = time.monotonic() - self.cfg.etcd.etcd_timeout
                     self.say(f"etcd does not answer while {what}; retrying for up to --etcd-outage-grace")
-                if self._outage_age() > self.cfg.etcd_outage_grace:
+                if self._outage_age() > self.cfg.etcd.etcd_outage_grace:
                     self._give_up(what)
                 time.sleep(0.5)
                 continue

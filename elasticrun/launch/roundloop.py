@@ -78,14 +78,15 @@ class RoundLoop:
     def start(self) -> str:
         """Start (or place the kept) workers of the round; how, for the log."""
         topo = self.topo
-        me = topo.member(self.cfg.node_id)
+        me = topo.member(self.cfg.rendezvous.node_id)
         assert me is not None
         event = self.rdzv.rescale_event(topo.round)
         ranks = f"{me.rank_offset}..{me.rank_offset + me.nproc - 1}"
         kind = event.type.value if event else "Start"
         self.say(
             f"round {topo.round} ({kind}): world size {topo.world_size}, {len(topo.members)} node(s), "
-            f"group rank {me.group_rank}, ranks {ranks}, restarts {topo.restart_count}/{self.cfg.max_restarts}"
+            f"group rank {me.group_rank}, ranks {ranks}, "
+            f"restarts {topo.restart_count}/{self.cfg.rendezvous.max_restarts}"
         )
         self.rdzv.beat(busy_for=SERVER_WAIT_S)  # the start may wait for the fork server's imports (bounded)
         self.obs.round_started(topo, event)
@@ -154,7 +155,7 @@ class RoundLoop:
             return None
         if isinstance(action, JobSucceeded):
             self.guard.call(lambda: self.rdzv.mark_succeeded(self.topo), "finishing the job")
-            stop_workers(self.rdzv, self.workers, self.cfg.shutdown_timeout)
+            stop_workers(self.rdzv, self.workers, self.cfg.workers.shutdown_timeout)
             return RoundOutcome.SUCCEEDED
         if isinstance(action, WorkerFailed):
             self._worker_failed()
@@ -184,7 +185,7 @@ class RoundLoop:
         self.say(f"worker rank {first.rank} failed ({first.signal or first.exitcode}): stopping this round")
         self.obs.round_failed()
         self._report_failure(self.inplace.mark([f.to_dict() for f in failures]), "reporting a failure")  # in a re-form?
-        stop_workers(self.rdzv, self.workers, self.cfg.shutdown_timeout)
+        stop_workers(self.rdzv, self.workers, self.cfg.workers.shutdown_timeout)
 
     def _hung(self, stall: Stall) -> None:
         self.say(f"round {self.topo.round}: the step reported by our workers (last {stall.step}) has not advanced "
@@ -210,7 +211,7 @@ class RoundLoop:
         elif action.end is WorkersEnd.KILL:
             stop_workers(self.rdzv, self.workers, HANG_STOP_S, sig=signal.SIGKILL)
         else:
-            stop_workers(self.rdzv, self.workers, self.cfg.shutdown_timeout)
+            stop_workers(self.rdzv, self.workers, self.cfg.workers.shutdown_timeout)
 
     def _dump_stacks(self, timeout: float) -> List[Dict[str, Any]]:
         """Have our running workers dump their stacks to the log; the hang's failure rows."""

@@ -81,7 +81,7 @@ class StragglerWatch:
         self.rdzv = rdzv
         self.say = say
         self.on_score = on_score
-        self.policy = StragglerPolicy(threshold=cfg.straggler_threshold, window_s=cfg.straggler_window)
+        self.policy = StragglerPolicy(threshold=cfg.health.straggler_threshold, window_s=cfg.health.straggler_window)
         self.tracker = StragglerTracker(self.policy)
         self._closed = threading.Event()
         self._lock = threading.Lock()
@@ -113,7 +113,7 @@ class StragglerWatch:
         topo, _ = self.rdzv.view.topology()
         if topo is None:
             return
-        if self.rdzv.leadership.holder() == self.cfg.node_id:
+        if self.rdzv.leadership.holder() == self.cfg.rendezvous.node_id:
             self._lead(topo, now)
         self._follow(topo)
 
@@ -122,14 +122,15 @@ class StragglerWatch:
         a = self.tracker.observe(topo.round, readings(kvs, topo.round), now)
         members = [m.node_id for m in topo.members]
         drained = self._drained.setdefault(topo.round, [])
-        decision = drain_decision(a, self.cfg.straggler_action, members, self.cfg.nnodes_min, drained)
+        decision = drain_decision(a, self.cfg.health.straggler_action, members, self.cfg.rendezvous.nnodes_min, drained)
         if decision.node is not None:
             drained.append(decision.node)
             self.say(f"round {topo.round}: draining node {decision.node} ({decision.reason})")
         for node in a.flagged:
             self.say(f"round {topo.round}: node {node} is a straggler: compute {a.nodes[node]:.2f}× the job's median "
-                     f"for {self.policy.window_s:g} s" + ("" if self.cfg.straggler_action is StragglerAction.DRAIN
-                                                           else " (--straggler-action warn)"))
+                     f"for {self.policy.window_s:g} s"
+                     + ("" if self.cfg.health.straggler_action is StragglerAction.DRAIN
+                        else " (--straggler-action warn)"))
         for node in a.cleared:
             self.say(f"round {topo.round}: node {node} is no longer a straggler")
         if decision.reason and decision.node is None and a.flagged:
@@ -141,7 +142,7 @@ class StragglerWatch:
 
     def _follow(self, topo: Topology) -> None:
         rec = self.rdzv.view.record(self.rdzv.keys.stragglers, records.straggler_record)
-        me = self.cfg.node_id
+        me = self.cfg.rendezvous.node_id
         if rec is None or rec["round"] != topo.round:
             self.on_score(False, None, {}, None)
             return

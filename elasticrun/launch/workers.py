@@ -114,11 +114,11 @@ class WorkerGroup:
 
     def command(self) -> List[str]:
         cfg = self.cfg
-        if cfg.no_python:
-            return [cfg.entrypoint, *cfg.args]
-        if cfg.module:
-            return [sys.executable, "-u", "-m", cfg.entrypoint, *cfg.args]
-        return [sys.executable, "-u", cfg.entrypoint, *cfg.args]
+        if cfg.workers.no_python:
+            return [cfg.workers.entrypoint, *cfg.workers.args]
+        if cfg.workers.module:
+            return [sys.executable, "-u", "-m", cfg.workers.entrypoint, *cfg.workers.args]
+        return [sys.executable, "-u", cfg.workers.entrypoint, *cfg.workers.args]
 
     def prewarm(self, deep: bool = False, preload: bool = True) -> None:
         """Get interpreters that import torch ahead of time, to become workers when a round forms.
@@ -130,19 +130,20 @@ class WorkerGroup:
         most ``--standby`` of them; without, before a round forms, one per local rank. With
         ``--standby 0`` only the latter.
         """
-        if not self.cfg.prewarm or self.cfg.no_python:
+        if not self.cfg.workers.prewarm or self.cfg.workers.no_python:
             return
-        if self.cfg.standby >= 1 and not self._fork_unsafe:
+        if self.cfg.workers.standby >= 1 and not self._fork_unsafe:
             self._start_server()
             if not self._fork_unsafe:
                 if preload:
                     self._preload_server(deep)
                 return
-        wanted = min(self.cfg.standby, self.cfg.nproc_per_node) if deep else self.cfg.nproc_per_node
+        w = self.cfg.workers
+        wanted = min(w.standby, w.nproc_per_node) if deep else w.nproc_per_node
         self._warm = [p for p in self._warm if p.poll() is None]
         env = self._warm_env()
         # The script and its arguments only label the process (ps, pgrep); the real ones come on stdin.
-        label = ["--", self.cfg.entrypoint, *self.cfg.args]
+        label = ["--", self.cfg.workers.entrypoint, *self.cfg.workers.args]
         flags = ["--deep"] if deep else []
         cmd = with_parent_death_signal([sys.executable, "-u", "-m", "elasticrun.launch.warm", *flags, *label])
         while len(self._warm) < wanted:
@@ -160,7 +161,7 @@ class WorkerGroup:
     def _warm_env(self) -> Dict[str, str]:
         env = without_secrets(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
-        if self.cfg.nproc_per_node > 1:
+        if self.cfg.workers.nproc_per_node > 1:
             env.setdefault("OMP_NUM_THREADS", "1")
         return env
 
@@ -182,7 +183,7 @@ class WorkerGroup:
         # No BLAS thread pool in the server: fork() would copy only the calling thread. A worker gets
         # its own environment (the order), but numpy's BLAS keeps the pool size it started with.
         env.setdefault("OPENBLAS_NUM_THREADS", "1")
-        label = [self.cfg.entrypoint, *self.cfg.args]
+        label = [self.cfg.workers.entrypoint, *self.cfg.workers.args]
         self._server = ForkServer(label, env, os.path.join(self.files_dir, "forkserver.log"), self.files_dir)
 
     @property
@@ -304,9 +305,9 @@ class WorkerGroup:
         self._how["fresh"] += 1
         # With --hang-timeout a fresh worker too starts through warm.py (no preload): it registers
         # the stack dump (see _order) before running the script exactly as `python script.py` would.
-        boot = self.cfg.hang_timeout > 0 and not self.cfg.no_python
-        cmd = [sys.executable, "-u", "-m", "elasticrun.launch.warm", "--fresh", "--", self.cfg.entrypoint,
-               *self.cfg.args] if boot else self.command()
+        boot = self.cfg.health.hang_timeout > 0 and not self.cfg.workers.no_python
+        cmd = [sys.executable, "-u", "-m", "elasticrun.launch.warm", "--fresh", "--", self.cfg.workers.entrypoint,
+               *self.cfg.workers.args] if boot else self.command()
         proc = subprocess.Popen(
             with_parent_death_signal(cmd, cpus=cpus or ()),
             env=env,
@@ -323,9 +324,9 @@ class WorkerGroup:
     def _order(self, env: Dict[str, str], cpus: Optional[FrozenSet[int]] = None) -> Dict[str, object]:
         """What warm.py runs: the script, its environment, (``--hang-timeout``) the stack-dump signal and
         (``--numa-binding``) the CPUs to bind to first."""
-        order: Dict[str, object] = {"env": env, "argv": [self.cfg.entrypoint, *self.cfg.args],
-                                    "module": self.cfg.module, "cwd": os.getcwd()}
-        if self.cfg.hang_timeout > 0:
+        order: Dict[str, object] = {"env": env, "argv": [self.cfg.workers.entrypoint, *self.cfg.workers.args],
+                                    "module": self.cfg.workers.module, "cwd": os.getcwd()}
+        if self.cfg.health.hang_timeout > 0:
             order["stacks_signal"] = int(STACKS_SIGNAL)
         if cpus:
             order["cpus"] = sorted(cpus)
@@ -397,7 +398,7 @@ class WorkerGroup:
         self.started_how = f"{kinds} in {(time.monotonic() - began) * 1000:.0f} ms"
         server = self._server
         why = self._fork_unsafe or (server.why_gone if server is not None else "")
-        if why and not self._how["forked"] and self.cfg.prewarm and self.cfg.standby > 0:
+        if why and not self._how["forked"] and self.cfg.workers.prewarm and self.cfg.workers.standby > 0:
             self.started_how += f"; no fork server: {why}"
 
     def _plan(self, topo: Topology, member: Member,
@@ -416,22 +417,22 @@ class WorkerGroup:
             env = worker_env(
                 os.environ,
                 spec,
-                run_id=self.cfg.rdzv_id,
-                max_restarts=self.cfg.max_restarts,
-                rdzv_endpoint=self.cfg.rdzv_endpoint,
-                node_id=self.cfg.node_id,
-                role=self.cfg.role,
+                run_id=self.cfg.rendezvous.rdzv_id,
+                max_restarts=self.cfg.rendezvous.max_restarts,
+                rdzv_endpoint=self.cfg.rendezvous.rdzv_endpoint,
+                node_id=self.cfg.rendezvous.node_id,
+                role=self.cfg.workers.role,
                 event=event,
-                backend=self.cfg.backend,
+                backend=self.cfg.workers.backend,
                 use_gpu=self.use_gpu,
                 extra={
-                    names.LR_SCALING: self.cfg.lr_strategy.value,
-                    names.REDISTRIBUTION: self.cfg.redistribution.value,
-                    names.GLOBAL_BATCH_SIZE: str(self.cfg.global_batch_size or ""),
+                    names.LR_SCALING: self.cfg.workers.lr_strategy.value,
+                    names.REDISTRIBUTION: self.cfg.workers.redistribution.value,
+                    names.GLOBAL_BATCH_SIZE: str(self.cfg.workers.global_batch_size or ""),
                     **self.extra_env,
                 },
                 etcd_settings_file=self.etcd_settings_file,
-                virtual_local_rank=self.cfg.virtual_local_rank,
+                virtual_local_rank=self.cfg.workers.virtual_local_rank,
             )
             env[names.PROGRESS_FILE] = os.path.join(self.files_dir, "progress-step")  # the node's, kept across rounds
             env[names.STEP_TIMES_DIR] = step_times_dir(self.files_dir)  # each rank's compute time per step
@@ -462,7 +463,7 @@ class WorkerGroup:
             path = os.path.join(round_dir, f"rank_{rank}")
         else:
             if self._run_log_dir is None:
-                self._run_log_dir = run_log_dir(self.log_dir, self.cfg.rdzv_id)
+                self._run_log_dir = run_log_dir(self.log_dir, self.cfg.rendezvous.rdzv_id)
             path = worker_log_dir(self._run_log_dir, round_, local_rank)
         os.makedirs(path, exist_ok=True)
         return path
@@ -474,8 +475,8 @@ class WorkerGroup:
 
     def _pump(self, proc: subprocess.Popen, log_dir: Optional[str], rank: int, local_rank: int) -> OutputPump:
         """Start copying a worker's stdout and stderr; returns the stderr pump (it keeps the tail)."""
-        prefix = line_prefix(self.node_label, rank, local_rank, self.cfg.role)
-        shown = on_console(local_rank, self.cfg.local_ranks_filter)
+        prefix = line_prefix(self.node_label, rank, local_rank, self.cfg.workers.role)
+        shown = on_console(local_rank, self.cfg.logs.local_ranks_filter)
         pumps = []
         for stream, pipe in ((1, proc.stdout), (2, proc.stderr)):
             assert pipe is not None

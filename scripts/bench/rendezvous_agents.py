@@ -25,7 +25,7 @@ from types import SimpleNamespace
 from typing import Any, Dict, List, Set
 
 from elasticrun.job.keys import JobKeys
-from elasticrun.launch.config import LaunchConfig
+from elasticrun.launch.config import LaunchConfig, WorkersConfig
 from elasticrun.launch.outage import OutageGuard
 from elasticrun.rendezvous.protocol import LeaseLost, Rendezvous, RendezvousSettings
 from elasticrun.rendezvous.records import NodeInfo, WorkerStatus
@@ -77,7 +77,8 @@ class Shard:
         self.settings = RendezvousSettings(job_id=job, min_nodes=max(1, nodes - 1), max_nodes=nodes, max_restarts=0,
                                            heartbeat_timeout=heartbeat, stability_window=0.5, rescale_timeout=120,
                                            join_timeout=120)
-        self.cfg = LaunchConfig(entrypoint="bench_rendezvous")  # the outage guard's settings: the defaults
+        # the outage guard's settings: the defaults
+        self.cfg = LaunchConfig(workers=WorkersConfig(entrypoint="bench_rendezvous"))
         self.lock = threading.Lock()
         self.rdzv: Dict[int, Rendezvous] = {}
         self.held: Dict[int, Dict[int, float]] = {}

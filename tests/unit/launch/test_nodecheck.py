@@ -10,14 +10,15 @@ from elasticrun.job import records
 from elasticrun.job.exitcodes import ExitCode, for_error
 from elasticrun.job.keys import JobKeys
 from elasticrun.launch import nodecheck
-from elasticrun.launch.config import LaunchConfig
+from elasticrun.launch.config import HealthConfig, LaunchConfig, RendezvousConfig, WorkersConfig
 
 K = JobKeys("j")
 
 
 def cfg(node_check: bool) -> LaunchConfig:
-    return LaunchConfig(entrypoint="x.py", rdzv_id="j", node_id="n1", rdzv_endpoint="127.0.0.1:1",
-                        node_check=node_check)
+    return LaunchConfig(rendezvous=RendezvousConfig(rdzv_id="j", node_id="n1", rdzv_endpoint="127.0.0.1:1"),
+                        workers=WorkersConfig(entrypoint="x.py"),
+                        health=HealthConfig(node_check=node_check))
 
 
 def test_a_failing_node_is_excluded_with_the_reason_and_exits_6(store, monkeypatch):
@@ -48,5 +49,5 @@ def test_a_node_that_joins_removes_its_old_exclusion(store, monkeypatch):
 def test_the_plan_checks_etcd_only_outside_the_job():
     c = cfg(True)
     assert nodecheck.check_plan(c, None).endpoint == "127.0.0.1:1"  # type: ignore[arg-type]
-    c.standalone = True
+    c.rendezvous.standalone = True
     assert nodecheck.check_plan(c, None).endpoint == ""  # type: ignore[arg-type]
