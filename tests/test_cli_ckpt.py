@@ -194,12 +194,20 @@ def test_save_to_a_finished_job_answers_at_once(etcd_server, etcd, job_id, agent
     pids = tmp_path / "pids"
     pids.mkdir()
     ep = etcd_server.endpoint
+    hold = tmp_path / "go"  # the worker exits once this exists: after the request was made
     agent = agents(["run", "--rdzv-backend", "etcd", "--rdzv-endpoint", ep, "--rdzv-id", job_id, "--nnodes", "1",
-                    "--nproc-per-node", "1", ECHO], env={"ECHO_SLEEP_S": "6", "ECHO_PID_DIR": str(pids)})
+                    "--nproc-per-node", "1", ECHO], env={"ECHO_HOLD_FILE": str(hold), "ECHO_PID_DIR": str(pids)})
     wait_until(lambda: (pids / "0.pid").exists(), 60, "the worker to start")
     started = time.monotonic()
-    waiting = cli("save", "--rdzv-endpoint", ep, "--rdzv-id", job_id, "--timeout", "120", timeout=150)
+    answers = []
+    saver = threading.Thread(target=lambda: answers.append(
+        cli("save", "--rdzv-endpoint", ep, "--rdzv-id", job_id, "--timeout", "120", timeout=150)))
+    saver.start()
+    wait_until(lambda: etcd.get_prefix(JobKeys(job_id).checkpoint_requests)[0], 60, "the save request in etcd")
+    hold.touch()
     assert agent.wait(60) == 0, agent.output()
+    saver.join(150)
+    waiting = answers[0]
     _one_line_error(waiting, 5, f"job '{job_id}' finished at ", "(succeeded: all workers exited 0)",
                     "before it checkpointed")
     assert time.monotonic() - started < 60, "returned when the job ended, not after --timeout"
