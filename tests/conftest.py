@@ -17,11 +17,9 @@ tests were collected (``torch.cuda`` reads the variable once, at its first use).
 
 from __future__ import annotations
 
-import fcntl
 import os
 import signal
 import subprocess
-import tempfile
 import uuid
 from pathlib import Path
 from typing import Callable, Iterator, List, Optional
@@ -80,45 +78,14 @@ def _in_fast_tier(item: pytest.Item) -> bool:
     return "not integration" in marks and item.get_closest_marker("integration") is None
 
 
-class _SuiteLock:
-    """Parallel runs (pytest-xdist, ``-n N``) on a small machine: an integration test that runs
-    agents (the ``agents`` fixture, or marked ``exclusive``) holds one lock file of the run
-    exclusively — no other integration test runs beside it, so its heartbeats and deadlines see the
-    CPU a serial run gives them; other integration tests share the lock and run side by side; fast
-    tests take none. Without xdist it does nothing."""
-
-    def __init__(self, item: pytest.Item) -> None:
-        run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-        self.how = 0
-        if run and item.get_closest_marker("integration") is not None:
-            alone = "agents" in getattr(item, "fixturenames", ()) or item.get_closest_marker("exclusive") is not None
-            self.how = fcntl.LOCK_EX if alone else fcntl.LOCK_SH
-            self.path = os.path.join(tempfile.gettempdir(), f"elasticrun-tests-{run}.lock")
-
-    def __enter__(self) -> None:
-        if self.how:
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-            fcntl.flock(self.fd, self.how)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.how:
-            os.close(self.fd)  # releases the lock
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: Optional[pytest.Item]) -> Iterator[None]:
     """``CUDA_VISIBLE_DEVICES=""`` around every test not marked ``gpu`` (setup, call and teardown);
-    in the fast tier, no process started (:class:`_NoProcesses`); in parallel runs, the suite's
-    lock (:class:`_SuiteLock`)."""
+    in the fast tier, no process started (:class:`_NoProcesses`)."""
     if _in_fast_tier(item):
         with _NoProcesses(item.nodeid):
             yield
         return
-    with _SuiteLock(item):
-        yield from _with_gpus_hidden(item)
-
-
-def _with_gpus_hidden(item: pytest.Item) -> Iterator[None]:
     if item.get_closest_marker("gpu") is not None:
         yield
         return
