@@ -5,7 +5,11 @@
       newcomer: start workers with ELASTICRUN_INPLACE_JOIN=1 → their ``.ready`` files → ``ready/<node>``
 
 An agent keeps its workers through a round change only when every local worker opted in
-(``<in-place file>.optin``), the round did not fail, no hang was seen and the workers still run.
+(``<in-place file>.optin``), no hang was seen, the workers still run, and the round did not fail or
+failed only by other nodes' crashes flagged recoverable in place (:meth:`InPlaceRounds.mark` flags
+a crashed node's rows when its workers had all opted in, outside any re-form). Kept workers are told
+(``<in-place file>.recover``): one whose collective broke waits in ``InPlace.recover`` for its next
+assignment; the crashed node starts its workers again as newcomers.
 The leader decides from the node records who re-forms (:func:`~elasticrun.rendezvous.inplace.plan_inplace`,
 ``Topology.inplace``); a kept worker the new round does not re-form in place is stopped and
 restarted as today. A newcomer not ready within ``--inplace-ready-timeout``, or a survivor that
@@ -41,6 +45,7 @@ from elasticrun.launch.failures import make_failure
 from elasticrun.launch.outage import stop_workers
 from elasticrun.launch.workers import GroupState, WorkerGroup
 from elasticrun.proc import kill_process_group
+from elasticrun.rendezvous.inplace import keeps_through_failure
 from elasticrun.rendezvous.protocol import Rendezvous
 from elasticrun.rendezvous.records import Member, RescaleEvent, Topology
 
@@ -130,10 +135,15 @@ class InPlaceRounds:
 
     def mark(self, rows: List[dict]) -> List[dict]:
         """Failure rows of our workers, flagged :data:`~elasticrun.job.inplace.DURING_INPLACE` when they
-        failed inside the re-form (the restart that follows is then not charged to ``--max-restarts``)."""
+        failed inside the re-form (the restart that follows is then not charged to ``--max-restarts``),
+        else :data:`~elasticrun.job.inplace.RECOVERABLE` when every worker of ours had opted in and no
+        re-form is under way: the other nodes may keep theirs (the leader decides, ``plan_inplace``)."""
         if self.during_inplace:
             for row in rows:
                 row[inplace.DURING_INPLACE] = True
+        elif self.enabled and self._told and not self.busy and not self.carrying:
+            for row in rows:
+                row[inplace.RECOVERABLE] = row.get("exitcode") != inplace.EXIT_INPLACE_FAILED
         return rows
 
     def leave_first(self, rdzv: Rendezvous, round_: int, sig: int) -> bool:
@@ -156,16 +166,29 @@ class InPlaceRounds:
 
     def can_keep(self, rdzv: Rendezvous, topo: Topology) -> bool:
         """At the end of round ``topo``: whether our workers may be kept for the next round (no stop):
-        they all opted in and still run, the round did not fail, and no re-form is under way."""
+        they all opted in and still run, no re-form is under way, and the round did not fail, or failed
+        only by other nodes' crashes recoverable in place (:func:`keeps_through_failure`)."""
         if not (self.enabled and self._told) or self.busy:
             return False
-        if rdzv.round_failed(topo.round):
+        if rdzv.round_failed(topo.round) and not self._recoverable(rdzv, topo.round):
             return False
         return self.workers.poll() is GroupState.RUNNING
 
-    def carry(self) -> None:
-        """Keep our workers through the round change (:meth:`can_keep` said they may)."""
+    def _recoverable(self, rdzv: Rendezvous, round_: int) -> bool:
+        try:
+            rows = rdzv.root_cause(round_)
+        except (ElasticrunError, ValueError, TypeError):
+            return False  # cannot tell: the restart path
+        return keeps_through_failure(rows, self.cfg.node_id)
+
+    def carry(self, round_: int) -> None:
+        """Keep our workers through the end of round ``round_`` (:meth:`can_keep` said they may), and tell
+        them: a worker whose collective broke (a peer crashed) waits for its next assignment
+        (``InPlace.recover``) for up to the newcomers' start-up and the re-form's deadline."""
         self.carrying = True
+        wait = self.cfg.inplace_ready_timeout + INPLACE_DEADLINE_S
+        for path in self._files():
+            inplace.announce_recovery(path, round_, wait)
 
     def _state(self) -> InPlaceState:
         return InPlaceState(told=self._told, joining=self._joining, reforming=self._reforming,

@@ -333,7 +333,7 @@ class Rendezvous:
         if prev is not None:
             failed = view.record(keys.failed(prev.round), records.failed_flag)
             end = view.record(keys.end(prev.round), records.end_flag)
-            if failed is not None and prev.inplace:  # only a failed in-place round's rows decide anything
+            if failed is not None:  # a failed re-form is free; a crash may be recovered in place
                 rows = tuple(row for kv in view.under(keys.failures(prev.round)).values()
                              for row in records.read(kv, records.failure_rows) or [])
             prefix = keys.lefts(prev.round)

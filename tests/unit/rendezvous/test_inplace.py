@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from elasticrun.job.inplace import DURING_INPLACE, EXIT_INPLACE_FAILED
-from elasticrun.rendezvous.inplace import inplace_failed, plan_inplace
+from elasticrun.job.inplace import DURING_INPLACE, EXIT_INPLACE_FAILED, RECOVERABLE
+from elasticrun.rendezvous.inplace import inplace_failed, keeps_through_failure, plan_inplace
 from elasticrun.rendezvous.records import Member, NodeInfo, RescaleType, Topology
 
 
@@ -61,3 +61,38 @@ def test_only_a_failed_reform_of_an_inplace_round_is_free():
     assert inplace_failed(inplace, in_reform), "a newcomer dying while it receives the state"
     assert not inplace_failed(inplace, [{"rank": 2, "exitcode": 3, DURING_INPLACE: False}])
     assert not inplace_failed(None, could_not)
+
+
+def _crash(node: str, rank: int, recoverable: bool = True, **more) -> dict:
+    return {"node_id": node, "rank": rank, "exitcode": 1, RECOVERABLE: recoverable, **more}
+
+
+def test_a_recoverable_crash_keeps_the_other_nodes_and_restarts_the_crashed_one_as_a_newcomer():
+    prev, same = _topo("ABC"), _topo("ABC", 1).members
+    rows = [_crash("B", 1)]
+    assert plan_inplace(prev, same, RescaleType.RESTART, True, _nodes("AC"), (), rows) == ("A", "C")
+    two = [_crash("B", 1), _crash("C", 2)]
+    assert plan_inplace(prev, same, RescaleType.RESTART, True, _nodes("A"), (), two) == ("A",)
+
+
+def test_a_crash_takes_the_restart_path_unless_every_condition_holds():
+    prev, same = _topo("ABC"), _topo("ABC", 1).members
+    ok = [_crash("B", 1)]
+    assert plan_inplace(prev, same, RescaleType.RESTART, True, _nodes("AC"), (), []) == (), "no rows: cannot tell"
+    assert plan_inplace(prev, same, RescaleType.RESTART, True, _nodes("AC"), (), ok + [_crash("C", 2, False)]) == (), \
+        "one failure not recoverable (a hang, a crash inside a re-form, a node without opt-in)"
+    assert plan_inplace(prev, same, RescaleType.RESTART, True, _nodes("A"), (), ok) == (), "survivor C not opted in"
+    assert plan_inplace(prev, same, RescaleType.RESTART, True, _nodes("BC"), (), [_crash("A", 0)]) == (), \
+        "rank 0 crashed: no survivor holds rank 0 to send the state from"
+    assert plan_inplace(prev, same, RescaleType.RESTART, True, _nodes("AC"), (), [{"rank": 1, RECOVERABLE: True}]) \
+        == (), "a row without its node"
+    lost = (_member("A", 0), _member("C", 1))
+    assert plan_inplace(prev, lost, RescaleType.SCALE_DOWN, True, _nodes("AC"), (), ok) == (), "a lost node"
+    assert plan_inplace(prev, same, RescaleType.RESTART, False, _nodes("ABC"), (), ok) == (), "no failure flag"
+
+
+def test_a_survivor_keeps_its_workers_only_for_recoverable_crashes_of_other_nodes():
+    assert keeps_through_failure([_crash("B", 1)], "A")
+    assert not keeps_through_failure([_crash("B", 1)], "B"), "our own worker failed"
+    assert not keeps_through_failure([_crash("B", 1), _crash("C", 2, False)], "A")
+    assert not keeps_through_failure([], "A"), "the rows are not readable yet or were lost"

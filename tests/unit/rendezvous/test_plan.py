@@ -9,7 +9,7 @@ from typing import Dict, Optional, Tuple
 import pytest
 
 from elasticrun.job.exitcodes import ExitCode
-from elasticrun.job.inplace import EXIT_INPLACE_FAILED
+from elasticrun.job.inplace import EXIT_INPLACE_FAILED, RECOVERABLE
 from elasticrun.rendezvous.plan import (
     EndJob,
     Fence,
@@ -258,6 +258,19 @@ def test_a_failed_inplace_reform_is_not_charged():
     assert plan.event.type is RescaleType.RESTART and plan.topology.inplace == (), "never in place after a failure"
     charged = plan_round(snap("AB", 3, prev, failed=late, failure_rows=({"rank": 0, "exitcode": 1},)), s, T0)
     assert isinstance(charged, EndJob), "an ordinary crash late in the round is charged"
+
+
+def test_a_crash_recovered_in_place_uses_a_restart_and_keeps_the_other_nodes():
+    prev = topo("ABC", 2)
+    rows = ({"node_id": "B", "rank": 1, "exitcode": 1, RECOVERABLE: True},)
+    n = nodes("ABC", 3, inplace=True)
+    plan = plan_round(snap("ABC", 3, prev, nodes=n, failed={"node": "B"}, failure_rows=rows), settings(max_restarts=1),
+                      T0)
+    assert isinstance(plan, FormRound) and plan.topology.inplace == ("A", "C")
+    assert plan.event.type is RescaleType.RESTART and plan.topology.restart_count == 1 and plan.restarts == (WALL,)
+    spent = plan_round(snap("ABC", 3, prev, nodes=n, failed={"node": "B"}, failure_rows=rows), settings(max_restarts=0),
+                       T0)
+    assert isinstance(spent, EndJob), "no restart left: the job fails, in place or not"
 
 
 # -- plan_round: in place, reasons ----------------------------------------------------------------
