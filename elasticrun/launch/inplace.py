@@ -34,7 +34,7 @@ import enum
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from elasticrun.errors import ElasticrunError
 from elasticrun.job import env as names
@@ -77,6 +77,7 @@ class InPlaceRounds:
         self._deadline = 0.0
         self._joining = -1  # the round our newcomer workers join (-1: none)
         self._forming = -1  # that round until our newcomer workers have the state (-1: none)
+        self._recovering = False  # our kept workers wait in InPlace.recover (the round ended by a crash)
 
     @property
     def busy(self) -> bool:
@@ -113,7 +114,7 @@ class InPlaceRounds:
             self.workers.stop(self.cfg.shutdown_timeout)
             call(lambda: rdzv.publish(inplace=False), "starting a round")
             self._told = False
-        self._reforming = -1  # fresh workers: nothing of an earlier re-form is pending
+        self._reforming, self._recovering = -1, False  # fresh workers: nothing of an earlier re-form is pending
         for local_rank in range(me.nproc):
             inplace.clear(self.workers.inplace_file(local_rank))
         join = self.enabled and bool(topo.inplace) and me.node_id not in topo.inplace
@@ -129,21 +130,19 @@ class InPlaceRounds:
 
     @property
     def during_inplace(self) -> bool:
-        """Our workers are inside an in-place re-form: survivors between their assignment and re-forming,
+        """Our workers are inside an in-place re-form: survivors between their assignment and re-forming
+        (after a crash, from the start: they wait in ``InPlace.recover`` instead of training on),
         newcomers until they have received the state."""
-        return (self._reforming >= 0 and self._published > 0) or self._forming >= 0
+        return (self._reforming >= 0 and (self._published > 0 or self._recovering)) or self._forming >= 0
 
     def mark(self, rows: List[dict]) -> List[dict]:
         """Failure rows of our workers, flagged :data:`~elasticrun.job.inplace.DURING_INPLACE` when they
         failed inside the re-form (the restart that follows is then not charged to ``--max-restarts``),
         else :data:`~elasticrun.job.inplace.RECOVERABLE` when every worker of ours had opted in and no
         re-form is under way: the other nodes may keep theirs (the leader decides, ``plan_inplace``)."""
-        if self.during_inplace:
-            for row in rows:
-                row[inplace.DURING_INPLACE] = True
-        elif self.enabled and self._told and not self.busy and not self.carrying:
-            for row in rows:
-                row[inplace.RECOVERABLE] = row.get("exitcode") != inplace.EXIT_INPLACE_FAILED
+        opted_in = self.enabled and self._told and not self.busy and not self.carrying
+        for row in rows:
+            row.update(failure_flags(self.during_inplace, opted_in, row.get("exitcode")))
         return rows
 
     def leave_first(self, rdzv: Rendezvous, round_: int, sig: int) -> bool:
@@ -181,11 +180,12 @@ class InPlaceRounds:
             return False  # cannot tell: the restart path
         return keeps_through_failure(rows, self.cfg.node_id)
 
-    def carry(self, round_: int) -> None:
-        """Keep our workers through the end of round ``round_`` (:meth:`can_keep` said they may), and tell
-        them: a worker whose collective broke (a peer crashed) waits for its next assignment
-        (``InPlace.recover``) for up to the newcomers' start-up and the re-form's deadline."""
+    def carry(self, round_: int, failed: bool) -> None:
+        """Keep our workers through the end of round ``round_`` (:meth:`can_keep` said they may; ``failed``:
+        it ended by other nodes' crashes), and tell them: a worker whose collective broke waits for its
+        next assignment (``InPlace.recover``) for up to the newcomers' start-up and the re-form's deadline."""
         self.carrying = True
+        self._recovering = failed
         wait = self.cfg.inplace_ready_timeout + INPLACE_DEADLINE_S
         for path in self._files():
             inplace.announce_recovery(path, round_, wait)
@@ -242,7 +242,7 @@ class InPlaceRounds:
             self._deadline = now + INPLACE_DEADLINE_S
         elif step is InPlaceStep.REFORMED:
             self.say(f"round {self._reforming}: workers re-formed in place in {now - self._published:.2f} s")
-            self._reforming = -1
+            self._reforming, self._recovering = -1, False
         elif step is InPlaceStep.NEWCOMERS_LATE:
             wait = self.cfg.inplace_ready_timeout
             return f"newcomers {', '.join(_newcomers(topo))} not ready within {wait:g} s"
@@ -256,9 +256,21 @@ class InPlaceRounds:
         self.say(f"round {topo.round}: in-place re-form failed ({why}): restarting the round")
         rows = [make_failure(w.spec.member.node_id, w.spec.member.host, w.spec.rank, w.spec.local_rank,
                              inplace.EXIT_INPLACE_FAILED, w.spec.error_file).to_dict() for w in self.workers.running]
-        self._reforming = -1
+        self._reforming, self._recovering = -1, False
         call(lambda: rdzv.report_failure(topo, rows), "reporting a failed re-form")
         stop_workers(rdzv, self.workers, 1.0, sig=signal.SIGKILL)
+
+
+def failure_flags(during_inplace: bool, opted_in: bool, exitcode: Any) -> Dict[str, bool]:
+    """The in-place flags of a failure row of ours: :data:`~elasticrun.job.inplace.DURING_INPLACE` inside
+    a re-form (its restart is free); else, when every worker of ours had opted in and no re-form is
+    under way (``opted_in``), :data:`~elasticrun.job.inplace.RECOVERABLE` (false for a worker that
+    itself could not re-form, exit 75); else none."""
+    if during_inplace:
+        return {inplace.DURING_INPLACE: True}
+    if opted_in:
+        return {inplace.RECOVERABLE: exitcode != inplace.EXIT_INPLACE_FAILED}
+    return {}
 
 
 def _newcomers(topo: Topology) -> List[str]:
@@ -329,4 +341,5 @@ def inplace_steps(state: InPlaceState, seen: InPlaceSeen) -> List[InPlaceStep]:
     return steps
 
 
-__all__ = ["EtcdCall", "InPlaceRounds", "direct", "InPlaceSeen", "InPlaceState", "InPlaceStep", "inplace_steps"]
+__all__ = ["EtcdCall", "InPlaceRounds", "direct", "failure_flags", "InPlaceSeen", "InPlaceState", "InPlaceStep",
+           "inplace_steps"]
