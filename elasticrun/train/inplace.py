@@ -229,9 +229,10 @@ class InPlace:
         from the new rank 0: :attr:`Reform.REFORMED`, redo the interrupted step (its gradients are
         dropped; the sampler and :attr:`step` were not advanced). :attr:`Reform.STOP`: SIGTERM came
         while waiting (the agent took the restart path). Re-raises ``err`` otherwise: not enabled, not
-        a ``RuntimeError`` (a bug in the step, not a broken collective), or no recovery announced.
+        a ``RuntimeError`` (a bug in the step, not a broken collective), no recovery announced, or an
+        NCCL group (its communicator must be aborted, which this does not do yet: the restart path).
         """
-        if not self.enabled or not isinstance(err, RuntimeError):
+        if not self.enabled or not isinstance(err, RuntimeError) or "nccl" in str(self.ctx.backend):
             raise err
         began = time.monotonic()
         old = self.ctx.round
