@@ -4,7 +4,14 @@
     inplace = et.InPlace(ctx, model=model, optimizer=opt, sampler=sampler)  # opts in
     ddp = DDP(model)                       # after InPlace, as every other collective
     while ...:
-        train_one_step(); inplace.step += 1
+        try:
+            train_one_step()               # zero_grad first, optimizer step after the last collective
+        except RuntimeError as err:        # a peer crashed: its all-reduce failed
+            if inplace.recover(err) is et.Reform.REFORMED:   # re-raises unless recovered in place
+                ddp = et.rebuild_ddp(ddp)
+                continue                   # redo the step in the re-formed group
+            break                          # STOP
+        inplace.step += 1                  # (and sampler.advance) only after the step's collectives
         result = inplace.check()           # a step boundary: one tiny all-reduce
         if result is et.Reform.STOP:       # this worker leaves (its node is going away)
             if reform.group_kept:          # every rank stops at this step: a collective save still works
@@ -23,6 +30,9 @@ rank 0 (always a survivor: ranks are stable) to newcomers, which receive it in t
 newcomer's first collectives are the survivors' re-form (else both wait and the re-form fails).
 Any failure (a peer gone, no assignment before ``timeout``) exits the worker with
 :data:`EXIT_INPLACE_FAILED`: the agent then takes the normal restart path.
+After a peer's crash the agent keeps the workers and says so in ``<file>.recover``: :meth:`InPlace.recover`
+leaves the broken group, waits for the next assignment (the crashed rank's replacement joins as a
+newcomer) and re-forms as above; the interrupted step is redone.
 Without ``ELASTICRUN_INPLACE_FILE`` (torchrun, plain python) nothing changes: ``check()`` is a
 no-op returning ``CONTINUE`` unless SIGTERM arrived.
 """
