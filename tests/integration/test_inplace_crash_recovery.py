@@ -16,7 +16,7 @@ import json
 import os
 import signal
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 import pytest
 
@@ -28,12 +28,14 @@ from helpers.procs import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 DATASET = 600  # 3 ranks x 2 samples: 100 steps at world 3
+HANG_TIMEOUT = 5
 
 
-def _start(agents, endpoint: str, job: str, tmp: Path, env: Dict[str, str], extra: Dict[str, Dict[str, str]]):
+def _start(agents, endpoint: str, job: str, tmp: Path, env: Dict[str, str], extra: Dict[str, Dict[str, str]],
+           flags: Sequence[str] = ()):
     """Nodes A, B, C at group ranks 0, 1, 2 (fixed: B is the one whose worker is killed)."""
     return {n: agents(inplace_args(endpoint, job, n, "3", extra=[
-        "--max-restarts", "2", "--node-rank", str(i), "--events-file", str(tmp / f"events-{n}.jsonl")]),
+        "--max-restarts", "2", "--node-rank", str(i), "--events-file", str(tmp / f"events-{n}.jsonl"), *flags]),
         name=n, env={**env, **extra.get(n, {})}) for i, n in enumerate("ABC")}
 
 
@@ -42,11 +44,14 @@ def _worker_of(log: Path, rank: int) -> int:
 
 
 def test_a_killed_worker_is_recovered_in_place(etcd_server, etcd, job_id, agents, tmp_path):
+    """Also: ``--hang-timeout`` sees no hang while the survivors wait for the replacement (B's workers
+    sleep longer than the hang timeout before ``et.init``; the survivors' step stands still meanwhile)."""
     log, fast = tmp_path / "steps.jsonl", tmp_path / "fast"
     env = {"INPLACE_LOG": str(log), "INPLACE_DATASET": str(DATASET), "INPLACE_PACE": "0.05",
-           "INPLACE_FAST_FILE": str(fast)}
+           "INPLACE_FAST_FILE": str(fast), "INPLACE_HEARTBEAT": "1"}
     keys = JobKeys(job_id)
-    a = _start(agents, etcd_server.endpoint, job_id, tmp_path, env, {})
+    slow = {"B": {"INPLACE_START_DELAY": str(HANG_TIMEOUT + 2)}}
+    a = _start(agents, etcd_server.endpoint, job_id, tmp_path, env, slow, ["--hang-timeout", str(HANG_TIMEOUT)])
     wait_until(lambda: sum(r["world"] == 3 for r in log_steps(log)) >= 12, 150, "steps at world size 3")
     pids = {rank: _worker_of(log, rank) for rank in range(3)}
     crashed = "B"
@@ -92,6 +97,7 @@ def test_a_killed_worker_is_recovered_in_place(etcd_server, etcd, job_id, agents
     assert [e.get("recovery") for e in events if e["event"] == "restart"] == ["in_place"], events
     survivor = next(n for n in "ABC" if n != crashed)
     assert "re-forming in place" in a[survivor].stderr()
+    assert not any("has not advanced" in a[n].stderr() for n in "ABC"), "no hang verdict during the recovery"
 
 
 def test_a_replacement_that_dies_receiving_the_state_falls_back_to_restart(etcd_server, etcd, job_id, agents,
