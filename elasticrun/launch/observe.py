@@ -206,7 +206,7 @@ class Observer:
     def snapshot(self) -> Dict[str, Any]:
         """Everything the metrics collector shows (a copy, taken under the lock)."""
         with self._lock:
-            doc = dict(self.state, rescales=dict(self.state["rescales"]))
+            doc = dict(self.state, rescales=dict(self.state["rescales"]), recoveries=dict(self.state["recoveries"]))
             doc.update(self.goodput.summary())
             doc["counters"] = self.goodput.counters()
         return doc
