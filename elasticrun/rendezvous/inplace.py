@@ -1,15 +1,17 @@
 """Which members of a new round re-form in place (see docs/design.md, "In-place re-forming"). Pure.
 
-A planned change: a join (``ScaleUp``) or a graceful leave (``ScaleDown`` where every removed
-node wrote ``rounds/<n>/left/<node>`` before revoking its lease), with no worker failure. Or a
+A membership change with no worker failure: a join (``ScaleUp``), or a ``ScaleDown`` by a graceful
+leave (the node wrote ``rounds/<n>/left/<node>`` before revoking its lease) or by a lost node (its
+lease expired: SIGKILL of the whole node; the survivors' collectives with its dead workers fail,
+and ``InPlace.recover`` waits for the re-form). Or a
 recovery from a worker crash (``Restart``: the same members under the same leases) where every
 failure row is flagged :data:`~elasticrun.job.inplace.RECOVERABLE` by its agent (the crashed node's
 workers had all opted in, no re-form was under way): the nodes without a failed worker re-form,
 the crashed nodes start their workers again as newcomers. Either way every survivor's agent
 reported that all its workers opted in (:class:`~elasticrun.rendezvous.records.NodeInfo`
-``inplace``) and rank 0 survives. All survivors re-form or none does: a lost node (lease expiry),
-a hang, a replacement, a crash inside a re-form, or one survivor without opt-in keeps the restart
-path for the whole round. A crash recovered in place uses a restart like any crash (the caller
+``inplace``) and rank 0 survives. All survivors re-form or none does: a hang, a replacement, a
+crash inside a re-form, a crash together with a lost node, or one survivor without opt-in keeps
+the restart path for the whole round. A crash recovered in place uses a restart like any crash (the caller
 charges it); only the re-form's own failures are free (:func:`inplace_failed`).
 
 A round whose in-place re-form failed (a worker exited :data:`~elasticrun.job.inplace.EXIT_INPLACE_FAILED`,
@@ -24,7 +26,7 @@ Both decisions take the records already read (the leader's view holds them, see
 
 from __future__ import annotations
 
-from typing import Any, Collection, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from elasticrun.job.inplace import DURING_INPLACE, EXIT_INPLACE_FAILED, RECOVERABLE
 from elasticrun.rendezvous.records import Member, NodeInfo, RescaleType, Topology
@@ -36,14 +38,12 @@ def plan_inplace(
     kind: RescaleType,
     failed: bool,
     nodes: Mapping[str, Tuple[NodeInfo, int]],
-    left: Collection[str],
     failure_rows: Iterable[Mapping[str, Any]] = (),
 ) -> Tuple[str, ...]:
     """The node ids of ``members`` that keep their workers (empty: every member starts workers).
 
-    ``nodes``: node id → (NodeInfo, lease) as the leader sees them; ``left``: the nodes that wrote a
-    graceful-leave marker for round ``prev`` (``rounds/<n>/left/<node>``); ``failure_rows``: every
-    node's failed workers of round ``prev`` (read when it failed).
+    ``nodes``: node id → (NodeInfo, lease) as the leader sees them; ``failure_rows``: every node's
+    failed workers of round ``prev`` (read when it failed).
     """
     if prev is None:
         return ()
@@ -52,8 +52,7 @@ def plan_inplace(
     if failed:
         survivors = _crash_survivors(kept, kind, failure_rows)
     elif kind in (RescaleType.SCALE_UP, RescaleType.SCALE_DOWN):
-        removed = {m.node_id for m in prev.members} - {m.node_id for m in members}
-        survivors = kept if removed <= set(left) else []
+        survivors = kept  # a removed node left gracefully or was lost (its lease expired)
     else:
         survivors = []
     if not survivors or not all(n in nodes and nodes[n][0].inplace for n in survivors):

@@ -125,3 +125,37 @@ def test_a_replacement_that_dies_receiving_the_state_falls_back_to_restart(etcd_
     assert topo["round"] == 2 and not topo.get("inplace"), "the fallback restarts every worker"
     assert topo["restart_count"] == 1, "the crash is charged once; the failed recovery is free"
     assert not {r["pid"] for r in log_steps(log) if r["round"] == 2} & first, "every worker restarted"
+
+
+def test_a_lost_node_is_recovered_in_place_at_the_smaller_size(etcd_server, etcd, job_id, agents, tmp_path):
+    """SIGKILL of node B's whole process tree (agent and worker): its lease expires (3 s), the round ends
+    as a ScaleDown; A and C keep their workers (their collectives with B's dead worker failed, they
+    wait in ``recover``) and re-form at world 2. No restart is used; no step or sample runs twice."""
+    log, fast = tmp_path / "steps.jsonl", tmp_path / "fast"
+    env = {"INPLACE_LOG": str(log), "INPLACE_DATASET": str(DATASET), "INPLACE_PACE": "0.05",
+           "INPLACE_FAST_FILE": str(fast), "INPLACE_TIMEOUT": "30"}
+    keys = JobKeys(job_id)
+    a = _start(agents, etcd_server.endpoint, job_id, tmp_path, env, {}, ["--nnodes", "2:3"])
+    wait_until(lambda: sum(r["world"] == 3 for r in log_steps(log)) >= 12, 150, "steps at world size 3")
+    pids = {rank: _worker_of(log, rank) for rank in range(3)}
+    for proc in [*a["B"].descendants(), a["B"].proc]:
+        try:
+            os.kill(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    wait_until(lambda: sum(r["world"] == 2 for r in log_steps(log)) >= 6, 150, "steps at world size 2")
+    fast.touch()
+    for n in "AC":
+        assert a[n].wait(120) == 0, a[n].output()
+    topo = etcd.get_json(keys.topology)
+    assert sorted(topo["inplace"]) == ["A", "C"] and topo["restart_count"] == 0, topo
+    steps = log_steps(log)
+    assert {r["pid"] for r in steps if r["world"] == 2} == {pids[0], pids[2]}, "A and C kept their workers"
+    by_pid: Dict[int, List[int]] = {}
+    for r in steps:
+        by_pid.setdefault(r["pid"], []).append(r["step"])
+    for seq in by_pid.values():
+        assert seq == list(range(seq[0], seq[0] + len(seq))), seq
+    seen = [i for r in steps for i in r["idx"]]
+    assert len(seen) == len(set(seen)), "a sample trained twice"
+    assert len(set(range(DATASET)) - set(seen)) <= 2, "at most the lost worker's last, unlogged step"

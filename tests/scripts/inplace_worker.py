@@ -8,7 +8,8 @@ nccl. ``INPLACE_DDP=1``: gradients through DDP, rebuilt with ``et.rebuild_ddp`` 
 (survivor: dies inside the re-form after STEP) simulate failures. ``INPLACE_DATASET``: samples per
 epoch (120); ``INPLACE_PACE``: seconds between steps, none once ``INPLACE_FAST_FILE`` exists.
 ``INPLACE_JOIN_TIMEOUT``: seconds to wait for the first group and for a re-formed one;
-``INPLACE_REFORM_TIMEOUT`` (default: the same) for a re-formed one only.
+``INPLACE_REFORM_TIMEOUT`` (default: the same) for a re-formed one only; ``INPLACE_TIMEOUT``: InPlace's
+``timeout`` (5).
 ``INPLACE_START_DELAY``: seconds to sleep before ``init`` (a slow newcomer: a long join window);
 ``INPLACE_START_GATE``: a file to wait for before ``init`` (``<gate>.waiting`` says it waits).
 ``INPLACE_CKPT_DIR`` + ``INPLACE_CKPT_EVERY``: save a checkpoint there every N steps (collective);
@@ -62,7 +63,8 @@ torch.manual_seed(0)
 model = torch.nn.Linear(4, 1).to(ctx.device)  # cpu (gloo) or this worker's GPU (nccl)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 sampler = et.ElasticDistributedSampler(DATASET, seed=1)
-reform = et.InPlace(ctx, timeout=5, join_timeout=float(os.environ.get("INPLACE_REFORM_TIMEOUT", os.environ.get(
+reform = et.InPlace(ctx, timeout=float(os.environ.get("INPLACE_TIMEOUT", "5")),
+                    join_timeout=float(os.environ.get("INPLACE_REFORM_TIMEOUT", os.environ.get(
                         "INPLACE_JOIN_TIMEOUT", "40"))),
                     model=model, optimizer=opt, sampler=sampler)
 # DDP after InPlace: a newcomer's first collectives must be the re-form's (the state it receives).

@@ -276,15 +276,14 @@ def test_a_crash_recovered_in_place_uses_a_restart_and_keeps_the_other_nodes():
 # -- plan_round: in place, reasons ----------------------------------------------------------------
 
 
-def test_a_graceful_leave_of_opted_in_survivors_reforms_in_place():
+def test_a_leave_or_a_lost_node_of_opted_in_survivors_reforms_in_place():
     prev = topo("ABC", 1)
     n = nodes("AB", 2, inplace=True)
     s = settings(min_nodes=1)
-    left = plan_round(snap("AB", 2, prev, nodes=n, left=frozenset({"C"})), s, T0)
-    assert isinstance(left, FormRound) and left.topology.inplace == ("A", "B")
-    assert left.event.reason == "node(s) left or lost their lease" and left.event.type is RescaleType.SCALE_DOWN
-    lost = plan_round(snap("AB", 2, prev, nodes=n), s, T0)
-    assert isinstance(lost, FormRound) and lost.topology.inplace == (), "a lost node: restart path"
+    down = plan_round(snap("AB", 2, prev, nodes=n), s, T0)
+    assert isinstance(down, FormRound) and down.topology.inplace == ("A", "B")
+    assert down.event.reason == "node(s) left or lost their lease" and down.event.type is RescaleType.SCALE_DOWN
+    assert down.topology.restart_count == 0 and down.restarts is None, "a node's loss uses no restart"
 
 
 def test_the_end_record_says_why_the_round_changed():
