@@ -436,7 +436,7 @@ class Rendezvous:
         self.writer.report_done(topo.round, self.node_id)
 
     def mark_left(self, round_: int) -> None:
-        """A graceful leave of round ``round_`` (before the lease is revoked): survivors may re-form in place."""
+        """A graceful leave of round ``round_`` (before the lease is revoked): ``elasticrun status`` shows it Left."""
         self.writer.mark_left(round_, self.node_id)
 
     def mark_succeeded(self, topo: Topology) -> None:
