@@ -157,7 +157,7 @@ class InPlaceRounds:
         for pid in self.workers.pids:
             kill_process_group(pid, sig)  # InPlace.check() turns it into STOP at the next step boundary
         try:
-            rdzv.mark_left(round_)  # before the lease goes: the leader plans the survivors' re-form on it
+            rdzv.mark_left(round_)  # before the lease goes: the status says Left, not lost
             rdzv.leave()  # the survivors' next round forms now, not once our workers have exited
         except ElasticrunError:
             pass  # etcd unreachable: the caller's own leave (lease still held) tries again
