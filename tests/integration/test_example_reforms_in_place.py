@@ -18,6 +18,8 @@ from typing import List
 
 import pytest
 
+from elasticrun.job.keys import JobKeys
+
 from helpers.procs import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -63,14 +65,15 @@ def test_the_example_keeps_its_survivors_through_a_join_and_a_leave(etcd_server,
 
 def _worker(agent) -> int:
     """The example's worker process under ``agent`` (the deepest process running the script)."""
-    procs = [p for p in agent.descendants() if any(str(EXAMPLE) in part for part in p.cmdline())]
+    procs = [p for p in agent.descendants() if any(str(EXAMPLE) in part for part in p.cmdline())
+             and "elasticrun.launch.warm" not in p.cmdline()]  # a pre-warmed fork server names the script too
     pids = {p.pid for p in procs}
     leaves = [p.pid for p in procs if not any(c.pid in pids for c in p.children(recursive=True))]
     assert len(leaves) == 1, [p.cmdline() for p in procs]
     return leaves[0]
 
 
-def test_the_example_recovers_a_killed_worker_in_place(etcd_server, job_id, agents, tmp_path):
+def test_the_example_recovers_a_killed_worker_in_place(etcd_server, etcd, job_id, agents, tmp_path):
     ckpts = tmp_path / "ckpts"
 
     def args(node: str, rank: int) -> List[str]:
@@ -82,6 +85,8 @@ def test_the_example_recovers_a_killed_worker_in_place(etcd_server, job_id, agen
     a = {n: agents(args(n, i), name=n) for i, n in enumerate("ABC")}
     out = a["A"].stdout  # rank 0: it prints the steps
     wait_until(lambda: len(steps(out())) >= 10, 150, "steps at world size 3")
+    keys = JobKeys(job_id)  # a crash before the agents offer in-place re-forming takes the restart path
+    wait_until(lambda: all((etcd.get_json(keys.node(n)) or {}).get("inplace") for n in "ABC"), 60, "opt-in")
     os.kill(_worker(a["B"]), signal.SIGKILL)
     for n in "ABC":
         assert a[n].wait(150) == 0, a[n].output()

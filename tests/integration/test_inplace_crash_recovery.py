@@ -39,6 +39,12 @@ def _start(agents, endpoint: str, job: str, tmp: Path, env: Dict[str, str], extr
         name=n, env={**env, **extra.get(n, {})}) for i, n in enumerate("ABC")}
 
 
+def _all_opted_in(etcd, keys: JobKeys) -> bool:
+    """Every node's record says its workers opted in (a crash before that takes the restart path)."""
+    records = [etcd.get_json(keys.node(n)) for n in "ABC"]
+    return all(r is not None and r.get("inplace") is True for r in records)
+
+
 def _worker_of(log: Path, rank: int) -> int:
     return next(r["pid"] for r in log_steps(log) if r["rank"] == rank and r["round"] == 0)
 
@@ -53,6 +59,7 @@ def test_a_killed_worker_is_recovered_in_place(etcd_server, etcd, job_id, agents
     slow = {"B": {"INPLACE_START_DELAY": str(HANG_TIMEOUT + 2)}}
     a = _start(agents, etcd_server.endpoint, job_id, tmp_path, env, slow, ["--hang-timeout", str(HANG_TIMEOUT)])
     wait_until(lambda: sum(r["world"] == 3 for r in log_steps(log)) >= 12, 150, "steps at world size 3")
+    wait_until(lambda: _all_opted_in(etcd, keys), 60, "every node offering in-place re-forming")
     pids = {rank: _worker_of(log, rank) for rank in range(3)}
     crashed = "B"
     os.kill(pids[1], signal.SIGKILL)
@@ -110,6 +117,7 @@ def test_a_replacement_that_dies_receiving_the_state_falls_back_to_restart(etcd_
     # worker (round 0 is no re-form) trains normally; its replacement dies (exit 3).
     a = _start(agents, etcd_server.endpoint, job_id, tmp_path, env, {"B": {"INPLACE_DIE": "sync"}})
     wait_until(lambda: sum(r["world"] == 3 for r in log_steps(log)) >= 12, 150, "steps at world size 3")
+    wait_until(lambda: _all_opted_in(etcd, keys), 60, "every node offering in-place re-forming")
     crashed = "B"
     first = {r["pid"] for r in log_steps(log)}
     os.kill(_worker_of(log, 1), signal.SIGKILL)
@@ -137,6 +145,7 @@ def test_a_lost_node_is_recovered_in_place_at_the_smaller_size(etcd_server, etcd
     keys = JobKeys(job_id)
     a = _start(agents, etcd_server.endpoint, job_id, tmp_path, env, {}, ["--nnodes", "2:3"])
     wait_until(lambda: sum(r["world"] == 3 for r in log_steps(log)) >= 12, 150, "steps at world size 3")
+    wait_until(lambda: _all_opted_in(etcd, keys), 60, "every node offering in-place re-forming")
     pids = {rank: _worker_of(log, rank) for rank in range(3)}
     for proc in [*a["B"].descendants(), a["B"].proc]:
         try:
