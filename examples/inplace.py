@@ -5,6 +5,8 @@
 Under torchrun or plain python it trains exactly as it would without ``InPlace``. ``InPlace`` comes
 before DDP (or any other collective): a newcomer receives the survivors' state inside it, in the same
 order of collectives as the survivors' re-form. On a GPU node the model trains on ``ctx.device``.
+A step whose all-reduce fails because another node's worker crashed is handed to ``recover``: the
+survivors re-form with the crashed rank's replacement and redo the step.
 """
 
 import torch
@@ -23,11 +25,17 @@ ddp = torch.nn.parallel.DistributedDataParallel(model)  # after InPlace: its col
 
 while not sampler.epoch_done:
     batch = data[list(iter(sampler))[:32]]
-    loss = torch.nn.functional.mse_loss(ddp(batch[:, :16]), batch[:, 16:])
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    sampler.advance(32)
+    try:
+        opt.zero_grad()  # first: a step redone after a crash starts from no gradients
+        loss = torch.nn.functional.mse_loss(ddp(batch[:, :16]), batch[:, 16:])
+        loss.backward()  # DDP's all-reduce fails when a peer crashed
+        opt.step()
+    except RuntimeError as err:
+        if inplace.recover(err) is et.Reform.STOP:  # re-raises unless the crash is recovered in place
+            break
+        ddp = et.rebuild_ddp(ddp)  # re-formed with the crashed rank's replacement: redo the step
+        continue
+    sampler.advance(32)  # only after the step's last collective
     inplace.step += 1
     result = inplace.check()  # step boundary: collective, every rank
     if result is et.Reform.STOP:  # SIGTERM: this worker leaves (save here if you need to)

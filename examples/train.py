@@ -22,6 +22,8 @@ What makes it elastic (see docs/training.md):
   world size with the LR and accumulation of that size and the sampler's rest of the epoch;
   a newcomer receives the state from the survivors instead of loading a checkpoint
   (``--no-inplace``, or the launcher's ``--no-inplace``: every rescale restarts as below);
+  when another node's worker crashes, the survivors leave the broken all-reduce, re-form with
+  its replacement (``InPlace.recover``) and redo the interrupted step;
 - on SIGTERM (the agent stopping workers for a rescale) every rank agrees to stop at the
   same step, saves a checkpoint and exits (code 143, "terminated"); in place, a node that
   leaves alone stops without a save (the survivors hold the state);
@@ -218,8 +220,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     def reformed() -> None:
         """In place at a new world size: the LR rule or the accumulation of that size, DDP on the new group."""
-        nonlocal world, accum, lr, target_lr, prev_lr, resume_step, global_batch, ddp
+        nonlocal world, accum, lr, target_lr, prev_lr, resume_step, global_batch, ddp, step
         prev_lr, world = lr, ctx.world_size
+        step = reform.step  # rank 0's: after a crash, a rank that finished the interrupted step takes it back
         if args.global_batch:
             accum = et.accumulation_steps(args.global_batch, args.batch_size, world)
         else:
@@ -235,6 +238,17 @@ def main(argv: Optional[List[str]] = None) -> int:
         requests.regroup(ctx.cpu_process_group, rank=ctx.state.rank)
         log0(ctx, f"re-formed in place: {ctx.state.describe()} step {step} lr {lr:.4g} global_batch "
                   f"{global_batch} accumulation {accum} pause {reform.last_pause_s:.3f}s")
+
+    def recovered(err: RuntimeError) -> bool:
+        """A collective failed (a peer crashed): True once re-formed in place with the crashed rank's
+        replacement (``InPlace.recover``); False: stop (SIGTERM while waiting). Re-raises ``err`` when
+        the launcher does not recover in place (not opted in, or it takes the restart path)."""
+        if reform is None:
+            raise err
+        if reform.recover(err) is not et.Reform.REFORMED:
+            return False
+        reformed()
+        return True
 
     stopped = finished = False
     t_start = t_last = time.perf_counter()
@@ -255,18 +269,27 @@ def main(argv: Optional[List[str]] = None) -> int:
                         group["lr"] = lr
                 micro = [chunk[i : i + args.batch_size] for i in range(0, len(chunk), args.batch_size)]
                 timer.begin()
-                optim.zero_grad(set_to_none=True)
+                optim.zero_grad(set_to_none=True)  # first: a step redone after a crash drops its gradients
                 total = 0.0
-                for j, mb in enumerate(micro):
-                    sync = j == len(micro) - 1 or not isinstance(ddp, DDP)
-                    with contextlib.nullcontext() if sync else ddp.no_sync():
-                        loss = F.mse_loss(ddp(x_all[mb]), y_all[mb]) / len(micro)
-                        loss.backward()
-                    total += float(loss.detach())
+                try:
+                    for j, mb in enumerate(micro):
+                        sync = j == len(micro) - 1 or not isinstance(ddp, DDP)
+                        with contextlib.nullcontext() if sync else ddp.no_sync():
+                            loss = F.mse_loss(ddp(x_all[mb]), y_all[mb]) / len(micro)
+                            loss.backward()
+                        total += float(loss.detach())
+                except RuntimeError as err:  # a peer crashed in the all-reduce: redo the step in place
+                    if not recovered(err):
+                        stopped = True
+                        break
+                    mine, start = sampler.indices(), 0  # the unfinished chunk is dealt again
+                    continue
                 optim.step()
                 timer.end()
                 step += 1
                 sampler.advance(len(chunk))
+                if reform is not None:
+                    reform.step, reform.extra = step, {"loss": total}  # what a re-form hands on
                 samples_seen += len(chunk) * world
                 loss_value = total
                 if args.step_sleep:
@@ -282,7 +305,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                     t_last = now
                 progress.report(step, loss_value, samples=samples_seen)
                 # In place, a stop is agreed by reform.check() (only the leaving ranks stop).
-                decision = requests.poll(step, stop=ctx.should_stop and not inplace)
+                try:
+                    decision = requests.poll(step, stop=ctx.should_stop and not inplace)
+                except RuntimeError as err:  # a peer crashed: this step is done, go on after re-forming
+                    if not recovered(err):
+                        stopped = True
+                        break
+                    mine, start = sampler.indices(), 0
+                    continue
                 if snaps is not None and (step % args.snapshot_every == 0 or decision.stop):
                     snapshot()  # also at a stop (a rescale): the next round resumes from memory at this step
                 if decision.checkpoint or (args.ckpt_every and step % args.ckpt_every == 0):
@@ -303,7 +333,6 @@ def main(argv: Optional[List[str]] = None) -> int:
                     stopped = True
                     break
                 if inplace:
-                    reform.step, reform.extra = step, {"loss": loss_value}
                     result = reform.check()
                     if result is et.Reform.STOP:
                         if reform.group_kept:  # every rank stops here: save as the restart path does

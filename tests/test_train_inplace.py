@@ -4,7 +4,10 @@ The test plays the agent: it publishes each worker's next assignment with
 :func:`~elasticrun.train.inplace.write_assignment` (exactly what an agent writes) and starts
 newcomers with ``ELASTICRUN_INPLACE_JOIN=1``. Checked: survivors keep their PIDs through a join
 (2 → 3) and a graceful leave (3 → 2), no step and no sample runs twice, the newcomer receives the
-survivors' parameters, the pause is measured, and failures end in exit 75 (no hang).
+survivors' parameters, the pause is measured, and failures end in exit 75 (no hang). A peer's
+crash mid-step: the survivors leave the broken group, wait for the agent's word
+(:func:`~elasticrun.job.inplace.announce_recovery`), re-form with the crashed rank's replacement
+and redo the interrupted step; without the word they exit for a restart.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import pytest
 import torch.distributed as dist
 
 from elasticrun.job import env as names
+from elasticrun.job.inplace import announce_recovery
 from elasticrun.store.server import free_port
 from elasticrun.train.inplace import EXIT_INPLACE_FAILED, opted_in, write_assignment
 from tests.helpers.procs import REPO, SCRIPTS, wait_until, worker_env
@@ -195,3 +199,62 @@ def test_sigterm_while_waiting_for_an_assignment_leaves(harness: Harness) -> Non
     h.procs[1].send_signal(signal.SIGTERM)  # slot 1 left the old group at the same step and waits
     assert h.procs[1].wait(timeout=30) == 0
     assert h.procs[0].wait(timeout=60) == 0  # the survivor finishes the epoch alone
+
+
+def _crash_mid_step(h: Harness, announce: bool) -> Tuple[Dict[int, int], Path]:
+    """Three workers; slot 1 dies between the two gradient all-reduces of a step. ``announce``: the test
+    (as the agent) tells the survivors it keeps them. The slots' PIDs and the crash trigger file."""
+    trigger = h.tmp / "crash-mid"
+    h.first_round([0, 1, 2], {1: {"INPLACE_CRASH_MID_FILE": str(trigger)}})
+    wait_until(lambda: h.at_world(3, 3), 60, "steps at world 3")
+    pids = {s: h.procs[s].pid for s in (0, 1, 2)}
+    trigger.touch()
+    assert h.procs[1].wait(timeout=30) == 1
+    if announce:
+        for slot in (0, 2):
+            announce_recovery(h.inplace_file(slot), h.round, 60.0)
+    return pids, trigger
+
+
+def test_crash_mid_step_survivors_recover_in_place_and_redo_the_step(harness: Harness) -> None:
+    h = harness
+    pids, _ = _crash_mid_step(h, announce=True)
+    # The agent's next round: the same ranks, slot 1's replacement joins as a newcomer.
+    h.round += 1
+    port = h._store()
+    for rank in (0, 2):
+        write_assignment(h.inplace_file(rank), h._env(rank, 3, port, 3))
+    h.start(1, 1, 3, port, 3, **{names.INPLACE_JOIN: "1"})
+    for s in (0, 1, 2):
+        assert h.procs[s].wait(timeout=90) == 0
+    steps = h.steps()
+    recovered = [r for r in h.records() if "recovered" in r]
+    assert {r["pid"] for r in recovered} == {pids[0], pids[2]}
+    assert all(r["recovered"] == "reformed" and r["round"] == 1 for r in recovered), recovered
+    print(f"crash recovery pauses (s, incl. the replacement's start-up): {[r['pause'] for r in recovered]}")
+    # The survivors kept their processes; the replacement is a new one.
+    assert {r["pid"] for r in steps if r["round"] == 1 and r["rank"] in (0, 2)} == {pids[0], pids[2]}
+    assert h.procs[1].pid != pids[1]
+    # The interrupted step ran once: per process strictly consecutive steps, every step of the job once
+    # on rank 0, and every sample exactly once (the crashed rank's samples of that step included).
+    by_pid: Dict[int, List[int]] = {}
+    for r in steps:
+        by_pid.setdefault(r["pid"], []).append(r["step"])
+    for seq in by_pid.values():
+        assert seq == list(range(seq[0], seq[0] + len(seq))), seq
+    rank0 = [r["step"] for r in steps if r["rank"] == 0]
+    assert rank0 == list(range(1, len(rank0) + 1))
+    assert sorted(i for r in steps for i in r["idx"]) == list(range(120))
+    for step in {r["step"] for r in steps}:  # the replacement trains with the survivors' model
+        ws = [r["w"] for r in steps if r["step"] == step]
+        assert all(w == pytest.approx(ws[0]) for w in ws)
+
+
+def test_crash_mid_step_without_a_recovery_exits_for_a_restart(harness: Harness) -> None:
+    """No word from the agent within the worker's ``timeout`` (5 s in the test worker): the step's error
+    is re-raised (exit 1, a plain failure: the restart path), never a wait for the group's timeout."""
+    h = harness
+    _crash_mid_step(h, announce=False)
+    codes = [h.procs[s].wait(timeout=60) for s in (0, 2)]
+    assert codes == [1, 1], codes
+    assert not any("recovered" in r for r in h.records())

@@ -3,7 +3,9 @@
 Per local worker the agent names a file in ``ELASTICRUN_INPLACE_FILE``. The agent writes the next
 round's assignment there (write + rename); the worker writes ``<file>.optin`` (the round it runs
 in: it opted in, and re-formed for that round) and, as a newcomer, ``<file>.ready`` just before it
-joins the group (its start-up is over: the survivors may re-form now).
+joins the group (its start-up is over: the survivors may re-form now). When the agent keeps its
+workers through a round change it writes ``<file>.recover`` (:func:`announce_recovery`): a worker
+whose collective broke (a peer crashed) waits for its next assignment instead of exiting.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ INPLACE_DEADLINE_S = 60.0  # assignment written → every local worker re-formed
 #: A failure row's flag (``rounds/<n>/failures/<node>``): the worker failed inside its node's in-place
 #: re-form (a survivor between its assignment and re-forming, a newcomer before it received the state).
 DURING_INPLACE = "during_inplace"
+#: A failure row's flag: the worker failed while its node's workers had all opted in and no re-form was
+#: under way, so the survivors may recover in place (the failed node's workers rejoin as newcomers).
+RECOVERABLE = "recoverable_in_place"
 
 #: The variables an assignment carries (the rest of the environment stays as it was).
 ASSIGNED = (
@@ -64,6 +69,26 @@ def formed_round(path: str) -> int:
         return -1
 
 
+def announce_recovery(path: str, round_: int, wait_s: float) -> None:
+    """Agent side: the workers of round ``round_`` are kept through its end: a worker whose collective
+    broke waits up to ``wait_s`` for its next assignment (the replacement's start-up) instead of exiting."""
+    tmp = f"{path}.recover.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump({"round": int(round_), "wait_s": float(wait_s)}, f)
+    os.replace(tmp, path + ".recover")
+
+
+def recovery_announced(path: str, round_: int) -> Optional[float]:
+    """Worker side: how long to wait for the next assignment when the agent keeps the workers of
+    round ``round_`` (None: not announced, or for another round)."""
+    try:
+        with open(path + ".recover") as f:
+            body = json.load(f)
+        if int(body["round"]) == round_:
+            return float(body["wait_s"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
 
 
 def ready(path: str) -> bool:
@@ -73,12 +98,12 @@ def ready(path: str) -> bool:
 
 def clear(path: str) -> None:
     """Agent side: remove a worker's assignment files before a fresh worker starts with ``path``."""
-    for suffix in ("", ".optin", ".ready"):
+    for suffix in ("", ".optin", ".ready", ".recover"):
         try:
             os.remove(path + suffix)
         except OSError:
             pass
 
 
-__all__ = ["ASSIGNED", "DURING_INPLACE", "EXIT_INPLACE_FAILED", "clear", "formed_round", "opted_in",
-           "read_assignment", "ready", "write_assignment"]
+__all__ = ["ASSIGNED", "DURING_INPLACE", "EXIT_INPLACE_FAILED", "RECOVERABLE", "announce_recovery", "clear",
+           "formed_round", "opted_in", "read_assignment", "ready", "recovery_announced", "write_assignment"]

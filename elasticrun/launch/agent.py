@@ -285,7 +285,7 @@ class Agent:
             rdzv.leaving(why, code)
         if rdzv is not None and rdzv.lease is not None:
             try:
-                if self._round >= 0:  # before the lease goes: survivors may re-form in place
+                if self._round >= 0:  # before the lease goes: the status says Left, not lost
                     rdzv.mark_left(self._round)
                 rdzv.publish(status=WorkerStatus.LEAVING)
             except ElasticrunError:

@@ -5,7 +5,11 @@
       newcomer: start workers with ELASTICRUN_INPLACE_JOIN=1 → their ``.ready`` files → ``ready/<node>``
 
 An agent keeps its workers through a round change only when every local worker opted in
-(``<in-place file>.optin``), the round did not fail, no hang was seen and the workers still run.
+(``<in-place file>.optin``), no hang was seen, the workers still run, and the round did not fail or
+failed only by other nodes' crashes flagged recoverable in place (:meth:`InPlaceRounds.mark` flags
+a crashed node's rows when its workers had all opted in, outside any re-form). Kept workers are told
+(``<in-place file>.recover``): one whose collective broke waits in ``InPlace.recover`` for its next
+assignment; the crashed node starts its workers again as newcomers.
 The leader decides from the node records who re-forms (:func:`~elasticrun.rendezvous.inplace.plan_inplace`,
 ``Topology.inplace``); a kept worker the new round does not re-form in place is stopped and
 restarted as today. A newcomer not ready within ``--inplace-ready-timeout``, or a survivor that
@@ -30,7 +34,7 @@ import enum
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from elasticrun.errors import ElasticrunError
 from elasticrun.job import env as names
@@ -41,6 +45,7 @@ from elasticrun.launch.failures import make_failure
 from elasticrun.launch.outage import stop_workers
 from elasticrun.launch.workers import GroupState, WorkerGroup
 from elasticrun.proc import kill_process_group
+from elasticrun.rendezvous.inplace import keeps_through_failure
 from elasticrun.rendezvous.protocol import Rendezvous
 from elasticrun.rendezvous.records import Member, RescaleEvent, Topology
 
@@ -72,6 +77,7 @@ class InPlaceRounds:
         self._deadline = 0.0
         self._joining = -1  # the round our newcomer workers join (-1: none)
         self._forming = -1  # that round until our newcomer workers have the state (-1: none)
+        self._recovering = False  # our kept workers wait in InPlace.recover (the round ended by a crash)
 
     @property
     def busy(self) -> bool:
@@ -108,7 +114,7 @@ class InPlaceRounds:
             self.workers.stop(self.cfg.workers.shutdown_timeout)
             call(lambda: rdzv.publish(inplace=False), "starting a round")
             self._told = False
-        self._reforming = -1  # fresh workers: nothing of an earlier re-form is pending
+        self._reforming, self._recovering = -1, False  # fresh workers: nothing of an earlier re-form is pending
         for local_rank in range(me.nproc):
             inplace.clear(self.workers.inplace_file(local_rank))
         join = self.enabled and bool(topo.inplace) and me.node_id not in topo.inplace
@@ -124,16 +130,19 @@ class InPlaceRounds:
 
     @property
     def during_inplace(self) -> bool:
-        """Our workers are inside an in-place re-form: survivors between their assignment and re-forming,
+        """Our workers are inside an in-place re-form: survivors between their assignment and re-forming
+        (after a crash, from the start: they wait in ``InPlace.recover`` instead of training on),
         newcomers until they have received the state."""
-        return (self._reforming >= 0 and self._published > 0) or self._forming >= 0
+        return (self._reforming >= 0 and (self._published > 0 or self._recovering)) or self._forming >= 0
 
     def mark(self, rows: List[dict]) -> List[dict]:
         """Failure rows of our workers, flagged :data:`~elasticrun.job.inplace.DURING_INPLACE` when they
-        failed inside the re-form (the restart that follows is then not charged to ``--max-restarts``)."""
-        if self.during_inplace:
-            for row in rows:
-                row[inplace.DURING_INPLACE] = True
+        failed inside the re-form (the restart that follows is then not charged to ``--max-restarts``),
+        else :data:`~elasticrun.job.inplace.RECOVERABLE` when every worker of ours had opted in and no
+        re-form is under way: the other nodes may keep theirs (the leader decides, ``plan_inplace``)."""
+        opted_in = self.enabled and self._told and not self.busy and not self.carrying
+        for row in rows:
+            row.update(failure_flags(self.during_inplace, opted_in, row.get("exitcode")))
         return rows
 
     def leave_first(self, rdzv: Rendezvous, round_: int, sig: int) -> bool:
@@ -148,7 +157,7 @@ class InPlaceRounds:
         for pid in self.workers.pids:
             kill_process_group(pid, sig)  # InPlace.check() turns it into STOP at the next step boundary
         try:
-            rdzv.mark_left(round_)  # before the lease goes: the leader plans the survivors' re-form on it
+            rdzv.mark_left(round_)  # before the lease goes: the status says Left, not lost
             rdzv.leave()  # the survivors' next round forms now, not once our workers have exited
         except ElasticrunError:
             pass  # etcd unreachable: the caller's own leave (lease still held) tries again
@@ -156,16 +165,30 @@ class InPlaceRounds:
 
     def can_keep(self, rdzv: Rendezvous, topo: Topology) -> bool:
         """At the end of round ``topo``: whether our workers may be kept for the next round (no stop):
-        they all opted in and still run, the round did not fail, and no re-form is under way."""
+        they all opted in and still run, no re-form is under way, and the round did not fail, or failed
+        only by other nodes' crashes recoverable in place (:func:`keeps_through_failure`)."""
         if not (self.enabled and self._told) or self.busy:
             return False
-        if rdzv.round_failed(topo.round):
+        if rdzv.round_failed(topo.round) and not self._recoverable(rdzv, topo.round):
             return False
         return self.workers.poll() is GroupState.RUNNING
 
-    def carry(self) -> None:
-        """Keep our workers through the round change (:meth:`can_keep` said they may)."""
+    def _recoverable(self, rdzv: Rendezvous, round_: int) -> bool:
+        try:
+            rows = rdzv.root_cause(round_)
+        except (ElasticrunError, ValueError, TypeError):
+            return False  # cannot tell: the restart path
+        return keeps_through_failure(rows, self.cfg.rendezvous.node_id)
+
+    def carry(self, round_: int, failed: bool) -> None:
+        """Keep our workers through the end of round ``round_`` (:meth:`can_keep` said they may; ``failed``:
+        it ended by other nodes' crashes), and tell them: a worker whose collective broke waits for its
+        next assignment (``InPlace.recover``) for up to the newcomers' start-up and the re-form's deadline."""
         self.carrying = True
+        self._recovering = failed
+        wait = self.cfg.rendezvous.inplace_ready_timeout + INPLACE_DEADLINE_S
+        for path in self._files():
+            inplace.announce_recovery(path, round_, wait)
 
     def _state(self) -> InPlaceState:
         return InPlaceState(told=self._told, joining=self._joining, reforming=self._reforming,
@@ -219,7 +242,7 @@ class InPlaceRounds:
             self._deadline = now + INPLACE_DEADLINE_S
         elif step is InPlaceStep.REFORMED:
             self.say(f"round {self._reforming}: workers re-formed in place in {now - self._published:.2f} s")
-            self._reforming = -1
+            self._reforming, self._recovering = -1, False
         elif step is InPlaceStep.NEWCOMERS_LATE:
             wait = self.cfg.rendezvous.inplace_ready_timeout
             return f"newcomers {', '.join(_newcomers(topo))} not ready within {wait:g} s"
@@ -233,9 +256,21 @@ class InPlaceRounds:
         self.say(f"round {topo.round}: in-place re-form failed ({why}): restarting the round")
         rows = [make_failure(w.spec.member.node_id, w.spec.member.host, w.spec.rank, w.spec.local_rank,
                              inplace.EXIT_INPLACE_FAILED, w.spec.error_file).to_dict() for w in self.workers.running]
-        self._reforming = -1
+        self._reforming, self._recovering = -1, False
         call(lambda: rdzv.report_failure(topo, rows), "reporting a failed re-form")
         stop_workers(rdzv, self.workers, 1.0, sig=signal.SIGKILL)
+
+
+def failure_flags(during_inplace: bool, opted_in: bool, exitcode: Any) -> Dict[str, bool]:
+    """The in-place flags of a failure row of ours: :data:`~elasticrun.job.inplace.DURING_INPLACE` inside
+    a re-form (its restart is free); else, when every worker of ours had opted in and no re-form is
+    under way (``opted_in``), :data:`~elasticrun.job.inplace.RECOVERABLE` (false for a worker that
+    itself could not re-form, exit 75); else none."""
+    if during_inplace:
+        return {inplace.DURING_INPLACE: True}
+    if opted_in:
+        return {inplace.RECOVERABLE: exitcode != inplace.EXIT_INPLACE_FAILED}
+    return {}
 
 
 def _newcomers(topo: Topology) -> List[str]:
@@ -306,4 +341,5 @@ def inplace_steps(state: InPlaceState, seen: InPlaceSeen) -> List[InPlaceStep]:
     return steps
 
 
-__all__ = ["EtcdCall", "InPlaceRounds", "direct", "InPlaceSeen", "InPlaceState", "InPlaceStep", "inplace_steps"]
+__all__ = ["EtcdCall", "InPlaceRounds", "direct", "failure_flags", "InPlaceSeen", "InPlaceState", "InPlaceStep",
+           "inplace_steps"]

@@ -85,6 +85,10 @@ class _StateCollector:
         yield info
         yield self._by(CounterMetricFamily(PREFIX + "rescales_total", "Rounds formed by a membership change.",
                                            labels=[*self.names, "type"]), "type", s.get("rescales", {}))
+        yield self._by(CounterMetricFamily(PREFIX + "recoveries_total", "Worker-failure recoveries by how: in_place "
+                                           "(survivors kept their processes) or restart (every worker restarted).",
+                                           labels=[*self.names, "how"]), "how",
+                       {"in_place": 0, "restart": 0, **s.get("recoveries", {})})
         counters = s.get("counters", {})
         phases, badput, lost = (counters.get(k, {}) for k in ("phase_s", "badput_s", "lost_s"))
         yield self._by(CounterMetricFamily(PREFIX + "phase_seconds_total", "Wall seconds spent in each phase, "

@@ -32,6 +32,11 @@ PUBLISH_S = 10.0  # goodput accounting to etcd, besides phase changes
 _LEASE = {LeaseHealth.HELD: "held", LeaseHealth.IN_DOUBT: "in_doubt", LeaseHealth.LOST: "lost"}
 
 
+def recovery(topo: Topology) -> str:
+    """How round ``topo`` recovers from a failure: ``in_place`` (some nodes kept their workers) or ``restart``."""
+    return "in_place" if topo.inplace else "restart"
+
+
 class Observer:
     """One agent's metrics endpoint, goodput accounting, event log and etcd report."""
 
@@ -42,7 +47,7 @@ class Observer:
         self.goodput = Goodput()
         self.events = EventLog(cfg.logs.events_file, cfg.rendezvous.rdzv_id, cfg.rendezvous.node_id)
         self.state: Dict[str, Any] = {"round": -1, "world_size": 0, "nodes": 0, "restarts": 0, "rescales": {},
-                                      "role": "member", "lease": "lost", "samples_per_s": None}
+                                      "recoveries": {}, "role": "member", "lease": "lost", "samples_per_s": None}
         self.metrics = (Metrics(cfg.rendezvous.rdzv_id, cfg.rendezvous.node_id, self.snapshot)
                         if cfg.logs.metrics_port else None)
         self.port: Optional[int] = None
@@ -105,12 +110,15 @@ class Observer:
                      restarts=topo.restart_count)
             if kind not in (RescaleType.START, RescaleType.RESTART):
                 s["rescales"][kind.value] = s["rescales"].get(kind.value, 0) + 1
+            how = recovery(topo)
+            if kind is RescaleType.RESTART:
+                s["recoveries"][how] = s["recoveries"].get(how, 0) + 1
             self._stalls = {}
             self.goodput.enter(Phase.STARTING)
         self.events.emit(EventKind.ROUND_FORMED, round=topo.round, world_size=topo.world_size,
                          nodes=len(topo.members), type=kind.value, restarts=topo.restart_count)
         if kind is RescaleType.RESTART:
-            self.events.emit(EventKind.RESTART, round=topo.round, restarts=topo.restart_count)
+            self.events.emit(EventKind.RESTART, round=topo.round, restarts=topo.restart_count, recovery=how)
         elif kind is not RescaleType.START:
             self.events.emit(EventKind.RESCALE, round=topo.round, type=kind.value,
                              old_world_size=event.old_world_size if event else None, new_world_size=topo.world_size)
@@ -199,7 +207,7 @@ class Observer:
     def snapshot(self) -> Dict[str, Any]:
         """Everything the metrics collector shows (a copy, taken under the lock)."""
         with self._lock:
-            doc = dict(self.state, rescales=dict(self.state["rescales"]))
+            doc = dict(self.state, rescales=dict(self.state["rescales"]), recoveries=dict(self.state["recoveries"]))
             doc.update(self.goodput.summary())
             doc["counters"] = self.goodput.counters()
         return doc
@@ -283,4 +291,4 @@ class Observer:
             pass  # etcd or our lease is gone for now: the next report tries again
 
 
-__all__ = ["Observer"]
+__all__ = ["Observer", "recovery"]

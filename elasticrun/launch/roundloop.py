@@ -207,7 +207,7 @@ class RoundLoop:
                                                        if keep else "stopping workers"))
         self.obs.round_changed(self.rdzv, self.topo)
         if keep:
-            self.inplace.carry()
+            self.inplace.carry(n, failed=self.rdzv.round_failed(n))
         elif action.end is WorkersEnd.KILL:
             stop_workers(self.rdzv, self.workers, HANG_STOP_S, sig=signal.SIGKILL)
         else:

@@ -20,7 +20,7 @@ clock that records carry), and carries the action out; what it remembers between
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, FrozenSet, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
 
 from elasticrun.job.exitcodes import ExitCode
 from elasticrun.job.requests import utc
@@ -123,8 +123,7 @@ class Forming:
     prev: Optional[Topology] = None  # the round before (None: the job's first)
     failed: Optional[Record] = None  # round prev's failure flag
     end: Optional[Record] = None  # round prev's end record (a membership change)
-    failure_rows: Tuple[Record, ...] = ()  # round prev's failed workers (read for an in-place round only)
-    left: FrozenSet[str] = frozenset()  # nodes that left round prev gracefully
+    failure_rows: Tuple[Record, ...] = ()  # round prev's failed workers (read when it failed)
     restarts: Tuple[float, ...] = ()  # the restart history (wall times)
     started: float = 0.0  # (monotonic) when this node began to wait for the round
     timeout: float = 0.0  # how long too few nodes may wait: --join-timeout, or --rescale-timeout after a round
@@ -250,7 +249,7 @@ def _round(snap: Forming, s: RendezvousSettings, marks: Marks, waiting: List[Can
     restarts = (0 if prev is None else prev.restart_count) + (1 if charged else 0)
     topo = Topology(round=snap.target, members=members, master_addr=rank0.addr, master_port=rank0.store_port,
                     restart_count=restarts, created_at=snap.wall,
-                    inplace=plan_inplace(prev, members, kind, failed, snap.nodes, snap.left))
+                    inplace=plan_inplace(prev, members, kind, failed, snap.nodes, snap.failure_rows))
     event = RescaleEvent(
         type=kind, round=snap.target, old_members=prev.node_ids if prev else [], new_members=topo.node_ids,
         old_world_size=prev.world_size if prev else 0, new_world_size=topo.world_size,

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from elasticrun.errors import ElasticrunError, RendezvousError, StoreError
 from elasticrun.job import records
@@ -329,18 +329,15 @@ class Rendezvous:
         view, keys = self.view, self.keys
         failed = end = None
         rows: Tuple[Dict[str, Any], ...] = ()
-        left: FrozenSet[str] = frozenset()
         if prev is not None:
             failed = view.record(keys.failed(prev.round), records.failed_flag)
             end = view.record(keys.end(prev.round), records.end_flag)
-            if failed is not None and prev.inplace:  # only a failed in-place round's rows decide anything
+            if failed is not None:  # a failed re-form is free; a crash may be recovered in place
                 rows = tuple(row for kv in view.under(keys.failures(prev.round)).values()
                              for row in records.read(kv, records.failure_rows) or [])
-            prefix = keys.lefts(prev.round)
-            left = frozenset(key[len(prefix):] for key in view.under(prefix))
         restarts = tuple(view.record(keys.restarts, records.restart_history) or ())
         return Forming(target=p.target, me=self.node_id, nodes=view.nodes(), prev=prev, failed=failed, end=end,
-                       failure_rows=rows, left=left, restarts=restarts, started=p.started, timeout=p.timeout,
+                       failure_rows=rows, restarts=restarts, started=p.started, timeout=p.timeout,
                        wall=time.time(), marks=self._marks)
 
     def _carry_out(self, plan: Plan, p: _Progress, prev: Optional[Topology], prev_rev: int) -> None:
@@ -439,7 +436,7 @@ class Rendezvous:
         self.writer.report_done(topo.round, self.node_id)
 
     def mark_left(self, round_: int) -> None:
-        """A graceful leave of round ``round_`` (before the lease is revoked): survivors may re-form in place."""
+        """A graceful leave of round ``round_`` (before the lease is revoked): ``elasticrun status`` shows it Left."""
         self.writer.mark_left(round_, self.node_id)
 
     def mark_succeeded(self, topo: Topology) -> None:

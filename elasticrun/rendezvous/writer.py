@@ -105,7 +105,7 @@ class RoundWriter:
         self.store.put_json(self.keys.done(round_, node_id), {"time": time.time()})
 
     def mark_left(self, round_: int, node_id: str) -> None:
-        """A graceful leave of round ``round_`` (before the lease is revoked): survivors may re-form in place."""
+        """A graceful leave of round ``round_`` (before the lease is revoked): ``elasticrun status`` shows it Left."""
         self.store.put_json(self.keys.left(round_, node_id), {"time": time.time()})
 
 

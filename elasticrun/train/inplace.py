@@ -4,7 +4,14 @@
     inplace = et.InPlace(ctx, model=model, optimizer=opt, sampler=sampler)  # opts in
     ddp = DDP(model)                       # after InPlace, as every other collective
     while ...:
-        train_one_step(); inplace.step += 1
+        try:
+            train_one_step()               # zero_grad first, optimizer step after the last collective
+        except RuntimeError as err:        # a peer crashed: its all-reduce failed
+            if inplace.recover(err) is et.Reform.REFORMED:   # re-raises unless recovered in place
+                ddp = et.rebuild_ddp(ddp)
+                continue                   # redo the step in the re-formed group
+            break                          # STOP
+        inplace.step += 1                  # (and sampler.advance) only after the step's collectives
         result = inplace.check()           # a step boundary: one tiny all-reduce
         if result is et.Reform.STOP:       # this worker leaves (its node is going away)
             if reform.group_kept:          # every rank stops at this step: a collective save still works
@@ -23,6 +30,9 @@ rank 0 (always a survivor: ranks are stable) to newcomers, which receive it in t
 newcomer's first collectives are the survivors' re-form (else both wait and the re-form fails).
 Any failure (a peer gone, no assignment before ``timeout``) exits the worker with
 :data:`EXIT_INPLACE_FAILED`: the agent then takes the normal restart path.
+After a peer's crash the agent keeps the workers and says so in ``<file>.recover``: :meth:`InPlace.recover`
+leaves the broken group, waits for the next assignment (the crashed rank's replacement joins as a
+newcomer) and re-forms as above; the interrupted step is redone.
 Without ``ELASTICRUN_INPLACE_FILE`` (torchrun, plain python) nothing changes: ``check()`` is a
 no-op returning ``CONTINUE`` unless SIGTERM arrived.
 """
@@ -36,7 +46,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -48,6 +58,7 @@ from elasticrun.job.inplace import (
     formed_round,
     opted_in,
     read_assignment,
+    recovery_announced,
     write_assignment,
 )
 from elasticrun.train.dist import ElasticContext
@@ -104,6 +115,7 @@ class InPlace:
         self.path = os.environ.get(names.INPLACE_FILE, "").strip()
         self.last_pause_s = 0.0  # wall time of the last re-form (teardown → state synchronised)
         self.reforms = 0
+        self.recoveries = 0  # re-forms after a peer's crash (:meth:`recover`)
         self.joined = False  # this newcomer received the registered state from the survivors (constructor)
         self.group_kept = False  # after STOP: every rank stops at this step, the group still works (save now)
         self._calls = 0
@@ -147,7 +159,10 @@ class InPlace:
         stopping = self.ctx.should_stop  # read once: SIGTERM may land between here and the decision
         mine = _STOP if stopping else int(self._pending())
         flags = torch.tensor([mine, -mine])  # one MAX all-reduce: the highest flag and the lowest
-        self._guarded(lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group), "agreeing to re-form")
+        try:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+        except Exception as err:  # a peer crashed: recover in place if the agent keeps us, else the restart path
+            return self._recover_at_check(err)
         if int(flags[0].item()) == 0:
             return Reform.CONTINUE
         if stopping:
@@ -158,6 +173,13 @@ class InPlace:
             return Reform.STOP
         return Reform.REFORMED if self._reform() else Reform.STOP
 
+    def _recover_at_check(self, err: Exception) -> Reform:
+        """The agreement's all-reduce failed: :meth:`recover`, or exit for a restart when not recovered."""
+        try:
+            return self.recover(err if isinstance(err, RuntimeError) else RuntimeError(str(err)))
+        except Exception as again:
+            self._fail(f"agreeing to re-form failed: {again}")
+
     # -- the re-form ----------------------------------------------------------------------------
 
     def _reform(self) -> bool:
@@ -165,16 +187,28 @@ class InPlace:
         began = time.monotonic()
         old = self.ctx.round
         self._leave_group()
-        deadline = began + self.timeout
+        a = self._await_assignment(old, self.timeout)
+        if a is None:
+            return False
+        self._enter(a, began)
+        return True
+
+    def _await_assignment(self, old: int, within: float) -> Optional[Dict[str, Any]]:
+        """The assignment for a round after ``old`` (None: SIGTERM came first); fails the worker after ``within`` s."""
+        deadline = time.monotonic() + within
         a = read_assignment(self.path)
         while a is None or int(a["round"]) <= old:
             if self.ctx.should_stop:  # our node leaves too (its agent left first): no assignment will come
                 self.ctx.owns_group = False
-                return False
+                return None
             if time.monotonic() >= deadline:
-                self._fail(f"no assignment for a round after {old} within {self.timeout:g} s")
+                self._fail(f"no assignment for a round after {old} within {within:g} s")
             time.sleep(0.005)
             a = read_assignment(self.path)
+        return a
+
+    def _enter(self, a: Dict[str, Any], began: float) -> None:
+        """Join the round of assignment ``a`` (the old group is gone) and synchronise the state from rank 0."""
         if a.get("leave"):
             self._fail(f"round {a['round']} has no place for this worker")
         os.environ.update(a["env"])
@@ -192,7 +226,61 @@ class InPlace:
         self._mark()
         log.info("elasticrun: re-formed in place: round %d, rank %d of %d (%.3f s)",
                  state.round, state.rank, state.world_size, self.last_pause_s)
-        return True
+
+    # -- recovery from a peer's crash ---------------------------------------------------------------
+
+    def recover(self, err: BaseException) -> Reform:
+        """The step raised ``err``; call from its ``except`` block, on the rank it raised on.
+
+        A peer crashed (gloo: its closed connection; or a collective deadline): this worker leaves the
+        broken group at once (its peers' pending collectives fail too) and, when its agent keeps the
+        workers for an in-place recovery (``<file>.recover`` within ``timeout`` s), waits for the next
+        round's assignment (the crashed rank's replacement starting), joins it and receives the state
+        from the new rank 0: :attr:`Reform.REFORMED`, redo the interrupted step (its gradients are
+        dropped; the sampler and :attr:`step` were not advanced). :attr:`Reform.STOP`: SIGTERM came
+        while waiting (the agent took the restart path). Re-raises ``err`` otherwise: not enabled, not
+        a ``RuntimeError`` (a bug in the step, not a broken collective), no recovery announced, or an
+        NCCL group (its communicator must be aborted, which this does not do yet: the restart path).
+        """
+        if not self.enabled or not isinstance(err, RuntimeError) or "nccl" in str(self.ctx.backend):
+            raise err
+        began = time.monotonic()
+        old = self.ctx.round
+        log.warning("elasticrun: a collective of round %d failed (%s): waiting for an in-place recovery",
+                    old, str(err).splitlines()[0][:200] if str(err) else type(err).__name__)
+        self._drop_group()
+        wait = self._await_recovery(old, began + self.timeout)
+        if wait is None:
+            if self.ctx.should_stop:
+                return Reform.STOP
+            raise err
+        a = self._await_assignment(old, wait)
+        if a is None:
+            return Reform.STOP
+        self._enter(a, began)
+        self.recoveries += 1
+        return Reform.REFORMED
+
+    def _await_recovery(self, old: int, deadline: float) -> Optional[float]:
+        """Seconds the agent allows for the next assignment once it announces it keeps us (None: SIGTERM, or
+        nothing announced by ``deadline``)."""
+        while not self.ctx.should_stop:
+            wait = recovery_announced(self.path, old)
+            if wait is not None:
+                return wait
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.01)
+        return None
+
+    def _drop_group(self) -> None:
+        """Leave a broken group: destroying it closes our connections, so peers blocked on us fail fast."""
+        try:
+            self._leave_group()
+        except Exception as err:  # a group already half gone: nothing of it is used again
+            log.warning("elasticrun: leaving the broken group: %s", err)
+            self.ctx.owns_group = False
+            self.ctx.cpu_group = None
 
     def _leave_group(self) -> None:
         """Destroy every group of the old round (ours included), after the device's queued work."""
@@ -261,7 +349,7 @@ class InPlace:
         except Exception as err:  # a peer gone: gloo ends by timeout or a closed connection
             self._fail(f"{what} failed: {err}")
 
-    def _fail(self, why: str) -> None:
+    def _fail(self, why: str) -> NoReturn:
         sys.stderr.write(f"elasticrun: in-place re-form failed ({why}); exiting for a restart\n")
         sys.stderr.flush()
         os._exit(EXIT_INPLACE_FAILED)  # no atexit: a half-made group must not hang the exit

@@ -4,16 +4,21 @@ Two nodes train; C joins (2 → 3), then the node that is not rank 0 leaves grac
 Rank 0's worker process (it prints every step) lives through both changes: one ``start:`` line,
 two ``re-formed in place`` lines, every step once and in order, the world size following the
 membership. Then both remaining nodes are stopped: every rank stops at the same step and saves.
+A SIGKILLed worker of a three-node job is recovered in place: rank 0's process lives through it,
+every step once, and the job finishes.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 from pathlib import Path
 from typing import List
 
 import pytest
+
+from elasticrun.job.keys import JobKeys
 
 from helpers.procs import wait_until
 
@@ -56,3 +61,40 @@ def test_the_example_keeps_its_survivors_through_a_join_and_a_leave(etcd_server,
     worlds = [w for _, w in steps(text)]
     assert worlds[0] == 2 and 3 in worlds and worlds[-1] == 2, "2 → 3 → 2"
     assert re.search(r"checkpoint \S+ saved in \S+ \(stop\)", text), "every rank stopped together and saved"
+
+
+def _worker(agent) -> int:
+    """The example's worker process under ``agent`` (the deepest process running the script)."""
+    procs = [p for p in agent.descendants() if any(str(EXAMPLE) in part for part in p.cmdline())
+             and "elasticrun.launch.warm" not in p.cmdline()]  # a pre-warmed fork server names the script too
+    pids = {p.pid for p in procs}
+    leaves = [p.pid for p in procs if not any(c.pid in pids for c in p.children(recursive=True))]
+    assert len(leaves) == 1, [p.cmdline() for p in procs]
+    return leaves[0]
+
+
+def test_the_example_recovers_a_killed_worker_in_place(etcd_server, etcd, job_id, agents, tmp_path):
+    ckpts = tmp_path / "ckpts"
+
+    def args(node: str, rank: int) -> List[str]:
+        flags = agent_args(etcd_server.endpoint, job_id, node, ckpts)
+        flags[flags.index("--nnodes") + 1] = "3"
+        flags[flags.index("--max-restarts") + 1] = "1"
+        return ["--node-rank", str(rank), *flags, "--steps", "120"]
+
+    a = {n: agents(args(n, i), name=n) for i, n in enumerate("ABC")}
+    out = a["A"].stdout  # rank 0: it prints the steps
+    wait_until(lambda: len(steps(out())) >= 10, 150, "steps at world size 3")
+    keys = JobKeys(job_id)  # a crash before the agents offer in-place re-forming takes the restart path
+    wait_until(lambda: all((etcd.get_json(keys.node(n)) or {}).get("inplace") for n in "ABC"), 60, "opt-in")
+    os.kill(_worker(a["B"]), signal.SIGKILL)
+    for n in "ABC":
+        assert a[n].wait(150) == 0, a[n].output()
+    text = out()
+    assert text.count("start:") == 1, "rank 0's worker was never restarted"
+    assert text.count("re-formed in place") == 1, text[-3000:]
+    numbers = [s for s, _ in steps(text)]
+    assert numbers == list(range(1, 121)), "every step once, in order"
+    assert {w for _, w in steps(text)} == {3}
+    assert "done: steps=120" in text
+    assert "re-forming in place" in a["C"].stderr(), "C kept its worker too"

@@ -34,7 +34,9 @@ def test_a_survivor_reports_the_new_round_and_its_hang_is_detected(etcd_server, 
     flags = ["--hang-timeout", str(HANG_TIMEOUT)]
     a = {n: agents(inplace_args(etcd_server.endpoint, job_id, n, "1:2", extra=flags), name=n, env=env) for n in "AB"}
     wait_until(lambda: sum(r["world"] == 2 for r in log_steps(log)) >= 4, 150, "steps at world size 2")
-    pid = [r["pid"] for r in log_steps(log) if r["rank"] == 0][-1]
+    first = etcd.get_json(keys.topology)  # A is rank 0 or 1: whichever registered first is rank 0
+    rank_a = next(m["rank_offset"] for m in first["members"] if m["node_id"] == "A")
+    pid = [r["pid"] for r in log_steps(log) if r["rank"] == rank_a][-1]
     a["B"].signal(signal.SIGTERM)  # graceful leave: A re-forms in place at world size 1
     wait_until(lambda: sum(r["world"] == 1 for r in log_steps(log)) >= 4, 150, "steps at world size 1")
     topo = etcd.get_json(keys.topology)

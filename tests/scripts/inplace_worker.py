@@ -8,14 +8,17 @@ nccl. ``INPLACE_DDP=1``: gradients through DDP, rebuilt with ``et.rebuild_ddp`` 
 (survivor: dies inside the re-form after STEP) simulate failures. ``INPLACE_DATASET``: samples per
 epoch (120); ``INPLACE_PACE``: seconds between steps, none once ``INPLACE_FAST_FILE`` exists.
 ``INPLACE_JOIN_TIMEOUT``: seconds to wait for the first group and for a re-formed one;
-``INPLACE_REFORM_TIMEOUT`` (default: the same) for a re-formed one only.
+``INPLACE_REFORM_TIMEOUT`` (default: the same) for a re-formed one only; ``INPLACE_TIMEOUT``: InPlace's
+``timeout`` (5).
 ``INPLACE_START_DELAY``: seconds to sleep before ``init`` (a slow newcomer: a long join window);
 ``INPLACE_START_GATE``: a file to wait for before ``init`` (``<gate>.waiting`` says it waits).
 ``INPLACE_CKPT_DIR`` + ``INPLACE_CKPT_EVERY``: save a checkpoint there every N steps (collective);
 rank 0 logs ``{"saved": name}`` or ``{"refused": error}`` with its round.
 ``INPLACE_HEARTBEAT=1``: ``et.heartbeat(step)`` after every step; ``INPLACE_HANG_FILE``: once that
 file exists, the worker stops making progress (sleeps in its loop: a hang); ``INPLACE_CRASH_FILE``:
-once that file exists, the worker exits 1 (a crash).
+once that file exists, the worker exits 1 (a crash); ``INPLACE_CRASH_MID_FILE``: the same, between the
+two gradient all-reduces of a step (without DDP). A step whose collective fails is handed to
+``InPlace.recover``: a ``{"recovered": ...}`` line, then the step is redone in the re-formed group.
 The restart path by hand: ``INPLACE_RESUME=PATH`` loads the state saved at ``PATH`` (if it exists),
 ``INPLACE_STOP_AFTER=STEP`` saves it there after STEP (rank 0) and exits 0.
 """
@@ -60,7 +63,8 @@ torch.manual_seed(0)
 model = torch.nn.Linear(4, 1).to(ctx.device)  # cpu (gloo) or this worker's GPU (nccl)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 sampler = et.ElasticDistributedSampler(DATASET, seed=1)
-reform = et.InPlace(ctx, timeout=5, join_timeout=float(os.environ.get("INPLACE_REFORM_TIMEOUT", os.environ.get(
+reform = et.InPlace(ctx, timeout=float(os.environ.get("INPLACE_TIMEOUT", "5")),
+                    join_timeout=float(os.environ.get("INPLACE_REFORM_TIMEOUT", os.environ.get(
                         "INPLACE_JOIN_TIMEOUT", "40"))),
                     model=model, optimizer=opt, sampler=sampler)
 # DDP after InPlace: a newcomer's first collectives must be the re-form's (the state it receives).
@@ -78,6 +82,7 @@ Y = torch.randn(DATASET, 1, generator=g).to(ctx.device)
 heartbeat = os.environ.get("INPLACE_HEARTBEAT") == "1"
 hang = os.environ.get("INPLACE_HANG_FILE", "")
 crash = os.environ.get("INPLACE_CRASH_FILE", "")
+crash_mid = os.environ.get("INPLACE_CRASH_MID_FILE", "")
 ckpt_dir = os.environ.get("INPLACE_CKPT_DIR", "")
 ckpt_every = int(os.environ.get("INPLACE_CKPT_EVERY", "0")) if ckpt_dir else 0
 
@@ -103,14 +108,27 @@ fast = os.environ.get("INPLACE_FAST_FILE", "")  # once this file exists: no paus
 with open(os.environ["INPLACE_LOG"], "a") as log:
     while not sampler.epoch_done:
         idx = list(iter(sampler))[:LOCAL_BATCH]
-        loss = torch.nn.functional.mse_loss((ddp or model)(X[idx]), Y[idx])
-        opt.zero_grad()
-        loss.backward()
-        if ddp is None:
-            for p in model.parameters():
-                dist.all_reduce(p.grad)
-                p.grad /= dist.get_world_size()
-        opt.step()
+        try:  # the step: its collectives may fail when a peer crashes
+            loss = torch.nn.functional.mse_loss((ddp or model)(X[idx]), Y[idx])
+            opt.zero_grad()
+            loss.backward()
+            if ddp is None:
+                for i, p in enumerate(model.parameters()):
+                    dist.all_reduce(p.grad)
+                    p.grad /= dist.get_world_size()
+                    if i == 0 and crash_mid and os.path.exists(crash_mid):
+                        os._exit(1)  # a crash between two collectives of a step
+            opt.step()
+        except RuntimeError as err:
+            result = reform.recover(err)  # re-raises unless the agent recovers the crash in place
+            log.write(json.dumps({"pid": os.getpid(), "recovered": result.value, "round": ctx.round,
+                                  "at": reform.step, "pause": reform.last_pause_s}) + "\n")
+            log.flush()
+            if result is et.Reform.STOP:
+                break
+            if ddp is not None:
+                ddp = et.rebuild_ddp(ddp)
+            continue  # redo the interrupted step in the new group (nothing of it was applied)
         sampler.advance(LOCAL_BATCH)
         reform.step += 1
         log.write(json.dumps({"pid": os.getpid(), "rank": ctx.rank, "world": ctx.world_size, "round": ctx.round,

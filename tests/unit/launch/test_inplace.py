@@ -1,8 +1,10 @@
-"""The agent's side of in-place re-forming, decided without files or etcd (launch/inplace.inplace_steps)."""
+"""The agent's side of in-place re-forming, decided without files or etcd (launch/inplace.inplace_steps,
+failure_flags)."""
 
 from __future__ import annotations
 
-from elasticrun.launch.inplace import InPlaceSeen, InPlaceState, InPlaceStep, inplace_steps
+from elasticrun.job.inplace import DURING_INPLACE, EXIT_INPLACE_FAILED, RECOVERABLE
+from elasticrun.launch.inplace import InPlaceSeen, InPlaceState, InPlaceStep, failure_flags, inplace_steps
 
 IDLE = InPlaceState(told=False, joining=-1, reforming=-1, published=False, deadline=0.0)
 NOTHING = InPlaceSeen(opted_in=False, joined=False, newcomers_ready=False, reformed=False, now=50.0)
@@ -54,3 +56,11 @@ def test_a_published_reform_ends_when_every_worker_formed_or_fails_after_the_dea
     assert inplace_steps(published, seen(reformed=True, now=170.0)) == [InPlaceStep.REFORMED], "formed wins"
     assert inplace_steps(published, seen(now=160.1)) == [InPlaceStep.REFORM_LATE]
     assert inplace_steps(published, seen(newcomers_ready=True, now=150.0)) == [], "assignments written once"
+
+
+def test_a_crash_of_opted_in_workers_outside_a_reform_is_recoverable_in_place() -> None:
+    assert failure_flags(False, True, 1) == {RECOVERABLE: True}
+    assert failure_flags(False, True, -9) == {RECOVERABLE: True}, "SIGKILL"
+    assert failure_flags(False, True, EXIT_INPLACE_FAILED) == {RECOVERABLE: False}, "could not re-form itself"
+    assert failure_flags(False, False, 1) == {}, "not opted in (or a re-form under way): the restart path"
+    assert failure_flags(True, True, 1) == {DURING_INPLACE: True}, "inside a re-form: a failed re-form"

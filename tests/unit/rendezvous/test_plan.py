@@ -9,7 +9,7 @@ from typing import Dict, Optional, Tuple
 import pytest
 
 from elasticrun.job.exitcodes import ExitCode
-from elasticrun.job.inplace import EXIT_INPLACE_FAILED
+from elasticrun.job.inplace import EXIT_INPLACE_FAILED, RECOVERABLE
 from elasticrun.rendezvous.plan import (
     EndJob,
     Fence,
@@ -260,18 +260,30 @@ def test_a_failed_inplace_reform_is_not_charged():
     assert isinstance(charged, EndJob), "an ordinary crash late in the round is charged"
 
 
+def test_a_crash_recovered_in_place_uses_a_restart_and_keeps_the_other_nodes():
+    prev = topo("ABC", 2)
+    rows = ({"node_id": "B", "rank": 1, "exitcode": 1, RECOVERABLE: True},)
+    n = nodes("ABC", 3, inplace=True)
+    plan = plan_round(snap("ABC", 3, prev, nodes=n, failed={"node": "B"}, failure_rows=rows), settings(max_restarts=1),
+                      T0)
+    assert isinstance(plan, FormRound) and plan.topology.inplace == ("A", "C")
+    assert plan.event.type is RescaleType.RESTART and plan.topology.restart_count == 1 and plan.restarts == (WALL,)
+    spent = plan_round(snap("ABC", 3, prev, nodes=n, failed={"node": "B"}, failure_rows=rows), settings(max_restarts=0),
+                       T0)
+    assert isinstance(spent, EndJob), "no restart left: the job fails, in place or not"
+
+
 # -- plan_round: in place, reasons ----------------------------------------------------------------
 
 
-def test_a_graceful_leave_of_opted_in_survivors_reforms_in_place():
+def test_a_leave_or_a_lost_node_of_opted_in_survivors_reforms_in_place():
     prev = topo("ABC", 1)
     n = nodes("AB", 2, inplace=True)
     s = settings(min_nodes=1)
-    left = plan_round(snap("AB", 2, prev, nodes=n, left=frozenset({"C"})), s, T0)
-    assert isinstance(left, FormRound) and left.topology.inplace == ("A", "B")
-    assert left.event.reason == "node(s) left or lost their lease" and left.event.type is RescaleType.SCALE_DOWN
-    lost = plan_round(snap("AB", 2, prev, nodes=n), s, T0)
-    assert isinstance(lost, FormRound) and lost.topology.inplace == (), "a lost node: restart path"
+    down = plan_round(snap("AB", 2, prev, nodes=n), s, T0)
+    assert isinstance(down, FormRound) and down.topology.inplace == ("A", "B")
+    assert down.event.reason == "node(s) left or lost their lease" and down.event.type is RescaleType.SCALE_DOWN
+    assert down.topology.restart_count == 0 and down.restarts is None, "a node's loss uses no restart"
 
 
 def test_the_end_record_says_why_the_round_changed():
