@@ -23,7 +23,8 @@ def _restart(round_: int) -> RescaleEvent:
 
 def test_a_restart_round_says_whether_it_recovered_in_place(tmp_path: Path) -> None:
     events = tmp_path / "events.jsonl"
-    obs = Observer(LaunchConfig(entrypoint="t.py", rdzv_id="j", node_id="A", events_file=str(events)))
+    obs = Observer(LaunchConfig.of({"workers.entrypoint": "t.py", "rendezvous.rdzv_id": "j",
+                                     "rendezvous.node_id": "A", "logs.events_file": str(events)}))
     obs.round_started(Topology(1, MEMBERS, "127.0.0.1", 1, restart_count=1, inplace=("A",)), _restart(1))
     obs.round_started(Topology(2, MEMBERS, "127.0.0.1", 1, restart_count=2), _restart(2))
     obs.round_started(Topology(3, MEMBERS, "127.0.0.1", 1, restart_count=2, inplace=("A",)),
