@@ -81,6 +81,19 @@ class Reform(enum.Enum):
     STOP = "stop"  # this worker leaves (SIGTERM): save if you must, then exit 0
 
 
+#: What a failed collective's error says (gloo names its sources; a peer's end shows as a closed or reset
+#: connection); any other error of a step is a bug in the step and is re-raised at once.
+_BROKEN_COLLECTIVE = ("gloo", "Connection closed", "Connection reset", "Broken pipe", "Socket Timeout")
+
+
+def broken_collective(err: BaseException) -> bool:
+    """Whether ``err`` is a collective broken by a peer (a ``torch.distributed`` error, or gloo's
+    ``RuntimeError`` about its connections) rather than an error of the step's own code."""
+    if isinstance(err, dist.DistError):
+        return True
+    return isinstance(err, RuntimeError) and any(mark in str(err) for mark in _BROKEN_COLLECTIVE)
+
+
 def rebuild_ddp(module: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
     """A DDP wrapper on the current (new) process group around the module ``module`` wrapped.
 
@@ -238,11 +251,12 @@ class InPlace:
         round's assignment (the crashed rank's replacement starting), joins it and receives the state
         from the new rank 0: :attr:`Reform.REFORMED`, redo the interrupted step (its gradients are
         dropped; the sampler and :attr:`step` were not advanced). :attr:`Reform.STOP`: SIGTERM came
-        while waiting (the agent took the restart path). Re-raises ``err`` otherwise: not enabled, not
-        a ``RuntimeError`` (a bug in the step, not a broken collective), no recovery announced, or an
-        NCCL group (its communicator must be aborted, which this does not do yet: the restart path).
+        while waiting (the agent took the restart path). Re-raises ``err`` otherwise: not enabled, no
+        recovery announced, or an NCCL group (its communicator must be aborted, which this does not do
+        yet: the restart path). An error that is no broken collective (:func:`broken_collective`: e.g. a
+        shape mismatch in the step) is re-raised at once, without waiting.
         """
-        if not self.enabled or not isinstance(err, RuntimeError) or "nccl" in str(self.ctx.backend):
+        if not self.enabled or not broken_collective(err) or "nccl" in str(self.ctx.backend):
             raise err
         began = time.monotonic()
         old = self.ctx.round
@@ -369,5 +383,5 @@ def _on_cpu(value: Any) -> Any:
     return value
 
 
-__all__ = ["ASSIGNED", "EXIT_INPLACE_FAILED", "InPlace", "Reform", "formed_round", "opted_in", "read_assignment",
-           "rebuild_ddp", "write_assignment"]
+__all__ = ["ASSIGNED", "EXIT_INPLACE_FAILED", "InPlace", "Reform", "broken_collective", "formed_round", "opted_in",
+           "read_assignment", "rebuild_ddp", "write_assignment"]

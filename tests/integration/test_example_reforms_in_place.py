@@ -64,9 +64,11 @@ def test_the_example_keeps_its_survivors_through_a_join_and_a_leave(etcd_server,
 
 
 def _worker(agent) -> int:
-    """The example's worker process under ``agent`` (the deepest process running the script)."""
+    """The example's worker process under ``agent``: the deepest process naming the script, other than
+    the fork server (the agent's child running ``elasticrun.launch.warm --server``, which names the
+    script too, as do the workers forked from it)."""
     procs = [p for p in agent.descendants() if any(str(EXAMPLE) in part for part in p.cmdline())
-             and "elasticrun.launch.warm" not in p.cmdline()]  # a pre-warmed fork server names the script too
+             and not (p.ppid() == agent.pid and "--server" in p.cmdline())]
     pids = {p.pid for p in procs}
     leaves = [p.pid for p in procs if not any(c.pid in pids for c in p.children(recursive=True))]
     assert len(leaves) == 1, [p.cmdline() for p in procs]
