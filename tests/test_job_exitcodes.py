@@ -25,6 +25,7 @@ from elasticrun.errors import (
 )
 from elasticrun.job.exitcodes import RETRYABLE, ExitCode, for_error, for_signal
 from elasticrun.launch.agent import Agent
+from elasticrun.launch.config import LaunchConfig
 from elasticrun.rendezvous.settings import JobEnded
 from elasticrun.store.server import EtcdServer
 
@@ -78,7 +79,7 @@ class _Rdzv:
 ])
 def test_a_node_exits_with_the_code_of_the_node_that_ended_the_job(state: dict, code: ExitCode) -> None:
     agent = Agent.__new__(Agent)
-    agent.cfg = SimpleNamespace(rdzv_id="j")
+    agent.cfg = LaunchConfig.of({"rendezvous.rdzv_id": "j"})
     agent.say = lambda _msg: None
     agent.obs = SimpleNamespace(finish=lambda _outcome: None)  # no metrics/goodput in this unit test
     with pytest.raises(JobFailedError) as info:

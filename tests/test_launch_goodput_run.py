@@ -109,7 +109,10 @@ def test_goodput_of_a_job_with_a_crash_matches_its_ground_truth(
     assert status.returncode == 0, status.stderr
     live = json.loads(status.stdout)["goodput"]
     assert live["nodes"] == 1 and 0 < live["goodput_ratio"] < 1, live
-    assert live["top_badput"][0]["cause"] == "startup" and live["badput_s"]["restart"] > 0, live
+    # The first start pays the worker's torch import; the restart is a fork of the preloaded server, or
+    # waits for its preload when the crash came first (a loaded host): either may be the larger.
+    assert live["top_badput"][0]["cause"] in ("startup", "restart"), live
+    assert live["badput_s"]["startup"] > 0 and live["badput_s"]["restart"] > 0, live
     text = run_cli(["status", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", job_id])
     assert "goodput " in text.stdout and "badput: " in text.stdout, text.stdout
     assert agent.wait(120) == 0, agent.output()
@@ -138,14 +141,14 @@ def test_goodput_of_a_job_with_a_crash_matches_its_ground_truth(
     # the agent's clock: the end (the worker's exit → the agent's success report, ~0.1 s), the
     # rollback point interpolated between reports (≤ one step, 0.15 s, while steps are uniform) and
     # when the agent learns of the crash. On a loaded host (the whole suite on 2 cores) steps stop
-    # being uniform and the last report before the crash can land late: up to 0.75 s, half the
-    # rollback here and under the reporter's one-second interval, so an uncounted rollback (0) or
-    # one counted from the round's start (~5 s) still fails.
+    # being uniform and the last report before the crash can land late: up to the reporter's
+    # one-second interval (0.46 and 0.79 s seen), so an uncounted rollback (0) or one counted from
+    # the round's start (~5 s) still fails.
     assert got["badput_s"]["checkpoint_stall"] == pytest.approx(truth["stall"], abs=0.05), (got, truth)
-    assert got["badput_s"]["rollback"] == pytest.approx(truth["rollback"], abs=0.75), (got, truth)
-    assert got["goodput_s"] == pytest.approx(truth["kept"], abs=0.9), (got, truth)
+    assert got["badput_s"]["rollback"] == pytest.approx(truth["rollback"], abs=1.0), (got, truth)
+    assert got["goodput_s"] == pytest.approx(truth["kept"], abs=1.2), (got, truth)
     assert 0 < got["goodput_ratio"] < 1
-    assert got["goodput_ratio"] == pytest.approx(truth["kept"] / got["wall_s"], abs=0.9 / got["wall_s"])
+    assert got["goodput_ratio"] == pytest.approx(truth["kept"] / got["wall_s"], abs=1.2 / got["wall_s"])
 
     # Prometheus' view of the same scrapes: no counter ever went down, and docs/observability.md's
     # goodput query (training less training found lost, as increase() over the span scraped while

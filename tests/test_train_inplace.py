@@ -26,6 +26,7 @@ from elasticrun.job import env as names
 from elasticrun.job.inplace import announce_recovery
 from elasticrun.store.server import free_port
 from elasticrun.train.inplace import EXIT_INPLACE_FAILED, opted_in, write_assignment
+from tests.helpers.inplace import steps_by_process
 from tests.helpers.procs import REPO, SCRIPTS, wait_until, worker_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -123,11 +124,7 @@ def test_join_then_graceful_leave_keeps_survivors_and_exactly_once(harness: Harn
     assert {r["pid"] for r in steps if r["round"] == 2} == {pids[0], h.procs[2].pid}
     # No step twice: per (pid) the steps are strictly increasing by one, and the newcomer
     # started right after the survivors' last step (it got `step` by broadcast).
-    by_pid: Dict[int, List[int]] = {}
-    for r in steps:
-        by_pid.setdefault(r["pid"], []).append(r["step"])
-    for seq in by_pid.values():
-        assert seq == list(range(seq[0], seq[0] + len(seq)))
+    by_pid = steps_by_process(steps)
     first_new = by_pid[h.procs[2].pid][0]
     assert first_new == max(r["step"] for r in steps if r["round"] == 0) + 1
     # Every sample exactly once across the three world sizes.
@@ -237,11 +234,7 @@ def test_crash_mid_step_survivors_recover_in_place_and_redo_the_step(harness: Ha
     assert h.procs[1].pid != pids[1]
     # The interrupted step ran once: per process strictly consecutive steps, every step of the job once
     # on rank 0, and every sample exactly once (the crashed rank's samples of that step included).
-    by_pid: Dict[int, List[int]] = {}
-    for r in steps:
-        by_pid.setdefault(r["pid"], []).append(r["step"])
-    for seq in by_pid.values():
-        assert seq == list(range(seq[0], seq[0] + len(seq))), seq
+    steps_by_process(steps)
     rank0 = [r["step"] for r in steps if r["rank"] == 0]
     assert rank0 == list(range(1, len(rank0) + 1))
     assert sorted(i for r in steps for i in r["idx"]) == list(range(120))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import List, Sequence
+from typing import Dict, List, Sequence
 
 from helpers.procs import SCRIPTS
 
@@ -27,3 +27,14 @@ def log_rows(log: Path) -> List[dict]:
 def log_steps(log: Path) -> List[dict]:
     """The step lines only."""
     return [r for r in log_rows(log) if "step" in r]
+
+
+
+def steps_by_process(steps: List[dict]) -> Dict[int, List[int]]:
+    """Each worker process's steps, asserted consecutive (no step ran twice in one process)."""
+    by_pid: Dict[int, List[int]] = {}
+    for r in steps:
+        by_pid.setdefault(r["pid"], []).append(r["step"])
+    for seq in by_pid.values():
+        assert seq == list(range(seq[0], seq[0] + len(seq))), seq
+    return by_pid

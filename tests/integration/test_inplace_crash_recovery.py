@@ -16,14 +16,14 @@ import json
 import os
 import signal
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, Sequence
 
 import pytest
 
 from elasticrun.job.inplace import RECOVERABLE
 from elasticrun.job.keys import JobKeys
 
-from helpers.inplace import inplace_args, log_rows, log_steps
+from helpers.inplace import inplace_args, log_rows, log_steps, steps_by_process
 from helpers.procs import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -78,11 +78,7 @@ def test_a_killed_worker_is_recovered_in_place(etcd_server, etcd, job_id, agents
     later = {r["rank"]: r["pid"] for r in steps if r["round"] == 1}
     assert later[0] == pids[0] and later[2] == pids[2] and later[1] != pids[1], (pids, later)
     # No step twice: consecutive per process, rank 0's steps are 1..N once each; no sample twice.
-    by_pid: Dict[int, List[int]] = {}
-    for r in steps:
-        by_pid.setdefault(r["pid"], []).append(r["step"])
-    for seq in by_pid.values():
-        assert seq == list(range(seq[0], seq[0] + len(seq))), seq
+    by_pid = steps_by_process(steps)
     rank0 = [r["step"] for r in steps if r["rank"] == 0]
     assert rank0 == list(range(1, len(rank0) + 1))
     seen = [i for r in steps for i in r["idx"]]
@@ -160,11 +156,7 @@ def test_a_lost_node_is_recovered_in_place_at_the_smaller_size(etcd_server, etcd
     assert sorted(topo["inplace"]) == ["A", "C"] and topo["restart_count"] == 0, topo
     steps = log_steps(log)
     assert {r["pid"] for r in steps if r["world"] == 2} == {pids[0], pids[2]}, "A and C kept their workers"
-    by_pid: Dict[int, List[int]] = {}
-    for r in steps:
-        by_pid.setdefault(r["pid"], []).append(r["step"])
-    for seq in by_pid.values():
-        assert seq == list(range(seq[0], seq[0] + len(seq))), seq
+    steps_by_process(steps)
     seen = [i for r in steps for i in r["idx"]]
     assert len(seen) == len(set(seen)), "a sample trained twice"
     assert len(set(range(DATASET)) - set(seen)) <= 2, "at most the lost worker's last, unlogged step"
