@@ -66,6 +66,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.exit(2, "bench_checkpoint.py: --device cuda needs a CUDA GPU, and torch sees none\n")
+    if args.dir is not None and not os.path.isdir(args.dir):
+        ap.exit(2, f"bench_checkpoint.py: --dir {args.dir!r} is not a directory; give an existing one on the disk "
+                   "to measure\n")
     size = int(args.size_gib * (1 << 30))
 
     def settle() -> None:
