@@ -62,7 +62,12 @@ def scrape_loop(targets: List[str], out_path: Path, every: float, duration: floa
 def read_scrapes(path: Path) -> List[Dict[str, Any]]:
     """The scrapes, in time order; SystemExit with one line for a file that is not ``scrape``'s."""
     rows = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise SystemExit(f"dashboard: cannot read {path} ({getattr(err, 'strerror', None) or err}); "
+                         "give the file of dashboard.py scrape") from None
+    for n, line in enumerate(text.splitlines(), 1):
         try:
             rec = json.loads(line)
             rows.append({"time": float(rec["time"]), "target": rec["target"], "samples": rec["samples"]})
