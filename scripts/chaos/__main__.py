@@ -211,9 +211,12 @@ def run(args: argparse.Namespace, say: Say, cleanup: Cleanup) -> int:
     if not args.workdir and not args.keep:
         cleanup.add(lambda: shutil.rmtree(run_dir, ignore_errors=True))
     cleanup.add(lambda: sweep(str(run_dir)))
+    # --no-inplace: the audit's model is one generation per set of workers started together (round,
+    # restart from their environment), which a re-form in place (kept workers at a new round) breaks.
     machine = Machine(run_dir, os.geteuid() == 0, args.etcd_members, args.hang_timeout, worker_args=[
         "--epochs", "1000000", "--dataset-size", str(DATASET), "--seed", str(SEED_DATA), "--ckpt-dir",
-        str(run_dir / "ckpts"), "--ckpt-every", "20", "--keep-last", "4", "--step-sleep", "0.1"], undo=cleanup.actions)
+        str(run_dir / "ckpts"), "--ckpt-every", "20", "--keep-last", "4", "--step-sleep", "0.1", "--no-inplace"],
+        undo=cleanup.actions)
     kinds, skipped = prepare(machine, args.kinds, say)
     if not kinds:
         say("error: no fault kind left to inject; run as root or choose other --faults")
