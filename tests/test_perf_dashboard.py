@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "perf" / "dashboard.py"
+from helpers.scripts import load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("dashboard", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("perf/dashboard.py")
 
 
 def test_scrapes_it_cannot_use_are_one_line(tmp_path: Path) -> None:

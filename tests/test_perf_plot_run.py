@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "perf" / "plot_job.py"
+from helpers.scripts import load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("plot_job", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("perf/plot_job.py")
 
 
 def _log(path: Path, worlds) -> Path:
