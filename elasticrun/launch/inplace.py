@@ -49,6 +49,10 @@ from elasticrun.rendezvous.inplace import keeps_through_failure
 from elasticrun.rendezvous.protocol import Rendezvous
 from elasticrun.rendezvous.records import Member, RescaleEvent, Topology
 
+#: How long the end of a round for newcomers waits for our kept workers to finish re-forming into it (they
+#: take well under a second once their assignments are written; past this, the restart path).
+FINISH_FIRST_S = 15.0
+
 #: How an etcd operation of the in-place work runs: ``call(fn, what)`` returns ``fn()``. The round loop
 #: passes its outage guard's :meth:`~elasticrun.launch.outage.OutageGuard.call`, so a write that meets
 #: an etcd outage is retried up to ``--etcd-outage-grace`` like the restart path's.
@@ -78,6 +82,8 @@ class InPlaceRounds:
         self._joining = -1  # the round our newcomer workers join (-1: none)
         self._forming = -1  # that round until our newcomer workers have the state (-1: none)
         self._recovering = False  # our kept workers wait in InPlace.recover (the round ended by a crash)
+        self._crashed = False  # our workers crashed, recoverably in place: we may sit the next round out
+        self._finish_since: Optional[float] = None  # when a round end began to wait for our re-form
 
     @property
     def busy(self) -> bool:
@@ -88,10 +94,13 @@ class InPlaceRounds:
         return [self.workers.inplace_file(w.spec.local_rank) for w in self.workers.running]
 
     def before_round(self, rdzv: Rendezvous) -> None:
-        """Before waiting for the next round: a node whose workers stopped no longer offers in-place."""
+        """Before waiting for the next round: a node whose workers stopped no longer offers in-place; one
+        whose workers crashed recoverably offers to sit the round out (the survivors re-form at once)."""
         if self._told and not self.carrying:
             rdzv.publish(inplace=False)
             self._told = False
+        if self._crashed:  # (a retry after an etcd outage must not take the offer back)
+            rdzv.sit_out_next, self._crashed = True, False
 
     def drop(self) -> None:
         """Stop workers kept through a round change (our lease was lost: no re-form, no stale worker)."""
@@ -128,6 +137,19 @@ class InPlaceRounds:
         self._deadline = time.monotonic() + self.cfg.rendezvous.inplace_ready_timeout
         return self.workers.started_how + (", joining in-place survivors" if join else "")
 
+    def finishes_first(self, rdzv: Rendezvous, topo: Topology, now: float) -> bool:
+        """Round ``topo`` ended for newcomers while our kept workers still re-form into it (assignments
+        written): let them finish (or fail: :meth:`tick`) before the end is acted on, for up to
+        :data:`FINISH_FIRST_S`, so that they are kept through the next change too instead of restarted.
+        The leader waits for us meanwhile (it forms the next round once we wait for it)."""
+        reforming = self._reforming == topo.round and self._published > 0
+        if not reforming:
+            self._finish_since = None
+            return False
+        if self._finish_since is None:
+            self._finish_since = now
+        return finish_first(reforming, now - self._finish_since, lambda: rdzv.ended_for_newcomers(topo.round))
+
     @property
     def during_inplace(self) -> bool:
         """Our workers are inside an in-place re-form: survivors between their assignment and re-forming
@@ -143,6 +165,7 @@ class InPlaceRounds:
         opted_in = self.enabled and self._told and not self.busy and not self.carrying
         for row in rows:
             row.update(failure_flags(self.during_inplace, opted_in, row.get("exitcode")))
+        self._crashed = bool(rows) and all(row.get(inplace.RECOVERABLE) is True for row in rows)
         return rows
 
     def leave_first(self, rdzv: Rendezvous, round_: int, sig: int) -> bool:
@@ -261,6 +284,13 @@ class InPlaceRounds:
         stop_workers(rdzv, self.workers, 1.0, sig=signal.SIGKILL)
 
 
+def finish_first(reforming: bool, waited_s: float, for_newcomers: Callable[[], bool]) -> bool:
+    """Whether a round's end waits for our kept workers to finish re-forming into that round: they are
+    (``reforming``: assignments written), the end is for newcomers only (``for_newcomers``, read last:
+    no member's collective broke) and it has waited less than :data:`FINISH_FIRST_S`."""
+    return reforming and waited_s < FINISH_FIRST_S and for_newcomers()
+
+
 def failure_flags(during_inplace: bool, opted_in: bool, exitcode: Any) -> Dict[str, bool]:
     """The in-place flags of a failure row of ours: :data:`~elasticrun.job.inplace.DURING_INPLACE` inside
     a re-form (its restart is free); else, when every worker of ours had opted in and no re-form is
@@ -341,5 +371,5 @@ def inplace_steps(state: InPlaceState, seen: InPlaceSeen) -> List[InPlaceStep]:
     return steps
 
 
-__all__ = ["EtcdCall", "InPlaceRounds", "direct", "failure_flags", "InPlaceSeen", "InPlaceState", "InPlaceStep",
-           "inplace_steps"]
+__all__ = ["EtcdCall", "FINISH_FIRST_S", "InPlaceRounds", "direct", "failure_flags", "finish_first", "InPlaceSeen",
+           "InPlaceState", "InPlaceStep", "inplace_steps"]

@@ -106,20 +106,22 @@ class Observer:
         kind = event.type if event is not None else RescaleType.START
         with self._lock:
             s = self.state
+            # A worker failure's recovery: a restart, or a smaller round the crashed node sits out
+            recovered = kind is RescaleType.RESTART or (event is not None and event.recovers)
             s.update(round=topo.round, world_size=topo.world_size, nodes=len(topo.members),
                      restarts=topo.restart_count)
             if kind not in (RescaleType.START, RescaleType.RESTART):
                 s["rescales"][kind.value] = s["rescales"].get(kind.value, 0) + 1
             how = recovery(topo)
-            if kind is RescaleType.RESTART:
+            if recovered:
                 s["recoveries"][how] = s["recoveries"].get(how, 0) + 1
             self._stalls = {}
             self.goodput.enter(Phase.STARTING)
         self.events.emit(EventKind.ROUND_FORMED, round=topo.round, world_size=topo.world_size,
                          nodes=len(topo.members), type=kind.value, restarts=topo.restart_count)
-        if kind is RescaleType.RESTART:
+        if recovered:
             self.events.emit(EventKind.RESTART, round=topo.round, restarts=topo.restart_count, recovery=how)
-        elif kind is not RescaleType.START:
+        if kind not in (RescaleType.START, RescaleType.RESTART):
             self.events.emit(EventKind.RESCALE, round=topo.round, type=kind.value,
                              old_world_size=event.old_world_size if event else None, new_world_size=topo.world_size)
         self._publish.set()

@@ -134,6 +134,8 @@ class RoundLoop:
         change = self.rdzv.round_change(self.topo)
         if change is None or change is RoundOutcome.SUCCEEDED:
             return RoundSeen(change)
+        if self.inplace.finishes_first(self.rdzv, self.topo, time.monotonic()):
+            return RoundSeen(None)  # our workers finish re-forming into this round first, then stay kept
         rows = self._failure_rows() if needs_failure_rows(stall) else []
         return RoundSeen(change, stall, rows, self.inplace.can_keep(self.rdzv, self.topo))
 

@@ -50,7 +50,7 @@ def plan_inplace(
     old = {(m.node_id, m.lease) for m in prev.members}
     kept = [m.node_id for m in members if (m.node_id, m.lease) in old]
     if failed:
-        survivors = _crash_survivors(kept, kind, failure_rows)
+        survivors = _crash_survivors(prev, kept, kind, failure_rows)
     elif kind in (RescaleType.SCALE_UP, RescaleType.SCALE_DOWN):
         survivors = kept  # a removed node left gracefully or was lost (its lease expired)
     else:
@@ -62,13 +62,19 @@ def plan_inplace(
     return tuple(survivors)
 
 
-def _crash_survivors(kept: Sequence[str], kind: RescaleType, failure_rows: Iterable[Mapping[str, Any]]) -> List[str]:
+def _crash_survivors(prev: Topology, kept: Sequence[str], kind: RescaleType,
+                     failure_rows: Iterable[Mapping[str, Any]]) -> List[str]:
     """After a failed round: the members whose workers all still run, when the failure is recoverable in
-    place (no membership change; every failed worker's row flagged :data:`RECOVERABLE`); else none."""
+    place (every failed worker's row flagged :data:`RECOVERABLE`, and no member went but crashed nodes
+    sitting the round out: a ``Restart``, or a ``ScaleDown`` without them); else none."""
     rows = list(failure_rows)
-    if kind is not RescaleType.RESTART or not rows or not all(recoverable_in_place(row) for row in rows):
+    if kind not in (RescaleType.RESTART, RescaleType.SCALE_DOWN) or not rows:
+        return []
+    if not all(recoverable_in_place(row) for row in rows):
         return []
     crashed = {row.get("node_id") for row in rows}
+    if not {m.node_id for m in prev.members} - set(kept) <= crashed:  # a node lost with the crash
+        return []
     return [n for n in kept if n not in crashed]
 
 

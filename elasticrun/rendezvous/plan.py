@@ -229,15 +229,34 @@ def busy_members(prev: Optional[Topology], nodes: Mapping[str, Tuple[NodeInfo, i
 
 
 def _round(snap: Forming, s: RendezvousSettings, marks: Marks, waiting: List[Candidate], note: str) -> Plan:
-    """The round of the nodes ``waiting``: its members, whether it uses a restart, its record and event."""
+    """The round of the nodes ``waiting``: its members, whether it uses a restart, its record and event.
+
+    Nodes whose workers crashed may sit the round out (``NodeInfo.sits_out``): when the others are enough
+    (``--nnodes`` min), include group rank 0 (it stays rank 0 when they rejoin) and re-form in place, the
+    round forms without them at once and they join the next one; otherwise they are members as any node
+    (their workers restart as newcomers while the others wait).
+    """
+    if snap.prev is not None and snap.failed is not None:
+        staying = [c for c in waiting if c[0].sits_out != snap.target]
+        rank0 = snap.prev.members[0].node_id
+        if len(staying) < len(waiting) and len(staying) >= s.min_nodes and any(c[0].node_id == rank0 for c in staying):
+            plan = _form(snap, s, marks, staying, note, sat_out=True)
+            if not isinstance(plan, FormRound) or plan.topology.inplace:
+                return plan
+    return _form(snap, s, marks, waiting, note)
+
+
+def _form(snap: Forming, s: RendezvousSettings, marks: Marks, waiting: List[Candidate], note: str,
+          sat_out: bool = False) -> Plan:
+    """:func:`_round` for the candidates ``waiting`` (``sat_out``: crashed nodes sit this round out)."""
     prev = snap.prev
     failed = prev is not None and snap.failed is not None
     members, _spares = plan_members(prev, waiting, s.max_nodes)
     kind = classify(prev, members, failed)
     # A worker failure that comes with a lost node is the node's loss (its peers' collectives broke),
-    # a membership change: it does not use up a restart. A failed in-place re-form (a planned change)
-    # falls back to a restart that is not charged.
-    charged = (failed and kind in (RescaleType.RESTART, RescaleType.SCALE_UP)
+    # a membership change: it does not use up a restart. A crash whose node sits the round out does.
+    # A failed in-place re-form (a planned change) falls back to a restart that is not charged.
+    charged = (failed and (sat_out or kind in (RescaleType.RESTART, RescaleType.SCALE_UP))
                and not inplace_failed(prev, snap.failure_rows))
     budget = RestartBudget(s.max_restarts, s.restart_window)
     if charged and prev is not None and not budget.allows(prev.restart_count, snap.restarts, snap.wall):
@@ -253,10 +272,18 @@ def _round(snap: Forming, s: RendezvousSettings, marks: Marks, waiting: List[Can
     event = RescaleEvent(
         type=kind, round=snap.target, old_members=prev.node_ids if prev else [], new_members=topo.node_ids,
         old_world_size=prev.world_size if prev else 0, new_world_size=topo.world_size,
-        reason=change_reason(prev, kind, failed, snap.end), restart_count=restarts, time=snap.wall,
+        reason=_sat_out_reason(prev, topo) if sat_out else change_reason(prev, kind, failed, snap.end),
+        restart_count=restarts, time=snap.wall, recovers=charged,
     )
     history = tuple(budget.record(snap.restarts, snap.wall)) if charged else None
     return FormRound(topo, event, history, marks, note)
+
+
+def _sat_out_reason(prev: Optional[Topology], topo: Topology) -> str:
+    """Why a round formed without the crashed nodes sitting it out."""
+    assert prev is not None
+    out = ", ".join(n for n in prev.node_ids if topo.member(n) is None)
+    return f"worker failure in round {prev.round}: the others re-form at once, {out} rejoins once restarted"
 
 
 def change_reason(prev: Optional[Topology], kind: RescaleType, failed: bool, end: Optional[Record]) -> str:

@@ -118,6 +118,8 @@ class Rendezvous:
         self._head: Optional[Head] = None  # the job's settings and end as ensure_config found them
         self._stop: Tuple[str, Optional[int]] = ("it stopped", None)  # why we leave (see leaving)
         self._ran = False  # a round included this node (else it ends as a spare that ran nothing)
+        # Our workers crashed, recoverably in place: the next round may form without us (NodeInfo.sits_out).
+        self.sit_out_next = False
 
     @property
     def node_id(self) -> str:
@@ -285,7 +287,8 @@ class Rendezvous:
         port = self._store_host.port(QUICK_WAIT_S)
         was_member = topo is not None and topo.member(self.node_id) is not None
         status = WorkerStatus.RESCALING if was_member else WorkerStatus.JOINING  # newcomers are Joining
-        self.publish(waiting_for=target, store_port=port, status=status)
+        sits_out, self.sit_out_next = (target if self.sit_out_next else -1), False
+        self.publish(waiting_for=target, store_port=port, status=status, sits_out=sits_out)
         now = time.monotonic()
         self._marks = Marks(changed_at=now, busy_since=self._marks.busy_since)
         timeout = self.settings.join_timeout if topo is None else self.settings.rescale_timeout
@@ -422,6 +425,12 @@ class Rendezvous:
             except StoreError as err:
                 log.warning("could not read the rescale event of round %d: %s", round_, err)
         return records.read(kv, event_record)
+
+    def ended_for_newcomers(self, round_: int) -> bool:
+        """Whether round ``round_`` ended only for newcomers (its end record names no lost member, it has
+        no failure flag and the job goes on): no member's collective broke."""
+        end = self.view.record(self.keys.end(round_), records.end_flag)
+        return end is not None and end.get("lost") is None and not self.round_failed(round_) and not self.view.state()
 
     def round_failed(self, round_: int) -> bool:
         """Whether round ``round_`` has its failure flag (a malformed one counts as absent)."""

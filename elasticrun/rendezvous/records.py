@@ -55,6 +55,9 @@ class NodeInfo:
     store_port: int = 0  # port of the c10d TCPStore this agent hosts if it becomes group rank 0
     node_rank: int = -1  # --node-rank: the group rank this node keeps in every round; -1 = any
     inplace: bool = False  # every local worker opted in to in-place re-forming (elasticrun.train.InPlace)
+    # A round this node lets form without it (-1: none): its workers crashed and restart, so the survivors
+    # re-form in place at once without waiting for them, and it joins the round after (docs/design.md).
+    sits_out: int = -1
     registered_at: float = field(default_factory=time.time)
     heartbeat_at: float = field(default_factory=time.time)
 
@@ -179,6 +182,7 @@ class RescaleEvent:
     reason: str
     restart_count: int = 0
     time: float = field(default_factory=time.time)
+    recovers: bool = False  # the round recovers from a worker failure and used a restart for it
 
     @property
     def added(self) -> List[str]:
@@ -220,6 +224,7 @@ _NODE_FIELDS = (
 )
 _NODE_OPTIONAL = (
     ("waiting_for", is_int), ("store_port", is_int), ("node_rank", is_int), ("inplace", records.is_bool),
+    ("sits_out", is_int),
     ("registered_at", is_number), ("heartbeat_at", is_number), ("accelerators", records.is_list),
 )
 _STATUSES = frozenset(s.value for s in WorkerStatus)

@@ -5,7 +5,8 @@ Rank 0's worker process (it prints every step) lives through both changes: one `
 two ``re-formed in place`` lines, every step once and in order, the world size following the
 membership. Then both remaining nodes are stopped: every rank stops at the same step and saves.
 A SIGKILLed worker of a three-node job is recovered in place: rank 0's process lives through it,
-every step once, and the job finishes.
+every step once, and the job finishes (an elastic job's survivors re-form without the crashed node
+at once; a fixed-size job's wait for its replacement).
 """
 
 from __future__ import annotations
@@ -75,12 +76,16 @@ def _worker(agent) -> int:
     return leaves[0]
 
 
-def test_the_example_recovers_a_killed_worker_in_place(etcd_server, etcd, job_id, agents, tmp_path):
+@pytest.mark.parametrize("nnodes", ["3", "2:3"])
+def test_the_example_recovers_a_killed_worker_in_place(etcd_server, etcd, job_id, agents, tmp_path, nnodes):
+    """``--nnodes 3``: the survivors wait for B's replacement and re-form with it (one re-form);
+    ``--nnodes 2:3``: B sits the next round out, the survivors re-form at world 2 at once and again at
+    world 3 when B's replacement joins (two re-forms, the crash still uses the one restart allowed)."""
     ckpts = tmp_path / "ckpts"
 
     def args(node: str, rank: int) -> List[str]:
         flags = agent_args(etcd_server.endpoint, job_id, node, ckpts)
-        flags[flags.index("--nnodes") + 1] = "3"
+        flags[flags.index("--nnodes") + 1] = nnodes
         flags[flags.index("--max-restarts") + 1] = "1"
         return ["--node-rank", str(rank), *flags, "--steps", "120"]
 
@@ -94,9 +99,15 @@ def test_the_example_recovers_a_killed_worker_in_place(etcd_server, etcd, job_id
         assert a[n].wait(150) == 0, a[n].output()
     text = out()
     assert text.count("start:") == 1, "rank 0's worker was never restarted"
-    assert text.count("re-formed in place") == 1, text[-3000:]
+    assert text.count("re-formed in place") == (1 if nnodes == "3" else 2), text[-3000:]
     numbers = [s for s, _ in steps(text)]
     assert numbers == list(range(1, 121)), "every step once, in order"
-    assert {w for _, w in steps(text)} == {3}
+    worlds = [w for _, w in steps(text)]
+    if nnodes == "3":
+        assert set(worlds) == {3}
+    else:
+        assert worlds[0] == 3 and 2 in worlds and worlds[-1] == 3, "3 → 2 at once → 3 when B is back"
+        assert "formed without this node" in a["B"].stderr(), a["B"].stderr()[-2000:]
     assert "done: steps=120" in text
+    assert "restarts 1/1" in a["A"].stderr(), "the crash used the one restart allowed"
     assert "re-forming in place" in a["C"].stderr(), "C kept its worker too"

@@ -4,7 +4,15 @@ failure_flags)."""
 from __future__ import annotations
 
 from elasticrun.job.inplace import DURING_INPLACE, EXIT_INPLACE_FAILED, RECOVERABLE
-from elasticrun.launch.inplace import InPlaceSeen, InPlaceState, InPlaceStep, failure_flags, inplace_steps
+from elasticrun.launch.inplace import (
+    FINISH_FIRST_S,
+    InPlaceSeen,
+    InPlaceState,
+    InPlaceStep,
+    failure_flags,
+    finish_first,
+    inplace_steps,
+)
 
 IDLE = InPlaceState(told=False, joining=-1, reforming=-1, published=False, deadline=0.0)
 NOTHING = InPlaceSeen(opted_in=False, joined=False, newcomers_ready=False, reformed=False, now=50.0)
@@ -64,3 +72,12 @@ def test_a_crash_of_opted_in_workers_outside_a_reform_is_recoverable_in_place() 
     assert failure_flags(False, True, EXIT_INPLACE_FAILED) == {RECOVERABLE: False}, "could not re-form itself"
     assert failure_flags(False, False, 1) == {}, "not opted in (or a re-form under way): the restart path"
     assert failure_flags(True, True, 1) == {DURING_INPLACE: True}, "inside a re-form: a failed re-form"
+
+
+def test_an_end_for_newcomers_waits_for_a_reform_under_way_for_a_bounded_time() -> None:
+    """A crashed node rejoins while the survivors still re-form without it: they finish first, then are kept."""
+    assert finish_first(True, 0.0, lambda: True)
+    assert not finish_first(True, FINISH_FIRST_S, lambda: True), "past the bound: the restart path"
+    assert not finish_first(True, 0.0, lambda: False), "a lost member or a failure: act at once"
+    asked = []
+    assert not finish_first(False, 0.0, lambda: asked.append(1) or True) and not asked, "nothing under way: no read"

@@ -29,10 +29,13 @@ def test_a_restart_round_says_whether_it_recovered_in_place(tmp_path: Path) -> N
     obs.round_started(Topology(2, MEMBERS, "127.0.0.1", 1, restart_count=2), _restart(2))
     obs.round_started(Topology(3, MEMBERS, "127.0.0.1", 1, restart_count=2, inplace=("A",)),
                       RescaleEvent(RescaleType.SCALE_UP, 3, ["A"], ["A", "B"], 1, 2, "join"))
+    sat_out = RescaleEvent(RescaleType.SCALE_DOWN, 4, ["A", "B"], ["A"], 2, 1, "worker failure", 3, recovers=True)
+    obs.round_started(Topology(4, MEMBERS[:1], "127.0.0.1", 1, restart_count=3, inplace=("A",)), sat_out)
     obs.close()
     rows = [json.loads(line) for line in events.read_text().splitlines()]
-    assert [r.get("recovery") for r in rows if r["event"] == "restart"] == ["in_place", "restart"]
-    assert obs.snapshot()["recoveries"] == {"in_place": 1, "restart": 1}, "a planned re-form is no recovery"
+    assert [r.get("recovery") for r in rows if r["event"] == "restart"] == ["in_place", "restart", "in_place"]
+    assert [r.get("type") for r in rows if r["event"] == "rescale"] == ["ScaleUp", "ScaleDown"]
+    assert obs.snapshot()["recoveries"] == {"in_place": 2, "restart": 1}, "a planned re-form is no recovery"
     text = generate_latest(Metrics("j", "A", obs.snapshot).registry).decode()
     got = dict(re.findall(r'^elasticrun_recoveries_total\{how="(\w+)"[^}]*\} (\S+)$', text, re.M))
-    assert got == {"in_place": "1.0", "restart": "1.0"}, text
+    assert got == {"in_place": "2.0", "restart": "1.0"}, text

@@ -79,6 +79,12 @@ def test_a_recoverable_crash_keeps_the_other_nodes_and_restarts_the_crashed_one_
     assert plan_inplace(prev, same, RescaleType.RESTART, True, _nodes("A"), two) == ("A",)
 
 
+def test_a_crashed_node_sitting_the_round_out_leaves_the_others_to_reform_at_the_smaller_size():
+    prev, without_b = _topo("ABC"), (_member("A", 0), _member("C", 1))
+    assert plan_inplace(prev, without_b, RescaleType.SCALE_DOWN, True, _nodes("AC"), [_crash("B", 1)]) == ("A", "C")
+    assert plan_inplace(prev, without_b, RescaleType.SCALE_DOWN, True, _nodes("AC"), [_crash("B", 1, False)]) == ()
+
+
 def test_a_crash_takes_the_restart_path_unless_every_condition_holds():
     prev, same = _topo("ABC"), _topo("ABC", 1).members
     ok = [_crash("B", 1)]
@@ -90,8 +96,8 @@ def test_a_crash_takes_the_restart_path_unless_every_condition_holds():
         "rank 0 crashed: no survivor holds rank 0 to send the state from"
     assert plan_inplace(prev, same, RescaleType.RESTART, True, _nodes("AC"), [{"rank": 1, RECOVERABLE: True}]) \
         == (), "a row without its node"
-    lost = (_member("A", 0), _member("C", 1))
-    assert plan_inplace(prev, lost, RescaleType.SCALE_DOWN, True, _nodes("AC"), ok) == (), "a lost node"
+    lost = (_member("A", 0), _member("B", 1))
+    assert plan_inplace(prev, lost, RescaleType.SCALE_DOWN, True, _nodes("AB"), ok) == (), "a crash and a lost node"
     assert plan_inplace(prev, same, RescaleType.RESTART, False, _nodes("ABC"), ok) == (), "no failure flag"
 
 

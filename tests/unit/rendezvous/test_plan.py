@@ -273,6 +273,51 @@ def test_a_crash_recovered_in_place_uses_a_restart_and_keeps_the_other_nodes():
     assert isinstance(spent, EndJob), "no restart left: the job fails, in place or not"
 
 
+def _crashed_b(nid: str = "B", target: int = 3) -> Dict[str, Tuple[NodeInfo, int]]:
+    """A, B, C wait for round ``target`` opted in; ``nid`` offers to sit it out (its worker crashed)."""
+    n = nodes("ABC", target, inplace=True)
+    info, lease_id = n[nid]
+    n[nid] = (replace(info, sits_out=target, inplace=False), lease_id)
+    return n
+
+
+def test_a_crashed_node_sits_out_when_the_others_are_enough_and_reform_in_place():
+    prev = topo("ABC", 2)
+    rows = ({"node_id": "B", "rank": 1, "exitcode": 1, RECOVERABLE: True},)
+    plan = plan_round(snap("ABC", 3, prev, nodes=_crashed_b(), failed={"node": "B"}, failure_rows=rows),
+                      settings(max_restarts=1), T0)
+    assert isinstance(plan, FormRound) and plan.topology.node_ids == ["A", "C"]
+    assert plan.topology.inplace == ("A", "C") and plan.event.type is RescaleType.SCALE_DOWN
+    assert plan.topology.restart_count == 1 and plan.restarts == (WALL,), "the crash uses a restart"
+    assert plan.event.recovers, "the agents count it as a recovery (in place), not a rescale"
+    assert plan.event.reason == "worker failure in round 2: the others re-form at once, B rejoins once restarted"
+    spent = plan_round(snap("ABC", 3, prev, nodes=_crashed_b(), failed={"node": "B"}, failure_rows=rows),
+                       settings(max_restarts=0), T0)
+    assert isinstance(spent, EndJob), "no restart left: the job fails, sitting out or not"
+
+
+def test_a_crashed_node_is_a_member_when_sitting_out_would_not_keep_the_others_in_place():
+    prev = topo("ABC", 2)
+    rows = ({"node_id": "B", "rank": 1, "exitcode": 1, RECOVERABLE: True},)
+    fixed = plan_round(snap("ABC", 3, prev, nodes=_crashed_b(), failed={"node": "B"}, failure_rows=rows),
+                       settings(min_nodes=3), T0)
+    assert isinstance(fixed, FormRound) and fixed.topology.node_ids == ["A", "B", "C"], "--nnodes min: B is needed"
+    assert fixed.topology.inplace == ("A", "C") and fixed.event.type is RescaleType.RESTART
+    rank0 = ({"node_id": "A", "rank": 0, "exitcode": 1, RECOVERABLE: True},)
+    plan = plan_round(snap("ABC", 3, prev, nodes=_crashed_b("A"), failed={"node": "A"}, failure_rows=rank0),
+                      settings(), T0)
+    assert isinstance(plan, FormRound) and plan.topology.node_ids == ["A", "B", "C"], "rank 0 never sits out"
+    assert plan.topology.inplace == () and plan.event.type is RescaleType.RESTART
+    unflagged = ({"node_id": "B", "rank": 1, "exitcode": 1},)
+    plan = plan_round(snap("ABC", 3, prev, nodes=_crashed_b(), failed={"node": "B"}, failure_rows=unflagged),
+                      settings(), T0)
+    assert isinstance(plan, FormRound) and plan.topology.node_ids == ["A", "B", "C"] and plan.topology.inplace == ()
+    stale = _crashed_b(target=2)  # an offer for an earlier round is no offer for this one
+    stale = {k: (replace(v[0], waiting_for=3), v[1]) for k, v in stale.items()}
+    plan = plan_round(snap("ABC", 3, prev, nodes=stale, failed={"node": "B"}, failure_rows=rows), settings(), T0)
+    assert isinstance(plan, FormRound) and plan.topology.node_ids == ["A", "B", "C"]
+
+
 # -- plan_round: in place, reasons ----------------------------------------------------------------
 
 
