@@ -25,7 +25,8 @@ SPARE_COLUMNS = (Column("node", name=True), Column("host", name=True), Column("a
                  Column("status"), Column("nproc", "right"), Column("waiting for"), Column("registered"),
                  Column("lease"))
 EVENT_COLUMNS = (Column("round", "right"), Column("type"), Column("world"), Column("added", name=True),
-                 Column("removed", name=True), Column("reason", prose=True), Column("when"))
+                 Column("removed", name=True), Column("kept in place", name=True), Column("reason", prose=True),
+                 Column("when"))
 
 
 def _text(line: Styled) -> Text:

@@ -236,7 +236,8 @@ def _spares(doc: Dict[str, Any], now: float) -> Optional[TableView]:
 def _events(doc: Dict[str, Any], now: float) -> Optional[TableView]:
     rows = tuple(
         (str(e["round"]), str(e["type"]), f"{e['old_world_size']}→{e['new_world_size']}",
-         ", ".join(e["added"]) or "-", ", ".join(e["removed"]) or "-", str(e.get("reason") or ""),
+         ", ".join(e["added"]) or "-", ", ".join(e["removed"]) or "-", ", ".join(e.get("kept") or []) or "-",
+         str(e.get("reason") or ""),
          ago(e.get("time"), now))
         for e in doc.get("events") or []
     )

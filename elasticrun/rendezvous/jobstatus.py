@@ -51,6 +51,8 @@ def _event_row(ev: RescaleEvent) -> Dict[str, Any]:
         "removed": ev.removed,
         "reason": ev.reason,
         "restart_count": ev.restart_count,
+        "recovers": ev.recovers,
+        "kept": list(ev.kept),
         "time": ev.time,
     }
 

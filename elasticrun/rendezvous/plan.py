@@ -273,7 +273,7 @@ def _form(snap: Forming, s: RendezvousSettings, marks: Marks, waiting: List[Cand
         type=kind, round=snap.target, old_members=prev.node_ids if prev else [], new_members=topo.node_ids,
         old_world_size=prev.world_size if prev else 0, new_world_size=topo.world_size,
         reason=_sat_out_reason(prev, topo) if sat_out else change_reason(prev, kind, failed, snap.end),
-        restart_count=restarts, time=snap.wall, recovers=charged,
+        restart_count=restarts, time=snap.wall, recovers=charged, kept=list(topo.inplace),
     )
     history = tuple(budget.record(snap.restarts, snap.wall)) if charged else None
     return FormRound(topo, event, history, marks, note)

@@ -183,6 +183,7 @@ class RescaleEvent:
     restart_count: int = 0
     time: float = field(default_factory=time.time)
     recovers: bool = False  # the round recovers from a worker failure and used a restart for it
+    kept: List[str] = field(default_factory=list)  # the members that re-formed in place (Topology.inplace)
 
     @property
     def added(self) -> List[str]:
@@ -321,6 +322,8 @@ def event_record(value: Any) -> RescaleEvent:
     records.field(d, "reason", is_text)
     records.field(d, "restart_count", is_int, default=0)
     records.field(d, "time", is_number, default=0.0)
+    records.field(d, "recovers", records.is_bool, default=False)
+    records.items(records.field(d, "kept", records.is_list, default=[]), "kept", is_text)
     return RescaleEvent.from_dict(d)
 
 

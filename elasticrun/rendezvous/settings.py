@@ -56,7 +56,6 @@ class RendezvousSettings:
     # How long to wait for the members of the previous round to stop their workers before
     # forming the next round without them (a node that neither stops nor loses its lease).
     busy_timeout: float = 60.0
-    # After an in-place round forms, a failure this soon is a failed re-form: not charged to max_restarts.
     restart_window: float = 0.0  # --restart-window: count max_restarts within this many seconds (0: whole job)
     ended_ttl: float = 0.0  # --ended-job-ttl: seconds an ended job's keys stay in etcd (0: forever)
     record_end: bool = True  # a leaving node records a stopped job (False: the job's etcd may be gone by then)

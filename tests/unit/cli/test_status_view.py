@@ -103,10 +103,10 @@ def test_spares_are_waiting_nodes_once_a_round_exists():
 def test_events_verbatim_newest_first_as_given():
     e = {"round": 3, "type": "ScaleUp", "old_world_size": 2, "new_world_size": 4, "added": ["[b]x"], "removed": [],
          "reason": "joined", "time": NOW - 1}
-    view = job_view(doc(events=[e, dict(e, round=2, reason=None, added=[], removed=["y"])]), NOW)
+    view = job_view(doc(events=[e, dict(e, round=2, reason=None, added=[], removed=["y"], kept=["a", "b"])]), NOW)
     assert view.events is not None and view.events.title == "rescale events (newest first)"
-    assert view.events.rows == (("3", "ScaleUp", "2→4", "[b]x", "-", "joined", "1.0s ago"),
-                                ("2", "ScaleUp", "2→4", "-", "y", "", "1.0s ago"))
+    assert view.events.rows == (("3", "ScaleUp", "2→4", "[b]x", "-", "-", "joined", "1.0s ago"),
+                                ("2", "ScaleUp", "2→4", "-", "y", "a, b", "", "1.0s ago")), "kept: re-formed in place"
 
 
 def test_a_phase_etcd_spells_otherwise_is_shown_unstyled():

@@ -290,6 +290,7 @@ def test_a_crashed_node_sits_out_when_the_others_are_enough_and_reform_in_place(
     assert plan.topology.inplace == ("A", "C") and plan.event.type is RescaleType.SCALE_DOWN
     assert plan.topology.restart_count == 1 and plan.restarts == (WALL,), "the crash uses a restart"
     assert plan.event.recovers, "the agents count it as a recovery (in place), not a rescale"
+    assert plan.event.kept == ["A", "C"], "status shows who re-formed in place"
     assert plan.event.reason == "worker failure in round 2: the others re-form at once, B rejoins once restarted"
     spent = plan_round(snap("ABC", 3, prev, nodes=_crashed_b(), failed={"node": "B"}, failure_rows=rows),
                        settings(max_restarts=0), T0)
