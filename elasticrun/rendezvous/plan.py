@@ -232,14 +232,14 @@ def _round(snap: Forming, s: RendezvousSettings, marks: Marks, waiting: List[Can
     """The round of the nodes ``waiting``: its members, whether it uses a restart, its record and event.
 
     Nodes whose workers crashed may sit the round out (``NodeInfo.sits_out``): when the others are enough
-    (``--nnodes`` min), include group rank 0 (it stays rank 0 when they rejoin) and re-form in place, the
-    round forms without them at once and they join the next one; otherwise they are members as any node
-    (their workers restart as newcomers while the others wait).
+    (``--nnodes`` min) and re-form in place, the round forms without them at once and they join the next
+    one; otherwise they are members as any node (their workers restart as newcomers while the others
+    wait). Group rank 0 sits out only without a fixed ``--node-rank`` (it rejoins after the survivors,
+    the new rank 0 sending the newcomers the state; a fixed rank 0 would take the place back).
     """
     if snap.prev is not None and snap.failed is not None:
         staying = [c for c in waiting if c[0].sits_out != snap.target]
-        rank0 = snap.prev.members[0].node_id
-        if len(staying) < len(waiting) and len(staying) >= s.min_nodes and any(c[0].node_id == rank0 for c in staying):
+        if len(staying) < len(waiting) and len(staying) >= s.min_nodes and _rank0_may_go(snap.prev, waiting, staying):
             plan = _form(snap, s, marks, staying, note, sat_out=True)
             if not isinstance(plan, FormRound) or plan.topology.inplace:
                 return plan
@@ -277,6 +277,13 @@ def _form(snap: Forming, s: RendezvousSettings, marks: Marks, waiting: List[Cand
     )
     history = tuple(budget.record(snap.restarts, snap.wall)) if charged else None
     return FormRound(topo, event, history, marks, note)
+
+
+def _rank0_may_go(prev: Topology, waiting: List[Candidate], staying: List[Candidate]) -> bool:
+    """Group rank 0 of ``prev`` stays, or it may sit out: it has no fixed ``--node-rank``."""
+    rank0 = prev.members[0].node_id
+    return any(c[0].node_id == rank0 for c in staying) or all(c[0].node_rank < 0 for c in waiting
+                                                              if c[0].node_id == rank0)
 
 
 def _sat_out_reason(prev: Optional[Topology], topo: Topology) -> str:

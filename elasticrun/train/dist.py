@@ -24,6 +24,7 @@ from elasticrun.job import env as job_env
 from elasticrun.rendezvous.records import RescaleType
 from elasticrun.train.env import ElasticState
 from elasticrun.train.signals import GracefulStop
+from elasticrun.train.sockets import OpenedSockets
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,8 @@ class ElasticContext:
     stop: GracefulStop = field(default_factory=GracefulStop)
     owns_group: bool = False  # init() created the process group (and close() destroys it)
     cpu_group: Optional[Any] = None  # gloo group for CPU-side collectives when the default one is nccl
+    # The sockets this round's groups opened (InPlace cuts them when the group breaks).
+    group_sockets: OpenedSockets = field(default_factory=OpenedSockets)
 
     @property
     def cpu_process_group(self) -> Optional[Any]:
@@ -169,10 +172,12 @@ def init(
         device = torch.device("cpu")
     owns = False
     td = datetime.timedelta(seconds=timeout)
+    sockets = OpenedSockets()
     if not dist.is_initialized():
         if state.launched:
             _mark_ready()  # an in-place newcomer: its start-up is over, the survivors may re-form now
-            dist.init_process_group(backend=backend, init_method="env://", timeout=td)
+            with sockets.watch():
+                dist.init_process_group(backend=backend, init_method="env://", timeout=td)
             owns = True
         elif single_process_group:
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=td)
@@ -187,13 +192,14 @@ def init(
         atexit.register(_collect_before_shutdown)
     cpu_group = None
     if dist.is_initialized() and "nccl" in str(dist.get_backend()):
-        cpu_group = dist.new_group(backend="gloo")  # collective: every rank creates it here
+        with sockets.watch():
+            cpu_group = dist.new_group(backend="gloo")  # collective: every rank creates it here
     stop = GracefulStop(stop_signals)
     if stop_signals:
         stop.install()
     ctx = ElasticContext(
         state=state, device=device, backend=backend if dist.is_initialized() else None, stop=stop, owns_group=owns,
-        cpu_group=cpu_group,
+        cpu_group=cpu_group, group_sockets=sockets,
     )
     if state.elastic and state.rank == 0:
         log.info("elasticrun: %s", state.describe())

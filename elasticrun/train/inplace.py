@@ -135,7 +135,8 @@ class InPlace:
         self._seen: Optional[int] = None
         self._group: Any = None
         if self.enabled:
-            self._new_group()
+            with self.ctx.group_sockets.watch():
+                self._new_group()
             if os.environ.get(names.INPLACE_JOIN) == "1":
                 os.environ.pop(names.INPLACE_JOIN, None)
                 self._guarded(self.sync, "receiving the state from the survivors")
@@ -288,7 +289,9 @@ class InPlace:
         return None
 
     def _drop_group(self) -> None:
-        """Leave a broken group: destroying it closes our connections, so peers blocked on us fail fast."""
+        """Leave a broken group: its connections are cut first (``OpenedSockets``: peers blocked on us fail
+        at once, though a reference the script holds keeps the group alive), then it is destroyed."""
+        self.ctx.group_sockets.cut()
         try:
             self._leave_group()
         except Exception as err:  # a group already half gone: nothing of it is used again
@@ -308,11 +311,12 @@ class InPlace:
         """The new round's default group, then (same order as :func:`init` and the constructor on a
         newcomer) its gloo group for CPU collectives when the backend is nccl, then ours."""
         td = datetime.timedelta(seconds=self.join_timeout)
-        dist.init_process_group(backend=self.ctx.backend, init_method="env://", timeout=td)
-        self.ctx.owns_group = True
-        if "nccl" in str(self.ctx.backend):
-            self.ctx.cpu_group = dist.new_group(backend="gloo")
-        self._new_group()
+        with self.ctx.group_sockets.watch():
+            dist.init_process_group(backend=self.ctx.backend, init_method="env://", timeout=td)
+            self.ctx.owns_group = True
+            if "nccl" in str(self.ctx.backend):
+                self.ctx.cpu_group = dist.new_group(backend="gloo")
+            self._new_group()
 
     def sync(self) -> None:
         """Broadcast the registered state from rank 0 to every rank of the current group.

@@ -297,6 +297,15 @@ def test_a_crashed_node_sits_out_when_the_others_are_enough_and_reform_in_place(
     assert isinstance(spent, EndJob), "no restart left: the job fails, sitting out or not"
 
 
+def test_a_crashed_rank_0_sits_out_and_the_next_node_sends_the_state():
+    prev = topo("ABC", 2)
+    rows = ({"node_id": "A", "rank": 0, "exitcode": 1, RECOVERABLE: True},)
+    plan = plan_round(snap("ABC", 3, prev, nodes=_crashed_b("A"), failed={"node": "A"}, failure_rows=rows),
+                      settings(), T0)
+    assert isinstance(plan, FormRound) and plan.topology.node_ids == ["B", "C"] and plan.topology.inplace == ("B", "C")
+    assert plan.topology.master_addr == "10.0.0.66", "B hosts the round's c10d store"
+
+
 def test_a_crashed_node_is_a_member_when_sitting_out_would_not_keep_the_others_in_place():
     prev = topo("ABC", 2)
     rows = ({"node_id": "B", "rank": 1, "exitcode": 1, RECOVERABLE: True},)
@@ -305,9 +314,10 @@ def test_a_crashed_node_is_a_member_when_sitting_out_would_not_keep_the_others_i
     assert isinstance(fixed, FormRound) and fixed.topology.node_ids == ["A", "B", "C"], "--nnodes min: B is needed"
     assert fixed.topology.inplace == ("A", "C") and fixed.event.type is RescaleType.RESTART
     rank0 = ({"node_id": "A", "rank": 0, "exitcode": 1, RECOVERABLE: True},)
-    plan = plan_round(snap("ABC", 3, prev, nodes=_crashed_b("A"), failed={"node": "A"}, failure_rows=rank0),
-                      settings(), T0)
-    assert isinstance(plan, FormRound) and plan.topology.node_ids == ["A", "B", "C"], "rank 0 never sits out"
+    fixed0 = _crashed_b("A")
+    fixed0["A"] = (replace(fixed0["A"][0], node_rank=0), fixed0["A"][1])
+    plan = plan_round(snap("ABC", 3, prev, nodes=fixed0, failed={"node": "A"}, failure_rows=rank0), settings(), T0)
+    assert isinstance(plan, FormRound) and plan.topology.node_ids == ["A", "B", "C"], "--node-rank 0 stays rank 0"
     assert plan.topology.inplace == () and plan.event.type is RescaleType.RESTART
     unflagged = ({"node_id": "B", "rank": 1, "exitcode": 1},)
     plan = plan_round(snap("ABC", 3, prev, nodes=_crashed_b(), failed={"node": "B"}, failure_rows=unflagged),
