@@ -1,6 +1,7 @@
 """What the benches share: the ``summary`` rows of their JSON (what scripts/perf/perf_report.py puts in the
-table), the command line they show for a rerun, ending a bench's processes by the marker in their
-environment, and ``elasticrun`` imported from this tree (the repository goes first on ``sys.path``)."""
+table), the command line they show for a rerun, the job runner that starts launchers (:class:`Agents`) and
+ends them with every process they started, and ``elasticrun`` imported from this tree (the repository goes
+first on ``sys.path``)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
+import uuid
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, TypeVar
 
 import psutil
 
@@ -20,6 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "train.py"  # the example the benches run as a real training job
 # torchrun "at its best": its c10d rendezvous with the shortest timeouts that still hold on a loaded machine
 TORCHRUN_TUNED_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
+TAG_VAR = "BENCH_RUN_TAG"  # in every process a bench's job runner starts: what it kills at the end
+T = TypeVar("T")
 if str(REPO) not in sys.path:  # the benches import elasticrun as in this tree
     sys.path.insert(0, str(REPO))
 
@@ -120,6 +125,125 @@ def stop(procs: Sequence[subprocess.Popen], timeout: float = 60.0) -> List[Optio
             kill_tree([p.pid])
             codes.append(p.wait())
     return codes
+
+
+class Line(NamedTuple):
+    """One line of a launcher's output: when it was read (unix time), from which agent, and what
+    the bench's ``parse`` made of it (None: nothing it looks for)."""
+
+    t: float
+    agent: str
+    text: str
+    data: Any = None
+
+
+class AgentsExited(RuntimeError):
+    """Every agent still expected to run has exited."""
+
+
+class Agents:
+    """The launcher processes (elasticrun or torchrun agents) of one bench run, by name.
+
+    Each starts in its own session with ``OMP_NUM_THREADS=1``, unbuffered output, this tree first on
+    ``PYTHONPATH`` and this run's marker (``TAG_VAR``); a thread per agent reads its output (stderr too),
+    stamps each line with the time it was read and keeps it (``parse(text, t)`` runs on it there, once),
+    written to ``log_dir/<name>.log`` when given. :meth:`close` kills every agent and every process that
+    carries the marker."""
+
+    def __init__(self, env: Optional[Dict[str, str]] = None, log_dir: Optional[Path] = None,
+                 parse: Callable[[str, float], Any] = lambda _text, _t: None) -> None:
+        self.tag = uuid.uuid4().hex
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+        self.env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=path, **(env or {}),
+                        **{TAG_VAR: self.tag})
+        self.log_dir, self.parse = log_dir, parse
+        self.procs: Dict[str, subprocess.Popen] = {}
+        self.started: Dict[str, float] = {}  # unix time each agent was started
+        self.gone: set = set()  # agents the bench stopped or killed on purpose
+        self._lines: List[Line] = []
+        self._lock = threading.Lock()
+        self._readers: List[threading.Thread] = []
+
+    def start(self, name: str, cmd: Sequence[str], env: Optional[Dict[str, str]] = None) -> subprocess.Popen:
+        """Start agent ``name`` running ``cmd`` (``env``: more variables for it alone)."""
+        self.started[name] = time.time()
+        proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**self.env, **(env or {})}, cwd=str(REPO), start_new_session=True)
+        self.procs[name] = proc
+        reader = threading.Thread(target=self._read, args=(name, proc), daemon=True)
+        reader.start()
+        self._readers.append(reader)
+        return proc
+
+    def _read(self, name: str, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
+        log = open(self.log_dir / f"{name}.log", "w") if self.log_dir is not None else None
+        for raw in proc.stdout:
+            now = time.time()
+            text = raw.decode(errors="replace").rstrip("\n")
+            line = Line(now, name, text, self.parse(text, now))
+            with self._lock:
+                self._lines.append(line)
+            if log is not None:
+                log.write(f"{now:.3f} {text}\n")
+                log.flush()
+        if log is not None:
+            log.close()
+
+    def lines(self, agent: Optional[str] = None) -> List[Line]:
+        """The lines read so far (of ``agent`` alone, when given)."""
+        with self._lock:
+            return [ln for ln in self._lines if agent is None or ln.agent == agent]
+
+    def found(self, agent: Optional[str] = None) -> List[Any]:
+        """What ``parse`` made of the lines that it recognized, in order."""
+        return [ln.data for ln in self.lines(agent) if ln.data is not None]
+
+    def running(self) -> bool:
+        """Whether an agent the bench did not stop on purpose still runs."""
+        return any(p.poll() is None for name, p in self.procs.items() if name not in self.gone)
+
+    def wait_for(self, check: Callable[[], Optional[T]], timeout: float, what: str) -> T:
+        """Poll ``check`` until it returns a value; TimeoutError after ``timeout`` s, :class:`AgentsExited` once
+        no agent is left running."""
+        deadline = time.monotonic() + timeout
+        while True:
+            result = check()
+            if result is not None:
+                return result
+            if not self.running():
+                codes = ", ".join(f"{n} exit {p.poll()}" for n, p in self.procs.items() if n not in self.gone)
+                raise AgentsExited(f"the agents exited ({codes}) before {what}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {what} within {timeout:.0f} s")
+            time.sleep(0.05)
+
+    def kill(self, name: str) -> float:
+        """SIGKILL agent ``name`` and every process under it at once (a lost machine); the time of the kill."""
+        self.gone.add(name)
+        procs = tree([self.procs[name].pid])
+        at = time.time()
+        kill_all(procs)
+        self.procs[name].wait()
+        return at
+
+    def terminate(self, name: str) -> float:
+        """SIGTERM agent ``name`` (a graceful leave); the time of the signal."""
+        self.gone.add(name)
+        at = time.time()
+        self.procs[name].send_signal(signal.SIGTERM)
+        return at
+
+    def stop(self, timeout: float = 60.0) -> List[Optional[int]]:
+        """SIGTERM every agent (as a user's Ctrl-C would), then :func:`stop`'s escalation; their exit codes."""
+        return stop(list(self.procs.values()), timeout)
+
+    def close(self) -> None:
+        """Kill every agent, everything under it and every process with this run's marker; reap them."""
+        kill_and_reap(list(self.procs.values()))
+        kill_all(tagged_processes(TAG_VAR, self.tag))
+        for reader in self._readers:
+            reader.join(5)
 
 
 def write_json(path: Any, doc: Any) -> None:
