@@ -32,13 +32,42 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
-from common import TORCHRUN_TUNED_CONF, Agents, AgentsExited, interrupt_on, shown_command, write_json
-from elastic_clients import CLIENTS, Client, Step
+from common import TORCHRUN_TUNED_CONF, TRAIN, Agents, AgentsExited, interrupt_on, shown_command, write_json
 from elastic_report import Outcome, Summary, fmt, summary_rows, table
 
 STABILITY_WINDOW = 1.0
+HERE = Path(__file__).resolve().parent
+STEP_RE = re.compile(r"STEP (\d+) WORLD (\d+) TIME (\d+(?:\.\d+)?)")  # elastic_worker.py's step lines
+EXAMPLE_RE = re.compile(r"(?:^|\]:)step (\d+) loss \S+ world (\d+)")  # examples/train.py's
+Step = Tuple[int, int, float]  # (step, world size, unix time)
+
+
+@dataclass(frozen=True)
+class Client:
+    """One training script under test (``--client``): ``bench``, ``inplace``, ``plain``: the loops of
+    ``elastic_worker.py``; ``example``: ``examples/train.py`` (DDP, elastic sampler, checkpoint on SIGTERM,
+    control polling), whose step lines carry no time (they get the time the bench read them)."""
+
+    name: str
+
+    def argv(self, out_dir: Path) -> List[str]:
+        """The script and its arguments (after the launcher's own options)."""
+        if self.name == "example":
+            return [str(TRAIN), "--epochs", "1000000", "--ckpt-dir",
+                    str(out_dir / "ckpt"), "--ckpt-every", "0", "--step-sleep", "0.05"]
+        return [str(HERE / "elastic_worker.py"), self.name, str(out_dir)]
+
+    def parse(self, line: str, read_at: float) -> Optional[List[Step]]:
+        """The steps that one output line reports (None: none)."""
+        if self.name == "example":
+            m = EXAMPLE_RE.search(line)
+            return [(int(m[1]), int(m[2]), read_at)] if m else None
+        return [(int(m[1]), int(m[2]), float(m[3])) for m in STEP_RE.finditer(line)] or None
+
+
+CLIENTS = {name: Client(name) for name in ("bench", "plain", "example", "inplace")}
 
 
 @dataclass(frozen=True)

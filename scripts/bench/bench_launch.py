@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import psutil
-from common import TORCHRUN_TUNED_CONF, Agents, AgentsExited, gpu_count, shown_command, write_json
+from common import TORCHRUN_TUNED_CONF, Agents, AgentsExited, shown_command, write_json
 from launch_results import (
     LAUNCH_MULTI,
     LAUNCH_SCENARIOS,
@@ -272,7 +272,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.error(f"--scenarios: unknown {', '.join(sorted(unknown))}; choose from launch,{LAUNCH_MULTI},restart")
     devices = {sc: args.device for sc in args.scenarios.split(",")}
     if args.device == "cuda":
-        have = gpu_count()
+        from elasticrun.launch.gpus import visible_gpu_count
+
+        have = visible_gpu_count()
         for sc in devices:
             need = args.procs * (1 if sc == "launch" else args.nodes)
             if have < need:  # NCCL takes one GPU per rank: run this one on the CPU (gloo), as without --device

@@ -40,21 +40,14 @@ import tempfile
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from common import shown_command, summary_row, write_json
-from snapshot_jobs import bench_jobs
+from common import fadvise_evict, shown_command, summary_row, write_json
+from snapshot_jobs import JOB_MB, STEP_SLEEP, bench_jobs
 
 from elasticrun.checkpoint.memory.space import dir_bytes
 from elasticrun.proc import pid_alive
 
 PARTS = ("stall", "restore", "lost")
 SCENARIOS = ("worker", "node", "scaleup")
-
-
-def _evict(path: str) -> None:
-    """Drop ``path``'s files from the page cache (fsync, then posix_fadvise DONTNEED)."""
-    from ckpt_compare import fadvise_evict  # this folder is on sys.path when a bench runs
-
-    fadvise_evict(path)
 
 
 def _sweep(shm: str) -> None:
@@ -133,7 +126,7 @@ def bench_local(args: argparse.Namespace, command: str) -> Dict[str, Any]:
     def cold_and_warm(key: str, load: Callable[[], Any], path: str) -> None:
         """``load`` timed with a warm page cache, then again after ``path`` was evicted (``key`` and ``key_cold``)."""
         record(f"{key}_s", _timed(load, sync))
-        _evict(path)
+        fadvise_evict(path)
         record(f"{key}_cold_s", _timed(load, sync))
 
     try:
@@ -246,8 +239,8 @@ def summarize(res: Dict[str, Any], lost: Optional[Dict[str, Any]], args: argpars
         for mode, label in tiers:
             alt = step_of.get((mode, every))
             if ours and alt:
-                rows.append(summary_row(f"job step time, checkpoint every {every} step(s) ({args.job_mb:g} MiB per "
-                                        f"rank, {args.step_sleep:g} s steps): memory snapshots", ours,
+                rows.append(summary_row(f"job step time, checkpoint every {every} step(s) ({JOB_MB:g} MiB per "
+                                        f"rank, {STEP_SLEEP:g} s steps): memory snapshots", ours,
                                         f"{label} every {every}", alt, command=command))
     # Steps lost: the interval decides it (every tier at the same interval loses the same), so the
     # row that matters is what a checkpoint every step costs, above, and what it saves against the
@@ -278,9 +271,6 @@ def main(argv: List[str]) -> int:
     p.add_argument("--overhead-steps", type=int, default=2, help="steps per method per round in the overhead loop")
     p.add_argument("--scenarios", default=",".join(SCENARIOS), help="lost: worker, node, scaleup")
     p.add_argument("--intervals", default="1,10", help="lost: checkpoint intervals in steps")
-    p.add_argument("--job-mb", type=float, default=4.0, help="lost: state size per rank in MiB")
-    p.add_argument("--step-sleep", type=float, default=0.05, help="lost: seconds per training step")
-    p.add_argument("--async-snapshots", action="store_true", help="lost: async memory snapshots")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = p.parse_args(argv)
     args.parts = [x.strip() for x in args.parts.split(",") if x.strip()]

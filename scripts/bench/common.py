@@ -5,6 +5,7 @@ first on ``sys.path``)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -54,18 +55,6 @@ def shown_command(script: str, argv: Optional[Sequence[str]] = None) -> str:
     return shlex.join(["python", f"scripts/bench/{Path(script).name}", *args])
 
 
-def tagged_processes(var: str, tag: str) -> List[psutil.Process]:
-    """Every live process whose environment carries ``var=tag`` (this run's, and only this run's)."""
-    found = []
-    for p in psutil.process_iter(["pid"]):
-        try:
-            if p.pid != os.getpid() and p.environ().get(var) == tag:
-                found.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
-            continue
-    return found
-
-
 def kill_all(procs: List[psutil.Process], timeout: float = 5) -> None:
     """SIGCONT then SIGKILL each process (a stopped one must not block cleanup) and reap what can be reaped."""
     for p in procs:
@@ -77,8 +66,8 @@ def kill_all(procs: List[psutil.Process], timeout: float = 5) -> None:
     psutil.wait_procs(procs, timeout=timeout)
 
 
-def tree(pids: Iterable[int]) -> List[psutil.Process]:
-    """Each live process of ``pids`` and every process under it."""
+def kill_tree(pids: Iterable[int], timeout: float = 10) -> None:
+    """SIGKILL each process of ``pids`` and everything below it (workers may sit in their own sessions)."""
     found: List[psutil.Process] = []
     for pid in pids:
         try:
@@ -86,12 +75,7 @@ def tree(pids: Iterable[int]) -> List[psutil.Process]:
             found += [p, *p.children(recursive=True)]
         except psutil.NoSuchProcess:
             continue
-    return found
-
-
-def kill_tree(pids: Iterable[int], timeout: float = 10) -> None:
-    """SIGKILL each process of ``pids`` and everything below it (workers may sit in their own sessions)."""
-    kill_all(tree(pids), timeout)
+    kill_all(found, timeout)
 
 
 def interrupt_on(*signals: int) -> None:
@@ -104,27 +88,22 @@ def interrupt_on(*signals: int) -> None:
         signal.signal(sig, interrupt)
 
 
-def kill_and_reap(procs: Sequence[subprocess.Popen]) -> None:
-    """SIGKILL the launchers ``procs`` and everything below them, and reap them."""
-    kill_tree(p.pid for p in procs)
-    for p in procs:
-        p.wait()
+def files_of(path: str) -> List[str]:
+    """``path`` itself when it is a file, else every file below it."""
+    return [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
 
 
-def stop(procs: Sequence[subprocess.Popen], timeout: float = 60.0) -> List[Optional[int]]:
-    """SIGTERM every live launcher of ``procs`` (as a user's Ctrl-C would), wait up to ``timeout`` s in all, then
-    SIGKILL what is left with everything below it; their exit codes."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline, codes = time.monotonic() + timeout, []
-    for p in procs:
+def fadvise_evict(path: str, evict: bool = True) -> None:
+    """Drop ``path``'s clean pages from the page cache (fsync first so every page is clean; only that when not
+    ``evict``)."""
+    for p in files_of(path):
+        fd = os.open(p, os.O_RDONLY)
         try:
-            codes.append(p.wait(max(0.1, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            kill_tree([p.pid])
-            codes.append(p.wait())
-    return codes
+            os.fsync(fd)
+            if evict:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 class Line(NamedTuple):
@@ -221,9 +200,8 @@ class Agents:
     def kill(self, name: str) -> float:
         """SIGKILL agent ``name`` and every process under it at once (a lost machine); the time of the kill."""
         self.gone.add(name)
-        procs = tree([self.procs[name].pid])
         at = time.time()
-        kill_all(procs)
+        kill_tree([self.procs[name].pid])
         self.procs[name].wait()
         return at
 
@@ -235,13 +213,31 @@ class Agents:
         return at
 
     def stop(self, timeout: float = 60.0) -> List[Optional[int]]:
-        """SIGTERM every agent (as a user's Ctrl-C would), then :func:`stop`'s escalation; their exit codes."""
-        return stop(list(self.procs.values()), timeout)
+        """SIGTERM every live agent (as a user's Ctrl-C would), wait up to ``timeout`` s in all, then SIGKILL
+        what is left with everything below it; their exit codes."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline, codes = time.monotonic() + timeout, []
+        for p in self.procs.values():
+            try:
+                codes.append(p.wait(max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                kill_tree([p.pid])
+                codes.append(p.wait())
+        return codes
 
     def close(self) -> None:
         """Kill every agent, everything under it and every process with this run's marker; reap them."""
-        kill_and_reap(list(self.procs.values()))
-        kill_all(tagged_processes(TAG_VAR, self.tag))
+        kill_tree(p.pid for p in self.procs.values())
+        for p in self.procs.values():
+            p.wait()
+        marked = []
+        for p in psutil.process_iter(["pid"]):
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+                if p.pid != os.getpid() and p.environ().get(TAG_VAR) == self.tag:
+                    marked.append(p)
+        kill_all(marked)
         for reader in self._readers:
             reader.join(5)
 
@@ -249,13 +245,3 @@ class Agents:
 def write_json(path: Any, doc: Any) -> None:
     """Write a bench's JSON document to ``path`` (indented, one trailing newline)."""
     Path(path).write_text(json.dumps(doc, indent=1) + "\n")
-
-
-def gpu_count() -> int:
-    """CUDA devices torch sees (0 without torch or CUDA)."""
-    try:
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except ImportError:
-        return 0

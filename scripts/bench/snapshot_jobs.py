@@ -33,6 +33,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "snapshot_work
 _RANK0 = re.compile(r"^\[[^\]/]+/0\]:(.*)$")  # a line of global rank 0
 _STEP = re.compile(r"step (\d+)$")
 KILL_STEPS = (12, 29, 46)
+JOB_MB, STEP_SLEEP = 4.0, 0.05  # each rank's state (MiB) and the seconds a training step sleeps
 
 
 def _rank0_text(line: str, _read_at: float) -> Optional[str]:
@@ -103,13 +104,12 @@ class Job:
         return statistics.median(times) if times else None
 
 
-def run_job(scenario: str, mode: str, every: int, *, mb: float, step_sleep: float, async_snapshots: bool,
-            endpoint: str, timeout: float = 180.0) -> Dict[str, Any]:
+def run_job(scenario: str, mode: str, every: int, endpoint: str, timeout: float = 180.0) -> Dict[str, Any]:
     """One job of ``scenario`` ("worker" or "node+scaleup"); its failures and its step time."""
     workdir = tempfile.mkdtemp(prefix="bench-snap-job-")
     job = Job(workdir)
-    client = [WORKER, "--mode", mode, "--every", str(every), "--dir", os.path.join(workdir, "run"), "--mb", str(mb),
-              "--step-sleep", str(step_sleep), "--steps", "1000000"] + (["--async"] if async_snapshots else [])
+    client = [WORKER, "--mode", mode, "--every", str(every), "--dir", os.path.join(workdir, "run"), "--mb", str(JOB_MB),
+              "--step-sleep", str(STEP_SLEEP), "--steps", "1000000"]
     events: List[Dict[str, Any]] = []
     try:
         if scenario == "worker":
@@ -152,9 +152,7 @@ def bench_jobs(args: argparse.Namespace) -> Dict[str, Any]:
                 for mode in ("memory", "disk", "dcp"):
                     t0 = time.perf_counter()
                     try:
-                        r = run_job(group, mode, every, mb=args.job_mb, step_sleep=args.step_sleep,
-                                    async_snapshots=args.async_snapshots,
-                                    endpoint=server.endpoint if server else "")
+                        r = run_job(group, mode, every, server.endpoint if server else "")
                     except (TimeoutError, AgentsExited) as err:
                         r = {"scenario": group, "mode": mode, "every": every, "events": [], "error": str(err)}
                     r["wall_s"] = round(time.perf_counter() - t0, 1)
@@ -177,4 +175,4 @@ def bench_jobs(args: argparse.Namespace) -> Dict[str, Any]:
     return {"jobs": jobs, "steps_lost": lost}
 
 
-__all__ = ["KILL_STEPS", "Job", "bench_jobs", "run_job"]
+__all__ = ["JOB_MB", "KILL_STEPS", "STEP_SLEEP", "Job", "bench_jobs", "run_job"]
