@@ -16,7 +16,6 @@ finished before the restart and ``resumed`` the step its new start line names, a
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shutil
@@ -33,6 +32,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "snapshot_work
 _RANK0 = re.compile(r"^\[[^\]/]+/0\]:(.*)$")  # a line of global rank 0
 _STEP = re.compile(r"step (\d+)$")
 KILL_STEPS = (12, 29, 46)
+INTERVALS = (1, 10)  # checkpoint every 1 and every 10 steps
 JOB_MB, STEP_SLEEP = 4.0, 0.05  # each rank's state (MiB) and the seconds a training step sleeps
 
 
@@ -105,7 +105,7 @@ class Job:
 
 
 def run_job(scenario: str, mode: str, every: int, endpoint: str, timeout: float = 180.0) -> Dict[str, Any]:
-    """One job of ``scenario`` ("worker" or "node+scaleup"); its failures and its step time."""
+    """One job of ``scenario`` ("worker"; "node": a node lost, then a scale-up); its failures and its step time."""
     workdir = tempfile.mkdtemp(prefix="bench-snap-job-")
     job = Job(workdir)
     client = [WORKER, "--mode", mode, "--every", str(every), "--dir", os.path.join(workdir, "run"), "--mb", str(JOB_MB),
@@ -138,21 +138,19 @@ def run_job(scenario: str, mode: str, every: int, endpoint: str, timeout: float 
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def bench_jobs(args: argparse.Namespace) -> Dict[str, Any]:
+def bench_jobs() -> Dict[str, Any]:
     """The ``lost`` part: real jobs, one per (scenario group, mode, interval), interleaved by mode."""
     from elasticrun.store.server import EtcdServer
 
-    groups = (["worker"] if "worker" in args.scenarios else []) + (
-        ["node"] if {"node", "scaleup"} & set(args.scenarios) else [])
     jobs: List[Dict[str, Any]] = []
-    server = EtcdServer().start() if "node" in groups else None
+    server = EtcdServer().start()
     try:
-        for group in groups:
-            for every in args.intervals:
+        for group in ("worker", "node"):
+            for every in INTERVALS:
                 for mode in ("memory", "disk", "dcp"):
                     t0 = time.perf_counter()
                     try:
-                        r = run_job(group, mode, every, server.endpoint if server else "")
+                        r = run_job(group, mode, every, server.endpoint)
                     except (TimeoutError, AgentsExited) as err:
                         r = {"scenario": group, "mode": mode, "every": every, "events": [], "error": str(err)}
                     r["wall_s"] = round(time.perf_counter() - t0, 1)
@@ -162,11 +160,10 @@ def bench_jobs(args: argparse.Namespace) -> Dict[str, Any]:
                              or r.get("error", "?")), flush=True)
                     jobs.append(r)
     finally:
-        if server is not None:
-            server.stop()
+        server.stop()
     lost: Dict[str, Dict[str, float]] = {}
-    for scenario in args.scenarios:
-        for every in args.intervals:
+    for scenario in ("worker", "node", "scaleup"):
+        for every in INTERVALS:
             for mode in ("memory", "disk", "dcp"):
                 vals = [e["lost"] for j in jobs if j["mode"] == mode and j["every"] == every
                         for e in j["events"] if e["scenario"] == scenario]
@@ -175,4 +172,4 @@ def bench_jobs(args: argparse.Namespace) -> Dict[str, Any]:
     return {"jobs": jobs, "steps_lost": lost}
 
 
-__all__ = ["JOB_MB", "KILL_STEPS", "STEP_SLEEP", "Job", "bench_jobs", "run_job"]
+__all__ = ["INTERVALS", "JOB_MB", "KILL_STEPS", "STEP_SLEEP", "Job", "bench_jobs", "run_job"]
