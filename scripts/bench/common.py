@@ -143,11 +143,11 @@ class Agents:
         self._lock = threading.Lock()
         self._readers: List[threading.Thread] = []
 
-    def start(self, name: str, cmd: Sequence[str], env: Optional[Dict[str, str]] = None) -> subprocess.Popen:
-        """Start agent ``name`` running ``cmd`` (``env``: more variables for it alone)."""
+    def start(self, name: str, cmd: Sequence[str]) -> subprocess.Popen:
+        """Start agent ``name`` running ``cmd``."""
         self.started[name] = time.time()
         proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**self.env, **(env or {})}, cwd=str(REPO), start_new_session=True)
+                                env=self.env, cwd=str(REPO), start_new_session=True)
         self.procs[name] = proc
         reader = threading.Thread(target=self._read, args=(name, proc), daemon=True)
         reader.start()
@@ -174,9 +174,9 @@ class Agents:
         with self._lock:
             return [ln for ln in self._lines if agent is None or ln.agent == agent]
 
-    def found(self, agent: Optional[str] = None) -> List[Any]:
+    def found(self) -> List[Any]:
         """What ``parse`` made of the lines that it recognized, in order."""
-        return [ln.data for ln in self.lines(agent) if ln.data is not None]
+        return [ln.data for ln in self.lines() if ln.data is not None]
 
     def running(self) -> bool:
         """Whether an agent the bench did not stop on purpose still runs."""
