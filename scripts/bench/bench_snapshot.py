@@ -79,7 +79,7 @@ def _timed(fn: Callable[[], Any], sync: Callable[[], None]) -> float:
     return time.perf_counter() - t0
 
 
-def bench_local(args: argparse.Namespace, command: str) -> Dict[str, Any]:
+def bench_local(args: argparse.Namespace) -> Dict[str, Any]:
     """The ``stall`` and ``restore`` parts: one process, one state, interleaved rounds."""
     import torch
     import torch.distributed.checkpoint as dcp
@@ -258,6 +258,23 @@ def summarize(res: Dict[str, Any], lost: Optional[Dict[str, Any]], args: argpars
     return rows
 
 
+def bad_input(args: argparse.Namespace) -> Optional[str]:
+    """What is wrong with the options, in one line (None: nothing)."""
+    bad = [x for x in args.parts if x not in PARTS]
+    if bad:
+        return f"unknown part(s) {', '.join(bad)}: choose from {', '.join(PARTS)}"
+    if args.mb < 1 or args.repeat < 1 or args.overhead_steps < 1:
+        return "--mb, --repeat and --overhead-steps must be positive"
+    if not os.path.isdir(args.shm):
+        return f"{args.shm} does not exist: pass --shm"
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return "--device cuda but no CUDA GPU is visible"
+    return None
+
+
 def main(argv: List[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mb", type=int, default=256, help="state size in MiB for stall/restore (1024: ~1 GB)")
@@ -271,30 +288,16 @@ def main(argv: List[str]) -> int:
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = p.parse_args(argv)
     args.parts = [x.strip() for x in args.parts.split(",") if x.strip()]
-    bad = [x for x in args.parts if x not in PARTS]
-    if bad:
-        print(f"bench_snapshot.py: error: unknown part(s) {', '.join(bad)}: choose from {', '.join(PARTS)}",
-              file=sys.stderr)
+    error = bad_input(args)
+    if error is not None:
+        print(f"bench_snapshot.py: error: {error}", file=sys.stderr)
         return 2
-    if args.mb < 1 or args.repeat < 1 or args.overhead_steps < 1:
-        print("bench_snapshot.py: error: --mb, --repeat and --overhead-steps must be positive",
-              file=sys.stderr)
-        return 2
-    if not os.path.isdir(args.shm):
-        print(f"bench_snapshot.py: error: {args.shm} does not exist: pass --shm", file=sys.stderr)
-        return 2
-    if args.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            print("bench_snapshot.py: error: --device cuda but no CUDA GPU is visible", file=sys.stderr)
-            return 2
     # A time limit's SIGTERM ends the run through the finally blocks: no shared memory left behind.
     signal.signal(signal.SIGTERM, lambda *_a: sys.exit(143))
     command = shown_command(__file__, argv)
     res: Dict[str, Any] = {}
     if {"stall", "restore"} & set(args.parts):
-        res = bench_local(args, command)
+        res = bench_local(args)
         gib = res["bytes"] / (1 << 30)
         for k, v in res.items():
             if k.endswith("_s") and isinstance(v, float):
