@@ -202,7 +202,7 @@ class Run:
             return rows[count - 1] if len(rows) >= count else None
 
         try:
-            return Outcome("ok", self.agents.wait_for(reached, timeout, f"step at world size {world}") - after)
+            return Outcome("ok", self.agents.wait_for(reached, timeout, f"a step at world size {world}") - after)
         except TimeoutError as err:
             return Outcome("hang", None, str(err))
         except AgentsExited as err:

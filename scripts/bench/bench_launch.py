@@ -185,7 +185,7 @@ def run_once(
         return after[0]["t"] - crash if after else None
 
     try:
-        result = agents.wait_for(measured, timeout, "step")
+        result = agents.wait_for(measured, timeout, "the measured step")
     except (TimeoutError, AgentsExited) as err:
         return _failed(launcher, scenario, agents, err, crash_after)
     finally:

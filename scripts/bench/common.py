@@ -194,7 +194,7 @@ class Agents:
                 codes = ", ".join(f"{n} exit {p.poll()}" for n, p in self.procs.items() if n not in self.gone)
                 raise AgentsExited(f"the agents exited ({codes}) before {what}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no {what} within {timeout:.0f} s")
+                raise TimeoutError(f"waited {timeout:.0f} s for {what}")
             time.sleep(0.05)
 
     def kill(self, name: str) -> float:
