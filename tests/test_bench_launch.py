@@ -69,16 +69,14 @@ def test_launch_rows_carry_the_first_line_the_fork_wait_and_the_agent_rss(bench)
 
 def test_round_formed_is_read_from_each_launchers_log(bench) -> None:  # noqa: ANN001
     bench_launch, _ = bench
-    out = bench_launch.Output()
-    out.lines += ["2026-11-27T18:12:20.804Z elasticrun[n]: round 0 (Start): world size 2, 1 node(s)",
-                  "[n/0]:bench-start t=1795803140.9000 rank=0"]
-    assert bench_launch.round_formed(out, "elasticrun") == pytest.approx(1795803140.804)
-    assert out.first_line() == pytest.approx(1795803140.9)
-    torchrun = bench_launch.Output()
-    torchrun.lines += ["I1127 18:12:54.016000 10743 torch/distributed/elastic/agent/server/api.py:553] [default] "
-                       "Rendezvous complete for workers. Result:"]
+    lines = ["2026-11-27T18:12:20.804Z elasticrun[n]: round 0 (Start): world size 2, 1 node(s)",
+             "[n/0]:bench-start t=1795803140.9000 rank=0"]
+    assert bench_launch.round_formed(lines, "elasticrun") == pytest.approx(1795803140.804)
+    assert bench_launch.first_line(lines) == pytest.approx(1795803140.9)
+    torchrun = ["I1127 18:12:54.016000 10743 torch/distributed/elastic/agent/server/api.py:553] [default] "
+                "Rendezvous complete for workers. Result:"]
     formed = bench_launch.round_formed(torchrun, "torchrun-default")
     local = time.localtime(formed)
     assert (local.tm_mon, local.tm_mday, local.tm_hour, local.tm_min, local.tm_sec) == (11, 27, 18, 12, 54)
     assert formed % 1 == pytest.approx(0.016, abs=1e-3)
-    assert bench_launch.round_formed(bench_launch.Output(), "elasticrun") is None
+    assert bench_launch.round_formed([], "elasticrun") is None

@@ -22,26 +22,52 @@ best torchrun one).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
-from common import REPO, TORCHRUN_TUNED_CONF, interrupt_on, kill_all, shown_command, tagged_processes, tree, write_json
-from elastic_clients import CLIENTS, Client, Node
+from common import TORCHRUN_TUNED_CONF, TRAIN, Agents, AgentsExited, interrupt_on, shown_command, write_json
 from elastic_report import Outcome, Summary, fmt, summary_rows, table
 
-TAG_VAR = "BENCH_ELASTIC_TAG"
 STABILITY_WINDOW = 1.0
+HERE = Path(__file__).resolve().parent
+STEP_RE = re.compile(r"STEP (\d+) WORLD (\d+) TIME (\d+(?:\.\d+)?)")  # elastic_worker.py's step lines
+EXAMPLE_RE = re.compile(r"(?:^|\]:)step (\d+) loss \S+ world (\d+)")  # examples/train.py's
+Step = Tuple[int, int, float]  # (step, world size, unix time)
+
+
+@dataclass(frozen=True)
+class Client:
+    """One training script under test (``--client``): ``bench``, ``inplace``, ``plain``: the loops of
+    ``elastic_worker.py``; ``example``: ``examples/train.py`` (DDP, elastic sampler, checkpoint on SIGTERM,
+    control polling), whose step lines carry no time (they get the time the bench read them)."""
+
+    name: str
+
+    def argv(self, out_dir: Path) -> List[str]:
+        """The script and its arguments (after the launcher's own options)."""
+        if self.name == "example":
+            return [str(TRAIN), "--epochs", "1000000", "--ckpt-dir",
+                    str(out_dir / "ckpt"), "--ckpt-every", "0", "--step-sleep", "0.05"]
+        return [str(HERE / "elastic_worker.py"), self.name, str(out_dir)]
+
+    def parse(self, line: str, read_at: float) -> Optional[List[Step]]:
+        """The steps that one output line reports (None: none)."""
+        if self.name == "example":
+            m = EXAMPLE_RE.search(line)
+            return [(int(m[1]), int(m[2]), read_at)] if m else None
+        return [(int(m[1]), int(m[2]), float(m[3])) for m in STEP_RE.finditer(line)] or None
+
+
+CLIENTS = {name: Client(name) for name in ("bench", "plain", "example", "inplace")}
 
 
 @dataclass(frozen=True)
@@ -92,7 +118,7 @@ MEMBERS_TOLD = "(3 members;"  # an agent's line once it was told the job's etcd 
 
 
 class Run:
-    """One benchmark run: a fresh rendezvous (etcd or c10d port), job id, output dir and nodes."""
+    """One benchmark run: a fresh rendezvous (etcd or c10d port), job id, log dir and agents."""
 
     def __init__(self, variant: Variant, scenario: str, log_root: Path, index: int, client: Client,
                  nodes: int = 2, nproc: int = 2) -> None:
@@ -101,14 +127,18 @@ class Run:
         self.client = client
         self.nnodes = nodes
         self.nproc = nproc
-        self.tag = uuid.uuid4().hex
-        self.job = f"bench-{self.tag[:8]}"
         slug = re.sub(r"[^a-z0-9]+", "-", variant.label.lower()).strip("-")
         self.dir = log_root / f"{scenario}-{client.name}-{slug}-{index}"
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.nodes: Dict[str, Node] = {}
-        self.epoch = time.time()
-        self.events: List[str] = []
+        self.job = f"bench-{uuid.uuid4().hex[:8]}"
+        self.agents = Agents(log_dir=self.dir, parse=client.parse)
+        env = self.agents.env  # none of a job's variables that the bench itself might run under
+        for name in [k for k in env if k.startswith(("ELASTICRUN_", "TORCHELASTIC_", "TORCH_DISABLE_SHARE_"))]:
+            del env[name]
+        # CUDA hidden: the simulated nodes share this host (on a GPU host, NCCL would put each on cuda:0).
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        if variant.tuned:
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         self.etcd = None
         self.port = 0
         if variant.launcher == "elasticrun" and not variant.hosted:
@@ -119,16 +149,6 @@ class Run:
             from elasticrun.store.server import free_port
 
             self.port = free_port()
-
-    def env(self) -> Dict[str, str]:
-        """Environment of every agent: one thread per worker, unbuffered output, our marker."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTICRUN_", "TORCHELASTIC_"))}
-        env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
-        # CUDA hidden: the simulated nodes share this host (on a GPU host, NCCL would put each on cuda:0).
-        env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", **{TAG_VAR: self.tag})
-        if self.variant.tuned:
-            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        return env
 
     def command(self, name: str) -> List[str]:
         """The agent command line for node ``name`` (A hosts the torchrun c10d store)."""
@@ -155,75 +175,42 @@ class Run:
             "--rdzv-conf", conf, "--max-restarts", "100", "--local-addr", "127.0.0.1", *train,
         ]
 
-    def start(self, name: str) -> Node:
-        """Start node ``name``'s agent in its own session; returns once it is spawned."""
-        log_path = self.dir / f"{name}.log"
-        cmd = self.command(name)
-        (self.dir / f"{name}.cmd").write_text(" ".join(cmd) + "\n")
-        started = time.time()
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env(),
-            cwd=str(REPO), start_new_session=True,
-        )
-        node = Node(name, proc, log_path, started, self.epoch, self.client)
-        self.events.append(f"{started - self.epoch:8.3f} bench: started node {name}")
-        self.nodes[name] = node
-        return node
+    def start(self, name: str) -> float:
+        """Start node ``name``'s agent; the time it was started."""
+        self.agents.start(name, self.command(name))
+        return self.agents.started[name]
 
-    def kill(self, name: str) -> float:
-        """SIGKILL node ``name``'s agent and every process under it at once (a lost machine); the kill time."""
-        node = self.nodes[name]
-        procs = tree([node.proc.pid])
-        at = time.time()
-        kill_all(procs)
-        node.dead = True
-        self.events.append(f"{at - self.epoch:8.3f} bench: SIGKILL node {name}")
-        node.proc.wait(10)
-        return at
+    def mark(self, name: str, text: str) -> Optional[float]:
+        """When node ``name``'s agent first printed a line containing ``text`` (None if not yet)."""
+        return next((ln.t for ln in self.agents.lines(name) if text in ln.text), None)
 
-    def leave(self, name: str) -> float:
-        """SIGTERM node ``name``'s agent (a graceful leave); returns the signal's time."""
-        node = self.nodes[name]
-        at = time.time()
-        node.proc.send_signal(signal.SIGTERM)
-        node.dead = True  # no longer counted among the live agents
-        self.events.append(f"{at - self.epoch:8.3f} bench: SIGTERM node {name}")
-        return at
+    def steps(self) -> List[Step]:
+        """Every ``(step, world, time)`` that rank 0 printed, through any agent."""
+        return [step for found in self.agents.found() for step in found]
 
     def pause(self, old: int, new: int, since: float) -> float:
         """The survivors' pause: the last step at world ``old`` → the first at ``new`` (after ``since``)."""
-        rows = sorted((t, w) for n in self.nodes.values() for (_, w, t) in n.steps())
+        rows = sorted((t, w) for (_, w, t) in self.steps())
         first_new = min(t for t, w in rows if w == new and t >= since)
         return round(first_new - max((t for t, w in rows if w == old and t <= first_new), default=first_new), 3)
 
     def wait_step(self, world: int, after: float, timeout: float, count: int = 1) -> Outcome:
-        """Wait until ``count`` steps at ``world`` with time >= ``after`` appear in any node's output."""
-        deadline = time.time() + timeout
-        while True:
-            rows = sorted(
-                t for n in self.nodes.values() for (_, w, t) in n.steps() if w == world and t >= after
-            )
-            if len(rows) >= count:
-                self.events.append(f"{rows[count - 1] - self.epoch:8.3f} bench: step {count} at world {world}")
-                return Outcome("ok", rows[count - 1] - after)
-            live = [n for n in self.nodes.values() if not n.dead]
-            if live and not any(n.running() for n in live):
-                codes = ", ".join(f"{n.name} exit {n.proc.returncode}" for n in live)
-                return Outcome("failed", None, f"all agents exited ({codes})")
-            if time.time() > deadline:
-                return Outcome("hang", None, f"no step at world size {world} within {timeout:.0f}s")
-            time.sleep(0.05)
+        """Wait until ``count`` steps at ``world`` with time >= ``after`` appear in any agent's output."""
+
+        def reached() -> Optional[float]:
+            rows = sorted(t for (_, w, t) in self.steps() if w == world and t >= after)
+            return rows[count - 1] if len(rows) >= count else None
+
+        try:
+            return Outcome("ok", self.agents.wait_for(reached, timeout, f"a step at world size {world}") - after)
+        except TimeoutError as err:
+            return Outcome("hang", None, str(err))
+        except AgentsExited as err:
+            return Outcome("failed", None, str(err))
 
     def close(self) -> None:
-        """Kill every process of this run (agents, workers, orphans by marker) and stop etcd."""
-        kill_all(tree(node.proc.pid for node in self.nodes.values()))
-        for node in self.nodes.values():
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                node.proc.wait(5)
-        kill_all(tagged_processes(TAG_VAR, self.tag))
-        for node in self.nodes.values():
-            node.join_reader()
-        (self.dir / "events.txt").write_text("\n".join(self.events) + "\n")
+        """Kill every process of this run and stop etcd."""
+        self.agents.close()
         if self.etcd is not None:
             self.etcd.stop()
             self.etcd = None
@@ -243,8 +230,8 @@ def measure(run: Run, args: argparse.Namespace) -> Outcome:
         if run.scenario == "kill-host":
             return kill_host(run, names, less, args.timeout)
         if run.scenario == "kill":
-            return run.wait_step(less, run.kill(names[-1]), args.timeout)
-        at = run.leave(names[-1])
+            return run.wait_step(less, run.agents.kill(names[-1]), args.timeout)
+        at = run.agents.terminate(names[-1])
         outcome = run.wait_step(less, at, args.timeout)
         if outcome.status == "ok":
             outcome.phases["pause"] = run.pause(full, less, at)
@@ -254,15 +241,15 @@ def measure(run: Run, args: argparse.Namespace) -> Outcome:
     ready = run.wait_step(less, 0.0, args.timeout, count=settle)
     if ready.status != "ok":
         return Outcome(ready.status, None, "setup: " + ready.detail)
-    joiner = run.start(names[-1])
-    outcome = run.wait_step(full, joiner.started, args.timeout)
+    started = run.start(names[-1])
+    outcome = run.wait_step(full, started, args.timeout)
     # Where the time went (elasticrun's agent lines): registered and ready, then in a round.
     for phase, text in (("joined", "joined job"), ("round", "(ScaleUp): world size")):
-        at = joiner.mark(text)
+        at = run.mark(names[-1], text)
         if at is not None:
-            outcome.phases[phase] = round(at - joiner.started, 3)
+            outcome.phases[phase] = round(at - started, 3)
     if outcome.status == "ok":  # the survivors' pause: last step at the old size -> first step at the new
-        outcome.phases["pause"] = run.pause(less, full, joiner.started)
+        outcome.phases["pause"] = run.pause(less, full, started)
     return outcome
 
 
@@ -271,12 +258,12 @@ def kill_host(run: Run, names: List[str], less: int, timeout: float) -> Outcome:
     members = None
     if run.variant.hosted:
         deadline = time.time() + timeout
-        while not all(n.mark(MEMBERS_TOLD) for n in run.nodes.values()):
+        while not all(run.mark(n, MEMBERS_TOLD) for n in names):
             if time.time() > deadline:
                 return Outcome("hang", None, f"setup: the job's etcd had no 3 members within {timeout:.0f}s")
             time.sleep(0.1)
-        members = max(n.mark(MEMBERS_TOLD) or 0.0 for n in run.nodes.values()) - run.nodes[names[0]].started
-    outcome = run.wait_step(less, run.kill(names[0]), timeout)
+        members = max(run.mark(n, MEMBERS_TOLD) or 0.0 for n in names) - run.agents.started[names[0]]
+    outcome = run.wait_step(less, run.agents.kill(names[0]), timeout)
     if members is not None:
         outcome.phases["members"] = round(members, 3)
     return outcome

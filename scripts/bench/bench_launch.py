@@ -38,15 +38,14 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import psutil
-from common import TORCHRUN_TUNED_CONF, gpu_count, kill_and_reap, shown_command, write_json
+from common import TORCHRUN_TUNED_CONF, Agents, AgentsExited, shown_command, write_json
 from launch_results import (
     LAUNCH_MULTI,
     LAUNCH_SCENARIOS,
@@ -69,55 +68,33 @@ FIRST_LINE = re.compile(r"bench-start t=([\d.]+)")
 TORCHRUN_FORMED = re.compile(r"^[IWE](\d\d)(\d\d) (\d\d:\d\d:\d\d)(\.\d+) .*Rendezvous complete for workers")
 
 
-@dataclass
-class Output:
-    """Lines of the launcher processes, collected by reader threads, with a wake-up for waiters."""
-
-    lines: List[str] = field(default_factory=list)
-    cond: threading.Condition = field(default_factory=threading.Condition)
-
-    def pump(self, pipe) -> None:  # noqa: ANN001 - a binary pipe
-        for raw in iter(pipe.readline, b""):
-            with self.cond:
-                self.lines.append(raw.decode(errors="replace").rstrip("\n"))
-                self.cond.notify_all()
-        pipe.close()
-
-    def steps(self) -> List[Dict[str, float]]:
-        with self.cond:
-            found = [STEP.search(ln) for ln in self.lines]
-        return [
-            {"step": int(m[1]), "t": float(m[2]), "restart": int(m[3]), "world": int(m[4])} for m in found if m
-        ]
-
-    def first_line(self) -> Optional[float]:
-        """When the first worker script printed its first line (unix time)."""
-        with self.cond:
-            found = [float(m[1]) for m in (FIRST_LINE.search(ln) for ln in self.lines) if m]
-        return min(found) if found else None
-
-    def crash_time(self) -> Optional[float]:
-        with self.cond:
-            for ln in self.lines:
-                m = CRASH.search(ln)
-                if m:
-                    return float(m[1])
-        return None
+def steps(lines: List[str]) -> List[Dict[str, float]]:
+    """Rank 0's step lines: step, unix time, restart count, world size."""
+    found = (STEP.search(ln) for ln in lines)
+    return [{"step": int(m[1]), "t": float(m[2]), "restart": int(m[3]), "world": int(m[4])} for m in found if m]
 
 
-def _stamped(out: Output) -> List[Tuple[float, str]]:
+def first_line(lines: List[str]) -> Optional[float]:
+    """When the first worker script printed its first line (unix time)."""
+    found = [float(m[1]) for m in (FIRST_LINE.search(ln) for ln in lines) if m]
+    return min(found) if found else None
+
+
+def crash_time(lines: List[str]) -> Optional[float]:
+    """When the crashing worker said it crashes (unix time)."""
+    return next((float(m[1]) for m in (CRASH.search(ln) for ln in lines) if m), None)
+
+
+def _stamped(lines: List[str]) -> List[Tuple[float, str]]:
     """(unix time, line) of elasticrun's agent lines (``<ISO time> elasticrun[node]: <message>``)."""
-    with out.cond:
-        found = [(m, ln) for m, ln in ((STAMP.match(ln), ln) for ln in out.lines) if m]
+    found = [(m, ln) for m, ln in ((STAMP.match(ln), ln) for ln in lines) if m]
     return [(calendar.timegm(time.strptime(m[1], "%Y-%m-%dT%H:%M:%S")) + float(m[2] or 0), ln) for m, ln in found]
 
 
-def round_formed(out: Output, launcher: str) -> Optional[float]:
+def round_formed(lines: List[str], launcher: str) -> Optional[float]:
     """When the first round formed (unix time), from the launcher's own log lines."""
     if launcher == "elasticrun":
-        return next((t for t, line in _stamped(out) if "round 0 (Start)" in line), None)
-    with out.cond:
-        lines = list(out.lines)
+        return next((t for t, line in _stamped(lines) if "round 0 (Start)" in line), None)
     for line in lines:
         m = TORCHRUN_FORMED.match(line)
         if m:
@@ -191,55 +168,52 @@ def run_once(
 
         endpoint = f"127.0.0.1:{free_port()}"  # a c10d store (elasticrun: etcd) hosted by one of the agents
     cmds = _commands(launcher, nodes, procs, endpoint, f"bench-{uuid.uuid4().hex[:8]}", c10d=scenario == LAUNCH_MULTI)
-    out = Output()
+    agents = Agents({"BENCH_STEPS": "5", "BENCH_STEP_S": "0.2", **extra})
     started = time.time()
-    running = []
-    for cmd in cmds:
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                                                  "BENCH_STEPS": "5", "BENCH_STEP_S": "0.2", **extra},
-                             start_new_session=True)
-        running.append(p)
-        threading.Thread(target=out.pump, args=(p.stdout,), daemon=True).start()
+    for i, cmd in enumerate(cmds):
+        agents.start(f"n{i}", cmd)
 
     def measured() -> Optional[float]:
-        steps = out.steps()
+        lines = [ln.text for ln in agents.lines()]
         if scenario in LAUNCH_SCENARIOS:
-            return steps[0]["t"] - started if steps else None
-        crash = out.crash_time()
+            found = steps(lines)
+            return found[0]["t"] - started if found else None
+        crash = crash_time(lines)
         # The new attempt's first step. Not "restart >= 1": torchrun counts restarts per agent, so the
         # workers of a node whose own workers did not fail still see TORCHELASTIC_RESTART_COUNT=0.
-        after = [s for s in steps if crash is not None and s["t"] > crash and s["step"] == 1]
+        after = [s for s in steps(lines) if crash is not None and s["t"] > crash and s["step"] == 1]
         return after[0]["t"] - crash if after else None
 
-    deadline = time.monotonic() + timeout
-    while (result := measured()) is None and any(p.poll() is None for p in running) and time.monotonic() < deadline:
-        with out.cond:
-            out.cond.wait(0.2)  # woken by each new line
-    once = extra.get("BENCH_CRASH_ONCE_FILE")
-    if once:
-        Path(once).unlink(missing_ok=True)
-    if result is not None:
-        rss = agent_rss_mib(running)  # the workers still run: the measured step just showed up
-        kill_and_reap(running)
-        run = Run(launcher, scenario, "ok", round(result, 3), crash_after=crash_after, agent_rss_mib=rss)
-        if scenario in LAUNCH_SCENARIOS:
-            first, formed = out.first_line(), round_formed(out, launcher)
-            run.first_line = None if first is None else round(first - started, 3)
-            run.fork_wait = None if first is None or formed is None else round(first - formed, 3)
-            if launcher == "elasticrun":
-                run.phases = launch_phases(out, started, result)
-        return run
-    hung = not all(p.poll() is not None for p in running)
-    codes = [p.poll() for p in running]
-    kill_and_reap(running)
-    tail = " | ".join(ln for ln in out.lines[-200:] if "Error" in ln or "error" in ln)[-300:]
+    try:
+        result = agents.wait_for(measured, timeout, "the measured step")
+    except (TimeoutError, AgentsExited) as err:
+        return _failed(launcher, scenario, agents, err, crash_after)
+    finally:
+        once = extra.get("BENCH_CRASH_ONCE_FILE")
+        if once:
+            Path(once).unlink(missing_ok=True)
+    rss = agent_rss_mib(list(agents.procs.values()))  # the workers still run: the measured step just showed up
+    agents.close()
+    run = Run(launcher, scenario, "ok", round(result, 3), crash_after=crash_after, agent_rss_mib=rss)
+    if scenario in LAUNCH_SCENARIOS:
+        lines = [ln.text for ln in agents.lines()]
+        first, formed = first_line(lines), round_formed(lines, launcher)
+        run.first_line = None if first is None else round(first - started, 3)
+        run.fork_wait = None if first is None or formed is None else round(first - formed, 3)
+        if launcher == "elasticrun":
+            run.phases = launch_phases(lines, started, result)
+    return run
+
+
+def _failed(launcher: str, scenario: str, agents: Agents, err: Exception, crash_after: Optional[float]) -> Run:
+    """A run without the measured step: a hang (time ran out) or a failure; its output kept in a log file."""
+    agents.close()
+    lines = [ln.text for ln in agents.lines()]
+    errors = " | ".join(ln for ln in lines[-200:] if "Error" in ln or "error" in ln)[-300:]
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_launch-{launcher}-{scenario}-{uuid.uuid4().hex[:6]}.log"
-    log.write_text("\n".join(out.lines) + "\n")
-    tail = f"log {log}; {tail}"
-    if hung:
-        return Run(launcher, scenario, "hang", None, f"no step after {timeout:.0f}s; {tail}", crash_after)
-    return Run(launcher, scenario, "fail", None, f"exit codes {codes}; {tail}", crash_after)
+    log.write_text("\n".join(lines) + "\n")
+    outcome = "hang" if isinstance(err, TimeoutError) else "fail"
+    return Run(launcher, scenario, outcome, None, f"{err}; log {log}; {errors}", crash_after)
 
 
 # Elasticrun's agent lines (``<ISO time> elasticrun[node]: <message>``) that mark its launch, and whether the
@@ -253,14 +227,14 @@ MILESTONES = [
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?Z elasticrun\[")
 
 
-def launch_phases(out: Output, started: float, first_step: float) -> Dict[str, float]:
+def launch_phases(lines: List[str], started: float, first_step: float) -> Dict[str, float]:
     """Seconds from the launch to each milestone of the agents' log lines, and to the first step."""
     marks: Dict[str, float] = {}
-    for t, line in _stamped(out):
+    for t, line in _stamped(lines):
         for name, pattern, which in MILESTONES:
             if pattern.search(line) and (which == "last" or name not in marks):
                 marks[name] = round(t - started, 3)
-    first = out.first_line()
+    first = first_line(lines)
     if first is not None:
         marks["first line"] = round(first - started, 3)
     marks["first step"] = round(first_step, 3)
@@ -298,7 +272,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.error(f"--scenarios: unknown {', '.join(sorted(unknown))}; choose from launch,{LAUNCH_MULTI},restart")
     devices = {sc: args.device for sc in args.scenarios.split(",")}
     if args.device == "cuda":
-        have = gpu_count()
+        from elasticrun.launch.gpus import visible_gpu_count
+
+        have = visible_gpu_count()
         for sc in devices:
             need = args.procs * (1 if sc == "launch" else args.nodes)
             if have < need:  # NCCL takes one GPU per rank: run this one on the CPU (gloo), as without --device

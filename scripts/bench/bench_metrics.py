@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -26,7 +25,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Dict, List
 
-from common import REPO, TRAIN, shown_command, summary_row, write_json
+import psutil
+from common import TRAIN, Agents, shown_command, summary_row, write_json
 
 from elasticrun.store.server import free_port
 
@@ -75,34 +75,37 @@ class Storm:
 
 
 def one_run(args: argparse.Namespace, storm: bool, workdir: Path, index: int) -> Dict[str, Any]:
+    """One job, quiet or under a storm of scrapes: its step rate and median step time, the agent's CPU
+    seconds, and the scrapes' count, latency and errors."""
     port = free_port()
     log = workdir / f"steps-{index}.jsonl"
-    cmd = [sys.executable, "-m", "elasticrun", "--standalone", "--nproc-per-node", str(args.nproc), "-q",
-           "--metrics-port", str(port), str(TRAIN), "--steps", str(args.steps),
-           "--no-checkpoint", "--metrics-log", str(log), "--dataset-size", "100000"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    agents = Agents()
+    proc = agents.start("agent", [sys.executable, "-m", "elasticrun", "--standalone", "--nproc-per-node",
+                                  str(args.nproc), "-q", "--metrics-port", str(port), str(TRAIN), "--steps",
+                                  str(args.steps), "--no-checkpoint", "--metrics-log", str(log),
+                                  "--dataset-size", "100000"])
     scrapes: Dict[str, Any] = {}
-    errors: List[float] = []
-    last_error = ""
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    if storm:
-        scraper_cpu = time.process_time()
-        with Storm(port, args.threads, args.interval) as s:
+    try:
+        if storm:
+            scraper_cpu = time.process_time()
+            with Storm(port, args.threads, args.interval) as s:
+                cpu = _wait_cpu(proc, args.timeout)
+            scrapes["scraper_cpu_s"] = round(time.process_time() - scraper_cpu, 2)  # this process: the scrapers
+            lat = sorted(s.latencies)
+            scrapes.update(scrapes=len(lat), p50_ms=round(1000 * lat[len(lat) // 2], 2) if lat else None,
+                           p99_ms=round(1000 * lat[int(len(lat) * 0.99)], 2) if lat else None)
+        else:
             cpu = _wait_cpu(proc, args.timeout)
-        scrapes["scraper_cpu_s"] = round(time.process_time() - scraper_cpu, 2)  # this process: the scrapers
-        lat = sorted(s.latencies)
-        errors, last_error = s.errors, s.last_error
-        scrapes = {**scrapes, "scrapes": len(lat), "p50_ms": round(1000 * lat[len(lat) // 2], 2) if lat else None,
-                   "p99_ms": round(1000 * lat[int(len(lat) * 0.99)], 2) if lat else None}
-    else:
-        cpu = _wait_cpu(proc, args.timeout)
+    finally:
+        agents.close()
     if proc.returncode != 0:
-        raise SystemExit(f"bench_metrics: run {index} failed (exit {proc.returncode}): {proc.stderr.read()[-2000:]}")
+        tail = "\n".join(ln.text for ln in agents.lines()[-20:])
+        raise SystemExit(f"bench_metrics: run {index} failed (exit {proc.returncode}): {tail}")
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     if storm:  # failed scrapes while the job trained (the agent's server closes just before it exits)
-        scrapes["errors"] = sum(1 for t in errors if t <= rows[-1]["time"])
+        scrapes["errors"] = sum(1 for t in s.errors if t <= rows[-1]["time"])
         if scrapes["errors"]:
-            scrapes["last_error"] = last_error
+            scrapes["last_error"] = s.last_error
     rows = [r for r in rows if r["step"] >= args.skip]
     gaps = sorted(b["time"] - a["time"] for a, b in zip(rows, rows[1:]))
     rate = (rows[-1]["step"] - rows[0]["step"]) / (rows[-1]["time"] - rows[0]["time"])
@@ -112,8 +115,6 @@ def one_run(args: argparse.Namespace, storm: bool, workdir: Path, index: int) ->
 
 def _wait_cpu(proc: subprocess.Popen, timeout: float) -> float:
     """Wait for the agent; its own CPU seconds (user + system, sampled until just before it exits)."""
-    import psutil
-
     agent = psutil.Process(proc.pid)
     cpu = 0.0
     deadline = time.monotonic() + timeout
@@ -126,6 +127,7 @@ def _wait_cpu(proc: subprocess.Popen, timeout: float) -> float:
         time.sleep(0.1)
     proc.wait(max(1.0, deadline - time.monotonic()))
     return round(cpu, 2)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

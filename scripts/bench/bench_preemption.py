@@ -20,19 +20,18 @@ the p95 against the notice as the ``summary`` row.
 from __future__ import annotations
 
 import argparse
-import os
+import contextlib
 import random
 import re
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from common import REPO, TRAIN, shown_command, summary_row, write_json
+from common import TRAIN, Agents, AgentsExited, shown_command, summary_row, write_json
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -49,55 +48,45 @@ def hidden_for(state_gb: float) -> int:
 
 
 class Run:
-    """One launch of the job; collects rank 0's lines as they come."""
+    """One launch of the job (:class:`common.Agents`, its log in the work dir); rank 0's lines as they come."""
 
-    def __init__(self, args: argparse.Namespace, ckpt_dir: Path, log: Path) -> None:
+    def __init__(self, args: argparse.Namespace, ckpt_dir: Path, log_dir: Path, index: int) -> None:
         cmd = [sys.executable, "-m", "elasticrun", "--standalone", "--nproc-per-node", str(args.nproc),
                "--shutdown-timeout", str(args.notice), "--max-restarts", "0", str(TRAIN),
                "--hidden", str(hidden_for(args.state_gb)), "--ckpt-dir", str(ckpt_dir), "--ckpt-every", "0",
                "--keep-last", "2", "--batch-size", "8", "--steps", "1000000", "--dataset-size", "100000"]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-        self.log = open(log, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, env=env, cwd=str(REPO))
-        self.lines: List[str] = []
-        self.start_step: Optional[int] = None
-        self.steps_seen = 0
-        self.stopped_at: Optional[int] = None
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
+        self.agents = Agents(log_dir=log_dir, parse=lambda text, _t: PREFIX.sub("", text.strip()))
+        self.name = f"launch-{index}"
+        self.proc = self.agents.start(self.name, cmd)
 
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for raw in self.proc.stdout:
-            self.log.write(raw)
-            line = PREFIX.sub("", raw.decode(errors="replace").strip())  # "[node/rank]:" of worker lines
-            self.lines.append(line)
-            m = START.match(line)
-            if m:
-                self.start_step = int(m[1])
-            if STEP.match(line):
-                self.steps_seen += 1
-            m = STOPPED.match(line)
-            if m:
-                self.stopped_at = int(m[1])
+    def _first(self, pattern: re.Pattern, last: bool = False) -> Optional[int]:
+        """The step in rank 0's first (or last) line that ``pattern`` matches."""
+        found = [int(m[1]) for m in (pattern.match(text) for text in self.agents.found()) if m]
+        return (found[-1] if last else found[0]) if found else None
+
+    @property
+    def start_step(self) -> Optional[int]:
+        """The step this launch resumed at."""
+        return self._first(START)
+
+    @property
+    def stopped_at(self) -> Optional[int]:
+        """The step at which the workers stopped on SIGTERM."""
+        return self._first(STOPPED, last=True)
 
     def wait_training(self, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            if self.steps_seen >= 1:
-                return True
-            time.sleep(0.05)
-        return False
+        """Whether a training step was logged within ``timeout`` s (False: the job ended or hung)."""
+        try:
+            return self.agents.wait_for(lambda: self._first(STEP), timeout, "a training step") is not None
+        except (TimeoutError, AgentsExited):
+            return False
 
     def finish(self, timeout: float) -> int:
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
-        self._reader.join(10)
-        self.log.close()
-        return code
+        """Wait up to ``timeout`` s for the agent to exit, then kill what is left; its exit code."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout)
+        self.agents.close()
+        return self.proc.returncode
 
 
 def newest_step(ckpt_dir: Path) -> Optional[int]:
@@ -152,16 +141,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     rng = random.Random(args.seed)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="elasticrun-preempt-"))
     work.mkdir(parents=True, exist_ok=True)
-    ckpt_dir, log = work / "ckpt", work / "runs.log"
+    ckpt_dir = work / "ckpt"
     console.print(Text(f"{args.runs} preemptions of examples/train.py ({args.state_gb} GB state, {args.nproc} "
-                       f"workers, notice {args.notice:.0f}s); logs in {log}"))
+                       f"workers, notice {args.notice:.0f}s); logs in {work}"))
     rows: List[Dict[str, object]] = []
     for i in range(args.runs + 1):  # the last launch only checks the resume of the last preemption
-        run = Run(args, ckpt_dir, log)
+        run = Run(args, ckpt_dir, work, i)
         try:
             if not run.wait_training(600):
                 run.finish(5)
-                console.print(Text(f"launch {i}: training never started (see {log})"))
+                console.print(Text(f"launch {i}: training never started (see {work}/launch-{i}.log)"))
                 return 1
             if rows:  # this launch resumed from the previous preemption's checkpoint
                 last = rows[-1]

@@ -1,7 +1,7 @@
 """Memory snapshots vs disk checkpoints vs DCP: training stall, restore time, memory, steps lost.
 
     python scripts/bench/bench_snapshot.py [--mb 256] [--device cuda] [--repeat 3] [--parts stall,restore,lost]
-                                     [--scenarios worker,node,scaleup] [--intervals 1,10] [--json FILE]
+                                     [--json FILE]
 
 Parts (``stall,restore`` by default, a couple of minutes; ``lost`` runs real jobs, ~8 minutes on
 2 cores). The state is ``--mb`` MiB of float32 tensors of 16 MiB, world size 1:
@@ -18,7 +18,7 @@ Parts (``stall,restore`` by default, a couple of minutes; ``lost`` runs real job
   cold cache), and ``dcp.load`` warm and cold; all into the preallocated state dict.
 - ``lost``: real elasticrun jobs (``scripts/bench/snapshot_jobs.py``): steps lost per worker
   crash, node SIGKILL and scale-up, with memory snapshots, disk checkpoints and DCP every
-  ``--intervals`` steps (node and scale-up restore memory snapshots from the peer replicas).
+  1 and 10 steps (node and scale-up restore memory snapshots from the peer replicas).
 
 All comparisons are interleaved (A B C … per round) and reported as medians. Prints one line
 per measure, then one JSON line (every measure, ``summary``, ``jobs``, …);
@@ -40,21 +40,13 @@ import tempfile
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
-from common import shown_command, summary_row, write_json
-from snapshot_jobs import bench_jobs
+from common import fadvise_evict, shown_command, summary_row, write_json
+from snapshot_jobs import INTERVALS, JOB_MB, STEP_SLEEP, bench_jobs
 
 from elasticrun.checkpoint.memory.space import dir_bytes
 from elasticrun.proc import pid_alive
 
 PARTS = ("stall", "restore", "lost")
-SCENARIOS = ("worker", "node", "scaleup")
-
-
-def _evict(path: str) -> None:
-    """Drop ``path``'s files from the page cache (fsync, then posix_fadvise DONTNEED)."""
-    from ckpt_compare import fadvise_evict  # this folder is on sys.path when a bench runs
-
-    fadvise_evict(path)
 
 
 def _sweep(shm: str) -> None:
@@ -87,7 +79,7 @@ def _timed(fn: Callable[[], Any], sync: Callable[[], None]) -> float:
     return time.perf_counter() - t0
 
 
-def bench_local(args: argparse.Namespace, command: str) -> Dict[str, Any]:
+def bench_local(args: argparse.Namespace) -> Dict[str, Any]:
     """The ``stall`` and ``restore`` parts: one process, one state, interleaved rounds."""
     import torch
     import torch.distributed.checkpoint as dcp
@@ -133,7 +125,7 @@ def bench_local(args: argparse.Namespace, command: str) -> Dict[str, Any]:
     def cold_and_warm(key: str, load: Callable[[], Any], path: str) -> None:
         """``load`` timed with a warm page cache, then again after ``path`` was evicted (``key`` and ``key_cold``)."""
         record(f"{key}_s", _timed(load, sync))
-        _evict(path)
+        fadvise_evict(path)
         record(f"{key}_cold_s", _timed(load, sync))
 
     try:
@@ -241,18 +233,18 @@ def summarize(res: Dict[str, Any], lost: Optional[Dict[str, Any]], args: argpars
     step_of = {(j["mode"], j["every"]): j.get("step_s") for j in (lost or {}).get("jobs", [])
                if j.get("scenario") == "worker" and j.get("step_s")}
     tiers = (("disk", "disk checkpoints"), ("dcp", "DCP"))
-    for every in args.intervals:
+    for every in INTERVALS:
         ours = step_of.get(("memory", every))
         for mode, label in tiers:
             alt = step_of.get((mode, every))
             if ours and alt:
-                rows.append(summary_row(f"job step time, checkpoint every {every} step(s) ({args.job_mb:g} MiB per "
-                                        f"rank, {args.step_sleep:g} s steps): memory snapshots", ours,
+                rows.append(summary_row(f"job step time, checkpoint every {every} step(s) ({JOB_MB:g} MiB per "
+                                        f"rank, {STEP_SLEEP:g} s steps): memory snapshots", ours,
                                         f"{label} every {every}", alt, command=command))
     # Steps lost: the interval decides it (every tier at the same interval loses the same), so the
     # row that matters is what a checkpoint every step costs, above, and what it saves against the
     # sparsest interval measured. Floored at 1 step for the ratio; the measured means are kept.
-    lo, hi = min(args.intervals), max(args.intervals)
+    lo, hi = min(INTERVALS), max(INTERVALS)
     what = {"worker": "worker crash", "node": "node loss (SIGKILL)", "scaleup": "scale-up"}
     for scenario, by in (lost or {}).get("steps_lost", {}).items():
         ours = by.get(f"memory@{lo}")
@@ -266,6 +258,23 @@ def summarize(res: Dict[str, Any], lost: Optional[Dict[str, Any]], args: argpars
     return rows
 
 
+def bad_input(args: argparse.Namespace) -> Optional[str]:
+    """What is wrong with the options, in one line (None: nothing)."""
+    bad = [x for x in args.parts if x not in PARTS]
+    if bad:
+        return f"unknown part(s) {', '.join(bad)}: choose from {', '.join(PARTS)}"
+    if args.mb < 1 or args.repeat < 1 or args.overhead_steps < 1:
+        return "--mb, --repeat and --overhead-steps must be positive"
+    if not os.path.isdir(args.shm):
+        return f"{args.shm} does not exist: pass --shm"
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return "--device cuda but no CUDA GPU is visible"
+    return None
+
+
 def main(argv: List[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mb", type=int, default=256, help="state size in MiB for stall/restore (1024: ~1 GB)")
@@ -276,43 +285,19 @@ def main(argv: List[str]) -> int:
     p.add_argument("--shm", default="/dev/shm", help="the shared-memory filesystem")
     p.add_argument("--step-ms", type=float, default=200.0, help="compute per training step in the overhead loop")
     p.add_argument("--overhead-steps", type=int, default=2, help="steps per method per round in the overhead loop")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS), help="lost: worker, node, scaleup")
-    p.add_argument("--intervals", default="1,10", help="lost: checkpoint intervals in steps")
-    p.add_argument("--job-mb", type=float, default=4.0, help="lost: state size per rank in MiB")
-    p.add_argument("--step-sleep", type=float, default=0.05, help="lost: seconds per training step")
-    p.add_argument("--async-snapshots", action="store_true", help="lost: async memory snapshots")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = p.parse_args(argv)
     args.parts = [x.strip() for x in args.parts.split(",") if x.strip()]
-    args.scenarios = [x.strip() for x in args.scenarios.split(",") if x.strip()]
-    bad = [x for x in args.parts if x not in PARTS] + [x for x in args.scenarios if x not in SCENARIOS]
-    try:
-        args.intervals = sorted({int(x) for x in args.intervals.split(",") if x.strip()})
-    except ValueError:
-        args.intervals = []
-    if bad or not args.intervals or min(args.intervals) < 1:
-        print(f"bench_snapshot.py: error: unknown part/scenario {bad} or bad --intervals: parts are "
-              f"{', '.join(PARTS)}; scenarios {', '.join(SCENARIOS)}; intervals positive integers", file=sys.stderr)
+    error = bad_input(args)
+    if error is not None:
+        print(f"bench_snapshot.py: error: {error}", file=sys.stderr)
         return 2
-    if args.mb < 1 or args.repeat < 1 or args.overhead_steps < 1:
-        print("bench_snapshot.py: error: --mb, --repeat and --overhead-steps must be positive",
-              file=sys.stderr)
-        return 2
-    if not os.path.isdir(args.shm):
-        print(f"bench_snapshot.py: error: {args.shm} does not exist: pass --shm", file=sys.stderr)
-        return 2
-    if args.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            print("bench_snapshot.py: error: --device cuda but no CUDA GPU is visible", file=sys.stderr)
-            return 2
     # A time limit's SIGTERM ends the run through the finally blocks: no shared memory left behind.
     signal.signal(signal.SIGTERM, lambda *_a: sys.exit(143))
     command = shown_command(__file__, argv)
     res: Dict[str, Any] = {}
     if {"stall", "restore"} & set(args.parts):
-        res = bench_local(args, command)
+        res = bench_local(args)
         gib = res["bytes"] / (1 << 30)
         for k, v in res.items():
             if k.endswith("_s") and isinstance(v, float):
@@ -324,7 +309,7 @@ def main(argv: List[str]) -> int:
               "the state)")
     lost = None
     if "lost" in args.parts:
-        lost = bench_jobs(args)
+        lost = bench_jobs()
         for scenario, by in lost["steps_lost"].items():
             print(f"steps lost per {scenario:8s} " + "  ".join(f"{k} {v:.1f}" for k, v in sorted(by.items())))
     doc = {"device": args.device, "repeat": args.repeat, **res, **(lost or {}),

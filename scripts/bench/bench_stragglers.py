@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -26,11 +25,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import psutil
-from common import REPO, TRAIN, shown_command, stop, summary_row, write_json
+from common import REPO, TRAIN, Agents, shown_command, summary_row, write_json
 
 from elasticrun.store.server import EtcdServer
-
-TAG = "ELASTICRUN_BENCH_STRAGGLERS"
 
 
 def status(endpoint: str, job: str) -> Optional[Dict[str, Any]]:
@@ -67,18 +64,16 @@ def main() -> int:
     args = ap.parse_args()
     job = f"strag-{uuid.uuid4().hex[:8]}"
     work = Path(tempfile.mkdtemp(prefix="elasticrun-bench-stragglers-"))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **{TAG: job})
     server = EtcdServer(data_dir=str(work / "etcd")).start()
-    agents: List[subprocess.Popen] = []
+    agents = Agents(log_dir=work)
     try:
         for i in range(args.nodes):
-            agents.append(subprocess.Popen(
-                [sys.executable, "-m", "elasticrun", "--nnodes", f"2:{args.nodes}", "--nproc-per-node", "1",
-                 "--rdzv-endpoint", server.endpoint, "--rdzv-id", job, "--node-id", f"n{i}",
-                 "--straggler-window", str(args.window), "--stability-window", "3", "-q",
-                 str(TRAIN), "--epochs", "100000", "--no-checkpoint", "--dataset-size",
-                 "512", "--batch-size", "8", "--step-sleep", "0.02"],
-                env=env, cwd=str(REPO), stdout=subprocess.DEVNULL, stderr=open(work / f"n{i}.err", "wb")))
+            agents.start(f"n{i}", [
+                sys.executable, "-m", "elasticrun", "--nnodes", f"2:{args.nodes}", "--nproc-per-node", "1",
+                "--rdzv-endpoint", server.endpoint, "--rdzv-id", job, "--node-id", f"n{i}",
+                "--straggler-window", str(args.window), "--stability-window", "3", "-q",
+                str(TRAIN), "--epochs", "100000", "--no-checkpoint", "--dataset-size",
+                "512", "--batch-size", "8", "--step-sleep", "0.02"])
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             doc = status(server.endpoint, job)
@@ -91,7 +86,7 @@ def main() -> int:
             return 1
         pulsing = threading.Event()
         if args.slow:
-            kids = [p.pid for p in psutil.Process(agents[-1].pid).children(recursive=True)]
+            kids = [p.pid for p in psutil.Process(agents.procs[f"n{args.nodes - 1}"].pid).children(recursive=True)]
             threading.Thread(target=pulse, args=(kids, pulsing), daemon=True).start()
         t0 = time.monotonic()
         readings, flagged, first_flag, worst = 0, 0, None, 0.0
@@ -123,7 +118,8 @@ def main() -> int:
             write_json(args.json, result)
         return 0 if (first_flag is not None) == args.slow else 1
     finally:
-        stop(agents)
+        agents.stop()
+        agents.close()
         server.stop()
 
 

@@ -1,18 +1,22 @@
 """What the benches share: the ``summary`` rows of their JSON (what scripts/perf/perf_report.py puts in the
-table), the command line they show for a rerun, ending a bench's processes by the marker in their
-environment, and ``elasticrun`` imported from this tree (the repository goes first on ``sys.path``)."""
+table), the command line they show for a rerun, the job runner that starts launchers (:class:`Agents`) and
+ends them with every process they started, and ``elasticrun`` imported from this tree (the repository goes
+first on ``sys.path``)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
+import uuid
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, TypeVar
 
 import psutil
 
@@ -20,6 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "train.py"  # the example the benches run as a real training job
 # torchrun "at its best": its c10d rendezvous with the shortest timeouts that still hold on a loaded machine
 TORCHRUN_TUNED_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
+TAG_VAR = "BENCH_RUN_TAG"  # in every process a bench's job runner starts: what it kills at the end
+T = TypeVar("T")
 if str(REPO) not in sys.path:  # the benches import elasticrun as in this tree
     sys.path.insert(0, str(REPO))
 
@@ -49,18 +55,6 @@ def shown_command(script: str, argv: Optional[Sequence[str]] = None) -> str:
     return shlex.join(["python", f"scripts/bench/{Path(script).name}", *args])
 
 
-def tagged_processes(var: str, tag: str) -> List[psutil.Process]:
-    """Every live process whose environment carries ``var=tag`` (this run's, and only this run's)."""
-    found = []
-    for p in psutil.process_iter(["pid"]):
-        try:
-            if p.pid != os.getpid() and p.environ().get(var) == tag:
-                found.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
-            continue
-    return found
-
-
 def kill_all(procs: List[psutil.Process], timeout: float = 5) -> None:
     """SIGCONT then SIGKILL each process (a stopped one must not block cleanup) and reap what can be reaped."""
     for p in procs:
@@ -72,8 +66,8 @@ def kill_all(procs: List[psutil.Process], timeout: float = 5) -> None:
     psutil.wait_procs(procs, timeout=timeout)
 
 
-def tree(pids: Iterable[int]) -> List[psutil.Process]:
-    """Each live process of ``pids`` and every process under it."""
+def kill_tree(pids: Iterable[int], timeout: float = 10) -> None:
+    """SIGKILL each process of ``pids`` and everything below it (workers may sit in their own sessions)."""
     found: List[psutil.Process] = []
     for pid in pids:
         try:
@@ -81,12 +75,7 @@ def tree(pids: Iterable[int]) -> List[psutil.Process]:
             found += [p, *p.children(recursive=True)]
         except psutil.NoSuchProcess:
             continue
-    return found
-
-
-def kill_tree(pids: Iterable[int], timeout: float = 10) -> None:
-    """SIGKILL each process of ``pids`` and everything below it (workers may sit in their own sessions)."""
-    kill_all(tree(pids), timeout)
+    kill_all(found, timeout)
 
 
 def interrupt_on(*signals: int) -> None:
@@ -99,39 +88,160 @@ def interrupt_on(*signals: int) -> None:
         signal.signal(sig, interrupt)
 
 
-def kill_and_reap(procs: Sequence[subprocess.Popen]) -> None:
-    """SIGKILL the launchers ``procs`` and everything below them, and reap them."""
-    kill_tree(p.pid for p in procs)
-    for p in procs:
-        p.wait()
+def files_of(path: str) -> List[str]:
+    """``path`` itself when it is a file, else every file below it."""
+    return [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
 
 
-def stop(procs: Sequence[subprocess.Popen], timeout: float = 60.0) -> List[Optional[int]]:
-    """SIGTERM every live launcher of ``procs`` (as a user's Ctrl-C would), wait up to ``timeout`` s in all, then
-    SIGKILL what is left with everything below it; their exit codes."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline, codes = time.monotonic() + timeout, []
-    for p in procs:
+def fadvise_evict(path: str, evict: bool = True) -> None:
+    """Drop ``path``'s clean pages from the page cache (fsync first so every page is clean; only that when not
+    ``evict``)."""
+    for p in files_of(path):
+        fd = os.open(p, os.O_RDONLY)
         try:
-            codes.append(p.wait(max(0.1, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            kill_tree([p.pid])
-            codes.append(p.wait())
-    return codes
+            os.fsync(fd)
+            if evict:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+class Line(NamedTuple):
+    """One line of a launcher's output: when it was read (unix time), from which agent, and what
+    the bench's ``parse`` made of it (None: nothing it looks for)."""
+
+    t: float
+    agent: str
+    text: str
+    data: Any = None
+
+
+class AgentsExited(RuntimeError):
+    """Every agent still expected to run has exited."""
+
+
+class Agents:
+    """The launcher processes (elasticrun or torchrun agents) of one bench run, by name.
+
+    Each starts in its own session with ``OMP_NUM_THREADS=1``, unbuffered output, this tree first on
+    ``PYTHONPATH`` and this run's marker (``TAG_VAR``); a thread per agent reads its output (stderr too),
+    stamps each line with the time it was read and keeps it (``parse(text, t)`` runs on it there, once),
+    written to ``log_dir/<name>.log`` when given. :meth:`close` kills every agent and every process that
+    carries the marker."""
+
+    def __init__(self, env: Optional[Dict[str, str]] = None, log_dir: Optional[Path] = None,
+                 parse: Callable[[str, float], Any] = lambda _text, _t: None) -> None:
+        self.tag = uuid.uuid4().hex
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+        self.env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=path, **(env or {}),
+                        **{TAG_VAR: self.tag})
+        self.log_dir, self.parse = log_dir, parse
+        self.procs: Dict[str, subprocess.Popen] = {}
+        self.started: Dict[str, float] = {}  # unix time each agent was started
+        self.gone: set = set()  # agents the bench stopped or killed on purpose
+        self._lines: List[Line] = []
+        self._lock = threading.Lock()
+        self._readers: List[threading.Thread] = []
+
+    def start(self, name: str, cmd: Sequence[str]) -> subprocess.Popen:
+        """Start agent ``name`` running ``cmd``."""
+        self.started[name] = time.time()
+        proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=self.env, cwd=str(REPO), start_new_session=True)
+        self.procs[name] = proc
+        reader = threading.Thread(target=self._read, args=(name, proc), daemon=True)
+        reader.start()
+        self._readers.append(reader)
+        return proc
+
+    def _read(self, name: str, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
+        log = open(self.log_dir / f"{name}.log", "w") if self.log_dir is not None else None
+        for raw in proc.stdout:
+            now = time.time()
+            text = raw.decode(errors="replace").rstrip("\n")
+            line = Line(now, name, text, self.parse(text, now))
+            with self._lock:
+                self._lines.append(line)
+            if log is not None:
+                log.write(f"{now:.3f} {text}\n")
+                log.flush()
+        if log is not None:
+            log.close()
+
+    def lines(self, agent: Optional[str] = None) -> List[Line]:
+        """The lines read so far (of ``agent`` alone, when given)."""
+        with self._lock:
+            return [ln for ln in self._lines if agent is None or ln.agent == agent]
+
+    def found(self) -> List[Any]:
+        """What ``parse`` made of the lines that it recognized, in order."""
+        return [ln.data for ln in self.lines() if ln.data is not None]
+
+    def running(self) -> bool:
+        """Whether an agent the bench did not stop on purpose still runs."""
+        return any(p.poll() is None for name, p in self.procs.items() if name not in self.gone)
+
+    def wait_for(self, check: Callable[[], Optional[T]], timeout: float, what: str) -> T:
+        """Poll ``check`` until it returns a value; TimeoutError after ``timeout`` s, :class:`AgentsExited` once
+        no agent is left running."""
+        deadline = time.monotonic() + timeout
+        while True:
+            result = check()
+            if result is not None:
+                return result
+            if not self.running():
+                codes = ", ".join(f"{n} exit {p.poll()}" for n, p in self.procs.items() if n not in self.gone)
+                raise AgentsExited(f"the agents exited ({codes}) before {what}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waited {timeout:.0f} s for {what}")
+            time.sleep(0.05)
+
+    def kill(self, name: str) -> float:
+        """SIGKILL agent ``name`` and every process under it at once (a lost machine); the time of the kill."""
+        self.gone.add(name)
+        at = time.time()
+        kill_tree([self.procs[name].pid])
+        self.procs[name].wait()
+        return at
+
+    def terminate(self, name: str) -> float:
+        """SIGTERM agent ``name`` (a graceful leave); the time of the signal."""
+        self.gone.add(name)
+        at = time.time()
+        self.procs[name].send_signal(signal.SIGTERM)
+        return at
+
+    def stop(self, timeout: float = 60.0) -> List[Optional[int]]:
+        """SIGTERM every live agent (as a user's Ctrl-C would), wait up to ``timeout`` s in all, then SIGKILL
+        what is left with everything below it; their exit codes."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline, codes = time.monotonic() + timeout, []
+        for p in self.procs.values():
+            try:
+                codes.append(p.wait(max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                kill_tree([p.pid])
+                codes.append(p.wait())
+        return codes
+
+    def close(self) -> None:
+        """Kill every agent, everything under it and every process with this run's marker; reap them."""
+        kill_tree(p.pid for p in self.procs.values())
+        for p in self.procs.values():
+            p.wait()
+        marked = []
+        for p in psutil.process_iter(["pid"]):
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+                if p.pid != os.getpid() and p.environ().get(TAG_VAR) == self.tag:
+                    marked.append(p)
+        kill_all(marked)
+        for reader in self._readers:
+            reader.join(5)
 
 
 def write_json(path: Any, doc: Any) -> None:
     """Write a bench's JSON document to ``path`` (indented, one trailing newline)."""
     Path(path).write_text(json.dumps(doc, indent=1) + "\n")
-
-
-def gpu_count() -> int:
-    """CUDA devices torch sees (0 without torch or CUDA)."""
-    try:
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except ImportError:
-        return 0

@@ -1,11 +1,10 @@
 """Child process of ``bench_rendezvous.py``: a shard of simulated agents, driven over stdin.
 
-Each simulated agent is a thread running the agent's own rendezvous code, without workers: the real
-:class:`~elasticrun.rendezvous.protocol.Rendezvous` (``ensure_config``, ``register``, ``next_round``,
-the round watch) with every etcd call made through the agent's
-:class:`~elasticrun.launch.outage.OutageGuard` (its retries through an outage, its fencing and
-rejoining when the lease is lost), and, while it holds a round, the rendezvous calls of the agent's
-round loop. The agents share one etcd client and one job view (:class:`AgentView`).
+Each simulated agent is a thread running the agent's own loop without workers:
+:meth:`elasticrun.launch.agent.Agent._loop` (rounds formed through the outage guard, each round
+watched by :class:`~elasticrun.launch.roundloop.RoundLoop`, fencing and rejoining when the lease is
+lost) with the agent's own rendezvous settings, over a worker group whose workers always run
+(:class:`NoWorkers`). The agents of a process share one etcd client and one job view (:class:`AgentView`).
 
 Commands, one line each, answered with one JSON line (but ``go``): ``go`` (the agents start), ``wait R
 T`` (up to T s until every live agent holds round R or later: when each got it, the CPU and counts
@@ -18,23 +17,67 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
+import tempfile
 import threading
 import time
-from types import SimpleNamespace
-from typing import Any, Dict, List, Set
+from typing import Any, Callable, Dict, List, Set
 
 from elasticrun.job.keys import JobKeys
-from elasticrun.launch.config import LaunchConfig, WorkersConfig
-from elasticrun.launch.outage import OutageGuard
-from elasticrun.rendezvous.protocol import LeaseLost, Rendezvous, RendezvousSettings
-from elasticrun.rendezvous.records import NodeInfo, WorkerStatus
+from elasticrun.launch.agent import Agent
+from elasticrun.launch.config import LaunchConfig, LogsConfig, RendezvousConfig, WorkersConfig
+from elasticrun.launch.inplace import InPlaceRounds
+from elasticrun.launch.workers import GroupState
+from elasticrun.rendezvous.protocol import Rendezvous
+from elasticrun.rendezvous.records import NodeInfo, Topology
 from elasticrun.rendezvous.view import JobView
 from elasticrun.store.client import connect
 
-# Without workers to look at (every 0.5 s in the agent's round loop) an agent waits for the view this long.
-IDLE_WAIT_S = 5.0
 COUNTS = ("loop_turns", "rejoins", "etcd_waits")
+
+
+class Killed(Exception):
+    """Raised in a simulated agent's loop once the bench killed it (or made every agent leave)."""
+
+
+class NoWorkers:
+    """What the agent's loop sees of a node without workers: they run until stopped, and stop at once."""
+
+    inplace = False
+    running: List[Any] = []
+    pids: List[int] = []
+    extra_env: Dict[str, str] = {}
+    started_how = "no workers (simulated agent)"
+
+    def poll(self) -> GroupState:
+        return GroupState.RUNNING
+
+    def prewarm(self, deep: bool = False, preload: bool = True) -> None:
+        pass
+
+    def start(self, *_args: Any) -> None:
+        pass
+
+    def stop(self, grace: float, sig: int = signal.SIGTERM) -> None:
+        pass
+
+    def inplace_file(self, local_rank: int) -> str:
+        return os.path.join(tempfile.gettempdir(), f"bench-rendezvous-no-worker-{os.getpid()}-{local_rank}")
+
+
+class Say:
+    """A simulated agent's progress lines, not printed: those about etcd (the outage guard's) are counted."""
+
+    def __init__(self, count: Callable[[], None]) -> None:
+        self.count = count
+
+    def __call__(self, message: str) -> None:
+        if "etcd" in message:
+            self.count()
+
+    def table(self, _table: Any) -> None:
+        pass
 
 
 class AgentView:
@@ -69,17 +112,15 @@ class Shard:
     """The agents of one child process."""
 
     def __init__(self, endpoint: str, job: str, nodes: int, heartbeat: float) -> None:
-        self.nodes = nodes
         self.store = connect(endpoint, retry_timeout=60)
         self.view = JobView(self.store, JobKeys(job), nodes=False)  # the view the agents share
         self.leaders: Set[AgentView] = set()
         # min = N - 1: a round re-forms without a lost node; max = N: round 0 forms once all wait.
-        self.settings = RendezvousSettings(job_id=job, min_nodes=max(1, nodes - 1), max_nodes=nodes, max_restarts=0,
-                                           heartbeat_timeout=heartbeat, stability_window=0.5, rescale_timeout=120,
-                                           join_timeout=120)
-        # the outage guard's settings: the defaults
-        self.cfg = LaunchConfig(workers=WorkersConfig(entrypoint="bench_rendezvous"))
+        self.rendezvous = dict(rdzv_endpoint=endpoint, rdzv_id=job, nnodes_min=max(1, nodes - 1), nnodes_max=nodes,
+                               heartbeat_timeout=heartbeat, stability_window=0.5, rescale_timeout=120,
+                               join_timeout=120, inplace=False)
         self.lock = threading.Lock()
+        self.agents: Dict[int, Agent] = {}
         self.rdzv: Dict[int, Rendezvous] = {}
         self.held: Dict[int, Dict[int, float]] = {}
         self.started: set = set()
@@ -93,14 +134,37 @@ class Shard:
         self.counts[name] += 1  # one dict item += int: not interrupted by another thread
 
     def prepare(self, i: int) -> Rendezvous:
-        """Agent ``i``'s rendezvous (its view read and watched)."""
-        info = NodeInfo(node_id=f"sim{i:05d}", host="sim", addr="127.0.0.1", nproc=1, pid=os.getpid())
-        rdzv = Rendezvous(self.store, self.settings, info, host_store=lambda: 20000 + i % 40000,
+        """Agent ``i`` and its rendezvous (its view read and watched), as the agent makes them."""
+        cfg = LaunchConfig(rendezvous=RendezvousConfig(node_id=f"sim{i:05d}", **self.rendezvous),
+                           workers=WorkersConfig(entrypoint="bench_rendezvous"), logs=LogsConfig(quiet=True))
+        agent = Agent(cfg)
+        agent.say = Say(lambda: self.bump("etcd_waits"))  # type: ignore[assignment]
+        agent.inplace = InPlaceRounds(cfg, NoWorkers(), agent.say)  # type: ignore[arg-type]
+        info = NodeInfo(node_id=cfg.rendezvous.node_id, host="sim", addr="127.0.0.1", nproc=1, pid=os.getpid())
+        rdzv = Rendezvous(self.store, agent._settings(), info, host_store=lambda: 20000 + i % 40000,
                           on_progress=lambda _m: None, view=AgentView(self.view, self.leaders))
-        rdzv.on_beat = lambda: self.bump("loop_turns")
+        rdzv.on_beat = lambda: self._beat(i)
+        rdzv.next_round = self._holding(i, rdzv.next_round)  # type: ignore[method-assign]
         with self.lock:
-            self.rdzv[i], self.held[i] = rdzv, {}
+            self.agents[i], self.rdzv[i], self.held[i] = agent, rdzv, {}
         return rdzv
+
+    def _beat(self, i: int) -> None:
+        """Each beat of agent ``i``'s loop: counted; Killed once the agent is dead."""
+        self.bump("loop_turns")
+        if i in self.dead:
+            raise Killed()
+
+    def _holding(self, i: int, next_round: Callable[[], Topology]) -> Callable[[], Topology]:
+        """``next_round`` of agent ``i``, noting when it got each round."""
+
+        def wrapped() -> Topology:
+            topo = next_round()
+            with self.lock:
+                self.held[i][topo.round] = time.time()
+            return topo
+
+        return wrapped
 
     def start(self, i: int) -> None:
         self.started.add(i)
@@ -109,35 +173,17 @@ class Shard:
     def _agent(self, i: int) -> None:
         self.go.wait()
         rdzv = self.rdzv.get(i) or self.prepare(i)  # a node joining the running job connects as it starts
-        no_workers = SimpleNamespace(stop=lambda grace, sig=0: None)  # what the guard stops when it fences
-        guard = OutageGuard(self.cfg, rdzv, no_workers, lambda _m: self.bump("etcd_waits"))
+        agent = self.agents[i]
         try:
-            guard.call(lambda: rdzv.ensure_config({"nnodes": f"{self.settings.min_nodes}:{self.nodes}"}), "joining")
+            rdzv.ensure_config(agent.cfg.job_settings())  # what Agent.run does before its loop
             rdzv.register()
-            while i not in self.dead:
-                try:
-                    topo = guard.call(rdzv.next_round, "forming a round")
-                    with self.lock:
-                        self.held[i][topo.round] = time.time()
-                    self._run_round(i, rdzv, guard, topo)
-                except LeaseLost:  # as the agent does: fence, and join again under a new lease
-                    self.bump("rejoins")
-                    guard.call(rdzv.reregister, "rejoining")
+            agent._loop(rdzv, NoWorkers())  # type: ignore[arg-type]
+        except Killed:
+            pass
         except Exception as err:  # noqa: BLE001 - reported to the parent
             if i not in self.dead:
                 with self.lock:
                     self.errors.append(f"agent {i}: {err!r}")
-
-    def _run_round(self, i: int, rdzv: Rendezvous, guard: OutageGuard, topo: Any) -> None:
-        """The rendezvous calls of the agent's round loop, until the round is over for agent ``i``."""
-        guard.call(lambda: rdzv.publish(status=WorkerStatus.ACTIVE, waiting_for=-1), "starting a round")
-        version = rdzv.view_version()
-        while i not in self.dead:
-            rdzv.beat()
-            if guard.check(topo) is not None or rdzv.round_change(topo) is not None:
-                return
-            due = rdzv.maybe_scale_up(topo)
-            version = rdzv.wait_view(version, IDLE_WAIT_S if due is None else min(IDLE_WAIT_S, max(0.01, due)))
 
     def kill(self, i: int) -> bool:
         with self.lock:

@@ -16,61 +16,53 @@ finished before the restart and ``resumed`` the step its new start line names, a
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from common import kill_and_reap, stop
+from common import Agents, AgentsExited
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "snapshot_worker.py")
-_LINE = re.compile(r"^\[([^\]/]+)/(\d+)\]:(.*)$")
+_RANK0 = re.compile(r"^\[[^\]/]+/0\]:(.*)$")  # a line of global rank 0
+_STEP = re.compile(r"step (\d+)$")
 KILL_STEPS = (12, 29, 46)
+INTERVALS = (1, 10)  # checkpoint every 1 and every 10 steps
+JOB_MB, STEP_SLEEP = 4.0, 0.05  # each rank's state (MiB) and the seconds a training step sleeps
+
+
+def _rank0_text(line: str, _read_at: float) -> Optional[str]:
+    """What global rank 0 printed on ``line`` (None for another rank's line or the agent's)."""
+    m = _RANK0.match(line)
+    return m.group(1) if m else None
 
 
 class Job:
-    """Agents of one job and the rank-0 lines they print (timestamped on arrival)."""
+    """The agents of one job (:class:`common.Agents`) and what rank 0 prints: ``start resumed <tier> <step>``
+    once per start and ``step S`` after each step."""
 
     def __init__(self, workdir: str) -> None:
         self.workdir = workdir
-        self.agents: Dict[str, subprocess.Popen] = {}
-        self.lines: List[Tuple[float, str]] = []  # rank 0's lines, any agent
-        self._lock = threading.Lock()
+        self.agents = Agents(parse=_rank0_text)
 
     def start(self, node: str, args: List[str]) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        proc = subprocess.Popen([sys.executable, "-m", "elasticrun", "--node-id", node, *args], cwd=self.workdir,
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-        self.agents[node] = proc
-        threading.Thread(target=self._read, args=(proc,), daemon=True).start()
+        self.agents.start(node, [sys.executable, "-m", "elasticrun", "--node-id", node, *args])
 
-    def _read(self, proc: subprocess.Popen) -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            m = _LINE.match(line.rstrip("\n"))
-            if m and m.group(2) == "0":
-                with self._lock:
-                    self.lines.append((time.monotonic(), m.group(3)))
-
-    def snapshot(self) -> List[Tuple[float, str]]:
-        with self._lock:
-            return list(self.lines)
+    def rank0(self) -> List[Tuple[float, str]]:
+        """(time read, text) of rank 0's lines."""
+        return [(ln.t, ln.data) for ln in self.agents.lines() if ln.data is not None]
 
     def starts(self) -> List[Tuple[int, float, str]]:
-        return [(i, t, s) for i, (t, s) in enumerate(self.snapshot()) if s.startswith("start resumed ")]
+        return [(i, t, s) for i, (t, s) in enumerate(self.rank0()) if s.startswith("start resumed ")]
 
     def last_step(self) -> int:
-        for _t, s in reversed(self.snapshot()):
-            m = re.match(r"step (\d+)$", s)
+        for _t, s in reversed(self.rank0()):
+            m = _STEP.match(s)
             if m:
                 return int(m.group(1))
             if s.startswith("start resumed "):
@@ -78,71 +70,46 @@ class Job:
         return -1
 
     def wait(self, cond: Callable[[], bool], timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while not cond():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-            if all(p.poll() is not None for p in self.agents.values()):
-                raise RuntimeError(f"the job ended while waiting for {what}: " + "\n".join(
-                    s for _t, s in self.snapshot()[-5:]))
-            time.sleep(0.02)
+        self.agents.wait_for(lambda: cond() or None, timeout, what)
 
     def pid(self, node: str, local_rank: int) -> int:
         with open(os.path.join(self.workdir, "run", "pids", f"{node}-{local_rank}")) as f:
             return int(f.read())
 
-    def event(self, act: Callable[[], None], timeout: float) -> Dict[str, Any]:
+    def event(self, act: Callable[[], Any], timeout: float) -> Dict[str, Any]:
         """Do ``act`` (a kill, a join); wait for the restart and its first step; what it cost."""
         before = len(self.starts())
-        t0 = time.monotonic()
+        t0 = time.time()
         act()
         self.wait(lambda: len(self.starts()) > before, timeout, "the restart")
         idx, _t, line = self.starts()[before]
-        lines = self.snapshot()
-        steps_before = [int(s.split()[1]) for _t, s in lines[:idx] if re.match(r"step \d+$", s)]
+        steps_before = [int(m.group(1)) for _t, s in self.rank0()[:idx] if (m := _STEP.match(s))]
         killed_at = max(steps_before[-3:] or [0])
         resumed, tier = int(line.split()[3]), line.split()[2]
-        self.wait(lambda: any(re.match(r"step \d+$", s) for _t, s in self.snapshot()[idx:]), timeout,
-                  "a step after the restart")
-        first = next(t for t, s in self.snapshot()[idx:] if re.match(r"step \d+$", s))
+        first = self.agents.wait_for(lambda: next((t for t, s in self.rank0()[idx:] if _STEP.match(s)), None),
+                                     timeout, "a step after the restart")
         return {"killed_at": killed_at, "resumed": resumed, "tier": tier, "lost": killed_at - resumed,
                 "recovery_s": round(first - t0, 3)}
 
     def step_time(self) -> Optional[float]:
         """Median seconds between consecutive steps of one incarnation."""
         times, prev = [], None
-        for t, s in self.snapshot():
+        for t, s in self.rank0():
             if s.startswith("start resumed "):
                 prev = None
-            elif re.match(r"step \d+$", s):
+            elif _STEP.match(s):
                 if prev is not None:
                     times.append(t - prev)
                 prev = t
-        times.sort()
-        return times[len(times) // 2] if times else None
-
-    def close(self, timeout: float = 60.0) -> List[Optional[int]]:
-        """Stop the job (SIGTERM to every live agent, as a user's Ctrl-C would); their exit codes."""
-        return stop(list(self.agents.values()), timeout)
+        return statistics.median(times) if times else None
 
 
-def _kill_node(job: Job, node: str) -> None:
-    """The node is lost: its agent and its worker die at once (SIGKILL, no cleanup)."""
-    pid = job.pid(node, 0)
-    os.kill(job.agents[node].pid, signal.SIGKILL)
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def run_job(scenario: str, mode: str, every: int, *, mb: float, step_sleep: float, async_snapshots: bool,
-            endpoint: str, timeout: float = 180.0) -> Dict[str, Any]:
-    """One job of ``scenario`` ("worker" or "node+scaleup"); its failures and its step time."""
+def run_job(scenario: str, mode: str, every: int, endpoint: str, timeout: float = 180.0) -> Dict[str, Any]:
+    """One job of ``scenario`` ("worker"; "node": a node lost, then a scale-up); its failures and its step time."""
     workdir = tempfile.mkdtemp(prefix="bench-snap-job-")
     job = Job(workdir)
-    client = [WORKER, "--mode", mode, "--every", str(every), "--dir", os.path.join(workdir, "run"), "--mb", str(mb),
-              "--step-sleep", str(step_sleep), "--steps", "1000000"] + (["--async"] if async_snapshots else [])
+    client = [WORKER, "--mode", mode, "--every", str(every), "--dir", os.path.join(workdir, "run"), "--mb", str(JOB_MB),
+              "--step-sleep", str(STEP_SLEEP), "--steps", "1000000"]
     events: List[Dict[str, Any]] = []
     try:
         if scenario == "worker":
@@ -159,36 +126,32 @@ def run_job(scenario: str, mode: str, every: int, *, mb: float, step_sleep: floa
             job.start("n1", common)
             job.wait(lambda: job.starts() and "world 2" in job.starts()[-1][2], timeout, "two nodes")
             job.wait(lambda: job.last_step() >= KILL_STEPS[0], timeout, f"step {KILL_STEPS[0]}")
-            events.append(dict(job.event(lambda: _kill_node(job, "n1"), timeout), scenario="node"))
+            events.append(dict(job.event(lambda: job.agents.kill("n1"), timeout), scenario="node"))
             job.wait(lambda: job.last_step() >= KILL_STEPS[1], timeout, f"step {KILL_STEPS[1]}")
             events.append(dict(job.event(lambda: job.start("n2", common), timeout), scenario="scaleup"))
-        codes = job.close(timeout)
+        codes = job.agents.stop(timeout)
         step_s = job.step_time()
         return {"scenario": scenario, "mode": mode, "every": every, "events": events, "step_s": step_s,
                 "exit_codes": codes}
     finally:
-        kill_and_reap(list(job.agents.values()))
+        job.agents.close()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def bench_jobs(args: argparse.Namespace) -> Dict[str, Any]:
+def bench_jobs() -> Dict[str, Any]:
     """The ``lost`` part: real jobs, one per (scenario group, mode, interval), interleaved by mode."""
     from elasticrun.store.server import EtcdServer
 
-    groups = (["worker"] if "worker" in args.scenarios else []) + (
-        ["node"] if {"node", "scaleup"} & set(args.scenarios) else [])
     jobs: List[Dict[str, Any]] = []
-    server = EtcdServer().start() if "node" in groups else None
+    server = EtcdServer().start()
     try:
-        for group in groups:
-            for every in args.intervals:
+        for group in ("worker", "node"):
+            for every in INTERVALS:
                 for mode in ("memory", "disk", "dcp"):
                     t0 = time.perf_counter()
                     try:
-                        r = run_job(group, mode, every, mb=args.job_mb, step_sleep=args.step_sleep,
-                                    async_snapshots=args.async_snapshots,
-                                    endpoint=server.endpoint if server else "")
-                    except (TimeoutError, RuntimeError) as err:
+                        r = run_job(group, mode, every, server.endpoint)
+                    except (TimeoutError, AgentsExited) as err:
                         r = {"scenario": group, "mode": mode, "every": every, "events": [], "error": str(err)}
                     r["wall_s"] = round(time.perf_counter() - t0, 1)
                     print(f"  job {group:6s} {mode:6s} every {every:3d}: "
@@ -197,11 +160,10 @@ def bench_jobs(args: argparse.Namespace) -> Dict[str, Any]:
                              or r.get("error", "?")), flush=True)
                     jobs.append(r)
     finally:
-        if server is not None:
-            server.stop()
+        server.stop()
     lost: Dict[str, Dict[str, float]] = {}
-    for scenario in args.scenarios:
-        for every in args.intervals:
+    for scenario in ("worker", "node", "scaleup"):
+        for every in INTERVALS:
             for mode in ("memory", "disk", "dcp"):
                 vals = [e["lost"] for j in jobs if j["mode"] == mode and j["every"] == every
                         for e in j["events"] if e["scenario"] == scenario]
@@ -210,4 +172,4 @@ def bench_jobs(args: argparse.Namespace) -> Dict[str, Any]:
     return {"jobs": jobs, "steps_lost": lost}
 
 
-__all__ = ["KILL_STEPS", "Job", "bench_jobs", "run_job"]
+__all__ = ["INTERVALS", "JOB_MB", "KILL_STEPS", "STEP_SLEEP", "Job", "bench_jobs", "run_job"]

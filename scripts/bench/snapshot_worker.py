@@ -7,7 +7,7 @@ Every rank holds ``--mb`` MiB of float32 state (replicated), changed in place ev
 ranks meet in an all-reduce every step (so a dead rank stops the others). Every ``--every``
 steps the state is checkpointed with the chosen tier:
 
-- ``memory``: ``elasticrun.checkpoint.Snapshotter`` (the agent's shared memory; ``--async``);
+- ``memory``: ``elasticrun.checkpoint.Snapshotter`` (the agent's shared memory);
 - ``disk``: ``elasticrun.checkpoint.save`` to ``DIR/ckpt`` (keep the last 2);
 - ``dcp``: ``torch.distributed.checkpoint.save`` to ``DIR/step-<8 digits>`` (keep the last 2).
 
@@ -41,7 +41,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--mb", type=float, default=4.0)
     p.add_argument("--step-sleep", type=float, default=0.1)
     p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--async", dest="async_", action="store_true", help="memory: async snapshots")
     return p.parse_args()
 
 
@@ -92,7 +91,7 @@ def main() -> int:
     if args.mode == "memory":
         from elasticrun.checkpoint import Snapshotter
 
-        snaps = Snapshotter(pg, async_snapshots=args.async_)
+        snaps = Snapshotter(pg)
     ones = torch.ones(1)
     try:
         while step < args.steps:

@@ -1,8 +1,6 @@
 """Reading a benchmark run for scripts/perf/perf_report.py: the bench JSON files of a ``run_all.py`` output dir,
-and the plain data the charts (perf_charts.py) are drawn from, out of each bench's raw results.
-
-A field that is missing or not a number is skipped, never raised on: a bench whose JSON changes loses a chart
-series at worst, and its ``summary`` rows are checked where the table is made.
+and the plain data the charts (perf_charts.py) are drawn from, out of each bench's raw results as the benches
+of this tree write them (their ``summary`` rows are checked where the table is made).
 """
 
 from __future__ import annotations
@@ -95,32 +93,23 @@ def load_dir(d: Path) -> Inputs:
     return Inputs(benches, manifest, problems)
 
 
-def _list(data: Any, key: str) -> List[dict]:
-    """The dicts of ``data[key]`` (a bench's per-run list)."""
-    items = data.get(key) if isinstance(data, dict) else None
-    return [r for r in items if isinstance(r, dict)] if isinstance(items, list) else []
-
-
 def scenario_label(scenario: str) -> str:
     """A chart label for a scenario key: ``restart@1s`` → ``worker crash at 1s``."""
     base, _, at = scenario.partition("@")
     return SCENARIOS.get(base, base) + (f" at {at}" if at else "")
 
 
-def launch_items(data: Any) -> Iterator[Tuple[str, Dict[str, Any]]]:
+def launch_items(data: Dict[str, Any]) -> Iterator[Tuple[str, Dict[str, Any]]]:
     """(scenario, chart item) per scenario and launcher of bench_launch.py's ``runs``; a crash at a set moment
     of the round is a scenario of its own. Phase marks are the median ok run's."""
     groups: Dict[Tuple[str, str], List[dict]] = {}
-    for r in _list(data, "runs"):
-        at = num(r.get("crash_after"))
-        groups.setdefault((str(r.get("scenario")) + (f"@{at:g}s" if at is not None else ""),
-                           str(r.get("launcher"))), []).append(r)
+    for r in data["runs"]:
+        at = r.get("crash_after")
+        groups.setdefault((r["scenario"] + (f"@{at:g}s" if at is not None else ""), r["launcher"]), []).append(r)
     for (scenario, who), runs in groups.items():
-        ok = sorted((r for r in runs if r.get("outcome") == "ok" and num(r.get("seconds")) is not None),
-                    key=lambda r: r["seconds"])
+        ok = sorted((r for r in runs if r["outcome"] == "ok"), key=lambda r: r["seconds"])
         phases = ok[len(ok) // 2].get("phases") if ok else None
-        marks = sorted(((str(k), float(v)) for k, v in (phases or {}).items() if num(v) is not None),
-                       key=lambda kv: kv[1])
+        marks = sorted((phases or {}).items(), key=lambda kv: kv[1])
         yield scenario, {"label": f"{who} · {scenario_label(scenario)}", "times": [r["seconds"] for r in ok],
                          "runs": len(runs), "phases": marks}
 
@@ -128,31 +117,26 @@ def launch_items(data: Any) -> Iterator[Tuple[str, Dict[str, Any]]]:
 def elastic_items(b: Bench) -> Iterator[Tuple[str, Dict[str, Any]]]:
     """(scenario, chart item) per scenario, variant and client of bench_elastic.py's ``results``."""
     run = "" if b.name == b.kind else f" ({b.name})"  # e.g. elastic-join3: another job shape
-    for s in _list(b.data, "results"):
-        outs = _list(s, "outcomes")
-        times = [t for o in outs if o.get("status") == "ok" for t in [num(o.get("seconds"))] if t is not None]
-        yield str(s.get("scenario")), {"label": f"{s.get('variant')} · {s.get('client')} client · "
-                                                f"{scenario_label(str(s.get('scenario')))}{run}",
-                                       "times": times, "runs": len(outs), "phases": []}
+    for s in b.data["results"]:
+        times = [o["seconds"] for o in s["outcomes"] if o["status"] == "ok"]
+        yield s["scenario"], {"label": f"{s['variant']} · {s['client']} client · "
+                                       f"{scenario_label(s['scenario'])}{run}",
+                              "times": times, "runs": len(s["outcomes"]), "phases": []}
 
 
-def checkpoint_points(data: Any) -> Iterator[Tuple[str, str, str, Tuple[float, float]]]:
+def checkpoint_points(data: Dict[str, Any]) -> Iterator[Tuple[str, str, str, Tuple[float, float]]]:
     """(op, tool, tag, (GB, GB/s)) of bench_checkpoint.py's ``compare`` section: each library's durable save
     and cold load into existing tensors, and the disk's cold read; the tag names a non-uniform state or a GPU."""
-    comp = data.get("compare") if isinstance(data, dict) else None
-    if not isinstance(comp, dict) or not num(comp.get("size_bytes")) or not isinstance(comp.get("runs"), dict):
-        return
-    size = float(comp["size_bytes"]) / 1e9
-    tags = [str(comp[k]) for k in ("state", "device") if comp.get(k) not in (None, "uniform", "cpu")]
+    comp = data["compare"]
+    size = comp["size_bytes"] / 1e9
+    tags = [str(comp[k]) for k in ("state", "device") if comp[k] not in ("uniform", "cpu")]
     tag = f" [{', '.join(tags)}]" if tags else ""
     for label, secs in comp["runs"].items():
-        vals = [v for v in secs if num(v)] if isinstance(secs, list) else []
-        sec = statistics.median(vals) if vals else 0.0
         found = [(op, label[: -len(suffix)]) for suffix, op in CKPT_OPS if label.endswith(suffix)]
         if label.startswith("disk: cold"):
             found = [("load", "disk: cold read")]
-        if found and sec > 0 and "verify=False" not in label:
-            yield found[0][0], found[0][1], tag, (size, size / sec)
+        if found and secs and "verify=False" not in label:
+            yield found[0][0], found[0][1], tag, (size, size / statistics.median(secs))
 
 
 def chart_data(inputs: Inputs) -> Dict[str, Any]:
@@ -170,7 +154,7 @@ def chart_data(inputs: Inputs) -> Dict[str, Any]:
                 out["scaleup" if scenario == "join" else "recovery"].append(item)
         elif b.kind == "checkpoint":
             points += checkpoint_points(b.data)
-        elif b.kind == "rendezvous" and _list(b.data, "rows"):
+        elif b.kind == "rendezvous" and b.data["rows"]:
             out["rendezvous"][b.name] = b.data
     tags = {tag for _, _, tag, _ in points}
     for op, tool, tag, pt in points:  # a state/device tag only where the files differ in it
