@@ -27,9 +27,10 @@ pytestmark = pytest.mark.chaos
 
 
 def _steps(gen: int, first: int, last: int, world: int, order: List[int], start_pos: int, t0: float,
-           epoch: int = 0, resume: int = 0) -> List[dict]:
-    """Audit lines of one generation training on ``order`` (an epoch's permutation) from ``start_pos``."""
-    recs = [{"ev": "resume", "t": t0, "round": gen, "restart": 0, "rank": r, "world": world, "step": resume,
+           epoch: int = 0, resume: int = 0, begin: str = "resume") -> List[dict]:
+    """Audit lines of one generation training on ``order`` (an epoch's permutation) from ``start_pos``; it begins
+    with ``begin`` lines (``resume``: from a checkpoint, ``reform``: in place) at step ``resume``."""
+    recs = [{"ev": begin, "t": t0, "round": gen, "restart": 0, "rank": r, "world": world, "step": resume,
              "name": None} for r in range(world)]
     pos = start_pos
     for i, step in enumerate(range(first, last + 1)):
@@ -41,12 +42,61 @@ def _steps(gen: int, first: int, last: int, world: int, order: List[int], start_
     return recs
 
 
-def test_audit_finds_the_lineage_and_counts_rollbacks_and_duplicates():
+def _order(n: int = 64) -> List[int]:
     import torch
 
     g = torch.Generator()
     g.manual_seed(0)
-    order = torch.randperm(64, generator=g).tolist()
+    return torch.randperm(n, generator=g).tolist()
+
+
+def test_audit_follows_an_in_place_reform():
+    # world 3 trains steps 1..5 (6 samples a step); at step 5 its ranks re-form in place to world 2 (a node
+    # left) and train 6..9 from position 30; the lineage runs through both rounds without a checkpoint.
+    order = _order(96)
+    recs = _steps(0, 1, 5, 3, order, 0, 100.0) + _steps(1, 6, 9, 2, order, 30, 200.0, resume=5, begin="reform")
+    res = analyse(recs, 96, 0)
+    assert [(s.gen, s.first, s.last) for s in res.lineage] == [((0, 0), 1, 5), ((1, 0), 6, 9)]
+    assert not res.problems and res.steps_lost == 0 and res.samples_checked == 5 * 6 + 4 * 4
+
+    # the re-formed round dealt step 5's samples again: seen twice
+    res = analyse(_steps(0, 1, 5, 3, order, 0, 100.0) + _steps(1, 6, 9, 2, order, 24, 200.0, resume=5,
+                                                                  begin="reform"), 96, 0)
+    assert res.samples_twice > 0 and any("seen twice" in p for p in res.problems)
+
+    # a step of the re-formed round logged by one of its two ranks
+    half = [r for r in recs if not (r["ev"] == "step" and r["round"] == 1 and r["step"] == 7 and r["rank"] == 1)]
+    res = analyse(half, 96, 0)
+    assert any("step 7 of generation (1, 0): logged by ranks [0]" in p for p in res.problems), res.problems
+
+    # a kept worker still logging its old round's world among the new round's ranks
+    mixed = [dict(r, world=3) if r["ev"] == "step" and r["round"] == 1 and r["rank"] == 1 else r for r in recs]
+    res = analyse(mixed, 96, 0)
+    assert any("logged by ranks [0, 1] of [2, 3]" in p for p in res.problems), res.problems
+
+    # survivors re-formed at different steps
+    split = [dict(r, step=4) if r["ev"] == "reform" and r["rank"] == 1 else r for r in recs]
+    assert any("began at different steps [4, 5]" in p for p in analyse(split, 96, 0).problems)
+
+
+def test_the_worker_logs_the_round_it_is_in_when_it_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from scripts.chaos.worker import Audit
+
+    for name, value in (("ELASTICRUN_NODE_ID", "n1"), ("ELASTICRUN_ROUND", "4"), ("RANK", "2"), ("WORLD_SIZE", "3"),
+                        ("TORCHELASTIC_RESTART_COUNT", "1")):
+        monkeypatch.setenv(name, value)
+    audit = Audit(str(tmp_path))
+    audit.write("step", step=7)
+    for name, value in (("ELASTICRUN_ROUND", "5"), ("RANK", "1"), ("WORLD_SIZE", "2")):  # re-formed in place
+        monkeypatch.setenv(name, value)
+    audit.write("step", step=8)
+    lines = [json.loads(line) for line in next(tmp_path.glob("n1-*.jsonl")).read_text().splitlines()]
+    assert [(r["round"], r["restart"], r["rank"], r["world"], r["step"]) for r in lines] == [(4, 1, 2, 3, 7),
+                                                                                           (5, 1, 1, 2, 8)]
+
+
+def test_audit_finds_the_lineage_and_counts_rollbacks_and_duplicates():
+    order = _order()
     # generation 0 (world 2) trains steps 1..5 (4 samples a step); a checkpoint at step 3; killed after 5.
     # generation 1 (world 4) resumes step 3 (position 12) and trains 4..6.
     recs = _steps(0, 1, 5, 2, order, 0, 100.0) + _steps(1, 4, 6, 4, order, 12, 200.0, resume=3)
@@ -84,7 +134,7 @@ def test_faults_given_are_injected_in_their_order():
     every = parse(["--minutes", "1", "--seed", "3"])
     assert every.shuffle and {k.name for k in every.kinds} == set(KINDS) - {"node_leave", "member_loss",
                                                                           "leader_loss"}
-    assert len(KINDS) == 16 and all(name == kind.name for name, kind in KINDS.items())
+    assert len(KINDS) == 17 and all(name == kind.name for name, kind in KINDS.items())
 
 
 @pytest.mark.integration

@@ -239,6 +239,11 @@ class Launcher:
     hosted: bool = False  # the job hosts its etcd (c10d line): ``endpoint`` follows its members
     agents: List[AgentProc] = field(default_factory=list)
 
+    @property
+    def events_file(self) -> Path:
+        """The agents' shared ``--events-file`` (docs/observability.md, "Event log")."""
+        return self.run_dir / "events.jsonl"
+
     def _rdzv_args(self) -> List[str]:
         """How an agent finds the job's etcd: the endpoint(s), or with a hosted etcd the c10d line -- the first
         agent hosts it, every later one joins at a member that answers (a node that took over the first host's
@@ -308,6 +313,7 @@ class Launcher:
                "--local-addr", self.netns.ns_addr if (in_ns and self.netns) else self.host_addr,
                "--max-restarts", "100000", "--heartbeat-timeout", str(self.heartbeat), "--rescale-timeout", "600",
                "--join-timeout", "600", "--hang-timeout", f"{self.hang_timeout:g}", "--metrics-port", str(port),
+               "--events-file", str(self.events_file),
                str(self.code_root / WORKER_REL), *self.worker_args]
         if in_ns and self.netns is not None:
             cmd = ["ip", "netns", "exec", self.netns.ns, *cmd]

@@ -9,7 +9,10 @@ import signal
 import time
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
-from .env import HOSTED, NetNs, Tmpfs, send, write_atomic
+from elasticrun.job.exitcodes import ExitCode
+from scripts.bench.common import kill_tree
+
+from .env import HOSTED, AgentProc, NetNs, Tmpfs, last_lines, send, write_atomic
 from .faults import Fault, FaultKind, Recovery
 from .hostile import BadRecord, JobReuse, SlowMetrics
 
@@ -22,46 +25,61 @@ NODE_SLOTS = 4
 HANG_MARKS = ("no progress for", "(most recent call first)")
 
 
-def _worker(soak: Soak, f: Fault) -> Optional[Tuple[int, str]]:
-    """(pid, node) of the live worker ``f`` picks, or None (``f.skipped`` says so)."""
+def _worker(soak: Soak, f: Fault, rank0: Optional[bool] = None) -> Optional[Tuple[int, str]]:
+    """(pid, node) of the live worker ``f`` picks, or None (``f.skipped`` says so). ``rank0``: only rank 0's
+    (True), any but rank 0's when there are others (False), any (None)."""
     procs = soak.current_workers()
+    if rank0 is not None:
+        chosen = [w for w in procs if (w[1] == soak.rank0_node()) == rank0]
+        procs = chosen if chosen or rank0 else procs
     if not procs:
         f.skipped = "no live worker"
         return None
     return f.choose(procs)
 
 
+def _not_rank0(soak: Soak, agents: List[AgentProc]) -> List[AgentProc]:
+    """``agents`` but rank 0's node when there are others: its loss takes the restart path (the state of an
+    in-place re-form is sent from rank 0), which other faults cover."""
+    return [a for a in agents if a.label != soak.rank0_node()] or agents
+
+
 class WorkerKill(FaultKind):
-    """SIGKILL one worker of the current round."""
+    """SIGKILL one worker of the current round (not rank 0's): the others re-form in place with the replacement
+    its agent starts."""
 
     name = "worker_kill"
 
     def inject(self, soak: Soak, f: Fault) -> None:
-        got = _worker(soak, f)
+        got = _worker(soak, f, rank0=False)
         if got:
             f.target = f"worker pid {got[0]} of {got[1]}"
             send(got[0], signal.SIGKILL)
 
 
 class AgentKill(FaultKind):
-    """SIGKILL one agent; a new agent starts for its slot 0.5-4 s later. When the job hosts its etcd, the agent
-    killed runs one of its members (the first host while it lives): the node whose loss the etcd must survive."""
+    """SIGKILL one node (its agent and every process below it; not rank 0's node): once its lease expired and the
+    others re-formed in place without it, a new agent starts for its slot 0.5-4 s later. When the job hosts its
+    etcd, the node killed runs one of its members (the first host while it lives): the node whose loss the etcd
+    must survive."""
 
     name, span = "agent_kill", (0.5, 4.0)
 
     def inject(self, soak: Soak, f: Fault) -> None:
-        if soak.launcher.hosted and not soak.wait(soak.launcher.members_settled, soak.deadline_s):
-            soak.violations.append(f"the job's etcd did not have the members its {len(soak.launcher.live())} nodes "
-                                   f"call for within {soak.deadline_s:.0f}s (endpoints {soak.launcher.endpoint})")
-        live = soak.live_agents()
-        holders = [a for a in soak.launcher.member_agents() if a in live] if soak.launcher.hosted else []
-        agent = holders[0] if holders else f.choose(live)
-        f.target, agent.expected_exit = f"agent {agent.label}{' (runs a member of the etcd)' * bool(holders)}", True
-        send(agent.pid, signal.SIGKILL)
+        launcher = soak.launcher
+        if launcher.hosted and not soak.wait(launcher.members_settled, soak.deadline_s):
+            soak.violations.append(f"the job's etcd did not have the members its {len(launcher.live())} nodes "
+                                   f"call for within {soak.deadline_s:.0f}s (endpoints {launcher.endpoint})")
+        live, gen0 = soak.live_agents(), soak.newest_gen
+        holders = [a for a in launcher.member_agents() if a in live] if launcher.hosted else []
+        agent = holders[0] if holders else f.choose(_not_rank0(soak, live))
+        f.target, agent.expected_exit = f"node {agent.label}{' (runs a member of the etcd)' * bool(holders)}", True
+        kill_tree([agent.pid])
+        soak.wait(lambda: gen0 is None or soak.step_gen > gen0, soak.deadline_s)  # the others re-formed
         soak.sleep(f.duration)
-        if holders and not soak.wait(soak.launcher.members_settled, soak.deadline_s):
+        if holders and not soak.wait(launcher.members_settled, soak.deadline_s):
             f.notes.append("the job's etcd did not settle on its members")
-        f.notes.append(f"new agent {soak.launcher.start(agent.slot).label} after {time.time() - f.t_start:.1f}s")
+        f.notes.append(f"new agent {launcher.start(agent.slot).label} after {time.time() - f.t_start:.1f}s")
 
 
 class AgentStop(FaultKind):
@@ -78,16 +96,36 @@ class AgentStop(FaultKind):
         agent.stopped = False
 
 
-class NodeLeave(FaultKind):
-    """SIGTERM one agent: a graceful scale-down (only as node_join's counterpart, when every slot runs)."""
+class GracefulLeave(FaultKind):
+    """SIGTERM one agent (not rank 0's node): the others re-form in place without it, then a new agent starts for
+    its slot and joins as a newcomer; the leaver must exit 143 (drained, docs/cli.md)."""
 
-    name = "node_leave"
-    drawn = False
+    name = "graceful_leave"
+    rejoin = True
 
     def inject(self, soak: Soak, f: Fault) -> None:
-        agent = f.choose([a for a in soak.live_agents() if a.slot != soak.launcher.ns_slot])
-        f.target, agent.expected_exit = f"agent {agent.label} (SIGTERM: all {NODE_SLOTS} slots were running)", True
+        # without a new agent, not the partitioned slot's (the partition fault cuts that slot off)
+        agents = [a for a in soak.live_agents() if self.rejoin or a.slot != soak.launcher.ns_slot]
+        agent, gen0 = f.choose(_not_rank0(soak, agents)), soak.newest_gen
+        f.target, agent.expected_exit, f.noted["agent"] = f"agent {agent.label} (SIGTERM)", True, agent
         send(agent.pid, signal.SIGTERM)
+        if self.rejoin and soak.wait(lambda: gen0 is None or soak.step_gen > gen0, soak.deadline_s):  # re-formed
+            f.notes.append(f"new agent {soak.launcher.start(agent.slot).label} after {time.time() - f.t_start:.1f}s")
+
+    def check(self, soak: Soak, f: Fault) -> None:
+        agent = f.noted["agent"]
+        if not soak.wait(lambda: agent.proc.poll() is not None, soak.deadline_s):
+            soak.violations.append(f"{f.kind.name}: agent {agent.label} did not exit within {soak.deadline_s:.0f}s "
+                                   "of SIGTERM")
+        elif agent.proc.returncode != ExitCode.DRAINED:
+            soak.violations.append(f"{f.kind.name}: agent {agent.label} exited {agent.proc.returncode} after SIGTERM "
+                                   f"(expected {ExitCode.DRAINED.value}): {last_lines(agent.log_path, 3)}")
+
+
+class NodeLeave(GracefulLeave):
+    """A graceful leave without a new agent (only as node_join's counterpart, when every slot runs)."""
+
+    name, drawn, rejoin = "node_leave", False, False
 
 
 class NodeJoin(FaultKind):
@@ -211,7 +249,8 @@ class Partition(FaultKind):
 
 
 class ShmFull(FaultKind):
-    """One node's memory tier full (cap 1 byte) while its worker restarts and snapshots."""
+    """One node's memory tier full (cap 1 byte) while its worker (rank 0's: every worker restarts and restores)
+    restarts and snapshots."""
 
     name, span = "shm_full", (15.0, 15.0)  # at most, or until a snapshot was refused
 
@@ -220,7 +259,7 @@ class ShmFull(FaultKind):
         return None
 
     def inject(self, soak: Soak, f: Fault) -> None:
-        got = _worker(soak, f)
+        got = _worker(soak, f, rank0=True)  # rank 0's: the restart path, whose restore finds the tier full
         if not got:
             return
         pid, node = got
@@ -264,6 +303,6 @@ class Hang(FaultKind):
 
 #: Every kind by name, in the order a seeded schedule shuffles them.
 KINDS: Dict[str, FaultKind] = {k.name: k for k in (
-    WorkerKill(), AgentKill(), AgentStop(), NodeJoin(), NodeLeave(), EtcdRestart(), EtcdOutage(), DiskFull(),
-    Partition(), ShmFull(), MemberLoss(), LeaderLoss(), Hang(), BadRecord(), SlowMetrics(), JobReuse())}
+    WorkerKill(), AgentKill(), AgentStop(), GracefulLeave(), NodeJoin(), NodeLeave(), EtcdRestart(), EtcdOutage(),
+    DiskFull(), Partition(), ShmFull(), MemberLoss(), LeaderLoss(), Hang(), BadRecord(), SlowMetrics(), JobReuse())}
 DRAWN: List[FaultKind] = [k for k in KINDS.values() if k.drawn]

@@ -22,7 +22,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, List, Optional
 
 import elasticrun.checkpoint as ckpt_pkg
 import elasticrun.train as et
@@ -32,24 +32,22 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train.py"
 
 
 class Audit:
-    """One worker's append-only JSON-lines log."""
+    """One worker's append-only JSON-lines log. Each line names the round, restart count, rank and world size
+    the worker is in *when it writes it*: a worker kept through an in-place re-form logs its new round's."""
 
     def __init__(self, directory: str) -> None:
-        node = os.environ.get("ELASTICRUN_NODE_ID", "node").replace("/", "_").replace("@", "_")
-        path = os.path.join(directory, f"{node}-{os.getpid()}.jsonl")
+        node = os.environ.get("ELASTICRUN_NODE_ID", "")
+        path = os.path.join(directory, f"{node.replace('/', '_').replace('@', '_') or 'node'}-{os.getpid()}.jsonl")
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self.base = {
-            "pid": os.getpid(),
-            "node": os.environ.get("ELASTICRUN_NODE_ID", ""),
-            "round": int(os.environ.get("ELASTICRUN_ROUND", "0") or 0),
-            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
-            "rank": int(os.environ.get("RANK", "0") or 0),
-            "world": int(os.environ.get("WORLD_SIZE", "1") or 1),
-        }
+        self.node = node
         self.step = 0  # the training step of the last logged optimizer step
+        self.reformed_to = -1  # the round of the last ``reform`` line
 
     def write(self, event: str, **fields: Any) -> None:
-        record: Dict[str, Any] = {"ev": event, "t": time.time(), **self.base, **fields}
+        now = {key: int(os.environ.get(name, "") or default) for key, name, default in (
+            ("round", env_names.ROUND, 0), ("restart", env_names.RESTART_COUNT, 0), ("rank", env_names.RANK, 0),
+            ("world", env_names.WORLD_SIZE, 1))}
+        record = {"ev": event, "t": time.time(), "pid": os.getpid(), "node": self.node, **now, **fields}
         os.write(self.fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
 
 
@@ -156,6 +154,30 @@ def _audited(fn: Callable[..., Any], done: str, failed: str) -> Callable[..., An
     return call
 
 
+class AuditedInPlace(et.InPlace):
+    """The example's in-place re-forming, logging a ``reform`` line (the new round, the step it goes on from)
+    whenever this worker enters a round without a restart: as a newcomer given the survivors' state, or kept
+    through a re-form (after a join, a leave, or a peer's crash)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.joined:
+            self._logged()
+
+    def check(self) -> et.Reform:
+        return self._logged(super().check())
+
+    def recover(self, err: BaseException) -> et.Reform:
+        return self._logged(super().recover(err))
+
+    def _logged(self, result: et.Reform = et.Reform.REFORMED) -> et.Reform:
+        """Log the round entered (once: ``check`` re-forms through ``recover`` after a crash)."""
+        if AUDIT is not None and result is et.Reform.REFORMED and self.ctx.round != AUDIT.reformed_to:
+            AUDIT.step, AUDIT.reformed_to = self.step, self.ctx.round
+            AUDIT.write("reform", step=self.step)
+        return result
+
+
 class StopArgs(argparse.Namespace):
     """The example's arguments, with ``steps`` read from ``$CHAOS_STOP_FILE`` once it exists."""
 
@@ -192,6 +214,7 @@ def main() -> int:
         AUDIT.write("start")
     et.ElasticDistributedSampler = AuditedSampler  # type: ignore[misc]
     et.load_latest = _load_latest  # type: ignore[assignment]
+    et.InPlace = AuditedInPlace  # type: ignore[misc]
     ckpt_pkg.save = _audited(ckpt_pkg.save, "save", "save_failed")  # type: ignore[attr-defined]
     ckpt_pkg.Snapshotter.snapshot = _audited(  # type: ignore[method-assign]
         ckpt_pkg.Snapshotter.snapshot, "snapshot", "snapshot_failed")
