@@ -355,7 +355,7 @@ class Machine:
     etcd_members: int
     hang_timeout: float
     worker_args: List[str]
-    undo: List[Callable[[], None]]  # cleanup actions, run in reverse order
+    undo: Callable[[Callable[[], object]], object]  # adds a cleanup action (run in reverse order)
     netns: Optional[NetNs] = None
     tmpfs: Optional[Tmpfs] = None
     etcd: Optional[EtcdServer] = None  # the one member (None with --etcd-members 3: ``members``)
@@ -371,5 +371,5 @@ class Machine:
         why = thing.setup() if self.root else f"needs root ({needs})"
         if not why:
             setattr(self, field_name, thing)
-            self.undo.append(thing.close)
+            self.undo(thing.close)
         return why
