@@ -1,5 +1,6 @@
 """The chaos soak's fault kinds on the job's processes, etcd and the machine, and ``KINDS``, every kind by name
-(those from outside the job are in ``hostile.py``). docs/reliability.md's table says what each does."""
+(those from outside the job are in ``hostile.py``). docs/reliability.md's table says what each does, and why
+rank 0's node is spared by the kinds whose loss would otherwise be recovered in place."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import os
 import random
 import signal
 import time
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from elasticrun.job.exitcodes import ExitCode
 from scripts.bench.common import kill_tree
 
+from .audit import Gen
 from .env import HOSTED, AgentProc, NetNs, Tmpfs, last_lines, send, write_atomic
 from .faults import Fault, FaultKind, Recovery
 from .hostile import BadRecord, JobReuse, SlowMetrics
@@ -25,43 +27,45 @@ NODE_SLOTS = 4
 HANG_MARKS = ("no progress for", "(most recent call first)")
 
 
-def _worker(soak: Soak, f: Fault, rank0: Optional[bool] = None) -> Optional[Tuple[int, str]]:
-    """(pid, node) of the live worker ``f`` picks, or None (``f.skipped`` says so). ``rank0``: only rank 0's
-    (True), any but rank 0's when there are others (False), any (None)."""
+def _spare_rank0(soak: Soak, items: List[Any], node: Callable[[Any], str]) -> List[Any]:
+    """``items`` but those on rank 0's node, when there are others: the state of an in-place re-form is sent from
+    rank 0, so its loss takes the restart path (which other faults cover)."""
+    return [x for x in items if node(x) != soak.rank0_node()] or items
+
+
+def _worker(soak: Soak, f: Fault, on_rank0: bool = False) -> Optional[Tuple[int, str]]:
+    """(pid, node) of the live worker ``f`` picks -- rank 0's or, when there are others, not -- or None
+    (``f.skipped`` says so)."""
     procs = soak.current_workers()
-    if rank0 is not None:
-        chosen = [w for w in procs if (w[1] == soak.rank0_node()) == rank0]
-        procs = chosen if chosen or rank0 else procs
+    procs = [w for w in procs if w[1] == soak.rank0_node()] if on_rank0 else _spare_rank0(soak, procs, lambda w: w[1])
     if not procs:
         f.skipped = "no live worker"
         return None
     return f.choose(procs)
 
 
-def _not_rank0(soak: Soak, agents: List[AgentProc]) -> List[AgentProc]:
-    """``agents`` but rank 0's node when there are others: its loss takes the restart path (the state of an
-    in-place re-form is sent from rank 0), which other faults cover."""
-    return [a for a in agents if a.label != soak.rank0_node()] or agents
+def _rejoin(soak: Soak, f: Fault, agent: AgentProc, gen0: Optional[Gen]) -> None:
+    """Once the others trained in a round without ``agent`` (they re-formed), start a new agent for its slot."""
+    soak.wait(lambda: gen0 is None or soak.step_gen > gen0, soak.deadline_s)
+    soak.sleep(f.duration)
+    f.notes.append(f"new agent {soak.launcher.start(agent.slot).label} after {time.time() - f.t_start:.1f}s")
 
 
 class WorkerKill(FaultKind):
-    """SIGKILL one worker of the current round (not rank 0's): the others re-form in place with the replacement
-    its agent starts."""
+    """SIGKILL one worker of the current round."""
 
     name = "worker_kill"
 
     def inject(self, soak: Soak, f: Fault) -> None:
-        got = _worker(soak, f, rank0=False)
+        got = _worker(soak, f)
         if got:
             f.target = f"worker pid {got[0]} of {got[1]}"
             send(got[0], signal.SIGKILL)
 
 
 class AgentKill(FaultKind):
-    """SIGKILL one node (its agent and every process below it; not rank 0's node): once its lease expired and the
-    others re-formed in place without it, a new agent starts for its slot 0.5-4 s later. When the job hosts its
-    etcd, the node killed runs one of its members (the first host while it lives): the node whose loss the etcd
-    must survive."""
+    """SIGKILL one node (its agent and every process below it); a new agent rejoins for it. With a hosted etcd,
+    a node that runs one of its members (the first host while it lives)."""
 
     name, span = "agent_kill", (0.5, 4.0)
 
@@ -70,16 +74,14 @@ class AgentKill(FaultKind):
         if launcher.hosted and not soak.wait(launcher.members_settled, soak.deadline_s):
             soak.violations.append(f"the job's etcd did not have the members its {len(launcher.live())} nodes "
                                    f"call for within {soak.deadline_s:.0f}s (endpoints {launcher.endpoint})")
-        live, gen0 = soak.live_agents(), soak.newest_gen
+        live = soak.live_agents()
         holders = [a for a in launcher.member_agents() if a in live] if launcher.hosted else []
-        agent = holders[0] if holders else f.choose(_not_rank0(soak, live))
+        agent, gen0 = holders[0] if holders else f.choose(_spare_rank0(soak, live, lambda a: a.label)), soak.newest_gen
         f.target, agent.expected_exit = f"node {agent.label}{' (runs a member of the etcd)' * bool(holders)}", True
         kill_tree([agent.pid])
-        soak.wait(lambda: gen0 is None or soak.step_gen > gen0, soak.deadline_s)  # the others re-formed
-        soak.sleep(f.duration)
         if holders and not soak.wait(launcher.members_settled, soak.deadline_s):
             f.notes.append("the job's etcd did not settle on its members")
-        f.notes.append(f"new agent {launcher.start(agent.slot).label} after {time.time() - f.t_start:.1f}s")
+        _rejoin(soak, f, agent, gen0)
 
 
 class AgentStop(FaultKind):
@@ -97,33 +99,30 @@ class AgentStop(FaultKind):
 
 
 class GracefulLeave(FaultKind):
-    """SIGTERM one agent (not rank 0's node): the others re-form in place without it, then a new agent starts for
-    its slot and joins as a newcomer; the leaver must exit 143 (drained, docs/cli.md)."""
+    """SIGTERM one agent, which must exit 143 (drained); a new agent rejoins for it."""
 
     name = "graceful_leave"
     rejoin = True
 
     def inject(self, soak: Soak, f: Fault) -> None:
-        # without a new agent, not the partitioned slot's (the partition fault cuts that slot off)
+        # node_leave spares the partitioned slot: the partition fault cuts that slot off, so it must run
         agents = [a for a in soak.live_agents() if self.rejoin or a.slot != soak.launcher.ns_slot]
-        agent, gen0 = f.choose(_not_rank0(soak, agents)), soak.newest_gen
+        agent, gen0 = f.choose(_spare_rank0(soak, agents, lambda a: a.label)), soak.newest_gen
         f.target, agent.expected_exit, f.noted["agent"] = f"agent {agent.label} (SIGTERM)", True, agent
         send(agent.pid, signal.SIGTERM)
-        if self.rejoin and soak.wait(lambda: gen0 is None or soak.step_gen > gen0, soak.deadline_s):  # re-formed
-            f.notes.append(f"new agent {soak.launcher.start(agent.slot).label} after {time.time() - f.t_start:.1f}s")
+        if self.rejoin:
+            _rejoin(soak, f, agent, gen0)
 
     def check(self, soak: Soak, f: Fault) -> None:
         agent = f.noted["agent"]
-        if not soak.wait(lambda: agent.proc.poll() is not None, soak.deadline_s):
-            soak.violations.append(f"{f.kind.name}: agent {agent.label} did not exit within {soak.deadline_s:.0f}s "
-                                   "of SIGTERM")
-        elif agent.proc.returncode != ExitCode.DRAINED:
-            soak.violations.append(f"{f.kind.name}: agent {agent.label} exited {agent.proc.returncode} after SIGTERM "
-                                   f"(expected {ExitCode.DRAINED.value}): {last_lines(agent.log_path, 3)}")
+        soak.wait(lambda: agent.proc.poll() is not None, soak.deadline_s)
+        if agent.proc.returncode != ExitCode.DRAINED:
+            soak.violations.append(f"{f.kind.name}: agent {agent.label} ended with {agent.proc.returncode} after "
+                                   f"SIGTERM, not {ExitCode.DRAINED.value}: {last_lines(agent.log_path, 3)}")
 
 
 class NodeLeave(GracefulLeave):
-    """A graceful leave without a new agent (only as node_join's counterpart, when every slot runs)."""
+    """A graceful leave without a new agent (node_join's counterpart when every slot runs)."""
 
     name, drawn, rejoin = "node_leave", False, False
 
@@ -249,8 +248,7 @@ class Partition(FaultKind):
 
 
 class ShmFull(FaultKind):
-    """One node's memory tier full (cap 1 byte) while its worker (rank 0's: every worker restarts and restores)
-    restarts and snapshots."""
+    """Rank 0's node's memory tier full (cap 1 byte) while its worker restarts and snapshots."""
 
     name, span = "shm_full", (15.0, 15.0)  # at most, or until a snapshot was refused
 
@@ -259,7 +257,7 @@ class ShmFull(FaultKind):
         return None
 
     def inject(self, soak: Soak, f: Fault) -> None:
-        got = _worker(soak, f, rank0=True)  # rank 0's: the restart path, whose restore finds the tier full
+        got = _worker(soak, f, on_rank0=True)  # the restart path: every worker restores, some in the full tier
         if not got:
             return
         pid, node = got

@@ -69,26 +69,21 @@ class Soak:
             self.launcher.start(a.slot)
 
     def _verify(self, name: str) -> None:
+        """Verify a checkpoint right after its commit; one that retention removed first counts as retired."""
         from elasticrun.checkpoint import verify
         from elasticrun.errors import ElasticrunError
 
-        root = self.machine.ckpt_root
-        if not (root / name).exists():
-            self.retired += 1  # removed by retention before it was verified
-            return
         try:
-            res = verify(str(root), name)
-            problem = "; ".join(res.problems)
+            problem = "; ".join(verify(str(self.machine.ckpt_root), name).problems)
         except ElasticrunError as err:
-            if not (root / name).exists():
-                self.retired += 1  # removed by retention meanwhile
-                return
-            res, problem = None, str(err)
-        if res is not None and res.ok:
-            self.verified += 1
-        else:
+            problem = str(err) or type(err).__name__
+        if not (self.machine.ckpt_root / name).exists():
+            self.retired += 1
+        elif problem:
             self.verify_failed += 1
             self.violations.append(f"checkpoint {name} failed verification: {problem[:300]}")
+        else:
+            self.verified += 1
 
     def wait(self, cond: Callable[[], bool], timeout: float) -> bool:
         """Pump until ``cond()`` holds (True) or ``timeout`` seconds passed (False)."""
@@ -108,11 +103,10 @@ class Soak:
         """Running agents that are not stopped by a fault right now."""
         return [a for a in self.launcher.live() if not a.stopped]
 
-    def current_workers(self, rank0: bool = True) -> List[Tuple[int, str]]:
-        """(pid, node) of the live workers whose last audit line is of the newest generation; ``rank0=False``:
-        not rank 0's (where its loss must take the restart path: the state is sent from rank 0)."""
+    def current_workers(self) -> List[Tuple[int, str]]:
+        """(pid, node) of the live workers whose last audit line is of the newest generation."""
         return sorted((pid, str(r["node"])) for pid, r in self.latest.items()
-                      if gen_of(r) == self.newest_gen and (rank0 or int(r["rank"]) != 0) and alive(pid))
+                      if gen_of(r) == self.newest_gen and alive(pid))
 
     def rank0_node(self) -> Optional[str]:
         """The node of the newest generation's rank 0, if one logged yet."""
@@ -125,15 +119,9 @@ class Soak:
 
     def log_counts(self, text: str) -> Dict[str, int]:
         """How many times each agent's log holds ``text`` (agents whose log does not are left out)."""
-        counts: Dict[str, int] = {}
-        for a in self.launcher.agents:
-            try:
-                n = a.log_path.read_text(errors="replace").count(text)
-            except OSError:
-                continue
-            if n:
-                counts[a.label] = n
-        return counts
+        counts = {a.label: a.log_path.read_text(errors="replace").count(text) for a in self.launcher.agents
+                  if a.log_path.exists()}
+        return {label: n for label, n in counts.items() if n}
 
     # -- faults ----------------------------------------------------------------------------
 
