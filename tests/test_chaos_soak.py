@@ -117,6 +117,28 @@ def test_audit_finds_the_lineage_and_counts_rollbacks_and_duplicates():
     assert res.samples_skipped > 0 and any("logged by ranks" in p for p in res.problems)
 
 
+def test_each_fault_is_recovered_as_the_rounds_formed_until_the_next_one_say():
+    from scripts.chaos.faults import Fault, How
+    from scripts.chaos.report import how_recovered
+
+    faults = [Fault(KINDS[k], 0.0, 0.0, 1.0, t_start=t) for k, t in
+              (("worker_kill", 10.0), ("bad_record", 20.0), ("graceful_leave", 30.0), ("hang", 50.0))]
+    faults.insert(2, Fault(KINDS["partition"], 0.0, 0.0, 1.0, t_start=25.0, skipped="needs root"))
+
+    def ev(event: str, round_: int, t: float, how: str, node: str = "a") -> str:
+        return json.dumps({"event": event, "round": round_, "time": t, "recovery": how, "node": node})
+
+    events = [ev("rescale", 1, 5.0, "in_place"),  # before the first fault: none of them
+              ev("restart", 2, 11.0, "in_place"), ev("restart", 2, 11.1, "in_place", "b"),
+              ev("rescale", 3, 31.0, "in_place"), '{"event": "rescale", "round": 4, "ti',  # cut by a SIGKILL
+              ev("rescale", 4, 36.0, "in_place"), ev("round_formed", 5, 51.0, "restart"),
+              ev("restart", 5, 51.0, "in_place"), ev("restart", 5, 51.2, "restart", "b")]  # one agent restarted
+    how_recovered(faults, events)
+    assert [(f.kind.name, f.how) for f in faults] == [
+        ("worker_kill", How.IN_PLACE), ("bad_record", How.NONE), ("partition", How.NONE),
+        ("graceful_leave", How.IN_PLACE), ("hang", How.RESTART)]
+
+
 def test_schedule_is_seeded_and_covers_every_kind():
     a = [f.kind for _, f in zip(range(16), schedule(7, list(DRAWN), 2, 5.0))]
     b = [f.kind for _, f in zip(range(16), schedule(7, list(DRAWN), 2, 5.0))]

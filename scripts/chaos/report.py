@@ -7,7 +7,6 @@ import json
 import statistics
 import subprocess
 from io import StringIO
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
 
 from rich.console import Console
@@ -73,22 +72,22 @@ def _final_checks(soak: Any, audit: AuditResult) -> Dict[str, Any]:
     return {"left": len(left), "left_verified": ok, "problems": problems}
 
 
-def how_recovered(faults: List[Fault], events_file: Path) -> None:
-    """Set each fault's ``how`` from the ``restart``/``rescale`` events of the rounds formed between its start
-    and the next fault's (several agents write one event per round each: any ``restart`` makes it one)."""
-    rounds: Dict[int, Tuple[float, str]] = {}
-    try:
-        lines = events_file.read_text().splitlines()
-    except OSError:
-        lines = []
-    for line in lines:
-        ev = json.loads(line)
-        if ev.get("event") in ("restart", "rescale"):
-            t, how = rounds.get(int(ev["round"]), (ev["time"], ev["recovery"]))
-            rounds[int(ev["round"])] = (min(t, ev["time"]), max(how, ev["recovery"]))  # "restart" > "in_place"
+def how_recovered(faults: List[Fault], events: List[str]) -> None:
+    """Set each fault's ``how`` from the agents' events (``events``: the lines of their ``--events-file``): the
+    ``restart``/``rescale`` events of the rounds formed between its start and the next fault's. Several agents
+    write one event per round each; a round one of them says restarted is a restart."""
+    rounds: Dict[int, Tuple[float, set]] = {}
+    for line in events:
+        try:
+            ev = json.loads(line)
+            if ev.get("event") in ("restart", "rescale"):
+                t, hows = rounds.setdefault(int(ev["round"]), (float(ev["time"]), set()))
+                rounds[int(ev["round"])] = (min(t, float(ev["time"])), hows | {How(ev["recovery"])})
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut by a SIGKILL, or not an event of this form
     done = [f for f in faults if not f.skipped]
     for f, nxt in zip(done, [*(g.t_start for g in done[1:]), float("inf")]):
-        hows = {How(how) for t, how in rounds.values() if f.t_start <= t < nxt}
+        hows = set().union(*(hows for t, hows in rounds.values() if f.t_start <= t < nxt))
         f.how = How.RESTART if How.RESTART in hows else How.IN_PLACE if hows else How.NONE
 
 
@@ -113,7 +112,8 @@ def summary(args: Any, soak: Any, audit: AuditResult, skipped: Dict[str, str], e
             goodput: Dict[str, Any]) -> Dict[str, Any]:
     """Everything the table shows, plus every fault and violation; ``goodput`` is ``status --json``'s."""
     done = [f for f in soak.faults if not f.skipped]
-    how_recovered(done, soak.launcher.events_file)
+    events = soak.launcher.events_file
+    how_recovered(done, events.read_text(errors="replace").splitlines() if events.exists() else [])
     ttrs = [f.ttr for f in done if f.ttr is not None]
     in_place, restart = (sum(f.how is how for f in done) for how in (How.IN_PLACE, How.RESTART))
     try:
