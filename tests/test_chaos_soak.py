@@ -183,10 +183,10 @@ def test_a_hosted_etcd_run_draws_no_kind_that_needs_an_etcd_of_the_soaks_own():
         assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
-# A worker crash and a graceful leave (both recovered in place), faults from outside the job (a malformed record,
-# stalled metrics clients) between them, the two that only this soak injects (partition, disk_full: as root), a
-# lost node (recovered in place), then a reused job id (the slowest: two agent start-ups), shm_full and hang (the
-# restart path); one minute reaches the first four to six of them.
+# A worker crash and a graceful leave (recovered in place) with a malformed record between them, stalled metrics
+# clients, the two faults that only this soak injects (partition, disk_full: as root), a lost node (recovered in
+# place; reached in the minute without root), a reused job id (the slowest: two agent start-ups), shm_full and
+# hang (the restart path). A lost node earlier would put the test over two minutes on this machine.
 FAULTS = ["worker_kill", "bad_record", "graceful_leave", "slow_metrics", "partition", "disk_full", "agent_kill",
           "job_reuse", "shm_full", "hang", "etcd_outage"]
 IN_PLACE = {"worker_kill", "graceful_leave", "agent_kill"}  # rank 0's node is never their target
