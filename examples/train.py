@@ -180,12 +180,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                                  "rng": et.capture_rng(args.seed, ctx.cpu_process_group)}
         return ts, state
 
-    snaps = None
-    if args.snapshot_every and not args.no_checkpoint:
+    def snapshotter() -> Any:
+        """Memory snapshots on the current process group (a new one after each in-place re-form)."""
         from elasticrun.checkpoint import Snapshotter
 
-        snaps = Snapshotter(ctx.cpu_process_group, persist_to=args.ckpt_dir, persist_every=args.persist_every,
-                            persist_keep_last=args.keep_last or None, async_snapshots=args.async_snapshots)
+        return Snapshotter(ctx.cpu_process_group, persist_to=args.ckpt_dir, persist_every=args.persist_every,
+                           persist_keep_last=args.keep_last or None, async_snapshots=args.async_snapshots)
+
+    snaps = snapshotter() if args.snapshot_every and not args.no_checkpoint else None
 
     def snapshot() -> None:
         nonlocal snaps
@@ -220,7 +222,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     def reformed() -> None:
         """In place at a new world size: the LR rule or the accumulation of that size, DDP on the new group."""
-        nonlocal world, accum, lr, target_lr, prev_lr, resume_step, global_batch, ddp, step
+        nonlocal world, accum, lr, target_lr, prev_lr, resume_step, global_batch, ddp, step, snaps
         prev_lr, world = lr, ctx.world_size
         step = reform.step  # rank 0's: after a crash, a rank that finished the interrupted step takes it back
         if args.global_batch:
@@ -236,6 +238,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             et.step_timer(ddp)  # the compute timer watches the new wrapper's gradient buckets
         # Agree at the same steps as a newcomer, on the new group; the new rank 0 answers requests.
         requests.regroup(ctx.cpu_process_group, rank=ctx.state.rank)
+        if snaps is not None:  # its collectives ran on the old group: a newcomer's snapshots would wait forever
+            with contextlib.suppress(ElasticrunError):
+                snaps.close()
+            snaps = snapshotter()
         log0(ctx, f"re-formed in place: {ctx.state.describe()} step {step} lr {lr:.4g} global_batch "
                   f"{global_batch} accumulation {accum} pause {reform.last_pause_s:.3f}s")
 

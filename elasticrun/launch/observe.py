@@ -123,7 +123,8 @@ class Observer:
             self.events.emit(EventKind.RESTART, round=topo.round, restarts=topo.restart_count, recovery=how)
         if kind not in (RescaleType.START, RescaleType.RESTART):
             self.events.emit(EventKind.RESCALE, round=topo.round, type=kind.value,
-                             old_world_size=event.old_world_size if event else None, new_world_size=topo.world_size)
+                             old_world_size=event.old_world_size if event else None, new_world_size=topo.world_size,
+                             recovery=how)
         self._publish.set()
 
     def round_failed(self) -> None:

@@ -5,19 +5,14 @@
     python -m scripts.chaos --minutes 1 --seed 7 --etcd-members 3     # a 3-member etcd: member and leader loss
     python -m scripts.chaos --minutes 2 --seed 7 --hosted-etcd --faults agent_kill   # the job's own etcd
 
-Nodes are agent processes with one worker each (``scripts/chaos/worker.py``: the example plus a per-step sample
-audit log); the fault kinds are in ``kinds.py`` and ``hostile.py``. After each fault the soak waits for the
-recovery, with a deadline; at the end the job is told its last step, must exit 0, and the audit logs must show
-every sample of the lineage exactly once (docs/reliability.md). Exit 0 only when no invariant broke; 1 on a
-violation or hang; 2 on bad arguments or when the machine cannot host the soak. The tmpfs (``disk_full``) and
-the network namespace (``partition``) need root; without it those faults are skipped (said so). Everything
-started -- processes, the mount, the namespace -- is removed on exit, Ctrl-C included.
+docs/reliability.md ("Chaos soak") says what the job is, what each fault does and which invariants are checked.
+Exit 0 only when no invariant broke; 1 on a violation or hang; 2 on bad arguments or when the machine cannot
+host the soak. Everything started -- processes, the mount, the namespace -- is removed on exit, Ctrl-C included.
 """
 
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import os
 import shutil
@@ -25,6 +20,7 @@ import signal
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -101,27 +97,6 @@ def _kinds(p: argparse.ArgumentParser, faults: str, members: int) -> List[FaultK
     return [names[w] for w in wanted]
 
 
-class Cleanup:
-    """Undo everything in reverse order, once (finally, atexit and signals all land here)."""
-
-    def __init__(self) -> None:
-        self.actions: List[Callable[[], None]] = []
-        self.done = False
-
-    def add(self, fn: Callable[[], None]) -> None:
-        self.actions.append(fn)
-
-    def __call__(self) -> None:
-        if self.done:
-            return
-        self.done = True
-        for fn in reversed(self.actions):
-            try:
-                fn()
-            except Exception as err:  # noqa: BLE001 - cleanup must go on
-                print(f"cleanup: {err}", file=sys.stderr)
-
-
 def sweep(marker: str) -> None:
     """Kill any process left whose command line mentions this run's folder."""
     import psutil
@@ -138,16 +113,13 @@ def sweep(marker: str) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse(argv)
     say: Say = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
-    cleanup = Cleanup()
-    atexit.register(cleanup)
     interrupt_on(signal.SIGTERM, signal.SIGHUP)
-    try:
-        return run(args, say, cleanup)
-    except KeyboardInterrupt:
-        say("interrupted: cleaning up")
-        return 130
-    finally:
-        cleanup()
+    with ExitStack() as cleanup:  # undone in reverse order, signals (as KeyboardInterrupt) included
+        try:
+            return run(args, say, cleanup)
+        except KeyboardInterrupt:
+            say("interrupted: cleaning up")
+            return 130
 
 
 def prepare(machine: Machine, wanted: List[FaultKind], say: Say) -> Tuple[List[FaultKind], Dict[str, str]]:
@@ -161,7 +133,7 @@ def prepare(machine: Machine, wanted: List[FaultKind], say: Say) -> Tuple[List[F
     return [k for k in wanted if k.name not in skipped], skipped
 
 
-def start_etcd(machine: Machine, cleanup: Cleanup) -> str:
+def start_etcd(machine: Machine, cleanup: ExitStack) -> str:
     """The one member (on the host side of the namespace, if any) or the 3-member cluster; its endpoint(s).
     A hosted etcd: the endpoint its first agent hosts it at."""
     from elasticrun.store.server import EtcdServer, free_port
@@ -170,7 +142,7 @@ def start_etcd(machine: Machine, cleanup: Cleanup) -> str:
         return f"127.0.0.1:{free_port()}"
     if machine.etcd_members == 3:
         machine.members = Members(machine.run_dir / "etcd")
-        cleanup.add(machine.members.cluster.stop)
+        cleanup.callback(machine.members.cluster.stop)
         machine.members.cluster.start(timeout=60)
         return machine.members.endpoints
     host = machine.netns.host_addr if machine.netns else "127.0.0.1"
@@ -182,7 +154,7 @@ def start_etcd(machine: Machine, cleanup: Cleanup) -> str:
             send(etcd.proc.pid, signal.SIGCONT)  # interrupted during an outage
         etcd.stop(remove_data=False)
 
-    cleanup.add(stop)
+    cleanup.callback(stop)
     etcd.start(timeout=60)
     return etcd.endpoint
 
@@ -203,20 +175,18 @@ def launcher_for(args: argparse.Namespace, machine: Machine, endpoint: str) -> L
                     code_root, ns_slot=(args.nodes - 1) if machine.netns else None, hosted=args.hosted_etcd)
 
 
-def run(args: argparse.Namespace, say: Say, cleanup: Cleanup) -> int:
+def run(args: argparse.Namespace, say: Say, cleanup: ExitStack) -> int:
     from elasticrun.errors import ElasticrunError
 
     run_dir = Path(args.workdir or tempfile.mkdtemp(prefix="elasticrun-chaos-")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     if not args.workdir and not args.keep:
-        cleanup.add(lambda: shutil.rmtree(run_dir, ignore_errors=True))
-    cleanup.add(lambda: sweep(str(run_dir)))
-    # --no-inplace: the audit's model is one generation per set of workers started together (round,
-    # restart from their environment), which a re-form in place (kept workers at a new round) breaks.
+        cleanup.callback(lambda: shutil.rmtree(run_dir, ignore_errors=True))
+    cleanup.callback(lambda: sweep(str(run_dir)))
     machine = Machine(run_dir, os.geteuid() == 0, args.etcd_members, args.hang_timeout, worker_args=[
         "--epochs", "1000000", "--dataset-size", str(DATASET), "--seed", str(SEED_DATA), "--ckpt-dir",
-        str(run_dir / "ckpts"), "--ckpt-every", "20", "--keep-last", "4", "--step-sleep", "0.1", "--no-inplace"],
-        undo=cleanup.actions)
+        str(run_dir / "ckpts"), "--ckpt-every", "20", "--keep-last", "4", "--step-sleep", "0.1"],
+        undo=cleanup.callback)
     kinds, skipped = prepare(machine, args.kinds, say)
     if not kinds:
         say("error: no fault kind left to inject; run as root or choose other --faults")
@@ -229,13 +199,13 @@ def run(args: argparse.Namespace, say: Say, cleanup: Cleanup) -> int:
         say(f"error: cannot start etcd: {err}")
         return 2
     launcher = launcher_for(args, machine, endpoint)
-    cleanup.add(launcher.close)
+    cleanup.callback(launcher.close)
     soak = Soak(launcher, machine, Tail(machine.audit_dir), args.recovery_deadline, say)
     say(f"chaos soak: seed {args.seed}, {args.minutes:g} min, {args.nodes} nodes, faults "
         f"{', '.join(k.name for k in kinds)}{' (shuffled)' if args.shuffle else ''}; logs in {run_dir}")
     soak.start(args.nodes)
-    if not soak.wait(lambda: soak.last_step_t > 0, 240):
-        soak.violations.append("the job did not train a single step within 240 s of starting")
+    if not soak.wait(soak.settled, 240):  # the faults' rounds are those formed after the start's
+        soak.violations.append(f"the job did not train at all {args.nodes} nodes within 240 s of starting")
         soak.aborted = True
     end = time.monotonic() + args.minutes * 60
     faults = schedule(args.seed, kinds, args.minutes, args.heartbeat_timeout, shuffle=args.shuffle)

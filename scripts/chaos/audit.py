@@ -1,16 +1,18 @@
 """Read the chaos soak's worker audit logs: the training lineage, rollbacks, and exactly-once sample checks.
 
-A *generation* is one set of workers started together: ``(round, restart)`` from their environment,
-ordered. Each generation resumes from a checkpoint (``resume`` line) and logs one ``step`` line per
-rank per optimizer step. The steps that count (the *lineage*) are found backwards from the last
-generation: it covers ``(resume, last step]``; the checkpoint it resumed was written by the latest
-earlier generation that reached that step, which covers ``(its resume, that step]``; and so on to
-step 0. Every other logged step was lost to a rollback.
+A *generation* is one round of the job, ``(round, restart)``, as each audit line names it: a worker kept
+through an in-place re-form logs its new round from the re-form on. A generation begins at one step for all
+its ranks: the checkpoint they resumed (``resume`` lines, the restart path) or the step the survivors went on
+from (``reform`` lines, in place). It logs one ``step`` line per rank per optimizer step. The steps that
+count (the *lineage*) are found backwards from the last generation: it covers ``(begin, last step]``; its
+state came from the latest earlier generation that reached that step (a checkpoint it wrote, or the kept
+workers themselves), which covers ``(its begin, that step]``; and so on to step 0. Every other logged step
+was lost (a rollback, or a step a crash interrupted).
 
-For every epoch the lineage touched, the indices trained on must be exactly the first
-``samples_consumed`` entries of the epoch's permutation, plus the sampler's documented padding at the
-end of an epoch (``tail="pad"``: ``ceil(rem / W) * W - rem`` repeats): anything missing is *skipped*,
-anything more is *seen twice*.
+Each step of the lineage must be logged by every rank of its generation's world, and for every epoch the
+lineage touched, the indices trained on must be exactly the first ``samples_consumed`` entries of the
+epoch's permutation, plus the sampler's documented padding at the end of an epoch (``tail="pad"``:
+``ceil(rem / W) * W - rem`` repeats): anything missing is *skipped*, anything more is *seen twice*.
 """
 
 from __future__ import annotations
@@ -94,50 +96,50 @@ def analyse(records: List[dict], dataset_size: int, seed: int) -> AuditResult:
     """Lineage, rollbacks and the sample audit; ``problems`` lists every violation found."""
     res = AuditResult()
     steps: Dict[Gen, Dict[int, List[dict]]] = defaultdict(lambda: defaultdict(list))
-    resume: Dict[Gen, List[int]] = defaultdict(list)
+    begin: Dict[Gen, List[int]] = defaultdict(list)  # each rank's first step - 1: resumed, or re-formed at
     for r in records:
         ev = r.get("ev")
         if ev == "step":
             steps[gen_of(r)][int(r["step"])].append(r)
-        elif ev == "resume":
-            if gen_of(r) not in resume:
+        elif ev in ("resume", "reform"):
+            if ev == "resume" and gen_of(r) not in begin:
                 res.resumes.append((r["t"], gen_of(r), int(r["step"]), r.get("name")))
-            resume[gen_of(r)].append(int(r["step"]))
+            begin[gen_of(r)].append(int(r["step"]))
         elif ev == "save" and int(r["rank"]) == 0:
             res.saves.append((r["t"], int(r["step"]), str(r["name"])))
         elif ev == "save_failed" and int(r["rank"]) == 0:
             res.save_failures.append((r["t"], int(r["step"]), str(r.get("error", ""))))
     res.generations = len(steps)
     res.steps_executed = sum(len(s) for s in steps.values())
-    for gen, starts in resume.items():
+    for gen, starts in begin.items():
         if len(set(starts)) > 1:
-            res.problems.append(f"generation {gen}: ranks resumed from different steps {sorted(set(starts))}")
+            res.problems.append(f"generation {gen}: ranks began at different steps {sorted(set(starts))}")
     if not steps:
         res.problems.append("no training step was logged")
         return res
-    _trace_lineage(res, steps, resume)
+    _trace_lineage(res, steps, begin)
     res.lineage.reverse()
     res.steps_lost = res.steps_executed - sum(s.last - s.first + 1 for s in res.lineage)
     _check_samples(res, steps, dataset_size, seed)
     return res
 
 
-def _trace_lineage(res: AuditResult, steps: Dict[Gen, Dict[int, List[dict]]], resume: Dict[Gen, List[int]]) -> None:
+def _trace_lineage(res: AuditResult, steps: Dict[Gen, Dict[int, List[dict]]], begin: Dict[Gen, List[int]]) -> None:
     """Walk back from the last generation to step 0 (see the module doc), into ``res.lineage`` (newest first)."""
     order = sorted(steps)
     cur: Optional[Gen] = order[-1]
     upper = res.final_step = max(steps[order[-1]])
     while cur is not None:
-        lo = min(resume.get(cur, [min(steps[cur]) - 1]))
+        lo = min(begin.get(cur, [min(steps[cur]) - 1]))
         res.lineage.append(Segment(cur, lo + 1, upper))
         missing = [s for s in range(lo + 1, upper + 1) if s not in steps[cur]]
         if missing:
-            res.problems.append(f"generation {cur} skipped steps {missing[:5]} (resumed at {lo})")
+            res.problems.append(f"generation {cur} skipped steps {missing[:5]} (began at {lo})")
         if lo <= 0:
             break
         earlier = [g for g in order if g < cur and lo in steps[g]]
         if not earlier:
-            res.problems.append(f"generation {cur} resumed at step {lo}, which no earlier generation logged")
+            res.problems.append(f"generation {cur} began at step {lo}, which no earlier generation logged")
             break
         cur, upper = earlier[-1], lo
 
@@ -154,10 +156,10 @@ def _check_samples(res: AuditResult, steps: Dict[Gen, Dict[int, List[dict]]], n:
             if not recs:
                 continue
             world = int(recs[0]["world"])
-            ranks = {int(r["rank"]) for r in recs}
-            if ranks != set(range(world)):
-                res.problems.append(f"step {step} of generation {seg.gen}: logged by ranks {sorted(ranks)} "
-                                    f"of {world}")
+            ranks = sorted(int(r["rank"]) for r in recs)
+            if ranks != list(range(world)) or any(int(r["world"]) != world for r in recs):
+                res.problems.append(f"step {step} of generation {seg.gen}: logged by ranks {ranks} of "
+                                    f"{sorted({int(r['world']) for r in recs})}")
             epoch = int(recs[0]["epoch"])
             if epoch not in first_in_epoch:
                 first_in_epoch[epoch] = consumed.get(epoch, 0)

@@ -114,14 +114,9 @@ class Tmpfs:
 
     def close(self) -> None:
         self.drain()
-        if self.mounted:
-            for _ in range(20):
-                if _run(["umount", str(self.path)]).returncode == 0:
-                    break
-                time.sleep(0.5)
-            else:
-                _run(["umount", "-l", str(self.path)])
-            self.mounted = False
+        if self.mounted and _run(["umount", str(self.path)]).returncode != 0:
+            _run(["umount", "-l", str(self.path)])  # still busy: detach it now, freed once unused
+        self.mounted = False
 
 
 class Members:
@@ -239,6 +234,11 @@ class Launcher:
     hosted: bool = False  # the job hosts its etcd (c10d line): ``endpoint`` follows its members
     agents: List[AgentProc] = field(default_factory=list)
 
+    @property
+    def events_file(self) -> Path:
+        """The agents' shared ``--events-file`` (docs/observability.md, "Event log")."""
+        return self.run_dir / "events.jsonl"
+
     def _rdzv_args(self) -> List[str]:
         """How an agent finds the job's etcd: the endpoint(s), or with a hosted etcd the c10d line -- the first
         agent hosts it, every later one joins at a member that answers (a node that took over the first host's
@@ -308,6 +308,7 @@ class Launcher:
                "--local-addr", self.netns.ns_addr if (in_ns and self.netns) else self.host_addr,
                "--max-restarts", "100000", "--heartbeat-timeout", str(self.heartbeat), "--rescale-timeout", "600",
                "--join-timeout", "600", "--hang-timeout", f"{self.hang_timeout:g}", "--metrics-port", str(port),
+               "--events-file", str(self.events_file),
                str(self.code_root / WORKER_REL), *self.worker_args]
         if in_ns and self.netns is not None:
             cmd = ["ip", "netns", "exec", self.netns.ns, *cmd]
@@ -349,7 +350,7 @@ class Machine:
     etcd_members: int
     hang_timeout: float
     worker_args: List[str]
-    undo: List[Callable[[], None]]  # cleanup actions, run in reverse order
+    undo: Callable[[Callable[[], object]], object]  # adds a cleanup action (run in reverse order)
     netns: Optional[NetNs] = None
     tmpfs: Optional[Tmpfs] = None
     etcd: Optional[EtcdServer] = None  # the one member (None with --etcd-members 3: ``members``)
@@ -365,5 +366,5 @@ class Machine:
         why = thing.setup() if self.root else f"needs root ({needs})"
         if not why:
             setattr(self, field_name, thing)
-            self.undo.append(thing.close)
+            self.undo(thing.close)
         return why

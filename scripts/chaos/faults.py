@@ -16,10 +16,18 @@ if TYPE_CHECKING:
 class Recovery(str, Enum):
     """What counts as recovered after a fault."""
 
-    NEW_GENERATION = "a step by restarted workers"
+    NEW_ROUND = "a step in a round formed after the fault"
     ANY_STEP = "a training step"
     CHECKPOINT = "a committed checkpoint"
     REUSED = "the job under the reused id succeeding"
+
+
+class How(str, Enum):
+    """How the job recovered from a fault: the rounds formed until the next fault, from the agents' events."""
+
+    IN_PLACE = "in_place"  # every round formed kept the other nodes' workers
+    RESTART = "restart"  # a round restarted every worker
+    NONE = "none"  # no round was formed: the job trained on
 
 
 class FaultKind:
@@ -27,7 +35,7 @@ class FaultKind:
     (``prepare``), how it is done (``inject``) and the invariants of its own (``check``)."""
 
     name: ClassVar[str]
-    recovery: ClassVar[Recovery] = Recovery.NEW_GENERATION
+    recovery: ClassVar[Recovery] = Recovery.NEW_ROUND
     etcd_members: ClassVar[int] = 0  # 1 or 3: only with that many etcd members; 0: with either
     drawn: ClassVar[bool] = True  # False: never scheduled itself (node_leave is node_join's counterpart)
 
@@ -67,6 +75,7 @@ class Fault:
     notes: List[str] = field(default_factory=list)
     skipped: Optional[str] = None
     noted: Dict[str, Any] = field(default_factory=dict)  # what ``inject`` noted for ``check``
+    how: How = How.NONE
 
     def choose(self, items: Sequence[Any]) -> Any:
         """The item of ``items`` that ``pick`` points at."""
@@ -76,7 +85,7 @@ class Fault:
     def t_ref(self) -> float:
         """Recovery is timed from the fault's start when the job must re-form (the others must notice a lost
         node by themselves) or a reused id's job must run, else from its end (an outage over, the disk freed)."""
-        return self.t_start if self.kind.recovery in (Recovery.NEW_GENERATION, Recovery.REUSED) else self.t_end
+        return self.t_start if self.kind.recovery in (Recovery.NEW_ROUND, Recovery.REUSED) else self.t_end
 
     @property
     def ttr(self) -> Optional[float]:
@@ -86,7 +95,7 @@ class Fault:
         return {"kind": self.kind.name, "target": self.target, "start": round(self.t_start, 3),
                 "healed": round(self.t_end, 3), "timed_from": "start" if self.t_ref == self.t_start else "end",
                 "duration_s": round(self.duration, 2), "recovery": self.kind.recovery.name.lower(),
-                "recovered": self.recovered_at is not None,
+                "recovered": self.recovered_at is not None, "recovered_how": self.how.value,
                 "time_to_recover_s": None if self.ttr is None else round(self.ttr, 2),
                 "time_to_full_strength_s": None if self.full_at is None else round(self.full_at - self.t_ref, 2),
                 "notes": self.notes, "skipped": self.skipped}

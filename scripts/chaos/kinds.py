@@ -1,5 +1,6 @@
 """The chaos soak's fault kinds on the job's processes, etcd and the machine, and ``KINDS``, every kind by name
-(those from outside the job are in ``hostile.py``). docs/reliability.md's table says what each does."""
+(those from outside the job are in ``hostile.py``). docs/reliability.md's table says what each does, and why
+rank 0's node is spared by the kinds whose loss would otherwise be recovered in place."""
 
 from __future__ import annotations
 
@@ -7,9 +8,13 @@ import os
 import random
 import signal
 import time
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
-from .env import HOSTED, NetNs, Tmpfs, send, write_atomic
+from elasticrun.job.exitcodes import ExitCode
+from scripts.bench.common import kill_tree
+
+from .audit import Gen
+from .env import HOSTED, AgentProc, NetNs, Tmpfs, last_lines, send, write_atomic
 from .faults import Fault, FaultKind, Recovery
 from .hostile import BadRecord, JobReuse, SlowMetrics
 
@@ -22,13 +27,28 @@ NODE_SLOTS = 4
 HANG_MARKS = ("no progress for", "(most recent call first)")
 
 
-def _worker(soak: Soak, f: Fault) -> Optional[Tuple[int, str]]:
-    """(pid, node) of the live worker ``f`` picks, or None (``f.skipped`` says so)."""
+def _spare_rank0(soak: Soak, items: List[Any], node: Callable[[Any], str]) -> List[Any]:
+    """``items`` but those on rank 0's node, when there are others: the state of an in-place re-form is sent from
+    rank 0, so its loss takes the restart path (which other faults cover)."""
+    return [x for x in items if node(x) != soak.rank0_node()] or items
+
+
+def _worker(soak: Soak, f: Fault, on_rank0: bool = False) -> Optional[Tuple[int, str]]:
+    """(pid, node) of the live worker ``f`` picks -- rank 0's or, when there are others, not -- or None
+    (``f.skipped`` says so)."""
     procs = soak.current_workers()
+    procs = [w for w in procs if w[1] == soak.rank0_node()] if on_rank0 else _spare_rank0(soak, procs, lambda w: w[1])
     if not procs:
         f.skipped = "no live worker"
         return None
     return f.choose(procs)
+
+
+def _rejoin(soak: Soak, f: Fault, agent: AgentProc, gen0: Optional[Gen]) -> None:
+    """Once the others trained in a round without ``agent`` (they re-formed), start a new agent for its slot."""
+    soak.wait(lambda: gen0 is None or soak.step_gen > gen0, soak.deadline_s)
+    soak.sleep(f.duration)
+    f.notes.append(f"new agent {soak.launcher.start(agent.slot).label} after {time.time() - f.t_start:.1f}s")
 
 
 class WorkerKill(FaultKind):
@@ -44,24 +64,24 @@ class WorkerKill(FaultKind):
 
 
 class AgentKill(FaultKind):
-    """SIGKILL one agent; a new agent starts for its slot 0.5-4 s later. When the job hosts its etcd, the agent
-    killed runs one of its members (the first host while it lives): the node whose loss the etcd must survive."""
+    """SIGKILL one node (its agent and every process below it); a new agent rejoins for it. With a hosted etcd,
+    a node that runs one of its members (the first host while it lives)."""
 
     name, span = "agent_kill", (0.5, 4.0)
 
     def inject(self, soak: Soak, f: Fault) -> None:
-        if soak.launcher.hosted and not soak.wait(soak.launcher.members_settled, soak.deadline_s):
-            soak.violations.append(f"the job's etcd did not have the members its {len(soak.launcher.live())} nodes "
-                                   f"call for within {soak.deadline_s:.0f}s (endpoints {soak.launcher.endpoint})")
+        launcher = soak.launcher
+        if launcher.hosted and not soak.wait(launcher.members_settled, soak.deadline_s):
+            soak.violations.append(f"the job's etcd did not have the members its {len(launcher.live())} nodes "
+                                   f"call for within {soak.deadline_s:.0f}s (endpoints {launcher.endpoint})")
         live = soak.live_agents()
-        holders = [a for a in soak.launcher.member_agents() if a in live] if soak.launcher.hosted else []
-        agent = holders[0] if holders else f.choose(live)
-        f.target, agent.expected_exit = f"agent {agent.label}{' (runs a member of the etcd)' * bool(holders)}", True
-        send(agent.pid, signal.SIGKILL)
-        soak.sleep(f.duration)
-        if holders and not soak.wait(soak.launcher.members_settled, soak.deadline_s):
+        holders = [a for a in launcher.member_agents() if a in live] if launcher.hosted else []
+        agent, gen0 = holders[0] if holders else f.choose(_spare_rank0(soak, live, lambda a: a.label)), soak.newest_gen
+        f.target, agent.expected_exit = f"node {agent.label}{' (runs a member of the etcd)' * bool(holders)}", True
+        kill_tree([agent.pid])
+        if holders and not soak.wait(launcher.members_settled, soak.deadline_s):
             f.notes.append("the job's etcd did not settle on its members")
-        f.notes.append(f"new agent {soak.launcher.start(agent.slot).label} after {time.time() - f.t_start:.1f}s")
+        _rejoin(soak, f, agent, gen0)
 
 
 class AgentStop(FaultKind):
@@ -78,16 +98,33 @@ class AgentStop(FaultKind):
         agent.stopped = False
 
 
-class NodeLeave(FaultKind):
-    """SIGTERM one agent: a graceful scale-down (only as node_join's counterpart, when every slot runs)."""
+class GracefulLeave(FaultKind):
+    """SIGTERM one agent, which must exit 143 (drained); a new agent rejoins for it."""
 
-    name = "node_leave"
-    drawn = False
+    name = "graceful_leave"
+    rejoin = True
 
     def inject(self, soak: Soak, f: Fault) -> None:
-        agent = f.choose([a for a in soak.live_agents() if a.slot != soak.launcher.ns_slot])
-        f.target, agent.expected_exit = f"agent {agent.label} (SIGTERM: all {NODE_SLOTS} slots were running)", True
+        # node_leave spares the partitioned slot: the partition fault cuts that slot off, so it must run
+        agents = [a for a in soak.live_agents() if self.rejoin or a.slot != soak.launcher.ns_slot]
+        agent, gen0 = f.choose(_spare_rank0(soak, agents, lambda a: a.label)), soak.newest_gen
+        f.target, agent.expected_exit, f.noted["agent"] = f"agent {agent.label} (SIGTERM)", True, agent
         send(agent.pid, signal.SIGTERM)
+        if self.rejoin:
+            _rejoin(soak, f, agent, gen0)
+
+    def check(self, soak: Soak, f: Fault) -> None:
+        agent = f.noted["agent"]
+        soak.wait(lambda: agent.proc.poll() is not None, soak.deadline_s)
+        if agent.proc.returncode != ExitCode.DRAINED:
+            soak.violations.append(f"{f.kind.name}: agent {agent.label} ended with {agent.proc.returncode} after "
+                                   f"SIGTERM, not {ExitCode.DRAINED.value}: {last_lines(agent.log_path, 3)}")
+
+
+class NodeLeave(GracefulLeave):
+    """A graceful leave without a new agent (node_join's counterpart when every slot runs)."""
+
+    name, drawn, rejoin = "node_leave", False, False
 
 
 class NodeJoin(FaultKind):
@@ -211,7 +248,7 @@ class Partition(FaultKind):
 
 
 class ShmFull(FaultKind):
-    """One node's memory tier full (cap 1 byte) while its worker restarts and snapshots."""
+    """Rank 0's node's memory tier full (cap 1 byte) while its worker restarts and snapshots."""
 
     name, span = "shm_full", (15.0, 15.0)  # at most, or until a snapshot was refused
 
@@ -220,7 +257,7 @@ class ShmFull(FaultKind):
         return None
 
     def inject(self, soak: Soak, f: Fault) -> None:
-        got = _worker(soak, f)
+        got = _worker(soak, f, on_rank0=True)  # the restart path: every worker restores, some in the full tier
         if not got:
             return
         pid, node = got
@@ -264,6 +301,6 @@ class Hang(FaultKind):
 
 #: Every kind by name, in the order a seeded schedule shuffles them.
 KINDS: Dict[str, FaultKind] = {k.name: k for k in (
-    WorkerKill(), AgentKill(), AgentStop(), NodeJoin(), NodeLeave(), EtcdRestart(), EtcdOutage(), DiskFull(),
-    Partition(), ShmFull(), MemberLoss(), LeaderLoss(), Hang(), BadRecord(), SlowMetrics(), JobReuse())}
+    WorkerKill(), AgentKill(), AgentStop(), GracefulLeave(), NodeJoin(), NodeLeave(), EtcdRestart(), EtcdOutage(),
+    DiskFull(), Partition(), ShmFull(), MemberLoss(), LeaderLoss(), Hang(), BadRecord(), SlowMetrics(), JobReuse())}
 DRAWN: List[FaultKind] = [k for k in KINDS.values() if k.drawn]

@@ -7,7 +7,7 @@ import json
 import statistics
 import subprocess
 from io import StringIO
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 from rich.console import Console
 from rich.table import Table
@@ -15,6 +15,7 @@ from rich.text import Text
 
 from .audit import AuditResult
 from .env import Launcher
+from .faults import Fault, How
 from .kinds import KINDS
 
 
@@ -71,14 +72,36 @@ def _final_checks(soak: Any, audit: AuditResult) -> Dict[str, Any]:
     return {"left": len(left), "left_verified": ok, "problems": problems}
 
 
-def _by_kind(done: List[Any]) -> Dict[str, Dict[str, Any]]:
-    """Per kind: faults, recoveries, median and worst time to recover, worst time to full strength."""
+def how_recovered(faults: List[Fault], events: List[str]) -> None:
+    """Set each fault's ``how`` from the agents' events (``events``: the lines of their ``--events-file``): the
+    ``restart``/``rescale`` events of the rounds formed between its start and the next fault's. Several agents
+    write one event per round each; a round one of them says restarted is a restart."""
+    rounds: Dict[int, Tuple[float, set]] = {}
+    for line in events:
+        try:
+            ev = json.loads(line)
+            if ev.get("event") in ("restart", "rescale"):
+                t, hows = rounds.setdefault(int(ev["round"]), (float(ev["time"]), set()))
+                rounds[int(ev["round"])] = (min(t, float(ev["time"])), hows | {How(ev["recovery"])})
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut by a SIGKILL, or not an event of this form
+    done = [f for f in faults if not f.skipped]
+    for f, nxt in zip(done, [*(g.t_start for g in done[1:]), float("inf")]):
+        hows = set().union(*(hows for t, hows in rounds.values() if f.t_start <= t < nxt))
+        f.how = How.RESTART if How.RESTART in hows else How.IN_PLACE if hows else How.NONE
+
+
+def _by_kind(done: List[Fault]) -> Dict[str, Dict[str, Any]]:
+    """Per kind: faults, recoveries (in place, by restart), median and worst time to recover, worst time to full
+    strength."""
     out = {}
     for name in KINDS:
         fs = [f for f in done if f.kind.name == name]
         ttrs = [f.ttr for f in fs if f.ttr is not None]
         full = [f.full_at - f.t_ref for f in fs if f.full_at is not None]
         out[name] = {"faults": len(fs), "recovered": len(ttrs),
+                     "in_place": sum(f.how is How.IN_PLACE for f in fs),
+                     "restart": sum(f.how is How.RESTART for f in fs),
                      "median_ttr_s": round(statistics.median(ttrs), 2) if ttrs else None,
                      "worst_ttr_s": round(max(ttrs), 2) if ttrs else None,
                      "worst_full_strength_s": round(max(full), 2) if full else None}
@@ -89,7 +112,10 @@ def summary(args: Any, soak: Any, audit: AuditResult, skipped: Dict[str, str], e
             goodput: Dict[str, Any]) -> Dict[str, Any]:
     """Everything the table shows, plus every fault and violation; ``goodput`` is ``status --json``'s."""
     done = [f for f in soak.faults if not f.skipped]
+    events = soak.launcher.events_file
+    how_recovered(done, events.read_text(errors="replace").splitlines() if events.exists() else [])
     ttrs = [f.ttr for f in done if f.ttr is not None]
+    in_place, restart = (sum(f.how is how for f in done) for how in (How.IN_PLACE, How.RESTART))
     try:
         final = _final_checks(soak, audit)
     except Exception as err:  # noqa: BLE001 - a broken root is a finding, not a crash of the soak
@@ -100,7 +126,8 @@ def summary(args: Any, soak: Any, audit: AuditResult, skipped: Dict[str, str], e
     return {
         "seed": args.seed, "minutes": args.minutes, "elapsed_s": round(elapsed, 1), "nodes": args.nodes,
         "etcd_members": args.etcd_members,
-        "faults_total": len(done), "faults_needing_recovery": len(done), "recoveries": len(ttrs),
+        "faults_total": len(done), "faults_needing_recovery": in_place + restart, "recoveries": len(ttrs),
+        "recovered_in_place": in_place, "recovered_by_restart": restart,
         "median_ttr_s": round(statistics.median(ttrs), 2) if ttrs else None,
         "worst_ttr_s": round(max(ttrs), 2) if ttrs else None,
         "by_kind": _by_kind(done), "skipped_kinds": skipped,
@@ -125,11 +152,11 @@ def _s(v: Any) -> str:
 
 def render(res: Dict[str, Any], say: Callable[[str], None]) -> None:
     """Print the tables, then every violation and the verdict (text from logs shown verbatim)."""
-    rows = [[k, str(v["faults"]), str(v["recovered"]), _s(v["median_ttr_s"]), _s(v["worst_ttr_s"]),
-             _s(v["worst_full_strength_s"])] for k, v in res["by_kind"].items() if v["faults"]]
-    rows += [[k, "skipped", "", "", "", why[:60]] for k, why in res["skipped_kinds"].items()]
-    rows.append(["all", str(res["faults_total"]), str(res["recoveries"]), _s(res["median_ttr_s"]),
-                 _s(res["worst_ttr_s"]), ""])
+    rows = [[k, str(v["faults"]), str(v["recovered"]), str(v["in_place"]), str(v["restart"]), _s(v["median_ttr_s"]),
+             _s(v["worst_ttr_s"]), _s(v["worst_full_strength_s"])] for k, v in res["by_kind"].items() if v["faults"]]
+    rows += [[k, "skipped", "", "", "", "", "", why[:60]] for k, why in res["skipped_kinds"].items()]
+    rows.append(["all", str(res["faults_total"]), str(res["recoveries"]), str(res["recovered_in_place"]),
+                 str(res["recovered_by_restart"]), _s(res["median_ttr_s"]), _s(res["worst_ttr_s"]), ""])
     st, ck, sm = res["steps"], res["checkpoints"], res["samples"]
     facts = [
         ("run", f"seed {res['seed']}, {res['minutes']:g} min of faults, {res['elapsed_s']:.0f} s in all, "
@@ -148,7 +175,8 @@ def render(res: Dict[str, Any], say: Callable[[str], None]) -> None:
     buf = StringIO()
     console = Console(file=buf, width=110, force_terminal=False, color_system=None)
     t = Table(title="chaos soak: faults", show_lines=False)
-    for col in ("fault", "count", "recovered", "median time to recover", "worst", "worst to full strength"):
+    for col in ("fault", "count", "recovered", "in place", "restart", "median time to recover", "worst",
+                "worst to full strength"):
         t.add_column(col, justify="left" if col == "fault" else "right")
     for r in rows:
         t.add_row(*map(Text, r))

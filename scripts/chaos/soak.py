@@ -24,6 +24,7 @@ class Soak:
     violations: List[str] = field(default_factory=list)
     faults: List[Fault] = field(default_factory=list)
     newest_gen: Optional[Gen] = None
+    step_gen: Gen = (-1, -1)  # the generation of the newest step line
     last_step_t: float = 0.0
     saves_seen: List[dict] = field(default_factory=list)
     verified: int = 0
@@ -33,6 +34,7 @@ class Soak:
     finishing: bool = False
     t0: float = 0.0
     gen_started: Dict[Gen, float] = field(default_factory=dict)  # first audit line of each generation
+    latest: Dict[int, dict] = field(default_factory=dict)  # each worker's (pid's) last audit line
     _scan_from: int = 0
 
     # -- observation ---------------------------------------------------------------------
@@ -43,8 +45,10 @@ class Soak:
             g = gen_of(r)
             self.gen_started.setdefault(g, r["t"])
             self.newest_gen = max(g, self.newest_gen or g)
+            self.latest[int(r["pid"])] = r
             if r["ev"] == "step":
                 self.last_step_t = max(self.last_step_t, r["t"])
+                self.step_gen = max(self.step_gen, g)
             if r["ev"] == "save" and int(r["rank"]) == 0:
                 self.saves_seen.append(r)
                 self._verify(str(r["name"]))
@@ -65,26 +69,21 @@ class Soak:
             self.launcher.start(a.slot)
 
     def _verify(self, name: str) -> None:
+        """Verify a checkpoint right after its commit; one that retention removed first counts as retired."""
         from elasticrun.checkpoint import verify
         from elasticrun.errors import ElasticrunError
 
-        root = self.machine.ckpt_root
-        if not (root / name).exists():
-            self.retired += 1  # removed by retention before it was verified
-            return
         try:
-            res = verify(str(root), name)
-            problem = "; ".join(res.problems)
+            problem = "; ".join(verify(str(self.machine.ckpt_root), name).problems)
         except ElasticrunError as err:
-            if not (root / name).exists():
-                self.retired += 1  # removed by retention meanwhile
-                return
-            res, problem = None, str(err)
-        if res is not None and res.ok:
-            self.verified += 1
-        else:
+            problem = str(err) or type(err).__name__
+        if not (self.machine.ckpt_root / name).exists():
+            self.retired += 1
+        elif problem:
             self.verify_failed += 1
             self.violations.append(f"checkpoint {name} failed verification: {problem[:300]}")
+        else:
+            self.verified += 1
 
     def wait(self, cond: Callable[[], bool], timeout: float) -> bool:
         """Pump until ``cond()`` holds (True) or ``timeout`` seconds passed (False)."""
@@ -105,9 +104,14 @@ class Soak:
         return [a for a in self.launcher.live() if not a.stopped]
 
     def current_workers(self) -> List[Tuple[int, str]]:
-        """(pid, node) of the live workers of the newest generation, from their audit ``start`` lines."""
-        return sorted({(int(r["pid"]), str(r["node"])) for r in self.tail.records
-                       if r["ev"] == "start" and gen_of(r) == self.newest_gen and alive(int(r["pid"]))})
+        """(pid, node) of the live workers whose last audit line is of the newest generation."""
+        return sorted((pid, str(r["node"])) for pid, r in self.latest.items()
+                      if gen_of(r) == self.newest_gen and alive(pid))
+
+    def rank0_node(self) -> Optional[str]:
+        """The node of the newest generation's rank 0, if one logged yet."""
+        return next((str(r["node"]) for r in self.latest.values()
+                     if gen_of(r) == self.newest_gen and int(r["rank"]) == 0), None)
 
     def count(self, event: str) -> int:
         """Audit lines of ``event`` so far."""
@@ -115,15 +119,9 @@ class Soak:
 
     def log_counts(self, text: str) -> Dict[str, int]:
         """How many times each agent's log holds ``text`` (agents whose log does not are left out)."""
-        counts: Dict[str, int] = {}
-        for a in self.launcher.agents:
-            try:
-                n = a.log_path.read_text(errors="replace").count(text)
-            except OSError:
-                continue
-            if n:
-                counts[a.label] = n
-        return counts
+        counts = {a.label: a.log_path.read_text(errors="replace").count(text) for a in self.launcher.agents
+                  if a.log_path.exists()}
+        return {label: n for label, n in counts.items() if n}
 
     # -- faults ----------------------------------------------------------------------------
 
@@ -146,7 +144,7 @@ class Soak:
         where = f"{f.kind.name} ({f.target}) at +{f.t_start - self.t0:.0f}s"
         if not ok:
             self.hang(f"{where}: no {f.kind.recovery.value} within {self.deadline_s:.0f}s of the fault's end (hang)")
-        elif self.wait(self._settled, self.deadline_s):
+        elif self.wait(self.settled, self.deadline_s):
             f.full_at = time.time()
         elif not self.aborted:
             self.hang(f"{where}: the job did not return to all {len(self.launcher.live())} live nodes within "
@@ -158,7 +156,7 @@ class Soak:
         self.log(f"!! {message}")
         self.aborted = True
 
-    def _settled(self) -> bool:
+    def settled(self) -> bool:
         """Steady state: every live node in the newest generation, which trains."""
         steps = {(int(r["step"]), int(r["world"])) for r in self.tail.records[self._scan_from:]
                  if r["ev"] == "step" and gen_of(r) == self.newest_gen}
@@ -173,7 +171,7 @@ class Soak:
             for r in self.tail.records[self._scan_from:]:  # the first qualifying step after the fault's end
                 if r["ev"] != "step" or r["t"] <= f.t_ref:
                     continue
-                if recovery is Recovery.NEW_GENERATION and (
+                if recovery is Recovery.NEW_ROUND and (
                         (gen0 is not None and gen_of(r) <= gen0) or self.gen_started[gen_of(r)] <= f.t_start):
                     continue  # a round formed before the fault (e.g. still re-forming after the last one)
                 f.recovered_at = r["t"]

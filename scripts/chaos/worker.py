@@ -2,10 +2,11 @@
 is unchanged: this wrapper patches the names it looks up at call time), every argument going to the example.
 
 - Each optimizer step appends a JSON line to ``$CHAOS_AUDIT_DIR/<node>-<pid>.jsonl``: step, epoch, this rank's
-  sample indices and the sampler position after them, round and restart count (the worker generation), rank,
-  world size, time; ``resume``, ``save``/``save_failed``, ``snapshot``/``snapshot_failed`` and
-  ``restore_fallback`` (a checkpoint ``load_latest`` gave up on) lines say what the tiers did. One
-  ``os.write`` per line on an ``O_APPEND`` descriptor: a SIGKILL loses at most the line being written.
+  sample indices and the sampler position after them, with the round, restart count, rank and world size the
+  worker is in when it writes (a worker kept through an in-place re-form logs its new round). ``resume`` and
+  ``reform`` lines say where a round began (a checkpoint; the survivors' state); ``save``/``save_failed``,
+  ``snapshot``/``snapshot_failed`` and ``restore_fallback`` lines what the tiers did. One ``os.write`` per line
+  on an ``O_APPEND`` descriptor: a SIGKILL loses at most the line being written.
 - The worker whose PID is in ``$CHAOS_HANG_FILE`` sleeps forever after its next step (the ``hang`` fault).
 - While ``$CHAOS_SHM_FULL_FILE`` names this node, ``ELASTICRUN_SNAPSHOT_MEMORY`` is 1 byte here (``shm_full``).
 - ``--steps`` becomes the number in ``$CHAOS_STOP_FILE`` once it exists: the job ends at a step every rank
@@ -22,38 +23,48 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, List, Optional
 
 import elasticrun.checkpoint as ckpt_pkg
 import elasticrun.train as et
 from elasticrun.job import env as env_names
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train.py"
+NODE = os.environ.get("ELASTICRUN_NODE_ID", "")
+SHM_CAP = os.environ.get(env_names.SNAPSHOT_MEMORY)
+
+
+def _file_text(var: str) -> Optional[str]:
+    """The stripped content of the file ``$var`` names, or None (no variable, no file)."""
+    try:
+        return Path(os.environ[var]).read_text().strip()
+    except (KeyError, OSError):
+        return None
 
 
 class Audit:
     """One worker's append-only JSON-lines log."""
 
     def __init__(self, directory: str) -> None:
-        node = os.environ.get("ELASTICRUN_NODE_ID", "node").replace("/", "_").replace("@", "_")
-        path = os.path.join(directory, f"{node}-{os.getpid()}.jsonl")
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self.base = {
-            "pid": os.getpid(),
-            "node": os.environ.get("ELASTICRUN_NODE_ID", ""),
-            "round": int(os.environ.get("ELASTICRUN_ROUND", "0") or 0),
-            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
-            "rank": int(os.environ.get("RANK", "0") or 0),
-            "world": int(os.environ.get("WORLD_SIZE", "1") or 1),
-        }
+        name = f"{NODE.replace('/', '_').replace('@', '_') or 'node'}-{os.getpid()}.jsonl"
+        self.fd = os.open(os.path.join(directory, name), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self.step = 0  # the training step of the last logged optimizer step
+        self.reformed_to = -1  # the round of the last ``reform`` line
 
     def write(self, event: str, **fields: Any) -> None:
-        record: Dict[str, Any] = {"ev": event, "t": time.time(), **self.base, **fields}
+        now = {key: int(os.environ.get(name, "") or default) for key, name, default in (
+            ("round", env_names.ROUND, 0), ("restart", env_names.RESTART_COUNT, 0), ("rank", env_names.RANK, 0),
+            ("world", env_names.WORLD_SIZE, 1))}
+        record = {"ev": event, "t": time.time(), "pid": os.getpid(), "node": NODE, **now, **fields}
         os.write(self.fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
 
 
-AUDIT: Optional[Audit] = None
+AUDIT = Audit(os.environ["CHAOS_AUDIT_DIR"]) if os.environ.get("CHAOS_AUDIT_DIR") else None
+
+
+def audit(event: str, **fields: Any) -> None:
+    if AUDIT is not None:
+        AUDIT.write(event, **fields)
 
 
 class AuditedSampler(et.ElasticDistributedSampler):
@@ -74,53 +85,54 @@ class AuditedSampler(et.ElasticDistributedSampler):
         if AUDIT is not None:
             AUDIT.step += 1
             AUDIT.write("step", step=AUDIT.step, epoch=self.epoch, idx=[int(i) for i in taken], after=after)
-        _hang_if_told()
+        if _file_text("CHAOS_HANG_FILE") == str(os.getpid()):
+            audit("hang", step=AUDIT.step if AUDIT else 0)
+            while True:  # alive without progress: the agent's hang detection ends this
+                time.sleep(3600)
         _shm_full_if_told()
         return after
 
 
-_SHM_CAP = os.environ.get(env_names.SNAPSHOT_MEMORY)
+class AuditedInPlace(et.InPlace):
+    """The example's in-place re-forming, logging a ``reform`` line (the new round, the step it goes on from)
+    whenever this worker enters a round without a restart: as a newcomer given the survivors' state, or kept
+    through a re-form (after a join, a leave, or a peer's crash)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.joined:
+            self._logged(et.Reform.REFORMED)
+
+    def check(self) -> et.Reform:
+        return self._logged(super().check())
+
+    def recover(self, err: BaseException) -> et.Reform:
+        return self._logged(super().recover(err))
+
+    def _logged(self, result: et.Reform) -> et.Reform:
+        """Log the round entered, once (``check`` re-forms through ``recover`` after a crash)."""
+        if AUDIT is not None and result is et.Reform.REFORMED and self.ctx.round != AUDIT.reformed_to:
+            AUDIT.step, AUDIT.reformed_to = self.step, self.ctx.round
+            AUDIT.write("reform", step=self.step)
+        return result
 
 
 def _shm_full_if_told() -> None:
-    """Lower this worker's memory-tier cap to 1 byte while ``$CHAOS_SHM_FULL_FILE`` names its node."""
-    path = os.environ.get("CHAOS_SHM_FULL_FILE")
-    node = os.environ.get("ELASTICRUN_NODE_ID", "")
-    try:
-        full = bool(path) and Path(str(path)).read_text().strip() == node
-    except OSError:
-        full = False
-    if full:
+    """This worker's memory-tier cap is 1 byte while ``$CHAOS_SHM_FULL_FILE`` names its node, else its own."""
+    if _file_text("CHAOS_SHM_FULL_FILE") == NODE:
         os.environ[env_names.SNAPSHOT_MEMORY] = "1"
-    elif _SHM_CAP is None:
+    elif SHM_CAP is None:
         os.environ.pop(env_names.SNAPSHOT_MEMORY, None)
     else:
-        os.environ[env_names.SNAPSHOT_MEMORY] = _SHM_CAP
-
-
-def _hang_if_told() -> None:
-    """Sleep forever (alive, no progress) once ``$CHAOS_HANG_FILE`` names this process."""
-    path = os.environ.get("CHAOS_HANG_FILE")
-    if not path or not os.path.exists(path):
-        return
-    try:
-        target = Path(path).read_text().strip()
-    except OSError:
-        return
-    if target != str(os.getpid()):
-        return
-    if AUDIT is not None:
-        AUDIT.write("hang", step=AUDIT.step)
-    while True:  # the agent's hang detection ends this (stacks dump, then the round is stopped)
-        time.sleep(3600)
+        os.environ[env_names.SNAPSHOT_MEMORY] = SHM_CAP
 
 
 class _Fallbacks(logging.Handler):
     """Audits each checkpoint ``load_latest`` gave up on (a ``restore_fallback`` line)."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        if AUDIT is not None and record.levelno >= logging.WARNING and "cannot be loaded" in record.getMessage():
-            AUDIT.write("restore_fallback", error=record.getMessage()[:300])
+        if record.levelno >= logging.WARNING and "cannot be loaded" in record.getMessage():
+            audit("restore_fallback", error=record.getMessage()[:300])
 
 
 def _load_latest(*args: Any, **kwargs: Any) -> Any:
@@ -128,14 +140,12 @@ def _load_latest(*args: Any, **kwargs: Any) -> Any:
     log, handler = logging.getLogger("elasticrun.train.resume"), _Fallbacks()
     log.addHandler(handler)
     try:
-        ckpt = _ORIG_LOAD_LATEST(*args, **kwargs)
+        ckpt = LOAD_LATEST(*args, **kwargs)
     finally:
         log.removeHandler(handler)
     if AUDIT is not None:
-        step = ckpt.training_state.step if (ckpt is not None and ckpt.training_state) else 0
-        AUDIT.step = step
-        AUDIT.write("resume", name=None if ckpt is None else ckpt.name, step=step,
-                    tier=getattr(ckpt, "tier", None) if ckpt is not None else None)
+        AUDIT.step = ckpt.training_state.step if (ckpt is not None and ckpt.training_state) else 0
+        AUDIT.write("resume", name=getattr(ckpt, "name", None), step=AUDIT.step, tier=getattr(ckpt, "tier", None))
     return ckpt
 
 
@@ -143,71 +153,57 @@ def _audited(fn: Callable[..., Any], done: str, failed: str) -> Callable[..., An
     """``fn`` logging a ``done`` line (with the name it returned, if any) or a ``failed`` line with the error."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
+        step = AUDIT.step if AUDIT else 0
         try:
             out = fn(*args, **kwargs)
         except BaseException as err:
-            if AUDIT is not None:
-                AUDIT.write(failed, step=AUDIT.step, error=f"{type(err).__name__}: {err}"[:300])
+            audit(failed, step=step, error=f"{type(err).__name__}: {err}"[:300])
             raise
-        if AUDIT is not None:
-            AUDIT.write(done, step=AUDIT.step, **({"name": out} if isinstance(out, str) else {}))
+        audit(done, step=step, **({"name": out} if isinstance(out, str) else {}))
         return out
 
     return call
 
 
 class StopArgs(argparse.Namespace):
-    """The example's arguments, with ``steps`` read from ``$CHAOS_STOP_FILE`` once it exists."""
-
-    _stop_at: Optional[int] = None
+    """The example's arguments, with ``steps`` read from ``$CHAOS_STOP_FILE`` once it holds a number."""
 
     @property
     def steps(self) -> int:
-        if self._stop_at is None:
-            path = os.environ.get("CHAOS_STOP_FILE")
-            if path and os.path.exists(path):
-                try:
-                    self._stop_at = int(Path(path).read_text().strip())
-                except ValueError:
-                    pass  # being written; read again next step
-        return self._stop_at if self._stop_at is not None else int(self.__dict__.get("_steps", 0))
+        told = _file_text("CHAOS_STOP_FILE")
+        return int(told) if told and told.isdigit() else int(self.__dict__.get("_steps", 0))
 
     @steps.setter
     def steps(self, value: int) -> None:
         self.__dict__["_steps"] = value
 
 
-_ORIG_LOAD_LATEST = et.load_latest
+LOAD_LATEST = et.load_latest
 
 
 def main() -> int:
-    global AUDIT
     spec = importlib.util.spec_from_file_location("elasticrun_example_train", str(EXAMPLE))
     assert spec is not None and spec.loader is not None
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    directory = os.environ.get("CHAOS_AUDIT_DIR")
-    if directory:
-        AUDIT = Audit(directory)
-        AUDIT.write("start")
+    audit("start")
     et.ElasticDistributedSampler = AuditedSampler  # type: ignore[misc]
+    et.InPlace = AuditedInPlace  # type: ignore[misc]
     et.load_latest = _load_latest  # type: ignore[assignment]
     ckpt_pkg.save = _audited(ckpt_pkg.save, "save", "save_failed")  # type: ignore[attr-defined]
     ckpt_pkg.Snapshotter.snapshot = _audited(  # type: ignore[method-assign]
         ckpt_pkg.Snapshotter.snapshot, "snapshot", "snapshot_failed")
-    orig_parse = example.parse_args
+    parse_args = example.parse_args
 
-    def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-        ns = orig_parse(argv)
+    def parse_stop_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         args = StopArgs()
-        for key, value in vars(ns).items():
+        for key, value in vars(parse_args(argv)).items():
             setattr(args, key, value)
         return args
 
-    example.parse_args = parse_args
+    example.parse_args = parse_stop_args
     code = int(example.main(sys.argv[1:]) or 0)
-    if AUDIT is not None:
-        AUDIT.write("exit", code=code, step=AUDIT.step)
+    audit("exit", code=code, step=AUDIT.step if AUDIT else 0)
     return code
 
 

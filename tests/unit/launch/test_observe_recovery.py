@@ -39,3 +39,16 @@ def test_a_restart_round_says_whether_it_recovered_in_place(tmp_path: Path) -> N
     text = generate_latest(Metrics("j", "A", obs.snapshot).registry).decode()
     got = dict(re.findall(r'^elasticrun_recoveries_total\{how="(\w+)"[^}]*\} (\S+)$', text, re.M))
     assert got == {"in_place": "2.0", "restart": "1.0"}, text
+
+
+def test_a_rescale_round_says_whether_the_nodes_that_stayed_kept_their_workers(tmp_path: Path) -> None:
+    events = tmp_path / "events.jsonl"
+    obs = Observer(LaunchConfig.of({"workers.entrypoint": "t.py", "rendezvous.rdzv_id": "j",
+                                     "rendezvous.node_id": "A", "logs.events_file": str(events)}))
+    obs.round_started(Topology(1, MEMBERS, "127.0.0.1", 1, inplace=("A",)),
+                      RescaleEvent(RescaleType.SCALE_UP, 1, ["A"], ["A", "B"], 1, 2, "join"))
+    obs.round_started(Topology(2, MEMBERS[:1], "127.0.0.1", 1),
+                      RescaleEvent(RescaleType.SCALE_DOWN, 2, ["A", "B"], ["A"], 2, 1, "leave"))
+    obs.close()
+    rows = [json.loads(line) for line in events.read_text().splitlines() if '"rescale"' in line]
+    assert [(r["type"], r["recovery"]) for r in rows] == [("ScaleUp", "in_place"), ("ScaleDown", "restart")]
