@@ -68,11 +68,14 @@ def test_each_round_gets_a_fresh_store_served_on_the_agents_socket() -> None:
 
         again = rounds.fresh()
         assert again != port
-        wait_until(lambda: _refused(port), 30, "the old round's store to be gone")
+        assert first.get("attempt") == b"0", "workers kept through the change still reach their round's store"
         assert rounds.serve(again, _popen_host)
         second = _client(again)
         assert second.check(["attempt"]) is False, "the new round's store holds nothing of the old one"
         assert not rounds.serve(port, _popen_host), "a port that is not this round's is never served"
+        third = rounds.fresh()
+        wait_until(lambda: _refused(port), 30, "the store of two rounds ago to be gone")
+        assert third not in (port, again)
     finally:
         rounds.close()
     assert errors == [], "closing a store is not an error"
@@ -89,7 +92,8 @@ def test_a_single_nodes_first_store_is_served_before_its_round() -> None:
         assert rounds.fresh() == early, "the first round gets the prepared store"
         later = rounds.fresh()
         assert later != early
-        wait_until(lambda: _refused(early), 30, "the first round's store to be gone")
+        rounds.fresh()
+        wait_until(lambda: _refused(early), 30, "the first round's store to be gone a round later")
     finally:
         rounds.close()
 

@@ -63,6 +63,9 @@ class RoundStore:
         self._sock: Optional[socket.socket] = None
         self._port = 0
         self._host: Any = None
+        # The previous round's host, kept until the next round's store is bound: workers kept through a
+        # round change (in-place re-forming) may still use their round's store until they re-form.
+        self._retired: Any = None
         self._prepared = False  # bound (and served) ahead of the first round: fresh() hands it out once
 
     @property
@@ -87,12 +90,18 @@ class RoundStore:
         return port
 
     def fresh(self) -> int:
-        """Close the previous round's store, bind a new one, return its port."""
+        """Bind a new round's store, return its port. The current round's host serves on until the
+        round after (workers kept through the change still use it until they re-form); the one before
+        it is killed now."""
         with self._lock:
             if self._prepared:
                 self._prepared = False
                 return self._port
-        self.close()
+            retired, self._retired, self._host = self._retired, self._host, None
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+        _kill(retired)
         sock = listening_socket()
         with self._lock:
             self._sock, self._port = sock, int(sock.getsockname()[1])
@@ -132,19 +141,26 @@ class RoundStore:
             self._on_error(line or f"the round's c10d store host exited ({code})")
 
     def close(self) -> None:
-        """Stop serving: kill the host (its socket closes with it), close a socket not yet served."""
+        """Stop serving: kill the hosts (their sockets close with them), close a socket not yet served."""
         with self._lock:
             self._prepared = False
-            host, self._host = self._host, None
+            hosts, self._host, self._retired = (self._host, self._retired), None, None
             sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()
-        if host is not None:
-            host.kill()
-            try:
-                host.wait(HOST_WAIT_S)
-            except Exception:  # noqa: BLE001 - a host that does not go is left to its parent-death signal
-                pass
+        for host in hosts:
+            _kill(host)
+
+
+def _kill(host: Any) -> None:
+    """Kill a store host and reap it (None: nothing to do)."""
+    if host is None:
+        return
+    host.kill()
+    try:
+        host.wait(HOST_WAIT_S)
+    except Exception:  # noqa: BLE001 - a host that does not go is left to its parent-death signal
+        pass
 
 
 __all__ = ["LISTEN_BACKLOG", "RoundStore", "StartHost", "listening_socket"]
