@@ -7,14 +7,18 @@
     python scripts/bench/bench_elastic.py --scenario join --quick --nodes 3 --nproc 1 --client plain bench example
     python scripts/bench/bench_elastic.py --scenario leave --quick --nodes 3 --nproc 1 --client inplace
     python scripts/bench/bench_elastic.py --scenario kill-host --quick --nodes 3 --nproc 1
+    python scripts/bench/bench_elastic.py --scenario crash --quick --nodes 3 --nproc 1 --client inplace bench
 
 ``kill``: the last node's agent and every process under it get SIGKILL at once; measured to the first step at
 the smaller world size. ``join``: the last node's agent starts; measured to its first step in the job. ``leave``:
 the last node's agent gets SIGTERM; measured to the first step at the smaller world size. ``kill-host``: the same
 kill of the first node, which hosts the rendezvous (torchrun's TCPStore; elasticrun on torchrun's c10d line: its
 etcd, grown to 3 members once every agent was told 3, ``phases.members``: seconds from the first agent's
-start). ``join`` and ``leave`` also report the survivors' pause (``phases.pause``: the last step at the old world
-size to the first at the new). Each run gets its own etcd or c10d port; variants run interleaved (run 1 of each,
+start). ``crash``: the last rank's worker alone gets SIGKILL; measured to the first step at the full size again
+(the replacement trains), with ``phases.pause`` (the survivors' last step before the kill to their first after
+it, at any size) and ``phases.redone`` (steps trained again: rolled back). ``join`` and ``leave`` also report
+the survivors' pause (``phases.pause``: the last step at the old world size to the first at the new). Each run
+gets its own etcd or c10d port; variants run interleaved (run 1 of each,
 then run 2, ...); ``--json`` writes every variant's runs and the ``summary`` (each elasticrun variant against the
 best torchrun one).
 """
@@ -86,7 +90,7 @@ class Variant:
         """elasticrun's target in seconds (kill: heartbeat + 2 s; join: window + 2 s); None for torchrun."""
         if self.launcher != "elasticrun":
             return None
-        return self.heartbeat + 2.0 if scenario.startswith("kill") else STABILITY_WINDOW + 2.0
+        return self.heartbeat + 2.0 if scenario.startswith("kill") or scenario == "crash" else STABILITY_WINDOW + 2.0
 
 
 VARIANTS: Dict[str, List[Variant]] = {
@@ -107,6 +111,11 @@ VARIANTS: Dict[str, List[Variant]] = {
     ],
 }
 VARIANTS["leave"] = VARIANTS["join"]
+VARIANTS["crash"] = [
+    Variant("elasticrun", "elasticrun hb=3 prewarm", 3.0, True),
+    Variant("elasticrun", "elasticrun hb=3 prewarm no-inplace", 3.0, True, inplace=False),
+    Variant("torchrun", "torchrun c10d tuned", tuned=True),
+]
 VARIANTS["kill-host"] = [
     Variant("elasticrun", "elasticrun c10d hb=3 prewarm", 3.0, True, hosted=True),
     Variant("elasticrun", "elasticrun c10d hb=5 (default) prewarm", 5.0, True, hosted=True),
@@ -221,6 +230,8 @@ def measure(run: Run, args: argparse.Namespace) -> Outcome:
     settle = args.warm_steps
     names = [chr(ord("A") + i) for i in range(run.nnodes)]
     full, less = run.nnodes * run.nproc, (run.nnodes - 1) * run.nproc
+    if run.scenario == "crash":
+        return crash(run, names, full, args)
     if run.scenario in ("kill", "leave", "kill-host"):
         for name in names:
             run.start(name)
@@ -253,6 +264,28 @@ def measure(run: Run, args: argparse.Namespace) -> Outcome:
     return outcome
 
 
+def crash(run: Run, names: List[str], full: int, args: argparse.Namespace) -> Outcome:
+    """SIGKILL the last rank's worker (its pid file, written by ``elastic_worker.py``) of a steady job."""
+    for name in names:
+        run.start(name)
+    ready = run.wait_step(full, 0.0, args.timeout, count=args.warm_steps)
+    if ready.status != "ok":
+        return Outcome(ready.status, None, "setup: " + ready.detail)
+    pid_file = run.dir / f"pid-{full - 1}"
+    if not pid_file.exists():
+        why = f"setup: {run.client.name} wrote no {pid_file.name}: use --client bench or inplace"
+        return Outcome("failed", None, why)
+    before = max(run.steps(), key=lambda s: s[2])
+    at = time.time()
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    outcome = run.wait_step(full, at, args.timeout)
+    if outcome.status == "ok":
+        after = min((s for s in run.steps() if s[2] > at), key=lambda s: s[2])
+        outcome.phases["pause"] = round(after[2] - before[2], 3)
+        outcome.phases["redone"] = max(0, before[0] - after[0] + 1)
+    return outcome
+
+
 def kill_host(run: Run, names: List[str], less: int, timeout: float) -> Outcome:
     """Kill node A, which hosts the rendezvous; elasticrun's hosted etcd once every agent was told 3 members."""
     members = None
@@ -273,7 +306,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """Command-line options."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=3, help="runs per variant and scenario")
-    ap.add_argument("--scenario", choices=["kill", "join", "leave", "kill-host", "all"], default="all",
+    ap.add_argument("--scenario", choices=["kill", "join", "leave", "kill-host", "crash", "all"], default="all",
                     help="all: kill, join, leave")
     ap.add_argument("--launcher", choices=["elasticrun", "torchrun", "all"], default="all")
     ap.add_argument("--quick", action="store_true", help="only elasticrun hb=3/sw=1 prewarm and tuned torchrun")

@@ -3,11 +3,13 @@
 
 ``bench``    one all-reduce and a 0.1 s sleep per step; rank 0 keeps the next step in OUT_DIR/progress.json, so a
              restarted job resumes where it stopped. Only torch.distributed and ``env://``: any launcher runs it.
-``inplace``  the ``bench`` loop with elasticrun.train.InPlace (a small model and optimizer registered): a join or
-             a graceful leave re-forms the survivors in place under elasticrun; elsewhere it restarts.
+``inplace``  the ``bench`` loop with elasticrun.train.InPlace (a small model and optimizer registered): a join,
+             a graceful leave or a peer's crash (``recover``) re-forms the survivors in place under elasticrun;
+             elsewhere it restarts.
 ``plain``    a tight all-reduce loop that never polls and handles no signal, from step 0 each time; every rank
              prints ``BOOT`` when it starts and ``PG`` once its process group is up.
 
+``bench`` and ``inplace`` write their pid to OUT_DIR/pid-<RANK> as they start (the ``crash`` scenario kills one).
 Rank 0 prints ``STEP <n> WORLD <w> TIME <unix time>`` (``plain``: at most 20 a second); ``w`` comes from an
 all-reduce to which every rank adds 1, so a line proves that ``w`` processes took part in that step.
 """
@@ -30,7 +32,14 @@ def world() -> int:
     return int(x.item())
 
 
+def note_pid(out_dir: str) -> None:
+    """OUT_DIR/pid-<RANK>: this worker's pid (the launcher's RANK)."""
+    with open(os.path.join(out_dir, f"pid-{os.environ.get('RANK', '0')}"), "w") as f:
+        f.write(str(os.getpid()))
+
+
 def bench(out_dir: str) -> None:
+    note_pid(out_dir)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     progress = os.path.join(out_dir, "progress.json")
@@ -51,14 +60,20 @@ def bench(out_dir: str) -> None:
         time.sleep(0.1)
 
 
-def inplace() -> None:
+def inplace(out_dir: str) -> None:
     import elasticrun.train as et
 
+    note_pid(out_dir)
     ctx = et.init()
     model = torch.nn.Linear(256, 256)
     reform = et.InPlace(ctx, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
     while True:
-        w = world()
+        try:
+            w = world()
+        except RuntimeError as err:  # a peer crashed: re-form in place (or re-raise: the restart path)
+            if reform.recover(err) is et.Reform.STOP:
+                break
+            continue
         if ctx.is_rank0:
             print(f"STEP {reform.step} WORLD {w} TIME {time.time():.3f}", flush=True)
         reform.step += 1
@@ -86,7 +101,7 @@ def plain() -> None:
 
 
 if __name__ == "__main__":
-    modes = {"bench": lambda: bench(sys.argv[2]), "inplace": inplace, "plain": plain}
-    if len(sys.argv) < 2 or sys.argv[1] not in modes or (sys.argv[1] == "bench" and len(sys.argv) < 3):
+    modes = {"bench": lambda: bench(sys.argv[2]), "inplace": lambda: inplace(sys.argv[2]), "plain": plain}
+    if len(sys.argv) < 2 or sys.argv[1] not in modes or (sys.argv[1] != "plain" and len(sys.argv) < 3):
         sys.exit("usage: elastic_worker.py bench|inplace|plain [OUT_DIR]   (under a launcher)")
     modes[sys.argv[1]]()
