@@ -65,15 +65,23 @@ def test_the_example_keeps_its_survivors_through_a_join_and_a_leave(etcd_server,
     assert re.search(r"checkpoint \S+ saved in \S+ \(stop\)", text), "every rank stopped together and saved"
 
 
-def _worker(agent, store_port: int = 0) -> int:
+def _store_host(p: psutil.Process) -> bool:
+    """A round's c10d store host (forked from the fork server, as workers are): it listens, and each of its
+    connections is to or from its own port (its own client too); a worker also connects to other ports
+    (its round's store, its gloo peers)."""
+    conns = p.net_connections("tcp")
+    ours = {c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN}
+    return bool(ours) and all(c.laddr.port in ours or (c.raddr and c.raddr.port in ours)
+                              for c in conns if c.status == psutil.CONN_ESTABLISHED)
+
+
+def _worker(agent) -> int:
     """The example's worker process under ``agent``: the deepest process naming the script, other than
     the fork server (the agent's child running ``elasticrun.launch.warm --server``, which names the
-    script too, as do the workers forked from it) and, on the round's group rank 0 node, the round's
-    c10d store host forked from it (it listens on ``store_port``)."""
+    script too, as do the workers forked from it) and, on a round's group rank 0 node, the store hosts
+    forked from it (this round's and the previous one's)."""
     procs = [p for p in agent.descendants() if any(str(EXAMPLE) in part for part in p.cmdline())
-             and not (p.ppid() == agent.pid and "--server" in p.cmdline())
-             and not (store_port and any(c.status == psutil.CONN_LISTEN and c.laddr.port == store_port
-                                         for c in p.net_connections("tcp")))]
+             and not (p.ppid() == agent.pid and "--server" in p.cmdline()) and not _store_host(p)]
     pids = {p.pid for p in procs}
     leaves = [p.pid for p in procs if not any(c.pid in pids for c in p.children(recursive=True))]
     assert len(leaves) == 1, [p.cmdline() for p in procs]
@@ -135,11 +143,10 @@ def test_a_killed_rank_0_worker_of_an_elastic_job_is_recovered_in_place(etcd_ser
     keys = JobKeys(job_id)
     wait_until(lambda: all((etcd.get_json(keys.node(n)) or {}).get("inplace") for n in "ABC"), 60, "opt-in")
     survivors = {n: _worker(a[n]) for n in "BC"}
-    os.kill(_worker(a["A"], etcd.get_json(keys.topology)["master_port"]), signal.SIGKILL)
+    os.kill(_worker(a["A"]), signal.SIGKILL)
     wait_until(lambda: all(a[n].stderr().count("workers re-formed in place") == 2 for n in "BC"), 150,
                "B and C re-formed twice: without A, then with its replacement")
-    port = etcd.get_json(keys.topology)["master_port"]  # B hosts the round's store now
-    assert {n: _worker(a[n], port) for n in "BC"} == survivors, "the survivors' worker processes are the same"
+    assert {n: _worker(a[n]) for n in "BC"} == survivors, "the survivors' worker processes are the same"
     for n in "ABC":
         assert a[n].wait(150) == 0, a[n].output()
     before, after = steps(a["A"].stdout()), steps(a["B"].stdout())
