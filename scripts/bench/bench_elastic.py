@@ -241,7 +241,9 @@ def measure(run: Run, args: argparse.Namespace) -> Outcome:
         if run.scenario == "kill-host":
             return kill_host(run, names, less, args.timeout)
         if run.scenario == "kill":
-            return run.wait_step(less, run.agents.kill(names[-1]), args.timeout)
+            before = max(run.steps(), key=lambda s: s[2])
+            at = run.agents.kill(names[-1])
+            return with_pause(run, run.wait_step(less, at, args.timeout), before, at)
         at = run.agents.terminate(names[-1])
         outcome = run.wait_step(less, at, args.timeout)
         if outcome.status == "ok":
@@ -278,7 +280,12 @@ def crash(run: Run, names: List[str], full: int, args: argparse.Namespace) -> Ou
     before = max(run.steps(), key=lambda s: s[2])
     at = time.time()
     os.kill(int(pid_file.read_text()), signal.SIGKILL)
-    outcome = run.wait_step(full, at, args.timeout)
+    return with_pause(run, run.wait_step(full, at, args.timeout), before, at)
+
+
+def with_pause(run: Run, outcome: Outcome, before: Step, at: float) -> Outcome:
+    """Add the survivors' pause (their last step before the fault at ``at`` → their first step after it, at
+    any world size) and the steps redone (the step counter went back) to a successful ``outcome``."""
     if outcome.status == "ok":
         after = min((s for s in run.steps() if s[2] > at), key=lambda s: s[2])
         outcome.phases["pause"] = round(after[2] - before[2], 3)
