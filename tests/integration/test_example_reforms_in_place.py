@@ -6,7 +6,8 @@ two ``re-formed in place`` lines, every step once and in order, the world size f
 membership. Then both remaining nodes are stopped: every rank stops at the same step and saves.
 A SIGKILLed worker of a three-node job is recovered in place: rank 0's process lives through it,
 every step once, and the job finishes (an elastic job's survivors re-form without the crashed node
-at once; a fixed-size job's wait for its replacement).
+at once; a fixed-size job's wait for its replacement). A whole node SIGKILLed: the other two keep
+their worker processes and go on at world 2.
 """
 
 from __future__ import annotations
@@ -159,3 +160,35 @@ def test_a_killed_rank_0_worker_of_an_elastic_job_is_recovered_in_place(etcd_ser
     assert worlds[0] == 2 and worlds[-1] == 3, "B trained on at world 2 at once, then with A back"
     assert "formed without this node" in a["A"].stderr(), a["A"].stderr()[-2000:]
     assert "done: steps=120" in a["B"].stdout()
+
+
+def test_the_example_goes_on_at_world_2_when_a_whole_node_is_killed(etcd_server, etcd, job_id, agents, tmp_path):
+    """SIGKILL of node B's whole process tree (agent, fork server, worker): its lease expires, A and C keep
+    their worker processes, re-form in place at world 2 and train on; no step runs twice; no restart used."""
+    ckpts = tmp_path / "ckpts"
+    a = {n: agents(["--node-rank", str(i), *agent_args(etcd_server.endpoint, job_id, n, ckpts)], name=n)
+         for i, n in enumerate("ABC")}
+    out = a["A"].stdout  # rank 0: it prints the steps
+    wait_until(lambda: len(steps(out())) >= 10, 150, "steps at world size 3")
+    keys = JobKeys(job_id)
+    wait_until(lambda: all((etcd.get_json(keys.node(n)) or {}).get("inplace") for n in "ABC"), 60, "opt-in")
+    survivors = {n: _worker(a[n]) for n in "AC"}
+    for proc in [*a["B"].descendants(), a["B"].proc]:
+        try:
+            os.kill(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    wait_until(lambda: sum(w == 2 for _, w in steps(out())) >= 10, 150, "steps at world size 2")
+    assert {n: _worker(a[n]) for n in "AC"} == survivors, "the survivors' worker processes are the same"
+    for n in "AC":
+        a[n].signal(signal.SIGTERM)
+    for n in "AC":
+        assert a[n].wait(60) is not None, a[n].output()
+    text = out()
+    assert text.count("start:") == 1 and "re-formed in place" in text, text[-3000:]
+    numbers = [s for s, _ in steps(text)]
+    assert numbers == list(range(1, len(numbers) + 1)), "every step once, in order"
+    worlds = [w for _, w in steps(text)]
+    assert worlds[0] == 3 and worlds[-1] == 2 and worlds == sorted(worlds, reverse=True), "3, then 2 for good"
+    assert etcd.get_json(keys.topology)["restart_count"] == 0, "a lost node re-formed in place uses no restart"
+    assert re.search(r"checkpoint \S+ saved in \S+ \(stop\)", text), "the survivors stopped together and saved"
