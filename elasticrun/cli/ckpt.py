@@ -205,8 +205,6 @@ def load_cmd(
     """Export a checkpoint as safetensors for Hugging Face (one file or shards), or reshard it for another
     world size. Nested state dicts have dotted names (model.fc.weight): --only model. --strip-prefix gives
     a model's own names."""
-    from elasticrun.checkpoint.consolidate import consolidate, reshard
-
     storage = _existing_root(root)
     if world_size is not None and (only or strip_prefix or max_shard_size):
         fail("--only/--strip-prefix/--max-shard-size apply to exports, not to --world-size resharding",
@@ -216,6 +214,8 @@ def load_cmd(
         fail(f"--out {out}: give a .safetensors file name, or a directory for Hugging Face shards", ExitCode.USAGE)
     name = resolve(storage, name, warn)
     total = read_meta(storage, name).total_bytes
+    from elasticrun.checkpoint.consolidate import consolidate, reshard  # imports torch: after the checks
+
     if world_size is not None:
         with progress(total, f"resharding {name}") as advance:
             new = reshard(root, name, world_size, out, out_name, verify=not no_verify, progress=advance)
