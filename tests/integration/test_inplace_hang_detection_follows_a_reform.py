@@ -22,10 +22,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 HANG_TIMEOUT = 3
 
 
-
-
-
-
 def test_a_survivor_reports_the_new_round_and_its_hang_is_detected(etcd_server, etcd, job_id, agents, tmp_path):
     log, hang = tmp_path / "steps.jsonl", tmp_path / "hang"
     env = {"INPLACE_LOG": str(log), "INPLACE_DATASET": "4000", "INPLACE_PACE": "0.05", "INPLACE_HEARTBEAT": "1",
