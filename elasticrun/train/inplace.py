@@ -51,6 +51,7 @@ from typing import Any, Dict, NoReturn, Optional
 import torch
 import torch.distributed as dist
 
+from elasticrun.errors import ConfigError
 from elasticrun.job import env as names
 from elasticrun.job.inplace import (
     ASSIGNED,
@@ -120,6 +121,7 @@ class InPlace:
                  join_timeout: float = DEFAULT_JOIN_TIMEOUT_S, **objects: Any) -> None:
         self.ctx = ctx
         self.objects = objects
+        _refuse_sharded(objects)
         self.step = 0
         self.extra: Dict[str, Any] = {}
         self.every = max(1, int(every))
@@ -371,6 +373,39 @@ class InPlace:
         sys.stderr.write(f"elasticrun: in-place re-form failed ({why}); exiting for a restart\n")
         sys.stderr.flush()
         os._exit(EXIT_INPLACE_FAILED)  # no atexit: a half-made group must not hang the exit
+
+
+#: Tensor types that hold one rank's shard of a larger tensor: rank 0's copy is not everyone's state.
+SHARDED_TENSORS = ("DTensor", "ShardedTensor")
+
+
+def _sharded_entry(value: Any, path: str = "") -> Optional[str]:
+    """Where ``value`` (dicts, lists, tuples) first holds a sharded tensor: ``"path (type)"``, else None."""
+    kind = type(value).__name__
+    if kind in SHARDED_TENSORS:
+        return f"{path or '.'} ({kind})"
+    if isinstance(value, dict):
+        items: Any = value.items()
+    elif type(value) in (list, tuple):
+        items = enumerate(value)
+    else:
+        return None
+    for k, v in items:
+        found = _sharded_entry(v, f"{path}.{k}" if path else str(k))
+        if found is not None:
+            return found
+    return None
+
+
+def _refuse_sharded(objects: Dict[str, Any]) -> None:
+    """ConfigError when a registered object's state holds sharded tensors (FSDP2, DTensor): the re-form
+    sends rank 0's state to every rank, which is right only for replicated state."""
+    for name, obj in objects.items():
+        where = _sharded_entry(obj.state_dict() if hasattr(obj, "state_dict") else None)
+        if where is not None:
+            raise ConfigError(f"InPlace: {name}'s state holds a sharded tensor at {where}: in-place re-forming "
+                              "sends rank 0's state to every rank, so register only replicated state (DDP), "
+                              "or run with --no-inplace and resume from checkpoints")
 
 
 def _on_cpu(value: Any) -> Any:
