@@ -201,30 +201,37 @@ def test_sigterm_while_waiting_for_an_assignment_leaves(harness: Harness) -> Non
     assert h.procs[0].wait(timeout=60) == 0  # the survivor finishes the epoch alone
 
 
-def _crash_mid_step(h: Harness, announce: bool) -> Tuple[Dict[int, int], Path]:
+def _crash_mid_step(h: Harness, announce: bool, **extra: str) -> Tuple[Dict[int, int], Path]:
     """Three workers; slot 1 dies between the two gradient all-reduces of a step. ``announce``: the test
-    (as the agent) tells the survivors it keeps them. The slots' PIDs and the crash trigger file."""
+    (as the agent) tells the survivors it keeps them (and that the round broke). ``extra``: every
+    worker's environment. The slots' PIDs and the crash trigger file."""
     trigger = h.tmp / "crash-mid"
-    h.first_round([0, 1, 2], {1: {"INPLACE_CRASH_MID_FILE": str(trigger)}})
+    h.first_round([0, 1, 2], {s: {**extra, **({"INPLACE_CRASH_MID_FILE": str(trigger)} if s == 1 else {})}
+                              for s in (0, 1, 2)})
     wait_until(lambda: h.at_world(3, 3), 60, "steps at world 3")
     pids = {s: h.procs[s].pid for s in (0, 1, 2)}
     trigger.touch()
     assert h.procs[1].wait(timeout=30) == 1
     if announce:
         for slot in (0, 2):
-            announce_recovery(h.inplace_file(slot), h.round, 60.0)
+            announce_recovery(h.inplace_file(slot), h.round, 60.0, broken=True)
     return pids, trigger
 
 
-def test_crash_mid_step_survivors_recover_in_place_and_redo_the_step(harness: Harness) -> None:
+@pytest.mark.parametrize("watch", [False, True], ids=["gloo", "abort-watch"])
+def test_crash_mid_step_survivors_recover_in_place_and_redo_the_step(harness: Harness, watch: bool) -> None:
+    """``abort-watch``: the NCCL path over gloo (``INPLACE_WATCH=1``): the round's groups are aborted (by
+    the survivor's own error or the watch on the word), destroyed without a device synchronisation,
+    the new round's groups armed, and every optimizer step passes the hook."""
     h = harness
-    pids, _ = _crash_mid_step(h, announce=True)
+    extra = {"INPLACE_WATCH": "1"} if watch else {}
+    pids, _ = _crash_mid_step(h, announce=True, **extra)
     # The agent's next round: the same ranks, slot 1's replacement joins as a newcomer.
     h.round += 1
     port = h._store()
     for rank in (0, 2):
         write_assignment(h.inplace_file(rank), h._env(rank, 3, port, 3))
-    h.start(1, 1, 3, port, 3, **{names.INPLACE_JOIN: "1"})
+    h.start(1, 1, 3, port, 3, **{names.INPLACE_JOIN: "1", **extra})
     for s in (0, 1, 2):
         assert h.procs[s].wait(timeout=90) == 0
     steps = h.steps()

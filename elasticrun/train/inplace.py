@@ -408,8 +408,12 @@ class InPlace:
 
     def _gate(self, *_: Any) -> None:
         if self._watch is not None:
-            device = self.ctx.device
-            self._watch.gate(lambda: torch.cuda.current_stream(device).synchronize(), dist.DistBackendError)
+            self._watch.gate(self._wait_device, dist.DistBackendError)
+
+    def _wait_device(self) -> None:
+        """The work queued on this worker's current CUDA stream (the step's collectives included) has ended."""
+        if self.ctx.device.type == "cuda":
+            torch.cuda.current_stream(self.ctx.device).synchronize()
 
     def _guarded(self, fn: Any, what: str) -> None:
         try:
