@@ -28,8 +28,8 @@ while not sampler.epoch_done:
     try:
         opt.zero_grad()  # first: a step redone after a crash starts from no gradients
         loss = torch.nn.functional.mse_loss(ddp(batch[:, :16]), batch[:, 16:])
-        loss.backward()  # DDP's all-reduce fails when a peer crashed
-        opt.step()
+        loss.backward()  # DDP's all-reduce fails when a peer crashed (gloo)
+        opt.step()  # NCCL: InPlace's hook refuses the step when a peer's crash aborted the all-reduce
     except RuntimeError as err:
         if inplace.recover(err) is et.Reform.STOP:  # re-raises unless the crash is recovered in place
             break

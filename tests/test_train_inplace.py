@@ -7,7 +7,8 @@ newcomers with ``ELASTICRUN_INPLACE_JOIN=1``. Checked: survivors keep their PIDs
 survivors' parameters, the pause is measured, and failures end in exit 75 (no hang). A peer's
 crash mid-step: the survivors leave the broken group, wait for the agent's word
 (:func:`~elasticrun.job.inplace.announce_recovery`), re-form with the crashed rank's replacement
-and redo the interrupted step; without the word they exit for a restart.
+and redo the interrupted step; without the word they exit for a restart. On a host with two or more
+GPUs (marked ``gpu``) the crash also runs over NCCL, one GPU per slot.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from elasticrun.job import env as names
@@ -198,30 +201,37 @@ def test_sigterm_while_waiting_for_an_assignment_leaves(harness: Harness) -> Non
     assert h.procs[0].wait(timeout=60) == 0  # the survivor finishes the epoch alone
 
 
-def _crash_mid_step(h: Harness, announce: bool) -> Tuple[Dict[int, int], Path]:
+def _crash_mid_step(h: Harness, announce: bool, **extra: str) -> Tuple[Dict[int, int], Path]:
     """Three workers; slot 1 dies between the two gradient all-reduces of a step. ``announce``: the test
-    (as the agent) tells the survivors it keeps them. The slots' PIDs and the crash trigger file."""
+    (as the agent) tells the survivors it keeps them (and that the round broke). ``extra``: every
+    worker's environment. The slots' PIDs and the crash trigger file."""
     trigger = h.tmp / "crash-mid"
-    h.first_round([0, 1, 2], {1: {"INPLACE_CRASH_MID_FILE": str(trigger)}})
+    h.first_round([0, 1, 2], {s: {**extra, **({"INPLACE_CRASH_MID_FILE": str(trigger)} if s == 1 else {})}
+                              for s in (0, 1, 2)})
     wait_until(lambda: h.at_world(3, 3), 60, "steps at world 3")
     pids = {s: h.procs[s].pid for s in (0, 1, 2)}
     trigger.touch()
     assert h.procs[1].wait(timeout=30) == 1
     if announce:
         for slot in (0, 2):
-            announce_recovery(h.inplace_file(slot), h.round, 60.0)
+            announce_recovery(h.inplace_file(slot), h.round, 60.0, broken=True)
     return pids, trigger
 
 
-def test_crash_mid_step_survivors_recover_in_place_and_redo_the_step(harness: Harness) -> None:
+@pytest.mark.parametrize("watch", [False, True], ids=["gloo", "abort-watch"])
+def test_crash_mid_step_survivors_recover_in_place_and_redo_the_step(harness: Harness, watch: bool) -> None:
+    """``abort-watch``: the NCCL path over gloo (``INPLACE_WATCH=1``): the round's groups are aborted (by
+    the survivor's own error or the watch on the word), destroyed without a device synchronisation,
+    the new round's groups armed, and every optimizer step passes the hook."""
     h = harness
-    pids, _ = _crash_mid_step(h, announce=True)
+    extra = {"INPLACE_WATCH": "1"} if watch else {}
+    pids, _ = _crash_mid_step(h, announce=True, **extra)
     # The agent's next round: the same ranks, slot 1's replacement joins as a newcomer.
     h.round += 1
     port = h._store()
     for rank in (0, 2):
         write_assignment(h.inplace_file(rank), h._env(rank, 3, port, 3))
-    h.start(1, 1, 3, port, 3, **{names.INPLACE_JOIN: "1"})
+    h.start(1, 1, 3, port, 3, **{names.INPLACE_JOIN: "1", **extra})
     for s in (0, 1, 2):
         assert h.procs[s].wait(timeout=90) == 0
     steps = h.steps()
@@ -251,3 +261,54 @@ def test_crash_mid_step_without_a_recovery_exits_for_a_restart(harness: Harness)
     codes = [h.procs[s].wait(timeout=60) for s in (0, 2)]
     assert codes == [1, 1], codes
     assert not any("recovered" in r for r in h.records())
+
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0  # read at collection: the host's GPUs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS < 2 or not dist.is_nccl_available(),
+                    reason=f"a crash over NCCL needs one CUDA GPU per rank (this host: {GPUS} GPUs)")
+def test_crash_mid_step_over_nccl_survivors_abort_and_recover(harness: Harness) -> None:
+    """The same crash over NCCL, one GPU per slot: the survivors' second all-reduce waits on the dead
+    peer on the device and their CPU waits in the optimizer step's hook; the agent's word that the round
+    broke (``broken=True``) makes their watch abort the communicators, the step is refused (its partial
+    all-reduce never reaches the parameters) and they re-form with the replacement, redoing it once."""
+    h = harness
+    n = min(GPUS, 3)
+    slots = list(range(n))
+    gpu = {s: {"CUDA_VISIBLE_DEVICES": str(s), "INPLACE_JOIN_TIMEOUT": "60"} for s in slots}
+    trigger = h.tmp / "crash-mid"
+    h.first_round(slots, {s: {**gpu[s], **({"INPLACE_CRASH_MID_FILE": str(trigger)} if s == 1 else {})}
+                          for s in slots})
+    wait_until(lambda: h.at_world(n, 3 * n), 90, f"steps at world {n}")
+    pids = {s: h.procs[s].pid for s in slots}
+    trigger.touch()
+    assert h.procs[1].wait(timeout=30) == 1
+    survivors = [s for s in slots if s != 1]
+    began = time.monotonic()
+    for slot in survivors:
+        announce_recovery(h.inplace_file(slot), h.round, 60.0, broken=True)
+    wait_until(lambda: {r["pid"] for r in h.records() if "recovered" in r} == {pids[s] for s in survivors}, 60,
+               "the survivors woken from the NCCL collective (long before its 60 s timeout)")
+    woken = time.monotonic() - began
+    h.round += 1
+    port = h._store()
+    for rank in survivors:
+        write_assignment(h.inplace_file(rank), h._env(rank, n, port, n))
+    h.start(1, 1, n, port, n, **{names.INPLACE_JOIN: "1", **gpu[1]})
+    for s in slots:
+        assert h.procs[s].wait(timeout=120) == 0
+    assert woken < 30, f"woken after {woken:.1f} s"
+    steps = h.steps()
+    assert {r["backend"] for r in steps} == {"nccl"}
+    recovered = [r for r in h.records() if "recovered" in r]
+    assert all(r["recovered"] == "reformed" and r["round"] == 1 for r in recovered), recovered
+    assert {r["pid"] for r in steps if r["round"] == 1 and r["rank"] != 1} == {pids[s] for s in survivors}
+    steps_by_process(steps)
+    rank0 = [r["step"] for r in steps if r["rank"] == 0]
+    assert rank0 == list(range(1, len(rank0) + 1)), "no step twice, none skipped"
+    assert sorted(i for r in steps for i in r["idx"]) == list(range(120)), "every sample once"
+    for step in {r["step"] for r in steps}:  # the refused step left no partial all-reduce in any model
+        ws = [r["w"] for r in steps if r["step"] == step]
+        assert all(w == pytest.approx(ws[0]) for w in ws), f"step {step}: ranks differ"

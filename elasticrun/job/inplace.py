@@ -5,7 +5,9 @@ round's assignment there (write + rename); the worker writes ``<file>.optin`` (t
 in: it opted in, and re-formed for that round) and, as a newcomer, ``<file>.ready`` just before it
 joins the group (its start-up is over: the survivors may re-form now). When the agent keeps its
 workers through a round change it writes ``<file>.recover`` (:func:`announce_recovery`): a worker
-whose collective broke (a peer crashed) waits for its next assignment instead of exiting.
+whose collective broke (a peer crashed) waits for its next assignment instead of exiting; when the
+round's end broke its collectives (a crash, a lost node: :func:`collectives_broken`), an NCCL worker
+aborts its communicators at once (its kernels would wait on the dead peer for torch's timeout).
 """
 
 from __future__ import annotations
@@ -69,12 +71,14 @@ def formed_round(path: str) -> int:
         return -1
 
 
-def announce_recovery(path: str, round_: int, wait_s: float) -> None:
+def announce_recovery(path: str, round_: int, wait_s: float, broken: bool = False) -> None:
     """Agent side: the workers of round ``round_`` are kept through its end: a worker whose collective
-    broke waits up to ``wait_s`` for its next assignment (the replacement's start-up) instead of exiting."""
+    broke waits up to ``wait_s`` for its next assignment (the replacement's start-up) instead of exiting.
+    ``broken``: the round ended by a crash or a lost node, so its collectives cannot complete (False: a
+    planned join or graceful leave, where the workers train on until their assignment)."""
     tmp = f"{path}.recover.tmp{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump({"round": int(round_), "wait_s": float(wait_s)}, f)
+        json.dump({"round": int(round_), "wait_s": float(wait_s), "broken": bool(broken)}, f)
     os.replace(tmp, path + ".recover")
 
 
@@ -89,6 +93,17 @@ def recovery_announced(path: str, round_: int) -> Optional[float]:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     return None
+
+
+def collectives_broken(path: str, round_: int) -> bool:
+    """Worker side: whether the agent announced that round ``round_`` ended by a crash or a lost node
+    (its collectives cannot complete: abort them); False when absent, malformed or for another round."""
+    try:
+        with open(path + ".recover") as f:
+            body = json.load(f)
+        return int(body["round"]) == round_ and body.get("broken") is True
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
 
 
 def ready(path: str) -> bool:
@@ -106,4 +121,5 @@ def clear(path: str) -> None:
 
 
 __all__ = ["ASSIGNED", "DURING_INPLACE", "EXIT_INPLACE_FAILED", "RECOVERABLE", "announce_recovery", "clear",
-           "formed_round", "opted_in", "read_assignment", "ready", "recovery_announced", "write_assignment"]
+           "collectives_broken", "formed_round", "opted_in", "read_assignment", "ready", "recovery_announced",
+           "write_assignment"]

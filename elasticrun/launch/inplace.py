@@ -203,15 +203,16 @@ class InPlaceRounds:
             return False  # cannot tell: the restart path
         return keeps_through_failure(rows, self.cfg.rendezvous.node_id)
 
-    def carry(self, round_: int, failed: bool) -> None:
+    def carry(self, round_: int, failed: bool, broken: bool = False) -> None:
         """Keep our workers through the end of round ``round_`` (:meth:`can_keep` said they may; ``failed``:
         it ended by other nodes' crashes), and tell them: a worker whose collective broke waits for its
-        next assignment (``InPlace.recover``) for up to the newcomers' start-up and the re-form's deadline."""
+        next assignment (``InPlace.recover``) for up to the newcomers' start-up and the re-form's deadline.
+        ``broken``: the round's collectives cannot complete (a crash, a lost node): NCCL workers abort theirs."""
         self.carrying = True
         self._recovering = failed
         wait = self.cfg.rendezvous.inplace_ready_timeout + INPLACE_DEADLINE_S
         for path in self._files():
-            inplace.announce_recovery(path, round_, wait)
+            inplace.announce_recovery(path, round_, wait, broken=failed or broken)
 
     def _state(self) -> InPlaceState:
         return InPlaceState(told=self._told, joining=self._joining, reforming=self._reforming,

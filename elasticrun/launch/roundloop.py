@@ -209,7 +209,7 @@ class RoundLoop:
                                                        if keep else "stopping workers"))
         self.obs.round_changed(self.rdzv, self.topo)
         if keep:
-            self.inplace.carry(n, failed=self.rdzv.round_failed(n))
+            self.inplace.carry(n, failed=self.rdzv.round_failed(n), broken=self.rdzv.collectives_broke(n))
         elif action.end is WorkersEnd.KILL:
             stop_workers(self.rdzv, self.workers, HANG_STOP_S, sig=signal.SIGKILL)
         else:

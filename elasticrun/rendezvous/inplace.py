@@ -90,6 +90,14 @@ def keeps_through_failure(rows: Sequence[Mapping[str, Any]], node_id: str) -> bo
     return bool(rows) and all(recoverable_in_place(row) and row.get("node_id") != node_id for row in rows)
 
 
+def collectives_broke(failed: bool, lost: Optional[str], left: Iterable[str]) -> bool:
+    """Whether a round's end breaks its members' collectives: a worker failed (``failed``), or the member
+    the end record names (``lost``) went without a graceful leave's marker (``left``: the nodes that
+    wrote ``rounds/<n>/left/<node>``), so its lease expired. A join, a graceful leave or the end for
+    newcomers breaks nothing: the workers train on until they re-form."""
+    return failed or (lost is not None and lost not in set(left))
+
+
 def inplace_failed(prev: Optional[Topology], failure_rows: Iterable[Mapping[str, Any]]) -> bool:
     """True when round ``prev`` re-formed in place and failed in that re-form: a failure row with exit
     code :data:`EXIT_INPLACE_FAILED` or flagged :data:`DURING_INPLACE` by its agent (the worker failed
@@ -102,4 +110,4 @@ def inplace_failed(prev: Optional[Topology], failure_rows: Iterable[Mapping[str,
     return any(row.get("exitcode") == EXIT_INPLACE_FAILED or row.get(DURING_INPLACE) is True for row in failure_rows)
 
 
-__all__ = ["inplace_failed", "keeps_through_failure", "plan_inplace", "recoverable_in_place"]
+__all__ = ["collectives_broke", "inplace_failed", "keeps_through_failure", "plan_inplace", "recoverable_in_place"]

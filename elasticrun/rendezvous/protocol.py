@@ -34,6 +34,7 @@ from elasticrun.errors import ElasticrunError, RendezvousError, StoreError
 from elasticrun.job import records
 from elasticrun.job.keys import JobKeys
 from elasticrun.rendezvous.ended import expire, stop_if_last
+from elasticrun.rendezvous.inplace import collectives_broke
 from elasticrun.rendezvous.leader import Leadership
 from elasticrun.rendezvous.plan import (
     EndJob,
@@ -431,6 +432,15 @@ class Rendezvous:
         no failure flag and the job goes on): no member's collective broke."""
         end = self.view.record(self.keys.end(round_), records.end_flag)
         return end is not None and end.get("lost") is None and not self.round_failed(round_) and not self.view.state()
+
+    def collectives_broke(self, round_: int) -> bool:
+        """Whether round ``round_`` ended in a way that breaks its members' collectives: a worker failure, or
+        a member lost (its lease expired) rather than gone by a graceful leave (its ``left`` marker, written
+        before its lease went, so the view holds it by the time it holds the end record)."""
+        end = self.view.record(self.keys.end(round_), records.end_flag)
+        prefix = self.keys.lefts(round_)
+        left = [key[len(prefix):] for key in self.view.under(prefix)]
+        return collectives_broke(self.round_failed(round_), end.get("lost") if end is not None else None, left)
 
     def round_failed(self, round_: int) -> bool:
         """Whether round ``round_`` has its failure flag (a malformed one counts as absent)."""

@@ -32,7 +32,10 @@ Any failure (a peer gone, no assignment before ``timeout``) exits the worker wit
 :data:`EXIT_INPLACE_FAILED`: the agent then takes the normal restart path.
 After a peer's crash the agent keeps the workers and says so in ``<file>.recover``: :meth:`InPlace.recover`
 leaves the broken group, waits for the next assignment (the crashed rank's replacement joins as a
-newcomer) and re-forms as above; the interrupted step is redone.
+newcomer) and re-forms as above; the interrupted step is redone. Over NCCL a survivor's collective
+does not fail by itself (its kernel waits on the dead peer): a watch thread aborts the round's groups
+when the agent says the round broke, and an optimizer step hook keeps the aborted collectives'
+partial results out of the parameters (:mod:`elasticrun.train.abort`).
 Without ``ELASTICRUN_INPLACE_FILE`` (torchrun, plain python) nothing changes: ``check()`` is a
 no-op returning ``CONTINUE`` unless SIGTERM arrived.
 """
@@ -56,12 +59,14 @@ from elasticrun.job import env as names
 from elasticrun.job.inplace import (
     ASSIGNED,
     EXIT_INPLACE_FAILED,
+    collectives_broken,
     formed_round,
     opted_in,
     read_assignment,
     recovery_announced,
     write_assignment,
 )
+from elasticrun.train.abort import BreakWatch, abort_all_groups
 from elasticrun.train.dist import ElasticContext
 from elasticrun.train.env import ElasticState
 from elasticrun.train.progress import follow_reform
@@ -115,6 +120,10 @@ class InPlace:
     deadline of the re-form's own collectives and of the wait for the assignment; ``join_timeout``:
     how long the new group may take to assemble (newcomers are still starting: their imports count)
     and the collective timeout of the new default group.
+
+    Over NCCL every registered ``torch.optim.Optimizer`` gets a step pre-hook that waits for the step's
+    collectives on the device (one synchronisation of the current stream per optimizer step) and raises
+    ``torch.distributed.DistBackendError`` instead of applying the step when a peer's crash aborted them.
     """
 
     def __init__(self, ctx: ElasticContext, *, every: int = 1, timeout: float = DEFAULT_REFORM_TIMEOUT_S,
@@ -136,9 +145,15 @@ class InPlace:
         self._calls = 0
         self._seen: Optional[int] = None
         self._group: Any = None
+        self._watch: Optional[BreakWatch] = None  # NCCL: aborts a broken round's groups (see the module docstring)
         if self.enabled:
             with self.ctx.group_sockets.watch():
                 self._new_group()
+            if self._nccl:
+                self._watch = BreakWatch(lambda: self.ctx.round, lambda r: collectives_broken(self.path, r))
+                self._arm()
+                self._gate_optimizers()
+                self._watch.start()
             if os.environ.get(names.INPLACE_JOIN) == "1":
                 os.environ.pop(names.INPLACE_JOIN, None)
                 self._guarded(self.sync, "receiving the state from the survivors")
@@ -149,6 +164,15 @@ class InPlace:
     def enabled(self) -> bool:
         """True under an agent that re-forms in place, with a process group."""
         return bool(self.path) and self.ctx.distributed
+
+    @property
+    def _nccl(self) -> bool:
+        return "nccl" in str(self.ctx.backend)
+
+    @property
+    def _aborted(self) -> bool:
+        """This round's groups were aborted: a peer crashed (NCCL; see :mod:`elasticrun.train.abort`)."""
+        return self._watch is not None and self._watch.fired
 
     # -- the step boundary -------------------------------------------------------------------
 
@@ -172,6 +196,8 @@ class InPlace:
             return Reform.STOP if self.ctx.should_stop else Reform.CONTINUE
         if self._calls % self.every and not self.ctx.should_stop:
             return Reform.CONTINUE
+        if self._aborted:  # our groups are gone: no agreement over them
+            return self._recover_at_check(dist.DistBackendError(f"round {self.ctx.round}'s groups were aborted"))
         stopping = self.ctx.should_stop  # read once: SIGTERM may land between here and the decision
         mine = _STOP if stopping else int(self._pending())
         flags = torch.tensor([mine, -mine])  # one MAX all-reduce: the highest flag and the lowest
@@ -234,6 +260,7 @@ class InPlace:
         self.ctx.state = state
         self._guarded(self._join_group, "joining the new round's group (a newcomer that ran DDP or another "
                       "collective before creating InPlace blocks it)")
+        self._arm()
         self._repoint_samplers(state)
         self._guarded(self.sync, "sending the state to newcomers")
         follow_reform(state)  # progress reports (hang detection, the step gauge) name the new round
@@ -248,18 +275,19 @@ class InPlace:
     def recover(self, err: BaseException) -> Reform:
         """The step raised ``err``; call from its ``except`` block, on the rank it raised on.
 
-        A peer crashed (gloo: its closed connection; or a collective deadline): this worker leaves the
-        broken group at once (its peers' pending collectives fail too) and, when its agent keeps the
-        workers for an in-place recovery (``<file>.recover`` within ``timeout`` s), waits for the next
-        round's assignment (the crashed rank's replacement starting), joins it and receives the state
-        from the new rank 0: :attr:`Reform.REFORMED`, redo the interrupted step (its gradients are
-        dropped; the sampler and :attr:`step` were not advanced). :attr:`Reform.STOP`: SIGTERM came
-        while waiting (the agent took the restart path). Re-raises ``err`` otherwise: not enabled, no
-        recovery announced, or an NCCL group (its communicator must be aborted, which this does not do
-        yet: the restart path). An error that is no broken collective (:func:`broken_collective`: e.g. a
-        shape mismatch in the step) is re-raised at once, without waiting.
+        A peer crashed (gloo: its closed connection; or a collective deadline; NCCL: the round's groups
+        were aborted on the agent's word, see :mod:`elasticrun.train.abort`): this worker leaves the
+        broken group at once (its peers' pending collectives fail too; NCCL: its communicators are
+        aborted, never flushed) and, when its agent keeps the workers for an in-place recovery
+        (``<file>.recover`` within ``timeout`` s), waits for the next round's assignment (the crashed
+        rank's replacement starting), joins it and receives the state from the new rank 0:
+        :attr:`Reform.REFORMED`, redo the interrupted step (its gradients are dropped; the sampler and
+        :attr:`step` were not advanced). :attr:`Reform.STOP`: SIGTERM came while waiting (the agent took
+        the restart path). Re-raises ``err`` otherwise: not enabled, or no recovery announced. An error
+        that is no broken collective (:func:`broken_collective`: e.g. a shape mismatch in the step) is
+        re-raised at once, without waiting, unless this round's groups were aborted.
         """
-        if not self.enabled or not broken_collective(err) or "nccl" in str(self.ctx.backend):
+        if not self.enabled or not (broken_collective(err) or self._aborted):
             raise err
         began = time.monotonic()
         old = self.ctx.round
@@ -292,18 +320,23 @@ class InPlace:
 
     def _drop_group(self) -> None:
         """Leave a broken group: its connections are cut first (``OpenedSockets``: peers blocked on us fail
-        at once, though a reference the script holds keeps the group alive), then it is destroyed."""
-        self.ctx.group_sockets.cut()
+        at once, though a reference the script holds keeps the group alive), then it is destroyed. Over
+        NCCL every group is aborted as well (once: the watch may have done it) and destroyed without a
+        device synchronisation (a kernel waiting on the dead peer would never let it return)."""
+        if self._watch is not None:
+            self._watch.abort_now()
+        else:
+            self.ctx.group_sockets.cut()
         try:
-            self._leave_group()
+            self._leave_group(sync=self._watch is None)
         except Exception as err:  # a group already half gone: nothing of it is used again
             log.warning("elasticrun: leaving the broken group: %s", err)
             self.ctx.owns_group = False
             self.ctx.cpu_group = None
 
-    def _leave_group(self) -> None:
-        """Destroy every group of the old round (ours included), after the device's queued work."""
-        if self.ctx.device.type == "cuda":
+    def _leave_group(self, sync: bool = True) -> None:
+        """Destroy every group of the old round (ours included), after the device's queued work (``sync``)."""
+        if sync and self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)  # no NCCL kernel of the last step still runs
         dist.destroy_process_group()
         self.ctx.owns_group = False
@@ -362,6 +395,27 @@ class InPlace:
         arrives late on a loaded host, and must not fail the survivors' re-form for that."""
         dist.barrier(group=self.ctx.cpu_group)
         self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
+
+    def _arm(self) -> None:
+        """NCCL: the groups of the round just formed are the ones a broken round ends."""
+        if self._watch is not None:
+            self._watch.arm(self.ctx.round, self.ctx.group_sockets.cut, abort_all_groups)
+
+    def _gate_optimizers(self) -> None:
+        """NCCL: each registered optimizer's step waits for the step's collectives, and is refused when they
+        were aborted (:meth:`~elasticrun.train.abort.BreakWatch.gate`)."""
+        for o in self.objects.values():
+            if isinstance(o, torch.optim.Optimizer):
+                o.register_step_pre_hook(self._gate)
+
+    def _gate(self, *_: Any) -> None:
+        if self._watch is not None:
+            self._watch.gate(self._wait_device, dist.DistBackendError)
+
+    def _wait_device(self) -> None:
+        """The work queued on this worker's current CUDA stream (the step's collectives included) has ended."""
+        if self.ctx.device.type == "cuda":
+            torch.cuda.current_stream(self.ctx.device).synchronize()
 
     def _guarded(self, fn: Any, what: str) -> None:
         try:

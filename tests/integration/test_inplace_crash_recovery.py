@@ -7,7 +7,8 @@ SIGKILLed: its agent reports the failure flagged recoverable, the other agents k
 round that re-forms them in place, and the crashed node's agent starts a replacement that joins
 as a newcomer and receives the state. The crash uses a restart (``--max-restarts``) and shows in
 the failure rows and the ``restart`` event (``recovery: in_place``). When the replacement dies
-while receiving the state, the round takes today's restart path (every worker restarts).
+while receiving the state, the round takes today's restart path (every worker restarts). On a host
+with two or more GPUs (marked ``gpu``) the SIGKILL also runs over NCCL with DDP, one GPU per node.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Dict, Sequence
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from elasticrun.job.inplace import RECOVERABLE
 from elasticrun.job.keys import JobKeys
@@ -29,6 +32,8 @@ from helpers.procs import wait_until
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 DATASET = 600  # 3 ranks x 2 samples: 100 steps at world 3
 HANG_TIMEOUT = 5
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0  # read at collection: the host's GPUs
+NCCL = dist.is_available() and dist.is_nccl_available()
 
 
 def _start(agents, endpoint: str, job: str, tmp: Path, env: Dict[str, str], extra: Dict[str, Dict[str, str]],
@@ -160,3 +165,48 @@ def test_a_lost_node_is_recovered_in_place_at_the_smaller_size(etcd_server, etcd
     seen = [i for r in steps for i in r["idx"]]
     assert len(seen) == len(set(seen)), "a sample trained twice"
     assert len(set(range(DATASET)) - set(seen)) <= 2, "at most the lost worker's last, unlogged step"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS < 2 or not NCCL, reason=f"a crash over NCCL needs one CUDA GPU per node "
+                                                  f"(this host: {GPUS} GPUs, NCCL {'yes' if NCCL else 'no'})")
+def test_a_killed_worker_is_recovered_in_place_over_nccl(etcd_server, etcd, job_id, agents, tmp_path):
+    """The SIGKILL over NCCL with DDP, one GPU per simulated node (``CUDA_VISIBLE_DEVICES=<i>``; 2 or 3
+    nodes): the survivors' agents say the round broke, the survivors' watch aborts their communicators
+    (a survivor whose all-reduce waits on the dead peer on the device is woken, not left to NCCL's
+    timeout), they re-form with B's replacement and no step runs twice."""
+    n = min(GPUS, 3)
+    nodes = "ABC"[:n]
+    log, fast = tmp_path / "steps.jsonl", tmp_path / "fast"
+    env = {"INPLACE_LOG": str(log), "INPLACE_DATASET": str(n * 2 * 400), "INPLACE_PACE": "0.02",
+           "INPLACE_FAST_FILE": str(fast), "INPLACE_DDP": "1", "INPLACE_JOIN_TIMEOUT": "120"}
+    keys = JobKeys(job_id)
+    a = {x: agents(inplace_args(etcd_server.endpoint, job_id, x, str(n), extra=[
+        "--max-restarts", "2", "--node-rank", str(i), "--events-file", str(tmp_path / f"events-{x}.jsonl")]),
+        name=x, env={**env, "CUDA_VISIBLE_DEVICES": str(i)}) for i, x in enumerate(nodes)}
+    wait_until(lambda: sum(r["world"] == n for r in log_steps(log)) >= 6 * n, 150, f"steps at world size {n}")
+    wait_until(lambda: all((etcd.get_json(keys.node(x)) or {}).get("inplace") is True for x in nodes), 60,
+               "every node offering in-place re-forming")
+    pids = {rank: _worker_of(log, rank) for rank in range(n)}
+    os.kill(pids[1], signal.SIGKILL)
+    wait_until(lambda: any(r["round"] >= 1 and r["world"] == n and r["rank"] == 1 for r in log_steps(log)), 150,
+               "the crashed rank training again")
+    fast.touch()
+    for x in nodes:
+        assert a[x].wait(120) == 0, a[x].output()
+    topo = etcd.get_json(keys.topology)
+    assert topo["round"] == 1 and sorted(topo["inplace"]) == [x for x in nodes if x != "B"], topo
+    steps = log_steps(log)
+    assert {r["backend"] for r in steps} == {"nccl"}, "every step ran over NCCL"
+    later = {r["rank"]: r["pid"] for r in steps if r["round"] == 1}
+    assert all(later[r] == pids[r] for r in range(n) if r != 1) and later[1] != pids[1], (pids, later)
+    steps_by_process(steps)
+    rank0 = [r["step"] for r in steps if r["rank"] == 0]
+    assert rank0 == list(range(1, len(rank0) + 1)), "no step twice, none skipped"
+    seen = [i for r in steps for i in r["idx"]]
+    assert len(seen) == len(set(seen)), "a sample trained twice"
+    for step in {r["step"] for r in steps}:  # no partial all-reduce reached any model
+        ws = [r["w"] for r in steps if r["step"] == step]
+        assert all(w == pytest.approx(ws[0]) for w in ws), f"step {step}: ranks differ"
+    back = [r for r in log_rows(log) if ("recovered" in r or "reformed" in r) and r.get("round") == 1]
+    assert sorted(r["pid"] for r in back) == sorted(pids[r] for r in range(n) if r != 1), back

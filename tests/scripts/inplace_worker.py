@@ -17,7 +17,9 @@ rank 0 logs ``{"saved": name}`` or ``{"refused": error}`` with its round.
 ``INPLACE_HEARTBEAT=1``: ``et.heartbeat(step)`` after every step; ``INPLACE_HANG_FILE``: once that
 file exists, the worker stops making progress (sleeps in its loop: a hang); ``INPLACE_CRASH_FILE``:
 once that file exists, the worker exits 1 (a crash); ``INPLACE_CRASH_MID_FILE``: the same, between the
-two gradient all-reduces of a step (without DDP). A step whose collective fails is handed to
+two gradient all-reduces of a step (without DDP). ``INPLACE_WATCH=1``: ``InPlace`` takes its NCCL path
+over gloo (the abort watch, the optimizer step hook, the abort instead of the destroy-after-synchronize).
+A step whose collective fails is handed to
 ``InPlace.recover``: a ``{"recovered": ...}`` line, then the step is redone in the re-formed group.
 The restart path by hand: ``INPLACE_RESUME=PATH`` loads the state saved at ``PATH`` (if it exists),
 ``INPLACE_STOP_AFTER=STEP`` saves it there after STEP (rank 0) and exits 0.
@@ -51,6 +53,9 @@ if die.startswith("reform:"):
         real_reform(self)
 
     inplace.InPlace._reform = _dying_reform
+
+if os.environ.get("INPLACE_WATCH") == "1":  # the NCCL path's abort watch and optimizer hook, over gloo
+    inplace.InPlace._nccl = property(lambda self: True)
 
 time.sleep(float(os.environ.get("INPLACE_START_DELAY", "0")))
 gate = os.environ.get("INPLACE_START_GATE", "")

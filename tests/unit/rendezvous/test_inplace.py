@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from elasticrun.job.inplace import DURING_INPLACE, EXIT_INPLACE_FAILED, RECOVERABLE
-from elasticrun.rendezvous.inplace import inplace_failed, keeps_through_failure, plan_inplace
+from elasticrun.rendezvous.inplace import collectives_broke, inplace_failed, keeps_through_failure, plan_inplace
 from elasticrun.rendezvous.records import Member, NodeInfo, RescaleType, Topology
 
 
@@ -106,3 +106,12 @@ def test_a_survivor_keeps_its_workers_only_for_recoverable_crashes_of_other_node
     assert not keeps_through_failure([_crash("B", 1)], "B"), "our own worker failed"
     assert not keeps_through_failure([_crash("B", 1), _crash("C", 2, False)], "A")
     assert not keeps_through_failure([], "A"), "the rows are not readable yet or were lost"
+
+
+def test_only_a_crash_or_a_lost_node_breaks_the_rounds_collectives():
+    """What the survivors' agents tell their workers (NCCL workers abort their communicators on it)."""
+    assert collectives_broke(True, None, []), "a worker failure"
+    assert collectives_broke(False, "B", []), "a member whose lease expired"
+    assert collectives_broke(False, "B", ["C"]), "another node's graceful leave does not cover B"
+    assert not collectives_broke(False, "B", ["B"]), "a graceful leave: its workers stopped at a step boundary"
+    assert not collectives_broke(False, None, []), "the end for newcomers (a join)"
