@@ -245,6 +245,22 @@ def main(argv: Optional[List[str]] = None) -> int:
         log0(ctx, f"re-formed in place: {ctx.state.describe()} step {step} lr {lr:.4g} global_batch "
                   f"{global_batch} accumulation {accum} pause {reform.last_pause_s:.3f}s")
 
+    def checkpoint(decision: Any) -> None:
+        """Save for ``decision`` (a stop, a request, or the periodic one) and answer its requests."""
+        reason = "stop" if decision.stop else "request" if decision.request_ids else "periodic"
+        try:
+            name = save(reason)
+        except ElasticrunError as err:
+            log0(ctx, f"checkpoint failed: {err}")
+            for rid in decision.request_ids:
+                requests.fail(rid, str(err))
+            return
+        for rid in decision.request_ids:
+            if name is None:
+                requests.fail(rid, "checkpointing is disabled (--no-checkpoint)")
+            else:
+                requests.done(rid, name, os.path.abspath(args.ckpt_dir), step)
+
     def recovered(err: RuntimeError) -> bool:
         """A collective failed (a peer crashed): True once re-formed in place with the crashed rank's
         replacement (``InPlace.recover``); False: stop (SIGTERM while waiting). Re-raises ``err`` when
@@ -319,22 +335,17 @@ def main(argv: Optional[List[str]] = None) -> int:
                         break
                     mine, start = sampler.indices(), 0
                     continue
-                if snaps is not None and (step % args.snapshot_every == 0 or decision.stop):
-                    snapshot()  # also at a stop (a rescale): the next round resumes from memory at this step
-                if decision.checkpoint or (args.ckpt_every and step % args.ckpt_every == 0):
-                    reason = "stop" if decision.stop else "request" if decision.request_ids else "periodic"
-                    try:
-                        name = save(reason)
-                    except ElasticrunError as err:
-                        log0(ctx, f"checkpoint failed: {err}")
-                        for rid in decision.request_ids:
-                            requests.fail(rid, str(err))
-                    else:
-                        for rid in decision.request_ids:
-                            if name is None:
-                                requests.fail(rid, "checkpointing is disabled (--no-checkpoint)")
-                            else:
-                                requests.done(rid, name, os.path.abspath(args.ckpt_dir), step)
+                try:
+                    if snaps is not None and (step % args.snapshot_every == 0 or decision.stop):
+                        snapshot()  # also at a stop (a rescale): the next round resumes from memory at this step
+                    if decision.checkpoint or (args.ckpt_every and step % args.ckpt_every == 0):
+                        checkpoint(decision)
+                except RuntimeError as err:  # a peer crashed in their collectives (the RNG's gather): as above
+                    if not recovered(err):
+                        stopped = True
+                        break
+                    mine, start = sampler.indices(), 0
+                    continue
                 if decision.stop:
                     stopped = True
                     break

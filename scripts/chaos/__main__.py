@@ -207,6 +207,7 @@ def run(args: argparse.Namespace, say: Say, cleanup: ExitStack) -> int:
     if not soak.wait(soak.settled, 240):  # the faults' rounds are those formed after the start's
         soak.violations.append(f"the job did not train at all {args.nodes} nodes within 240 s of starting")
         soak.aborted = True
+    soak.wait(launcher.offer_inplace, 60)  # the first fault meets a job that can recover in place
     end = time.monotonic() + args.minutes * 60
     faults = schedule(args.seed, kinds, args.minutes, args.heartbeat_timeout, shuffle=args.shuffle)
     while not soak.aborted and time.monotonic() < end:

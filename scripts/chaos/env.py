@@ -321,6 +321,21 @@ class Launcher:
     def live(self) -> List[AgentProc]:
         return [a for a in self.agents if a.proc.poll() is None]
 
+    def offer_inplace(self) -> bool:
+        """Every live node's record says its workers opted in to in-place re-forming (a crash before that
+        takes the restart path, as it should)."""
+        from elasticrun.errors import StoreError
+        from elasticrun.job.keys import JobKeys
+        from elasticrun.store.client import connect
+
+        keys = JobKeys(self.job)
+        try:
+            with connect(self.live_member() if self.hosted else self.endpoint, retry_timeout=2, timeout=2) as store:
+                records = {a.label: store.get_json(keys.node(a.label)) for a in self.live()}
+        except (StoreError, ValueError):
+            return False
+        return all(isinstance(r, dict) and r.get("inplace") is True for r in records.values())
+
     def cli(self, args: List[str], timeout: float = 60) -> subprocess.CompletedProcess:
         """Run ``elasticrun ARGS`` with the agents' code and environment (raises OSError/TimeoutExpired)."""
         return subprocess.run([sys.executable, "-m", "elasticrun", *args], capture_output=True, text=True,
