@@ -2,7 +2,7 @@
 perf_report.py; needs matplotlib (``pip install 'elasticrun[plot]'``). Each chart is written only when there
 is data for it. Run alone, it draws the rendezvous-at-scale chart from ``bench_rendezvous.py --out FILE``::
 
-    python scripts/perf/perf_charts.py rdzv.json -o docs/img/rendezvous-scaling.png
+    python scripts/perf/perf_charts.py rdzv.json -o docs/img/perf-rendezvous.png
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     """The rendezvous-at-scale chart of one ``bench_rendezvous.py --out FILE``."""
     ap = argparse.ArgumentParser(description="Draw the rendezvous-at-scale chart from bench_rendezvous.py --out FILE")
     ap.add_argument("rows", type=Path, help="the JSON file of bench_rendezvous.py --out")
-    ap.add_argument("-o", "--output", type=Path, default=Path("docs/img/rendezvous-scaling.png"))
+    ap.add_argument("-o", "--output", type=Path, default=Path("docs/img/perf-rendezvous.png"))
     args = ap.parse_args(argv)
     try:
         data = json.loads(args.rows.read_text())
