@@ -307,7 +307,8 @@ OWN_OPTIONS: Tuple[Opt, ...] = (
         "max-gpu-temp-c=80).", ELASTIC, metavar="LIST", default="",
         fills=("health.node_check_thresholds",), convert=run_values.thresholds),
     Opt("straggler_threshold", ("--straggler-threshold",), "A rank whose compute time per step (reported with "
-        "elasticrun.train.StepTimer) is at least this many times the job's median is slow.", ELASTIC,
+        "elasticrun.train.StepTimer) is at least this many times the job's median, and 2 ms or more above it, is "
+        "slow.", ELASTIC,
         type=Type.FLOAT, metavar="X", default=1.2, more_than=1,
         fills=("health.straggler_threshold",)),
     Opt("straggler_window", ("--straggler-window",), "Seconds a rank must stay slow to be flagged as a straggler "

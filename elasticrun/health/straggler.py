@@ -4,7 +4,9 @@ Synchronous training runs at the slowest rank's pace, and every rank's *wall* ti
 same; what tells ranks apart is the time each spends outside collectives (compute), which the workers
 report (:class:`elasticrun.train.StepTimer`). A rank whose compute time is at least ``threshold`` ×
 the median of all ranks' for ``window_s`` seconds in a row is a straggler; it stops being one after
-``window_s`` seconds below the threshold (so one slow phase does not make the flag flap). A node is
+``window_s`` seconds below the threshold (so one slow phase does not make the flag flap). A rank
+less than ``min_excess_s`` behind the median is never slow, whatever its ratio: with steps of a
+millisecond or two of compute, the ratio measures the operating system's scheduler, not the node. A node is
 a straggler when any of its ranks is. Everything here is pure: the caller feeds readings and the time.
 """
 
@@ -31,6 +33,7 @@ class StragglerPolicy:
     window_s: float = 30.0
     stale_s: float = 15.0  # a reading older than this is no reading (the rank stopped reporting)
     min_ranks: int = 2  # fewer ranks reporting: nobody is judged
+    min_excess_s: float = 0.002  # compute seconds per step above the median below which no rank is slow
 
 
 @dataclass(frozen=True)
@@ -107,13 +110,14 @@ class StragglerTracker:
         if len(latest) < p.min_ranks:
             latest = {}
         scores = ratios({rank: r.compute_s for rank, r in latest.items()})
+        median = statistics.median([r.compute_s for r in latest.values()]) if latest else None
         for rank in list(self._above):
             if rank not in scores:
                 del self._above[rank]
         self._flagged &= set(scores)
         out: Dict[int, RankScore] = {}
         for rank, ratio in scores.items():
-            slow = ratio >= p.threshold
+            slow = ratio >= p.threshold and latest[rank].compute_s - (median or 0.0) >= p.min_excess_s
             if slow:
                 self._above.setdefault(rank, now)
                 self._below.pop(rank, None)
@@ -135,7 +139,6 @@ class StragglerTracker:
         flagged = sorted(set(nodes) - self._nodes)
         cleared = sorted(self._nodes - set(nodes))
         self._nodes = set(nodes)
-        median = statistics.median([r.compute_s for r in latest.values()]) if latest else None
         return Assessment(round_, median, out, nodes, flagged, cleared)
 
 

@@ -53,6 +53,17 @@ def test_just_below_the_threshold_is_never_flagged():
     assert not a.nodes
 
 
+def test_a_rank_less_than_the_floor_behind_the_median_is_never_slow():
+    t = StragglerTracker(POLICY)  # 1.9 ms of compute against 1.5 ms: ratio 1.27, 0.4 ms behind (scheduler noise)
+    for now in range(0, 60, 5):
+        a = t.observe(0, readings([0.0015, 0.0015, 0.0019], now), now=now)
+    assert not a.nodes and a.ranks[2].ratio > POLICY.threshold and a.ranks[2].slow_since is None
+    t = StragglerTracker(POLICY)  # 4 ms against 1.5 ms: 2.5 ms behind, more than the 2 ms floor
+    for now in range(0, 15, 5):
+        a = t.observe(0, readings([0.0015, 0.0015, 0.004], now), now=now)
+    assert a.nodes == {"n2": a.ranks[2].ratio}
+
+
 def test_stale_readings_and_a_lone_rank_are_not_judged():
     t = StragglerTracker(POLICY)
     old = [Reading(0, "n0", 0.1, 0.0), Reading(1, "n1", 0.5, -100.0)]
