@@ -204,7 +204,7 @@ def main() -> None:
     ap.add_argument("--no-fsync", action="store_true", help="start etcd with --unsafe-no-fsync")
     ap.add_argument("--record-only", action="store_true", help="only measure reading the round record per size")
     ap.add_argument("--out", default="", metavar="FILE", help="also write the rows as JSON to FILE "
-                    "(scripts/perf/perf_charts.py draws them)")
+                    "(scripts/perf/perf_report.py --rendezvous FILE draws them)")
     args = ap.parse_args()
     parses = [record_parse(n) for n in args.nodes]
     if args.record_only:
