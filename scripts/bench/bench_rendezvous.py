@@ -106,8 +106,6 @@ def phase(children: Children, store: EtcdStore, name: str, start: str, nodes: in
     if isinstance(noticed, (int, float)):  # when the leader saw the lost node: the rest is the re-form itself
         row["noticed_s"] = noticed - t0
         row["reform_s"] = row["all_hold_s"] - row["noticed_s"]
-    if name == "round 0":
-        row["all_round_s"] = row["all_hold_s"]  # the name scripts/perf charts read
     return row
 
 
