@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import psutil
-from common import TORCHRUN_TUNED_CONF, Agents, AgentsExited, md_table, shown_command, write_json
+from common import TORCHRUN_TUNED_CONF, Agents, AgentsExited, md_table, shown_command, summary_row, write_json
 
 ONE_MEMBER = "elasticrun-etcd1"  # elasticrun whose hosted etcd stays one member (--rdzv-conf etcd_members=1)
 
@@ -100,9 +100,10 @@ def _figure(runs: List[Run], name: str) -> List[float]:
     return [v for v in values if v is not None and (v or name != "seconds")]
 
 
-def _against_torchrun(mine: List[Run], name: str, timeout: Optional[float]) -> Optional[Dict]:
-    """elasticrun's median of ``name`` against the lowest torchrun median, or None without both. With a
-    ``timeout``, a torchrun with no good run counts as that (a lower bound) and says so; without, it is left out."""
+def _against_torchrun(mine: List[Run], name: str, timeout: Optional[float]) -> Optional[Tuple[float, str, float, int]]:
+    """elasticrun's median of ``name``, the lowest torchrun median with its note, and elasticrun's run count; None
+    without both. With a ``timeout``, a torchrun with no good run counts as that (a lower bound) and says so;
+    without, it is left out."""
     ours = _figure([r for r in mine if r.launcher == "elasticrun"], name)
     alts = []
     for launcher in dict.fromkeys(r.launcher for r in mine if r.launcher != "elasticrun"):
@@ -116,21 +117,21 @@ def _against_torchrun(mine: List[Run], name: str, timeout: Optional[float]) -> O
     if not ours or not alts:
         return None
     alt_value, alt = min(alts)
-    value = statistics.median(ours)
-    return {"elasticrun": value, "alternative": alt, "alt_value": alt_value, "unit": "s", "better": "lower",
-            "ratio": round(alt_value / value, 3) if value else None, "runs": len(ours)}
+    return statistics.median(ours), alt, alt_value, len(ours)
 
 
-def restart_summary(runs: List[Run], procs: int, nodes: int, timeout: float, command: str) -> List[Dict]:
+def restart_summary(runs: List[Run], procs: int, nodes: int, timeout: float, command: str,
+                    device: str = "cpu") -> List[Dict]:
     """The JSON ``summary`` rows of the restart scenario, one per crash moment: elasticrun's median against
     the better torchrun (one with no good run is given ``timeout``, a lower bound on its time, and says so)."""
     rows: List[Dict] = []
     for name in dict.fromkeys(label(r) for r in runs if r.scenario == "restart"):
-        row = _against_torchrun([r for r in runs if label(r) == name], "seconds", timeout)
-        if row:
+        found = _against_torchrun([r for r in runs if label(r) == name], "seconds", timeout)
+        if found:
+            value, alt, alt_value, count = found
             moment = "step 3" if name == "restart" else name.split("@")[1]
-            rows.append({"metric": f"worker crash ({moment} into the round) -> first step, {nodes} x {procs}", **row,
-                         "device": "cpu", "command": command})
+            rows.append(summary_row(f"worker crash ({moment} into the round) -> first step, {nodes} x {procs}", value,
+                                    alt, alt_value, device=device, command=command, runs=count))
     return rows
 
 
@@ -143,16 +144,17 @@ def launch_summary(runs: List[Run], procs: int, nodes: int, timeout: float, comm
         mine = [r for r in runs if r.scenario == scenario]
         shape = f"1 x {procs}, --standalone" if scenario == "launch" else f"{nodes} x {procs}, c10d"
         device = (devices or {}).get(scenario, "cpu")
-        row = _against_torchrun(mine, "seconds", timeout)
-        if row is None:
+        found = _against_torchrun(mine, "seconds", timeout)
+        if found is None:
             continue
-        rows.append({"metric": f"launch -> first step, {shape}", **row,
-                     "delta_s": round(row["elasticrun"] - row["alt_value"], 3), "device": device, "command": command})
+        value, alt, alt_value, count = found
+        rows.append(summary_row(f"launch -> first step, {shape}", value, alt, alt_value, device=device,
+                                command=command, runs=count, delta_s=round(value - alt_value, 3)))
         for name, (metric, unit) in LAUNCH_FIGURES.items():
             fig = _against_torchrun(mine, name, None)
             if fig:
-                fig.update(elasticrun=round(fig["elasticrun"], 3), alt_value=round(fig["alt_value"], 3), unit=unit)
-                rows.append({"metric": f"{metric}, {shape}", **fig, "device": device, "command": command})
+                rows.append(summary_row(f"{metric}, {shape}", fig[0], fig[1], fig[2], unit, device=device,
+                                        command=command, runs=fig[3]))
     return rows
 
 
@@ -421,10 +423,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.json:
         command = shown_command(__file__, argv)
         summary = launch_summary(runs, args.procs, args.nodes, args.timeout, command, devices)
-        restarts = restart_summary(runs, args.procs, args.nodes, args.timeout, command)
-        for row in restarts:
-            row["device"] = devices.get("restart", args.device)
-        summary += restarts
+        summary += restart_summary(runs, args.procs, args.nodes, args.timeout, command,
+                                   devices.get("restart", args.device))
         write_json(args.json, {"runs": [asdict(r) for r in runs], "summary": summary, "device": args.device})
     return 0
 
