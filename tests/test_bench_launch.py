@@ -12,27 +12,26 @@ BENCH = Path(__file__).resolve().parent.parent / "scripts" / "bench"
 
 
 @pytest.fixture(scope="module")
-def bench():  # noqa: ANN201 - the bench modules, imported as the script imports them
+def bench():  # noqa: ANN201 - the bench module, imported as the script imports its siblings
     sys.path.insert(0, str(BENCH))
     try:
         import bench_launch
-        import launch_results
 
-        yield bench_launch, launch_results
+        yield bench_launch
     finally:
         sys.path.remove(str(BENCH))
 
 
 @pytest.mark.parametrize("launcher", ["elasticrun", "torchrun-default", "torchrun-best"])
 def test_one_node_commands_allow_a_restart(bench, launcher: str) -> None:  # noqa: ANN001
-    bench_launch, _ = bench
+    bench_launch = bench
     (cmd,) = bench_launch._commands(launcher, 1, 2, "", "job")
     assert "--standalone" in cmd
     assert cmd[cmd.index("--max-restarts") + 1] == "3", "the restart scenario crashes a worker once"
 
 
 def test_restart_summary_has_a_row_per_crash_moment(bench) -> None:  # noqa: ANN001
-    _, results = bench
+    results = bench
     Run = results.Run
     runs = [Run("elasticrun", "restart", "ok", 0.5), Run("elasticrun", "restart", "ok", 0.7),
             Run("torchrun-default", "restart", "ok", 6.0), Run("torchrun-best", "restart", "fail"),
@@ -49,7 +48,7 @@ def test_restart_summary_has_a_row_per_crash_moment(bench) -> None:  # noqa: ANN
 
 
 def test_launch_rows_carry_the_first_line_the_fork_wait_and_the_agent_rss(bench) -> None:  # noqa: ANN001
-    _, results = bench
+    results = bench
     Run = results.Run
     runs = [Run("elasticrun", "launch", "ok", 3.0, first_line=1.0, fork_wait=0.02, agent_rss_mib=60.0),
             Run("elasticrun", "launch", "ok", 4.0, first_line=1.2, fork_wait=0.04, agent_rss_mib=62.0),
@@ -68,7 +67,7 @@ def test_launch_rows_carry_the_first_line_the_fork_wait_and_the_agent_rss(bench)
 
 
 def test_round_formed_is_read_from_each_launchers_log(bench) -> None:  # noqa: ANN001
-    bench_launch, _ = bench
+    bench_launch = bench
     lines = ["2026-11-27T18:12:20.804Z elasticrun[n]: round 0 (Start): world size 2, 1 node(s)",
              "[n/0]:bench-start t=1795803140.9000 rank=0"]
     assert bench_launch.round_formed(lines, "elasticrun") == pytest.approx(1795803140.804)

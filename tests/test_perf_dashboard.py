@@ -1,4 +1,4 @@
-"""scripts/perf/dashboard.py draw: a scrapes file it cannot use is one line, never a traceback."""
+"""scripts/perf/plot_job.py dashboard: a scrapes file it cannot use is one line, never a traceback."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from helpers.scripts import load_script
 
 
 def _load():
-    return load_script("perf/dashboard.py")
+    return load_script("perf/plot_job.py")
 
 
 def test_scrapes_it_cannot_use_are_one_line(tmp_path: Path) -> None:

@@ -106,8 +106,6 @@ def phase(children: Children, store: EtcdStore, name: str, start: str, nodes: in
     if isinstance(noticed, (int, float)):  # when the leader saw the lost node: the rest is the re-form itself
         row["noticed_s"] = noticed - t0
         row["reform_s"] = row["all_hold_s"] - row["noticed_s"]
-    if name == "round 0":
-        row["all_round_s"] = row["all_hold_s"]  # the name scripts/perf charts read
     return row
 
 
@@ -204,7 +202,7 @@ def main() -> None:
     ap.add_argument("--no-fsync", action="store_true", help="start etcd with --unsafe-no-fsync")
     ap.add_argument("--record-only", action="store_true", help="only measure reading the round record per size")
     ap.add_argument("--out", default="", metavar="FILE", help="also write the rows as JSON to FILE "
-                    "(scripts/perf/perf_charts.py draws them)")
+                    "(scripts/perf/perf_report.py --rendezvous FILE draws them)")
     args = ap.parse_args()
     parses = [record_parse(n) for n in args.nodes]
     if args.record_only:

@@ -50,5 +50,3 @@ def etcd_counters(endpoint: str, timeout: float = 10.0) -> Dict[str, float]:
                 out["unary_requests"] += value
     return out
 
-
-__all__ = ["etcd_counters"]

@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -57,62 +57,61 @@ class Spec:
     timeout_s: float
 
 
+# Each preset's benches: (name, script, its arguments, seconds it may take). ``quick`` keeps every bench to a few
+# minutes on 2 cores; ``full`` gives the figures of docs/performance.md; ``gpu``: a lent GPU host (16 cores), what
+# the device changes first, ~6 min in all. bench_checkpoint.py also gets ``--dir SCRATCH``.
+PRESETS: Dict[str, List[Tuple[str, str, str, float]]] = {
+    "quick": [
+        ("launch", "bench_launch.py", "--scenarios launch,launch-multi --runs 3 --nodes 2 --procs 2 --timeout 40", 600),
+        ("restart", "bench_launch.py", "--scenarios restart --crash-after 0.2,1,3 --launchers elasticrun,torchrun-best "
+                                       "--runs 3 --nodes 2 --procs 2 --timeout 40", 900),
+        ("elastic", "bench_elastic.py", "--runs 2 --quick --timeout 60", 420),
+        ("elastic-join3", "bench_elastic.py", "--scenario join --quick --nodes 3 --nproc 1 --client plain bench "
+                                              "example --runs 2 --timeout 60", 480),
+        ("checkpoint-0.1", "bench_checkpoint.py", "--state gpt --size-gib 0.1 --repeat 7 --settle 0.3", 300),
+        ("checkpoint-0.4", "bench_checkpoint.py", "--state gpt --size-gib 0.4 --repeat 7 --settle 0.3", 300),
+        ("rendezvous", "bench_rendezvous.py", "--clients shared --nodes 8 32 128 256 512 --runs 1 --phases", 300),
+        ("snapshot", "bench_snapshot.py", "--mb 256 --repeat 3", 300),
+        ("snapshot-lost", "bench_snapshot.py", "--parts lost", 720),
+        ("metrics", "bench_metrics.py", "--runs 1 --steps 120 --interval 1", 300),
+        ("preemption", "bench_preemption.py", "--runs 3 --state-gb 0.05 --max-delay 3", 300),
+        ("stragglers-slow", "bench_stragglers.py", "--minutes 2 --slow", 480),
+    ],
+    "full": [
+        ("launch", "bench_launch.py", "--runs 5 --nodes 2 --procs 2 --timeout 45", 1800),
+        ("elastic", "bench_elastic.py", "--runs 3 --timeout 90", 2700),
+        ("elastic-join3", "bench_elastic.py", "--scenario join --quick --nodes 3 --nproc 1 --client plain bench "
+                                              "example --runs 3", 1500),
+        ("checkpoint-0.25", "bench_checkpoint.py", "--state gpt --size-gib 0.25 --repeat 5", 1500),
+        ("checkpoint-1", "bench_checkpoint.py", "--state gpt --size-gib 1 --repeat 5", 1500),
+        ("checkpoint-2", "bench_checkpoint.py", "--state gpt --size-gib 2 --repeat 5", 1500),
+        ("checkpoint-1-uniform", "bench_checkpoint.py", "--size-gib 1 --repeat 5", 2400),
+        ("rendezvous", "bench_rendezvous.py", "--clients shared --runs 3", 900),
+        ("snapshot", "bench_snapshot.py", "--mb 1024 --repeat 5 --parts stall,restore,lost", 1800),
+        ("metrics", "bench_metrics.py", "--runs 3 --interval 1", 900),
+        ("metrics-storm", "bench_metrics.py", "--runs 3", 900),
+        ("preemption", "bench_preemption.py", "--runs 20 --state-gb 0.4 --notice 30 --max-delay 10", 1800),
+        ("stragglers", "bench_stragglers.py", "--minutes 10", 1200),
+        ("stragglers-slow", "bench_stragglers.py", "--minutes 3 --slow", 600),
+    ],
+    "gpu": [
+        ("checkpoint-2", "bench_checkpoint.py", "--state gpt --size-gib 2 --repeat 3 --settle 0.3", 200),
+        ("snapshot", "bench_snapshot.py", "--mb 1024 --repeat 2", 110),
+        ("launch", "bench_launch.py", "--runs 1 --nodes 1 --procs 1 --scenarios launch,restart --timeout 40", 150),
+        ("rendezvous", "bench_rendezvous.py", "--clients shared --nodes 8 32 128 256 --runs 1", 90),
+    ],
+}
+
+
 def _specs(preset: str, scratch: str) -> List[Spec]:
-    """The invocations of a preset. ``quick`` keeps every bench to a few minutes on 2 cores."""
-    d = ["--dir", scratch] if scratch else []
-    if preset == "quick":
-        return [
-            Spec("launch", "bench_launch.py", ["--scenarios", "launch,launch-multi", "--runs", "3", "--nodes", "2",
-                                               "--procs", "2", "--timeout", "40"], 600),
-            Spec("restart", "bench_launch.py", ["--scenarios", "restart", "--crash-after", "0.2,1,3", "--launchers",
-                                                "elasticrun,torchrun-best", "--runs", "3", "--nodes", "2",
-                                                "--procs", "2", "--timeout", "40"], 900),
-            Spec("elastic", "bench_elastic.py", ["--runs", "2", "--quick", "--timeout", "60"], 420),
-            Spec("elastic-join3", "bench_elastic.py", ["--scenario", "join", "--quick", "--nodes", "3", "--nproc", "1",
-                                                       "--client", "plain", "bench", "example", "--runs", "2",
-                                                       "--timeout", "60"], 480),
-            *[Spec(f"checkpoint-{s}", "bench_checkpoint.py",
-                   ["--state", "gpt", "--size-gib", s, "--repeat", "7", "--settle", "0.3", *d], 300)
-              for s in ("0.1", "0.4")],
-            Spec("rendezvous", "bench_rendezvous.py",
-                 ["--clients", "shared", "--nodes", "8", "32", "128", "256", "512", "--runs", "1", "--phases"], 300),
-            Spec("snapshot", "bench_snapshot.py", ["--mb", "256", "--repeat", "3"], 300),
-            Spec("snapshot-lost", "bench_snapshot.py", ["--parts", "lost"], 720),
-            Spec("metrics", "bench_metrics.py", ["--runs", "1", "--steps", "120", "--interval", "1"], 300),
-            Spec("preemption", "bench_preemption.py", ["--runs", "3", "--state-gb", "0.05", "--max-delay", "3"], 300),
-            Spec("stragglers-slow", "bench_stragglers.py", ["--minutes", "2", "--slow"], 480),
-        ]
-    if preset == "full":
-        return [
-            Spec("launch", "bench_launch.py", ["--runs", "5", "--nodes", "2", "--procs", "2", "--timeout", "45"], 1800),
-            Spec("elastic", "bench_elastic.py", ["--runs", "3", "--timeout", "90"], 2700),
-            Spec("elastic-join3", "bench_elastic.py", ["--scenario", "join", "--quick", "--nodes", "3", "--nproc", "1",
-                                                       "--client", "plain", "bench", "example", "--runs", "3"], 1500),
-            *[Spec(f"checkpoint-{s}", "bench_checkpoint.py", ["--state", "gpt", "--size-gib", s, "--repeat", "5", *d],
-                   1500) for s in ("0.25", "1", "2")],
-            Spec("checkpoint-1-uniform", "bench_checkpoint.py", ["--size-gib", "1", "--repeat", "5", *d], 2400),
-            Spec("rendezvous", "bench_rendezvous.py", ["--clients", "shared", "--runs", "3"], 900),
-            Spec("snapshot", "bench_snapshot.py", ["--mb", "1024", "--repeat", "5", "--parts", "stall,restore,lost"],
-                 1800),
-            Spec("metrics", "bench_metrics.py", ["--runs", "3", "--interval", "1"], 900),
-            Spec("metrics-storm", "bench_metrics.py", ["--runs", "3"], 900),
-            Spec("preemption", "bench_preemption.py",
-                 ["--runs", "20", "--state-gb", "0.4", "--notice", "30", "--max-delay", "10"], 1800),
-            Spec("stragglers", "bench_stragglers.py", ["--minutes", "10"], 1200),
-            Spec("stragglers-slow", "bench_stragglers.py", ["--minutes", "3", "--slow"], 600),
-        ]
-    if preset == "gpu":  # a lent GPU host (16 cores): what the device changes first, ~6 min in all
-        return [
-            Spec("checkpoint-2", "bench_checkpoint.py",
-                 ["--state", "gpt", "--size-gib", "2", "--repeat", "3", "--settle", "0.3", *d], 200),
-            Spec("snapshot", "bench_snapshot.py", ["--mb", "1024", "--repeat", "2"], 110),
-            Spec("launch", "bench_launch.py",
-                 ["--runs", "1", "--nodes", "1", "--procs", "1", "--scenarios", "launch,restart",
-                  "--timeout", "40"], 150),
-            Spec("rendezvous", "bench_rendezvous.py",
-                 ["--clients", "shared", "--nodes", "8", "32", "128", "256", "--runs", "1"], 90),
-        ]
-    raise ValueError(f"unknown preset {preset!r}")
+    """The invocations of a preset; bench_checkpoint.py writes its files under ``scratch`` when given."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}")
+    specs = []
+    for name, script, args, timeout_s in PRESETS[preset]:
+        disk = ["--dir", scratch] if scratch and script == "bench_checkpoint.py" else []
+        specs.append(Spec(name, script, [*args.split(), *disk], timeout_s))
+    return specs
 
 
 @dataclass
@@ -239,7 +238,6 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                     help="quick: ~30 min on 2 cores; full: more runs and sizes (hours); gpu: ~6 min on a GPU host")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="passed to the benches that take it")
     ap.add_argument("--only", default="", help="comma-separated bench names (e.g. launch,checkpoint-0.1)")
-    ap.add_argument("--skip", default="", help="comma-separated bench names to leave out")
     ap.add_argument("--budget", type=float, default=0.0, help="seconds for the whole run (0: no bound)")
     ap.add_argument("--min-slot", type=float, default=60.0, help="skip a bench when less than this is left")
     ap.add_argument("--timeout-scale", type=float, default=1.0, help="multiply every per-bench limit")
@@ -254,14 +252,13 @@ def _interrupt(signum: int, _frame: object) -> None:
 
 
 def selected(args: argparse.Namespace, specs: List[Spec]) -> List[Spec]:
-    """The preset's benches ``--only`` (in its order) and ``--skip`` leave; ValueError for an unknown name."""
+    """The preset's benches ``--only`` names, in that order (all without it); ValueError for an unknown name."""
     names = [s.name for s in specs]
-    only, skip = [n for n in args.only.split(",") if n], [n for n in args.skip.split(",") if n]
-    unknown = sorted(set(only + skip) - set(names))
+    only = [n for n in args.only.split(",") if n]
+    unknown = sorted(set(only) - set(names))
     if unknown:
         raise ValueError(f"unknown bench name(s) {unknown}; choose from {sorted(names)}")
-    chosen = [next(s for s in specs if s.name == n) for n in only] if only else specs
-    return [s for s in chosen if s.name not in skip]
+    return [next(s for s in specs if s.name == n) for n in only] if only else specs
 
 
 def run_specs(args: argparse.Namespace, specs: List[Spec], head: Dict[str, object], earlier: List[Result],

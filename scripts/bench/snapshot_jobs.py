@@ -171,5 +171,3 @@ def bench_jobs() -> Dict[str, Any]:
                     lost.setdefault(scenario, {})[f"{mode}@{every}"] = statistics.mean(vals)
     return {"jobs": jobs, "steps_lost": lost}
 
-
-__all__ = ["INTERVALS", "JOB_MB", "KILL_STEPS", "STEP_SLEEP", "Job", "bench_jobs", "run_job"]
