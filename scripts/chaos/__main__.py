@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from scripts.bench.common import interrupt_on, kill_tree
 
 from .audit import Tail, analyse
-from .env import HOSTED, REPO, Launcher, Machine, Members, freeze_code, send
+from .env import HOSTED, Launcher, Machine, Members, freeze_code, send
 from .faults import FaultKind, schedule
 from .kinds import DRAWN
 from .report import job_goodput, render, summary
@@ -62,8 +62,6 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
                    "needs it; 0 turns hang detection off and skips that fault)")
     p.add_argument("--workdir", help="keep logs here (default: a temporary folder, removed unless --keep)")
     p.add_argument("--keep", action="store_true", help="keep the logs and audit files")
-    p.add_argument("--live-code", action="store_true", help="agents import the working tree as it is when they "
-                   "start (default: a copy taken at the soak's start, so edits meanwhile do not leak in)")
     args = p.parse_args(argv)
     if not (0 < args.minutes <= 24 * 60):
         p.error(f"--minutes must be in (0, 1440], got {args.minutes}")
@@ -168,7 +166,7 @@ def launcher_for(args: argparse.Namespace, machine: Machine, endpoint: str) -> L
                CHAOS_STOP_FILE=str(run_dir / "stop-at-step"), CHAOS_HANG_FILE=str(machine.hang_file),
                CHAOS_SHM_FULL_FILE=str(machine.shm_file), TMPDIR=str(run_dir / "tmp"),
                CUDA_VISIBLE_DEVICES="")  # simulated nodes share this host: CPU and gloo (NCCL: one GPU each)
-    code_root = REPO if args.live_code else freeze_code(run_dir / "code")
+    code_root = freeze_code(run_dir / "code")  # agents started later run the code of the soak's start
     env["PYTHONPATH"] = os.pathsep.join([str(code_root), *filter(None, [os.environ.get("PYTHONPATH")])])
     return Launcher(endpoint, f"chaos-{args.seed}", machine.netns.host_addr if machine.netns else "127.0.0.1",
                     run_dir, machine.worker_args, env, machine.netns, args.heartbeat_timeout, args.hang_timeout,
