@@ -5,13 +5,11 @@ whatever state it was left in.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, List, Optional, Union
@@ -133,20 +131,23 @@ class Members:
         return [m for m in self.cluster.members.values() if m.running()]
 
     def leader(self, timeout: float = 20.0) -> Optional[EtcdServer]:
-        """The member whose v3 status API (what ``etcdctl endpoint status`` reads) says it leads."""
+        """The running member the cluster says leads it (etcd's status and member list), waiting up to
+        ``timeout`` s for one; None if none does by then."""
+        from elasticrun.errors import StoreError
+        from elasticrun.store.client import connect
+        from elasticrun.store.members import leader_id, list_members
+
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            for m in self.running():
-                req = urllib.request.Request(f"http://{m.endpoint}/v3/maintenance/status", data=b"{}",
-                                             method="POST", headers={"Content-Type": "application/json"})
-                try:
-                    with urllib.request.urlopen(req, timeout=2) as resp:
-                        doc = json.loads(resp.read())
-                except (OSError, ValueError):
-                    continue
-                lead = str(doc.get("leader"))
-                if lead not in ("None", "0") and str(doc.get("header", {}).get("member_id")) == lead:
-                    return m
+            try:
+                with connect(self.endpoints, retry_timeout=2, timeout=2) as store:
+                    lead = leader_id(store)
+                    names = {m.member_id: m.name for m in list_members(store)}
+            except StoreError:
+                lead, names = 0, {}
+            server = self.cluster.members.get(names.get(lead, ""))
+            if server is not None and server.running():  # a killed leader is named until the others notice
+                return server
             time.sleep(0.2)
         return None
 
