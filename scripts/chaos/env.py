@@ -5,6 +5,7 @@ whatever state it was left in.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -12,7 +13,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from elasticrun.store.server import EtcdCluster, EtcdServer, free_port
 from scripts.bench.common import kill_tree
@@ -337,15 +338,23 @@ class Launcher:
             return False
         return all(isinstance(r, dict) and r.get("inplace") is True for r in records.values())
 
-    def cli(self, args: List[str], timeout: float = 60) -> subprocess.CompletedProcess:
-        """Run ``elasticrun ARGS`` with the agents' code and environment (raises OSError/TimeoutExpired)."""
-        return subprocess.run([sys.executable, "-m", "elasticrun", *args], capture_output=True, text=True,
-                              timeout=timeout, env=self.env, cwd=str(self.code_root))
-
-    def status(self) -> subprocess.CompletedProcess:
-        """``elasticrun status --json`` of the job, as an operator reads it."""
+    def status_json(self) -> Tuple[Optional[Dict[str, Any]], str]:
+        """``elasticrun status --json`` of the job as an operator reads it, run with the agents' code and
+        environment: (its document, "") or (None, why there is none)."""
         endpoint = self.live_member() if self.hosted else self.endpoint
-        return self.cli(["status", "--rdzv-endpoint", endpoint, "--rdzv-id", self.job, "--json"])
+        cmd = [sys.executable, "-m", "elasticrun", "status", "--rdzv-endpoint", endpoint, "--rdzv-id", self.job,
+               "--json"]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=self.env,
+                                  cwd=str(self.code_root))
+        except (OSError, subprocess.TimeoutExpired) as err:
+            return None, f"elasticrun status failed: {err}"
+        if proc.returncode != 0 or "Traceback" in proc.stderr:
+            return None, f"elasticrun status exited {proc.returncode}: {proc.stderr.strip()[-300:]}"
+        try:
+            return json.loads(proc.stdout), ""
+        except ValueError:
+            return None, f"elasticrun status printed no JSON: {proc.stdout.strip()[-300:]}"
 
     def close(self) -> None:
         for a in self.agents:

@@ -83,15 +83,9 @@ class BadRecord(FaultKind):
     @staticmethod
     def _status_answers(soak: Soak, f: Fault) -> None:
         """``elasticrun status --json`` of the job (it reads every record) answers with one document."""
-        try:
-            proc = soak.launcher.status()
-            json.loads(proc.stdout)
-        except (OSError, subprocess.TimeoutExpired, ValueError) as err:
-            soak.violations.append(f"bad_record ({f.target}): elasticrun status --json failed: {err}")
-            return
-        if proc.returncode != 0 or "Traceback" in proc.stderr:
-            soak.violations.append(f"bad_record ({f.target}): elasticrun status --json exited {proc.returncode}: "
-                                   f"{proc.stderr.strip()[-300:]}")
+        doc, error = soak.launcher.status_json()
+        if doc is None:
+            soak.violations.append(f"bad_record ({f.target}): {error}")
 
 
 def _half_request(port: int) -> Optional[socket.socket]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 from io import StringIO
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -25,17 +24,10 @@ def job_goodput(launcher: Launcher) -> Dict[str, Any]:
     or ``{"error": ...}`` saying why there is none."""
     if launcher.hosted:
         return {"error": "none: the job's own etcd, with its accounts, ended with the job"}
-    try:
-        proc = launcher.status()
-    except (OSError, subprocess.TimeoutExpired) as err:
-        return {"error": f"elasticrun status failed: {err}"}
-    if proc.returncode != 0:
-        return {"error": f"elasticrun status exited {proc.returncode}: {proc.stderr.strip()[-300:]}"}
-    try:
-        goodput = json.loads(proc.stdout).get("goodput")
-    except ValueError:
-        return {"error": f"elasticrun status printed no JSON: {proc.stdout.strip()[-300:]}"}
-    return goodput or {"error": "the job's agents published no goodput account"}
+    doc, error = launcher.status_json()
+    if doc is None:
+        return {"error": error}
+    return doc.get("goodput") or {"error": "the job's agents published no goodput account"}
 
 
 def _final_checks(soak: Any, audit: AuditResult) -> Dict[str, Any]:
