@@ -5,6 +5,7 @@ whatever state it was left in.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -13,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 from elasticrun.store.server import EtcdCluster, EtcdServer, free_port
 from scripts.bench.common import kill_tree
@@ -166,10 +167,8 @@ def freeze_code(dest: Path) -> Path:
 
 def send(pid: int, sig: int) -> None:
     """``os.kill`` that ignores a process already gone."""
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def alive(pid: int) -> bool:
@@ -251,13 +250,13 @@ class Launcher:
             return ["--rdzv-backend", "c10d", "--rdzv-endpoint", self.endpoint, "--rdzv-conf", "is_host=1"]
         return ["--rdzv-backend", "c10d", "--rdzv-endpoint", self.live_member(), "--rdzv-conf", "is_host=0"]
 
-    def _hosted_records(self, prefix: str) -> List[object]:
-        """The key/values under the hosted job's ``etcd/<prefix>``, read at the first member that answers;
-        updates ``endpoint`` to the members the job published."""
+    def _hosted_members(self) -> Set[str]:
+        """The nodes that run a member of the hosted job's etcd (its member records), read at the first member
+        that answers; updates ``endpoint`` to the members the job published."""
         from elasticrun.errors import StoreError
         from elasticrun.job import records
         from elasticrun.job.keys import JobKeys
-        from elasticrun.rendezvous.etcdplan import endpoints_record
+        from elasticrun.rendezvous.etcdplan import endpoints_record, member_record
         from elasticrun.store.client import connect
 
         keys = JobKeys(self.job)
@@ -265,36 +264,32 @@ class Launcher:
             try:
                 with connect(endpoint, retry_timeout=2, timeout=2) as store:
                     told = records.read(store.get(keys.etcd_endpoints), endpoints_record)
-                    kvs, _ = store.get_prefix(keys.etcd + prefix)
+                    kvs, _ = store.get_prefix(keys.etcd_members)
             except StoreError:
                 continue
             if told is not None:
                 self.endpoint = ",".join(told.endpoints)
-            return list(kvs)
-        return []
+            return {rec.node_id for rec in (records.read(kv, member_record) for kv in kvs) if rec is not None}
+        return set()
 
     def members_settled(self) -> bool:
         """The hosted job's etcd has the size its live nodes call for (its published endpoints): a node started
         now joins at a member that stays (one removed later would leave it waiting for a dead address)."""
         from elasticrun.rendezvous.etcdplan import target_size
 
-        self._hosted_records("endpoints")
+        self._hosted_members()
         return len(self.endpoint.split(",")) == target_size(len(self.live()))
 
     def live_member(self) -> str:
         """A client endpoint of the hosted job's etcd that answers now (the last known one when none does)."""
         from elasticrun.store.members import answers
 
-        self._hosted_records("endpoints")
+        self._hosted_members()
         return next((e for e in self.endpoint.split(",") if answers(f"http://{e}", 1.0)), self.endpoint.split(",")[0])
 
     def member_agents(self) -> List[AgentProc]:
         """The live agents whose node runs a member of the hosted job's etcd, the first host first."""
-        from elasticrun.job import records
-        from elasticrun.rendezvous.etcdplan import member_record
-
-        holders = {rec.node_id for rec in (records.read(kv, member_record) for kv in self._hosted_records("members/"))
-                   if rec is not None}
+        holders = self._hosted_members()
         return sorted((a for a in self.live() if a.label in holders), key=lambda a: a.started)
 
     def start(self, slot: int) -> AgentProc:

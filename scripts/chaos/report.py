@@ -74,6 +74,12 @@ def how_recovered(faults: List[Fault], events: List[str]) -> None:
         f.how = How.RESTART if How.RESTART in hows else How.IN_PLACE if hows else How.NONE
 
 
+def _ttr_figures(ttrs: List[float]) -> Dict[str, Any]:
+    """The median and worst of these times to recover (None without any)."""
+    return {"median_ttr_s": round(statistics.median(ttrs), 2) if ttrs else None,
+            "worst_ttr_s": round(max(ttrs), 2) if ttrs else None}
+
+
 def _by_kind(done: List[Fault]) -> Dict[str, Dict[str, Any]]:
     """Per kind: faults, recoveries (in place, by restart), median and worst time to recover, worst time to full
     strength."""
@@ -84,9 +90,7 @@ def _by_kind(done: List[Fault]) -> Dict[str, Dict[str, Any]]:
         full = [f.full_at - f.t_ref for f in fs if f.full_at is not None]
         out[name] = {"faults": len(fs), "recovered": len(ttrs),
                      "in_place": sum(f.how is How.IN_PLACE for f in fs),
-                     "restart": sum(f.how is How.RESTART for f in fs),
-                     "median_ttr_s": round(statistics.median(ttrs), 2) if ttrs else None,
-                     "worst_ttr_s": round(max(ttrs), 2) if ttrs else None,
+                     "restart": sum(f.how is How.RESTART for f in fs), **_ttr_figures(ttrs),
                      "worst_full_strength_s": round(max(full), 2) if full else None}
     return out
 
@@ -111,9 +115,7 @@ def summary(args: Any, soak: Any, audit: AuditResult, skipped: Dict[str, str], e
         "etcd_members": args.etcd_members,
         "faults_total": len(done), "faults_needing_recovery": in_place + restart, "recoveries": len(ttrs),
         "recovered_in_place": in_place, "recovered_by_restart": restart,
-        "median_ttr_s": round(statistics.median(ttrs), 2) if ttrs else None,
-        "worst_ttr_s": round(max(ttrs), 2) if ttrs else None,
-        "by_kind": _by_kind(done), "skipped_kinds": skipped,
+        **_ttr_figures(ttrs), "by_kind": _by_kind(done), "skipped_kinds": skipped,
         "steps": {"final": audit.final_step, "executed": audit.steps_executed, "lost_to_rollbacks": audit.steps_lost,
                   "generations": audit.generations},
         "checkpoints": {"committed": len(audit.saves), "verified": soak.verified, "verify_failed": soak.verify_failed,
