@@ -96,16 +96,12 @@ def _kinds(p: argparse.ArgumentParser, faults: str, members: int) -> List[FaultK
 
 
 def sweep(marker: str) -> None:
-    """Kill any process left whose command line mentions this run's folder."""
+    """Kill any process left whose command line mentions this run's folder, and everything below it."""
     import psutil
 
     mine = {os.getpid(), *(a.pid for a in psutil.Process().parents())}
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if p.pid not in mine and any(marker in part for part in (p.info["cmdline"] or [])):
-                kill_tree([p.pid])
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
+    kill_tree([p.pid for p in psutil.process_iter(["cmdline"])  # a process we may not read has cmdline None
+               if p.pid not in mine and any(marker in part for part in (p.info["cmdline"] or []))])
 
 
 def main(argv: Optional[List[str]] = None) -> int:

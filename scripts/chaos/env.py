@@ -322,16 +322,18 @@ class Launcher:
         """Every live node's record says its workers opted in to in-place re-forming (a crash before that
         takes the restart path, as it should)."""
         from elasticrun.errors import StoreError
+        from elasticrun.job import records
         from elasticrun.job.keys import JobKeys
+        from elasticrun.rendezvous.records import node_record
         from elasticrun.store.client import connect
 
         keys = JobKeys(self.job)
         try:
             with connect(self.live_member() if self.hosted else self.endpoint, retry_timeout=2, timeout=2) as store:
-                records = {a.label: store.get_json(keys.node(a.label)) for a in self.live()}
-        except (StoreError, ValueError):
+                nodes = [records.read(store.get(keys.node(a.label)), node_record) for a in self.live()]
+        except StoreError:
             return False
-        return all(isinstance(r, dict) and r.get("inplace") is True for r in records.values())
+        return all(node is not None and node.inplace for node in nodes)
 
     def status_json(self) -> Tuple[Optional[Dict[str, Any]], str]:
         """``elasticrun status --json`` of the job as an operator reads it, run with the agents' code and
