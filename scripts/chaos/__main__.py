@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from scripts.bench.common import interrupt_on, kill_tree
 
 from .audit import Tail, analyse
-from .env import HOSTED, Launcher, Machine, Members, freeze_code, send
+from .env import HOSTED, Launcher, Machine, etcd_cluster, freeze_code, send
 from .faults import FaultKind, schedule
 from .kinds import DRAWN
 from .report import job_goodput, render, summary
@@ -135,10 +135,10 @@ def start_etcd(machine: Machine, cleanup: ExitStack) -> str:
     if machine.etcd_members == HOSTED:
         return f"127.0.0.1:{free_port()}"
     if machine.etcd_members == 3:
-        machine.members = Members(machine.run_dir / "etcd")
-        cleanup.callback(machine.members.cluster.stop)
-        machine.members.cluster.start(timeout=60)
-        return machine.members.endpoints
+        cluster = machine.members = etcd_cluster(machine.run_dir / "etcd")
+        cleanup.callback(cluster.stop)
+        cluster.start(timeout=60)
+        return cluster.endpoints
     host = machine.netns.host_addr if machine.netns else "127.0.0.1"
     etcd = machine.etcd = EtcdServer(host=host, data_dir=str(machine.run_dir / "etcd"),
                                      log_path=str(machine.run_dir / "etcd.log"))

@@ -119,39 +119,36 @@ class Tmpfs:
         self.mounted = False
 
 
-class Members:
-    """A local 3-member etcd cluster in ``base``; each member's data survives its SIGKILL."""
+def etcd_cluster(base: Path) -> EtcdCluster:
+    """A local 3-member etcd cluster in ``base``, each member logging to its own file there; a member's data
+    survives its SIGKILL."""
+    base.mkdir(parents=True, exist_ok=True)
+    cluster = EtcdCluster(3, base_dir=str(base))
+    for m in cluster.members.values():
+        m.log_path = str(base / f"{m.name}.log")
+    return cluster
 
-    def __init__(self, base: Path) -> None:
-        base.mkdir(parents=True, exist_ok=True)
-        self.cluster = EtcdCluster(3, base_dir=str(base))
-        for m in self.cluster.members.values():
-            m.log_path = str(base / f"{m.name}.log")
-        self.endpoints = self.cluster.endpoints
 
-    def running(self) -> List[EtcdServer]:
-        return [m for m in self.cluster.members.values() if m.running()]
+def etcd_leader(cluster: EtcdCluster, timeout: float = 20.0) -> Optional[EtcdServer]:
+    """The running member the cluster says leads it (etcd's status and member list), waiting up to ``timeout`` s
+    for one; None if none does by then."""
+    from elasticrun.errors import StoreError
+    from elasticrun.store.client import connect
+    from elasticrun.store.members import leader_id, list_members
 
-    def leader(self, timeout: float = 20.0) -> Optional[EtcdServer]:
-        """The running member the cluster says leads it (etcd's status and member list), waiting up to
-        ``timeout`` s for one; None if none does by then."""
-        from elasticrun.errors import StoreError
-        from elasticrun.store.client import connect
-        from elasticrun.store.members import leader_id, list_members
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                with connect(self.endpoints, retry_timeout=2, timeout=2) as store:
-                    lead = leader_id(store)
-                    names = {m.member_id: m.name for m in list_members(store)}
-            except StoreError:
-                lead, names = 0, {}
-            server = self.cluster.members.get(names.get(lead, ""))
-            if server is not None and server.running():  # a killed leader is named until the others notice
-                return server
-            time.sleep(0.2)
-        return None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with connect(cluster.endpoints, retry_timeout=2, timeout=2) as store:
+                lead = leader_id(store)
+                names = {m.member_id: m.name for m in list_members(store)}
+        except StoreError:
+            lead, names = 0, {}
+        server = cluster.members.get(names.get(lead, ""))
+        if server is not None and server.running():  # a killed leader is named until the others notice
+            return server
+        time.sleep(0.2)
+    return None
 
 
 def freeze_code(dest: Path) -> Path:
@@ -375,8 +372,8 @@ class Machine:
     undo: Callable[[Callable[[], object]], object]  # adds a cleanup action (run in reverse order)
     netns: Optional[NetNs] = None
     tmpfs: Optional[Tmpfs] = None
-    etcd: Optional[EtcdServer] = None  # the one member (None with --etcd-members 3: ``members``)
-    members: Optional[Members] = None
+    etcd: Optional[EtcdServer] = None  # the one member
+    members: Optional[EtcdCluster] = None  # with --etcd-members 3
 
     def __post_init__(self) -> None:
         self.ckpt_root, self.audit_dir = self.run_dir / "ckpts", self.run_dir / "audit"

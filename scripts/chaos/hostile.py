@@ -4,13 +4,12 @@ clients on an agent's metrics port, and its id reused by a job with other argume
 
 from __future__ import annotations
 
-import json
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
 from elasticrun.job.keys import JobKeys
 from elasticrun.store.types import Guard
@@ -38,16 +37,6 @@ BAD_RECORDS: List[Tuple[str, Callable[[JobKeys, int, str], str], bytes]] = [
 ]
 
 
-def _current(store: Any, keys: JobKeys) -> Tuple[int, List[str]]:
-    """The job's current round and its members (from its ``topology``)."""
-    kv = store.get(keys.topology)
-    try:
-        topo = json.loads(kv.value) if kv is not None else {}
-        return int(topo.get("round", 0)), [str(m["node_id"]) for m in topo.get("members", [])]
-    except (ValueError, TypeError, KeyError, AttributeError):
-        return 0, []
-
-
 class BadRecord(FaultKind):
     """One record of the running job is overwritten for 3-6 s with something the agents do not expect. The job
     must train on; every agent that read it says so once (which key, what was wrong), never twice, and none
@@ -56,13 +45,16 @@ class BadRecord(FaultKind):
     name, recovery, span = "bad_record", Recovery.ANY_STEP, (3.0, 6.0)  # every agent's loop turns meanwhile
 
     def inject(self, soak: Soak, f: Fault) -> None:
+        from elasticrun.job import records
+        from elasticrun.rendezvous.records import topology_record
         from elasticrun.store.client import connect
 
         keys = JobKeys(soak.launcher.job)
         what, key_of, value = f.choose(BAD_RECORDS)
         with connect(soak.launcher.endpoint, retry_timeout=30) as store:
-            round_, members = _current(store, keys)
-            key = key_of(keys, round_, members[0] if members else "slot0.0")
+            topology = records.read(store.get(keys.topology), topology_record)  # the current round, its nodes
+            node = topology.members[0].node_id if topology and topology.members else "slot0.0"
+            key = key_of(keys, topology.round if topology else 0, node)
             f.target = f"{what} at {key[len(keys.prefix):]}"
             rev = store.put(key, value)
             soak.sleep(f.duration / 2)
