@@ -139,8 +139,7 @@ def start_etcd(machine: Machine, cleanup: ExitStack) -> str:
         cleanup.callback(cluster.stop)
         cluster.start(timeout=60)
         return cluster.endpoints
-    host = machine.netns.host_addr if machine.netns else "127.0.0.1"
-    etcd = machine.etcd = EtcdServer(host=host, data_dir=str(machine.run_dir / "etcd"),
+    etcd = machine.etcd = EtcdServer(host=machine.host_addr, data_dir=str(machine.run_dir / "etcd"),
                                      log_path=str(machine.run_dir / "etcd.log"))
 
     def stop() -> None:
@@ -164,9 +163,8 @@ def launcher_for(args: argparse.Namespace, machine: Machine, endpoint: str) -> L
                CUDA_VISIBLE_DEVICES="")  # simulated nodes share this host: CPU and gloo (NCCL: one GPU each)
     code_root = freeze_code(run_dir / "code")  # agents started later run the code of the soak's start
     env["PYTHONPATH"] = os.pathsep.join([str(code_root), *filter(None, [os.environ.get("PYTHONPATH")])])
-    return Launcher(endpoint, f"chaos-{args.seed}", machine.netns.host_addr if machine.netns else "127.0.0.1",
-                    run_dir, machine.worker_args, env, machine.netns, args.heartbeat_timeout, args.hang_timeout,
-                    code_root, ns_slot=(args.nodes - 1) if machine.netns else None, hosted=args.hosted_etcd)
+    return Launcher(endpoint, f"chaos-{args.seed}", machine, env, args.heartbeat_timeout, code_root,
+                    ns_slot=(args.nodes - 1) if machine.netns else None, hosted=args.hosted_etcd)
 
 
 def run(args: argparse.Namespace, say: Say, cleanup: ExitStack) -> int:

@@ -216,17 +216,13 @@ class AgentProc:
 
 @dataclass
 class Launcher:
-    """Starts agents for node slots; slot ``ns_slot`` (if any) runs inside ``netns``."""
+    """Starts agents for node slots on ``machine``; slot ``ns_slot`` (if any) runs inside its network namespace."""
 
     endpoint: str
     job: str
-    host_addr: str
-    run_dir: Path
-    worker_args: List[str]
+    machine: Machine  # its run folder, network namespace, worker arguments and --hang-timeout
     env: dict
-    netns: Optional[NetNs]
     heartbeat: float
-    hang_timeout: float  # the agents' --hang-timeout (0: off)
     code_root: Path  # where the agents import elasticrun and the example from (see freeze_code)
     ns_slot: Optional[int] = None
     hosted: bool = False  # the job hosts its etcd (c10d line): ``endpoint`` follows its members
@@ -235,7 +231,7 @@ class Launcher:
     @property
     def events_file(self) -> Path:
         """The agents' shared ``--events-file`` (docs/observability.md, "Event log")."""
-        return self.run_dir / "events.jsonl"
+        return self.machine.run_dir / "events.jsonl"
 
     def _rdzv_args(self) -> List[str]:
         """How an agent finds the job's etcd: the endpoint(s), or with a hosted etcd the c10d line -- the first
@@ -291,21 +287,22 @@ class Launcher:
 
     def start(self, slot: int) -> AgentProc:
         incarnation = sum(1 for a in self.agents if a.slot == slot)
-        log = self.run_dir / f"agent-slot{slot}-{incarnation}.log"
-        in_ns = self.netns is not None and slot == self.ns_slot
+        machine, netns = self.machine, self.machine.netns
+        log = machine.run_dir / f"agent-slot{slot}-{incarnation}.log"
+        in_ns = netns is not None and slot == self.ns_slot
         env = dict(self.env)
-        if self.netns is not None:
-            env["GLOO_SOCKET_IFNAME"] = self.netns.ns_if if in_ns else self.netns.host_if
+        if netns is not None:
+            env["GLOO_SOCKET_IFNAME"] = netns.ns_if if in_ns else netns.host_if
         port = free_port()
         cmd = [sys.executable, "-m", "elasticrun", "run", "--nnodes", "2:4", "--nproc-per-node", "1",
                *self._rdzv_args(), "--rdzv-id", self.job, "--node-id", f"slot{slot}.{incarnation}",
-               "--local-addr", self.netns.ns_addr if (in_ns and self.netns) else self.host_addr,
+               "--local-addr", netns.ns_addr if (in_ns and netns) else machine.host_addr,
                "--max-restarts", "100000", "--heartbeat-timeout", str(self.heartbeat), "--rescale-timeout", "600",
-               "--join-timeout", "600", "--hang-timeout", f"{self.hang_timeout:g}", "--metrics-port", str(port),
+               "--join-timeout", "600", "--hang-timeout", f"{machine.hang_timeout:g}", "--metrics-port", str(port),
                "--events-file", str(self.events_file),
-               str(self.code_root / WORKER_REL), *self.worker_args]
-        if in_ns and self.netns is not None:
-            cmd = ["ip", "netns", "exec", self.netns.ns, *cmd]
+               str(self.code_root / WORKER_REL), *machine.worker_args]
+        if in_ns and netns is not None:
+            cmd = ["ip", "netns", "exec", netns.ns, *cmd]
         with open(log, "ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                     cwd=str(self.code_root), start_new_session=True)
@@ -378,6 +375,11 @@ class Machine:
     def __post_init__(self) -> None:
         self.ckpt_root, self.audit_dir = self.run_dir / "ckpts", self.run_dir / "audit"
         self.hang_file, self.shm_file = self.run_dir / "hang-pid", self.run_dir / "shm-full-node"
+
+    @property
+    def host_addr(self) -> str:
+        """The host's address for the job: the host side of the network namespace, if any, else loopback."""
+        return self.netns.host_addr if self.netns else "127.0.0.1"
 
     def set_up(self, field_name: str, thing: Union[NetNs, Tmpfs], needs: str) -> Optional[str]:
         """``thing.setup()`` (as root only); once done, it is this machine's ``field_name`` and its ``close`` is

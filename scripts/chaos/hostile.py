@@ -137,7 +137,7 @@ class JobReuse(FaultKind):
     def inject(self, soak: Soak, f: Fault) -> None:
         n = sum(1 for x in soak.faults if x.kind.name == self.name)
         job = f"{soak.launcher.job}-reuse"
-        script = soak.launcher.run_dir / "reuse_script.py"
+        script = soak.machine.run_dir / "reuse_script.py"
         script.write_text("import os, sys\nprint('reuse-run', sys.argv[1], 'round', os.environ['ELASTICRUN_ROUND'])\n")
         f.target = f"job {job}: run {n}a ends, run {n}b starts under its id with other arguments"
         for name in (f"{n}a", f"{n}b"):
@@ -154,7 +154,7 @@ class JobReuse(FaultKind):
     def _side_job(soak: Soak, job: str, name: str, script: Path) -> Tuple[int, str]:
         """Run a one-node job of ``script`` to its end; (exit code, its output)."""
         launcher = soak.launcher
-        log = launcher.run_dir / f"reuse-{name}.log"
+        log = soak.machine.run_dir / f"reuse-{name}.log"
         cmd = [sys.executable, "-m", "elasticrun", "run", "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-endpoint",
                launcher.endpoint, "--rdzv-id", job, "--node-id", f"reuse-{name}", "--standby", "0", "--no-prewarm",
                "--no-snapshots", "--ended-job-ttl", "10m", "--heartbeat-timeout", f"{launcher.heartbeat:g}",
