@@ -12,6 +12,7 @@ from rich.console import Console
 
 from elasticrun.cli.goodput_view import goodput_line
 from elasticrun.cli.tables import Column, DataTable
+from elasticrun.launch.events import EventKind
 
 from .audit import AuditResult
 from .env import Launcher
@@ -63,7 +64,7 @@ def how_recovered(faults: List[Fault], events: List[str]) -> None:
     for line in events:
         try:
             ev = json.loads(line)
-            if ev.get("event") in ("restart", "rescale"):
+            if ev.get("event") in (EventKind.RESTART, EventKind.RESCALE):
                 t, hows = rounds.setdefault(int(ev["round"]), (float(ev["time"]), set()))
                 rounds[int(ev["round"])] = (min(t, float(ev["time"])), hows | {How(ev["recovery"])})
         except (ValueError, KeyError, TypeError):
