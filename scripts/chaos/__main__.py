@@ -27,7 +27,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from scripts.bench.common import interrupt_on, kill_tree
 
 from .audit import Tail, analyse
-from .env import HOSTED, REPO, Launcher, Machine, Members, freeze_code, send
+from .env import HOSTED, Launcher, Machine, etcd_cluster, freeze_code, send
 from .faults import FaultKind, schedule
 from .kinds import DRAWN
 from .report import job_goodput, render, summary
@@ -62,8 +62,6 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
                    "needs it; 0 turns hang detection off and skips that fault)")
     p.add_argument("--workdir", help="keep logs here (default: a temporary folder, removed unless --keep)")
     p.add_argument("--keep", action="store_true", help="keep the logs and audit files")
-    p.add_argument("--live-code", action="store_true", help="agents import the working tree as it is when they "
-                   "start (default: a copy taken at the soak's start, so edits meanwhile do not leak in)")
     args = p.parse_args(argv)
     if not (0 < args.minutes <= 24 * 60):
         p.error(f"--minutes must be in (0, 1440], got {args.minutes}")
@@ -98,16 +96,12 @@ def _kinds(p: argparse.ArgumentParser, faults: str, members: int) -> List[FaultK
 
 
 def sweep(marker: str) -> None:
-    """Kill any process left whose command line mentions this run's folder."""
+    """Kill any process left whose command line mentions this run's folder, and everything below it."""
     import psutil
 
     mine = {os.getpid(), *(a.pid for a in psutil.Process().parents())}
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            if p.pid not in mine and any(marker in part for part in (p.info["cmdline"] or [])):
-                kill_tree([p.pid])
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
+    kill_tree([p.pid for p in psutil.process_iter(["cmdline"])  # a process we may not read has cmdline None
+               if p.pid not in mine and any(marker in part for part in (p.info["cmdline"] or []))])
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -141,12 +135,11 @@ def start_etcd(machine: Machine, cleanup: ExitStack) -> str:
     if machine.etcd_members == HOSTED:
         return f"127.0.0.1:{free_port()}"
     if machine.etcd_members == 3:
-        machine.members = Members(machine.run_dir / "etcd")
-        cleanup.callback(machine.members.cluster.stop)
-        machine.members.cluster.start(timeout=60)
-        return machine.members.endpoints
-    host = machine.netns.host_addr if machine.netns else "127.0.0.1"
-    etcd = machine.etcd = EtcdServer(host=host, data_dir=str(machine.run_dir / "etcd"),
+        cluster = machine.members = etcd_cluster(machine.run_dir / "etcd")
+        cleanup.callback(cluster.stop)
+        cluster.start(timeout=60)
+        return cluster.endpoints
+    etcd = machine.etcd = EtcdServer(host=machine.host_addr, data_dir=str(machine.run_dir / "etcd"),
                                      log_path=str(machine.run_dir / "etcd.log"))
 
     def stop() -> None:
@@ -168,11 +161,10 @@ def launcher_for(args: argparse.Namespace, machine: Machine, endpoint: str) -> L
                CHAOS_STOP_FILE=str(run_dir / "stop-at-step"), CHAOS_HANG_FILE=str(machine.hang_file),
                CHAOS_SHM_FULL_FILE=str(machine.shm_file), TMPDIR=str(run_dir / "tmp"),
                CUDA_VISIBLE_DEVICES="")  # simulated nodes share this host: CPU and gloo (NCCL: one GPU each)
-    code_root = REPO if args.live_code else freeze_code(run_dir / "code")
+    code_root = freeze_code(run_dir / "code")  # agents started later run the code of the soak's start
     env["PYTHONPATH"] = os.pathsep.join([str(code_root), *filter(None, [os.environ.get("PYTHONPATH")])])
-    return Launcher(endpoint, f"chaos-{args.seed}", machine.netns.host_addr if machine.netns else "127.0.0.1",
-                    run_dir, machine.worker_args, env, machine.netns, args.heartbeat_timeout, args.hang_timeout,
-                    code_root, ns_slot=(args.nodes - 1) if machine.netns else None, hosted=args.hosted_etcd)
+    return Launcher(endpoint, f"chaos-{args.seed}", machine, env, args.heartbeat_timeout, code_root,
+                    ns_slot=(args.nodes - 1) if machine.netns else None, hosted=args.hosted_etcd)
 
 
 def run(args: argparse.Namespace, say: Say, cleanup: ExitStack) -> int:

@@ -5,16 +5,16 @@ whatever state it was left in.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 from elasticrun.store.server import EtcdCluster, EtcdServer, free_port
 from scripts.bench.common import kill_tree
@@ -119,36 +119,36 @@ class Tmpfs:
         self.mounted = False
 
 
-class Members:
-    """A local 3-member etcd cluster in ``base``; each member's data survives its SIGKILL."""
+def etcd_cluster(base: Path) -> EtcdCluster:
+    """A local 3-member etcd cluster in ``base``, each member logging to its own file there; a member's data
+    survives its SIGKILL."""
+    base.mkdir(parents=True, exist_ok=True)
+    cluster = EtcdCluster(3, base_dir=str(base))
+    for m in cluster.members.values():
+        m.log_path = str(base / f"{m.name}.log")
+    return cluster
 
-    def __init__(self, base: Path) -> None:
-        base.mkdir(parents=True, exist_ok=True)
-        self.cluster = EtcdCluster(3, base_dir=str(base))
-        for m in self.cluster.members.values():
-            m.log_path = str(base / f"{m.name}.log")
-        self.endpoints = self.cluster.endpoints
 
-    def running(self) -> List[EtcdServer]:
-        return [m for m in self.cluster.members.values() if m.running()]
+def etcd_leader(cluster: EtcdCluster, timeout: float = 20.0) -> Optional[EtcdServer]:
+    """The running member the cluster says leads it (etcd's status and member list), waiting up to ``timeout`` s
+    for one; None if none does by then."""
+    from elasticrun.errors import StoreError
+    from elasticrun.store.client import connect
+    from elasticrun.store.members import leader_id, list_members
 
-    def leader(self, timeout: float = 20.0) -> Optional[EtcdServer]:
-        """The member whose v3 status API (what ``etcdctl endpoint status`` reads) says it leads."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for m in self.running():
-                req = urllib.request.Request(f"http://{m.endpoint}/v3/maintenance/status", data=b"{}",
-                                             method="POST", headers={"Content-Type": "application/json"})
-                try:
-                    with urllib.request.urlopen(req, timeout=2) as resp:
-                        doc = json.loads(resp.read())
-                except (OSError, ValueError):
-                    continue
-                lead = str(doc.get("leader"))
-                if lead not in ("None", "0") and str(doc.get("header", {}).get("member_id")) == lead:
-                    return m
-            time.sleep(0.2)
-        return None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with connect(cluster.endpoints, retry_timeout=2, timeout=2) as store:
+                lead = leader_id(store)
+                names = {m.member_id: m.name for m in list_members(store)}
+        except StoreError:
+            lead, names = 0, {}
+        server = cluster.members.get(names.get(lead, ""))
+        if server is not None and server.running():  # a killed leader is named until the others notice
+            return server
+        time.sleep(0.2)
+    return None
 
 
 def freeze_code(dest: Path) -> Path:
@@ -164,10 +164,8 @@ def freeze_code(dest: Path) -> Path:
 
 def send(pid: int, sig: int) -> None:
     """``os.kill`` that ignores a process already gone."""
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def alive(pid: int) -> bool:
@@ -218,17 +216,13 @@ class AgentProc:
 
 @dataclass
 class Launcher:
-    """Starts agents for node slots; slot ``ns_slot`` (if any) runs inside ``netns``."""
+    """Starts agents for node slots on ``machine``; slot ``ns_slot`` (if any) runs inside its network namespace."""
 
     endpoint: str
     job: str
-    host_addr: str
-    run_dir: Path
-    worker_args: List[str]
+    machine: Machine  # its run folder, network namespace, worker arguments and --hang-timeout
     env: dict
-    netns: Optional[NetNs]
     heartbeat: float
-    hang_timeout: float  # the agents' --hang-timeout (0: off)
     code_root: Path  # where the agents import elasticrun and the example from (see freeze_code)
     ns_slot: Optional[int] = None
     hosted: bool = False  # the job hosts its etcd (c10d line): ``endpoint`` follows its members
@@ -237,7 +231,7 @@ class Launcher:
     @property
     def events_file(self) -> Path:
         """The agents' shared ``--events-file`` (docs/observability.md, "Event log")."""
-        return self.run_dir / "events.jsonl"
+        return self.machine.run_dir / "events.jsonl"
 
     def _rdzv_args(self) -> List[str]:
         """How an agent finds the job's etcd: the endpoint(s), or with a hosted etcd the c10d line -- the first
@@ -249,13 +243,13 @@ class Launcher:
             return ["--rdzv-backend", "c10d", "--rdzv-endpoint", self.endpoint, "--rdzv-conf", "is_host=1"]
         return ["--rdzv-backend", "c10d", "--rdzv-endpoint", self.live_member(), "--rdzv-conf", "is_host=0"]
 
-    def _hosted_records(self, prefix: str) -> List[object]:
-        """The key/values under the hosted job's ``etcd/<prefix>``, read at the first member that answers;
-        updates ``endpoint`` to the members the job published."""
+    def _hosted_members(self) -> Set[str]:
+        """The nodes that run a member of the hosted job's etcd (its member records), read at the first member
+        that answers; updates ``endpoint`` to the members the job published."""
         from elasticrun.errors import StoreError
         from elasticrun.job import records
         from elasticrun.job.keys import JobKeys
-        from elasticrun.rendezvous.etcdplan import endpoints_record
+        from elasticrun.rendezvous.etcdplan import endpoints_record, member_record
         from elasticrun.store.client import connect
 
         keys = JobKeys(self.job)
@@ -263,55 +257,52 @@ class Launcher:
             try:
                 with connect(endpoint, retry_timeout=2, timeout=2) as store:
                     told = records.read(store.get(keys.etcd_endpoints), endpoints_record)
-                    kvs, _ = store.get_prefix(keys.etcd + prefix)
+                    kvs, _ = store.get_prefix(keys.etcd_members)
             except StoreError:
                 continue
             if told is not None:
                 self.endpoint = ",".join(told.endpoints)
-            return list(kvs)
-        return []
+            return {rec.node_id for rec in (records.read(kv, member_record) for kv in kvs) if rec is not None}
+        return set()
 
     def members_settled(self) -> bool:
         """The hosted job's etcd has the size its live nodes call for (its published endpoints): a node started
         now joins at a member that stays (one removed later would leave it waiting for a dead address)."""
         from elasticrun.rendezvous.etcdplan import target_size
 
-        self._hosted_records("endpoints")
+        self._hosted_members()
         return len(self.endpoint.split(",")) == target_size(len(self.live()))
 
     def live_member(self) -> str:
         """A client endpoint of the hosted job's etcd that answers now (the last known one when none does)."""
         from elasticrun.store.members import answers
 
-        self._hosted_records("endpoints")
+        self._hosted_members()
         return next((e for e in self.endpoint.split(",") if answers(f"http://{e}", 1.0)), self.endpoint.split(",")[0])
 
     def member_agents(self) -> List[AgentProc]:
         """The live agents whose node runs a member of the hosted job's etcd, the first host first."""
-        from elasticrun.job import records
-        from elasticrun.rendezvous.etcdplan import member_record
-
-        holders = {rec.node_id for rec in (records.read(kv, member_record) for kv in self._hosted_records("members/"))
-                   if rec is not None}
+        holders = self._hosted_members()
         return sorted((a for a in self.live() if a.label in holders), key=lambda a: a.started)
 
     def start(self, slot: int) -> AgentProc:
         incarnation = sum(1 for a in self.agents if a.slot == slot)
-        log = self.run_dir / f"agent-slot{slot}-{incarnation}.log"
-        in_ns = self.netns is not None and slot == self.ns_slot
+        machine, netns = self.machine, self.machine.netns
+        log = machine.run_dir / f"agent-slot{slot}-{incarnation}.log"
+        in_ns = netns is not None and slot == self.ns_slot
         env = dict(self.env)
-        if self.netns is not None:
-            env["GLOO_SOCKET_IFNAME"] = self.netns.ns_if if in_ns else self.netns.host_if
+        if netns is not None:
+            env["GLOO_SOCKET_IFNAME"] = netns.ns_if if in_ns else netns.host_if
         port = free_port()
         cmd = [sys.executable, "-m", "elasticrun", "run", "--nnodes", "2:4", "--nproc-per-node", "1",
                *self._rdzv_args(), "--rdzv-id", self.job, "--node-id", f"slot{slot}.{incarnation}",
-               "--local-addr", self.netns.ns_addr if (in_ns and self.netns) else self.host_addr,
+               "--local-addr", netns.ns_addr if (in_ns and netns) else machine.host_addr,
                "--max-restarts", "100000", "--heartbeat-timeout", str(self.heartbeat), "--rescale-timeout", "600",
-               "--join-timeout", "600", "--hang-timeout", f"{self.hang_timeout:g}", "--metrics-port", str(port),
+               "--join-timeout", "600", "--hang-timeout", f"{machine.hang_timeout:g}", "--metrics-port", str(port),
                "--events-file", str(self.events_file),
-               str(self.code_root / WORKER_REL), *self.worker_args]
-        if in_ns and self.netns is not None:
-            cmd = ["ip", "netns", "exec", self.netns.ns, *cmd]
+               str(self.code_root / WORKER_REL), *machine.worker_args]
+        if in_ns and netns is not None:
+            cmd = ["ip", "netns", "exec", netns.ns, *cmd]
         with open(log, "ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                     cwd=str(self.code_root), start_new_session=True)
@@ -325,26 +316,36 @@ class Launcher:
         """Every live node's record says its workers opted in to in-place re-forming (a crash before that
         takes the restart path, as it should)."""
         from elasticrun.errors import StoreError
+        from elasticrun.job import records
         from elasticrun.job.keys import JobKeys
+        from elasticrun.rendezvous.records import node_record
         from elasticrun.store.client import connect
 
         keys = JobKeys(self.job)
         try:
             with connect(self.live_member() if self.hosted else self.endpoint, retry_timeout=2, timeout=2) as store:
-                records = {a.label: store.get_json(keys.node(a.label)) for a in self.live()}
-        except (StoreError, ValueError):
+                nodes = [records.read(store.get(keys.node(a.label)), node_record) for a in self.live()]
+        except StoreError:
             return False
-        return all(isinstance(r, dict) and r.get("inplace") is True for r in records.values())
+        return all(node is not None and node.inplace for node in nodes)
 
-    def cli(self, args: List[str], timeout: float = 60) -> subprocess.CompletedProcess:
-        """Run ``elasticrun ARGS`` with the agents' code and environment (raises OSError/TimeoutExpired)."""
-        return subprocess.run([sys.executable, "-m", "elasticrun", *args], capture_output=True, text=True,
-                              timeout=timeout, env=self.env, cwd=str(self.code_root))
-
-    def status(self) -> subprocess.CompletedProcess:
-        """``elasticrun status --json`` of the job, as an operator reads it."""
+    def status_json(self) -> Tuple[Optional[Dict[str, Any]], str]:
+        """``elasticrun status --json`` of the job as an operator reads it, run with the agents' code and
+        environment: (its document, "") or (None, why there is none)."""
         endpoint = self.live_member() if self.hosted else self.endpoint
-        return self.cli(["status", "--rdzv-endpoint", endpoint, "--rdzv-id", self.job, "--json"])
+        cmd = [sys.executable, "-m", "elasticrun", "status", "--rdzv-endpoint", endpoint, "--rdzv-id", self.job,
+               "--json"]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=self.env,
+                                  cwd=str(self.code_root))
+        except (OSError, subprocess.TimeoutExpired) as err:
+            return None, f"elasticrun status failed: {err}"
+        if proc.returncode != 0 or "Traceback" in proc.stderr:
+            return None, f"elasticrun status exited {proc.returncode}: {proc.stderr.strip()[-300:]}"
+        try:
+            return json.loads(proc.stdout), ""
+        except ValueError:
+            return None, f"elasticrun status printed no JSON: {proc.stdout.strip()[-300:]}"
 
     def close(self) -> None:
         for a in self.agents:
@@ -368,12 +369,17 @@ class Machine:
     undo: Callable[[Callable[[], object]], object]  # adds a cleanup action (run in reverse order)
     netns: Optional[NetNs] = None
     tmpfs: Optional[Tmpfs] = None
-    etcd: Optional[EtcdServer] = None  # the one member (None with --etcd-members 3: ``members``)
-    members: Optional[Members] = None
+    etcd: Optional[EtcdServer] = None  # the one member
+    members: Optional[EtcdCluster] = None  # with --etcd-members 3
 
     def __post_init__(self) -> None:
         self.ckpt_root, self.audit_dir = self.run_dir / "ckpts", self.run_dir / "audit"
         self.hang_file, self.shm_file = self.run_dir / "hang-pid", self.run_dir / "shm-full-node"
+
+    @property
+    def host_addr(self) -> str:
+        """The host's address for the job: the host side of the network namespace, if any, else loopback."""
+        return self.netns.host_addr if self.netns else "127.0.0.1"
 
     def set_up(self, field_name: str, thing: Union[NetNs, Tmpfs], needs: str) -> Optional[str]:
         """``thing.setup()`` (as root only); once done, it is this machine's ``field_name`` and its ``close`` is

@@ -4,13 +4,12 @@ clients on an agent's metrics port, and its id reused by a job with other argume
 
 from __future__ import annotations
 
-import json
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
 from elasticrun.job.keys import JobKeys
 from elasticrun.store.types import Guard
@@ -38,16 +37,6 @@ BAD_RECORDS: List[Tuple[str, Callable[[JobKeys, int, str], str], bytes]] = [
 ]
 
 
-def _current(store: Any, keys: JobKeys) -> Tuple[int, List[str]]:
-    """The job's current round and its members (from its ``topology``)."""
-    kv = store.get(keys.topology)
-    try:
-        topo = json.loads(kv.value) if kv is not None else {}
-        return int(topo.get("round", 0)), [str(m["node_id"]) for m in topo.get("members", [])]
-    except (ValueError, TypeError, KeyError, AttributeError):
-        return 0, []
-
-
 class BadRecord(FaultKind):
     """One record of the running job is overwritten for 3-6 s with something the agents do not expect. The job
     must train on; every agent that read it says so once (which key, what was wrong), never twice, and none
@@ -56,13 +45,16 @@ class BadRecord(FaultKind):
     name, recovery, span = "bad_record", Recovery.ANY_STEP, (3.0, 6.0)  # every agent's loop turns meanwhile
 
     def inject(self, soak: Soak, f: Fault) -> None:
+        from elasticrun.job import records
+        from elasticrun.rendezvous.records import topology_record
         from elasticrun.store.client import connect
 
         keys = JobKeys(soak.launcher.job)
         what, key_of, value = f.choose(BAD_RECORDS)
         with connect(soak.launcher.endpoint, retry_timeout=30) as store:
-            round_, members = _current(store, keys)
-            key = key_of(keys, round_, members[0] if members else "slot0.0")
+            topology = records.read(store.get(keys.topology), topology_record)  # the current round, its nodes
+            node = topology.members[0].node_id if topology and topology.members else "slot0.0"
+            key = key_of(keys, topology.round if topology else 0, node)
             f.target = f"{what} at {key[len(keys.prefix):]}"
             rev = store.put(key, value)
             soak.sleep(f.duration / 2)
@@ -83,15 +75,9 @@ class BadRecord(FaultKind):
     @staticmethod
     def _status_answers(soak: Soak, f: Fault) -> None:
         """``elasticrun status --json`` of the job (it reads every record) answers with one document."""
-        try:
-            proc = soak.launcher.status()
-            json.loads(proc.stdout)
-        except (OSError, subprocess.TimeoutExpired, ValueError) as err:
-            soak.violations.append(f"bad_record ({f.target}): elasticrun status --json failed: {err}")
-            return
-        if proc.returncode != 0 or "Traceback" in proc.stderr:
-            soak.violations.append(f"bad_record ({f.target}): elasticrun status --json exited {proc.returncode}: "
-                                   f"{proc.stderr.strip()[-300:]}")
+        doc, error = soak.launcher.status_json()
+        if doc is None:
+            soak.violations.append(f"bad_record ({f.target}): {error}")
 
 
 def _half_request(port: int) -> Optional[socket.socket]:
@@ -151,7 +137,7 @@ class JobReuse(FaultKind):
     def inject(self, soak: Soak, f: Fault) -> None:
         n = sum(1 for x in soak.faults if x.kind.name == self.name)
         job = f"{soak.launcher.job}-reuse"
-        script = soak.launcher.run_dir / "reuse_script.py"
+        script = soak.machine.run_dir / "reuse_script.py"
         script.write_text("import os, sys\nprint('reuse-run', sys.argv[1], 'round', os.environ['ELASTICRUN_ROUND'])\n")
         f.target = f"job {job}: run {n}a ends, run {n}b starts under its id with other arguments"
         for name in (f"{n}a", f"{n}b"):
@@ -168,7 +154,7 @@ class JobReuse(FaultKind):
     def _side_job(soak: Soak, job: str, name: str, script: Path) -> Tuple[int, str]:
         """Run a one-node job of ``script`` to its end; (exit code, its output)."""
         launcher = soak.launcher
-        log = launcher.run_dir / f"reuse-{name}.log"
+        log = soak.machine.run_dir / f"reuse-{name}.log"
         cmd = [sys.executable, "-m", "elasticrun", "run", "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-endpoint",
                launcher.endpoint, "--rdzv-id", job, "--node-id", f"reuse-{name}", "--standby", "0", "--no-prewarm",
                "--no-snapshots", "--ended-job-ttl", "10m", "--heartbeat-timeout", f"{launcher.heartbeat:g}",

@@ -14,7 +14,7 @@ from elasticrun.job.exitcodes import ExitCode
 from scripts.bench.common import kill_tree
 
 from .audit import Gen
-from .env import HOSTED, AgentProc, NetNs, Tmpfs, last_lines, send, write_atomic
+from .env import HOSTED, AgentProc, NetNs, Tmpfs, etcd_leader, last_lines, send, write_atomic
 from .faults import Fault, FaultKind, Recovery
 from .hostile import BadRecord, JobReuse, SlowMetrics
 
@@ -181,13 +181,13 @@ class MemberLoss(FaultKind):
     leader = False
 
     def inject(self, soak: Soak, f: Fault) -> None:
-        members = soak.machine.members
-        assert members is not None
-        lead = members.leader()
+        cluster = soak.machine.members
+        assert cluster is not None
+        lead = etcd_leader(cluster)
         if self.leader:
             victims = [lead] if lead is not None else []
         else:
-            victims = [m for m in members.running() if m is not lead]
+            victims = [m for m in cluster.members.values() if m.running() and m is not lead]
         if not victims:
             f.skipped = "no etcd leader found" if self.leader else "no follower running"
             return

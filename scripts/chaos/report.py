@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 from io import StringIO
 from typing import Any, Callable, Dict, List, Tuple
 
 from rich.console import Console
-from rich.table import Table
-from rich.text import Text
+
+from elasticrun.cli.goodput_view import goodput_line
+from elasticrun.cli.tables import Column, DataTable
+from elasticrun.launch.events import EventKind
 
 from .audit import AuditResult
 from .env import Launcher
@@ -24,27 +25,10 @@ def job_goodput(launcher: Launcher) -> Dict[str, Any]:
     or ``{"error": ...}`` saying why there is none."""
     if launcher.hosted:
         return {"error": "none: the job's own etcd, with its accounts, ended with the job"}
-    try:
-        proc = launcher.status()
-    except (OSError, subprocess.TimeoutExpired) as err:
-        return {"error": f"elasticrun status failed: {err}"}
-    if proc.returncode != 0:
-        return {"error": f"elasticrun status exited {proc.returncode}: {proc.stderr.strip()[-300:]}"}
-    try:
-        goodput = json.loads(proc.stdout).get("goodput")
-    except ValueError:
-        return {"error": f"elasticrun status printed no JSON: {proc.stdout.strip()[-300:]}"}
-    return goodput or {"error": "the job's agents published no goodput account"}
-
-
-def goodput_text(g: Dict[str, Any]) -> str:
-    """One line for the table: the ratio, node-seconds and the largest badput causes."""
-    if g.get("goodput_ratio") is None:
-        return str(g.get("error", "none"))
-    top = ", ".join(f"{c['cause']} {100 * float(c['share']):.1f}%" if isinstance(c, dict) else str(c)
-                    for c in g.get("top_badput") or [])
-    return (f"{100 * float(g['goodput_ratio']):.1f}% of {float(g.get('wall_s', 0)):.0f} node-seconds "
-            f"({g.get('nodes', '?')} node accounts); badput: {top or '-'}; {g.get('steps_lost', 0)} steps rolled back")
+    doc, error = launcher.status_json()
+    if doc is None:
+        return {"error": error}
+    return doc.get("goodput") or {"error": "the job's agents published no goodput account"}
 
 
 def _final_checks(soak: Any, audit: AuditResult) -> Dict[str, Any]:
@@ -80,7 +64,7 @@ def how_recovered(faults: List[Fault], events: List[str]) -> None:
     for line in events:
         try:
             ev = json.loads(line)
-            if ev.get("event") in ("restart", "rescale"):
+            if ev.get("event") in (EventKind.RESTART, EventKind.RESCALE):
                 t, hows = rounds.setdefault(int(ev["round"]), (float(ev["time"]), set()))
                 rounds[int(ev["round"])] = (min(t, float(ev["time"])), hows | {How(ev["recovery"])})
         except (ValueError, KeyError, TypeError):
@@ -89,6 +73,12 @@ def how_recovered(faults: List[Fault], events: List[str]) -> None:
     for f, nxt in zip(done, [*(g.t_start for g in done[1:]), float("inf")]):
         hows = set().union(*(hows for t, hows in rounds.values() if f.t_start <= t < nxt))
         f.how = How.RESTART if How.RESTART in hows else How.IN_PLACE if hows else How.NONE
+
+
+def _ttr_figures(ttrs: List[float]) -> Dict[str, Any]:
+    """The median and worst of these times to recover (None without any)."""
+    return {"median_ttr_s": round(statistics.median(ttrs), 2) if ttrs else None,
+            "worst_ttr_s": round(max(ttrs), 2) if ttrs else None}
 
 
 def _by_kind(done: List[Fault]) -> Dict[str, Dict[str, Any]]:
@@ -101,9 +91,7 @@ def _by_kind(done: List[Fault]) -> Dict[str, Dict[str, Any]]:
         full = [f.full_at - f.t_ref for f in fs if f.full_at is not None]
         out[name] = {"faults": len(fs), "recovered": len(ttrs),
                      "in_place": sum(f.how is How.IN_PLACE for f in fs),
-                     "restart": sum(f.how is How.RESTART for f in fs),
-                     "median_ttr_s": round(statistics.median(ttrs), 2) if ttrs else None,
-                     "worst_ttr_s": round(max(ttrs), 2) if ttrs else None,
+                     "restart": sum(f.how is How.RESTART for f in fs), **_ttr_figures(ttrs),
                      "worst_full_strength_s": round(max(full), 2) if full else None}
     return out
 
@@ -128,9 +116,7 @@ def summary(args: Any, soak: Any, audit: AuditResult, skipped: Dict[str, str], e
         "etcd_members": args.etcd_members,
         "faults_total": len(done), "faults_needing_recovery": in_place + restart, "recoveries": len(ttrs),
         "recovered_in_place": in_place, "recovered_by_restart": restart,
-        "median_ttr_s": round(statistics.median(ttrs), 2) if ttrs else None,
-        "worst_ttr_s": round(max(ttrs), 2) if ttrs else None,
-        "by_kind": _by_kind(done), "skipped_kinds": skipped,
+        **_ttr_figures(ttrs), "by_kind": _by_kind(done), "skipped_kinds": skipped,
         "steps": {"final": audit.final_step, "executed": audit.steps_executed, "lost_to_rollbacks": audit.steps_lost,
                   "generations": audit.generations},
         "checkpoints": {"committed": len(audit.saves), "verified": soak.verified, "verify_failed": soak.verify_failed,
@@ -146,48 +132,48 @@ def summary(args: Any, soak: Any, audit: AuditResult, skipped: Dict[str, str], e
     }
 
 
+COLUMNS = [Column("fault", name=True), *(Column(header, justify="right") for header in (
+    "count", "recovered", "in place", "restart", "median time to recover", "worst", "worst to full strength"))]
+
+
 def _s(v: Any) -> str:
     return "-" if v is None else f"{v:.1f}s" if isinstance(v, float) else str(v)
 
 
+def fault_table(res: Dict[str, Any]) -> DataTable:
+    """Per kind and in all: faults, recoveries (in place, by restart), times to recover; skipped kinds say why."""
+    table = DataTable(COLUMNS, title="chaos soak: faults")
+    for kind, v in res["by_kind"].items():
+        if v["faults"]:
+            table.add_row(kind, str(v["faults"]), str(v["recovered"]), str(v["in_place"]), str(v["restart"]),
+                          _s(v["median_ttr_s"]), _s(v["worst_ttr_s"]), _s(v["worst_full_strength_s"]))
+    for kind, why in res["skipped_kinds"].items():
+        table.add_row(kind, "skipped", "", "", "", "", "", why[:60])
+    table.add_row("all", str(res["faults_total"]), str(res["recoveries"]), str(res["recovered_in_place"]),
+                  str(res["recovered_by_restart"]), _s(res["median_ttr_s"]), _s(res["worst_ttr_s"]), "")
+    return table
+
+
 def render(res: Dict[str, Any], say: Callable[[str], None]) -> None:
-    """Print the tables, then every violation and the verdict (text from logs shown verbatim)."""
-    rows = [[k, str(v["faults"]), str(v["recovered"]), str(v["in_place"]), str(v["restart"]), _s(v["median_ttr_s"]),
-             _s(v["worst_ttr_s"]), _s(v["worst_full_strength_s"])] for k, v in res["by_kind"].items() if v["faults"]]
-    rows += [[k, "skipped", "", "", "", "", "", why[:60]] for k, why in res["skipped_kinds"].items()]
-    rows.append(["all", str(res["faults_total"]), str(res["recoveries"]), str(res["recovered_in_place"]),
-                 str(res["recovered_by_restart"]), _s(res["median_ttr_s"]), _s(res["worst_ttr_s"]), ""])
-    st, ck, sm = res["steps"], res["checkpoints"], res["samples"]
-    facts = [
-        ("run", f"seed {res['seed']}, {res['minutes']:g} min of faults, {res['elapsed_s']:.0f} s in all, "
-                + (f"{res['etcd_members']} etcd member(s)" if res["etcd_members"] else "the job's own etcd")),
-        ("steps", f"{st['final']} trained, {st['executed']} executed, {st['lost_to_rollbacks']} lost to rollbacks, "
-                  f"{st['generations']} worker generations"),
-        ("checkpoints", f"{ck['committed']} committed, {ck['verified']} verified right after commit "
-                        f"({ck['retired_before_verify']} retired first), {ck['verify_failed']} failed; "
-                        f"{ck['save_failures']} saves refused; {ck['left_verified']}/{ck['left_at_end']} left "
-                        f"at the end verify; {ck['restore_fallbacks']} restores fell back"),
-        ("samples", f"{sm['checked']} audited over {sm['epochs']} epochs: {sm['seen_twice']} seen twice, "
-                    f"{sm['skipped']} skipped"),
-        ("goodput", goodput_text(res["goodput"])),
-        ("violations", str(len(res["violations"]))),
-    ]
+    """Print the fault table and the run's figures, then every violation and the verdict (text from logs shown
+    verbatim)."""
     buf = StringIO()
-    console = Console(file=buf, width=110, force_terminal=False, color_system=None)
-    t = Table(title="chaos soak: faults", show_lines=False)
-    for col in ("fault", "count", "recovered", "in place", "restart", "median time to recover", "worst",
-                "worst to full strength"):
-        t.add_column(col, justify="left" if col == "fault" else "right")
-    for r in rows:
-        t.add_row(*map(Text, r))
-    console.print(t)
-    t2 = Table(show_header=False)
-    t2.add_column("what")
-    t2.add_column("result")
-    for k, v in facts:
-        t2.add_row(k, Text(v))
-    console.print(t2)
+    Console(file=buf, force_terminal=False, color_system=None, soft_wrap=True).print(fault_table(res))
     say(buf.getvalue().rstrip())
+    st, ck, sm, g = res["steps"], res["checkpoints"], res["samples"], res["goodput"]
+    say(f"run: seed {res['seed']}, {res['minutes']:g} min of faults, {res['elapsed_s']:.0f} s in all, "
+        + (f"{res['etcd_members']} etcd member(s)" if res["etcd_members"] else "the job's own etcd"))
+    say(f"steps: {st['final']} trained, {st['executed']} executed, {st['lost_to_rollbacks']} lost to rollbacks, "
+        f"{st['generations']} worker generations")
+    say(f"checkpoints: {ck['committed']} committed, {ck['verified']} verified right after commit "
+        f"({ck['retired_before_verify']} retired first), {ck['verify_failed']} failed; {ck['save_failures']} saves "
+        f"refused; {ck['left_verified']}/{ck['left_at_end']} left at the end verify; {ck['restore_fallbacks']} "
+        "restores fell back")
+    say(f"samples: {sm['checked']} audited over {sm['epochs']} epochs: {sm['seen_twice']} seen twice, "
+        f"{sm['skipped']} skipped")
+    line = goodput_line(g)
+    say(line.plain if line is not None else f"goodput: {g.get('error', 'none')}")
+    say(f"violations: {len(res['violations'])}")
     for v in res["violations"]:
         say(f"VIOLATION: {v}")
     say("OK: every invariant held" if res["ok"] else "FAILED")

@@ -43,15 +43,19 @@ def _file_text(var: str) -> Optional[str]:
 
 
 class Audit:
-    """One worker's append-only JSON-lines log."""
+    """One worker's append-only JSON-lines log in ``directory`` (None: no log, every line is dropped)."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: Optional[str]) -> None:
         name = f"{NODE.replace('/', '_').replace('@', '_') or 'node'}-{os.getpid()}.jsonl"
-        self.fd = os.open(os.path.join(directory, name), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+        self.fd = os.open(os.path.join(directory, name), flags, 0o644) if directory else None
         self.step = 0  # the training step of the last logged optimizer step
         self.reformed_to = -1  # the round of the last ``reform`` line
 
     def write(self, event: str, **fields: Any) -> None:
+        """Append one line: ``event``, the time, this worker's pid, node, round, restart, rank, world and ``fields``."""
+        if self.fd is None:
+            return
         now = {key: int(os.environ.get(name, "") or default) for key, name, default in (
             ("round", env_names.ROUND, 0), ("restart", env_names.RESTART_COUNT, 0), ("rank", env_names.RANK, 0),
             ("world", env_names.WORLD_SIZE, 1))}
@@ -59,12 +63,7 @@ class Audit:
         os.write(self.fd, (json.dumps(record, separators=(",", ":")) + "\n").encode())
 
 
-AUDIT = Audit(os.environ["CHAOS_AUDIT_DIR"]) if os.environ.get("CHAOS_AUDIT_DIR") else None
-
-
-def audit(event: str, **fields: Any) -> None:
-    if AUDIT is not None:
-        AUDIT.write(event, **fields)
+AUDIT = Audit(os.environ.get("CHAOS_AUDIT_DIR"))
 
 
 class AuditedSampler(et.ElasticDistributedSampler):
@@ -82,11 +81,10 @@ class AuditedSampler(et.ElasticDistributedSampler):
         taken = self._mine[self._cursor : self._cursor + local_samples]
         self._cursor += local_samples
         after = super().advance(local_samples)
-        if AUDIT is not None:
-            AUDIT.step += 1
-            AUDIT.write("step", step=AUDIT.step, epoch=self.epoch, idx=[int(i) for i in taken], after=after)
+        AUDIT.step += 1
+        AUDIT.write("step", step=AUDIT.step, epoch=self.epoch, idx=[int(i) for i in taken], after=after)
         if _file_text("CHAOS_HANG_FILE") == str(os.getpid()):
-            audit("hang", step=AUDIT.step if AUDIT else 0)
+            AUDIT.write("hang", step=AUDIT.step)
             while True:  # alive without progress: the agent's hang detection ends this
                 time.sleep(3600)
         _shm_full_if_told()
@@ -111,7 +109,7 @@ class AuditedInPlace(et.InPlace):
 
     def _logged(self, result: et.Reform) -> et.Reform:
         """Log the round entered, once (``check`` re-forms through ``recover`` after a crash)."""
-        if AUDIT is not None and result is et.Reform.REFORMED and self.ctx.round != AUDIT.reformed_to:
+        if result is et.Reform.REFORMED and self.ctx.round != AUDIT.reformed_to:
             AUDIT.step, AUDIT.reformed_to = self.step, self.ctx.round
             AUDIT.write("reform", step=self.step)
         return result
@@ -132,7 +130,7 @@ class _Fallbacks(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         if record.levelno >= logging.WARNING and "cannot be loaded" in record.getMessage():
-            audit("restore_fallback", error=record.getMessage()[:300])
+            AUDIT.write("restore_fallback", error=record.getMessage()[:300])
 
 
 def _load_latest(*args: Any, **kwargs: Any) -> Any:
@@ -143,9 +141,8 @@ def _load_latest(*args: Any, **kwargs: Any) -> Any:
         ckpt = LOAD_LATEST(*args, **kwargs)
     finally:
         log.removeHandler(handler)
-    if AUDIT is not None:
-        AUDIT.step = ckpt.training_state.step if (ckpt is not None and ckpt.training_state) else 0
-        AUDIT.write("resume", name=getattr(ckpt, "name", None), step=AUDIT.step, tier=getattr(ckpt, "tier", None))
+    AUDIT.step = ckpt.training_state.step if (ckpt is not None and ckpt.training_state) else 0
+    AUDIT.write("resume", name=getattr(ckpt, "name", None), step=AUDIT.step, tier=getattr(ckpt, "tier", None))
     return ckpt
 
 
@@ -153,13 +150,13 @@ def _audited(fn: Callable[..., Any], done: str, failed: str) -> Callable[..., An
     """``fn`` logging a ``done`` line (with the name it returned, if any) or a ``failed`` line with the error."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        step = AUDIT.step if AUDIT else 0
+        step = AUDIT.step
         try:
             out = fn(*args, **kwargs)
         except BaseException as err:
-            audit(failed, step=step, error=f"{type(err).__name__}: {err}"[:300])
+            AUDIT.write(failed, step=step, error=f"{type(err).__name__}: {err}"[:300])
             raise
-        audit(done, step=step, **({"name": out} if isinstance(out, str) else {}))
+        AUDIT.write(done, step=step, **({"name": out} if isinstance(out, str) else {}))
         return out
 
     return call
@@ -186,7 +183,7 @@ def main() -> int:
     assert spec is not None and spec.loader is not None
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    audit("start")
+    AUDIT.write("start")
     et.ElasticDistributedSampler = AuditedSampler  # type: ignore[misc]
     et.InPlace = AuditedInPlace  # type: ignore[misc]
     et.load_latest = _load_latest  # type: ignore[assignment]
@@ -203,7 +200,7 @@ def main() -> int:
 
     example.parse_args = parse_stop_args
     code = int(example.main(sys.argv[1:]) or 0)
-    audit("exit", code=code, step=AUDIT.step if AUDIT else 0)
+    AUDIT.write("exit", code=code, step=AUDIT.step)
     return code
 
 
