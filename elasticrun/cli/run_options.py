@@ -307,7 +307,7 @@ OWN_OPTIONS: Tuple[Opt, ...] = (
         "max-gpu-temp-c=80).", ELASTIC, metavar="LIST", default="",
         fills=("health.node_check_thresholds",), convert=run_values.thresholds),
     Opt("straggler_threshold", ("--straggler-threshold",), "A rank whose compute time per step (reported with "
-        "elasticrun.train.StepTimer) is at least this many times the job's median, and 2 ms or more above it, is "
+        "elasticrun.train.StepTimer) is at least this many times the job's median, and 1 ms or more above it, is "
         "slow.", ELASTIC,
         type=Type.FLOAT, metavar="X", default=1.2, more_than=1,
         fills=("health.straggler_threshold",)),

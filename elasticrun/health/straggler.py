@@ -33,7 +33,7 @@ class StragglerPolicy:
     window_s: float = 30.0
     stale_s: float = 15.0  # a reading older than this is no reading (the rank stopped reporting)
     min_ranks: int = 2  # fewer ranks reporting: nobody is judged
-    min_excess_s: float = 0.002  # compute seconds per step above the median below which no rank is slow
+    min_excess_s: float = 0.001  # compute seconds per step above the median below which no rank is slow
 
 
 @dataclass(frozen=True)
