@@ -142,10 +142,11 @@ def test_goodput_of_a_job_with_a_crash_matches_its_ground_truth(
     # rollback point interpolated between reports (≤ one step, 0.15 s, while steps are uniform) and
     # when the agent learns of the crash. On a loaded host (the whole suite on 2 cores) steps stop
     # being uniform and the last report before the crash can land late: up to the reporter's
-    # one-second interval (0.46 and 0.79 s seen), so an uncounted rollback (0) or one counted from
-    # the round's start (~5 s) still fails.
+    # one-second interval plus the agent's notice of the crash (0.46, 0.79 and 1.003 s seen), so an
+    # uncounted rollback (0) or one counted from the round's start (~5 s) still fails.
     assert got["badput_s"]["checkpoint_stall"] == pytest.approx(truth["stall"], abs=0.05), (got, truth)
-    assert got["badput_s"]["rollback"] == pytest.approx(truth["rollback"], abs=1.0), (got, truth)
+    assert got["badput_s"]["rollback"] > 0, (got, truth)
+    assert got["badput_s"]["rollback"] == pytest.approx(truth["rollback"], abs=1.5), (got, truth)
     assert got["goodput_s"] == pytest.approx(truth["kept"], abs=1.2), (got, truth)
     assert 0 < got["goodput_ratio"] < 1
     assert got["goodput_ratio"] == pytest.approx(truth["kept"] / got["wall_s"], abs=1.2 / got["wall_s"])
