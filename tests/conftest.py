@@ -43,6 +43,39 @@ for _sig in (signal.SIGINT, signal.SIGQUIT):
 HIDE_GPUS = "CUDA_VISIBLE_DEVICES"
 
 
+def _shared_fixture_group(item: pytest.Item) -> Optional[str]:
+    """The group of a test that uses a module- or class-scoped fixture: its file, the fixture and its
+    parameter. Under ``pytest -n N --dist loadgroup`` a group runs on one worker, so an expensive shared
+    fixture (a whole chaos run, a torchrun/elasticrun pair) is set up once, not once per worker."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return None
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    for name in info.names_closure:
+        defs = info.name2fixturedefs.get(name) or ()
+        if defs and defs[-1].scope in ("module", "class"):
+            where = item.nodeid.split("::")[0]
+            return f"{where}:{name}" + (f"[{params[name]}]" if name in params else "")
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
+    """Order and group the run for ``pytest -n N --dist loadgroup`` (the README's command).
+
+    Tests that start processes or etcd (``integration``) come first, the in-process ones last: the
+    workers end together, filling the gap the last long test leaves with short ones. Tests sharing a
+    module- or class-scoped fixture form one ``xdist_group`` (:func:`_shared_fixture_group`); the ``gpu``
+    tests form one too, so that they never share the host's GPUs with each other. Without ``-n`` the
+    groups change nothing and the order is the only effect."""
+    items.sort(key=lambda item: item.get_closest_marker("integration") is None)
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        group = "gpu" if item.get_closest_marker("gpu") is not None else _shared_fixture_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """With gpu tests to run, let torch.cuda see the host's GPUs first (it reads the variable once)."""
     if any(item.get_closest_marker("gpu") for item in session.items):
