@@ -18,9 +18,11 @@ tests were collected (``torch.cuda`` reads the variable once, at its first use).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import uuid
+from functools import cache
 from pathlib import Path
 from typing import Callable, Iterator, List, Optional
 
@@ -43,37 +45,47 @@ for _sig in (signal.SIGINT, signal.SIGQUIT):
 HIDE_GPUS = "CUDA_VISIBLE_DEVICES"
 
 
-def _shared_fixture_group(item: pytest.Item) -> Optional[str]:
-    """The group of a test that uses a module- or class-scoped fixture: its file, the fixture and its
-    parameter. Under ``pytest -n N --dist loadgroup`` a group runs on one worker, so an expensive shared
-    fixture (a whole chaos run, a torchrun/elasticrun pair) is set up once, not once per worker."""
-    info = getattr(item, "_fixtureinfo", None)
-    if info is None:
+SHARED_FIXTURE = re.compile(r"scope=[\"'](module|class)[\"']")
+GPU_TESTS = re.compile(r"pytest\.mark\.gpu\b")
+HAS_GPUS = os.path.exists("/dev/nvidiactl")  # an NVIDIA driver: the gpu tests will run, not skip
+
+
+@cache
+def _scope_of_file(path: Path) -> Optional[str]:
+    """The worker group of a whole test file under ``-n``, or None (its tests go anywhere): the file when
+    it defines a module- or class-scoped fixture (an expensive shared setup: a whole chaos run, a
+    torchrun/elasticrun pair, a secured etcd, set up once instead of once per worker); on a GPU host,
+    one group for every file with ``gpu`` tests (they must not share the GPUs with each other)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
         return None
-    params = getattr(getattr(item, "callspec", None), "params", {})
-    for name in info.names_closure:
-        defs = info.name2fixturedefs.get(name) or ()
-        if defs and defs[-1].scope in ("module", "class"):
-            where = item.nodeid.split("::")[0]
-            return f"{where}:{name}" + (f"[{params[name]}]" if name in params else "")
-    return None
+    if HAS_GPUS and GPU_TESTS.search(text):
+        return "gpu tests"
+    return str(path) if SHARED_FIXTURE.search(text) else None
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
-    """Order and group the run for ``pytest -n N --dist loadgroup`` (the README's command).
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """``pytest -n N`` (the README's command): tests are sent to the workers one by one as they free up,
+    except the groups :func:`_scope_of_file` names, each sent to one worker. (pytest-xdist's own
+    ``xdist_group`` marks cannot do this on pytest >= 9.2: xdist renames the test ids through an
+    attribute pytest no longer reads.)"""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
 
-    Tests that start processes or etcd (``integration``) come first, the in-process ones last: the
-    workers end together, filling the gap the last long test leaves with short ones. Tests sharing a
-    module- or class-scoped fixture form one ``xdist_group`` (:func:`_shared_fixture_group`); the ``gpu``
-    tests form one too, so that they never share the host's GPUs with each other. Without ``-n`` the
-    groups change nothing and the order is the only effect."""
+    class SharedFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _scope_of_file(config.rootpath / nodeid.split("::", 1)[0]) or nodeid
+
+    return SharedFixtureScheduling(config, log)
+
+
+def pytest_collection_modifyitems(items: List[pytest.Item]) -> None:
+    """Tests that start processes or etcd (``integration``) first, the in-process ones last: under
+    ``-n`` the workers then end together, the short tests filling the gap the last long one leaves."""
     items.sort(key=lambda item: item.get_closest_marker("integration") is None)
-    for item in items:
-        if item.get_closest_marker("xdist_group") is not None:
-            continue
-        group = "gpu" if item.get_closest_marker("gpu") is not None else _shared_fixture_group(item)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

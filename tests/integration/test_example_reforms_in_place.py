@@ -31,10 +31,12 @@ STEPS = 200  # a crashed worker's job: long enough that its replacement rejoins 
 
 
 def agent_args(endpoint: str, job: str, node: str, ckpts: Path) -> List[str]:
+    """A 10 s SIGTERM grace: under a loaded host every rank must reach the stop's agreement and save before
+    its agent kills it. ``--lr 0.01``: micro-batches of 4 at the example's default LR diverge."""
     return ["--nnodes", "2:3", "--max-restarts", "0", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
             "--rdzv-id", job, "--node-id", node, "--heartbeat-timeout", "3", "--stability-window", "0.5",
-            "--shutdown-timeout", "2", str(EXAMPLE), "--epochs", "1", "--dataset-size", "400000", "--batch-size", "4",
-            "--step-sleep", "0.05", "--ckpt-every", "0", "--ckpt-dir", str(ckpts)]
+            "--shutdown-timeout", "10", str(EXAMPLE), "--epochs", "1", "--dataset-size", "400000", "--batch-size", "4",
+            "--lr", "0.01", "--step-sleep", "0.05", "--ckpt-every", "0", "--ckpt-dir", str(ckpts)]
 
 
 def steps(out: str) -> List[tuple]:
