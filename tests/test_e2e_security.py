@@ -201,8 +201,10 @@ def test_two_node_job_with_a_limited_user_survives_expiry_restart_and_resize(
               "--heartbeat-timeout", "6", "--stability-window", "0.5", "--shutdown-timeout", "5",
               "--max-restarts", "3", *conn]
     script = [str(EXAMPLE), "--epochs", "100000", "--dataset-size", "256", "--batch-size", "8",
-              "--step-sleep", "0.05", "--ckpt-every", "20", "--keep-last", "3", "--ckpt-dir", str(ckpt),
+              "--step-sleep", "0.05", "--ckpt-every", "20", "--keep-last", "1000", "--ckpt-dir", str(ckpt),
               "--no-inplace"]  # security across restarts and a resize on the restart path (in place: its own tests)
+    # --keep-last 1000: the checkpoints the CLI asked for must still be there when the test lists them (with 3,
+    # a loaded host let the job commit three periodic ones in between and prune the requested one)
     clean = {names.ETCD_PASSWORD: None, names.ETCD_USER: None}
     # Node A reads the password from a file; node B from $ELASTICRUN_ETCD_PASSWORD (no standby workers).
     a = agents([*common, "--node-id", "A", "--etcd-password-file", str(pw), *script], name="A", env=clean)

@@ -67,6 +67,19 @@ def test_a_lost_node_ends_the_round_and_the_survivor_scales_down(store: FakeStor
     assert a.rescale_event(1).type is RescaleType.SCALE_DOWN and second.restart_count == 0
 
 
+def test_a_round_already_done_when_the_leader_first_checks_its_members_succeeds(store: FakeStore, cleanup):
+    """The leader's first look at a round also checks the node records. When every member has already
+    reported done (a short job on a loaded host), that same look ends the round in success: it used to
+    raise AttributeError ('Ended' has no 'checked') out of the agent, a traceback to the user."""
+    a = join(store, "a")
+    cleanup.append(a)
+    topo = next_rounds([a])["a"]
+    a.report_done(topo)
+    assert seen(a, lambda: a.view.under(a.keys.dones(topo.round))), "a's done record"
+    assert a.view.mirrors_nodes, "a leads: its look at the round checks the node records"
+    assert a.round_change(topo) is RoundOutcome.SUCCEEDED
+
+
 def test_all_done_is_success_and_ends_the_job(store: FakeStore, cleanup):
     a, b = join(store, "a"), join(store, "b")
     cleanup += [a, b]

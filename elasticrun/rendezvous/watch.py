@@ -74,11 +74,13 @@ class RoundWatch:
             self.writer.end_round(topo.round, decided.reason, self.node_id, lost=decided.node_id)
             self._quiet_since = None
             return decided.reason
+        if isinstance(decided, Ended):
+            self._quiet_since = None
+            return decided.reason
         if snap.nodes is not None:
             self._members_checked = (topo.round, self.view.members_version) if decided.checked else None
-        reason = decided.reason if isinstance(decided, Ended) else None
-        self._quiet_since = quiet if reason is None else None
-        return reason
+        self._quiet_since = quiet
+        return None
 
     def _running(self, topo: Topology) -> RunningRound:
         """The snapshot :func:`round_end` decides on. The leader looks at the node records only when one
