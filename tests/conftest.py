@@ -83,9 +83,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 
 
 def pytest_collection_modifyitems(items: List[pytest.Item]) -> None:
-    """Tests that start processes or etcd (``integration``) first, the in-process ones last: under
-    ``-n`` the workers then end together, the short tests filling the gap the last long one leaves."""
-    items.sort(key=lambda item: item.get_closest_marker("integration") is None)
+    """Under ``-n``: tests that start processes or etcd (``integration``) first, the in-process ones last,
+    so that the workers end together, the short tests filling the gap the last long one leaves."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects, and sorts alike
+        items.sort(key=lambda item: item.get_closest_marker("integration") is None)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
