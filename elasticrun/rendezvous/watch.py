@@ -72,9 +72,7 @@ class RoundWatch:
         decided = round_end(snap)
         if isinstance(decided, LoseMember):
             self.writer.end_round(topo.round, decided.reason, self.node_id, lost=decided.node_id)
-            self._quiet_since = None
-            return decided.reason
-        if isinstance(decided, Ended):
+        if isinstance(decided, (LoseMember, Ended)):
             self._quiet_since = None
             return decided.reason
         if snap.nodes is not None:
