@@ -4,6 +4,7 @@ new members (store/client.py set_endpoints) keeps its calls, leases and watches 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Iterator, List
@@ -17,6 +18,12 @@ from elasticrun.store.server import EtcdServer
 from helpers.procs import wait_until
 
 pytestmark = pytest.mark.integration
+
+
+def _tail(server: EtcdServer, chars: int = 1500) -> str:
+    """The end of ``server``'s log (what a failed wait shows)."""
+    with open(server.log_path or os.devnull, errors="replace") as log:
+        return log.read()[-chars:]
 
 
 def _grow(store: EtcdStore, name: str, started: List[EtcdServer]) -> EtcdServer:
@@ -33,7 +40,8 @@ def _grow(store: EtcdStore, name: str, started: List[EtcdServer]) -> EtcdServer:
             etcd.promote(store, new.member_id)
             break
         except etcd.LearnerNotReady:
-            assert time.monotonic() < deadline, "the learner never caught up"
+            assert server.proc is not None and server.proc.poll() is None, f"the learner exited: {server.exit_reason()}"
+            assert time.monotonic() < deadline, f"the learner never caught up; its log ends: {_tail(server)}"
             time.sleep(0.05)
     server.wait_healthy(30)
     return server

@@ -23,6 +23,7 @@ A step whose collective fails is handed to
 ``InPlace.recover``: a ``{"recovered": ...}`` line, then the step is redone in the re-formed group.
 The restart path by hand: ``INPLACE_RESUME=PATH`` loads the state saved at ``PATH`` (if it exists),
 ``INPLACE_STOP_AFTER=STEP`` saves it there after STEP (rank 0) and exits 0.
+``INPLACE_EXIT_DELAY``: seconds a worker told to stop (a graceful leave) waits before it exits (a slow exit).
 """
 
 import json
@@ -164,4 +165,6 @@ with open(os.environ["INPLACE_LOG"], "a") as log:
                 ddp = et.rebuild_ddp(ddp)
             log.write(json.dumps({"pid": os.getpid(), "reformed": reform.last_pause_s, "round": ctx.round}) + "\n")
             log.flush()
+if not sampler.epoch_done:
+    time.sleep(float(os.environ.get("INPLACE_EXIT_DELAY", "0")))
 ctx.close()
