@@ -5,19 +5,16 @@
     python scripts/perf/perf_report.py /tmp/perf --no-plots --print     # the table only, on stdout too
     python scripts/perf/perf_report.py --rendezvous rdzv.json -o docs/img/perf-rendezvous.png
 
-Reads the bench JSON files that the dir's manifest (``bench_all.json``: commands, device, machine,
-failed benches) lists, or every ``*.json`` of a dir without one. The rows are the ``"summary"`` list
-of each bench's JSON (``metric, elasticrun, alternative, alt_value, unit, better, ratio, device,
-command``). A missing, unreadable or failed bench is listed under the table, never fatal. The table
-replaces what lies between ``<!-- summary:begin -->`` and ``<!-- summary:end -->`` in the page, so
-reruns update it in place. The charts (``perf-launch``, ``perf-recovery``, ``perf-checkpoint``,
-``perf-rendezvous``, ``perf-scaleup``) need matplotlib: ``pip install 'elasticrun[plot]'``.
-``--rendezvous FILE`` draws only the rendezvous-at-scale chart of one ``bench_rendezvous.py --out FILE``.
+The rows are the ``"summary"`` lists of the bench JSON files that the dir's manifest (``bench_all.json``) lists,
+or of every ``*.json`` of a dir without one; a missing, unreadable or failed bench is listed under the table. The
+table replaces what lies between ``<!-- summary:begin -->`` and ``<!-- summary:end -->`` in the page. The charts
+need matplotlib: ``pip install 'elasticrun[plot]'``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import re
@@ -34,7 +31,7 @@ END = "<!-- summary:end -->"
 JSON_DIR = re.compile(r"(--json|--out)([ =])[^ ]*/")  # where run_all put a bench's JSON: not on the page
 
 MANIFEST = "bench_all.json"
-KINDS = ("launch", "elastic", "checkpoint", "rendezvous", "snapshot")
+KINDS = ("launch", "elastic", "checkpoint", "rendezvous")  # the benches that have charts
 SCENARIOS = {"restart": "worker crash", "kill": "node SIGKILL", "join": "node joins", "leave": "node leaves",
              "launch": "1 node", "launch-multi": "several nodes"}  # chart labels
 CKPT_OPS = ((" save (durable)", "save"), (" load into existing tensors (cold)", "load"))  # ckpt_compare's labels
@@ -42,13 +39,12 @@ CKPT_OPS = ((" save (durable)", "save"), (" load into existing tensors (cold)", 
 
 @dataclass
 class Bench:
-    """One bench's JSON file, with what the manifest says about it."""
+    """One bench's JSON file, with the command the manifest ran it with."""
 
     name: str
     kind: Optional[str]
     data: Any
     command: str
-    device: str
 
 
 @dataclass
@@ -75,42 +71,41 @@ def kind_of(name: str, script: str = "") -> Optional[str]:
     return None
 
 
-def _manifest(d: Path, problems: List[str]) -> Tuple[Dict[str, Any], Dict[str, Dict[str, Any]]]:
-    """The run's manifest and its entries by JSON file name; a bench that failed goes to ``problems``."""
-    manifest: Dict[str, Any] = {}
-    if (d / MANIFEST).exists():
-        try:
-            manifest = json.loads((d / MANIFEST).read_text())
-        except ValueError as e:
-            problems.append(f"{MANIFEST}: not JSON ({e})")
-    entries = {str(e.get("json") or f"{e.get('name')}.json"): e for e in manifest.get("benches", [])
-               if isinstance(e, dict)}
-    for e in entries.values():
-        if e.get("status") not in (None, "ok"):
-            problems.append(f"{e.get('name')}: {e.get('status')} "
-                            f"({'; '.join(e.get('notes') or []) or 'exit code ' + str(e.get('returncode'))})")
-    return manifest, entries
+def read_manifest(d: Path, problems: List[str]) -> Dict[str, Any]:
+    """The run's manifest ({} without one); a bench that failed goes to ``problems``."""
+    if not (d / MANIFEST).exists():
+        return {}
+    try:
+        manifest = json.loads((d / MANIFEST).read_text())
+    except ValueError as e:
+        problems.append(f"{MANIFEST}: not JSON ({e})")
+        return {}
+    for e in manifest.get("benches", []):
+        if e.get("status") != "ok":
+            why = "; ".join(e.get("notes") or []) or f"exit code {e.get('returncode')}"
+            problems.append(f"{e.get('name')}: {e.get('status')} ({why})")
+    return manifest
 
 
 def load_dir(d: Path) -> Inputs:
     """Read the manifest and the bench JSON files it lists (every ``*.json`` of a dir without one); problems
     are collected, not raised."""
     problems: List[str] = []
-    manifest, entries = _manifest(d, problems)
-    listed = [d / str(e["json"]) for e in entries.values() if e.get("json")]
-    problems += [f"{p.name}: listed in {MANIFEST} but missing" for p in listed if not p.exists()]
-    files = [p for p in listed if p.exists()] if "benches" in manifest else sorted(d.glob("*.json"))
+    manifest = read_manifest(d, problems)
+    listed = {str(e["json"]): e for e in manifest.get("benches", []) if e.get("json")}
+    files = [d / n for n in listed] if "benches" in manifest else sorted(d.glob("*.json"))
     benches: List[Bench] = []
     for p in (p for p in files if p.name != MANIFEST):  # with a manifest, older files in the dir are not read
-        e = entries.get(p.name, {})
+        e = listed.get(p.name, {})
         try:
             data = json.loads(p.read_text())
+        except FileNotFoundError:
+            problems.append(f"{p.name}: listed in {MANIFEST} but missing")
+            continue
         except (OSError, ValueError) as err:
             problems.append(f"{p.name}: unreadable ({err.__class__.__name__})")
             continue
-        dev = data.get("device") if isinstance(data, dict) and isinstance(data.get("device"), str) else None
-        benches.append(Bench(p.stem, kind_of(p.stem, str(e.get("script", ""))), data, str(e.get("command") or ""),
-                             dev or str(manifest.get("device") or "cpu")))
+        benches.append(Bench(p.stem, kind_of(p.stem, str(e.get("script", ""))), data, str(e.get("command") or "")))
     return Inputs(benches, manifest, problems)
 
 
@@ -183,27 +178,20 @@ def chart_data(inputs: Inputs) -> Dict[str, Any]:
     out["checkpoint_note"] = next(iter(tags)).strip(" []") if len(tags) == 1 else ""
     return out
 
+
 @dataclass
 class Row:
-    """One line of the summary table (the bench JSON ``summary`` contract)."""
+    """One line of the summary table: an entry of a bench JSON's ``summary`` list and the file it came from."""
 
     metric: str
-    elasticrun: Optional[float]
+    elasticrun: float
     alternative: str
     alt_value: Optional[float]
     unit: str
-    better: str  # "lower" | "higher"
-    ratio: Optional[float]
+    ratio: Optional[float]  # > 1: elasticrun is ahead
     device: str
     command: str
-    bench: str = ""  # the file it came from (not a table column)
-
-
-def ratio_of(er: Optional[float], alt: Optional[float], better: str) -> Optional[float]:
-    """> 1 means elasticrun wins: alternative/elasticrun for lower-is-better, the inverse otherwise."""
-    if er is None or alt is None or er <= 0 or alt <= 0:
-        return None
-    return alt / er if better == "lower" else er / alt
+    bench: str = ""
 
 
 def contract_rows(b: Bench, problems: List[str]) -> List[Row]:
@@ -215,26 +203,18 @@ def contract_rows(b: Bench, problems: List[str]) -> List[Row]:
     rows = []
     for i, s in enumerate(summary):
         er = num(s.get("elasticrun")) if isinstance(s, dict) else None
-        if not isinstance(s, dict) or not isinstance(s.get("metric"), str) or er is None:
+        if er is None or not isinstance(s.get("metric"), str):
             problems.append(f"{b.name}.json: summary[{i}] lacks a metric name or a numeric elasticrun value")
             continue
-        better = s.get("better") if s.get("better") in ("lower", "higher") else "lower"
-        alt = num(s.get("alt_value"))
-        ratio = num(s.get("ratio"))
-        rows.append(Row(s["metric"], er, str(s.get("alternative") or "—"), alt, str(s.get("unit") or ""), better,
-                        ratio if ratio is not None else ratio_of(er, alt, better),
-                        str(s.get("device") or b.device), str(s.get("command") or b.command)))
+        rows.append(Row(s["metric"], er, str(s.get("alternative") or "—"), num(s.get("alt_value")),
+                        str(s.get("unit") or ""), num(s.get("ratio")), str(s.get("device") or "cpu"),
+                        str(s.get("command") or b.command), b.name))
     return rows
 
 
 def summary_rows(inputs: Inputs) -> List[Row]:
-    """Every bench's ``summary`` rows, in file order."""
-    rows: List[Row] = []
-    for b in inputs.benches:
-        for r in contract_rows(b, inputs.problems):
-            r.bench = b.name
-            rows.append(r)
-    rows = best_alternatives(rows)
+    """Every bench's ``summary`` rows, in file order, the strongest alternative of each figure kept."""
+    rows = best_alternatives([r for b in inputs.benches for r in contract_rows(b, inputs.problems)])
     benches: Dict[str, set] = {}
     for r in rows:
         benches.setdefault(r.metric, set()).add(r.bench)
@@ -251,14 +231,11 @@ def best_alternatives(rows: List[Row]) -> List[Row]:
     for r in rows:
         groups.setdefault((r.bench, r.metric, r.device), []).append(r)
     out = []
-    for r in rows:
-        same = groups.pop((r.bench, r.metric, r.device), None)
-        if same is None:
-            continue
+    for same in groups.values():
         rated = [x for x in same if x.ratio is not None]
-        best = min(rated, key=lambda x: x.ratio) if rated else same[0]  # type: ignore[arg-type,return-value]
+        best = min(rated, key=lambda x: x.ratio or 0.0) if rated else same[0]
         if len(same) > 1:
-            best = Row(**dict(best.__dict__, alternative=f"{best.alternative} (strongest of {len(same)})"))
+            best = dataclasses.replace(best, alternative=f"{best.alternative} (strongest of {len(same)})")
         out.append(best)
     return out
 
@@ -474,24 +451,17 @@ def rendezvous_chart(data: Dict[str, Any], path: Path) -> Path:
     return _save(fig, path)
 
 
+STRIPS = (("recovery", "crash → first training step after recovery"), ("launch", "launch → first training step"),
+          ("scaleup", "scale-up: new node's agent started → its first step in the job"))  # key and chart title
+
+
 def draw_all(data: Dict[str, Any], img_dir: Path) -> List[Path]:
     """Every chart there is data for, written as ``img_dir/perf-*.png``."""
-    out: List[Path] = []
-    if data.get("recovery"):
-        out.append(strip_chart(data["recovery"], "crash → first training step after recovery", img_dir /
-                               "perf-recovery.png"))
-    if data.get("launch"):
-        out.append(strip_chart(data["launch"], "launch → first training step",
-                               img_dir / "perf-launch.png"))
-    if data.get("checkpoint"):
-        out.append(checkpoint_chart(data["checkpoint"], data.get("device", "cpu"), img_dir / "perf-checkpoint.png",
-                                    data.get("checkpoint_note", "")))
-    for name, doc in data.get("rendezvous", {}).items():
-        out.append(rendezvous_chart(doc, img_dir / f"perf-{name}.png"))
-    if data.get("scaleup"):
-        out.append(strip_chart(data["scaleup"], "scale-up: new node's agent started → its first step in the job",
-                               img_dir / "perf-scaleup.png"))
-    return out
+    out = [strip_chart(data[key], title, img_dir / f"perf-{key}.png") for key, title in STRIPS if data[key]]
+    if data["checkpoint"]:
+        out.append(checkpoint_chart(data["checkpoint"], data["device"], img_dir / "perf-checkpoint.png",
+                                    data["checkpoint_note"]))
+    return out + [rendezvous_chart(doc, img_dir / f"perf-{name}.png") for name, doc in data["rendezvous"].items()]
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
@@ -509,13 +479,18 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _has_matplotlib() -> bool:
+def fail(message: str) -> int:
+    """``message`` as one line on stderr; the exit code of bad input."""
+    print(f"perf_report: {message}", file=sys.stderr)
+    return 2
+
+
+def has_matplotlib() -> bool:
     """Whether matplotlib imports; says what to install (one line on stderr) when it does not."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        print("perf_report: the charts need matplotlib: pip install 'elasticrun[plot]' (or pass --no-plots)",
-              file=sys.stderr)
+        fail("the charts need matplotlib: pip install 'elasticrun[plot]' (or pass --no-plots)")
         return False
     return True
 
@@ -527,10 +502,8 @@ def draw_rendezvous(rows_file: Path, output: Path) -> int:
         if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
             raise ValueError("no 'rows' list")
     except (OSError, ValueError) as err:
-        print(f"perf_report: cannot read {rows_file}: {err}; give the file of bench_rendezvous.py --out",
-              file=sys.stderr)
-        return 2
-    if not _has_matplotlib():
+        return fail(f"cannot read {rows_file}: {err}; give the file of bench_rendezvous.py --out")
+    if not has_matplotlib():
         return 2
     output.parent.mkdir(parents=True, exist_ok=True)
     print(rendezvous_chart(data, output))
@@ -542,24 +515,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.rendezvous is not None:
         return draw_rendezvous(args.rendezvous, args.output)
     if args.results is None or not args.results.is_dir():
-        print(f"perf_report: {args.results} is not a directory: pass the --out dir of scripts/bench/run_all.py",
-              file=sys.stderr)
-        return 2
-    if not args.no_plots and not _has_matplotlib():
+        return fail(f"{args.results} is not a directory: pass the --out dir of scripts/bench/run_all.py")
+    if not args.no_plots and not has_matplotlib():
         return 2
     inputs = load_dir(args.results)
     if not inputs.benches:
-        print(f"perf_report: no bench JSON in {args.results}: run scripts/bench/run_all.py --out {args.results} first",
-              file=sys.stderr)
-        return 2
+        return fail(f"no bench JSON in {args.results}: run scripts/bench/run_all.py --out {args.results} first")
     rows = summary_rows(inputs)
     content = block(inputs, rows)
     if not args.no_page:
         try:
             new = replace_block(args.page.read_text(), content)
         except (OSError, ValueError) as e:
-            print(f"perf_report: cannot update {args.page}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
-            return 2
+            return fail(f"cannot update {args.page}: {getattr(e, 'strerror', None) or e}")
         args.page.write_text(new)
         print(f"perf_report: {len(rows)} rows written to {args.page}")
     if args.print:
