@@ -31,7 +31,6 @@ END = "<!-- summary:end -->"
 JSON_DIR = re.compile(r"(--json|--out)([ =])[^ ]*/")  # where run_all put a bench's JSON: not on the page
 
 MANIFEST = "bench_all.json"
-KINDS = ("launch", "elastic", "checkpoint", "rendezvous")  # the benches that have charts
 SCENARIOS = {"restart": "worker crash", "kill": "node SIGKILL", "join": "node joins", "leave": "node leaves",
              "launch": "1 node", "launch-multi": "several nodes"}  # chart labels
 CKPT_OPS = ((" save (durable)", "save"), (" load into existing tensors (cold)", "load"))  # ckpt_compare's labels
@@ -42,7 +41,7 @@ class Bench:
     """One bench's JSON file, with the command the manifest ran it with."""
 
     name: str
-    kind: Optional[str]
+    kind: str  # launch, elastic, checkpoint, rendezvous, ...
     data: Any
     command: str
 
@@ -63,12 +62,9 @@ def num(x: Any) -> Optional[float]:
     return float(x)
 
 
-def kind_of(name: str, script: str = "") -> Optional[str]:
-    """Which bench a file holds, from the manifest's script name or the file name."""
-    for src in (Path(script).stem.replace("bench_", ""), name.split("-")[0].split(".")[0]):
-        if src in KINDS:
-            return src
-    return None
+def kind_of(name: str, script: str) -> str:
+    """Which bench a file holds: the manifest's script name (``bench_launch.py``), else the file's (``launch-2``)."""
+    return (Path(script).stem.replace("bench_", "") if script else name).split("-")[0]
 
 
 def read_manifest(d: Path, problems: List[str]) -> Dict[str, Any]:
@@ -105,7 +101,7 @@ def load_dir(d: Path) -> Inputs:
         except (OSError, ValueError) as err:
             problems.append(f"{p.name}: unreadable ({err.__class__.__name__})")
             continue
-        benches.append(Bench(p.stem, kind_of(p.stem, str(e.get("script", ""))), data, str(e.get("command") or "")))
+        benches.append(Bench(p.stem, kind_of(p.stem, str(e.get("script") or "")), data, str(e.get("command") or "")))
     return Inputs(benches, manifest, problems)
 
 
@@ -287,25 +283,15 @@ def replace_block(text: str, content: str) -> str:
 
 ER_COLOR = "#1f77b4"
 ALT_COLOR = "#d62728"
-DPI = 110
 TOOL_COLORS = {"elasticrun": ER_COLOR, "safetensors": "#ff7f0e", "dcp": "#2ca02c", "torch": "#9467bd",
                "disk": "grey"}
 
 
-def _color(label: str) -> str:
-    return ER_COLOR if label.lower().startswith("elasticrun") else ALT_COLOR
-
-
 def _tool_style(name: str, k: int) -> Dict[str, Any]:
     """Line style of a checkpoint series: a colour per tool, elasticrun's variants thick, in line styles."""
-    low = name.lower()
-    tool = next((t for t in TOOL_COLORS if low.startswith(t)), "")
-    style: Dict[str, Any] = {"color": TOOL_COLORS.get(tool)}
-    if tool == "elasticrun":
-        style.update(lw=2.4, ls=("-", "--", "-.", ":")[k % 4])
-    elif tool == "disk":
-        style.update(ls="--", lw=1)
-    return style
+    tool = next((t for t in TOOL_COLORS if name.lower().startswith(t)), "")
+    extra = {"elasticrun": {"lw": 2.4, "ls": ("-", "--", "-.", ":")[k % 4]}, "disk": {"ls": "--", "lw": 1}}
+    return {"color": TOOL_COLORS.get(tool), **extra.get(tool, {})}
 
 
 def _pyplot() -> Any:
@@ -319,10 +305,9 @@ def _pyplot() -> Any:
 
 
 def _save(fig: Any, path: Path) -> Path:
-    plt = _pyplot()
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
     return path
 
 
@@ -337,7 +322,8 @@ def strip_chart(groups: List[Dict[str, Any]], title: str, path: Path) -> Path:
     phase_colors = {n: palette(i % 8) for i, n in enumerate(names)}
     shown: set = set()
     for y, g in enumerate(groups):
-        times, color = g["times"], _color(g["label"])
+        times = g["times"]
+        color = ER_COLOR if g["label"].lower().startswith("elasticrun") else ALT_COLOR
         if times:
             med = statistics.median(times)
             ax.barh(y, med, color=color, alpha=0.25, height=0.6)
@@ -503,8 +489,6 @@ def draw_rendezvous(rows_file: Path, output: Path) -> int:
             raise ValueError("no 'rows' list")
     except (OSError, ValueError) as err:
         return fail(f"cannot read {rows_file}: {err}; give the file of bench_rendezvous.py --out")
-    if not has_matplotlib():
-        return 2
     output.parent.mkdir(parents=True, exist_ok=True)
     print(rendezvous_chart(data, output))
     return 0
@@ -512,12 +496,12 @@ def draw_rendezvous(rows_file: Path, output: Path) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
+    if args.rendezvous is None and (args.results is None or not args.results.is_dir()):
+        return fail(f"{args.results} is not a directory: pass the --out dir of scripts/bench/run_all.py")
+    if (args.rendezvous or not args.no_plots) and not has_matplotlib():
+        return 2
     if args.rendezvous is not None:
         return draw_rendezvous(args.rendezvous, args.output)
-    if args.results is None or not args.results.is_dir():
-        return fail(f"{args.results} is not a directory: pass the --out dir of scripts/bench/run_all.py")
-    if not args.no_plots and not has_matplotlib():
-        return 2
     inputs = load_dir(args.results)
     if not inputs.benches:
         return fail(f"no bench JSON in {args.results}: run scripts/bench/run_all.py --out {args.results} first")
