@@ -84,8 +84,7 @@ def read_manifest(d: Path, problems: List[str]) -> Dict[str, Any]:
 
 
 def load_dir(d: Path) -> Inputs:
-    """Read the manifest and the bench JSON files it lists (every ``*.json`` of a dir without one); problems
-    are collected, not raised."""
+    """The manifest and the bench JSON files it lists (every ``*.json`` of a dir without one), and what failed."""
     problems: List[str] = []
     manifest = read_manifest(d, problems)
     listed = {str(e["json"]): e for e in manifest.get("benches", []) if e.get("json")}
@@ -112,11 +111,10 @@ def scenario_label(scenario: str) -> str:
 
 
 def launch_items(data: Dict[str, Any]) -> Iterator[Tuple[str, Dict[str, Any]]]:
-    """(scenario, chart item) per scenario and launcher of bench_launch.py's ``runs``; a crash at a set moment
-    of the round is a scenario of its own. Phase marks are the median ok run's."""
+    """(scenario, chart item) per scenario and launcher of bench_launch.py's ``runs``, phases of the median ok run."""
     groups: Dict[Tuple[str, str], List[dict]] = {}
     for r in data["runs"]:
-        at = r.get("crash_after")
+        at = r.get("crash_after")  # a crash at a set moment of the round is a scenario of its own
         groups.setdefault((r["scenario"] + (f"@{at:g}s" if at is not None else ""), r["launcher"]), []).append(r)
     for (scenario, who), runs in groups.items():
         ok = sorted((r for r in runs if r["outcome"] == "ok"), key=lambda r: r["seconds"])
@@ -137,8 +135,7 @@ def elastic_items(b: Bench) -> Iterator[Tuple[str, Dict[str, Any]]]:
 
 
 def checkpoint_points(data: Dict[str, Any]) -> Iterator[Tuple[str, str, str, Tuple[float, float]]]:
-    """(op, tool, tag, (GB, GB/s)) of bench_checkpoint.py's ``compare`` section: each library's durable save
-    and cold load into existing tensors, and the disk's cold read; the tag names a non-uniform state or a GPU."""
+    """(op, tool, tag, (GB, GB/s)) of bench_checkpoint.py's ``compare``; the tag names a non-uniform state or a GPU."""
     comp = data["compare"]
     size = comp["size_bytes"] / 1e9
     tags = [str(comp[k]) for k in ("state", "device") if comp[k] not in ("uniform", "cpu")]
@@ -152,8 +149,7 @@ def checkpoint_points(data: Dict[str, Any]) -> Iterator[Tuple[str, str, str, Tup
 
 
 def chart_data(inputs: Inputs) -> Dict[str, Any]:
-    """Plain data for the charts: launch, recovery and scale-up distributions, checkpoint throughput against
-    size, and each rendezvous bench's rows."""
+    """Plain data for the charts: strip-chart items, checkpoint throughput by op and tool, rendezvous runs."""
     out: Dict[str, Any] = {"recovery": [], "launch": [], "scaleup": [], "checkpoint": {}, "rendezvous": {},
                            "device": str(inputs.manifest.get("device") or "cpu")}
     points: List[Tuple[str, str, str, Tuple[float, float]]] = []
@@ -221,11 +217,10 @@ def summary_rows(inputs: Inputs) -> List[Row]:
 
 
 def best_alternatives(rows: List[Row]) -> List[Row]:
-    """One row per bench, metric and device: a bench that compares one figure with several
-    alternatives keeps the strongest one (the lowest ratio), named with how many there were."""
-    groups: Dict[Tuple[str, str, str], List[Row]] = {}
+    """One row per bench and metric: the strongest alternative (lowest ratio), saying how many there were."""
+    groups: Dict[Tuple[str, str], List[Row]] = {}
     for r in rows:
-        groups.setdefault((r.bench, r.metric, r.device), []).append(r)
+        groups.setdefault((r.bench, r.metric), []).append(r)
     out = []
     for same in groups.values():
         rated = [x for x in same if x.ratio is not None]
@@ -312,8 +307,7 @@ def _save(fig: Any, path: Path) -> Path:
 
 
 def strip_chart(groups: List[Dict[str, Any]], title: str, path: Path) -> Path:
-    """One row per launcher/variant: every successful run as a dot, the median as a bar, runs that
-    failed or hung counted on the right; phase marks of the median run, when given, as ticks."""
+    """Per launcher/variant: each ok run a dot, the median a bar, failed or hung runs counted, phases as ticks."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8.5, 0.55 * len(groups) + 1.6))
     worst = max([t for g in groups for t in g["times"]] + [1.0])
@@ -380,7 +374,7 @@ def checkpoint_chart(data: Dict[str, Dict[str, List[Tuple[float, float]]]], devi
     return _save(fig, path)
 
 
-RDZV_PANELS = (  # (row key, y label, guide: "linear" in the nodes or "flat")
+RDZV_PANELS = (  # row key, y label, guides from the smallest run of round 0: linear in the nodes, or flat and 2x
     ("all_hold_s", "seconds until every agent holds the round", "linear"),
     ("cpu_per_agent_ms", "agents' CPU per agent (ms)", "flat"),
     ("etcd_cpu_s", "etcd CPU per round (s)", "linear"),
@@ -400,9 +394,7 @@ def _series(rows: List[Dict[str, Any]], key: str) -> Dict[str, List[Tuple[int, f
 
 
 def rendezvous_chart(data: Dict[str, Any], path: Path) -> Path:
-    """Four log-log panels against the node count, one line per phase (round 0, a loss, a join): the time until
-    every agent holds the round, the agents' CPU per agent, etcd's CPU and writes per round; grey dotted guides
-    linear in the nodes from the smallest run (time, etcd) or flat and 2x (per agent)."""
+    """Log-log panels of ``RDZV_PANELS`` against the node count, one line per phase, round 0's guides dotted."""
     plt = _pyplot()
     from matplotlib import ticker
 
@@ -471,16 +463,6 @@ def fail(message: str) -> int:
     return 2
 
 
-def has_matplotlib() -> bool:
-    """Whether matplotlib imports; says what to install (one line on stderr) when it does not."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        fail("the charts need matplotlib: pip install 'elasticrun[plot]' (or pass --no-plots)")
-        return False
-    return True
-
-
 def draw_rendezvous(rows_file: Path, output: Path) -> int:
     """The rendezvous-at-scale chart of one ``bench_rendezvous.py --out FILE``."""
     try:
@@ -498,8 +480,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     if args.rendezvous is None and (args.results is None or not args.results.is_dir()):
         return fail(f"{args.results} is not a directory: pass the --out dir of scripts/bench/run_all.py")
-    if (args.rendezvous or not args.no_plots) and not has_matplotlib():
-        return 2
+    if args.rendezvous or not args.no_plots:
+        try:
+            _pyplot()
+        except ImportError:
+            return fail("the charts need matplotlib: pip install 'elasticrun[plot]' (or pass --no-plots)")
     if args.rendezvous is not None:
         return draw_rendezvous(args.rendezvous, args.output)
     inputs = load_dir(args.results)

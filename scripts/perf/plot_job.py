@@ -61,8 +61,7 @@ def json_lines(path: Path, flag: str) -> Iterator[Tuple[int, Any]]:
 
 
 def read_log(path: Path) -> List[Record]:
-    """The step records of a metrics log, in step order; the last record of a step wins (a step
-    trained again after a rollback replaces the one that was lost)."""
+    """The step records of a metrics log, in step order; a step trained again after a rollback replaces the lost one."""
     by_step: Dict[int, Record] = {}
     for n, rec in json_lines(path, "--metrics-log"):
         missing = [k for k in FIELDS if not isinstance(rec, dict) or k not in rec]
@@ -88,8 +87,7 @@ def read_events(paths: List[Path]) -> List[Record]:
 
 
 def pauses(rows: List[Record]) -> List[Tuple[float, float]]:
-    """(start, end) times when no step was trained: between the last step of a round and the first
-    step of the next one (the rescale or restart: stop, rendezvous, worker start, resume)."""
+    """(start, end) of each time without training: from a round's last step to the next round's first."""
     return [(float(a["time"]), float(b["time"])) for a, b in zip(rows, rows[1:])
             if a.get("round") != b.get("round")]
 
@@ -101,8 +99,7 @@ def rescales(rows: List[Record]) -> List[Tuple[float, int, int]]:
 
 
 def plot_metrics(rows: List[Record], out: Path, reference: Optional[List[Record]] = None, title: str = "") -> None:
-    """World size, LR, global batch, loss and samples/s over time, one line per round; rescales as dashed lines,
-    pauses shaded; the reference run's loss by step number."""
+    """``METRIC_PANELS`` over time, one line per round, rescales dashed, pauses shaded; the reference's loss by step."""
     plt = pyplot()
     t0 = float(rows[0]["time"])
     marks, gaps = rescales(rows), pauses(rows)
