@@ -38,12 +38,11 @@ CKPT_OPS = ((" save (durable)", "save"), (" load into existing tensors (cold)", 
 
 @dataclass
 class Bench:
-    """One bench's JSON file, with the command the manifest ran it with."""
+    """One bench's JSON file."""
 
     name: str
     kind: str  # launch, elastic, checkpoint, rendezvous, ...
     data: Any
-    command: str
 
 
 @dataclass
@@ -87,11 +86,10 @@ def load_dir(d: Path) -> Inputs:
     """The manifest and the bench JSON files it lists (every ``*.json`` of a dir without one), and what failed."""
     problems: List[str] = []
     manifest = read_manifest(d, problems)
-    listed = {str(e["json"]): e for e in manifest.get("benches", []) if e.get("json")}
+    listed = {str(e["json"]): str(e.get("script") or "") for e in manifest.get("benches", []) if e.get("json")}
     files = [d / n for n in listed] if "benches" in manifest else sorted(d.glob("*.json"))
     benches: List[Bench] = []
     for p in (p for p in files if p.name != MANIFEST):  # with a manifest, older files in the dir are not read
-        e = listed.get(p.name, {})
         try:
             data = json.loads(p.read_text())
         except FileNotFoundError:
@@ -100,7 +98,7 @@ def load_dir(d: Path) -> Inputs:
         except (OSError, ValueError) as err:
             problems.append(f"{p.name}: unreadable ({err.__class__.__name__})")
             continue
-        benches.append(Bench(p.stem, kind_of(p.stem, str(e.get("script") or "")), data, str(e.get("command") or "")))
+        benches.append(Bench(p.stem, kind_of(p.stem, listed.get(p.name, "")), data))
     return Inputs(benches, manifest, problems)
 
 
@@ -144,7 +142,7 @@ def checkpoint_points(data: Dict[str, Any]) -> Iterator[Tuple[str, str, str, Tup
         found = [(op, label[: -len(suffix)]) for suffix, op in CKPT_OPS if label.endswith(suffix)]
         if label.startswith("disk: cold"):
             found = [("load", "disk: cold read")]
-        if found and secs and "verify=False" not in label:
+        if found and secs:
             yield found[0][0], found[0][1], tag, (size, size / statistics.median(secs))
 
 
@@ -200,7 +198,7 @@ def contract_rows(b: Bench, problems: List[str]) -> List[Row]:
             continue
         rows.append(Row(s["metric"], er, str(s.get("alternative") or "—"), num(s.get("alt_value")),
                         str(s.get("unit") or ""), num(s.get("ratio")), str(s.get("device") or "cpu"),
-                        str(s.get("command") or b.command), b.name))
+                        str(s.get("command") or ""), b.name))
     return rows
 
 
@@ -425,7 +423,6 @@ def rendezvous_chart(data: Dict[str, Any], path: Path) -> Path:
                  + (f"\nload average {min(loads):.0f}–{max(loads):.0f} on the shared machine during the run"
                     if loads else ""), fontsize=10)
     fig.text(0.5, 0.005, data.get("command", ""), ha="center", fontsize=7, family="monospace")
-    fig.tight_layout(rect=(0, 0.02, 1, 0.97))
     return _save(fig, path)
 
 
