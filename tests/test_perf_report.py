@@ -58,9 +58,10 @@ def _results(d: Path) -> Path:
          {"launcher": "elasticrun", "scenario": "restart", "outcome": "ok", "seconds": 0.8, "crash_after": 5.0}]
     (d / "launch.json").write_text(json.dumps({"runs": launch_runs, "summary": [
         _entry("launch -> first step", 2.0, "torchrun-best", 3.0, ratio=1.5),
-        _entry("crash -> first step", 5.0, "torchrun-best", 4.0),  # no ratio: computed, 0.80
+        _entry("crash -> first step", 5.0, "torchrun-best", 4.0, ratio=0.8),
         {"metric": "broken entry"},  # no elasticrun value: reported, skipped
         _entry("load bandwidth", 2.0, "safetensors", 1.6, better="higher", unit="GB/s", ratio=1.25),
+        _entry("no alternative", 1.0, "none", None, ratio=None),
         _entry("stall", 0.1, "disk save", 3.0, ratio=30.0), _entry("stall", 0.1, "DCP save", 1.5, ratio=15.0),
     ]}))
     (d / "elastic.json").write_text(json.dumps({"summary": [], "results": [
@@ -80,7 +81,7 @@ def _results(d: Path) -> Path:
         {"phase": phase, "nodes": n, "all_hold_s": n / 100, "cpu_per_agent_ms": 3.0, "etcd_cpu_s": n / 300,
          "etcd_writes": 3 * n, "load": 1.5} for n in (8, 32, 128) for phase in ("round 0", "loss")]}))
     (d / "elastic-join3.json").write_text(json.dumps({"results": [], "summary": [
-        _entry("crash -> first step", 7.0, "torchrun tuned", 14.0)]}))
+        _entry("crash -> first step", 7.0, "torchrun tuned", 14.0, ratio=2.0)]}))
     (d / "stale.json").write_text(json.dumps({"summary": [_entry("not in this run", 1.0, "x", 1.0)]}))
     names = ["launch", "elastic", "elastic-join3", "checkpoint-0.4", "checkpoint-0.5", "checkpoint-1", "rendezvous"]
     benches = [{"name": n, "script": f"bench_{n.split('-')[0]}.py", "command": f"python scripts/bench_{n}.py",
@@ -106,10 +107,11 @@ def test_table_between_markers_and_rerun_in_place(pr, tmp_path, capsys):
     lines = {ln.split(" | ")[0].lstrip("| "): ln for ln in body.splitlines() if ln.startswith("| ")}
     assert "| metric | elasticrun | best alternative | ratio | device | command |" in body
     assert "`--preset quick`" in body and "2 CPUs" in body and "load average 3.5" in body
-    # the contract: given ratio kept, missing ratio computed (alternative / elasticrun), > 1 bold
+    # the contract: the ratio as the bench wrote it (> 1 bold), none without an alternative
     assert "**1.50×**" in lines["launch -> first step"] and "torchrun-best: 3 s" in lines["launch -> first step"]
     assert "| 0.80× |" in lines["crash -> first step [launch]"]
     assert "**1.25×**" in lines["load bandwidth"] and "2 GB/s" in lines["load bandwidth"]
+    assert lines["no alternative"].endswith("| 1 s | none | — | cpu | `python scripts/bench/bench_x.py --runs 1` |")
     assert "`python scripts/bench/bench_x.py --runs 1`" in lines["launch -> first step"]
     # several alternatives for one figure: the strongest stays, once
     assert "DCP save (strongest of 2): 1.5 s" in lines["stall"] and "**15.00×**" in lines["stall"]
@@ -129,7 +131,7 @@ def test_table_between_markers_and_rerun_in_place(pr, tmp_path, capsys):
 
 def test_commands_on_the_page_lose_the_run_dir(pr):
     command = "python b.py --out /tmp/run/r.json --json=/tmp/run/j.json"
-    row = pr.Row("m", 1.0, "x", 2.0, "s", "lower", 2.0, "cpu", command)
+    row = pr.Row("m", 1.0, "x", 2.0, "s", 2.0, "cpu", command)
     assert "`python b.py --out r.json --json=j.json`" in pr.table([row])
 
 
@@ -152,11 +154,11 @@ def test_bad_input_is_one_line_and_leaves_the_page(pr, tmp_path, capsys):
 def test_summary_without_manifest_reads_every_file(pr, tmp_path):
     d = tmp_path / "plain"
     d.mkdir()
-    (d / "checkpoint-x.json").write_text(json.dumps({"summary": [_entry("m", 1.0, "alt", 2.0)], "device": "cuda"}))
+    (d / "checkpoint-x.json").write_text(json.dumps({"summary": [_entry("m", 1.0, "alt", 2.0, ratio=2.0)]}))
     (d / "broken.json").write_text("{not json")
     inputs = pr.load_dir(d)
     rows = pr.summary_rows(inputs)
-    assert [(r.metric, r.ratio, r.device) for r in rows] == [("m", 2.0, "cpu")]  # the entry's device wins
+    assert [(r.metric, r.ratio, r.device) for r in rows] == [("m", 2.0, "cpu")]
     assert any("broken.json: unreadable" in p for p in inputs.problems)
 
 

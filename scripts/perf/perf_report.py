@@ -5,19 +5,16 @@
     python scripts/perf/perf_report.py /tmp/perf --no-plots --print     # the table only, on stdout too
     python scripts/perf/perf_report.py --rendezvous rdzv.json -o docs/img/perf-rendezvous.png
 
-Reads the bench JSON files that the dir's manifest (``bench_all.json``: commands, device, machine,
-failed benches) lists, or every ``*.json`` of a dir without one. The rows are the ``"summary"`` list
-of each bench's JSON (``metric, elasticrun, alternative, alt_value, unit, better, ratio, device,
-command``). A missing, unreadable or failed bench is listed under the table, never fatal. The table
-replaces what lies between ``<!-- summary:begin -->`` and ``<!-- summary:end -->`` in the page, so
-reruns update it in place. The charts (``perf-launch``, ``perf-recovery``, ``perf-checkpoint``,
-``perf-rendezvous``, ``perf-scaleup``) need matplotlib: ``pip install 'elasticrun[plot]'``.
-``--rendezvous FILE`` draws only the rendezvous-at-scale chart of one ``bench_rendezvous.py --out FILE``.
+The rows are the ``"summary"`` lists of the bench JSON files that the dir's manifest (``bench_all.json``) lists,
+or of every ``*.json`` of a dir without one; a missing, unreadable or failed bench is listed under the table. The
+table replaces what lies between ``<!-- summary:begin -->`` and ``<!-- summary:end -->`` in the page. The charts
+need matplotlib: ``pip install 'elasticrun[plot]'``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import re
@@ -34,7 +31,6 @@ END = "<!-- summary:end -->"
 JSON_DIR = re.compile(r"(--json|--out)([ =])[^ ]*/")  # where run_all put a bench's JSON: not on the page
 
 MANIFEST = "bench_all.json"
-KINDS = ("launch", "elastic", "checkpoint", "rendezvous", "snapshot")
 SCENARIOS = {"restart": "worker crash", "kill": "node SIGKILL", "join": "node joins", "leave": "node leaves",
              "launch": "1 node", "launch-multi": "several nodes"}  # chart labels
 CKPT_OPS = ((" save (durable)", "save"), (" load into existing tensors (cold)", "load"))  # ckpt_compare's labels
@@ -42,13 +38,11 @@ CKPT_OPS = ((" save (durable)", "save"), (" load into existing tensors (cold)", 
 
 @dataclass
 class Bench:
-    """One bench's JSON file, with what the manifest says about it."""
+    """One bench's JSON file."""
 
     name: str
-    kind: Optional[str]
+    kind: str  # launch, elastic, checkpoint, rendezvous, ...
     data: Any
-    command: str
-    device: str
 
 
 @dataclass
@@ -67,50 +61,44 @@ def num(x: Any) -> Optional[float]:
     return float(x)
 
 
-def kind_of(name: str, script: str = "") -> Optional[str]:
-    """Which bench a file holds, from the manifest's script name or the file name."""
-    for src in (Path(script).stem.replace("bench_", ""), name.split("-")[0].split(".")[0]):
-        if src in KINDS:
-            return src
-    return None
+def kind_of(name: str, script: str) -> str:
+    """Which bench a file holds: the manifest's script name (``bench_launch.py``), else the file's (``launch-2``)."""
+    return (Path(script).stem.replace("bench_", "") if script else name).split("-")[0]
 
 
-def _manifest(d: Path, problems: List[str]) -> Tuple[Dict[str, Any], Dict[str, Dict[str, Any]]]:
-    """The run's manifest and its entries by JSON file name; a bench that failed goes to ``problems``."""
-    manifest: Dict[str, Any] = {}
-    if (d / MANIFEST).exists():
-        try:
-            manifest = json.loads((d / MANIFEST).read_text())
-        except ValueError as e:
-            problems.append(f"{MANIFEST}: not JSON ({e})")
-    entries = {str(e.get("json") or f"{e.get('name')}.json"): e for e in manifest.get("benches", [])
-               if isinstance(e, dict)}
-    for e in entries.values():
-        if e.get("status") not in (None, "ok"):
-            problems.append(f"{e.get('name')}: {e.get('status')} "
-                            f"({'; '.join(e.get('notes') or []) or 'exit code ' + str(e.get('returncode'))})")
-    return manifest, entries
+def read_manifest(d: Path, problems: List[str]) -> Dict[str, Any]:
+    """The run's manifest ({} without one); a bench that failed goes to ``problems``."""
+    if not (d / MANIFEST).exists():
+        return {}
+    try:
+        manifest = json.loads((d / MANIFEST).read_text())
+    except ValueError as e:
+        problems.append(f"{MANIFEST}: not JSON ({e})")
+        return {}
+    for e in manifest.get("benches", []):
+        if e.get("status") != "ok":
+            why = "; ".join(e.get("notes") or []) or f"exit code {e.get('returncode')}"
+            problems.append(f"{e.get('name')}: {e.get('status')} ({why})")
+    return manifest
 
 
 def load_dir(d: Path) -> Inputs:
-    """Read the manifest and the bench JSON files it lists (every ``*.json`` of a dir without one); problems
-    are collected, not raised."""
+    """The manifest and the bench JSON files it lists (every ``*.json`` of a dir without one), and what failed."""
     problems: List[str] = []
-    manifest, entries = _manifest(d, problems)
-    listed = [d / str(e["json"]) for e in entries.values() if e.get("json")]
-    problems += [f"{p.name}: listed in {MANIFEST} but missing" for p in listed if not p.exists()]
-    files = [p for p in listed if p.exists()] if "benches" in manifest else sorted(d.glob("*.json"))
+    manifest = read_manifest(d, problems)
+    listed = {str(e["json"]): str(e.get("script") or "") for e in manifest.get("benches", []) if e.get("json")}
+    files = [d / n for n in listed] if "benches" in manifest else sorted(d.glob("*.json"))
     benches: List[Bench] = []
     for p in (p for p in files if p.name != MANIFEST):  # with a manifest, older files in the dir are not read
-        e = entries.get(p.name, {})
         try:
             data = json.loads(p.read_text())
+        except FileNotFoundError:
+            problems.append(f"{p.name}: listed in {MANIFEST} but missing")
+            continue
         except (OSError, ValueError) as err:
             problems.append(f"{p.name}: unreadable ({err.__class__.__name__})")
             continue
-        dev = data.get("device") if isinstance(data, dict) and isinstance(data.get("device"), str) else None
-        benches.append(Bench(p.stem, kind_of(p.stem, str(e.get("script", ""))), data, str(e.get("command") or ""),
-                             dev or str(manifest.get("device") or "cpu")))
+        benches.append(Bench(p.stem, kind_of(p.stem, listed.get(p.name, "")), data))
     return Inputs(benches, manifest, problems)
 
 
@@ -121,11 +109,10 @@ def scenario_label(scenario: str) -> str:
 
 
 def launch_items(data: Dict[str, Any]) -> Iterator[Tuple[str, Dict[str, Any]]]:
-    """(scenario, chart item) per scenario and launcher of bench_launch.py's ``runs``; a crash at a set moment
-    of the round is a scenario of its own. Phase marks are the median ok run's."""
+    """(scenario, chart item) per scenario and launcher of bench_launch.py's ``runs``, phases of the median ok run."""
     groups: Dict[Tuple[str, str], List[dict]] = {}
     for r in data["runs"]:
-        at = r.get("crash_after")
+        at = r.get("crash_after")  # a crash at a set moment of the round is a scenario of its own
         groups.setdefault((r["scenario"] + (f"@{at:g}s" if at is not None else ""), r["launcher"]), []).append(r)
     for (scenario, who), runs in groups.items():
         ok = sorted((r for r in runs if r["outcome"] == "ok"), key=lambda r: r["seconds"])
@@ -146,8 +133,7 @@ def elastic_items(b: Bench) -> Iterator[Tuple[str, Dict[str, Any]]]:
 
 
 def checkpoint_points(data: Dict[str, Any]) -> Iterator[Tuple[str, str, str, Tuple[float, float]]]:
-    """(op, tool, tag, (GB, GB/s)) of bench_checkpoint.py's ``compare`` section: each library's durable save
-    and cold load into existing tensors, and the disk's cold read; the tag names a non-uniform state or a GPU."""
+    """(op, tool, tag, (GB, GB/s)) of bench_checkpoint.py's ``compare``; the tag names a non-uniform state or a GPU."""
     comp = data["compare"]
     size = comp["size_bytes"] / 1e9
     tags = [str(comp[k]) for k in ("state", "device") if comp[k] not in ("uniform", "cpu")]
@@ -156,13 +142,12 @@ def checkpoint_points(data: Dict[str, Any]) -> Iterator[Tuple[str, str, str, Tup
         found = [(op, label[: -len(suffix)]) for suffix, op in CKPT_OPS if label.endswith(suffix)]
         if label.startswith("disk: cold"):
             found = [("load", "disk: cold read")]
-        if found and secs and "verify=False" not in label:
+        if found and secs:
             yield found[0][0], found[0][1], tag, (size, size / statistics.median(secs))
 
 
 def chart_data(inputs: Inputs) -> Dict[str, Any]:
-    """Plain data for the charts: launch, recovery and scale-up distributions, checkpoint throughput against
-    size, and each rendezvous bench's rows."""
+    """Plain data for the charts: strip-chart items, checkpoint throughput by op and tool, rendezvous runs."""
     out: Dict[str, Any] = {"recovery": [], "launch": [], "scaleup": [], "checkpoint": {}, "rendezvous": {},
                            "device": str(inputs.manifest.get("device") or "cpu")}
     points: List[Tuple[str, str, str, Tuple[float, float]]] = []
@@ -183,27 +168,20 @@ def chart_data(inputs: Inputs) -> Dict[str, Any]:
     out["checkpoint_note"] = next(iter(tags)).strip(" []") if len(tags) == 1 else ""
     return out
 
+
 @dataclass
 class Row:
-    """One line of the summary table (the bench JSON ``summary`` contract)."""
+    """One line of the summary table: an entry of a bench JSON's ``summary`` list and the file it came from."""
 
     metric: str
-    elasticrun: Optional[float]
+    elasticrun: float
     alternative: str
     alt_value: Optional[float]
     unit: str
-    better: str  # "lower" | "higher"
-    ratio: Optional[float]
+    ratio: Optional[float]  # > 1: elasticrun is ahead
     device: str
     command: str
-    bench: str = ""  # the file it came from (not a table column)
-
-
-def ratio_of(er: Optional[float], alt: Optional[float], better: str) -> Optional[float]:
-    """> 1 means elasticrun wins: alternative/elasticrun for lower-is-better, the inverse otherwise."""
-    if er is None or alt is None or er <= 0 or alt <= 0:
-        return None
-    return alt / er if better == "lower" else er / alt
+    bench: str = ""
 
 
 def contract_rows(b: Bench, problems: List[str]) -> List[Row]:
@@ -215,26 +193,18 @@ def contract_rows(b: Bench, problems: List[str]) -> List[Row]:
     rows = []
     for i, s in enumerate(summary):
         er = num(s.get("elasticrun")) if isinstance(s, dict) else None
-        if not isinstance(s, dict) or not isinstance(s.get("metric"), str) or er is None:
+        if er is None or not isinstance(s.get("metric"), str):
             problems.append(f"{b.name}.json: summary[{i}] lacks a metric name or a numeric elasticrun value")
             continue
-        better = s.get("better") if s.get("better") in ("lower", "higher") else "lower"
-        alt = num(s.get("alt_value"))
-        ratio = num(s.get("ratio"))
-        rows.append(Row(s["metric"], er, str(s.get("alternative") or "—"), alt, str(s.get("unit") or ""), better,
-                        ratio if ratio is not None else ratio_of(er, alt, better),
-                        str(s.get("device") or b.device), str(s.get("command") or b.command)))
+        rows.append(Row(s["metric"], er, str(s.get("alternative") or "—"), num(s.get("alt_value")),
+                        str(s.get("unit") or ""), num(s.get("ratio")), str(s.get("device") or "cpu"),
+                        str(s.get("command") or ""), b.name))
     return rows
 
 
 def summary_rows(inputs: Inputs) -> List[Row]:
-    """Every bench's ``summary`` rows, in file order."""
-    rows: List[Row] = []
-    for b in inputs.benches:
-        for r in contract_rows(b, inputs.problems):
-            r.bench = b.name
-            rows.append(r)
-    rows = best_alternatives(rows)
+    """Every bench's ``summary`` rows, in file order, the strongest alternative of each figure kept."""
+    rows = best_alternatives([r for b in inputs.benches for r in contract_rows(b, inputs.problems)])
     benches: Dict[str, set] = {}
     for r in rows:
         benches.setdefault(r.metric, set()).add(r.bench)
@@ -245,20 +215,16 @@ def summary_rows(inputs: Inputs) -> List[Row]:
 
 
 def best_alternatives(rows: List[Row]) -> List[Row]:
-    """One row per bench, metric and device: a bench that compares one figure with several
-    alternatives keeps the strongest one (the lowest ratio), named with how many there were."""
-    groups: Dict[Tuple[str, str, str], List[Row]] = {}
+    """One row per bench and metric: the strongest alternative (lowest ratio), saying how many there were."""
+    groups: Dict[Tuple[str, str], List[Row]] = {}
     for r in rows:
-        groups.setdefault((r.bench, r.metric, r.device), []).append(r)
+        groups.setdefault((r.bench, r.metric), []).append(r)
     out = []
-    for r in rows:
-        same = groups.pop((r.bench, r.metric, r.device), None)
-        if same is None:
-            continue
+    for same in groups.values():
         rated = [x for x in same if x.ratio is not None]
-        best = min(rated, key=lambda x: x.ratio) if rated else same[0]  # type: ignore[arg-type,return-value]
+        best = min(rated, key=lambda x: x.ratio or 0.0) if rated else same[0]
         if len(same) > 1:
-            best = Row(**dict(best.__dict__, alternative=f"{best.alternative} (strongest of {len(same)})"))
+            best = dataclasses.replace(best, alternative=f"{best.alternative} (strongest of {len(same)})")
         out.append(best)
     return out
 
@@ -310,25 +276,15 @@ def replace_block(text: str, content: str) -> str:
 
 ER_COLOR = "#1f77b4"
 ALT_COLOR = "#d62728"
-DPI = 110
 TOOL_COLORS = {"elasticrun": ER_COLOR, "safetensors": "#ff7f0e", "dcp": "#2ca02c", "torch": "#9467bd",
                "disk": "grey"}
 
 
-def _color(label: str) -> str:
-    return ER_COLOR if label.lower().startswith("elasticrun") else ALT_COLOR
-
-
 def _tool_style(name: str, k: int) -> Dict[str, Any]:
     """Line style of a checkpoint series: a colour per tool, elasticrun's variants thick, in line styles."""
-    low = name.lower()
-    tool = next((t for t in TOOL_COLORS if low.startswith(t)), "")
-    style: Dict[str, Any] = {"color": TOOL_COLORS.get(tool)}
-    if tool == "elasticrun":
-        style.update(lw=2.4, ls=("-", "--", "-.", ":")[k % 4])
-    elif tool == "disk":
-        style.update(ls="--", lw=1)
-    return style
+    tool = next((t for t in TOOL_COLORS if name.lower().startswith(t)), "")
+    extra = {"elasticrun": {"lw": 2.4, "ls": ("-", "--", "-.", ":")[k % 4]}, "disk": {"ls": "--", "lw": 1}}
+    return {"color": TOOL_COLORS.get(tool), **extra.get(tool, {})}
 
 
 def _pyplot() -> Any:
@@ -342,16 +298,14 @@ def _pyplot() -> Any:
 
 
 def _save(fig: Any, path: Path) -> Path:
-    plt = _pyplot()
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
     return path
 
 
 def strip_chart(groups: List[Dict[str, Any]], title: str, path: Path) -> Path:
-    """One row per launcher/variant: every successful run as a dot, the median as a bar, runs that
-    failed or hung counted on the right; phase marks of the median run, when given, as ticks."""
+    """Per launcher/variant: each ok run a dot, the median a bar, failed or hung runs counted, phases as ticks."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8.5, 0.55 * len(groups) + 1.6))
     worst = max([t for g in groups for t in g["times"]] + [1.0])
@@ -360,7 +314,8 @@ def strip_chart(groups: List[Dict[str, Any]], title: str, path: Path) -> Path:
     phase_colors = {n: palette(i % 8) for i, n in enumerate(names)}
     shown: set = set()
     for y, g in enumerate(groups):
-        times, color = g["times"], _color(g["label"])
+        times = g["times"]
+        color = ER_COLOR if g["label"].lower().startswith("elasticrun") else ALT_COLOR
         if times:
             med = statistics.median(times)
             ax.barh(y, med, color=color, alpha=0.25, height=0.6)
@@ -417,7 +372,7 @@ def checkpoint_chart(data: Dict[str, Dict[str, List[Tuple[float, float]]]], devi
     return _save(fig, path)
 
 
-RDZV_PANELS = (  # (row key, y label, guide: "linear" in the nodes or "flat")
+RDZV_PANELS = (  # row key, y label, guides from the smallest run of round 0: linear in the nodes, or flat and 2x
     ("all_hold_s", "seconds until every agent holds the round", "linear"),
     ("cpu_per_agent_ms", "agents' CPU per agent (ms)", "flat"),
     ("etcd_cpu_s", "etcd CPU per round (s)", "linear"),
@@ -437,9 +392,7 @@ def _series(rows: List[Dict[str, Any]], key: str) -> Dict[str, List[Tuple[int, f
 
 
 def rendezvous_chart(data: Dict[str, Any], path: Path) -> Path:
-    """Four log-log panels against the node count, one line per phase (round 0, a loss, a join): the time until
-    every agent holds the round, the agents' CPU per agent, etcd's CPU and writes per round; grey dotted guides
-    linear in the nodes from the smallest run (time, etcd) or flat and 2x (per agent)."""
+    """Log-log panels of ``RDZV_PANELS`` against the node count, one line per phase, round 0's guides dotted."""
     plt = _pyplot()
     from matplotlib import ticker
 
@@ -470,28 +423,20 @@ def rendezvous_chart(data: Dict[str, Any], path: Path) -> Path:
                  + (f"\nload average {min(loads):.0f}–{max(loads):.0f} on the shared machine during the run"
                     if loads else ""), fontsize=10)
     fig.text(0.5, 0.005, data.get("command", ""), ha="center", fontsize=7, family="monospace")
-    fig.tight_layout(rect=(0, 0.02, 1, 0.97))
     return _save(fig, path)
+
+
+STRIPS = (("recovery", "crash → first training step after recovery"), ("launch", "launch → first training step"),
+          ("scaleup", "scale-up: new node's agent started → its first step in the job"))  # key and chart title
 
 
 def draw_all(data: Dict[str, Any], img_dir: Path) -> List[Path]:
     """Every chart there is data for, written as ``img_dir/perf-*.png``."""
-    out: List[Path] = []
-    if data.get("recovery"):
-        out.append(strip_chart(data["recovery"], "crash → first training step after recovery", img_dir /
-                               "perf-recovery.png"))
-    if data.get("launch"):
-        out.append(strip_chart(data["launch"], "launch → first training step",
-                               img_dir / "perf-launch.png"))
-    if data.get("checkpoint"):
-        out.append(checkpoint_chart(data["checkpoint"], data.get("device", "cpu"), img_dir / "perf-checkpoint.png",
-                                    data.get("checkpoint_note", "")))
-    for name, doc in data.get("rendezvous", {}).items():
-        out.append(rendezvous_chart(doc, img_dir / f"perf-{name}.png"))
-    if data.get("scaleup"):
-        out.append(strip_chart(data["scaleup"], "scale-up: new node's agent started → its first step in the job",
-                               img_dir / "perf-scaleup.png"))
-    return out
+    out = [strip_chart(data[key], title, img_dir / f"perf-{key}.png") for key, title in STRIPS if data[key]]
+    if data["checkpoint"]:
+        out.append(checkpoint_chart(data["checkpoint"], data["device"], img_dir / "perf-checkpoint.png",
+                                    data["checkpoint_note"]))
+    return out + [rendezvous_chart(doc, img_dir / f"perf-{name}.png") for name, doc in data["rendezvous"].items()]
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
@@ -509,15 +454,10 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _has_matplotlib() -> bool:
-    """Whether matplotlib imports; says what to install (one line on stderr) when it does not."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        print("perf_report: the charts need matplotlib: pip install 'elasticrun[plot]' (or pass --no-plots)",
-              file=sys.stderr)
-        return False
-    return True
+def fail(message: str) -> int:
+    """``message`` as one line on stderr; the exit code of bad input."""
+    print(f"perf_report: {message}", file=sys.stderr)
+    return 2
 
 
 def draw_rendezvous(rows_file: Path, output: Path) -> int:
@@ -527,11 +467,7 @@ def draw_rendezvous(rows_file: Path, output: Path) -> int:
         if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
             raise ValueError("no 'rows' list")
     except (OSError, ValueError) as err:
-        print(f"perf_report: cannot read {rows_file}: {err}; give the file of bench_rendezvous.py --out",
-              file=sys.stderr)
-        return 2
-    if not _has_matplotlib():
-        return 2
+        return fail(f"cannot read {rows_file}: {err}; give the file of bench_rendezvous.py --out")
     output.parent.mkdir(parents=True, exist_ok=True)
     print(rendezvous_chart(data, output))
     return 0
@@ -539,27 +475,25 @@ def draw_rendezvous(rows_file: Path, output: Path) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
+    if args.rendezvous is None and (args.results is None or not args.results.is_dir()):
+        return fail(f"{args.results} is not a directory: pass the --out dir of scripts/bench/run_all.py")
+    if args.rendezvous or not args.no_plots:
+        try:
+            _pyplot()
+        except ImportError:
+            return fail("the charts need matplotlib: pip install 'elasticrun[plot]' (or pass --no-plots)")
     if args.rendezvous is not None:
         return draw_rendezvous(args.rendezvous, args.output)
-    if args.results is None or not args.results.is_dir():
-        print(f"perf_report: {args.results} is not a directory: pass the --out dir of scripts/bench/run_all.py",
-              file=sys.stderr)
-        return 2
-    if not args.no_plots and not _has_matplotlib():
-        return 2
     inputs = load_dir(args.results)
     if not inputs.benches:
-        print(f"perf_report: no bench JSON in {args.results}: run scripts/bench/run_all.py --out {args.results} first",
-              file=sys.stderr)
-        return 2
+        return fail(f"no bench JSON in {args.results}: run scripts/bench/run_all.py --out {args.results} first")
     rows = summary_rows(inputs)
     content = block(inputs, rows)
     if not args.no_page:
         try:
             new = replace_block(args.page.read_text(), content)
         except (OSError, ValueError) as e:
-            print(f"perf_report: cannot update {args.page}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
-            return 2
+            return fail(f"cannot update {args.page}: {getattr(e, 'strerror', None) or e}")
         args.page.write_text(new)
         print(f"perf_report: {len(rows)} rows written to {args.page}")
     if args.print:
