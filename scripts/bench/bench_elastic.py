@@ -1,26 +1,16 @@
 #!/usr/bin/env python
-"""Elastic reaction time: elasticrun against torchrun (c10d), N nodes x P procs on loopback (docs/performance.md,
-"Node loss and scale-up").
+"""Elastic reaction time: elasticrun against torchrun (c10d), N nodes x P procs on loopback.
 
     python scripts/bench/bench_elastic.py --runs 1 --quick
     python scripts/bench/bench_elastic.py --runs 3 --scenario all --launcher all
-    python scripts/bench/bench_elastic.py --scenario join --quick --nodes 3 --nproc 1 --client plain bench example
-    python scripts/bench/bench_elastic.py --scenario leave --quick --nodes 3 --nproc 1 --client inplace
-    python scripts/bench/bench_elastic.py --scenario kill-host --quick --nodes 3 --nproc 1
     python scripts/bench/bench_elastic.py --scenario crash --quick --nodes 3 --nproc 1 --client inplace bench
 
-``kill``: the last node's agent and every process under it get SIGKILL at once; measured to the first step at
-the smaller world size. ``join``: the last node's agent starts; measured to its first step in the job. ``leave``:
-the last node's agent gets SIGTERM; measured to the first step at the smaller world size. ``kill-host``: the same
-kill of the first node, which hosts the rendezvous (torchrun's TCPStore; elasticrun on torchrun's c10d line: its
-etcd, grown to 3 members once every agent was told 3, ``phases.members``: seconds from the first agent's
-start). ``crash``: the last rank's worker alone gets SIGKILL; measured to the first step at the full size again
-(the replacement trains), with ``phases.pause`` (the survivors' last step before the kill to their first after
-it, at any size) and ``phases.redone`` (steps trained again: rolled back). ``join`` and ``leave`` also report
-the survivors' pause (``phases.pause``: the last step at the old world size to the first at the new). Each run
-gets its own etcd or c10d port; variants run interleaved (run 1 of each,
-then run 2, ...); ``--json`` writes every variant's runs and the ``summary`` (each elasticrun variant against the
-best torchrun one).
+Scenarios (docs/performance.md, "Node loss and scale-up"): ``kill`` (the last node's agent and everything under it
+get SIGKILL), ``join`` (the last node starts), ``leave`` (the last node's agent gets SIGTERM), ``kill-host`` (the
+kill of node A, which hosts the rendezvous) and ``crash`` (the last rank's worker alone gets SIGKILL), each timed
+to the first step at the new world size, with ``phases`` (the survivors' pause, steps redone, ...). Variants run
+interleaved, each with its own etcd or c10d port; ``--json`` adds the ``summary`` (each elasticrun variant
+against the best torchrun one).
 """
 
 from __future__ import annotations
