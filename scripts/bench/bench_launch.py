@@ -115,14 +115,13 @@ def restart_summary(runs: List[Run], procs: int, nodes: int, timeout: float, com
 
 
 def launch_summary(runs: List[Run], procs: int, nodes: int, timeout: float, command: str,
-                   devices: Optional[Dict[str, str]] = None) -> List[Dict]:
+                   device: str = "cpu") -> List[Dict]:
     """The JSON ``summary`` rows of the launch scenarios: elasticrun's median against the best torchrun's with
     ``delta_s`` (elasticrun minus it), then :data:`LAUNCH_FIGURES`."""
     rows: List[Dict] = []
     for scenario in LAUNCH_SCENARIOS:
         mine = [r for r in runs if r.scenario == scenario]
         shape = f"1 x {procs}, --standalone" if scenario == "launch" else f"{nodes} x {procs}, c10d"
-        device = (devices or {}).get(scenario, "cpu")
         found = _against_torchrun(mine, "seconds", timeout)
         if found is None:
             continue
@@ -305,21 +304,6 @@ def _failed(launcher: str, scenario: str, agents: Agents, err: Exception, crash_
     return Run(launcher, scenario, outcome, None, f"{err}; log {log}; {errors}", crash_after)
 
 
-def devices_for(args: argparse.Namespace) -> Dict[str, str]:
-    """Each scenario's device: ``--device``, or the CPU where the machine has fewer GPUs than the workers."""
-    devices = {sc: args.device for sc in args.scenarios.split(",")}
-    if args.device == "cuda":
-        from elasticrun.launch.gpus import visible_gpu_count
-
-        have = visible_gpu_count()
-        for sc in devices:
-            need = args.procs * (1 if sc == "launch" else args.nodes)
-            if have < need:  # NCCL takes one GPU per rank
-                devices[sc] = "cpu"
-                print(f"{sc}: {need} workers need {need} GPUs, this machine has {have}: measured on the CPU (gloo)")
-    return devices
-
-
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     """Command-line options."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -343,16 +327,22 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                     help="restart scenario: crash the last rank this many seconds after its script started instead, "
                     "one sub-scenario per comma-separated value (e.g. 0.2,1,3)")
     args = ap.parse_args(argv)
-    unknown = set(args.scenarios.split(",")) - {*LAUNCH_SCENARIOS, "restart"}
+    scenarios = args.scenarios.split(",")
+    unknown = set(scenarios) - {*LAUNCH_SCENARIOS, "restart"}
     if unknown:
         ap.error(f"--scenarios: unknown {', '.join(sorted(unknown))}; choose from launch,{LAUNCH_MULTI},restart")
+    if args.device == "cuda":
+        from elasticrun.launch.gpus import visible_gpu_count
+
+        need, have = args.procs * (1 if scenarios == ["launch"] else args.nodes), visible_gpu_count()
+        if have < need:  # NCCL takes one GPU per rank
+            ap.error(f"--device cuda: {need} workers need {need} GPUs, this machine has {have}")
     return args
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Run every scenario, launcher and crash moment ``--runs`` times, interleaved; print the table."""
     args = parse_args(argv)
-    devices = devices_for(args)
     from elasticrun.store.server import EtcdServer
 
     etcd = EtcdServer().start() if args.nodes > 1 else None
@@ -365,8 +355,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 for i in range(args.runs):
                     for launcher in args.launchers.split(","):  # interleaved: load changes hit all alike
                         r = run_once(launcher, scenario, nodes, args.procs, args.timeout,
-                                     etcd.endpoint if etcd is not None else "", args.crash_step, moment,
-                                     devices[scenario])
+                                     etcd.endpoint if etcd is not None else "", args.crash_step, moment, args.device)
                         runs.append(r)
                         print(f"{label(r):12s} run {i + 1}/{args.runs} {launcher:17s} {r.outcome:5s} "
                               f"{'' if r.seconds is None else f'{r.seconds:.2f}s'} {r.note[:160]}", flush=True)
@@ -377,9 +366,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(summarize(runs))
     if args.json:
         command = shown_command(__file__, argv)
-        summary = launch_summary(runs, args.procs, args.nodes, args.timeout, command, devices)
-        summary += restart_summary(runs, args.procs, args.nodes, args.timeout, command,
-                                   devices.get("restart", args.device))
+        summary = launch_summary(runs, args.procs, args.nodes, args.timeout, command, args.device)
+        summary += restart_summary(runs, args.procs, args.nodes, args.timeout, command, args.device)
         write_json(args.json, {"runs": [asdict(r) for r in runs], "summary": summary, "device": args.device})
     return 0
 

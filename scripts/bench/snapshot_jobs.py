@@ -1,17 +1,9 @@
 """Steps lost per failure, measured on real elasticrun jobs (``bench_snapshot.py --parts lost``).
 
-Each job runs ``scripts/bench/snapshot_worker.py`` (one tier, one interval) under real agents
-with a real etcd, gloo workers and real kills:
-
-- ``worker``: one node, 2 workers; a worker is SIGKILLed at steps 12, 29 and 46 (phases 2, 9
-  and 6 of a 10-step interval), the agent restarts the workers;
-- ``node``: two nodes of one worker each (``--nnodes 1:2``); the second agent and its worker
-  are SIGKILLed (the node is lost) and the survivor goes on alone;
-- ``scaleup``: in the same job, a new agent then joins and the job re-forms with two nodes.
-
-For every failure: ``lost = killed_at - resumed`` where ``killed_at`` is the last step rank 0
-finished before the restart and ``resumed`` the step its new start line names, and
-``recovery_s`` from the kill (or the join) to the first step after the restart.
+Each job runs ``snapshot_worker.py`` (one tier, one interval) under real agents, a real etcd and gloo workers:
+``worker`` (one node of 2 workers, a worker SIGKILLed at steps 12, 29 and 46), ``node`` (two one-worker nodes,
+the second SIGKILLed with its agent) and then ``scaleup`` (a new node joins). Per failure: ``lost`` (the last step
+rank 0 finished before the restart minus the step it resumed at) and ``recovery_s`` (to the first step after it).
 """
 
 from __future__ import annotations
