@@ -12,7 +12,6 @@ loss and scale-up). Rounds are interleaved, medians reported; the last line prin
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
 import os
@@ -23,7 +22,8 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, List, Optional
+from unittest import mock
 
 from common import fadvise_evict, shown_command, summary_row, write_json
 from snapshot_jobs import INTERVALS, JOB_MB, STEP_SLEEP, bench_jobs
@@ -42,21 +42,8 @@ def _sweep(shm: str) -> None:
             shutil.rmtree(os.path.join(shm, entry), ignore_errors=True)
 
 
-@contextlib.contextmanager
-def _memory_tier(base: Optional[str]) -> Iterator[None]:
-    """``ELASTICRUN_SNAPSHOT_DIR`` = ``base`` (None: no memory tier) for the duration."""
-    from elasticrun.job.env import SNAPSHOT_DIR
-
-    old = os.environ.pop(SNAPSHOT_DIR, None)
-    os.environ.update({SNAPSHOT_DIR: base} if base is not None else {})
-    try:
-        yield
-    finally:
-        os.environ.pop(SNAPSHOT_DIR, None)
-        os.environ.update({SNAPSHOT_DIR: old} if old is not None else {})
-
-
 def _timed(fn: Callable[[], Any], sync: Callable[[], None]) -> float:
+    """Seconds ``fn`` took, the device synchronized before and after."""
     sync()
     t0 = time.perf_counter()
     fn()
@@ -70,6 +57,7 @@ def bench_local(args: argparse.Namespace) -> Dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     from elasticrun.checkpoint import Snapshotter, save
+    from elasticrun.job.env import SNAPSHOT_DIR
     from elasticrun.train import load_latest
 
     dev = args.device
@@ -129,12 +117,11 @@ def bench_local(args: argparse.Namespace) -> Dict[str, Any]:
             newest = os.path.join(dcp_root, sorted(os.listdir(dcp_root))[-1])
             empty = os.path.join(base, "no-disk")
             for _ in range(args.repeat):
-                with _memory_tier(base):
+                with mock.patch.dict(os.environ, {SNAPSHOT_DIR: base}):  # the memory tier, no disk checkpoint
                     record("restore_memory_s", _timed(lambda: load_latest(empty, state_dict=state, restore_rng=False),
                                                       sync))
-                with _memory_tier(None):
-                    cold_and_warm("restore_disk", lambda: load_latest(disk, state_dict=state, memory=False,
-                                                                      restore_rng=False), disk)
+                cold_and_warm("restore_disk", lambda: load_latest(disk, state_dict=state, memory=False,
+                                                                  restore_rng=False), disk)
                 cold_and_warm("dcp_load", lambda: dcp.load(state, checkpoint_id=newest), newest)
     finally:
         async_snaps.close()

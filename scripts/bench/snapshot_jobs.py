@@ -62,9 +62,11 @@ class Job:
         return -1
 
     def wait(self, cond: Callable[[], bool], timeout: float, what: str) -> None:
+        """Wait until ``cond()`` holds (TimeoutError, :class:`common.AgentsExited`)."""
         self.agents.wait_for(lambda: cond() or None, timeout, what)
 
     def pid(self, node: str, local_rank: int) -> int:
+        """The pid of ``node``'s worker ``local_rank``, from its pid file."""
         with open(os.path.join(self.workdir, "run", "pids", f"{node}-{local_rank}")) as f:
             return int(f.read())
 
@@ -153,13 +155,9 @@ def bench_jobs() -> Dict[str, Any]:
                     jobs.append(r)
     finally:
         server.stop()
-    lost: Dict[str, Dict[str, float]] = {}
-    for scenario in ("worker", "node", "scaleup"):
-        for every in INTERVALS:
-            for mode in ("memory", "disk", "dcp"):
-                vals = [e["lost"] for j in jobs if j["mode"] == mode and j["every"] == every
-                        for e in j["events"] if e["scenario"] == scenario]
-                if vals:
-                    lost.setdefault(scenario, {})[f"{mode}@{every}"] = statistics.mean(vals)
-    return {"jobs": jobs, "steps_lost": lost}
+    lost: Dict[str, Dict[str, List[int]]] = {}  # scenario -> "mode@every" -> steps lost per failure
+    for j in jobs:
+        for e in j["events"]:
+            lost.setdefault(e["scenario"], {}).setdefault(f"{j['mode']}@{j['every']}", []).append(e["lost"])
+    return {"jobs": jobs, "steps_lost": {s: {k: statistics.mean(v) for k, v in by.items()} for s, by in lost.items()}}
 
