@@ -50,25 +50,22 @@ class Children:
             if c.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
                 raise RuntimeError("a child failed to start")
 
-    def send(self, line: str, procs: Optional[List[Any]] = None, answer: bool = True) -> List[Dict[str, Any]]:
+    def send(self, line: str, procs: Optional[List[Any]] = None) -> List[Dict[str, Any]]:
+        """Send the command ``line`` to ``procs`` (default: every child); their answers."""
         procs = self.procs if procs is None else procs
         for c in procs:
             c.stdin.write(line + "\n")  # type: ignore[union-attr]
             c.stdin.flush()  # type: ignore[union-attr]
-        replies = [c.stdout.readline() for c in procs] if answer else []  # type: ignore[union-attr]
+        replies = [c.stdout.readline() for c in procs]  # type: ignore[union-attr]
         if not all(replies):
             raise RuntimeError("a child died")
         return [json.loads(r) for r in replies]
 
     def start(self, start: str) -> None:
-        """``go`` to every child, ``kill I`` to every child (one has agent I), ``join I`` to the last one."""
-        if start == "go":
-            self.send("go", answer=False)
-        elif start.startswith("kill"):
-            if not any(r["killed"] for r in self.send(start)):
-                raise RuntimeError(f"no child had the agent of {start!r}")
-        else:
-            self.send(start, self.procs[-1:])
+        """``go`` or ``kill I`` to every child (one has agent I), ``join I`` to the last one."""
+        replies = self.send(start, self.procs[-1:] if start.startswith("join") else None)
+        if start.startswith("kill") and not any(r["killed"] for r in replies):
+            raise RuntimeError(f"no child had the agent of {start!r}")
 
     def close(self) -> None:
         with contextlib.suppress(RuntimeError, OSError, ValueError):

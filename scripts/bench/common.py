@@ -79,12 +79,8 @@ def kill_tree(pids: Iterable[int], timeout: float = 10) -> None:
 
 def interrupt_on(*signals: int) -> None:
     """Turn each of ``signals`` into KeyboardInterrupt, so that the cleanup of a Ctrl-C runs for them too."""
-
-    def interrupt(signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
     for sig in signals:
-        signal.signal(sig, interrupt)
+        signal.signal(sig, signal.default_int_handler)
 
 
 def fadvise_evict(path: str, evict: bool = True) -> None:

@@ -234,10 +234,6 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _interrupt(signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def selected(args: argparse.Namespace, specs: List[Spec]) -> List[Spec]:
     """The preset's benches ``--only`` names, in that order (all without it); ValueError for an unknown name."""
     names = [s.name for s in specs]
@@ -278,7 +274,7 @@ def run_specs(args: argparse.Namespace, specs: List[Spec], head: Dict[str, objec
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _interrupt)  # a running bench is stopped (its group) before we exit
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a running bench is stopped (its group) first
     preset = _specs(args.preset, args.scratch)
     order = [s.name for s in preset]  # the preset's order: also the manifest's, after a partial rerun
     try:
