@@ -137,8 +137,7 @@ def bench_jobs() -> Dict[str, Any]:
     from elasticrun.store.server import EtcdServer
 
     jobs: List[Dict[str, Any]] = []
-    server = EtcdServer().start()
-    try:
+    with EtcdServer() as server:
         for group in ("worker", "node"):
             for every in INTERVALS:
                 for mode in ("memory", "disk", "dcp"):
@@ -153,8 +152,6 @@ def bench_jobs() -> Dict[str, Any]:
                                        f"{e['tier']}, {e['recovery_s']:.1f}s)" for e in r["events"])
                              or r.get("error", "?")), flush=True)
                     jobs.append(r)
-    finally:
-        server.stop()
     lost: Dict[str, Dict[str, List[int]]] = {}  # scenario -> "mode@every" -> steps lost per failure
     for j in jobs:
         for e in j["events"]:
