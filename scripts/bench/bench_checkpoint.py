@@ -3,15 +3,10 @@
 
     python scripts/bench/bench_checkpoint.py --state gpt --size-gib 0.4 --dir /var/tmp --json ckpt.json
     python scripts/bench/bench_checkpoint.py --state gpt --size-gib 4 --device cuda      # state on the GPU
-    python scripts/bench/bench_checkpoint.py --state gpt --size-gib 0.4 --save-ab 10 --dir /var/tmp
 
-The comparison runs the libraries on one state, on the CPU or a GPU, A B C D A B C D ... after a dropped warm-up
-round, with medians reported. Per round and library: a durable save (fsynced before the clock stops), the files
-evicted from the page cache (``posix_fadvise(DONTNEED)``), a load into the caller's existing tensors (safetensors
-and torch.load: load, then ``copy_``); elasticrun's load again with ``verify=False``; the disk's cold read of a
-fresh file of the same size (64 MiB reads, like ``dd``); an async save's training stall. The JSON has the
-seconds of every round and the ``summary``. ``--save-ab N`` instead times N interleaved durable saves of each
-library back to back, with the CPU time each one used (what checksumming every file costs).
+Interleaved rounds (A B C D A B C D ..., a dropped warm-up first, medians reported) of each library's durable
+save, a cold load into existing tensors (files evicted with ``posix_fadvise(DONTNEED)``; elasticrun also with
+``verify=False``), the disk's cold read of a fresh file of the same size, and an async save's training stall.
 """
 
 from __future__ import annotations
@@ -103,11 +98,11 @@ class Libraries:
             torch.cuda.synchronize()
 
     def save(self, lib: str, path: str) -> None:
-        """``lib``'s durable save; ``elasticrun sha256``: elasticrun's with sha256 checksums."""
-        if lib.startswith("elasticrun"):
+        """``lib``'s durable save."""
+        if lib == "elasticrun":
             from elasticrun.checkpoint import save
 
-            save(self.state, path, "c", **({"checksum": "sha256"} if lib.endswith("sha256") else {}))
+            save(self.state, path, "c")
         elif lib == "safetensors":
             from safetensors.torch import save_file
 
@@ -248,30 +243,6 @@ def compare_section(base: str, state_kind: str, device: str, size: int, repeat: 
                         "eviction": "fadvise", "runs": runs}, "summary": rows}
 
 
-def save_ab(d: str, libs: Libraries, runs: int) -> None:
-    """``runs`` rounds (after a dropped warm-up) of every library's durable save, with no pause between them."""
-    names = ["elasticrun", "elasticrun sha256", "safetensors", "DCP", "torch.save"]
-    wall: Dict[str, List[float]] = {k: [] for k in names}
-    cpu: Dict[str, List[float]] = {k: [] for k in names}
-    for i in range(runs + 1):
-        for lib in names:
-            path = os.path.join(d, "ab")
-            c0, t0 = sum(os.times()[:2]), time.perf_counter()
-            libs.save(lib, path)
-            t1, c1 = time.perf_counter(), sum(os.times()[:2])
-            remove(path)
-            if i:
-                wall[lib].append(t1 - t0)
-                cpu[lib].append(c1 - c0)
-    size = nbytes(libs.state)
-    print(f"durable saves of {size / GB:.2f} GB, interleaved, median of {runs} (min–max); CPU = user+sys of this "
-          "process\n")
-    meds = {lib: statistics.median(wall[lib]) for lib in names}
-    print(md_table(["save", "seconds", "GB/s", "CPU seconds"],
-                   ([lib, f"{m:.2f} ({min(wall[lib]):.2f}–{max(wall[lib]):.2f})", f"{size / GB / m:.2f}",
-                     f"{statistics.median(cpu[lib]):.2f}"] for lib, m in meds.items()), "lrrr"))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gib", type=float, default=1.0)
@@ -284,7 +255,6 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="rounds; the tables show medians [3]")
     ap.add_argument("--settle", type=float, default=1.0,
                     help="seconds of quiet (after a sync) before every timed operation [1.0]")
-    ap.add_argument("--save-ab", type=int, default=0, metavar="N", help="only N interleaved durable saves each")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -301,11 +271,7 @@ def main() -> None:
 
     base = tempfile.mkdtemp(prefix="ckbench-", dir=args.dir)
     try:
-        if args.save_ab:
-            state = gpt_state(size, args.device) if args.state == "gpt" else uniform_state(size, args.device)
-            return save_ab(base, Libraries(state, args.device), args.save_ab)
-        doc = compare_section(base, args.state, args.device, size, args.repeat, settle,
-                              shown_command(__file__))
+        doc = compare_section(base, args.state, args.device, size, args.repeat, settle, shown_command(__file__))
         if args.json:
             write_json(args.json, doc)
     finally:

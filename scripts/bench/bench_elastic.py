@@ -1,26 +1,16 @@
 #!/usr/bin/env python
-"""Elastic reaction time: elasticrun against torchrun (c10d), N nodes x P procs on loopback (docs/performance.md,
-"Node loss and scale-up").
+"""Elastic reaction time: elasticrun against torchrun (c10d), N nodes x P procs on loopback.
 
     python scripts/bench/bench_elastic.py --runs 1 --quick
     python scripts/bench/bench_elastic.py --runs 3 --scenario all --launcher all
-    python scripts/bench/bench_elastic.py --scenario join --quick --nodes 3 --nproc 1 --client plain bench example
-    python scripts/bench/bench_elastic.py --scenario leave --quick --nodes 3 --nproc 1 --client inplace
-    python scripts/bench/bench_elastic.py --scenario kill-host --quick --nodes 3 --nproc 1
     python scripts/bench/bench_elastic.py --scenario crash --quick --nodes 3 --nproc 1 --client inplace bench
 
-``kill``: the last node's agent and every process under it get SIGKILL at once; measured to the first step at
-the smaller world size. ``join``: the last node's agent starts; measured to its first step in the job. ``leave``:
-the last node's agent gets SIGTERM; measured to the first step at the smaller world size. ``kill-host``: the same
-kill of the first node, which hosts the rendezvous (torchrun's TCPStore; elasticrun on torchrun's c10d line: its
-etcd, grown to 3 members once every agent was told 3, ``phases.members``: seconds from the first agent's
-start). ``crash``: the last rank's worker alone gets SIGKILL; measured to the first step at the full size again
-(the replacement trains), with ``phases.pause`` (the survivors' last step before the kill to their first after
-it, at any size) and ``phases.redone`` (steps trained again: rolled back). ``join`` and ``leave`` also report
-the survivors' pause (``phases.pause``: the last step at the old world size to the first at the new). Each run
-gets its own etcd or c10d port; variants run interleaved (run 1 of each,
-then run 2, ...); ``--json`` writes every variant's runs and the ``summary`` (each elasticrun variant against the
-best torchrun one).
+Scenarios (docs/performance.md, "Node loss and scale-up"): ``kill`` (the last node's agent and everything under it
+get SIGKILL), ``join`` (the last node starts), ``leave`` (the last node's agent gets SIGTERM), ``kill-host`` (the
+kill of node A, which hosts the rendezvous) and ``crash`` (the last rank's worker alone gets SIGKILL), each timed
+to the first step at the new world size, with ``phases`` (the survivors' pause, steps redone, ...). Variants run
+interleaved, each with its own etcd or c10d port; ``--json`` adds the ``summary`` (each elasticrun variant
+against the best torchrun one).
 """
 
 from __future__ import annotations
@@ -37,7 +27,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from common import (
     TORCHRUN_TUNED_CONF,
@@ -285,6 +275,15 @@ class Run:
         first_new = min(t for t, w in rows if w == new and t >= since)
         return round(first_new - max((t for t, w in rows if w == old and t <= first_new), default=first_new), 3)
 
+    def wait(self, check: Callable[[], Optional[float]], after: float, timeout: float, what: str) -> Outcome:
+        """Wait until ``check`` returns a time; ok with the seconds from ``after`` to it, else hang or failed."""
+        try:
+            return Outcome("ok", self.agents.wait_for(check, timeout, what) - after)
+        except TimeoutError as err:
+            return Outcome("hang", None, str(err))
+        except AgentsExited as err:
+            return Outcome("failed", None, str(err))
+
     def wait_step(self, world: int, after: float, timeout: float, count: int = 1) -> Outcome:
         """Wait until ``count`` steps at ``world`` with time >= ``after`` appear in any agent's output."""
 
@@ -292,12 +291,7 @@ class Run:
             rows = sorted(t for (_, w, t) in self.steps() if w == world and t >= after)
             return rows[count - 1] if len(rows) >= count else None
 
-        try:
-            return Outcome("ok", self.agents.wait_for(reached, timeout, f"a step at world size {world}") - after)
-        except TimeoutError as err:
-            return Outcome("hang", None, str(err))
-        except AgentsExited as err:
-            return Outcome("failed", None, str(err))
+        return self.wait(reached, after, timeout, f"a step at world size {world}")
 
     def close(self) -> None:
         """Kill every process of this run and stop etcd."""
@@ -309,60 +303,48 @@ class Run:
 
 def measure(run: Run, args: argparse.Namespace) -> Outcome:
     """Set the scenario up (a steady job), cause the change, and time the first step after it."""
-    settle = args.warm_steps
     names = [chr(ord("A") + i) for i in range(run.nnodes)]
     full, less = run.nnodes * run.nproc, (run.nnodes - 1) * run.nproc
-    if run.scenario == "crash":
-        return crash(run, names, full, args)
-    if run.scenario in ("kill", "leave", "kill-host"):
-        for name in names:
-            run.start(name)
-        ready = run.wait_step(full, 0.0, args.timeout, count=settle)
-        if ready.status != "ok":
-            return Outcome(ready.status, None, "setup: " + ready.detail)
-        if run.scenario == "kill-host":
-            return kill_host(run, names, less, args.timeout)
-        if run.scenario == "kill":
-            before = max(run.steps(), key=lambda s: s[2])
-            at = run.agents.kill(names[-1])
-            return with_pause(run, run.wait_step(less, at, args.timeout), before, at)
+    joins = run.scenario == "join"
+    for name in names[:-1] if joins else names:
+        run.start(name)
+    ready = run.wait_step(less if joins else full, 0.0, args.timeout, count=args.warm_steps)
+    if ready.status != "ok":
+        return Outcome(ready.status, None, "setup: " + ready.detail)
+    if joins:
+        return join(run, names[-1], less, full, args.timeout)
+    if run.scenario == "kill-host":
+        return kill_host(run, names, less, args.timeout)
+    if run.scenario == "leave":
         at = run.agents.terminate(names[-1])
         outcome = run.wait_step(less, at, args.timeout)
         if outcome.status == "ok":
             outcome.phases["pause"] = run.pause(full, less, at)
         return outcome
-    for name in names[:-1]:
-        run.start(name)
-    ready = run.wait_step(less, 0.0, args.timeout, count=settle)
-    if ready.status != "ok":
-        return Outcome(ready.status, None, "setup: " + ready.detail)
-    started = run.start(names[-1])
-    outcome = run.wait_step(full, started, args.timeout)
-    # Where the time went (elasticrun's agent lines): registered and ready, then in a round.
-    for phase, text in (("joined", "joined job"), ("round", "(ScaleUp): world size")):
-        at = run.mark(names[-1], text)
-        if at is not None:
-            outcome.phases[phase] = round(at - started, 3)
-    if outcome.status == "ok":  # the survivors' pause: last step at the old size -> first step at the new
-        outcome.phases["pause"] = run.pause(less, full, started)
-    return outcome
-
-
-def crash(run: Run, names: List[str], full: int, args: argparse.Namespace) -> Outcome:
-    """SIGKILL the last rank's worker (its pid file, written by ``elastic_worker.py``) of a steady job."""
-    for name in names:
-        run.start(name)
-    ready = run.wait_step(full, 0.0, args.timeout, count=args.warm_steps)
-    if ready.status != "ok":
-        return Outcome(ready.status, None, "setup: " + ready.detail)
-    pid_file = run.dir / f"pid-{full - 1}"
-    if not pid_file.exists():
-        why = f"setup: {run.client.name} wrote no {pid_file.name}: use --client bench or inplace"
-        return Outcome("failed", None, why)
     before = max(run.steps(), key=lambda s: s[2])
+    if run.scenario == "kill":
+        at = run.agents.kill(names[-1])
+        return with_pause(run, run.wait_step(less, at, args.timeout), before, at)
+    pid_file = run.dir / f"pid-{full - 1}"  # crash: the last rank's worker (its pid, from elastic_worker.py)
+    if not pid_file.exists():
+        return Outcome("failed", None, f"setup: {run.client.name} wrote no {pid_file.name}: use --client bench or "
+                       "inplace")
     at = time.time()
     os.kill(int(pid_file.read_text()), signal.SIGKILL)
     return with_pause(run, run.wait_step(full, at, args.timeout), before, at)
+
+
+def join(run: Run, name: str, less: int, full: int, timeout: float) -> Outcome:
+    """Start node ``name``; its first step in the job, and where the time went (elasticrun's agent lines)."""
+    started = run.start(name)
+    outcome = run.wait_step(full, started, timeout)
+    for phase, text in (("joined", "joined job"), ("round", "(ScaleUp): world size")):
+        at = run.mark(name, text)
+        if at is not None:
+            outcome.phases[phase] = round(at - started, 3)
+    if outcome.status == "ok":
+        outcome.phases["pause"] = run.pause(less, full, started)
+    return outcome
 
 
 def with_pause(run: Run, outcome: Outcome, before: Step, at: float) -> Outcome:
@@ -379,15 +361,17 @@ def kill_host(run: Run, names: List[str], less: int, timeout: float) -> Outcome:
     """Kill node A, which hosts the rendezvous; elasticrun's hosted etcd once every agent was told 3 members."""
     members = None
     if run.variant.hosted:
-        deadline = time.time() + timeout
-        while not all(run.mark(n, MEMBERS_TOLD) for n in names):
-            if time.time() > deadline:
-                return Outcome("hang", None, f"setup: the job's etcd had no 3 members within {timeout:.0f}s")
-            time.sleep(0.1)
-        members = max(run.mark(n, MEMBERS_TOLD) or 0.0 for n in names) - run.agents.started[names[0]]
+
+        def told() -> Optional[float]:
+            marks = [run.mark(n, MEMBERS_TOLD) for n in names]
+            return max(t for t in marks if t is not None) if all(marks) else None
+
+        members = run.wait(told, run.agents.started[names[0]], timeout, "the job's etcd to have 3 members")
+        if members.status != "ok":
+            return Outcome(members.status, None, "setup: " + members.detail)
     outcome = run.wait_step(less, run.agents.kill(names[0]), timeout)
-    if members is not None:
-        outcome.phases["members"] = round(members, 3)
+    if members is not None and members.seconds is not None:
+        outcome.phases["members"] = round(members.seconds, 3)
     return outcome
 
 

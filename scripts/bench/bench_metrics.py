@@ -35,13 +35,10 @@ class Storm:
     """``threads`` scrapers hitting ``http://127.0.0.1:port/metrics`` until stopped."""
 
     def __init__(self, port: int, threads: int, interval: float) -> None:
-        self.interval = interval
-        self.last_error = ""
-        self.url = f"http://127.0.0.1:{port}/metrics"
+        self.url, self.interval, self.last_error = f"http://127.0.0.1:{port}/metrics", interval, ""
         self.stop = threading.Event()
-        self.latencies: List[float] = []
+        self.latencies: List[float] = []  # list.append is atomic: no lock needed
         self.errors: List[float] = []  # times of failed scrapes after the first success
-        self.lock = threading.Lock()
         self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
 
     def _run(self) -> None:
@@ -53,15 +50,13 @@ class Storm:
             except OSError as err:
                 ok = False
                 self.last_error = repr(err)
-            with self.lock:
-                if ok:
-                    self.latencies.append(time.perf_counter() - t0)
-                elif self.latencies:  # refused before the server is up: not an error
-                    self.errors.append(time.time())
-            if not ok:
-                time.sleep(0.05)  # the server is not up yet (or gone): do not spin
-            elif self.interval:
+            if ok:
+                self.latencies.append(time.perf_counter() - t0)
                 self.stop.wait(self.interval)
+            else:
+                if self.latencies:  # refused before the server is up: not an error
+                    self.errors.append(time.time())
+                time.sleep(0.05)  # the server is not up yet (or gone): do not spin
 
     def __enter__(self) -> Storm:
         for t in self.threads:

@@ -1,20 +1,12 @@
 """Preemption within the notice: SIGTERM a running ``examples/train.py`` N times, time each drain.
 
-Each round starts ``elasticrun --standalone`` with ``examples/train.py`` (an MLP whose checkpoint is
-about ``--state-gb`` GB: model and SGD momentum), lets it train, sends SIGTERM to the agent at a random
-point and measures SIGTERM -> agent exit. Checked for every preemption:
-
-- the agent exits with the retryable code 143 (``ExitCode.DRAINED``);
-- the workers saved a checkpoint at the step they stopped at (the newest complete checkpoint);
-- the next launch resumes at exactly that step;
-- the drain took at most ``--notice`` seconds (Slurm's ``--signal`` lead time, Kubernetes'
-  ``terminationGracePeriodSeconds``).
-
-Prints the distribution (min / median / p90 / p95 / max) and exits 1 if any check failed; ``--json`` adds
-the p95 against the notice as the ``summary`` row.
-
     python scripts/bench/bench_preemption.py --runs 20 --state-gb 0.4 --notice 30 --max-delay 10   # docs/deploy.md
     python scripts/bench/bench_preemption.py --runs 3 --state-gb 0.05 --max-delay 3  # a quick check (run_all quick)
+
+Each launch (``elasticrun --standalone``, an MLP whose checkpoint is about ``--state-gb`` GB) trains, gets SIGTERM
+at a random point and is timed to the agent's exit. A preemption passes when the agent exits 143, the workers
+saved a checkpoint at the step they stopped at, the next launch resumes at exactly that step, and the drain took
+at most ``--notice`` s. Prints min / median / p90 / p95 / max and exits 1 if any check failed.
 """
 
 from __future__ import annotations
@@ -47,42 +39,30 @@ def hidden_for(state_gb: float) -> int:
     return max(32, int(state_gb * 1e9 / (2 * 4 * 18)))
 
 
-class Run:
-    """One launch of the job (:class:`common.Agents`, its log in the work dir); rank 0's lines as they come."""
+class Launch:
+    """One launch of the job (its log in the work dir) and the steps in its workers' lines."""
 
-    def __init__(self, args: argparse.Namespace, ckpt_dir: Path, log_dir: Path, index: int) -> None:
+    def __init__(self, args: argparse.Namespace, work: Path, index: int) -> None:
         cmd = [sys.executable, "-m", "elasticrun", "--standalone", "--nproc-per-node", str(args.nproc),
                "--shutdown-timeout", str(args.notice), "--max-restarts", "0", str(TRAIN),
-               "--hidden", str(hidden_for(args.state_gb)), "--ckpt-dir", str(ckpt_dir), "--ckpt-every", "0",
+               "--hidden", str(hidden_for(args.state_gb)), "--ckpt-dir", str(work / "ckpt"), "--ckpt-every", "0",
                "--keep-last", "2", "--batch-size", "8", "--steps", "1000000", "--dataset-size", "100000"]
-        self.agents = Agents(log_dir=log_dir, parse=lambda text, _t: PREFIX.sub("", text.strip()))
-        self.name = f"launch-{index}"
-        self.proc = self.agents.start(self.name, cmd)
+        self.agents = Agents(log_dir=work, parse=lambda text, _t: PREFIX.sub("", text.strip()))
+        self.proc = self.agents.start(f"launch-{index}", cmd)
 
-    def _first(self, pattern: re.Pattern, last: bool = False) -> Optional[int]:
-        """The step in rank 0's first (or last) line that ``pattern`` matches."""
-        found = [int(m[1]) for m in (pattern.match(text) for text in self.agents.found()) if m]
-        return (found[-1] if last else found[0]) if found else None
+    def steps(self, pattern: re.Pattern) -> List[int]:
+        """The step of every worker line that ``pattern`` matches, in order."""
+        return [int(m[1]) for m in (pattern.match(text) for text in self.agents.found()) if m]
 
-    @property
-    def start_step(self) -> Optional[int]:
-        """The step this launch resumed at."""
-        return self._first(START)
-
-    @property
-    def stopped_at(self) -> Optional[int]:
-        """The step at which the workers stopped on SIGTERM."""
-        return self._first(STOPPED, last=True)
-
-    def wait_training(self, timeout: float) -> bool:
+    def trains(self, timeout: float) -> bool:
         """Whether a training step was logged within ``timeout`` s (False: the job ended or hung)."""
-        try:
-            return self.agents.wait_for(lambda: self._first(STEP), timeout, "a training step") is not None
-        except (TimeoutError, AgentsExited):
-            return False
+        with contextlib.suppress(TimeoutError, AgentsExited):
+            return self.agents.wait_for(lambda: self.steps(STEP) or None, timeout, "a training step") is not None
+        return False
 
-    def finish(self, timeout: float) -> int:
-        """Wait up to ``timeout`` s for the agent to exit, then kill what is left; its exit code."""
+    def stop(self, timeout: float) -> int:
+        """SIGTERM the agent, wait up to ``timeout`` s for its exit, then kill what is left; its exit code."""
+        self.proc.send_signal(signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout)
         self.agents.close()
@@ -90,6 +70,7 @@ class Run:
 
 
 def newest_step(ckpt_dir: Path) -> Optional[int]:
+    """The step of the newest complete checkpoint (None: none)."""
     from elasticrun.checkpoint import list_checkpoints
 
     latest = [i for i in list_checkpoints(str(ckpt_dir)) if i.latest]
@@ -104,21 +85,22 @@ def pct(values: List[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def _preempt(run: Run, i: int, args: argparse.Namespace, rng: random.Random, ckpt_dir: Path) -> Dict[str, object]:
+def preempt(launch: Launch, i: int, args: argparse.Namespace, rng: random.Random, work: Path) -> Dict[str, object]:
     """SIGTERM launch ``i`` at a random point after its training started; what its drain did."""
     delay = rng.uniform(0.0, args.max_delay)
     time.sleep(delay)
     sent = time.monotonic()
-    run.proc.send_signal(signal.SIGTERM)
-    code = run.finish(args.notice + 60)
+    code = launch.stop(args.notice + 60)
     took = time.monotonic() - sent
-    saved = newest_step(ckpt_dir)
-    return {"run": i, "delay_s": round(delay, 2), "drain_s": round(took, 2), "exit": code,
-            "stopped_at": run.stopped_at, "saved_at": saved, "resumed_from": run.start_step,
-            "ok": code == 143 and run.stopped_at is not None and saved == run.stopped_at and took <= args.notice}
+    stopped = (launch.steps(STOPPED) or [None])[-1]
+    saved = newest_step(work / "ckpt")
+    return {"run": i, "delay_s": round(delay, 2), "drain_s": round(took, 2), "exit": code, "stopped_at": stopped,
+            "saved_at": saved, "resumed_from": (launch.steps(START) or [None])[0],
+            "ok": code == 143 and stopped is not None and saved == stopped and took <= args.notice}
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
+    """Command-line options."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=20, help="preemptions to measure")
     p.add_argument("--state-gb", type=float, default=0.4, help="checkpoint size of the job (model + momentum)")
@@ -136,43 +118,39 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """Preempt ``--runs`` launches, check each drain and the next launch's resume, print the distribution."""
     args = parse_args(argv)
     console = Console(stderr=True, highlight=False)
     rng = random.Random(args.seed)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="elasticrun-preempt-"))
     work.mkdir(parents=True, exist_ok=True)
-    ckpt_dir = work / "ckpt"
     console.print(Text(f"{args.runs} preemptions of examples/train.py ({args.state_gb} GB state, {args.nproc} "
                        f"workers, notice {args.notice:.0f}s); logs in {work}"))
     rows: List[Dict[str, object]] = []
     for i in range(args.runs + 1):  # the last launch only checks the resume of the last preemption
-        run = Run(args, ckpt_dir, work, i)
+        launch = Launch(args, work, i)
         try:
-            if not run.wait_training(600):
-                run.finish(5)
+            if not launch.trains(600):
+                launch.stop(5)
                 console.print(Text(f"launch {i}: training never started (see {work}/launch-{i}.log)"))
                 return 1
             if rows:  # this launch resumed from the previous preemption's checkpoint
-                last = rows[-1]
-                expected = last["stopped_at"] if last["stopped_at"] is not None else -2
-                last.update(resumed_at=run.start_step, ok=bool(last["ok"]) and run.start_step == expected)
+                resumed = (launch.steps(START) or [None])[0]
+                expected = rows[-1]["stopped_at"] if rows[-1]["stopped_at"] is not None else -2
+                rows[-1].update(resumed_at=resumed, ok=bool(rows[-1]["ok"]) and resumed == expected)
             if i == args.runs:
-                run.proc.send_signal(signal.SIGTERM)
-                run.finish(args.notice + 30)
                 break
-            rows.append(_preempt(run, i, args, rng, ckpt_dir))
+            rows.append(preempt(launch, i, args, rng, work))
             r = rows[-1]
             console.print(Text(f"  {i + 1}/{args.runs}: SIGTERM after {r['delay_s']:.1f}s -> exit {r['exit']} in "
                                f"{r['drain_s']:.2f}s, stopped at step {r['stopped_at']}, checkpoint at step "
                                f"{r['saved_at']}"))
-        except BaseException:
-            if run.proc.poll() is None:  # interrupted: leave no job behind
-                run.proc.send_signal(signal.SIGTERM)
-                run.finish(args.notice + 30)
-            raise
+        finally:  # the last launch, or an interrupted one: leave no job behind
+            if launch.proc.poll() is None:
+                launch.stop(args.notice + 30)
     drains = [float(r["drain_s"]) for r in rows]  # type: ignore[arg-type]
-    stats = {q: round(pct(drains, v), 2) for q, v in (("min", 0), ("median", 0.5), ("p90", 0.9), ("p95", 0.95),
-                                                       ("max", 1))}
+    quantiles = (("min", 0), ("median", 0.5), ("p90", 0.9), ("p95", 0.95), ("max", 1))
+    stats = {q: round(pct(drains, v), 2) for q, v in quantiles}
     failed = [r for r in rows if not r["ok"]]
     table = Table(title="SIGTERM -> agent exit (s)")
     for col in ("runs", *stats, "notice", "failed"):

@@ -1,19 +1,13 @@
 #!/usr/bin/env python
 """Rendezvous at scale: N simulated agents against one real etcd, no workers.
 
-Each simulated agent is a thread running the agent's own rendezvous code (``rendezvous_agents.py``: the
-real ``Rendezvous`` and round watch, every etcd call through the agent's outage guard), sharded over
-child processes that each share one etcd client and one job view. Three phases per node count, each
-timed from the command until every live agent holds the new round: ``round 0`` (all register; the job
-is ``--nnodes N-1:N``, so round 0 forms once all N wait), ``loss`` (one agent dies like a SIGKILLed
-node: etcd expires its lease after ``--heartbeat`` s; ``re-form``: from the leader's notice, the time
-in its end record, to every survivor holding the new round) and ``join`` (one agent joins; 0.5 s
-stability window). Per phase also ``formed`` (the leader wrote the round's record), the agents' CPU
-and loop turns per agent, and etcd's own counters. etcd runs at nice -10 where the bench may raise
-it (root or CAP_SYS_NICE): on a real cluster etcd has machines of its own.
-
     python scripts/bench/bench_rendezvous.py --clients shared --nodes 64 256 1024 --runs 1
     python scripts/bench/bench_rendezvous.py --record-only --nodes 256 1024 4096
+
+Each simulated agent runs the agent's own loop (``rendezvous_agents.py``), sharded over child processes. Per node
+count three phases, each timed from the command until every live agent holds the new round: ``round 0``, ``loss``
+(one agent dies as a SIGKILLed node) and ``join`` (one agent joins), with the agents' CPU and loop turns and etcd's
+own counters (docs/performance.md, "Rendezvous"). etcd runs at nice -10 where the bench may raise it.
 """
 
 from __future__ import annotations
@@ -56,25 +50,22 @@ class Children:
             if c.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
                 raise RuntimeError("a child failed to start")
 
-    def send(self, line: str, procs: Optional[List[Any]] = None, answer: bool = True) -> List[Dict[str, Any]]:
+    def send(self, line: str, procs: Optional[List[Any]] = None) -> List[Dict[str, Any]]:
+        """Send the command ``line`` to ``procs`` (default: every child); their answers."""
         procs = self.procs if procs is None else procs
         for c in procs:
             c.stdin.write(line + "\n")  # type: ignore[union-attr]
             c.stdin.flush()  # type: ignore[union-attr]
-        replies = [c.stdout.readline() for c in procs] if answer else []  # type: ignore[union-attr]
+        replies = [c.stdout.readline() for c in procs]  # type: ignore[union-attr]
         if not all(replies):
             raise RuntimeError("a child died")
         return [json.loads(r) for r in replies]
 
     def start(self, start: str) -> None:
-        """``go`` to every child, ``kill I`` to every child (one has agent I), ``join I`` to the last one."""
-        if start == "go":
-            self.send("go", answer=False)
-        elif start.startswith("kill"):
-            if not any(r["killed"] for r in self.send(start)):
-                raise RuntimeError(f"no child had the agent of {start!r}")
-        else:
-            self.send(start, self.procs[-1:])
+        """``go`` or ``kill I`` to every child (one has agent I), ``join I`` to the last one."""
+        replies = self.send(start, self.procs[-1:] if start.startswith("join") else None)
+        if start.startswith("kill") and not any(r["killed"] for r in replies):
+            raise RuntimeError(f"no child had the agent of {start!r}")
 
     def close(self) -> None:
         with contextlib.suppress(RuntimeError, OSError, ValueError):

@@ -3,32 +3,16 @@
     python scripts/bench/bench_snapshot.py [--mb 256] [--device cuda] [--repeat 3] [--parts stall,restore,lost]
                                      [--json FILE]
 
-Parts (``stall,restore`` by default, a couple of minutes; ``lost`` runs real jobs, ~8 minutes on
-2 cores). The state is ``--mb`` MiB of float32 tensors of 16 MiB, world size 1:
-
-- ``stall``: what one checkpoint costs the training loop. ``snapshot`` a synchronous memory
-  snapshot (write + checksum + commit in /dev/shm); ``snapshot_async_stall`` an async one (the
-  copy into reused host buffers, pinned on CUDA); ``disk_save`` ``elasticrun.checkpoint.save``
-  (fsync included); ``dcp_save`` ``torch.distributed.checkpoint.save``. Then a training loop of
-  ``--step-ms`` steps (matmuls on ``--device``) without checkpoints and with an async snapshot,
-  a sync snapshot, a disk save and a DCP save after *every* step: the step-time overhead.
-  ``shm_bytes``: the shared memory the memory tier holds (2 generations kept).
-- ``restore``: ``elasticrun.train.load_latest`` from the memory tier vs from disk with a warm
-  page cache and a cold one (``posix_fadvise(DONTNEED)`` on every file, an approximation of a
-  cold cache), and ``dcp.load`` warm and cold; all into the preallocated state dict.
-- ``lost``: real elasticrun jobs (``scripts/bench/snapshot_jobs.py``): steps lost per worker
-  crash, node SIGKILL and scale-up, with memory snapshots, disk checkpoints and DCP every
-  1 and 10 steps (node and scale-up restore memory snapshots from the peer replicas).
-
-All comparisons are interleaved (A B C … per round) and reported as medians. Prints one line
-per measure, then one JSON line (every measure, ``summary``, ``jobs``, …);
-``--json FILE`` writes the same document to FILE.
+Parts (docs/performance.md, "Memory snapshots"): ``stall`` (what one checkpoint costs the training loop, and the
+step time of a loop that checkpoints after every step), ``restore`` (``load_latest`` from memory against disk and
+DCP, warm and cold page cache) and ``lost`` (real jobs, ``snapshot_jobs.py``: steps lost per worker crash, node
+loss and scale-up). Rounds are interleaved, medians reported; the last line printed is the JSON document.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import itertools
 import json
 import os
 import re
@@ -38,7 +22,8 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, List, Optional
+from unittest import mock
 
 from common import fadvise_evict, shown_command, summary_row, write_json
 from snapshot_jobs import INTERVALS, JOB_MB, STEP_SLEEP, bench_jobs
@@ -57,21 +42,8 @@ def _sweep(shm: str) -> None:
             shutil.rmtree(os.path.join(shm, entry), ignore_errors=True)
 
 
-@contextlib.contextmanager
-def _memory_tier(base: Optional[str]) -> Iterator[None]:
-    """``ELASTICRUN_SNAPSHOT_DIR`` = ``base`` (None: no memory tier) for the duration."""
-    from elasticrun.job.env import SNAPSHOT_DIR
-
-    old = os.environ.pop(SNAPSHOT_DIR, None)
-    os.environ.update({SNAPSHOT_DIR: base} if base is not None else {})
-    try:
-        yield
-    finally:
-        os.environ.pop(SNAPSHOT_DIR, None)
-        os.environ.update({SNAPSHOT_DIR: old} if old is not None else {})
-
-
 def _timed(fn: Callable[[], Any], sync: Callable[[], None]) -> float:
+    """Seconds ``fn`` took, the device synchronized before and after."""
     sync()
     t0 = time.perf_counter()
     fn()
@@ -85,6 +57,7 @@ def bench_local(args: argparse.Namespace) -> Dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     from elasticrun.checkpoint import Snapshotter, save
+    from elasticrun.job.env import SNAPSHOT_DIR
     from elasticrun.train import load_latest
 
     dev = args.device
@@ -96,28 +69,23 @@ def bench_local(args: argparse.Namespace) -> Dict[str, Any]:
     base = tempfile.mkdtemp(prefix=f"elasticrun-bench-snap-{os.getpid()}-", dir=args.shm)
     disk = tempfile.mkdtemp(prefix="bench-snap-disk-", dir=".")
     dcp_root = tempfile.mkdtemp(prefix="bench-snap-dcp-", dir=os.path.dirname(os.path.abspath(disk)))
-    step = [0]
+    steps = itertools.count(1)
     res: Dict[str, Any] = {}
     samples: Dict[str, List[float]] = {}
     sync_snaps = Snapshotter(base=base)
     async_snaps = Snapshotter(base=base, async_snapshots=True)
 
-    def saver(fn: Callable[[int], Any]) -> Callable[[], None]:
-        """A checkpoint of the next step by ``fn(step)``."""
-        def run() -> None:
-            step[0] += 1
-            fn(step[0])
-        return run
-
-    def dcp_keep_2(n: int) -> None:
-        dcp.save(state, checkpoint_id=os.path.join(dcp_root, f"step-{n:08d}"))
+    def dcp_save() -> None:
+        dcp.save(state, checkpoint_id=os.path.join(dcp_root, f"step-{next(steps):08d}"))
         for old in sorted(os.listdir(dcp_root))[:-2]:
             shutil.rmtree(os.path.join(dcp_root, old), ignore_errors=True)
 
-    snap_sync = saver(lambda n: sync_snaps.snapshot(state, training_state={"step": n}))
-    snap_async = saver(lambda n: async_snaps.snapshot(state, training_state={"step": n}))
-    disk_save = saver(lambda n: save(state, disk, training_state={"step": n}, keep_last=2))
-    dcp_save = saver(dcp_keep_2)
+    savers: Dict[str, Callable[[], Any]] = {  # each checkpoints the next step
+        "snapshot_async": lambda: async_snaps.snapshot(state, training_state={"step": next(steps)}),
+        "snapshot": lambda: sync_snaps.snapshot(state, training_state={"step": next(steps)}),
+        "disk_save": lambda: save(state, disk, training_state={"step": next(steps)}, keep_last=2),
+        "dcp_save": dcp_save,
+    }
 
     def record(key: str, value: float) -> None:
         samples.setdefault(key, []).append(value)
@@ -129,20 +97,19 @@ def bench_local(args: argparse.Namespace) -> Dict[str, Any]:
         record(f"{key}_cold_s", _timed(load, sync))
 
     try:
-        for fn in (snap_sync, snap_async, disk_save, dcp_save):  # first touch: buffers, files, imports
+        for fn in savers.values():  # first touch: buffers, files, imports
             fn()
         async_snaps.wait()
         if "stall" in args.parts:
             for _ in range(args.repeat):
-                record("snapshot_s", _timed(snap_sync, sync))
+                record("snapshot_s", _timed(savers["snapshot"], sync))
                 t0 = time.perf_counter()
-                record("snapshot_async_stall_s", _timed(snap_async, sync))
+                record("snapshot_async_stall_s", _timed(savers["snapshot_async"], sync))
                 async_snaps.wait()
                 record("snapshot_async_total_s", time.perf_counter() - t0)
-                record("disk_save_s", _timed(disk_save, sync))
+                record("disk_save_s", _timed(savers["disk_save"], sync))
                 record("dcp_save_s", _timed(dcp_save, sync))
-            res.update(overhead(args, state, sync, {"snapshot_async": snap_async, "snapshot": snap_sync,
-                                                    "disk_save": disk_save, "dcp_save": dcp_save}, async_snaps))
+            res.update(overhead(args, state, sync, savers, async_snaps))
         async_snaps.wait()
         res["shm_bytes"] = dir_bytes(base)
         res["generation_bytes"] = sync_snaps.generation_bytes
@@ -150,12 +117,11 @@ def bench_local(args: argparse.Namespace) -> Dict[str, Any]:
             newest = os.path.join(dcp_root, sorted(os.listdir(dcp_root))[-1])
             empty = os.path.join(base, "no-disk")
             for _ in range(args.repeat):
-                with _memory_tier(base):
+                with mock.patch.dict(os.environ, {SNAPSHOT_DIR: base}):  # the memory tier, no disk checkpoint
                     record("restore_memory_s", _timed(lambda: load_latest(empty, state_dict=state, restore_rng=False),
                                                       sync))
-                with _memory_tier(None):
-                    cold_and_warm("restore_disk", lambda: load_latest(disk, state_dict=state, memory=False,
-                                                                      restore_rng=False), disk)
+                cold_and_warm("restore_disk", lambda: load_latest(disk, state_dict=state, memory=False,
+                                                                  restore_rng=False), disk)
                 cold_and_warm("dcp_load", lambda: dcp.load(state, checkpoint_id=newest), newest)
     finally:
         async_snaps.close()

@@ -25,12 +25,13 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import psutil
-from common import REPO, TRAIN, Agents, shown_command, summary_row, write_json
+from common import REPO, TRAIN, Agents, AgentsExited, shown_command, summary_row, write_json
 
 from elasticrun.store.server import EtcdServer
 
 
 def status(endpoint: str, job: str) -> Optional[Dict[str, Any]]:
+    """``elasticrun status --json`` of the job (None: it failed)."""
     done = subprocess.run([sys.executable, "-m", "elasticrun", "status", "--rdzv-endpoint", endpoint, "--rdzv-id",
                            job, "--json"], capture_output=True, text=True, timeout=60, cwd=str(REPO))
     return json.loads(done.stdout) if done.returncode == 0 else None
@@ -74,15 +75,16 @@ def main() -> int:
                 "--straggler-window", str(args.window), "--stability-window", "3", "-q",
                 str(TRAIN), "--epochs", "100000", "--no-checkpoint", "--dataset-size",
                 "512", "--batch-size", "8", "--step-sleep", "0.02"])
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            doc = status(server.endpoint, job)
-            ms = (doc or {}).get("members") or []
-            if len(ms) == args.nodes and all((m.get("progress") or {}).get("round") == doc["round"] for m in ms):
-                break
-            time.sleep(2)
-        else:
-            print("the nodes did not all train within 300 s", file=sys.stderr)
+
+        def all_train() -> Optional[bool]:
+            doc = status(server.endpoint, job) or {}
+            ms = doc.get("members") or []
+            return len(ms) == args.nodes and all((m.get("progress") or {}).get("round") == doc["round"] for m in ms)
+
+        try:
+            agents.wait_for(lambda: all_train() or None, 300, "every node to train")
+        except (TimeoutError, AgentsExited) as err:
+            print(f"bench_stragglers: {err}", file=sys.stderr)
             return 1
         pulsing = threading.Event()
         if args.slow:

@@ -1,7 +1,6 @@
-"""What the benches share: the ``summary`` rows of their JSON (what scripts/perf/perf_report.py puts in the
-table), the command line they show for a rerun, the job runner that starts launchers (:class:`Agents`) and
-ends them with every process they started, and ``elasticrun`` imported from this tree (the repository goes
-first on ``sys.path``)."""
+"""What the benches share: the ``summary`` rows of their JSON (scripts/perf/perf_report.py's table), the command
+shown for a rerun, the job runner :class:`Agents` (starts launchers, reads their output, kills what they started),
+and ``elasticrun`` imported from this tree."""
 
 from __future__ import annotations
 
@@ -80,23 +79,15 @@ def kill_tree(pids: Iterable[int], timeout: float = 10) -> None:
 
 def interrupt_on(*signals: int) -> None:
     """Turn each of ``signals`` into KeyboardInterrupt, so that the cleanup of a Ctrl-C runs for them too."""
-
-    def interrupt(signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
     for sig in signals:
-        signal.signal(sig, interrupt)
-
-
-def files_of(path: str) -> List[str]:
-    """``path`` itself when it is a file, else every file below it."""
-    return [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+        signal.signal(sig, signal.default_int_handler)
 
 
 def fadvise_evict(path: str, evict: bool = True) -> None:
-    """Drop ``path``'s clean pages from the page cache (fsync first so every page is clean; only that when not
-    ``evict``)."""
-    for p in files_of(path):
+    """Drop the clean pages of file ``path`` or every file below it from the page cache (fsync first so every page
+    is clean; only that when not ``evict``)."""
+    files = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+    for p in files:
         fd = os.open(p, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -107,8 +98,8 @@ def fadvise_evict(path: str, evict: bool = True) -> None:
 
 
 class Line(NamedTuple):
-    """One line of a launcher's output: when it was read (unix time), from which agent, and what
-    the bench's ``parse`` made of it (None: nothing it looks for)."""
+    """One line of a launcher's output: when it was read (unix time), from which agent, and what the bench's
+    ``parse`` made of it (None: nothing it looks for)."""
 
     t: float
     agent: str
@@ -123,11 +114,10 @@ class AgentsExited(RuntimeError):
 class Agents:
     """The launcher processes (elasticrun or torchrun agents) of one bench run, by name.
 
-    Each starts in its own session with ``OMP_NUM_THREADS=1``, unbuffered output, this tree first on
-    ``PYTHONPATH`` and this run's marker (``TAG_VAR``); a thread per agent reads its output (stderr too),
-    stamps each line with the time it was read and keeps it (``parse(text, t)`` runs on it there, once),
-    written to ``log_dir/<name>.log`` when given. :meth:`close` kills every agent and every process that
-    carries the marker."""
+    Each starts in its own session with ``OMP_NUM_THREADS=1``, unbuffered output, this tree first on ``PYTHONPATH``
+    and this run's marker (``TAG_VAR``); a thread per agent keeps each line of its output with the time it was read
+    and what ``parse(text, t)`` made of it (and writes it to ``log_dir/<name>.log`` when given). :meth:`close` kills
+    every agent and every process that carries the marker."""
 
     def __init__(self, env: Optional[Dict[str, str]] = None, log_dir: Optional[Path] = None,
                  parse: Callable[[str, float], Any] = lambda _text, _t: None) -> None:
@@ -156,18 +146,15 @@ class Agents:
 
     def _read(self, name: str, proc: subprocess.Popen) -> None:
         assert proc.stdout is not None
-        log = open(self.log_dir / f"{name}.log", "w") if self.log_dir is not None else None
-        for raw in proc.stdout:
-            now = time.time()
-            text = raw.decode(errors="replace").rstrip("\n")
-            line = Line(now, name, text, self.parse(text, now))
-            with self._lock:
-                self._lines.append(line)
-            if log is not None:
+        with open(self.log_dir / f"{name}.log" if self.log_dir else os.devnull, "w") as log:
+            for raw in proc.stdout:
+                now = time.time()
+                text = raw.decode(errors="replace").rstrip("\n")
+                line = Line(now, name, text, self.parse(text, now))
+                with self._lock:
+                    self._lines.append(line)
                 log.write(f"{now:.3f} {text}\n")
                 log.flush()
-        if log is not None:
-            log.close()
 
     def lines(self, agent: Optional[str] = None) -> List[Line]:
         """The lines read so far (of ``agent`` alone, when given)."""

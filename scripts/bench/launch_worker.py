@@ -2,7 +2,7 @@
 
 Every rank first prints ``bench-start t=<unix time> rank=<RANK>`` (its script's first line, before any import);
 rank 0 prints ``bench-step <n> t=<unix time> restart=<TORCHELASTIC_RESTART_COUNT> world=<WORLD_SIZE>`` after
-every optimizer step. With BENCH_CRASH_STEP=k, global rank BENCH_CRASH_RANK (default: the last rank) prints
+every optimizer step. With BENCH_CRASH_STEP=k, the last rank prints
 ``bench-crash t=<unix time>`` and exits 1 at step k of the first attempt (restart count 0) only. With
 BENCH_CRASH_AFTER_S=s instead, that rank does so s seconds after its script started, at whatever it is doing
 then (still in init_process_group, building DDP, or training); with BENCH_CRASH_ONCE_FILE, only the first
@@ -44,7 +44,7 @@ def _crash_later(seconds: float) -> None:
 def main() -> None:
     crash_after = os.environ.get("BENCH_CRASH_AFTER_S")
     if crash_after and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-        if os.environ.get("RANK") == os.environ.get("BENCH_CRASH_RANK", str(int(os.environ["WORLD_SIZE"]) - 1)):
+        if int(os.environ["RANK"]) == int(os.environ["WORLD_SIZE"]) - 1:
             _crash_later(float(crash_after))
     cuda = os.environ.get("BENCH_DEVICE") == "cuda"  # bench_launch.py --device cuda: NCCL, one GPU per worker
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
@@ -54,14 +54,13 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     crash_step = int(os.environ.get("BENCH_CRASH_STEP", "0"))
-    crash_rank = int(os.environ.get("BENCH_CRASH_RANK", str(world - 1)))
     steps = int(os.environ.get("BENCH_STEPS", "5"))
     pause = float(os.environ.get("BENCH_STEP_S", "0.2"))
     torch.manual_seed(0)
     model = DDP(torch.nn.Linear(64, 64).to(device))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for step in range(1, steps + 1):
-        if crash_step and restart == 0 and step == crash_step and rank == crash_rank:
+        if crash_step and restart == 0 and step == crash_step and rank == world - 1:
             print(f"bench-crash t={time.time():.4f}", flush=True)
             os._exit(1)
         loss = model(torch.randn(8, 64, device=device)).pow(2).mean()

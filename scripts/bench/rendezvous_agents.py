@@ -1,15 +1,10 @@
 """Child process of ``bench_rendezvous.py``: a shard of simulated agents, driven over stdin.
 
-Each simulated agent is a thread running the agent's own loop without workers:
-:meth:`elasticrun.launch.agent.Agent._loop` (rounds formed through the outage guard, each round
-watched by :class:`~elasticrun.launch.roundloop.RoundLoop`, fencing and rejoining when the lease is
-lost) with the agent's own rendezvous settings, over a worker group whose workers always run
-(:class:`NoWorkers`). The agents of a process share one etcd client and one job view (:class:`AgentView`).
-
-Commands, one line each, answered with one JSON line (but ``go``): ``go`` (the agents start), ``wait R
-T`` (up to T s until every live agent holds round R or later: when each got it, the CPU and counts
-since the last ``wait``), ``kill I`` (agent I, if ours, dies like a SIGKILLed node: its lease is no
-longer refreshed), ``join I`` (start agent I here), ``leave`` (every agent leaves; the process exits).
+Each simulated agent is a thread running the agent's own loop (:meth:`elasticrun.launch.agent.Agent._loop`, with
+the agent's rendezvous settings) over a worker group that always runs (:class:`NoWorkers`); the agents of a
+process share one etcd client and one job view (:class:`AgentView`). Commands, one a line, each answered with one
+JSON line: ``go``, ``wait R T`` (up to T s until every live agent holds round R or later),
+``kill I`` (agent I's lease is no longer refreshed, as for a SIGKILLed node), ``join I``, ``leave``.
 """
 
 from __future__ import annotations
@@ -230,19 +225,20 @@ def main(argv: List[str]) -> None:
     print("ready", flush=True)
     for line in sys.stdin:
         cmd, *args = line.split()
+        reply: Dict[str, Any] = {}
         if cmd == "go":
             shard.cpu0 = time.process_time()
             shard.go.set()
         elif cmd == "wait":
-            print(json.dumps(shard.wait(int(args[0]), float(args[1]))), flush=True)
+            reply = shard.wait(int(args[0]), float(args[1]))
         elif cmd == "kill":
-            print(json.dumps({"killed": shard.kill(int(args[0]))}), flush=True)
+            reply = {"killed": shard.kill(int(args[0]))}
         elif cmd == "join":
             shard.start(int(args[0]))
-            print(json.dumps({"joined": True}), flush=True)
         else:
             shard.leave()
-            print(json.dumps({"left": True}), flush=True)
+        print(json.dumps(reply), flush=True)
+        if cmd == "leave":
             return
 
 if __name__ == "__main__":

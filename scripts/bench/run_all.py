@@ -6,17 +6,14 @@
     python scripts/bench/run_all.py --out $OUT/perf --device cuda --budget 420   # a lent GPU machine
     python scripts/perf/perf_report.py /tmp/perf                          # charts + the page's summary table
 
-Every benchmark runs as its own process (its own session) with a time limit; one that fails
-or runs out of time is recorded in ``bench_all.json`` and the next one starts. Each writes its
-JSON where ``--json PATH`` (``OUT_OPTION``: another option's name) says; ``--device`` goes to
-the benches that take it (``TAKES_DEVICE``). ``--budget`` bounds the whole run: a bench's limit
-is cut to what is left, and benches that would get less than ``--min-slot`` seconds are skipped
-(recorded).
+Each bench runs in its own process session under a time limit (cut to what is left of ``--budget``); one that
+fails, runs out of time or is skipped is recorded in ``bench_all.json`` and the next one starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -33,7 +30,6 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 SHOWN = HERE.relative_to(ROOT).as_posix()  # scripts/bench, as commands are shown
 MANIFEST = "bench_all.json"
-# The benchmarks are this folder's bench_*.py; their workers and helpers are named otherwise.
 TAKES_DEVICE = {"bench_checkpoint.py", "bench_launch.py", "bench_snapshot.py"}  # the others measure CPU-side work
 OUT_OPTION = {"bench_rendezvous.py": "--out"}  # where a bench takes the path of its JSON, when not --json
 
@@ -132,22 +128,15 @@ class Result:
 def _stop(proc: subprocess.Popen, grace: float = 15.0) -> None:
     """SIGTERM the bench's process group (benches clean their children up), then SIGKILL it."""
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-        try:
+        with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
             os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
             proc.wait(wait)
             return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def run_one(spec: Spec, out: Path, device: str, python: str, limit_s: float) -> Result:
     """Run one bench under ``limit_s``; its output goes to ``<name>.log``, its JSON to ``<name>.json``."""
     script = HERE / spec.script
-    if not script.exists():
-        return Result(spec.name, spec.script, "", Status.SKIPPED, notes=[f"{spec.script} not found"])
     args, notes = list(spec.args), []
     if device != "cpu":
         if script.name in TAKES_DEVICE:
@@ -191,16 +180,12 @@ def host_info() -> Dict[str, object]:
     """The machine the run was taken on (for the page's header)."""
     info: Dict[str, object] = {"cpus": os.cpu_count(), "loadavg_start": [round(x, 2) for x in os.getloadavg()],
                                "python": sys.version.split()[0]}
-    try:
+    with contextlib.suppress(OSError, StopIteration):
         with open("/proc/cpuinfo") as f:
-            info["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    except OSError:
-        pass
-    try:
+            info["cpu"] = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    with contextlib.suppress(OSError, ValueError, IndexError):
         with open("/proc/meminfo") as f:
             info["mem_gib"] = round(int(f.readline().split()[1]) / (1 << 20), 1)
-    except (OSError, ValueError, IndexError):
-        pass
     return info
 
 
@@ -247,10 +232,6 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _interrupt(signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def selected(args: argparse.Namespace, specs: List[Spec]) -> List[Spec]:
     """The preset's benches ``--only`` names, in that order (all without it); ValueError for an unknown name."""
     names = [s.name for s in specs]
@@ -291,7 +272,7 @@ def run_specs(args: argparse.Namespace, specs: List[Spec], head: Dict[str, objec
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _interrupt)  # a running bench is stopped (its group) before we exit
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a running bench is stopped (its group) first
     preset = _specs(args.preset, args.scratch)
     order = [s.name for s in preset]  # the preset's order: also the manifest's, after a partial rerun
     try:

@@ -1,17 +1,9 @@
 """Steps lost per failure, measured on real elasticrun jobs (``bench_snapshot.py --parts lost``).
 
-Each job runs ``scripts/bench/snapshot_worker.py`` (one tier, one interval) under real agents
-with a real etcd, gloo workers and real kills:
-
-- ``worker``: one node, 2 workers; a worker is SIGKILLed at steps 12, 29 and 46 (phases 2, 9
-  and 6 of a 10-step interval), the agent restarts the workers;
-- ``node``: two nodes of one worker each (``--nnodes 1:2``); the second agent and its worker
-  are SIGKILLed (the node is lost) and the survivor goes on alone;
-- ``scaleup``: in the same job, a new agent then joins and the job re-forms with two nodes.
-
-For every failure: ``lost = killed_at - resumed`` where ``killed_at`` is the last step rank 0
-finished before the restart and ``resumed`` the step its new start line names, and
-``recovery_s`` from the kill (or the join) to the first step after the restart.
+Each job runs ``snapshot_worker.py`` (one tier, one interval) under real agents, a real etcd and gloo workers:
+``worker`` (one node of 2 workers, a worker SIGKILLed at steps 12, 29 and 46), ``node`` (two one-worker nodes,
+the second SIGKILLed with its agent) and then ``scaleup`` (a new node joins). Per failure: ``lost`` (the last step
+rank 0 finished before the restart minus the step it resumed at) and ``recovery_s`` (to the first step after it).
 """
 
 from __future__ import annotations
@@ -70,9 +62,11 @@ class Job:
         return -1
 
     def wait(self, cond: Callable[[], bool], timeout: float, what: str) -> None:
+        """Wait until ``cond()`` holds (TimeoutError, :class:`common.AgentsExited`)."""
         self.agents.wait_for(lambda: cond() or None, timeout, what)
 
     def pid(self, node: str, local_rank: int) -> int:
+        """The pid of ``node``'s worker ``local_rank``, from its pid file."""
         with open(os.path.join(self.workdir, "run", "pids", f"{node}-{local_rank}")) as f:
             return int(f.read())
 
@@ -143,8 +137,7 @@ def bench_jobs() -> Dict[str, Any]:
     from elasticrun.store.server import EtcdServer
 
     jobs: List[Dict[str, Any]] = []
-    server = EtcdServer().start()
-    try:
+    with EtcdServer() as server:
         for group in ("worker", "node"):
             for every in INTERVALS:
                 for mode in ("memory", "disk", "dcp"):
@@ -159,15 +152,9 @@ def bench_jobs() -> Dict[str, Any]:
                                        f"{e['tier']}, {e['recovery_s']:.1f}s)" for e in r["events"])
                              or r.get("error", "?")), flush=True)
                     jobs.append(r)
-    finally:
-        server.stop()
-    lost: Dict[str, Dict[str, float]] = {}
-    for scenario in ("worker", "node", "scaleup"):
-        for every in INTERVALS:
-            for mode in ("memory", "disk", "dcp"):
-                vals = [e["lost"] for j in jobs if j["mode"] == mode and j["every"] == every
-                        for e in j["events"] if e["scenario"] == scenario]
-                if vals:
-                    lost.setdefault(scenario, {})[f"{mode}@{every}"] = statistics.mean(vals)
-    return {"jobs": jobs, "steps_lost": lost}
+    lost: Dict[str, Dict[str, List[int]]] = {}  # scenario -> "mode@every" -> steps lost per failure
+    for j in jobs:
+        for e in j["events"]:
+            lost.setdefault(e["scenario"], {}).setdefault(f"{j['mode']}@{j['every']}", []).append(e["lost"])
+    return {"jobs": jobs, "steps_lost": {s: {k: statistics.mean(v) for k, v in by.items()} for s, by in lost.items()}}
 

@@ -1,21 +1,12 @@
-"""The training client of ``scripts/bench/bench_snapshot.py --parts lost``: one checkpoint tier at one interval.
+"""The training client of ``bench_snapshot.py --parts lost``: one checkpoint tier at one interval.
 
-    elasticrun --standalone --nproc-per-node 2 --max-restarts 5 scripts/bench/snapshot_worker.py \\
-        --mode memory|disk|dcp --every N --dir DIR [--mb MB] [--step-sleep S] [--steps N]
+    elasticrun --standalone --nproc-per-node 2 scripts/bench/snapshot_worker.py --mode dcp --every N --dir DIR
 
-Every rank holds ``--mb`` MiB of float32 state (replicated), changed in place every step; the
-ranks meet in an all-reduce every step (so a dead rank stops the others). Every ``--every``
-steps the state is checkpointed with the chosen tier:
-
-- ``memory``: ``elasticrun.checkpoint.Snapshotter`` (the agent's shared memory);
-- ``disk``: ``elasticrun.checkpoint.save`` to ``DIR/ckpt`` (keep the last 2);
-- ``dcp``: ``torch.distributed.checkpoint.save`` to ``DIR/step-<8 digits>`` (keep the last 2).
-
-At start it resumes from the newest checkpoint of its tier (``elasticrun.train.load_latest``;
-for DCP the newest directory with DCP's ``.metadata`` commit file). Rank 0 prints
-``start resumed <tier> <step>`` once per start and ``step S`` after each step (after its
-checkpoint). Each rank writes its pid to ``DIR/pids/<node id>-<local rank>`` for the bench to
-kill. No checkpoint on stop: what a failure loses is what the interval leaves behind.
+Every rank holds ``--mb`` MiB of float32 state, changed every step, and meets the others in an all-reduce each
+step; every ``--every`` steps it checkpoints to ``memory`` (``Snapshotter``), ``disk`` (``checkpoint.save`` to
+DIR/ckpt) or ``dcp`` (DIR/dcp/step-<8 digits>), keeping 2, and resumes from the newest at start. Rank 0 prints
+``start resumed <tier> <step>`` once per start and ``step S`` after each step; each rank writes its pid to
+DIR/pids/<node id>-<local rank>. No checkpoint on stop: a failure loses what the interval leaves behind.
 """
 
 from __future__ import annotations
@@ -25,15 +16,17 @@ import os
 import shutil
 import sys
 import time
-from typing import Dict, Optional, Tuple
+from typing import Dict
 
 import torch
 import torch.distributed as dist
 
 import elasticrun.train as et
+from elasticrun.checkpoint import Snapshotter, save
 
 
 def parse_args() -> argparse.Namespace:
+    """Command-line options."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mode", choices=("memory", "disk", "dcp"), required=True)
     p.add_argument("--every", type=int, default=1)
@@ -44,14 +37,11 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def _dcp_latest(root: str) -> Optional[Tuple[int, str]]:
-    best = None
-    for name in os.listdir(root) if os.path.isdir(root) else []:
-        path = os.path.join(root, name)
-        if name.startswith("step-") and os.path.exists(os.path.join(path, ".metadata")):
-            step = int(name[5:])
-            best = max(best or (step, path), (step, path))
-    return best
+def _dcp_latest(root: str) -> int:
+    """The newest step under ``root`` with DCP's ``.metadata`` commit file (-1: none)."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    done = [int(n[5:]) for n in names if n.startswith("step-") and os.path.exists(os.path.join(root, n, ".metadata"))]
+    return max(done, default=-1)
 
 
 def main() -> int:
@@ -69,10 +59,9 @@ def main() -> int:
     step, tier = 0, "none"
     dcp_root, disk_root = os.path.join(args.dir, "dcp"), os.path.join(args.dir, "ckpt")
     if args.mode == "dcp":
-        import torch.distributed.checkpoint as dcp
+        import torch.distributed.checkpoint as dcp  # only here: its import would slow the other tiers' start
 
-        found = _dcp_latest(dcp_root)
-        steps = [found[0] if found else -1]
+        steps = [_dcp_latest(dcp_root)]
         dist.broadcast_object_list(steps, src=0, group=pg)
         if steps[0] >= 0:
             dcp.load(state, checkpoint_id=os.path.join(dcp_root, f"step-{steps[0]:08d}"), process_group=pg)
@@ -87,11 +76,7 @@ def main() -> int:
             tier = getattr(ckpt, "tier", "disk")
     if ctx.is_rank0:
         print(f"start resumed {tier} {step} world {ctx.world_size}", flush=True)
-    snaps = None
-    if args.mode == "memory":
-        from elasticrun.checkpoint import Snapshotter
-
-        snaps = Snapshotter(pg)
+    snaps = Snapshotter(pg) if args.mode == "memory" else None
     ones = torch.ones(1)
     try:
         while step < args.steps:
@@ -107,12 +92,8 @@ def main() -> int:
                 if snaps is not None:
                     snaps.snapshot(state, training_state=ts)
                 elif args.mode == "disk":
-                    from elasticrun.checkpoint import save
-
                     save(state, disk_root, training_state=ts, keep_last=2, process_group=pg)
                 else:
-                    import torch.distributed.checkpoint as dcp
-
                     dcp.save(state, checkpoint_id=os.path.join(dcp_root, f"step-{step:08d}"), process_group=pg)
                     if ctx.is_rank0:
                         for name in sorted(os.listdir(dcp_root))[:-2]:
