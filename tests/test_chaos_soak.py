@@ -74,6 +74,18 @@ def test_audit_follows_an_in_place_reform():
     res = analyse(mixed, 96, 0)
     assert any("logged by ranks [0, 1] of [2, 3]" in p for p in res.problems), res.problems
 
+    # rank 1 killed after step 5's collectives, before its line; the survivors went on from step 5 in place:
+    # its samples of step 5 were trained (unlogged), nothing is skipped
+    killed = [r for r in recs if not (r["ev"] == "step" and r["round"] == 0 and r["step"] == 5 and r["rank"] == 1)]
+    res = analyse(killed, 96, 0)
+    assert not res.problems and res.samples_unlogged == 2 and res.samples_skipped == 0, res.problems
+    # the same hole one step earlier, or before a restart from a checkpoint, is a skip
+    early = [r for r in recs if not (r["ev"] == "step" and r["round"] == 0 and r["step"] == 4 and r["rank"] == 1)]
+    assert any("step 4 of generation (0, 0): logged by ranks [0, 2]" in p for p in analyse(early, 96, 0).problems)
+    resumed = [dict(r, ev="resume") if r["ev"] == "reform" else r for r in killed]
+    res = analyse(resumed, 96, 0)
+    assert res.samples_unlogged == 0 and any("logged by ranks [0, 2]" in p for p in res.problems), res.problems
+
     # survivors re-formed at different steps
     split = [dict(r, step=4) if r["ev"] == "reform" and r["rank"] == 1 else r for r in recs]
     assert any("began at different steps [4, 5]" in p for p in analyse(split, 96, 0).problems)

@@ -9,7 +9,10 @@ state came from the latest earlier generation that reached that step (a checkpoi
 workers themselves), which covers ``(its begin, that step]``; and so on to step 0. Every other logged step
 was lost (a rollback, or a step a crash interrupted).
 
-Each step of the lineage must be logged by every rank of its generation's world, and for every epoch the
+Each step of the lineage must be logged by every rank of its generation's world, except the step a generation
+ended at when the next one went on from it in place: a rank killed after that step's collectives and before its
+line still trained it (the survivors' state holds its gradients), so its samples count as trained, *unlogged*
+(computed from the step's slice of the permutation). For every epoch the
 lineage touched, the indices trained on must be exactly the first ``samples_consumed`` entries of the
 epoch's permutation, plus the sampler's documented padding at the end of an epoch (``tail="pad"``:
 ``ceil(rem / W) * W - rem`` repeats): anything missing is *skipped*, anything more is *seen twice*.
@@ -22,7 +25,7 @@ import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 Gen = Tuple[int, int]  # (round, restart)
 
@@ -77,6 +80,7 @@ class AuditResult:
     samples_checked: int = 0
     samples_twice: int = 0
     samples_skipped: int = 0
+    samples_unlogged: int = 0  # a killed rank's last step, carried on in place (see the module doc)
     epochs_checked: int = 0
     problems: List[str] = field(default_factory=list)
     saves: List[Tuple[float, int, str]] = field(default_factory=list)  # (t, step, name) by rank 0
@@ -97,6 +101,7 @@ def analyse(records: List[dict], dataset_size: int, seed: int) -> AuditResult:
     res = AuditResult()
     steps: Dict[Gen, Dict[int, List[dict]]] = defaultdict(lambda: defaultdict(list))
     begin: Dict[Gen, List[int]] = defaultdict(list)  # each rank's first step - 1: resumed, or re-formed at
+    in_place: Set[Gen] = set()  # generations that began by re-forming in place
     for r in records:
         ev = r.get("ev")
         if ev == "step":
@@ -105,6 +110,8 @@ def analyse(records: List[dict], dataset_size: int, seed: int) -> AuditResult:
             if ev == "resume" and gen_of(r) not in begin:
                 res.resumes.append((r["t"], gen_of(r), int(r["step"]), r.get("name")))
             begin[gen_of(r)].append(int(r["step"]))
+            if ev == "reform":
+                in_place.add(gen_of(r))
         elif ev == "save" and int(r["rank"]) == 0:
             res.saves.append((r["t"], int(r["step"]), str(r["name"])))
         elif ev == "save_failed" and int(r["rank"]) == 0:
@@ -120,7 +127,7 @@ def analyse(records: List[dict], dataset_size: int, seed: int) -> AuditResult:
     _trace_lineage(res, steps, begin)
     res.lineage.reverse()
     res.steps_lost = res.steps_executed - sum(s.last - s.first + 1 for s in res.lineage)
-    _check_samples(res, steps, dataset_size, seed)
+    _check_samples(res, steps, dataset_size, seed, in_place)
     return res
 
 
@@ -144,12 +151,14 @@ def _trace_lineage(res: AuditResult, steps: Dict[Gen, Dict[int, List[dict]]], be
         cur, upper = earlier[-1], lo
 
 
-def _check_samples(res: AuditResult, steps: Dict[Gen, Dict[int, List[dict]]], n: int, seed: int) -> None:
+def _check_samples(res: AuditResult, steps: Dict[Gen, Dict[int, List[dict]]], n: int, seed: int,
+                   in_place: Set[Gen]) -> None:
     seen: Dict[int, Counter] = defaultdict(Counter)
     consumed: Dict[int, int] = {}
     pad: Dict[int, int] = defaultdict(int)
     seg_start: Dict[int, int] = {}
-    for seg in res.lineage:
+    for i, seg in enumerate(res.lineage):
+        carried_on = i + 1 < len(res.lineage) and res.lineage[i + 1].gen in in_place  # its last step, in place
         first_in_epoch: Dict[int, int] = {}
         for step in range(seg.first, seg.last + 1):
             recs = steps[seg.gen].get(step, [])
@@ -157,14 +166,21 @@ def _check_samples(res: AuditResult, steps: Dict[Gen, Dict[int, List[dict]]], n:
                 continue
             world = int(recs[0]["world"])
             ranks = sorted(int(r["rank"]) for r in recs)
-            if ranks != list(range(world)) or any(int(r["world"]) != world for r in recs):
-                res.problems.append(f"step {step} of generation {seg.gen}: logged by ranks {ranks} of "
-                                    f"{sorted({int(r['world']) for r in recs})}")
             epoch = int(recs[0]["epoch"])
             if epoch not in first_in_epoch:
                 first_in_epoch[epoch] = consumed.get(epoch, 0)
             for r in recs:
                 seen[epoch].update(int(i) for i in r["idx"])
+            same_world = all(int(r["world"]) == world for r in recs)
+            if same_world and carried_on and step == seg.last and set(ranks) < set(range(world)):
+                logged = {int(i) for r in recs for i in r["idx"]}
+                dealt = _permutation(n, seed, epoch)[consumed.get(epoch, 0):max(int(r["after"]) for r in recs)]
+                unlogged = [i for i in dealt if i not in logged]
+                seen[epoch].update(unlogged)
+                res.samples_unlogged += len(unlogged)
+            elif ranks != list(range(world)) or not same_world:
+                res.problems.append(f"step {step} of generation {seg.gen}: logged by ranks {ranks} of "
+                                    f"{sorted({int(r['world']) for r in recs})}")
             consumed[epoch] = max(int(r["after"]) for r in recs)
             if consumed[epoch] >= n and epoch not in seg_start:
                 rem = n - first_in_epoch[epoch]

@@ -124,7 +124,7 @@ def summary(args: Any, soak: Any, audit: AuditResult, skipped: Dict[str, str], e
                         "left_at_end": final["left"], "left_verified": final["left_verified"],
                         "restore_fallbacks": soak.count("restore_fallback")},
         "samples": {"checked": audit.samples_checked, "epochs": audit.epochs_checked, "seen_twice": audit.samples_twice,
-                    "skipped": audit.samples_skipped},
+                    "skipped": audit.samples_skipped, "unlogged": audit.samples_unlogged},
         "goodput": goodput,
         "faults": [f.to_json() for f in soak.faults],
         "violations": violations,
@@ -170,7 +170,7 @@ def render(res: Dict[str, Any], say: Callable[[str], None]) -> None:
         f"refused; {ck['left_verified']}/{ck['left_at_end']} left at the end verify; {ck['restore_fallbacks']} "
         "restores fell back")
     say(f"samples: {sm['checked']} audited over {sm['epochs']} epochs: {sm['seen_twice']} seen twice, "
-        f"{sm['skipped']} skipped")
+        f"{sm['skipped']} skipped, {sm['unlogged']} trained by a rank killed before it logged them")
     line = goodput_line(g)
     say(line.plain if line is not None else f"goodput: {g.get('error', 'none')}")
     say(f"violations: {len(res['violations'])}")
