@@ -333,10 +333,8 @@ class Launcher:
             return None, f"elasticrun status printed no JSON: {proc.stdout.strip()[-300:]}"
 
     def close(self) -> None:
-        for a in self.agents:
-            kill_tree([a.pid])
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                a.proc.wait(5)
+        """Kill every agent and everything below it, and reap them."""
+        kill_tree([a.pid for a in self.agents])
 
 
 @dataclass
