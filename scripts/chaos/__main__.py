@@ -24,10 +24,14 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
+import psutil
+
+from elasticrun.errors import ElasticrunError
+from elasticrun.store.server import EtcdCluster, EtcdServer, free_port
 from scripts.bench.common import interrupt_on, kill_tree
 
 from .audit import Tail, analyse
-from .env import HOSTED, Launcher, Machine, etcd_cluster, freeze_code, send
+from .env import HOSTED, Launcher, Machine, send
 from .faults import FaultKind, schedule
 from .kinds import DRAWN
 from .report import job_goodput, render, summary
@@ -60,8 +64,8 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--heartbeat-timeout", type=float, default=5.0)
     p.add_argument("--hang-timeout", type=float, default=10.0, help="the agents' --hang-timeout (the hang fault "
                    "needs it; 0 turns hang detection off and skips that fault)")
-    p.add_argument("--workdir", help="keep logs here (default: a temporary folder, removed unless --keep)")
-    p.add_argument("--keep", action="store_true", help="keep the logs and audit files")
+    p.add_argument("--workdir", help="keep the logs and audit files here (default: a temporary folder, removed "
+                   "at the end)")
     args = p.parse_args(argv)
     if not (0 < args.minutes <= 24 * 60):
         p.error(f"--minutes must be in (0, 1440], got {args.minutes}")
@@ -97,8 +101,6 @@ def _kinds(p: argparse.ArgumentParser, faults: str, members: int) -> List[FaultK
 
 def sweep(marker: str) -> None:
     """Kill any process left whose command line mentions this run's folder, and everything below it."""
-    import psutil
-
     mine = {os.getpid(), *(a.pid for a in psutil.Process().parents())}
     kill_tree([p.pid for p in psutil.process_iter(["cmdline"])  # a process we may not read has cmdline None
                if p.pid not in mine and any(marker in part for part in (p.info["cmdline"] or []))])
@@ -128,18 +130,19 @@ def prepare(machine: Machine, wanted: List[FaultKind], say: Say) -> Tuple[List[F
 
 
 def start_etcd(machine: Machine, cleanup: ExitStack) -> str:
-    """The one member (on the host side of the namespace, if any) or the 3-member cluster; its endpoint(s).
+    """Start the one member (on the host side of the namespace, if any) or the 3-member cluster; its endpoint(s).
     A hosted etcd: the endpoint its first agent hosts it at."""
-    from elasticrun.store.server import EtcdServer, free_port
-
+    etcd_dir = machine.run_dir / "etcd"
     if machine.etcd_members == HOSTED:
         return f"127.0.0.1:{free_port()}"
     if machine.etcd_members == 3:
-        cluster = machine.members = etcd_cluster(machine.run_dir / "etcd")
+        etcd_dir.mkdir()
+        cluster = machine.members = EtcdCluster(3, base_dir=str(etcd_dir))
+        for m in cluster.members.values():
+            m.log_path = str(etcd_dir / f"{m.name}.log")
         cleanup.callback(cluster.stop)
-        cluster.start(timeout=60)
-        return cluster.endpoints
-    etcd = machine.etcd = EtcdServer(host=machine.host_addr, data_dir=str(machine.run_dir / "etcd"),
+        return cluster.start(timeout=60).endpoints
+    etcd = machine.etcd = EtcdServer(host=machine.host_addr, data_dir=str(etcd_dir),
                                      log_path=str(machine.run_dir / "etcd.log"))
 
     def stop() -> None:
@@ -152,27 +155,11 @@ def start_etcd(machine: Machine, cleanup: ExitStack) -> str:
     return etcd.endpoint
 
 
-def launcher_for(args: argparse.Namespace, machine: Machine, endpoint: str) -> Launcher:
-    """The agents' launcher: their environment (audit and control files, frozen code) and worker arguments."""
-    run_dir = machine.run_dir
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTICRUN_", "TORCHELASTIC_"))}
-    (run_dir / "tmp").mkdir(exist_ok=True)  # temp folders of killed agents stay in the run folder
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CHAOS_AUDIT_DIR=str(machine.audit_dir),
-               CHAOS_STOP_FILE=str(run_dir / "stop-at-step"), CHAOS_HANG_FILE=str(machine.hang_file),
-               CHAOS_SHM_FULL_FILE=str(machine.shm_file), TMPDIR=str(run_dir / "tmp"),
-               CUDA_VISIBLE_DEVICES="")  # simulated nodes share this host: CPU and gloo (NCCL: one GPU each)
-    code_root = freeze_code(run_dir / "code")  # agents started later run the code of the soak's start
-    env["PYTHONPATH"] = os.pathsep.join([str(code_root), *filter(None, [os.environ.get("PYTHONPATH")])])
-    return Launcher(endpoint, f"chaos-{args.seed}", machine, env, args.heartbeat_timeout, code_root,
-                    ns_slot=(args.nodes - 1) if machine.netns else None, hosted=args.hosted_etcd)
-
-
 def run(args: argparse.Namespace, say: Say, cleanup: ExitStack) -> int:
-    from elasticrun.errors import ElasticrunError
-
+    """Set the machine and the job up, inject faults until the time is up, end the job and judge it."""
     run_dir = Path(args.workdir or tempfile.mkdtemp(prefix="elasticrun-chaos-")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    if not args.workdir and not args.keep:
+    if not args.workdir:
         cleanup.callback(lambda: shutil.rmtree(run_dir, ignore_errors=True))
     cleanup.callback(lambda: sweep(str(run_dir)))
     machine = Machine(run_dir, os.geteuid() == 0, args.etcd_members, args.hang_timeout, worker_args=[
@@ -190,7 +177,8 @@ def run(args: argparse.Namespace, say: Say, cleanup: ExitStack) -> int:
     except ElasticrunError as err:
         say(f"error: cannot start etcd: {err}")
         return 2
-    launcher = launcher_for(args, machine, endpoint)
+    launcher = Launcher(endpoint, f"chaos-{args.seed}", machine, args.heartbeat_timeout,
+                        ns_slot=(args.nodes - 1) if machine.netns else None)
     cleanup.callback(launcher.close)
     soak = Soak(launcher, machine, Tail(machine.audit_dir), args.recovery_deadline, say)
     say(f"chaos soak: seed {args.seed}, {args.minutes:g} min, {args.nodes} nodes, faults "
@@ -216,7 +204,7 @@ def run(args: argparse.Namespace, say: Say, cleanup: ExitStack) -> int:
         if time.time() - soak.last_step_t > args.recovery_deadline:
             soak.hang(f"no training step for {args.recovery_deadline:.0f}s between faults (hang)")
     if not soak.aborted:
-        soak.finish(run_dir / "stop-at-step", margin=30, timeout=max(120.0, args.recovery_deadline))
+        soak.finish(margin=30, timeout=max(120.0, args.recovery_deadline))
     audit = analyse(Tail(machine.audit_dir).poll(), DATASET, SEED_DATA)
     result = summary(args, soak, audit, skipped, time.time() - soak.t0, job_goodput(launcher))
     render(result, say)

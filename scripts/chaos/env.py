@@ -1,6 +1,5 @@
-"""The chaos soak's machinery: a network namespace for one node, a small tmpfs checkpoint root, a 3-member
-etcd, the agent processes, and ``Machine``, what the faults act on -- each undone by ``close()``/``stop()``,
-whatever state it was left in.
+"""The chaos soak's machinery: a network namespace for one node, a small tmpfs checkpoint root, the agent
+processes, and ``Machine``, what the faults act on -- each undone by ``close()``, whatever state it was left in.
 """
 
 from __future__ import annotations
@@ -16,6 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
+from elasticrun.errors import StoreError
+from elasticrun.job import records
+from elasticrun.job.keys import JobKeys
+from elasticrun.rendezvous.etcdplan import endpoints_record, member_record, target_size
+from elasticrun.rendezvous.records import node_record
+from elasticrun.store.client import connect
+from elasticrun.store.members import answers
 from elasticrun.store.server import EtcdCluster, EtcdServer, free_port
 from scripts.bench.common import kill_tree
 
@@ -98,15 +104,10 @@ class Tmpfs:
 
     def fill(self) -> int:
         """Write a ballast file until the filesystem is full; returns the bytes written."""
-        st = os.statvfs(self.path)
-        want, written, chunk = st.f_bavail * st.f_frsize, 0, b"\0" * (1 << 20)
-        with open(self.ballast, "wb") as f:
-            while written < want:
-                try:
-                    written += f.write(chunk[: min(len(chunk), want - written)])
-                    f.flush()
-                except OSError:
-                    break
+        written, chunk = 0, b"\0" * (1 << 20)
+        with open(self.ballast, "wb", buffering=0) as f, contextlib.suppress(OSError):
+            while True:  # unbuffered: a short write, then ENOSPC
+                written += f.write(chunk)
         return written
 
     def drain(self) -> None:
@@ -119,32 +120,15 @@ class Tmpfs:
         self.mounted = False
 
 
-def etcd_cluster(base: Path) -> EtcdCluster:
-    """A local 3-member etcd cluster in ``base``, each member logging to its own file there; a member's data
-    survives its SIGKILL."""
-    base.mkdir(parents=True, exist_ok=True)
-    cluster = EtcdCluster(3, base_dir=str(base))
-    for m in cluster.members.values():
-        m.log_path = str(base / f"{m.name}.log")
-    return cluster
-
-
 def etcd_leader(cluster: EtcdCluster, timeout: float = 20.0) -> Optional[EtcdServer]:
-    """The running member the cluster says leads it (etcd's status and member list), waiting up to ``timeout`` s
-    for one; None if none does by then."""
-    from elasticrun.errors import StoreError
-    from elasticrun.store.client import connect
-    from elasticrun.store.members import leader_id, list_members
-
+    """The running member the cluster says leads it, waiting up to ``timeout`` s for one; None if none does."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             with connect(cluster.endpoints, retry_timeout=2, timeout=2) as store:
-                lead = leader_id(store)
-                names = {m.member_id: m.name for m in list_members(store)}
+                server = cluster.members.get(store.leader() or "")
         except StoreError:
-            lead, names = 0, {}
-        server = cluster.members.get(names.get(lead, ""))
+            server = None
         if server is not None and server.running():  # a killed leader is named until the others notice
             return server
         time.sleep(0.2)
@@ -216,17 +200,31 @@ class AgentProc:
 
 @dataclass
 class Launcher:
-    """Starts agents for node slots on ``machine``; slot ``ns_slot`` (if any) runs inside its network namespace."""
+    """Starts agents for node slots on ``machine``, with the code frozen at the soak's start in the run folder;
+    slot ``ns_slot`` (if any) runs inside the network namespace."""
 
-    endpoint: str
+    endpoint: str  # with a hosted etcd: the members the job published, as last read
     job: str
-    machine: Machine  # its run folder, network namespace, worker arguments and --hang-timeout
-    env: dict
+    machine: Machine
     heartbeat: float
-    code_root: Path  # where the agents import elasticrun and the example from (see freeze_code)
     ns_slot: Optional[int] = None
-    hosted: bool = False  # the job hosts its etcd (c10d line): ``endpoint`` follows its members
     agents: List[AgentProc] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        run_dir, machine = self.machine.run_dir, self.machine
+        (run_dir / "tmp").mkdir(exist_ok=True)  # temp folders of killed agents stay in the run folder
+        self.code_root = freeze_code(run_dir / "code")
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTICRUN_", "TORCHELASTIC_"))}
+        self.env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CHAOS_AUDIT_DIR=str(machine.audit_dir),
+                        CHAOS_STOP_FILE=str(machine.stop_file), CHAOS_HANG_FILE=str(machine.hang_file),
+                        CHAOS_SHM_FULL_FILE=str(machine.shm_file), TMPDIR=str(run_dir / "tmp"),
+                        CUDA_VISIBLE_DEVICES="",  # simulated nodes share this host: CPU and gloo
+                        PYTHONPATH=os.pathsep.join(filter(None, [str(self.code_root), os.environ.get("PYTHONPATH")])))
+
+    @property
+    def hosted(self) -> bool:
+        """The job hosts its etcd (c10d line): ``endpoint`` follows its members."""
+        return self.machine.etcd_members == HOSTED
 
     @property
     def events_file(self) -> Path:
@@ -241,17 +239,11 @@ class Launcher:
             return ["--rdzv-endpoint", self.endpoint]
         if not self.agents:
             return ["--rdzv-backend", "c10d", "--rdzv-endpoint", self.endpoint, "--rdzv-conf", "is_host=1"]
-        return ["--rdzv-backend", "c10d", "--rdzv-endpoint", self.live_member(), "--rdzv-conf", "is_host=0"]
+        return ["--rdzv-backend", "c10d", "--rdzv-endpoint", self.client_endpoint(), "--rdzv-conf", "is_host=0"]
 
     def _hosted_members(self) -> Set[str]:
         """The nodes that run a member of the hosted job's etcd (its member records), read at the first member
         that answers; updates ``endpoint`` to the members the job published."""
-        from elasticrun.errors import StoreError
-        from elasticrun.job import records
-        from elasticrun.job.keys import JobKeys
-        from elasticrun.rendezvous.etcdplan import endpoints_record, member_record
-        from elasticrun.store.client import connect
-
         keys = JobKeys(self.job)
         for endpoint in self.endpoint.split(","):
             try:
@@ -268,15 +260,14 @@ class Launcher:
     def members_settled(self) -> bool:
         """The hosted job's etcd has the size its live nodes call for (its published endpoints): a node started
         now joins at a member that stays (one removed later would leave it waiting for a dead address)."""
-        from elasticrun.rendezvous.etcdplan import target_size
-
         self._hosted_members()
         return len(self.endpoint.split(",")) == target_size(len(self.live()))
 
-    def live_member(self) -> str:
-        """A client endpoint of the hosted job's etcd that answers now (the last known one when none does)."""
-        from elasticrun.store.members import answers
-
+    def client_endpoint(self) -> str:
+        """Where a client reaches the job's etcd: with a hosted etcd a member that answers now (the last known
+        one when none does)."""
+        if not self.hosted:
+            return self.endpoint
         self._hosted_members()
         return next((e for e in self.endpoint.split(",") if answers(f"http://{e}", 1.0)), self.endpoint.split(",")[0])
 
@@ -286,6 +277,7 @@ class Launcher:
         return sorted((a for a in self.live() if a.label in holders), key=lambda a: a.started)
 
     def start(self, slot: int) -> AgentProc:
+        """Start a new agent (the next incarnation) for node ``slot``."""
         incarnation = sum(1 for a in self.agents if a.slot == slot)
         machine, netns = self.machine, self.machine.netns
         log = machine.run_dir / f"agent-slot{slot}-{incarnation}.log"
@@ -315,15 +307,9 @@ class Launcher:
     def offer_inplace(self) -> bool:
         """Every live node's record says its workers opted in to in-place re-forming (a crash before that
         takes the restart path, as it should)."""
-        from elasticrun.errors import StoreError
-        from elasticrun.job import records
-        from elasticrun.job.keys import JobKeys
-        from elasticrun.rendezvous.records import node_record
-        from elasticrun.store.client import connect
-
         keys = JobKeys(self.job)
         try:
-            with connect(self.live_member() if self.hosted else self.endpoint, retry_timeout=2, timeout=2) as store:
+            with connect(self.client_endpoint(), retry_timeout=2, timeout=2) as store:
                 nodes = [records.read(store.get(keys.node(a.label)), node_record) for a in self.live()]
         except StoreError:
             return False
@@ -332,9 +318,8 @@ class Launcher:
     def status_json(self) -> Tuple[Optional[Dict[str, Any]], str]:
         """``elasticrun status --json`` of the job as an operator reads it, run with the agents' code and
         environment: (its document, "") or (None, why there is none)."""
-        endpoint = self.live_member() if self.hosted else self.endpoint
-        cmd = [sys.executable, "-m", "elasticrun", "status", "--rdzv-endpoint", endpoint, "--rdzv-id", self.job,
-               "--json"]
+        cmd = [sys.executable, "-m", "elasticrun", "status", "--rdzv-endpoint", self.client_endpoint(),
+               "--rdzv-id", self.job, "--json"]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=self.env,
                                   cwd=str(self.code_root))
@@ -348,18 +333,15 @@ class Launcher:
             return None, f"elasticrun status printed no JSON: {proc.stdout.strip()[-300:]}"
 
     def close(self) -> None:
-        for a in self.agents:
-            kill_tree([a.pid])
-            try:
-                a.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
+        """Kill every agent and everything below it, and reap them."""
+        kill_tree([a.pid for a in self.agents])
 
 
 @dataclass
 class Machine:
     """What the soak set up on this host for the faults to act on; the fault kinds' ``prepare`` add to it. The
-    workers poll ``hang_file`` (a PID: that worker hangs) and ``shm_file`` (a node id: its memory tier is full)."""
+    workers poll ``hang_file`` (a PID: that worker hangs), ``shm_file`` (a node id: its memory tier is full)
+    and ``stop_file`` (the step the job ends at)."""
 
     run_dir: Path
     root: bool  # running as root: tmpfs mounts and network namespaces are possible
@@ -375,6 +357,7 @@ class Machine:
     def __post_init__(self) -> None:
         self.ckpt_root, self.audit_dir = self.run_dir / "ckpts", self.run_dir / "audit"
         self.hang_file, self.shm_file = self.run_dir / "hang-pid", self.run_dir / "shm-full-node"
+        self.stop_file = self.run_dir / "stop-at-step"
 
     @property
     def host_addr(self) -> str:

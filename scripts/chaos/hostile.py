@@ -11,7 +11,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
+from elasticrun.job import records
 from elasticrun.job.keys import JobKeys
+from elasticrun.rendezvous.records import topology_record
+from elasticrun.store.client import connect
 from elasticrun.store.types import Guard
 
 from .faults import Fault, FaultKind, Recovery
@@ -45,10 +48,6 @@ class BadRecord(FaultKind):
     name, recovery, span = "bad_record", Recovery.ANY_STEP, (3.0, 6.0)  # every agent's loop turns meanwhile
 
     def inject(self, soak: Soak, f: Fault) -> None:
-        from elasticrun.job import records
-        from elasticrun.rendezvous.records import topology_record
-        from elasticrun.store.client import connect
-
         keys = JobKeys(soak.launcher.job)
         what, key_of, value = f.choose(BAD_RECORDS)
         with connect(soak.launcher.endpoint, retry_timeout=30) as store:

@@ -14,7 +14,7 @@ from elasticrun.job.exitcodes import ExitCode
 from scripts.bench.common import kill_tree
 
 from .audit import Gen
-from .env import HOSTED, AgentProc, NetNs, Tmpfs, etcd_leader, last_lines, send, write_atomic
+from .env import AgentProc, NetNs, Tmpfs, etcd_leader, last_lines, send, write_atomic
 from .faults import Fault, FaultKind, Recovery
 from .hostile import BadRecord, JobReuse, SlowMetrics
 
@@ -227,13 +227,10 @@ class DiskFull(FaultKind):
 class Partition(FaultKind):
     """Cut the network of the node in its own namespace for longer than its lease, then heal it."""
 
-    name, span, beyond_heartbeat = "partition", (2.0, 6.0), True
+    # one etcd member: the 3-member and the hosted etcd listen on loopback only
+    name, span, beyond_heartbeat, etcd_members = "partition", (2.0, 6.0), True, 1
 
     def prepare(self, machine: Machine) -> Optional[str]:
-        if machine.etcd_members == 3:
-            return "the 3-member etcd listens on loopback only"
-        if machine.etcd_members == HOSTED:
-            return "the hosted etcd listens on loopback only"
         return machine.set_up("netns", NetNs(str(os.getpid() % 100000)), "network namespaces")
 
     def inject(self, soak: Soak, f: Fault) -> None:

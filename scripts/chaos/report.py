@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, List, Tuple
 
 from rich.console import Console
 
+from elasticrun.checkpoint import list_checkpoints, verify
 from elasticrun.cli.goodput_view import goodput_line
 from elasticrun.cli.tables import Column, DataTable
 from elasticrun.launch.events import EventKind
@@ -33,8 +34,6 @@ def job_goodput(launcher: Launcher) -> Dict[str, Any]:
 
 def _final_checks(soak: Any, audit: AuditResult) -> Dict[str, Any]:
     """Every complete checkpoint left verifies; resumes took the newest committed checkpoint."""
-    from elasticrun.checkpoint import list_checkpoints, verify
-
     problems: List[str] = []
     root = str(soak.machine.ckpt_root)
     left = [i for i in list_checkpoints(root) if i.status == "complete"]

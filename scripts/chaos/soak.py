@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
+
+from elasticrun.checkpoint import verify
+from elasticrun.errors import ElasticrunError
 
 from .audit import Gen, Tail, gen_of
 from .env import AgentProc, Launcher, Machine, alive, last_lines, write_atomic
@@ -36,8 +38,6 @@ class Soak:
     gen_started: Dict[Gen, float] = field(default_factory=dict)  # first audit line of each generation
     latest: Dict[int, dict] = field(default_factory=dict)  # each worker's (pid's) last audit line
     _scan_from: int = 0
-
-    # -- observation ---------------------------------------------------------------------
 
     def pump(self) -> None:
         """Read new audit lines, verify new checkpoints, restart agents that died on their own."""
@@ -70,9 +70,6 @@ class Soak:
 
     def _verify(self, name: str) -> None:
         """Verify a checkpoint right after its commit; one that retention removed first counts as retired."""
-        from elasticrun.checkpoint import verify
-        from elasticrun.errors import ElasticrunError
-
         try:
             problem = "; ".join(verify(str(self.machine.ckpt_root), name).problems)
         except ElasticrunError as err:
@@ -122,8 +119,6 @@ class Soak:
         counts = {a.label: a.log_path.read_text(errors="replace").count(text) for a in self.launcher.agents
                   if a.log_path.exists()}
         return {label: n for label, n in counts.items() if n}
-
-    # -- faults ----------------------------------------------------------------------------
 
     def start(self, nodes: int) -> None:
         self.t0 = time.time()
@@ -178,13 +173,11 @@ class Soak:
                 break
         return recovery is Recovery.REUSED or f.recovered_at is not None
 
-    # -- the end -----------------------------------------------------------------------
-
-    def finish(self, stop_file: Path, margin: int, timeout: float) -> None:
+    def finish(self, margin: int, timeout: float) -> None:
         """Tell every worker the last step, wait for the job to end, check every agent's exit code."""
         steps = [int(r["step"]) for r in self.tail.records if r["ev"] == "step"]
         stop_at = (max(steps) if steps else 0) + margin
-        write_atomic(stop_file, str(stop_at))
+        write_atomic(self.machine.stop_file, str(stop_at))
         self.log(f"ending the job at step {stop_at}")
         self.finishing = True
         if not self.wait(lambda: not self.launcher.live(), timeout):

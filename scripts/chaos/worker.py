@@ -192,13 +192,7 @@ def main() -> int:
         ckpt_pkg.Snapshotter.snapshot, "snapshot", "snapshot_failed")
     parse_args = example.parse_args
 
-    def parse_stop_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-        args = StopArgs()
-        for key, value in vars(parse_args(argv)).items():
-            setattr(args, key, value)
-        return args
-
-    example.parse_args = parse_stop_args
+    example.parse_args = lambda argv=None: StopArgs(**vars(parse_args(argv)))
     code = int(example.main(sys.argv[1:]) or 0)
     AUDIT.write("exit", code=code, step=AUDIT.step)
     return code
