@@ -172,16 +172,18 @@ def test_the_example_goes_on_at_world_2_when_a_whole_node_is_killed(etcd_server,
     a = {n: agents(["--node-rank", str(i), *agent_args(etcd_server.endpoint, job_id, n, ckpts)], name=n)
          for i, n in enumerate("ABC")}
     out = a["A"].stdout  # rank 0: it prints the steps
-    wait_until(lambda: len(steps(out())) >= 10, 150, "steps at world size 3")
+    # (round 0 may form at world 2 before C registers, on a loaded host: C then joins in place)
+    wait_until(lambda: sum(w == 3 for _, w in steps(out())) >= 10, 150, "steps at world size 3")
     keys = JobKeys(job_id)
     wait_until(lambda: all((etcd.get_json(keys.node(n)) or {}).get("inplace") for n in "ABC"), 60, "opt-in")
     survivors = {n: _worker(a[n]) for n in "AC"}
+    before = len(steps(out()))
     for proc in [*a["B"].descendants(), a["B"].proc]:
         try:
             os.kill(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    wait_until(lambda: sum(w == 2 for _, w in steps(out())) >= 10, 150, "steps at world size 2")
+    wait_until(lambda: sum(w == 2 for _, w in steps(out())[before:]) >= 10, 150, "steps at world size 2")
     assert {n: _worker(a[n]) for n in "AC"} == survivors, "the survivors' worker processes are the same"
     for n in "AC":
         a[n].signal(signal.SIGTERM)
@@ -192,6 +194,7 @@ def test_the_example_goes_on_at_world_2_when_a_whole_node_is_killed(etcd_server,
     numbers = [s for s, _ in steps(text)]
     assert numbers == list(range(1, len(numbers) + 1)), "every step once, in order"
     worlds = [w for _, w in steps(text)]
-    assert worlds[0] == 3 and worlds[-1] == 2 and worlds == sorted(worlds, reverse=True), "3, then 2 for good"
+    full = worlds[worlds.index(3):]
+    assert full[-1] == 2 and full == sorted(full, reverse=True), "3, then 2 for good"
     assert etcd.get_json(keys.topology)["restart_count"] == 0, "a lost node re-formed in place uses no restart"
     assert re.search(r"checkpoint \S+ saved in \S+ \(stop\)", text), "the survivors stopped together and saved"
