@@ -151,6 +151,18 @@ def _trace_lineage(res: AuditResult, steps: Dict[Gen, Dict[int, List[dict]]], be
         cur, upper = earlier[-1], lo
 
 
+def _logged_by(recs: List[dict], world: int, went_on_in_place: bool) -> Optional[bool]:
+    """Whether a lineage step's lines are right: True when every rank of one ``world`` logged it; None when
+    some ranks are missing at a step the next generation went on from in place (their samples are unlogged,
+    not skipped: see the module doc); False otherwise (a violation)."""
+    ranks = sorted(int(r["rank"]) for r in recs)
+    if any(int(r["world"]) != world for r in recs) or not set(ranks) <= set(range(world)):
+        return False
+    if ranks == list(range(world)):
+        return True
+    return None if went_on_in_place and len(set(ranks)) == len(ranks) else False
+
+
 def _check_samples(res: AuditResult, steps: Dict[Gen, Dict[int, List[dict]]], n: int, seed: int,
                    in_place: Set[Gen]) -> None:
     seen: Dict[int, Counter] = defaultdict(Counter)
@@ -164,28 +176,31 @@ def _check_samples(res: AuditResult, steps: Dict[Gen, Dict[int, List[dict]]], n:
             recs = steps[seg.gen].get(step, [])
             if not recs:
                 continue
-            world = int(recs[0]["world"])
-            ranks = sorted(int(r["rank"]) for r in recs)
-            epoch = int(recs[0]["epoch"])
-            if epoch not in first_in_epoch:
-                first_in_epoch[epoch] = consumed.get(epoch, 0)
+            world, epoch = int(recs[0]["world"]), int(recs[0]["epoch"])
+            first_in_epoch.setdefault(epoch, consumed.get(epoch, 0))
+            after = max(int(r["after"]) for r in recs)
             for r in recs:
                 seen[epoch].update(int(i) for i in r["idx"])
-            same_world = all(int(r["world"]) == world for r in recs)
-            if same_world and carried_on and step == seg.last and set(ranks) < set(range(world)):
+            ok = _logged_by(recs, world, carried_on and step == seg.last)
+            if ok is None:
                 logged = {int(i) for r in recs for i in r["idx"]}
-                dealt = _permutation(n, seed, epoch)[consumed.get(epoch, 0):max(int(r["after"]) for r in recs)]
-                unlogged = [i for i in dealt if i not in logged]
+                unlogged = [i for i in _permutation(n, seed, epoch)[consumed.get(epoch, 0):after] if i not in logged]
                 seen[epoch].update(unlogged)
                 res.samples_unlogged += len(unlogged)
-            elif ranks != list(range(world)) or not same_world:
-                res.problems.append(f"step {step} of generation {seg.gen}: logged by ranks {ranks} of "
-                                    f"{sorted({int(r['world']) for r in recs})}")
-            consumed[epoch] = max(int(r["after"]) for r in recs)
+            elif not ok:
+                ranks, worlds = sorted(int(r["rank"]) for r in recs), sorted({int(r["world"]) for r in recs})
+                res.problems.append(f"step {step} of generation {seg.gen}: logged by ranks {ranks} of {worlds}")
+            consumed[epoch] = after
             if consumed[epoch] >= n and epoch not in seg_start:
                 rem = n - first_in_epoch[epoch]
                 pad[epoch] = math.ceil(rem / world) * world - rem
                 seg_start[epoch] = first_in_epoch[epoch]
+    _check_epochs(res, seen, consumed, pad, n, seed)
+
+
+def _check_epochs(res: AuditResult, seen: Dict[int, Counter], consumed: Dict[int, int], pad: Dict[int, int], n: int,
+                  seed: int) -> None:
+    """Each epoch's samples against the consumed prefix of its permutation plus the sampler's padding."""
     for epoch in sorted(seen):
         expected = set(_permutation(n, seed, epoch)[: consumed[epoch]])
         counts = seen[epoch]
