@@ -169,8 +169,9 @@ def _check_samples(res: AuditResult, steps: Dict[Gen, Dict[int, List[dict]]], n:
     consumed: Dict[int, int] = {}
     pad: Dict[int, int] = defaultdict(int)
     seg_start: Dict[int, int] = {}
-    for i, seg in enumerate(res.lineage):
-        carried_on = i + 1 < len(res.lineage) and res.lineage[i + 1].gen in in_place  # its last step, in place
+    for n_seg, seg in enumerate(res.lineage):
+        nxt = res.lineage[n_seg + 1] if n_seg + 1 < len(res.lineage) else None
+        carried_on = nxt is not None and nxt.gen in in_place  # its last step went on in place
         first_in_epoch: Dict[int, int] = {}
         for step in range(seg.first, seg.last + 1):
             recs = steps[seg.gen].get(step, [])
