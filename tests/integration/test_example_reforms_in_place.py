@@ -107,22 +107,26 @@ def test_the_example_recovers_a_killed_worker_in_place(etcd_server, etcd, job_id
 
     a = {n: agents(args(n, i), name=n) for i, n in enumerate("ABC")}
     out = a["A"].stdout  # rank 0: it prints the steps
-    wait_until(lambda: len(steps(out())) >= 10, 150, "steps at world size 3")
+    # (with 2:3, round 0 may form at world 2 before C registers, on a loaded host: C then joins in place)
+    wait_until(lambda: sum(w == 3 for _, w in steps(out())) >= 10, 150, "steps at world size 3")
     keys = JobKeys(job_id)  # a crash before the agents offer in-place re-forming takes the restart path
     wait_until(lambda: all((etcd.get_json(keys.node(n)) or {}).get("inplace") for n in "ABC"), 60, "opt-in")
+    reforms_before = out().count("re-formed in place")
     os.kill(_worker(a["B"]), signal.SIGKILL)
     for n in "ABC":
         assert a[n].wait(150) == 0, a[n].output()
     text = out()
     assert text.count("start:") == 1, "rank 0's worker was never restarted"
-    assert text.count("re-formed in place") == (1 if nnodes == "3" else 2), text[-3000:]
+    reforms = text.count("re-formed in place") - reforms_before
+    assert reforms == (1 if nnodes == "3" else 2), text[-3000:]
     numbers = [s for s, _ in steps(text)]
     assert numbers == list(range(1, STEPS + 1)), "every step once, in order"
     worlds = [w for _, w in steps(text)]
     if nnodes == "3":
         assert set(worlds) == {3}
     else:
-        assert worlds[0] == 3 and 2 in worlds and worlds[-1] == 3, "3 → 2 at once → 3 when B is back"
+        full = worlds[worlds.index(3):]
+        assert 2 in full and full[-1] == 3, "3 → 2 at once → 3 when B is back"
         assert "formed without this node" in a["B"].stderr(), a["B"].stderr()[-2000:]
     assert f"done: steps={STEPS}" in text
     assert "restarts 1/1" in a["A"].stderr(), "the crash used the one restart allowed"
