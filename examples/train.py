@@ -26,7 +26,8 @@ What makes it elastic (see docs/training.md):
   its replacement (``InPlace.recover``) and redo the interrupted step;
 - on SIGTERM (the agent stopping workers for a rescale) every rank agrees to stop at the
   same step, saves a checkpoint and exits (code 143, "terminated"); in place, a node that
-  leaves alone stops without a save (the survivors hold the state);
+  leaves alone stops without a save (the survivors hold the state), and nodes signalled up to
+  2 s apart still stop together and save;
 - it answers ``elasticrun ckpt save`` requests and reports progress (and each rank's compute time per
   step, for straggler detection) for ``elasticrun status``.
 

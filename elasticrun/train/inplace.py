@@ -77,6 +77,11 @@ log = logging.getLogger(__name__)
 DEFAULT_REFORM_TIMEOUT_S = 30.0
 DEFAULT_JOIN_TIMEOUT_S = 120.0
 _STOP = 2  # flag value: this rank leaves (SIGTERM); 1: an assignment is pending; 0: nothing
+#: A vote where some ranks stop and others not yet: how long the others wait for their own SIGTERM before
+#: the stopping ranks leave alone. A whole-job stop (scancel, the job's pods deleted) reaches the nodes a
+#: little apart; within this grace it is one stop at one step, every rank saving together. A single node's
+#: graceful leave costs nothing more: its survivors stop waiting as soon as their next assignment is written.
+STOP_GRACE_S = 2.0
 
 
 class Reform(enum.Enum):
@@ -199,21 +204,40 @@ class InPlace:
         if self._aborted:  # our groups are gone: no agreement over them
             return self._recover_at_check(dist.DistBackendError(f"round {self.ctx.round}'s groups were aborted"))
         stopping = self.ctx.should_stop  # read once: SIGTERM may land between here and the decision
-        mine = _STOP if stopping else int(self._pending())
-        flags = torch.tensor([mine, -mine])  # one MAX all-reduce: the highest flag and the lowest
+        pending = not stopping and self._pending()
         try:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+            highest, lowest = self._vote(_STOP if stopping else int(pending))
+            if highest == _STOP and lowest != _STOP:  # some ranks stop: is the whole job stopping?
+                stopping, pending = self._await_own_stop(stopping, pending)
+                highest, lowest = self._vote(_STOP if stopping else int(pending))
         except Exception as err:  # a peer crashed: recover in place if the agent keeps us, else the restart path
             return self._recover_at_check(err)
-        if int(flags[0].item()) == 0:
+        if highest == 0:
             return Reform.CONTINUE
         if stopping:
-            if -int(flags[1].item()) == _STOP:  # every rank stops here: the job's end, keep the group to save
+            if lowest == _STOP:  # every rank stops here: the job's end, keep the group to save
                 self.group_kept = True
                 return Reform.STOP
             self._leave_group()
             return Reform.STOP
         return Reform.REFORMED if self._reform() else Reform.STOP
+
+    def _vote(self, mine: int) -> tuple:
+        """One MAX all-reduce over the old group: the highest flag of the ranks and the lowest."""
+        flags = torch.tensor([mine, -mine])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+        return int(flags[0].item()), -int(flags[1].item())
+
+    def _await_own_stop(self, stopping: bool, pending: bool) -> tuple:
+        """After a vote where some ranks stop: wait up to :data:`STOP_GRACE_S` for this rank's own SIGTERM
+        (a whole-job stop), unless the next round's assignment comes first (only those nodes leave).
+        Returns ``(stopping, pending)`` for the second vote."""
+        deadline = time.monotonic() + min(STOP_GRACE_S, self.timeout / 2)  # well inside the vote's own deadline
+        while not (stopping or pending) and time.monotonic() < deadline:
+            time.sleep(0.005)
+            stopping = self.ctx.should_stop
+            pending = self._pending()
+        return stopping, pending
 
     def _recover_at_check(self, err: Exception) -> Reform:
         """The agreement's all-reduce failed: :meth:`recover`, or exit for a restart when not recovered."""

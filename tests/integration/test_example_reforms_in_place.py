@@ -3,7 +3,8 @@
 Two nodes train; C joins (2 → 3), then the node that is not rank 0 leaves gracefully (3 → 2).
 Rank 0's worker process (it prints every step) lives through both changes: one ``start:`` line,
 two ``re-formed in place`` lines, every step once and in order, the world size following the
-membership. Then both remaining nodes are stopped: every rank stops at the same step and saves.
+membership. Then both remaining nodes are stopped, half a second apart: every rank stops at the same
+step and saves.
 A SIGKILLed worker of a three-node job is recovered in place: rank 0's process lives through it,
 every step once, and the job finishes (an elastic job's survivors re-form without the crashed node
 at once; a fixed-size job's wait for its replacement). A whole node SIGKILLed: the other two keep
@@ -15,12 +16,14 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 from pathlib import Path
 from typing import List
 
 import psutil
 import pytest
 
+from elasticrun.checkpoint import list_checkpoints
 from elasticrun.job.keys import JobKeys
 
 from helpers.procs import wait_until
@@ -56,8 +59,11 @@ def test_the_example_keeps_its_survivors_through_a_join_and_a_leave(etcd_server,
     wait_until(lambda: out().count("re-formed in place") >= 2, 150, "rank 0 re-formed for the leave")
     wait_until(lambda: steps(out())[-1][1] == 2 and sum(w == 2 for _, w in steps(out())) >= 10, 60, "world 2 again")
     assert a[other].wait(60) is not None
-    for n in (first, "C"):
-        a[n].signal(signal.SIGTERM)
+    # A whole-job stop whose signals reach the two nodes half a second apart (the example votes every step,
+    # 20 times a second): still one stop at one step where every rank saves (InPlace's stop grace).
+    a[first].signal(signal.SIGTERM)
+    time.sleep(0.5)
+    a["C"].signal(signal.SIGTERM)
     for n in (first, "C"):
         a[n].wait(60)
     text = out()
@@ -67,6 +73,9 @@ def test_the_example_keeps_its_survivors_through_a_join_and_a_leave(etcd_server,
     worlds = [w for _, w in steps(text)]
     assert worlds[0] == 2 and 3 in worlds and worlds[-1] == 2, "2 → 3 → 2"
     assert re.search(r"checkpoint \S+ saved in \S+ \(stop\)", text), "every rank stopped together and saved"
+    stopped_at = int(re.search(r"stopped: SIGTERM at step (\d+)", text)[1])
+    latest = [c for c in list_checkpoints(str(ckpts)) if c.latest]
+    assert [c.meta.step for c in latest] == [stopped_at], "the stop's checkpoint is committed, at the step it stopped"
 
 
 def _store_host(p: psutil.Process) -> bool:
