@@ -49,7 +49,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Dict, NoReturn, Optional
+from typing import Any, Dict, NoReturn, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -222,13 +222,13 @@ class InPlace:
             return Reform.STOP
         return Reform.REFORMED if self._reform() else Reform.STOP
 
-    def _vote(self, mine: int) -> tuple:
+    def _vote(self, mine: int) -> Tuple[int, int]:
         """One MAX all-reduce over the old group: the highest flag of the ranks and the lowest."""
         flags = torch.tensor([mine, -mine])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
         return int(flags[0].item()), -int(flags[1].item())
 
-    def _await_own_stop(self, stopping: bool, pending: bool) -> tuple:
+    def _await_own_stop(self, stopping: bool, pending: bool) -> Tuple[bool, bool]:
         """After a vote where some ranks stop: wait up to :data:`STOP_GRACE_S` for this rank's own SIGTERM
         (a whole-job stop), unless the next round's assignment comes first (only those nodes leave).
         Returns ``(stopping, pending)`` for the second vote."""
