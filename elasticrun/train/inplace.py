@@ -121,7 +121,8 @@ class InPlace:
 
     ``objects``: things with ``state_dict()``/``load_state_dict()`` (model, optimizer, sampler…)
     broadcast to newcomers. ``step`` and ``extra`` (a JSON-able dict) travel too. ``every``: run
-    the agreement every K steps (K=1: one 1-element all-reduce per step). ``timeout``: the
+    the agreement every K steps (K=1: one 1-element all-reduce per step; a SIGTERM is acted on at the next
+    of those steps, as every rank must join the same votes). ``timeout``: the
     deadline of the re-form's own collectives and of the wait for the assignment; ``join_timeout``:
     how long the new group may take to assemble (newcomers are still starting: their imports count)
     and the collective timeout of the new default group.
@@ -199,7 +200,7 @@ class InPlace:
         self._calls += 1
         if not self.enabled:
             return Reform.STOP if self.ctx.should_stop else Reform.CONTINUE
-        if self._calls % self.every and not self.ctx.should_stop:
+        if self._calls % self.every and not self._aborted:  # every rank votes at the same calls, stopping or not
             return Reform.CONTINUE
         if self._aborted:  # our groups are gone: no agreement over them
             return self._recover_at_check(dist.DistBackendError(f"round {self.ctx.round}'s groups were aborted"))
