@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, List, Optional
@@ -37,10 +38,11 @@ def _client(port: int) -> Any:
     return TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
 
 
-def _popen_host(fd: int) -> subprocess.Popen:
+def _popen_host(fd: int, control: int) -> subprocess.Popen:
     """The store host without a fork server, as the worker group starts it."""
-    return subprocess.Popen([sys.executable, "-m", "elasticrun.launch.storeserver", "--fd", str(fd)],
-                            pass_fds=(fd,), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    return subprocess.Popen([sys.executable, "-m", "elasticrun.launch.storeserver", "--fd", str(fd),
+                             "--control", str(control)],
+                            pass_fds=(fd, control), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
 
 
 def _refused(port: int) -> bool:
@@ -79,6 +81,66 @@ def test_each_round_gets_a_fresh_store_served_on_the_agents_socket() -> None:
     finally:
         rounds.close()
     assert errors == [], "closing a store is not an error"
+
+
+def test_the_next_round_a_node_leads_is_served_by_the_same_host_at_once() -> None:
+    """No new process (no torch import) on a re-form's path: the host of the round before takes the new
+    round's socket; the store two rounds old stops listening. A host that died meanwhile is replaced."""
+    started: List[subprocess.Popen] = []
+
+    def start(fd: int, control: int) -> subprocess.Popen:
+        started.append(_popen_host(fd, control))
+        return started[-1]
+
+    errors: List[str] = []
+    rounds = RoundStore(timeout_s=60, on_error=errors.append)
+    try:
+        first = rounds.fresh()
+        assert rounds.serve(first, start)
+        _client(first).set("round", "0")
+        host = rounds.host
+        second = rounds.fresh()
+        assert rounds.host is None, "no round is served between fresh() and serve()"
+        began = time.monotonic()
+        assert rounds.serve(second, start)
+        assert time.monotonic() - began < 0.5 and rounds.host is host and len(started) == 1, "the same host"
+        client = _client(second)
+        assert client.check(["round"]) is False, "the new round's store holds nothing of the old one"
+        client.set("round", "1")
+        assert _client(first).get("round") == b"0", "the previous round's store still answers"
+        third = rounds.fresh()
+        wait_until(lambda: _refused(first), 30, "the store of two rounds ago to stop listening")
+        assert _client(second).get("round") == b"1", "the round ending now is kept through the change"
+
+        host.kill()  # gone between rounds: not this round's host, so no error; the next serve starts anew
+        host.wait(30)
+        assert rounds.serve(third, start) and len(started) == 2 and rounds.host is started[1]
+        _client(third).set("round", "2")
+    finally:
+        rounds.close()
+    assert errors == [], errors
+
+
+def test_a_host_another_node_replaced_is_killed_a_round_later() -> None:
+    """The node led round 0, another node round 1: at round 2 its host (round 0's store) is killed."""
+    started: List[subprocess.Popen] = []
+
+    def start(fd: int, control: int) -> subprocess.Popen:
+        started.append(_popen_host(fd, control))
+        return started[-1]
+
+    rounds = RoundStore(timeout_s=60)
+    try:
+        first = rounds.fresh()
+        rounds.serve(first, start)
+        _client(first).set("k", "v")
+        rounds.fresh()  # round 1: led elsewhere, serve() never called here
+        assert started[0].poll() is None, "round 0's store is kept through the change"
+        rounds.fresh()
+        assert started[0].wait(30) != 0, "killed"
+        assert _refused(first)
+    finally:
+        rounds.close()
 
 
 def test_a_single_nodes_first_store_is_served_before_its_round() -> None:
@@ -142,8 +204,8 @@ def test_a_host_that_cannot_serve_is_one_line_for_the_agent(tmp_path: Path) -> N
         rounds = RoundStore(timeout_s=60, on_error=errors.append)
         port = rounds.fresh()
 
-        def wrong_fd(_fd: int) -> subprocess.Popen:
-            return _popen_host(not_a_socket)
+        def wrong_fd(_fd: int, control: int) -> subprocess.Popen:
+            return _popen_host(not_a_socket, control)
 
         rounds.serve(port, wrong_fd)
         wait_until(lambda: errors, 120, "the host's error line")

@@ -10,22 +10,27 @@ leads the round (its group rank 0, whose address and port are the round's ``MAST
 ``MASTER_PORT``) does it hand the socket to a store host process (:meth:`RoundStore.serve`,
 :mod:`elasticrun.launch.storeserver`), which runs torch's ``TCPStore`` on it; the other nodes
 never pay a torch import for a store nobody uses. Workers that connect before the host serves
-wait in the listen backlog. The next :meth:`RoundStore.fresh` kills that process and closes the
-socket, so no later round can reach the old store.
+wait in the listen backlog. When the node leads the next round too, the same host serves that
+round's store as well (sent over a control socket: no new process, no torch import on the
+re-form's path). The store of the round before the previous one is always gone: the host drops
+it (it stops listening), or, when another node led in between, the host is killed.
 """
 
 from __future__ import annotations
 
 import socket
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
+
+from elasticrun.launch.storeserver import RETIRE, SERVE
 
 # Connections the kernel queues before the host accepts them (it caps this at net.core.somaxconn);
 # every worker of the job connects to the round's store, all at once at the round's start.
 LISTEN_BACKLOG = 4096
 HOST_WAIT_S = 5.0  # how long closing waits for a killed store host to be reaped
 
-StartHost = Callable[[int], Any]  # the listening fd -> a started process (Popen-like: wait, kill, stderr)
+# (the listening fd, the host's end of its control socket) -> a started process (Popen-like: poll, wait, kill, stderr)
+StartHost = Callable[[int, int], Any]
 
 
 def listening_socket() -> socket.socket:
@@ -62,10 +67,12 @@ class RoundStore:
         self._lock = threading.Lock()
         self._sock: Optional[socket.socket] = None
         self._port = 0
+        # The host and our end of its control socket. It serves the current round's store when
+        # _current; else the previous round's, kept until the next round's store is bound (workers
+        # kept through a round change, in-place re-forming, may still use it until they re-form).
         self._host: Any = None
-        # The previous round's host, kept until the next round's store is bound: workers kept through a
-        # round change (in-place re-forming) may still use their round's store until they re-form.
-        self._retired: Any = None
+        self._control: Optional[socket.socket] = None
+        self._current = False
         self._prepared = False  # bound (and served) ahead of the first round: fresh() hands it out once
 
     @property
@@ -75,8 +82,8 @@ class RoundStore:
 
     @property
     def host(self) -> Any:
-        """The process serving the current round's store, once :meth:`serve` started it."""
-        return self._host
+        """The process serving the current round's store, once :meth:`serve` has it served."""
+        return self._host if self._current else None
 
     def prepare(self, start_host: StartHost) -> int:
         """Bind the first round's store now and have it served at once, for a node that surely leads
@@ -90,37 +97,65 @@ class RoundStore:
         return port
 
     def fresh(self) -> int:
-        """Bind a new round's store, return its port. The current round's host serves on until the
+        """Bind a new round's store, return its port. The current round's store is served on until the
         round after (workers kept through the change still use it until they re-form); the one before
-        it is killed now."""
+        it is dropped now (its host killed if it served no later round)."""
         with self._lock:
             if self._prepared:
                 self._prepared = False
                 return self._port
-            retired, self._retired, self._host = self._retired, self._host, None
+            stale: Tuple[Any, Optional[socket.socket]] = (None, None)
+            if self._current:
+                self._order(RETIRE)  # it keeps the ending round's store only
+                self._current = False
+            elif self._host is not None:  # another node led the round ending now: its store is two rounds old
+                stale, self._host, self._control = (self._host, self._control), None, None
             sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()
-        _kill(retired)
+        _kill(*stale)
         sock = listening_socket()
         with self._lock:
             self._sock, self._port = sock, int(sock.getsockname()[1])
             return self._port
 
     def serve(self, port: int, start_host: StartHost) -> bool:
-        """Have ``start_host`` serve the store bound on ``port`` (the round's ``MASTER_PORT``); once
-        per round. False when ``port`` is not this round's (nothing started)."""
+        """Have the store bound on ``port`` (the round's ``MASTER_PORT``) served: by the host of an
+        earlier round where it is still there, else by a new one from ``start_host``; once per round.
+        False when ``port`` is not this round's (nothing started)."""
         with self._lock:
             if port != self._port or self._sock is None:
-                return self._host is not None and port == self._port
+                return self._current and port == self._port
             sock, self._sock = self._sock, None
             try:
-                host = start_host(sock.fileno())
+                if self._host is not None and self._host.poll() is None and self._order(SERVE, sock.fileno()):
+                    self._current = True
+                    return True
+                stale = (self._host, self._control)
+                ours, theirs = socket.socketpair()
+                try:
+                    host = start_host(sock.fileno(), theirs.fileno())
+                except BaseException:
+                    ours.close()
+                    raise
+                finally:
+                    theirs.close()
             finally:
-                sock.close()  # the host has its own copy: the port closes when the host dies
-            self._host = host
+                sock.close()  # the host has its own copy: the port closes when the host drops it or dies
+            self._host, self._control, self._current = host, ours, True
+        _kill(*stale)
         threading.Thread(target=self._watch, args=(host,), name="round-store", daemon=True).start()
         return True
+
+    def _order(self, message: bytes, fd: Optional[int] = None) -> bool:
+        """Send the host an order (with the lock held); False when it cannot take it (gone)."""
+        if self._control is None:
+            return False
+        try:
+            socket.send_fds(self._control, [message], [] if fd is None else [fd])
+            return True
+        except OSError:
+            return False
 
     def _watch(self, host: Any) -> None:
         code = host.wait()
@@ -134,26 +169,29 @@ class RoundStore:
             finally:
                 host.stderr.close()
         with self._lock:
-            current = self._host is host
-            if current:
-                self._host = None
+            ours, current = self._host is host, self._host is host and self._current
+            if ours:
+                control, self._host, self._control, self._current = self._control, None, None, False
+        if ours and control is not None:
+            control.close()
         if current:
             self._on_error(line or f"the round's c10d store host exited ({code})")
 
     def close(self) -> None:
-        """Stop serving: kill the hosts (their sockets close with them), close a socket not yet served."""
+        """Stop serving: kill the host (its sockets close with it), close a socket not yet served."""
         with self._lock:
-            self._prepared = False
-            hosts, self._host, self._retired = (self._host, self._retired), None, None
+            self._prepared = self._current = False
+            host, control, self._host, self._control = self._host, self._control, None, None
             sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()
-        for host in hosts:
-            _kill(host)
+        _kill(host, control)
 
 
-def _kill(host: Any) -> None:
-    """Kill a store host and reap it (None: nothing to do)."""
+def _kill(host: Any, control: Optional[socket.socket] = None) -> None:
+    """Kill a store host and reap it, close our end of its control socket (None: nothing to do)."""
+    if control is not None:
+        control.close()
     if host is None:
         return
     host.kill()

@@ -237,7 +237,8 @@ def main() -> None:
     if "store" in order:  # a fork server's child that hosts the round's c10d store, not a worker
         from elasticrun.launch.storeserver import serve_store
 
-        serve_store(order["fds"][0], float(order["store"]["timeout_s"]))
+        fds = order["fds"]
+        serve_store(fds[0], float(order["store"]["timeout_s"]), fds[1] if len(fds) > 1 else None)
     atexit.register(_collect_while_alive)
     if "torch.distributed" in sys.modules:  # preloaded; a worker that imports torch itself runs it as torchrun's
         _retain_destroyed_groups()

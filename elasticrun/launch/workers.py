@@ -243,27 +243,29 @@ class WorkerGroup:
                 self._server = None
         return forked
 
-    def host_store(self, fd: int, server: Optional[ForkServer] = None) -> object:
-        """Start the process serving this round's c10d store on the listening socket ``fd``: forked
-        from ``server`` where it can fork (torch preloaded: ready in milliseconds), else
-        ``python -m elasticrun.launch.storeserver`` (its own torch import)."""
+    def host_store(self, fd: int, control: int, server: Optional[ForkServer] = None) -> object:
+        """Start the process serving this round's c10d store on the listening socket ``fd`` (and,
+        ordered over ``control``, the later rounds' this node leads): forked from ``server`` where it
+        can fork (torch preloaded: ready in milliseconds), else ``python -m elasticrun.launch.storeserver``
+        (its own torch import)."""
         assert self.round_store is not None
         timeout = self.round_store.timeout_s
         if server is not None and server.state is ServerState.READY:
-            host = self._fork(server, {"store": {"timeout_s": timeout}}, fds=[fd])
+            host = self._fork(server, {"store": {"timeout_s": timeout}}, fds=[fd, control])
             if host is not None:
                 assert host.stdout is not None
                 host.stdout.close()  # a store host writes only its error line, on stderr
                 return host
-        cmd = [sys.executable, "-m", STORE_MODULE, "--fd", str(fd), "--timeout", f"{timeout:g}"]
-        return subprocess.Popen(with_parent_death_signal(cmd), env=self._warm_env(), pass_fds=(fd,),
+        cmd = [sys.executable, "-m", STORE_MODULE, "--fd", str(fd), "--control", str(control),
+               "--timeout", f"{timeout:g}"]
+        return subprocess.Popen(with_parent_death_signal(cmd), env=self._warm_env(), pass_fds=(fd, control),
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 start_new_session=True)
 
     def _serve_store(self, topo: Topology, member: Member, server: Optional[ForkServer]) -> None:
         """Leading round ``topo`` (group rank 0): have its c10d store served."""
         if self.round_store is not None and member.group_rank == 0:
-            self.round_store.serve(topo.master_port, lambda fd: self.host_store(fd, server))
+            self.round_store.serve(topo.master_port, lambda fd, control: self.host_store(fd, control, server))
 
     def _spawn_all(self, envs: List[Dict[str, str]], cpus: Sequence[Optional[FrozenSet[int]]],
                    server: Optional[ForkServer]) -> List[subprocess.Popen]:
