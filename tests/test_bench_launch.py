@@ -1,4 +1,4 @@
-"""``scripts/bench/bench_launch.py``: the commands it runs and the JSON summary of its restart scenario."""
+"""``scripts/bench/bench_launch.py``: the commands it runs, the JSON summary of its scenarios, its log parsing."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def test_restart_summary_has_a_row_per_crash_moment(bench) -> None:  # noqa: ANN
             Run("elasticrun", "restart", "ok", 0.4, crash_after=1.0),
             Run("torchrun-default", "restart", "hang", crash_after=1.0),
             Run("elasticrun", "launch", "ok", 3.0)]
-    rows = results.restart_summary(runs, 2, 1, 60.0, "cmd")
+    rows = results.summary_rows(runs, 2, 1, 60.0, "cmd")
     assert [r["metric"] for r in rows] == ["worker crash (step 3 into the round) -> first step, 1 x 2",
                                            "worker crash (1s into the round) -> first step, 1 x 2"]
     assert rows[0]["elasticrun"] == 0.6 and rows[0]["alt_value"] == 6.0 and rows[0]["ratio"] == 10.0
@@ -55,7 +55,7 @@ def test_launch_rows_carry_the_first_line_the_fork_wait_and_the_agent_rss(bench)
             Run("torchrun-default", "launch", "ok", 5.0, first_line=3.0, fork_wait=0.05, agent_rss_mib=250.0),
             Run("torchrun-best", "launch", "ok", 4.5, first_line=2.5, fork_wait=0.06, agent_rss_mib=240.0),
             Run("torchrun-best", "launch", "fail")]
-    rows = {r["metric"]: r for r in results.launch_summary(runs, 2, 2, 60.0, "cmd")}
+    rows = {r["metric"]: r for r in results.summary_rows(runs, 2, 2, 60.0, "cmd")}
     first = rows["launch -> the script's first line, 1 x 2, --standalone"]
     assert first["elasticrun"] == 1.1 and first["alt_value"] == 2.5 and first["alternative"].startswith("torchrun-best")
     wait = rows["round formed -> the first worker's first line (first fork's wait), 1 x 2, --standalone"]

@@ -45,7 +45,7 @@ def test_a_hang_is_logged_charged_to_hang_and_drawn(tmp_path: Path) -> None:
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"step": 1}) + "\n")
-    with pytest.raises(SystemExit, match="lacks time/event/node"):
+    with pytest.raises(SystemExit, match="lacks time, event, node"):
         plot_job.read_events([bad])
     pytest.importorskip("matplotlib")
     out = tmp_path / "timeline.png"

@@ -3,16 +3,15 @@
     python scripts/bench/bench_launch.py --runs 5 --nodes 2 --procs 2 [--json out.json]
     python scripts/bench/bench_launch.py --scenarios launch,launch-multi --launchers elasticrun,torchrun-best
 
-Scenarios: ``launch`` (one node, ``--standalone``: launcher started → rank 0's first step), ``launch-multi``
-(``--nodes`` agents on torchrun's c10d line) and ``restart`` (a worker crashes at ``--crash-step`` or
-``--crash-after`` s → the first step after the restart). docs/performance.md describes the launchers, the
-figures (first line, first fork's wait, agent RSS, elasticrun's ``phases``) and the ``summary`` rows.
+Scenarios: ``launch`` (one node, ``--standalone``), ``launch-multi`` (``--nodes`` agents on torchrun's c10d line),
+``restart`` (a worker crashes at step 3 or ``--crash-after`` s). docs/performance.md describes the figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import calendar
+import contextlib
 import os
 import re
 import statistics
@@ -26,10 +25,10 @@ from typing import Dict, List, Optional, Tuple
 import psutil
 from common import TORCHRUN_TUNED_CONF, Agents, AgentsExited, md_table, shown_command, summary_row, write_json
 
-WORKER = str(Path(__file__).resolve().parent / "launch_worker.py")
-STEP = re.compile(r"bench-step (\d+) t=([\d.]+) restart=(\d+) world=(\d+)")
-CRASH = re.compile(r"bench-crash t=([\d.]+)")
-FIRST_LINE = re.compile(r"bench-start t=([\d.]+)")
+WORKER = [str(Path(__file__).resolve().parent / "elastic_worker.py"), "launch"]
+STEP = re.compile(r"STEP (\d+) WORLD \d+ TIME (?P<t>[\d.]+)")
+CRASH = re.compile(r"bench-crash t=(?P<t>[\d.]+)")
+FIRST_LINE = re.compile(r"bench-start t=(?P<t>[\d.]+)")
 # elasticrun's agent lines: <ISO time>Z elasticrun[node]: <message>
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?Z elasticrun\[")
 # torchrun's INFO lines (glog style, local time): I<MMDD> <HH:MM:SS.micro> <pid> <file:line>] <message>
@@ -41,22 +40,22 @@ MILESTONES = [
     ("round formed", re.compile(r"round 0 \(Start\)"), "first"),
     ("workers started", re.compile(r"round 0: workers started"), "last"),
 ]
-
 ONE_MEMBER = "elasticrun-etcd1"  # elasticrun whose hosted etcd stays one member (--rdzv-conf etcd_members=1)
 LAUNCHERS = ["elasticrun", "torchrun-default", "torchrun-best"]
-LAUNCH_MULTI = "launch-multi"
-LAUNCH_SCENARIOS = ("launch", LAUNCH_MULTI)
-# The launch scenarios' extra figures: Run field → (metric, unit), each lower-is-better against torchrun's.
+SCENARIOS = ("launch", "launch-multi", "restart")
+CRASH_STEP = 3  # restart scenario without --crash-after: the last rank crashes at this step
+# The launch scenarios' extra figures: Run field → (metric, unit, table format), each lower-is-better.
 LAUNCH_FIGURES = {
-    "first_line": ("launch -> the script's first line", "s"),
-    "fork_wait": ("round formed -> the first worker's first line (first fork's wait)", "s"),
-    "agent_rss_mib": ("agent RSS while the workers run", "MiB"),
+    "first_line": ("launch -> the script's first line", "s", ".2f"),
+    "fork_wait": ("round formed -> the first worker's first line (first fork's wait)", "s", ".3f"),
+    "agent_rss_mib": ("agent RSS while the workers run", "MiB", ".0f"),
 }
 
 
 @dataclass
 class Run:
-    """One measured run."""
+    """One measured run; ``seconds``: to the measured step, ``first_line``: to the first worker's first line,
+    ``fork_wait``: the round forming → that line, ``phases``: elasticrun's milestones."""
 
     launcher: str
     scenario: str
@@ -64,11 +63,11 @@ class Run:
     seconds: Optional[float] = None
     note: str = ""
     crash_after: Optional[float] = None  # restart scenario: the crash's moment (s after the script started)
-    phases: Dict[str, float] = field(default_factory=dict)  # elasticrun launch: milestone → s after the start
-    device: str = "cpu"  # where the workers trained (cpu: gloo, cuda: NCCL)
-    first_line: Optional[float] = None  # launch: s from the start to the first worker script's first line
-    fork_wait: Optional[float] = None  # launch: s from the round forming to that first line (the first fork's wait)
-    agent_rss_mib: Optional[float] = None  # the largest launcher (agent) process's RSS while the workers ran
+    phases: Dict[str, float] = field(default_factory=dict)
+    device: str = "cpu"
+    first_line: Optional[float] = None
+    fork_wait: Optional[float] = None
+    agent_rss_mib: Optional[float] = None  # the largest launcher process's RSS while the workers ran
 
 
 def label(r: Run) -> str:
@@ -101,47 +100,36 @@ def _against_torchrun(mine: List[Run], name: str, timeout: Optional[float]) -> O
     return statistics.median(ours), alt, alt_value, len(ours)
 
 
-def restart_summary(runs: List[Run], procs: int, nodes: int, timeout: float, command: str,
-                    device: str = "cpu") -> List[Dict]:
-    """The JSON ``summary`` rows of the restart scenario, one per crash moment."""
+def summary_rows(runs: List[Run], procs: int, nodes: int, timeout: float, command: str,
+                 device: str = "cpu") -> List[Dict]:
+    """The JSON ``summary``: per scenario and crash moment, elasticrun's median s against the best torchrun's (launch:
+    with ``delta_s``, elasticrun minus it, then :data:`LAUNCH_FIGURES`)."""
     rows: List[Dict] = []
-    for name in dict.fromkeys(label(r) for r in runs if r.scenario == "restart"):
-        found = _against_torchrun([r for r in runs if label(r) == name], "seconds", timeout)
-        if found:
-            moment = "step 3" if name == "restart" else name.split("@")[1]
-            rows.append(summary_row(f"worker crash ({moment} into the round) -> first step, {nodes} x {procs}",
-                                    found[0], found[1], found[2], device=device, command=command, runs=found[3]))
-    return rows
-
-
-def launch_summary(runs: List[Run], procs: int, nodes: int, timeout: float, command: str,
-                   device: str = "cpu") -> List[Dict]:
-    """The JSON ``summary`` rows of the launch scenarios: elasticrun's median against the best torchrun's with
-    ``delta_s`` (elasticrun minus it), then :data:`LAUNCH_FIGURES`."""
-    rows: List[Dict] = []
-    for scenario in LAUNCH_SCENARIOS:
-        mine = [r for r in runs if r.scenario == scenario]
+    for name in dict.fromkeys(label(r) for r in runs):
+        mine, (scenario, _, moment) = [r for r in runs if label(r) == name], name.partition("@")
         shape = f"1 x {procs}, --standalone" if scenario == "launch" else f"{nodes} x {procs}, c10d"
+        metric = f"launch -> first step, {shape}"
+        if scenario == "restart":
+            metric = f"worker crash ({moment or f'step {CRASH_STEP}'} into the round) -> first step, {nodes} x {procs}"
         found = _against_torchrun(mine, "seconds", timeout)
         if found is None:
             continue
         value, alt, alt_value, count = found
-        rows.append(summary_row(f"launch -> first step, {shape}", value, alt, alt_value, device=device,
-                                command=command, runs=count, delta_s=round(value - alt_value, 3)))
-        for name, (metric, unit) in LAUNCH_FIGURES.items():
-            fig = _against_torchrun(mine, name, None)
+        delta = {} if scenario == "restart" else {"delta_s": round(value - alt_value, 3)}
+        rows.append(summary_row(metric, value, alt, alt_value, device=device, command=command, runs=count, **delta))
+        for figure, (what, unit, _) in LAUNCH_FIGURES.items() if scenario != "restart" else ():
+            fig = _against_torchrun(mine, figure, None)
             if fig:
-                rows.append(summary_row(f"{metric}, {shape}", fig[0], fig[1], fig[2], unit, device=device,
+                rows.append(summary_row(f"{what}, {shape}", fig[0], fig[1], fig[2], unit, device=device,
                                         command=command, runs=fig[3]))
     return rows
 
 
 def summarize(runs: List[Run]) -> str:
-    """A markdown table: per launcher and scenario, median/min/max of good runs, the bad ones, and the medians of
-    the script's first line, the first fork's wait and the agent's RSS."""
+    """A markdown table per launcher and scenario: the outcomes, median/min/max s, the medians of LAUNCH_FIGURES."""
     rows = []
     for scenario in dict.fromkeys(label(r) for r in runs):
-        for launcher in LAUNCHERS:
+        for launcher in dict.fromkeys(r.launcher for r in runs):
             mine = [r for r in runs if r.launcher == launcher and label(r) == scenario]
             if not mine:
                 continue
@@ -149,7 +137,7 @@ def summarize(runs: List[Run]) -> str:
             stats = [f"{f(good):.2f}" for f in (statistics.median, min, max)] if good else ["—"] * 3
             counts = [sum(r.outcome == k for r in mine) for k in ("ok", "fail", "hang")]
             extra = []
-            for name, fmt in (("first_line", ".2f"), ("fork_wait", ".3f"), ("agent_rss_mib", ".0f")):
+            for name, (_, _, fmt) in LAUNCH_FIGURES.items():
                 values = _figure(mine, name)
                 extra.append(format(statistics.median(values), fmt) if values else "—")
             rows.append([scenario, launcher, *counts, *stats, *extra])
@@ -157,14 +145,8 @@ def summarize(runs: List[Run]) -> str:
                      "fork wait s", "agent RSS MiB"], rows)
 
 
-def steps(lines: List[str]) -> List[Dict[str, float]]:
-    """Rank 0's step lines: step, unix time, restart count, world size."""
-    found = (STEP.search(ln) for ln in lines)
-    return [{"step": int(m[1]), "t": float(m[2]), "restart": int(m[3]), "world": int(m[4])} for m in found if m]
-
-
 def _times(pattern: re.Pattern, lines: List[str]) -> List[float]:
-    return [float(m[1]) for m in (pattern.search(ln) for ln in lines) if m]
+    return [float(m["t"]) for m in map(pattern.search, lines) if m]
 
 
 def first_line(lines: List[str]) -> Optional[float]:
@@ -207,10 +189,8 @@ def agent_rss_mib(agents: Agents) -> Optional[float]:
     """The largest RSS among the launcher processes (each node's agent), in MiB."""
     sizes = []
     for p in agents.procs.values():
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             sizes.append(psutil.Process(p.pid).memory_info().rss)
-        except psutil.NoSuchProcess:
-            continue
     return round(max(sizes) / 2**20, 1) if sizes else None
 
 
@@ -219,18 +199,18 @@ def _commands(launcher: str, nodes: int, procs: int, endpoint: str, job: str, c1
     hosts etcd, which grows to 3 members once 3 nodes joined; ``elasticrun-etcd1``: it stays one member)."""
     program = "elasticrun" if launcher.startswith("elasticrun") else "torchrun"
     conf = ["--rdzv-conf", TORCHRUN_TUNED_CONF] if launcher == "torchrun-best" else []
+    shape = ["--nproc-per-node", str(procs), "--max-restarts", "3"]
     if nodes == 1 and not endpoint:
-        return [[program, "--standalone", "--nproc-per-node", str(procs), "--max-restarts", "3", *conf, WORKER]]
-    common = ["--nnodes", str(nodes), "--nproc-per-node", str(procs), "--rdzv-endpoint", endpoint, "--rdzv-id", job,
-              "--max-restarts", "3"]
+        return [[program, "--standalone", *shape, *conf, *WORKER]]
+    shape += ["--nnodes", str(nodes), "--rdzv-endpoint", endpoint, "--rdzv-id", job]
     if program == "torchrun":
-        return [["torchrun", *common, "--rdzv-backend", "c10d", *conf, WORKER] for _ in range(nodes)]
+        return [["torchrun", *shape, "--rdzv-backend", "c10d", *conf, *WORKER]] * nodes
     members = 1 if launcher == ONE_MEMBER else 3
     backend = ["--rdzv-backend", "c10d", "--rdzv-conf", f"etcd_members={members}"] if c10d else []
-    return [["elasticrun", *common, *backend, "--node-id", f"n{i}", WORKER] for i in range(nodes)]
+    return [["elasticrun", *shape, *backend, "--node-id", f"n{i}", *WORKER] for i in range(nodes)]
 
 
-def _env(launcher: str, scenario: str, crash_step: int, crash_after: Optional[float], device: str) -> Dict[str, str]:
+def _env(launcher: str, scenario: str, crash_after: Optional[float], device: str, once: Path) -> Dict[str, str]:
     """The workers' settings (steps, crash) and the launcher's (torchrun logs when its round formed)."""
     env = {"BENCH_STEPS": "5", "BENCH_STEP_S": "0.2", "BENCH_DEVICE": device}
     if launcher.startswith("torchrun"):
@@ -238,52 +218,56 @@ def _env(launcher: str, scenario: str, crash_step: int, crash_after: Optional[fl
     if launcher == "torchrun-best":
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if scenario == "restart" and crash_after is None:
-        env.update(BENCH_CRASH_STEP=str(crash_step), BENCH_STEPS=str(crash_step + 3))
+        env.update(BENCH_CRASH_STEP=str(CRASH_STEP), BENCH_STEPS=str(CRASH_STEP + 3))
     elif scenario == "restart":
-        once = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_launch-crashed-{uuid.uuid4().hex}"
         env.update(BENCH_CRASH_AFTER_S=str(crash_after), BENCH_CRASH_ONCE_FILE=str(once),
                    BENCH_STEPS=str(int(crash_after / 0.2) + 10))
     return env
 
 
 def run_once(launcher: str, scenario: str, nodes: int, procs: int, timeout: float, endpoint: str,
-             crash_step: int = 3, crash_after: Optional[float] = None, device: str = "cpu") -> Run:
+             crash_after: Optional[float] = None, device: str = "cpu") -> Run:
     """Start the launcher(s), wait for the step the scenario measures, then stop everything."""
     if nodes == 1:
         endpoint = ""  # --standalone for every launcher
-    elif launcher.startswith("torchrun") or scenario == LAUNCH_MULTI:
+    elif launcher.startswith("torchrun") or scenario == "launch-multi":
         from elasticrun.store.server import free_port
 
         endpoint = f"127.0.0.1:{free_port()}"  # a c10d store (elasticrun: etcd) hosted by one of the agents
-    cmds = _commands(launcher, nodes, procs, endpoint, f"bench-{uuid.uuid4().hex[:8]}", c10d=scenario == LAUNCH_MULTI)
-    env = _env(launcher, scenario, crash_step, crash_after, device)
-    agents = Agents(env)
+    job = f"bench-{uuid.uuid4().hex[:8]}"
+    cmds = _commands(launcher, nodes, procs, endpoint, job, c10d=scenario == "launch-multi")
+    once = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_launch-{launcher}-{scenario}-{job}"  # and .log
+    agents = Agents(_env(launcher, scenario, crash_after, device, once))
     started = time.time()
     for i, cmd in enumerate(cmds):
         agents.start(f"n{i}", cmd)
 
     def measured() -> Optional[float]:
         lines = [ln.text for ln in agents.lines()]
-        if scenario in LAUNCH_SCENARIOS:
-            found = steps(lines)
-            return found[0]["t"] - started if found else None
+        if scenario != "restart":
+            first = min(_times(STEP, lines), default=None)
+            return None if first is None else first - started
         crash = min(_times(CRASH, lines), default=None)
-        # The new attempt's first step. Not "restart >= 1": torchrun counts restarts per agent, so the
-        # workers of a node whose own workers did not fail still see TORCHELASTIC_RESTART_COUNT=0.
-        after = [s for s in steps(lines) if crash is not None and s["t"] > crash and s["step"] == 1]
-        return after[0]["t"] - crash if after else None
+        # The new attempt's first step: not "restart >= 1", as torchrun counts restarts per agent.
+        after = [float(m["t"]) for m in map(STEP.search, lines) if m and m[1] == "1" and crash is not None]
+        return next((t - crash for t in after if t > crash), None)
 
     try:
         result = agents.wait_for(measured, timeout, "the measured step")
         rss = agent_rss_mib(agents)  # the workers still run: the measured step just showed up
     except (TimeoutError, AgentsExited) as err:
-        return _failed(launcher, scenario, agents, err, crash_after)
+        agents.close()
+        lines = [ln.text for ln in agents.lines()]
+        errors = " | ".join(ln for ln in lines[-200:] if "Error" in ln or "error" in ln)[-300:]
+        log = once.with_suffix(".log")
+        log.write_text("\n".join(lines) + "\n")
+        outcome = "hang" if isinstance(err, TimeoutError) else "fail"
+        return Run(launcher, scenario, outcome, None, f"{err}; log {log}; {errors}", crash_after)
     finally:
         agents.close()
-        if "BENCH_CRASH_ONCE_FILE" in env:
-            Path(env["BENCH_CRASH_ONCE_FILE"]).unlink(missing_ok=True)
+        once.unlink(missing_ok=True)
     run = Run(launcher, scenario, "ok", round(result, 3), crash_after=crash_after, agent_rss_mib=rss, device=device)
-    if scenario in LAUNCH_SCENARIOS:
+    if scenario != "restart":
         lines = [ln.text for ln in agents.lines()]
         first, formed = first_line(lines), round_formed(lines, launcher)
         run.first_line = None if first is None else round(first - started, 3)
@@ -293,48 +277,31 @@ def run_once(launcher: str, scenario: str, nodes: int, procs: int, timeout: floa
     return run
 
 
-def _failed(launcher: str, scenario: str, agents: Agents, err: Exception, crash_after: Optional[float]) -> Run:
-    """A run without the measured step: a hang (time ran out) or a failure; its output kept in a log file."""
-    agents.close()
-    lines = [ln.text for ln in agents.lines()]
-    errors = " | ".join(ln for ln in lines[-200:] if "Error" in ln or "error" in ln)[-300:]
-    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_launch-{launcher}-{scenario}-{uuid.uuid4().hex[:6]}.log"
-    log.write_text("\n".join(lines) + "\n")
-    outcome = "hang" if isinstance(err, TimeoutError) else "fail"
-    return Run(launcher, scenario, outcome, None, f"{err}; log {log}; {errors}", crash_after)
-
-
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
-    """Command-line options."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3, help="runs per launcher and scenario")
-    ap.add_argument("--nodes", type=int, default=2, help="nodes (agents on loopback) in the restart scenario")
+    ap.add_argument("--nodes", type=int, default=2, help="nodes (agents on loopback) of launch-multi and restart")
     ap.add_argument("--procs", type=int, default=2, help="workers per node")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds before a run counts as a hang")
-    ap.add_argument("--scenarios", default=f"launch,{LAUNCH_MULTI},restart",
-                    help=f"comma-separated: launch (one node, --standalone), {LAUNCH_MULTI} (--nodes nodes, c10d), "
-                    "restart")
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {', '.join(SCENARIOS)}")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="where the workers train: cpu (gloo) or cuda (NCCL, one GPU per worker of the machine)")
     ap.add_argument("--launchers", default=",".join(LAUNCHERS),
                     help=f"comma-separated, of {', '.join(LAUNCHERS)} and {ONE_MEMBER} (elasticrun whose c10d-line "
-                         "etcd stays one member: what growing to 3 costs at start-up)")
+                         "etcd stays one member)")
     ap.add_argument("--json", help="also write every run here")
-    ap.add_argument("--crash-step", type=int, default=3,
-                    help="restart scenario: the step at which the last rank crashes (a later crash lets elasticrun's "
-                    "standby workers get ready)")
     ap.add_argument("--crash-after", default="",
-                    help="restart scenario: crash the last rank this many seconds after its script started instead, "
-                    "one sub-scenario per comma-separated value (e.g. 0.2,1,3)")
+                    help="restart scenario: crash the last rank this many seconds after its script started instead of "
+                    "at step 3, one sub-scenario per comma-separated value (e.g. 0.2,1,3)")
     args = ap.parse_args(argv)
-    scenarios = args.scenarios.split(",")
-    unknown = set(scenarios) - {*LAUNCH_SCENARIOS, "restart"}
+    args.scenarios = args.scenarios.split(",")
+    unknown = set(args.scenarios) - set(SCENARIOS)
     if unknown:
-        ap.error(f"--scenarios: unknown {', '.join(sorted(unknown))}; choose from launch,{LAUNCH_MULTI},restart")
+        ap.error(f"--scenarios: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SCENARIOS)}")
     if args.device == "cuda":
         from elasticrun.launch.gpus import visible_gpu_count
 
-        need, have = args.procs * (1 if scenarios == ["launch"] else args.nodes), visible_gpu_count()
+        need, have = args.procs * (1 if args.scenarios == ["launch"] else args.nodes), visible_gpu_count()
         if have < need:  # NCCL takes one GPU per rank
             ap.error(f"--device cuda: {need} workers need {need} GPUs, this machine has {have}")
     return args
@@ -349,25 +316,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     runs: List[Run] = []
     try:
         moments = [float(m) for m in args.crash_after.split(",") if m.strip()] or [None]
-        for scenario in args.scenarios.split(","):
-            nodes = 1 if scenario == "launch" else args.nodes
+        for scenario in args.scenarios:
             for moment in moments if scenario == "restart" else [None]:
                 for i in range(args.runs):
                     for launcher in args.launchers.split(","):  # interleaved: load changes hit all alike
-                        r = run_once(launcher, scenario, nodes, args.procs, args.timeout,
-                                     etcd.endpoint if etcd is not None else "", args.crash_step, moment, args.device)
+                        r = run_once(launcher, scenario, 1 if scenario == "launch" else args.nodes, args.procs,
+                                     args.timeout, etcd.endpoint if etcd else "", moment, args.device)
                         runs.append(r)
                         print(f"{label(r):12s} run {i + 1}/{args.runs} {launcher:17s} {r.outcome:5s} "
                               f"{'' if r.seconds is None else f'{r.seconds:.2f}s'} {r.note[:160]}", flush=True)
     finally:
         if etcd is not None:
             etcd.stop()
-    print(f"\nprocs per node: {args.procs}; restart scenario: {args.nodes} node(s) on loopback; runs: {args.runs}")
+    print(f"\nprocs per node: {args.procs}; launch-multi, restart: {args.nodes} node(s) on loopback; runs: {args.runs}")
     print(summarize(runs))
     if args.json:
         command = shown_command(__file__, argv)
-        summary = launch_summary(runs, args.procs, args.nodes, args.timeout, command, args.device)
-        summary += restart_summary(runs, args.procs, args.nodes, args.timeout, command, args.device)
+        summary = summary_rows(runs, args.procs, args.nodes, args.timeout, command, args.device)
         write_json(args.json, {"runs": [asdict(r) for r in runs], "summary": summary, "device": args.device})
     return 0
 

@@ -1,6 +1,5 @@
-"""What the benches share: the ``summary`` rows of their JSON (scripts/perf/perf_report.py's table), the command
-shown for a rerun, the job runner :class:`Agents` (starts launchers, reads their output, kills what they started),
-and ``elasticrun`` imported from this tree."""
+"""What the benches share: their JSON's ``summary`` rows, the command shown for a rerun, the job runner
+:class:`Agents` (starts launchers, reads their output, kills what they started), ``elasticrun`` from this tree."""
 
 from __future__ import annotations
 
@@ -31,9 +30,8 @@ if str(REPO) not in sys.path:  # the benches import elasticrun as in this tree
 
 def summary_row(metric: str, elasticrun: float, alternative: str, alt_value: Optional[float], unit: str = "s",
                 better: str = "lower", device: str = "cpu", command: str = "", **extra: Any) -> Dict[str, Any]:
-    """One row; its ratio is above 1 where elasticrun is ahead: alternative ÷ elasticrun for a figure where lower
-    is better, elasticrun ÷ alternative for one where higher is (None without both values); ``extra``: more
-    fields of the bench's own."""
+    """One row; its ratio is above 1 where elasticrun is ahead (None without both values); ``extra``: the bench's
+    own fields."""
     ratio = None
     if elasticrun and alt_value:
         ratio = round(alt_value / elasticrun if better == "lower" else elasticrun / alt_value, 3)
@@ -54,27 +52,19 @@ def shown_command(script: str, argv: Optional[Sequence[str]] = None) -> str:
     return shlex.join(["python", f"scripts/bench/{Path(script).name}", *args])
 
 
-def kill_all(procs: List[psutil.Process], timeout: float = 5) -> None:
-    """SIGCONT then SIGKILL each process (a stopped one must not block cleanup) and reap what can be reaped."""
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGCONT)
-            p.kill()
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    psutil.wait_procs(procs, timeout=timeout)
-
-
 def kill_tree(pids: Iterable[int], timeout: float = 10) -> None:
-    """SIGKILL each process of ``pids`` and everything below it (workers may sit in their own sessions)."""
+    """SIGCONT (a stopped process must not block cleanup) and SIGKILL each process of ``pids`` and everything below
+    it (workers may sit in their own sessions); reap what can be reaped."""
     found: List[psutil.Process] = []
     for pid in pids:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             p = psutil.Process(pid)
             found += [p, *p.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            continue
-    kill_all(found, timeout)
+    for p in found:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+    psutil.wait_procs(found, timeout=timeout)
 
 
 def interrupt_on(*signals: int) -> None:
@@ -98,8 +88,7 @@ def fadvise_evict(path: str, evict: bool = True) -> None:
 
 
 class Line(NamedTuple):
-    """One line of a launcher's output: when it was read (unix time), from which agent, and what the bench's
-    ``parse`` made of it (None: nothing it looks for)."""
+    """One line of an agent's output, when it was read (unix time) and what ``parse`` made of it (None: nothing)."""
 
     t: float
     agent: str
@@ -112,12 +101,9 @@ class AgentsExited(RuntimeError):
 
 
 class Agents:
-    """The launcher processes (elasticrun or torchrun agents) of one bench run, by name.
-
-    Each starts in its own session with ``OMP_NUM_THREADS=1``, unbuffered output, this tree first on ``PYTHONPATH``
-    and this run's marker (``TAG_VAR``); a thread per agent keeps each line of its output with the time it was read
-    and what ``parse(text, t)`` made of it (and writes it to ``log_dir/<name>.log`` when given). :meth:`close` kills
-    every agent and every process that carries the marker."""
+    """The launcher processes of one bench run, by name, each in its own session with this tree on ``PYTHONPATH``
+    and this run's marker (``TAG_VAR``); a thread per agent keeps its :class:`Line` s (and ``log_dir/<name>.log``).
+    :meth:`close` kills every agent and every process that carries the marker."""
 
     def __init__(self, env: Optional[Dict[str, str]] = None, log_dir: Optional[Path] = None,
                  parse: Callable[[str, float], Any] = lambda _text, _t: None) -> None:
@@ -134,7 +120,6 @@ class Agents:
         self._readers: List[threading.Thread] = []
 
     def start(self, name: str, cmd: Sequence[str]) -> subprocess.Popen:
-        """Start agent ``name`` running ``cmd``."""
         self.started[name] = time.time()
         proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=self.env, cwd=str(REPO), start_new_session=True)
@@ -223,8 +208,8 @@ class Agents:
         for p in psutil.process_iter(["pid"]):
             with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
                 if p.pid != os.getpid() and p.environ().get(TAG_VAR) == self.tag:
-                    marked.append(p)
-        kill_all(marked)
+                    marked.append(p.pid)
+        kill_tree(marked, 5)
         for reader in self._readers:
             reader.join(5)
 

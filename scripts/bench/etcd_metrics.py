@@ -1,9 +1,4 @@
-"""etcd's own counters, read from its ``/metrics`` page (Prometheus text on the client URL).
-
-For the rendezvous bench (and its test) that count what etcd did for the agents: CPU, writes (the store
-revision), watch events sent, database size, and requests. Only plain-HTTP endpoints serve it
-here (a TLS etcd needs its client certificate: then the result is empty).
-"""
+"""etcd's own counters from its ``/metrics`` page (plain HTTP only), for the rendezvous bench and its test."""
 
 from __future__ import annotations
 
@@ -40,13 +35,13 @@ def etcd_counters(endpoint: str, timeout: float = 10.0) -> Dict[str, float]:
         m = _LINE.match(line)
         if not m:
             continue
-        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+        name, labels, value = m[1], m[2] or "", float(m[3])
         if name in _NAMES:
             out[_NAMES[name]] = value
         elif name == "grpc_server_msg_received_total":
             out["requests"] += value
             method = _METHOD.search(labels)
-            if method is None or method.group(1) not in _STREAMS:
+            if method is None or method[1] not in _STREAMS:
                 out["unary_requests"] += value
     return out
 

@@ -2,9 +2,8 @@
 
     elasticrun --standalone --nproc-per-node gpu scripts/bench/gpu_check.py CKPT_DIR [--fail-once]
 
-Checks: the default backend is nccl, LOCAL_RANK is bound to its GPU, an all-reduce on the GPU,
-a checkpoint of CUDA tensors saved and loaded bit-identically, and (with --fail-once) that a
-crashed NCCL worker is restarted once and then succeeds.
+Checks: the backend is nccl, LOCAL_RANK bound to its GPU, an all-reduce, a checkpoint of CUDA tensors saved and
+loaded bit-identically, and (--fail-once) a crashed NCCL worker restarted once.
 """
 
 import os
@@ -42,12 +41,8 @@ def main() -> None:
     assert all(torch.equal(into[k], state[k]) for k in state)
     fresh = load(root, name, process_group=ctx.cpu_process_group).state_dict  # CPU, memory-mapped
     assert all(torch.equal(fresh[k], state[k].cpu()) for k in state)
-    files = len(res.meta.files)
-    print(
-        f"GPU_CHECK_OK rank={ctx.rank} world={ctx.world_size} device={torch.cuda.get_device_name(local_rank)} "
-        f"backend={ctx.backend} restart={restart} ckpt={name} files={files}",
-        flush=True,
-    )
+    print(f"GPU_CHECK_OK rank={ctx.rank} world={ctx.world_size} device={torch.cuda.get_device_name(local_rank)} "
+          f"backend={ctx.backend} restart={restart} ckpt={name} files={len(res.meta.files)}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -6,8 +6,8 @@
     python scripts/bench/run_all.py --out $OUT/perf --device cuda --budget 420   # a lent GPU machine
     python scripts/perf/perf_report.py /tmp/perf                          # charts + the page's summary table
 
-Each bench runs in its own process session under a time limit (cut to what is left of ``--budget``); one that
-fails, runs out of time or is skipped is recorded in ``bench_all.json`` and the next one starts.
+Each bench runs in its own process session under a time limit (cut to what is left of ``--budget``); what became
+of each is recorded in ``bench_all.json``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -32,15 +31,6 @@ SHOWN = HERE.relative_to(ROOT).as_posix()  # scripts/bench, as commands are show
 MANIFEST = "bench_all.json"
 TAKES_DEVICE = {"bench_checkpoint.py", "bench_launch.py", "bench_snapshot.py"}  # the others measure CPU-side work
 OUT_OPTION = {"bench_rendezvous.py": "--out"}  # where a bench takes the path of its JSON, when not --json
-
-
-class Status(str, Enum):
-    """What became of one benchmark run."""
-
-    OK = "ok"
-    FAILED = "failed"
-    TIMEOUT = "timeout"
-    SKIPPED = "skipped"
 
 
 @dataclass(frozen=True)
@@ -53,9 +43,8 @@ class Spec:
     timeout_s: float
 
 
-# Each preset's benches: (name, script, its arguments, seconds it may take). ``quick`` keeps every bench to a few
-# minutes on 2 cores; ``full`` gives the figures of docs/performance.md; ``gpu``: a lent GPU host (16 cores), what
-# the device changes first, ~6 min in all. bench_checkpoint.py also gets ``--dir SCRATCH``.
+# Each preset's benches: (name, script, its arguments, seconds it may take); ``gpu``: what a lent GPU host (16
+# cores) changes first, ~6 min in all. bench_checkpoint.py also gets ``--dir SCRATCH``.
 PRESETS: Dict[str, List[Tuple[str, str, str, float]]] = {
     "quick": [
         ("launch", "bench_launch.py", "--scenarios launch,launch-multi --runs 3 --nodes 2 --procs 2 --timeout 40", 600),
@@ -101,23 +90,19 @@ PRESETS: Dict[str, List[Tuple[str, str, str, float]]] = {
 
 def _specs(preset: str, scratch: str) -> List[Spec]:
     """The invocations of a preset; bench_checkpoint.py writes its files under ``scratch`` when given."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}")
-    specs = []
-    for name, script, args, timeout_s in PRESETS[preset]:
-        disk = ["--dir", scratch] if scratch and script == "bench_checkpoint.py" else []
-        specs.append(Spec(name, script, [*args.split(), *disk], timeout_s))
-    return specs
+    disk = ["--dir", scratch] if scratch else []
+    return [Spec(name, script, [*args.split(), *(disk if script == "bench_checkpoint.py" else [])], timeout_s)
+            for name, script, args, timeout_s in PRESETS[preset]]
 
 
 @dataclass
 class Result:
-    """One row of the manifest."""
+    """One row of the manifest; ``status``: ok, failed, timeout or skipped."""
 
     name: str
     script: str
     command: str
-    status: Status
+    status: str
     seconds: float = 0.0
     returncode: Optional[int] = None
     json: Optional[str] = None
@@ -147,7 +132,7 @@ def run_one(spec: Spec, out: Path, device: str, python: str, limit_s: float) -> 
     json_path.unlink(missing_ok=True)  # an earlier run's file is not this run's result
     args += [OUT_OPTION.get(script.name, "--json"), str(json_path)]
     cmd = [python, str(script), *args]
-    shown = " ".join(shlex.quote(a) for a in ["python", f"{SHOWN}/{spec.script}", *args])
+    shown = shlex.join(["python", f"{SHOWN}/{spec.script}", *args])
     log = out / f"{spec.name}.log"
     path = os.pathsep.join([os.path.dirname(python), os.environ.get("PATH", "")])  # the env's elasticrun, torchrun
     env = dict(os.environ, PATH=path, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
@@ -156,10 +141,10 @@ def run_one(spec: Spec, out: Path, device: str, python: str, limit_s: float) -> 
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
         try:
             rc: Optional[int] = proc.wait(limit_s)
-            status = Status.OK if rc == 0 else Status.FAILED
+            status = "ok" if rc == 0 else "failed"
         except subprocess.TimeoutExpired:
             _stop(proc)
-            rc, status = proc.returncode, Status.TIMEOUT
+            rc, status = proc.returncode, "timeout"
             notes.append(f"stopped after {limit_s:.0f} s")
         except BaseException:
             _stop(proc, grace=5.0)
@@ -167,10 +152,10 @@ def run_one(spec: Spec, out: Path, device: str, python: str, limit_s: float) -> 
     res = Result(spec.name, spec.script, shown, status, round(time.monotonic() - t0, 1), rc, log=log.name, notes=notes)
     if json_path.exists():
         res.json = json_path.name
-    elif status is Status.OK:
-        res.status = Status.FAILED
+    elif status == "ok":
+        res.status = "failed"
         res.notes.append("no JSON written")
-    if res.status is not Status.OK:
+    if res.status != "ok":
         tail = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-1:]
         res.notes += [f"last line: {tail[0][:200]}"] if tail else []
     return res
@@ -179,20 +164,17 @@ def run_one(spec: Spec, out: Path, device: str, python: str, limit_s: float) -> 
 def host_info() -> Dict[str, object]:
     """The machine the run was taken on (for the page's header)."""
     info: Dict[str, object] = {"cpus": os.cpu_count(), "loadavg_start": [round(x, 2) for x in os.getloadavg()],
-                               "python": sys.version.split()[0]}
+                               "python": sys.version.split()[0],
+                               "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
     with contextlib.suppress(OSError, StopIteration):
         with open("/proc/cpuinfo") as f:
             info["cpu"] = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        with open("/proc/meminfo") as f:
-            info["mem_gib"] = round(int(f.readline().split()[1]) / (1 << 20), 1)
     return info
 
 
 def _write_manifest(out: Path, head: Dict[str, object], results: List[Result], order: List[str]) -> None:
-    results = sorted(results, key=lambda r: order.index(r.name) if r.name in order else len(order))
-    rows = [dict(asdict(r), status=r.status.value) for r in results]
-    (out / MANIFEST).write_text(json.dumps(dict(head, benches=rows), indent=1))
+    results = sorted(results, key=lambda r: order.index(r.name))  # the preset's order, after a partial rerun too
+    (out / MANIFEST).write_text(json.dumps(dict(head, benches=[asdict(r) for r in results]), indent=1))
 
 
 def _earlier(out: Path, head: Dict[str, object], rerun: set, preset: set) -> List[Result]:
@@ -202,18 +184,10 @@ def _earlier(out: Path, head: Dict[str, object], rerun: set, preset: set) -> Lis
         old = json.loads((out / MANIFEST).read_text())
     except (OSError, ValueError):
         return []
-    if not isinstance(old, dict) or (old.get("preset"), old.get("device")) != (head["preset"], head["device"]):
+    if (old["preset"], old["device"]) != (head["preset"], head["device"]):
         return []
-    head["started"] = old.get("started", head["started"])
-    head["host"] = old.get("host", head["host"])
-    rows = []
-    for r in old.get("benches", []):
-        try:
-            if r["name"] not in rerun and r["name"] in preset:
-                rows.append(Result(**dict(r, status=Status(r["status"]))))
-        except (KeyError, TypeError, ValueError):
-            continue
-    return rows
+    head.update(started=old["started"], host=old["host"])
+    return [Result(**r) for r in old["benches"] if r["name"] not in rerun and r["name"] in preset]
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
@@ -226,60 +200,21 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     ap.add_argument("--budget", type=float, default=0.0, help="seconds for the whole run (0: no bound)")
     ap.add_argument("--min-slot", type=float, default=60.0, help="skip a bench when less than this is left")
     ap.add_argument("--timeout-scale", type=float, default=1.0, help="multiply every per-bench limit")
-    ap.add_argument("--scratch", default="/var/tmp" if os.path.isdir("/var/tmp") else "",
-                    help="disk dir for checkpoint files [/var/tmp: a real disk, unlike a tmpfs /tmp]")
     ap.add_argument("--list", action="store_true", help="print the preset's benches and exit")
     return ap.parse_args(argv)
-
-
-def selected(args: argparse.Namespace, specs: List[Spec]) -> List[Spec]:
-    """The preset's benches ``--only`` names, in that order (all without it); ValueError for an unknown name."""
-    names = [s.name for s in specs]
-    only = [n for n in args.only.split(",") if n]
-    unknown = sorted(set(only) - set(names))
-    if unknown:
-        raise ValueError(f"unknown bench name(s) {unknown}; choose from {sorted(names)}")
-    return [next(s for s in specs if s.name == n) for n in only] if only else specs
-
-
-def run_specs(args: argparse.Namespace, specs: List[Spec], head: Dict[str, object], earlier: List[Result],
-              order: List[str]) -> List[Result]:
-    """Run each bench within its limit and what is left of ``--budget``, the manifest rewritten after each one."""
-    deadline = time.monotonic() + args.budget if args.budget > 0 else None
-    results: List[Result] = []
-    for spec in specs:
-        limit = spec.timeout_s * args.timeout_scale
-        left = deadline - time.monotonic() if deadline is not None else limit
-        if deadline is not None and left < args.min_slot:
-            results.append(Result(spec.name, spec.script, "", Status.SKIPPED,
-                                  notes=[f"budget: {max(left, 0):.0f} s left"]))
-            print(f"[run_all] {spec.name}: skipped (budget)", flush=True)
-            continue
-        limit = min(limit, left)
-        print(f"[run_all] {spec.name}: {SHOWN}/{spec.script} (limit {limit:.0f} s)", flush=True)
-        try:
-            res = run_one(spec, args.out, args.device, sys.executable, limit)
-        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the bench's group is stopped; keep what was measured
-            results.append(Result(spec.name, spec.script, "", Status.FAILED, notes=["interrupted"]))
-            _write_manifest(args.out, head, earlier + results, order)
-            raise
-        results.append(res)
-        print(f"[run_all] {spec.name}: {res.status.value} in {res.seconds:.0f} s"
-              + (f" ({'; '.join(res.notes)})" if res.notes else ""), flush=True)
-        _write_manifest(args.out, head, earlier + results, order)
-    return results
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a running bench is stopped (its group) first
-    preset = _specs(args.preset, args.scratch)
-    order = [s.name for s in preset]  # the preset's order: also the manifest's, after a partial rerun
-    try:
-        specs = selected(args, preset)
-    except ValueError as e:
-        print(f"run_all: {e}", file=sys.stderr)
+    scratch = "/var/tmp" if os.path.isdir("/var/tmp") else ""  # checkpoint files on a real disk, not a tmpfs /tmp
+    preset = {s.name: s for s in _specs(args.preset, scratch)}
+    only = [n for n in args.only.split(",") if n]
+    if set(only) - set(preset):
+        print(f"run_all: unknown bench name(s) {sorted(set(only) - set(preset))}; choose from {sorted(preset)}",
+              file=sys.stderr)
         return 2
+    specs, order = [preset[n] for n in only or preset], list(preset)
     if args.list:
         for s in specs:
             print(f"{s.name:18s} {s.timeout_s:6.0f} s  {SHOWN}/{s.script} {' '.join(s.args)}")
@@ -289,20 +224,33 @@ def main(argv: Optional[List[str]] = None) -> int:
     except OSError as e:
         print(f"run_all: cannot create the output dir {args.out}: {e.strerror}", file=sys.stderr)
         return 2
-    known = {s.script for p in ("quick", "full", "gpu") for s in _specs(p, "")}
-    for extra in sorted(p.name for p in HERE.glob("bench_*.py") if p.name not in known):
-        print(f"run_all: warning: {SHOWN}/{extra} is not in any preset; add it to run_all.py", file=sys.stderr)
     head: Dict[str, object] = {"preset": args.preset, "device": args.device, "started": time.time(),
                                "host": host_info()}
     earlier = _earlier(args.out, head, {s.name for s in specs}, set(order))
+    deadline = time.monotonic() + args.budget if args.budget > 0 else float("inf")
+    results: List[Result] = []
     try:
-        results = run_specs(args, specs, head, earlier, order)
-    except KeyboardInterrupt:
+        for spec in specs:
+            left = deadline - time.monotonic()
+            if left < args.min_slot:
+                notes = [f"budget: {max(left, 0):.0f} s left"]
+                results.append(Result(spec.name, spec.script, "", "skipped", notes=notes))
+                print(f"[run_all] {spec.name}: skipped (budget)", flush=True)
+                continue
+            limit = min(spec.timeout_s * args.timeout_scale, left)
+            print(f"[run_all] {spec.name}: {SHOWN}/{spec.script} (limit {limit:.0f} s)", flush=True)
+            results.append(Result(spec.name, spec.script, "", "failed", notes=["interrupted"]))  # until it returns
+            results[-1] = res = run_one(spec, args.out, args.device, sys.executable, limit)
+            print(f"[run_all] {spec.name}: {res.status} in {res.seconds:.0f} s"
+                  + (f" ({'; '.join(res.notes)})" if res.notes else ""), flush=True)
+            _write_manifest(args.out, head, earlier + results, order)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the bench's group was stopped; keep what was measured
+        _write_manifest(args.out, head, earlier + results, order)
         print(f"[run_all] interrupted; results so far in {args.out}", file=sys.stderr)
         return 130
     head.update(finished=time.time(), loadavg_end=[round(x, 2) for x in os.getloadavg()])
     _write_manifest(args.out, head, earlier + results, order)
-    bad = [r.name for r in results if r.status in (Status.FAILED, Status.TIMEOUT)]
+    bad = [r.name for r in results if r.status in ("failed", "timeout")]
     print(f"[run_all] done: {len(results) - len(bad)}/{len(results)} ok; results in {args.out}"
           + (f"; failed: {', '.join(bad)}" if bad else ""))
     return 1 if bad else 0

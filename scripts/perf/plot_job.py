@@ -14,9 +14,9 @@ import itertools
 import json
 import sys
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
-FIELDS = ("time", "step", "world", "lr", "global_batch", "loss", "samples_per_s")
+FIELDS = ("time", "step", "world", "lr", "global_batch", "loss", "samples_per_s", "round")
 METRIC_PANELS = (("world", "world size", "steps-post"), ("lr", "learning rate", "steps-post"),
                  ("global_batch", "global batch", "steps-post"), ("loss", "loss", "default"),
                  ("samples_per_s", "samples/s", "default"))
@@ -38,58 +38,45 @@ def pyplot() -> Any:
     return plt
 
 
-def save(fig: Any, out: Path, dpi: int) -> None:
-    """Lay ``fig`` out, write it to ``out`` and free it."""
-    fig.tight_layout()
-    fig.savefig(out, dpi=dpi)
-    pyplot().close(fig)
-
-
-def json_lines(path: Path, flag: str) -> Iterator[Tuple[int, Any]]:
-    """(line number, record) of a JSON-lines file; SystemExit with one line for a file that is not one."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as err:
-        why = getattr(err, "strerror", None) or err
-        raise SystemExit(f"plot_job: cannot read {path} ({why}); give the file of {flag}") from None
-    for n, line in enumerate(lines, 1):
-        if line.strip():
+def read_records(paths: List[Path], flag: str, keys: Tuple[str, ...]) -> List[Record]:
+    """The records of JSON-lines files, each with ``keys``; SystemExit with one line for a file that is not the file
+    of ``flag`` or holds no record."""
+    records: List[Record] = []
+    for path in paths:
+        try:
+            lines = [(n, ln) for n, ln in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if ln.strip()]
+        except (OSError, UnicodeDecodeError) as err:
+            why = getattr(err, "strerror", None) or err
+            raise SystemExit(f"plot_job: cannot read {path} ({why}); give the file of {flag}") from None
+        for n, line in lines:
             try:
-                yield n, json.loads(line)
+                rec = json.loads(line)
             except ValueError:
                 raise SystemExit(f"plot_job: {path}:{n} is not JSON (give the file of {flag})") from None
+            missing = [k for k in keys if not isinstance(rec, dict) or k not in rec]
+            if missing:
+                raise SystemExit(f"plot_job: {path}:{n} lacks {', '.join(missing)} (is it the file of {flag}?)")
+            records.append(rec)
+    if not records:
+        raise SystemExit(f"plot_job: nothing in {', '.join(map(str, paths))} (give the file of {flag})")
+    return records
 
 
 def read_log(path: Path) -> List[Record]:
     """The step records of a metrics log, in step order; a step trained again after a rollback replaces the lost one."""
-    by_step: Dict[int, Record] = {}
-    for n, rec in json_lines(path, "--metrics-log"):
-        missing = [k for k in FIELDS if not isinstance(rec, dict) or k not in rec]
-        if missing:
-            raise SystemExit(f"plot_job: {path}:{n} lacks {', '.join(missing)} (is it a --metrics-log file?)")
-        by_step[int(rec["step"])] = rec
-    if not by_step:
-        raise SystemExit(f"plot_job: {path} holds no steps")
+    by_step = {int(rec["step"]): rec for rec in read_records([path], "--metrics-log", FIELDS)}
     return [by_step[s] for s in sorted(by_step)]
 
 
 def read_events(paths: List[Path]) -> List[Record]:
-    """Every event of ``paths``, in time order; SystemExit with one line for a file that is not an events log."""
-    events: List[Record] = []
-    for path in paths:
-        for n, rec in json_lines(path, "--events-file"):
-            if not isinstance(rec, dict) or not {"time", "event", "node"} <= set(rec):
-                raise SystemExit(f"plot_job: {path}:{n} lacks time/event/node (is it an --events-file log?)")
-            events.append(rec)
-    if not events:
-        raise SystemExit("plot_job: no events in " + ", ".join(map(str, paths)))
-    return sorted(events, key=lambda e: e["time"])
+    """Every event of the agents' ``--events-file`` logs, in time order."""
+    return sorted(read_records(paths, "--events-file", ("time", "event", "node")), key=lambda e: e["time"])
 
 
 def pauses(rows: List[Record]) -> List[Tuple[float, float]]:
     """(start, end) of each time without training: from a round's last step to the next round's first."""
     return [(float(a["time"]), float(b["time"])) for a, b in zip(rows, rows[1:])
-            if a.get("round") != b.get("round")]
+            if a["round"] != b["round"]]
 
 
 def rescales(rows: List[Record]) -> List[Tuple[float, int, int]]:
@@ -98,14 +85,13 @@ def rescales(rows: List[Record]) -> List[Tuple[float, int, int]]:
             for prev, cur in zip(rows, rows[1:]) if cur["world"] != prev["world"]]
 
 
-def plot_metrics(rows: List[Record], out: Path, reference: Optional[List[Record]] = None, title: str = "") -> None:
+def plot_metrics(rows: List[Record], reference: Optional[List[Record]], title: str) -> Any:
     """``METRIC_PANELS`` over time, one line per round, rescales dashed, pauses shaded; the reference's loss by step."""
-    plt = pyplot()
     t0 = float(rows[0]["time"])
     marks, gaps = rescales(rows), pauses(rows)
-    fig, axes = plt.subplots(len(METRIC_PANELS), 1, figsize=(8, 9), sharex=True)
+    fig, axes = pyplot().subplots(len(METRIC_PANELS), 1, figsize=(8, 9), sharex=True)
     for ax, (key, label, drawstyle) in zip(axes, METRIC_PANELS):
-        for k, (_, group) in enumerate(itertools.groupby(rows, key=lambda r: r.get("round"))):
+        for k, (_, group) in enumerate(itertools.groupby(rows, key=lambda r: r["round"])):
             seg = list(group)
             ax.plot([float(r["time"]) - t0 for r in seg], [float(r[key]) for r in seg], drawstyle=drawstyle,
                     color="tab:blue", lw=1.5, label="elastic run" if k == 0 else None)
@@ -129,28 +115,13 @@ def plot_metrics(rows: List[Record], out: Path, reference: Optional[List[Record]
     axes[-1].set_xlabel("seconds since the first step")
     if title:
         fig.suptitle(title, fontsize=10)
-    save(fig, out, 90)
+    return fig
 
 
 def world_sizes(events: List[Record]) -> List[Tuple[float, int, int]]:
     """(time, round, world size) of every round, once per round (the first node to log it)."""
-    seen: Dict[int, Tuple[float, int, int]] = {}
-    for e in events:
-        if e["event"] == "round_formed" and e.get("round") not in seen:
-            seen[e["round"]] = (e["time"], e["round"], int(e.get("world_size", 0)))
-    return sorted(seen.values())
-
-
-def outages(events: List[Record]) -> List[Tuple[float, float]]:
-    """(begin, end) of every outage; one still open at the last event ends there."""
-    open_: Dict[str, float] = {}
-    spans = []
-    for e in events:
-        if e["event"] == "outage_begin":
-            open_[e["node"]] = e["time"]
-        elif e["event"] == "outage_end" and e["node"] in open_:
-            spans.append((open_.pop(e["node"]), e["time"]))
-    return spans + [(begin, events[-1]["time"]) for begin in open_.values()]
+    first = {e["round"]: e for e in reversed(events) if e["event"] == "round_formed"}
+    return sorted((e["time"], r, e["world_size"]) for r, e in first.items())
 
 
 def describe(events: List[Record]) -> List[str]:
@@ -166,13 +137,13 @@ def describe(events: List[Record]) -> List[str]:
     return out
 
 
-def plot_events(events: List[Record], out: Path, title: str = "") -> None:
-    """The world size of each round as a step line, one lane per node with a mark per event, outages shaded."""
-    plt = pyplot()
+def plot_events(events: List[Record], title: str) -> Any:
+    """The world size of each round as a step line, one lane per node with a mark per event, outages shaded (one
+    still open at the last event ends there)."""
     t0 = events[0]["time"]
     nodes = sorted({e["node"] for e in events})
-    fig, (top, lanes) = plt.subplots(2, 1, figsize=(10, 2.2 + 0.5 * len(nodes)), sharex=True,
-                                     gridspec_kw={"height_ratios": [2, max(1, len(nodes))]})
+    fig, (top, lanes) = pyplot().subplots(2, 1, figsize=(10, 2.2 + 0.5 * len(nodes)), sharex=True,
+                                          gridspec_kw={"height_ratios": [2, max(1, len(nodes))]})
     rounds = world_sizes(events)
     if rounds:
         xs = [t - t0 for t, _, _ in rounds] + [events[-1]["time"] - t0]
@@ -182,8 +153,12 @@ def plot_events(events: List[Record], out: Path, title: str = "") -> None:
             top.annotate(f"r{r}", (t - t0, w), textcoords="offset points", xytext=(2, 3), fontsize=7)
         top.set_ylim(0, max(ys) + 1)
     top.set_ylabel("world size")
-    for begin, end in outages(events):
-        lanes.axvspan(begin - t0, end - t0, color="0.85")
+    outage: Dict[str, float] = {}  # node: when its outage began
+    for e in events + [{"event": "outage_end", "time": events[-1]["time"], "node": n} for n in nodes]:
+        if e["event"] == "outage_begin":
+            outage[e["node"]] = e["time"]
+        elif e["event"] == "outage_end" and e["node"] in outage:
+            lanes.axvspan(outage.pop(e["node"]) - t0, e["time"] - t0, color="0.85")
     lane = {n: i for i, n in enumerate(nodes)}
     for kind, (marker, color) in MARKS.items():
         pts = [(e["time"] - t0, lane[e["node"]]) for e in events if e["event"] == kind]
@@ -193,11 +168,11 @@ def plot_events(events: List[Record], out: Path, title: str = "") -> None:
     lanes.set_ylim(-0.6, len(nodes) - 0.4)
     lanes.set_xlabel("seconds since the first event")
     lanes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=4, fontsize=8, frameon=False)
-    top.set_title(title or f"job {events[0].get('job', '')}")
-    save(fig, out, 110)
+    top.set_title(title or f"job {events[0]['job']}")
+    return fig
 
 
-def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
+def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description="Draw a job's metrics log or its agents' event logs")
     sub = p.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("metrics", help="a metrics log (examples/train.py --metrics-log) over time")
@@ -209,21 +184,21 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     for cmd, png in ((m, "run.png"), (e, "timeline.png")):
         cmd.add_argument("-o", "--out", type=Path, default=Path(png), help="the PNG to write")
         cmd.add_argument("--title", default="")
-    return p.parse_args(argv)
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    args = parse_args(argv)
+    args = p.parse_args(argv)
     if args.cmd == "events" and args.print:
         print("\n".join(describe(read_events(args.events))))
-    elif args.cmd == "events":
-        plot_events(read_events(args.events), args.out, args.title)
-        print(f"wrote {args.out}")
+        return 0
+    if args.cmd == "events":
+        fig, what = plot_events(read_events(args.events), args.title), ""
     else:
         rows = read_log(args.log)
-        plot_metrics(rows, args.out, read_log(args.reference) if args.reference else None, args.title)
+        fig = plot_metrics(rows, read_log(args.reference) if args.reference else None, args.title)
         paused = sum(b - a for a, b in pauses(rows))
-        print(f"wrote {args.out}: {len(rows)} steps, {len(rescales(rows))} rescale(s), {paused:.1f}s without training")
+        what = f": {len(rows)} steps, {len(rescales(rows))} rescale(s), {paused:.1f}s without training"
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=110 if args.cmd == "events" else 90)
+    pyplot().close(fig)
+    print(f"wrote {args.out}{what}")
     return 0
 
 
