@@ -20,12 +20,18 @@ import time
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
+import torch.distributed.checkpoint as DCP
 from common import fadvise_evict, md_table, shown_command, summary_row, write_json
+from safetensors.torch import load_file, save_file
+
+from elasticrun.checkpoint import AsyncCheckpointer, load, save
 
 GB = 1e9
 VOCAB, CTX = 50304, 1024
+LIBS = ("elasticrun", "safetensors", "torch.save", "DCP")
 UNVERIFIED = "elasticrun load, verify=False, into existing tensors (cold)"
 SAVE, LOAD, DISK = "save (durable)", "load into existing tensors (cold)", "disk: cold sequential read (dd, fresh file)"
+STALL = "elasticrun async save: training stall"
 
 
 def gpt_state(size_bytes: int, device: str = "cpu", dtype: torch.dtype = torch.bfloat16) -> Dict[str, torch.Tensor]:
@@ -52,30 +58,14 @@ def gpt_state(size_bytes: int, device: str = "cpu", dtype: torch.dtype = torch.b
     return state
 
 
-def uniform_state(size_bytes: int, device: str = "cpu", n: int = 16) -> Dict[str, torch.Tensor]:
-    """``n`` float32 tensors of 1024 rows."""
-    per = size_bytes // 4 // n
-    return {f"layer{i:02d}.weight": torch.full((1024, per // 1024), float(i), device=device) for i in range(n)}
-
-
-def nbytes(state: Dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in state.values())
-
-
-def remove(path: str) -> None:
-    shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-
-
 def disk_cold_read(d: str, size: int) -> float:
     """Seconds to read back a fresh, fsynced, evicted file of ``size`` bytes with 64 MiB reads, like ``dd``."""
     path = os.path.join(d, "dd.bin")
-    block = memoryview(torch.ones(64 << 20, dtype=torch.uint8).numpy())
+    buf = bytearray(b"\x01") * (64 << 20)
     with open(path, "wb", buffering=0) as f:
-        left = size
-        while left > 0:
-            left -= f.write(block[: min(left, len(block))])
+        for left in range(size, 0, -len(buf)):
+            f.write(memoryview(buf)[: min(left, len(buf))])
     fadvise_evict(path)
-    buf = bytearray(64 << 20)
     t0 = time.perf_counter()
     with open(path, "rb", buffering=0) as f:
         while f.readinto(buf):
@@ -85,119 +75,88 @@ def disk_cold_read(d: str, size: int) -> float:
     return took
 
 
-class Libraries:
-    """Durable save and load-into-existing-tensors of each library, for one state on one device."""
-
-    def __init__(self, state: Dict[str, torch.Tensor], device: str) -> None:
-        self.state, self.device = state, device
-        self.target = {k: torch.zeros_like(v) for k, v in state.items()}
-        self.names = ["elasticrun", "safetensors", "torch.save", "DCP"]
-
-    def sync(self) -> None:
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-
-    def save(self, lib: str, path: str) -> None:
-        """``lib``'s durable save."""
-        if lib == "elasticrun":
-            from elasticrun.checkpoint import save
-
-            save(self.state, path, "c")
-        elif lib == "safetensors":
-            from safetensors.torch import save_file
-
-            save_file(self.state, path)
-            fadvise_evict(path, evict=False)  # its fsync (the others fsync themselves)
-        elif lib == "torch.save":
-            with open(path, "wb") as f:
-                torch.save(self.state, f)
-                f.flush()
-                os.fsync(f.fileno())
-        else:
-            import torch.distributed.checkpoint as DCP
-
-            DCP.save(self.state, storage_writer=DCP.FileSystemWriter(path, thread_count=2, sync_files=True))
-
-    def load_into(self, lib: str, path: str, verify: bool = True) -> None:
-        tgt = self.target
-        if lib == "elasticrun":
-            from elasticrun.checkpoint import load
-
-            load(path, "c", state_dict=tgt, verify=verify)
-        elif lib in ("safetensors", "torch.save"):
-            if lib == "safetensors":
-                from safetensors.torch import load_file
-
-                loaded = load_file(path)
-            else:
-                loaded = torch.load(path, weights_only=True, map_location="cpu")
-            with torch.no_grad():  # what model.load_state_dict does with it
-                for k, v in loaded.items():
-                    tgt[k].copy_(v)
-        else:
-            import torch.distributed.checkpoint as DCP
-
-            DCP.load(tgt, storage_reader=DCP.FileSystemReader(path))
-        self.sync()
-
-    def check(self, lib: str) -> None:
-        """The last load really filled the targets (first and last element of each); zero them for the next."""
-        for k, v in self.state.items():
-            t = self.target[k].reshape(-1)
-            if t.numel() and not (bool(t[0] == v.reshape(-1)[0]) and bool(t[-1] == v.reshape(-1)[-1])):
-                raise AssertionError(f"{lib} load left {k} wrong")
-            self.target[k].zero_()
+def durable_save(lib: str, state: Dict[str, torch.Tensor], path: str) -> None:
+    """``lib``'s durable save."""
+    if lib == "elasticrun":
+        save(state, path, "c")
+    elif lib == "safetensors":
+        save_file(state, path)
+        fadvise_evict(path, evict=False)  # its fsync (the others fsync themselves)
+    elif lib == "torch.save":
+        with open(path, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+    else:
+        DCP.save(state, storage_writer=DCP.FileSystemWriter(path, thread_count=2, sync_files=True))
 
 
-def run_compare(d: str, libs: Libraries, repeat: int, settle: Callable[[], None]) -> Dict[str, List[float]]:
+def load_into(lib: str, target: Dict[str, torch.Tensor], path: str, verify: bool = True) -> None:
+    """``lib``'s load into the existing tensors of ``target`` (as ``model.load_state_dict`` would copy them), to
+    the device's end."""
+    if lib == "elasticrun":
+        load(path, "c", state_dict=target, verify=verify)
+    elif lib == "DCP":
+        DCP.load(target, storage_reader=DCP.FileSystemReader(path))
+    else:
+        loaded = load_file(path) if lib == "safetensors" else torch.load(path, weights_only=True, map_location="cpu")
+        with torch.no_grad():
+            for k, v in loaded.items():
+                target[k].copy_(v)
+    if next(iter(target.values())).is_cuda:
+        torch.cuda.synchronize()
+
+
+def run_compare(d: str, state: Dict[str, torch.Tensor], repeat: int, settle: Callable[[], None],
+                sync: Callable[[], None]) -> Dict[str, List[float]]:
     """Interleaved rounds (one dropped warm-up first); label -> seconds per round."""
-    from elasticrun.checkpoint import AsyncCheckpointer
-
     runs: Dict[str, List[float]] = {}
     ckpt = AsyncCheckpointer()  # kept across rounds, as a training loop keeps it (its staging buffers reused)
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    size = sum(t.numel() * t.element_size() for t in state.values())
 
-    def timed(label: str, keep: bool, fn: Callable[..., Any], *args: Any) -> Tuple[float, Any]:
+    def record(label: str, rnd: int, seconds: float) -> None:
+        if rnd > 0:  # round 0 is the warm-up
+            runs.setdefault(label, []).append(seconds)
+
+    def timed(label: str, rnd: int, fn: Callable[..., Any], *args: Any) -> Tuple[float, Any]:
         settle()
-        libs.sync()
+        sync()
         t0 = time.perf_counter()
         out = fn(*args)
         took = time.perf_counter() - t0
-        if keep:
-            runs.setdefault(label, []).append(took)
+        record(label, rnd, took)
         return took, out
 
     for rnd in range(repeat + 1):
-        keep = rnd > 0
         settle()
-        took = disk_cold_read(d, nbytes(libs.state))
-        if keep:
-            runs.setdefault(DISK, []).append(took)
-        for lib in libs.names:
+        record(DISK, rnd, disk_cold_read(d, size))
+        for lib in LIBS:
             path = os.path.join(d, f"cmp-{lib}")
-            timed(f"{lib} {SAVE}", keep, libs.save, lib, path)
+            timed(f"{lib} {SAVE}", rnd, durable_save, lib, state, path)
             for label, verify in [(f"{lib} {LOAD}", True)] + ([(UNVERIFIED, False)] if lib == "elasticrun" else []):
                 fadvise_evict(path)
-                timed(label, keep, libs.load_into, lib, path, verify)
-                libs.check(lib)
-            remove(path)
+                timed(label, rnd, load_into, lib, target, path, verify)
+                for k, v in state.items():  # the load really filled the targets; zeroed for the next one
+                    t, v = target[k].reshape(-1), v.reshape(-1)
+                    if t.numel() and not (bool(t[0] == v[0]) and bool(t[-1] == v[-1])):
+                        raise AssertionError(f"{label}: {k} wrong")
+                    target[k].zero_()
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
         path = os.path.join(d, "cmp-async")
-        stall, handle = timed("elasticrun async save: training stall", keep, ckpt.save, libs.state, path, "c")
+        stall, handle = timed(STALL, rnd, ckpt.save, state, path, "c")
         t0 = time.perf_counter()
         handle.result()
-        if keep:
-            runs.setdefault("elasticrun async save: stall + background write", []).append(
-                stall + time.perf_counter() - t0)
-        remove(path)
+        record("elasticrun async save: stall + background write", rnd, stall + time.perf_counter() - t0)
+        shutil.rmtree(path)
     ckpt.close()
     return runs
 
 
-def summarize(runs: Dict[str, List[float]], size: int, device: str, state_label: str,
-              command: str) -> List[Dict[str, Any]]:
+def summarize(runs: Dict[str, List[float]], size: int, device: str, tag: str, command: str) -> List[Dict[str, Any]]:
     """The ``summary`` rows: elasticrun against the best alternative per operation, load bandwidth against the
     disk's, and the async-save stall against a synchronous save."""
     med = {k: statistics.median(v) for k, v in runs.items() if v}
-    tag = f"{state_label}, {size / GB:.2f} GB, {device}"
     rows: List[Dict[str, Any]] = []
     for op, suffix in (("durable checkpoint save", SAVE), ("cold load into existing tensors", LOAD)):
         alts = {k.split(" ")[0]: v for k, v in med.items() if k.endswith(suffix) and not k.startswith("elasticrun")}
@@ -205,56 +164,28 @@ def summarize(runs: Dict[str, List[float]], size: int, device: str, state_label:
             best = min(alts, key=lambda k: alts[k])
             rows.append(summary_row(f"{op} ({tag})", med[f"elasticrun {suffix}"], best, alts[best], device=device,
                                     command=command))
-    disk = med.get(DISK)
     for label, what in ((f"elasticrun {LOAD}", "cold load bandwidth vs the disk's cold read"),
                         (UNVERIFIED, "cold load bandwidth with verify=False (no checksums, as the peers) vs the "
                                      "disk's cold read")):
-        if med.get(label) and disk:
-            rows.append(summary_row(f"{what} ({tag})", size / GB / med[label], "disk cold read (dd)", size / GB / disk,
-                                    "GB/s", "higher", device, command))
-    stall, sync_save = med.get("elasticrun async save: training stall"), med.get(f"elasticrun {SAVE}")
-    if stall and sync_save:
+        if med.get(label) and med.get(DISK):
+            rows.append(summary_row(f"{what} ({tag})", size / GB / med[label], "disk cold read (dd)",
+                                    size / GB / med[DISK], "GB/s", "higher", device, command))
+    if med.get(STALL) and med.get(f"elasticrun {SAVE}"):
         rows.append(summary_row(f"async save training stall (target ≤ 0.1 × a synchronous save, ratio ≥ 10) ({tag})",
-                                stall, "elasticrun synchronous save", sync_save, device=device, command=command))
+                                med[STALL], "elasticrun synchronous save", med[f"elasticrun {SAVE}"], device=device,
+                                command=command))
     return rows
-
-
-def compare_section(base: str, state_kind: str, device: str, size: int, repeat: int,
-                    settle: Callable[[], None], command: str) -> Dict[str, Any]:
-    """Build the state, run the rounds, print the tables; the JSON document's part of it."""
-    state = gpt_state(size, device) if state_kind == "gpt" else uniform_state(size, device)
-    real = nbytes(state)
-    d = os.path.join(base, "compare")
-    os.makedirs(d)
-    runs = run_compare(d, Libraries(state, device), repeat, settle)
-    label = "GPT-like bf16" if state_kind == "gpt" else "uniform float32"
-    rows = summarize(runs, real, device, label, command)
-    print(f"\ninterleaved comparison: {label} state, {real / GB:.3f} GB in {len(state)} tensors on {device}; "
-          f"posix_fadvise(DONTNEED) before loads; medians of {repeat} rounds after a dropped warm-up\n")
-    meds = {label: statistics.median(ts) for label, ts in runs.items()}
-    print(md_table(["operation", "seconds (median, min–max)", "GB/s"],
-                   ([label, f"{m:.3f} ({min(runs[label]):.3f}–{max(runs[label]):.3f})", f"{real / GB / m:.2f}"]
-                    for label, m in meds.items()), "lrr"))
-    print()
-    print(md_table(["metric", "elasticrun", "alternative", "ratio (> 1: elasticrun wins)"],
-                   ([r["metric"], f"{r['elasticrun']:.3f} {r['unit']}", f"{r['alternative']} {r['alt_value']:.3f}",
-                     f"{r['ratio']:.2f}"] for r in rows), "lrlr"))
-    return {"compare": {"state": state_kind, "device": device, "size_bytes": real, "tensors": len(state),
-                        "eviction": "fadvise", "runs": runs}, "summary": rows}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gib", type=float, default=1.0)
     ap.add_argument("--state", choices=("uniform", "gpt"), default="uniform",
-                    help="uniform: float32 in 16 equal tensors; gpt: a GPT-2-like bf16 state, many tensors of mixed "
-                         "sizes [uniform]")
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                    help="where the state lives and loads go (cuda: saved from and loaded into GPU tensors)")
+                    help="uniform: float32 in 16 equal tensors; gpt: GPT-2-like bf16, many tensors of mixed sizes")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the state lives and loads go")
     ap.add_argument("--dir", default=None, help="directory on the disk to measure [default: a temp dir]")
     ap.add_argument("--repeat", type=int, default=3, help="rounds; the tables show medians [3]")
-    ap.add_argument("--settle", type=float, default=1.0,
-                    help="seconds of quiet (after a sync) before every timed operation [1.0]")
+    ap.add_argument("--settle", type=float, default=1.0, help="seconds of quiet (after a sync) before each timing")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -263,19 +194,36 @@ def main() -> None:
         ap.exit(2, f"bench_checkpoint.py: --dir {args.dir!r} is not a directory; give an existing one on the disk "
                    "to measure\n")
     size = int(args.size_gib * (1 << 30))
+    if args.state == "gpt":
+        state, label = gpt_state(size, args.device), "GPT-like bf16"
+    else:
+        state = {f"layer{i:02d}.weight": torch.full((1024, size // 64 // 1024), float(i), device=args.device)
+                 for i in range(16)}
+        label = "uniform float32"
+    real = sum(t.numel() * t.element_size() for t in state.values())
 
-    def settle() -> None:
-        """Let the kernel finish the previous operation's write-back and frees before the next timed one."""
+    def settle() -> None:  # the kernel finishes the previous operation's write-back and frees
         os.sync()
         time.sleep(args.settle)
 
-    base = tempfile.mkdtemp(prefix="ckbench-", dir=args.dir)
-    try:
-        doc = compare_section(base, args.state, args.device, size, args.repeat, settle, shown_command(__file__))
-        if args.json:
-            write_json(args.json, doc)
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    with tempfile.TemporaryDirectory(prefix="ckbench-", dir=args.dir) as d:
+        runs = run_compare(d, state, args.repeat, settle, sync)
+    rows = summarize(runs, real, args.device, f"{label}, {real / GB:.2f} GB, {args.device}", shown_command(__file__))
+    print(f"\ninterleaved comparison: {label} state, {real / GB:.3f} GB in {len(state)} tensors on {args.device}; "
+          f"posix_fadvise(DONTNEED) before loads; medians of {args.repeat} rounds after a dropped warm-up\n")
+    meds = {k: statistics.median(v) for k, v in runs.items()}
+    print(md_table(["operation", "seconds (median, min–max)", "GB/s"],
+                   ([k, f"{m:.3f} ({min(runs[k]):.3f}–{max(runs[k]):.3f})", f"{real / GB / m:.2f}"]
+                    for k, m in meds.items()), "lrr"))
+    print()
+    print(md_table(["metric", "elasticrun", "alternative", "ratio (> 1: elasticrun wins)"],
+                   ([r["metric"], f"{r['elasticrun']:.3f} {r['unit']}", f"{r['alternative']} {r['alt_value']:.3f}",
+                     f"{r['ratio']:.2f}"] for r in rows), "lrlr"))
+    if args.json:
+        compare = {"state": args.state, "device": args.device, "size_bytes": real, "tensors": len(state),
+                   "eviction": "fadvise", "runs": runs}
+        write_json(args.json, {"compare": compare, "summary": rows})
 
 
 if __name__ == "__main__":

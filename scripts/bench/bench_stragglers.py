@@ -1,9 +1,8 @@
 """Straggler detection's false-positive budget: healthy nodes of examples/train.py, nobody may be flagged.
 
-Starts an etcd and N agents (one gloo worker each, ``--straggler-action warn``), waits until all train, then
-reads ``elasticrun status --json`` every ``--every`` seconds for ``--minutes`` and counts the readings where a
-node was flagged. With ``--slow`` the last node's worker processes are SIGSTOPped/SIGCONTed in pulses (half
-of the time) from the start of the measuring: the figure is then the time until it is flagged.
+N agents (one gloo worker each) train; ``elasticrun status --json`` is read every ``--every`` s for ``--minutes``
+and the readings where a node was flagged are counted. ``--slow``: the last node's workers are SIGSTOPped half of
+the time, and the figure is the time until it is flagged.
 
     python scripts/bench/bench_stragglers.py --minutes 10 --json /tmp/stragglers.json
     python scripts/bench/bench_stragglers.py --minutes 2 --slow --json /tmp/slow.json
@@ -21,7 +20,6 @@ import tempfile
 import threading
 import time
 import uuid
-from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import psutil
@@ -54,6 +52,31 @@ def pulse(pids: List[int], done: threading.Event, stop_s: float = 0.2, run_s: fl
     send(signal.SIGCONT)
 
 
+def all_train(endpoint: str, job: str, nodes: int) -> Optional[bool]:
+    """True once every node's worker reports progress in the current round."""
+    doc = status(endpoint, job) or {}
+    ms = doc.get("members") or []
+    return len(ms) == nodes and all((m.get("progress") or {}).get("round") == doc["round"] for m in ms) or None
+
+
+def measure(args: argparse.Namespace, endpoint: str, job: str) -> Dict[str, Any]:
+    """Read the job's status every ``--every`` s for ``--minutes`` (with ``--slow``: until the first flag)."""
+    t0 = time.monotonic()
+    readings, flagged, first_flag, worst = 0, 0, None, 0.0
+    while time.monotonic() - t0 < args.minutes * 60 and not (args.slow and flagged):
+        doc = status(endpoint, job)
+        if doc is not None:
+            readings += 1
+            worst = max([worst, *(r["ratio"] for r in ((doc.get("stragglers") or {}).get("ranks") or {}).values())])
+            flagged += any(m.get("straggler") for m in doc["members"])
+            first_flag = time.monotonic() - t0 if flagged and first_flag is None else first_flag
+        if not (args.slow and flagged):
+            time.sleep(args.every)
+    return {"nodes": args.nodes, "minutes": round((time.monotonic() - t0) / 60, 2), "readings": readings,
+            "flagged_readings": flagged, "first_flag_s": None if first_flag is None else round(first_flag, 1),
+            "max_ratio_seen": round(worst, 3), "window_s": args.window, "slow": args.slow}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nodes", type=int, default=3)
@@ -64,65 +87,41 @@ def main() -> int:
     ap.add_argument("--json", default="", help="write the result (with its summary rows) here")
     args = ap.parse_args()
     job = f"strag-{uuid.uuid4().hex[:8]}"
-    work = Path(tempfile.mkdtemp(prefix="elasticrun-bench-stragglers-"))
-    server = EtcdServer(data_dir=str(work / "etcd")).start()
-    agents = Agents(log_dir=work)
-    try:
-        for i in range(args.nodes):
-            agents.start(f"n{i}", [
-                sys.executable, "-m", "elasticrun", "--nnodes", f"2:{args.nodes}", "--nproc-per-node", "1",
-                "--rdzv-endpoint", server.endpoint, "--rdzv-id", job, "--node-id", f"n{i}",
-                "--straggler-window", str(args.window), "--stability-window", "3", "-q",
-                str(TRAIN), "--epochs", "100000", "--no-checkpoint", "--dataset-size",
-                "512", "--batch-size", "8", "--step-sleep", "0.02"])
-
-        def all_train() -> Optional[bool]:
-            doc = status(server.endpoint, job) or {}
-            ms = doc.get("members") or []
-            return len(ms) == args.nodes and all((m.get("progress") or {}).get("round") == doc["round"] for m in ms)
-
-        try:
-            agents.wait_for(lambda: all_train() or None, 300, "every node to train")
-        except (TimeoutError, AgentsExited) as err:
-            print(f"bench_stragglers: {err}", file=sys.stderr)
-            return 1
+    with tempfile.TemporaryDirectory(prefix="elasticrun-bench-stragglers-") as work:
+        server = EtcdServer(data_dir=f"{work}/etcd").start()
+        agents = Agents()
         pulsing = threading.Event()
-        if args.slow:
-            kids = [p.pid for p in psutil.Process(agents.procs[f"n{args.nodes - 1}"].pid).children(recursive=True)]
-            threading.Thread(target=pulse, args=(kids, pulsing), daemon=True).start()
-        t0 = time.monotonic()
-        readings, flagged, first_flag, worst = 0, 0, None, 0.0
-        while time.monotonic() - t0 < args.minutes * 60:
-            doc = status(server.endpoint, job)
-            if doc is not None:
-                readings += 1
-                slow = [m for m in doc["members"] if m.get("straggler")]
-                ratios = [r["ratio"] for r in ((doc.get("stragglers") or {}).get("ranks") or {}).values()]
-                worst = max([worst, *ratios])
-                if slow:
-                    flagged += 1
-                    if first_flag is None:
-                        first_flag = time.monotonic() - t0
-                    if args.slow:
-                        break
-            time.sleep(args.every)
-        pulsing.set()
-        result = {"nodes": args.nodes, "minutes": round((time.monotonic() - t0) / 60, 2), "readings": readings,
-                  "flagged_readings": flagged, "first_flag_s": None if first_flag is None else round(first_flag, 1),
-                  "max_ratio_seen": round(worst, 3), "window_s": args.window, "slow": args.slow,
-                  "command": shown_command(__file__)}
-        metric = "seconds until a half-speed node is flagged" if args.slow else "flagged readings of healthy nodes"
-        value = (first_flag or 0.0) if args.slow else float(flagged)
-        result["summary"] = [summary_row(metric, value, "none", None, unit="s" if args.slow else "readings",
-                                         command=result["command"])]
-        print(json.dumps(result, indent=1))
-        if args.json:
-            write_json(args.json, result)
-        return 0 if (first_flag is not None) == args.slow else 1
-    finally:
-        agents.stop()
-        agents.close()
-        server.stop()
+        try:
+            for i in range(args.nodes):
+                agents.start(f"n{i}", [
+                    sys.executable, "-m", "elasticrun", "--nnodes", f"2:{args.nodes}", "--nproc-per-node", "1",
+                    "--rdzv-endpoint", server.endpoint, "--rdzv-id", job, "--node-id", f"n{i}",
+                    "--straggler-window", str(args.window), "--stability-window", "3", "-q", str(TRAIN), "--epochs",
+                    "100000", "--no-checkpoint", "--dataset-size", "512", "--batch-size", "8", "--step-sleep", "0.02"])
+            try:
+                agents.wait_for(lambda: all_train(server.endpoint, job, args.nodes), 300, "every node to train")
+            except (TimeoutError, AgentsExited) as err:
+                print(f"bench_stragglers: {err}", file=sys.stderr)
+                return 1
+            if args.slow:
+                slow = psutil.Process(agents.procs[f"n{args.nodes - 1}"].pid)
+                kids = [p.pid for p in slow.children(recursive=True)]
+                threading.Thread(target=pulse, args=(kids, pulsing), daemon=True).start()
+            result = measure(args, server.endpoint, job)
+        finally:
+            pulsing.set()
+            agents.stop()
+            agents.close()
+            server.stop()
+    result["command"] = shown_command(__file__)
+    metric = "seconds until a half-speed node is flagged" if args.slow else "flagged readings of healthy nodes"
+    value = (result["first_flag_s"] or 0.0) if args.slow else float(result["flagged_readings"])
+    result["summary"] = [summary_row(metric, value, "none", None, unit="s" if args.slow else "readings",
+                                     command=result["command"])]
+    print(json.dumps(result, indent=1))
+    if args.json:
+        write_json(args.json, result)
+    return 0 if (result["first_flag_s"] is not None) == args.slow else 1
 
 
 if __name__ == "__main__":

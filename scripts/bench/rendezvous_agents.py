@@ -1,22 +1,14 @@
-"""Child process of ``bench_rendezvous.py``: a shard of simulated agents, driven over stdin.
-
-Each simulated agent is a thread running the agent's own loop (:meth:`elasticrun.launch.agent.Agent._loop`, with
-the agent's rendezvous settings) over a worker group that always runs (:class:`NoWorkers`); the agents of a
-process share one etcd client and one job view (:class:`AgentView`). Commands, one a line, each answered with one
-JSON line: ``go``, ``wait R T`` (up to T s until every live agent holds round R or later),
-``kill I`` (agent I's lease is no longer refreshed, as for a SIGKILLed node), ``join I``, ``leave``.
-"""
+"""The simulated agents of ``bench_rendezvous.py``: threads running the agent's own loop (``Agent._loop``) over a
+group without workers, a :class:`Shard` of them per process, sharing one etcd client and one job view."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import signal
-import sys
 import tempfile
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Set
 
 from elasticrun.job.keys import JobKeys
@@ -36,49 +28,32 @@ class Killed(Exception):
     """Raised in a simulated agent's loop once the bench killed it (or made every agent leave)."""
 
 
-class NoWorkers:
+def no_workers() -> Any:
     """What the agent's loop sees of a node without workers: they run until stopped, and stop at once."""
-
-    inplace = False
-    running: List[Any] = []
-    pids: List[int] = []
-    extra_env: Dict[str, str] = {}
-    started_how = "no workers (simulated agent)"
-
-    def poll(self) -> GroupState:
-        return GroupState.RUNNING
-
-    def prewarm(self, deep: bool = False, preload: bool = True) -> None:
-        pass
-
-    def start(self, *_args: Any) -> None:
-        pass
-
-    def stop(self, grace: float, sig: int = signal.SIGTERM) -> None:
-        pass
-
-    def inplace_file(self, local_rank: int) -> str:
-        return os.path.join(tempfile.gettempdir(), f"bench-rendezvous-no-worker-{os.getpid()}-{local_rank}")
+    path = os.path.join(tempfile.gettempdir(), f"bench-rendezvous-no-worker-{os.getpid()}-")
+    return SimpleNamespace(inplace=False, running=[], pids=[], extra_env={}, started_how="no workers (simulated agent)",
+                           poll=lambda: GroupState.RUNNING, prewarm=lambda **_kw: None, start=lambda *_a: None,
+                           stop=lambda *_a, **_kw: None, inplace_file=lambda local_rank: f"{path}{local_rank}")
 
 
 class Say:
-    """A simulated agent's progress lines, not printed: those about etcd (the outage guard's) are counted."""
+    """A simulated agent's progress lines, not printed: a lost lease's rejoin and the outage guard's waits on etcd
+    are counted."""
 
-    def __init__(self, count: Callable[[], None]) -> None:
-        self.count = count
+    def __init__(self, bump: Callable[[str], None]) -> None:
+        self.bump = bump
 
     def __call__(self, message: str) -> None:
-        if "etcd" in message:
-            self.count()
+        if "rejoining" in message or "etcd" in message:
+            self.bump("rejoins" if "rejoining" in message else "etcd_waits")
 
     def table(self, _table: Any) -> None:
         pass
 
 
 class AgentView:
-    """One agent's handle on the job view its process's agents share: the view mirrors the node records
-    while one of them leads, and *for this agent* only while it leads (so the leader's process alone
-    receives their watch events, as the leader's machine alone does)."""
+    """One agent's handle on its process's shared job view: the view mirrors the node records while one of them
+    leads, and for this agent only while it leads (as the leader's machine alone receives their watch events)."""
 
     lock = threading.Lock()
 
@@ -104,9 +79,9 @@ class AgentView:
 
 
 class Shard:
-    """The agents of one child process."""
+    """The agents ``ids`` of one process (a ``multiprocessing`` manager's, driven by ``bench_rendezvous.py``)."""
 
-    def __init__(self, endpoint: str, job: str, nodes: int, heartbeat: float) -> None:
+    def __init__(self, endpoint: str, job: str, nodes: int, heartbeat: float, ids: List[int]) -> None:
         self.store = connect(endpoint, retry_timeout=60)
         self.view = JobView(self.store, JobKeys(job), nodes=False)  # the view the agents share
         self.leaders: Set[AgentView] = set()
@@ -117,13 +92,21 @@ class Shard:
         self.lock = threading.Lock()
         self.agents: Dict[int, Agent] = {}
         self.rdzv: Dict[int, Rendezvous] = {}
-        self.held: Dict[int, Dict[int, float]] = {}
-        self.started: set = set()
-        self.dead: set = set()
+        self.held: Dict[int, Dict[int, float]] = {}  # agent -> round -> when it got it
+        self.started: Set[int] = set()
+        self.dead: Set[int] = set()
         self.errors: List[str] = []
         self.counts = dict.fromkeys(COUNTS, 0)
-        self.go = threading.Event()
+        self.going = threading.Event()
         self.cpu0 = time.process_time()
+        for i in ids:
+            self.prepare(i)
+            self.start(i)
+
+    def go(self) -> None:
+        """Every agent registers and forms round 0."""
+        self.cpu0 = time.process_time()
+        self.going.set()
 
     def bump(self, name: str) -> None:
         self.counts[name] += 1  # one dict item += int: not interrupted by another thread
@@ -133,13 +116,14 @@ class Shard:
         cfg = LaunchConfig(rendezvous=RendezvousConfig(node_id=f"sim{i:05d}", **self.rendezvous),
                            workers=WorkersConfig(entrypoint="bench_rendezvous"), logs=LogsConfig(quiet=True))
         agent = Agent(cfg)
-        agent.say = Say(lambda: self.bump("etcd_waits"))  # type: ignore[assignment]
-        agent.inplace = InPlaceRounds(cfg, NoWorkers(), agent.say)  # type: ignore[arg-type]
+        agent.say = Say(self.bump)  # type: ignore[assignment]
+        agent.inplace = InPlaceRounds(cfg, no_workers(), agent.say)
         info = NodeInfo(node_id=cfg.rendezvous.node_id, host="sim", addr="127.0.0.1", nproc=1, pid=os.getpid())
         rdzv = Rendezvous(self.store, agent._settings(), info, host_store=lambda: 20000 + i % 40000,
                           on_progress=lambda _m: None, view=AgentView(self.view, self.leaders))
         rdzv.on_beat = lambda: self._beat(i)
-        rdzv.next_round = self._holding(i, rdzv.next_round)  # type: ignore[method-assign]
+        next_round = rdzv.next_round
+        rdzv.next_round = lambda: self._held(i, next_round())  # type: ignore[method-assign]
         with self.lock:
             self.agents[i], self.rdzv[i], self.held[i] = agent, rdzv, {}
         return rdzv
@@ -150,29 +134,24 @@ class Shard:
         if i in self.dead:
             raise Killed()
 
-    def _holding(self, i: int, next_round: Callable[[], Topology]) -> Callable[[], Topology]:
-        """``next_round`` of agent ``i``, noting when it got each round."""
-
-        def wrapped() -> Topology:
-            topo = next_round()
-            with self.lock:
-                self.held[i][topo.round] = time.time()
-            return topo
-
-        return wrapped
+    def _held(self, i: int, topo: Topology) -> Topology:
+        with self.lock:
+            self.held[i][topo.round] = time.time()
+        return topo
 
     def start(self, i: int) -> None:
+        """Agent ``i`` runs (once :meth:`go` was called); a new one joins the job."""
         self.started.add(i)
         threading.Thread(target=self._agent, args=(i,), name=f"sim{i}", daemon=True).start()
 
     def _agent(self, i: int) -> None:
-        self.go.wait()
+        self.going.wait()
         rdzv = self.rdzv.get(i) or self.prepare(i)  # a node joining the running job connects as it starts
         agent = self.agents[i]
         try:
             rdzv.ensure_config(agent.cfg.job_settings())  # what Agent.run does before its loop
             rdzv.register()
-            agent._loop(rdzv, NoWorkers())  # type: ignore[arg-type]
+            agent._loop(rdzv, no_workers())
         except Killed:
             pass
         except Exception as err:  # noqa: BLE001 - reported to the parent
@@ -181,16 +160,16 @@ class Shard:
                     self.errors.append(f"agent {i}: {err!r}")
 
     def kill(self, i: int) -> bool:
-        with self.lock:
-            rdzv = self.rdzv.get(i)
-            if rdzv is None:
-                return False
-            self.dead.add(i)
-        if rdzv.lease is not None:
+        """Agent ``i``'s lease is no longer refreshed, as for a SIGKILLed node; False: not an agent of this shard."""
+        rdzv = self.rdzv.get(i)
+        self.dead.add(i)  # harmless for an agent of another shard
+        if rdzv is not None and rdzv.lease is not None:
             rdzv.lease.stop()  # no revoke: etcd expires the lease after the TTL, as for a SIGKILL
-        return True
+        return rdzv is not None
 
     def wait(self, target: int, timeout: float) -> Dict[str, Any]:
+        """Up to ``timeout`` s until every live agent holds round ``target`` or later; when each got it, the CPU
+        and the counts since the last call, the first errors."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and not self.errors:
             with self.lock:
@@ -198,48 +177,18 @@ class Shard:
                     break
             time.sleep(0.05)
         with self.lock:
-            held = {i: min((t for r, t in h.items() if r >= target), default=None)
-                    for i, h in self.held.items() if i in self.started and i not in self.dead}
+            held = {i: min((t for r, t in self.held[i].items() if r >= target), default=None)
+                    for i in self.started - self.dead if i in self.held}
             counts, self.counts = self.counts, dict.fromkeys(COUNTS, 0)
             errors = self.errors[:5]
-        cpu = time.process_time()
-        reply = {"held": held, "errors": errors, "cpu_s": cpu - self.cpu0, **counts}
-        self.cpu0 = cpu
-        return reply
+        cpu, self.cpu0 = time.process_time() - self.cpu0, time.process_time()
+        return {"held": held, "errors": errors, "cpu_s": cpu, **counts}
 
     def leave(self) -> None:
+        """Every agent leaves the job."""
         with self.lock:  # every loop stops first: agents that see the others leave must not re-form meanwhile
             alive = [r for i, r in self.rdzv.items() if i not in self.dead]
             self.dead.update(self.rdzv)
         for rdzv in alive:
             with contextlib.suppress(Exception):  # leaving at the end of the bench
                 rdzv.leave()
-
-
-def main(argv: List[str]) -> None:
-    endpoint, job, nodes, first, count, heartbeat = argv[:6]
-    shard = Shard(endpoint, job, int(nodes), float(heartbeat))
-    for i in range(int(first), int(first) + int(count)):
-        shard.prepare(i)
-        shard.start(i)
-    print("ready", flush=True)
-    for line in sys.stdin:
-        cmd, *args = line.split()
-        reply: Dict[str, Any] = {}
-        if cmd == "go":
-            shard.cpu0 = time.process_time()
-            shard.go.set()
-        elif cmd == "wait":
-            reply = shard.wait(int(args[0]), float(args[1]))
-        elif cmd == "kill":
-            reply = {"killed": shard.kill(int(args[0]))}
-        elif cmd == "join":
-            shard.start(int(args[0]))
-        else:
-            shard.leave()
-        print(json.dumps(reply), flush=True)
-        if cmd == "leave":
-            return
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -5,8 +5,8 @@
 Every rank holds ``--mb`` MiB of float32 state, changed every step, and meets the others in an all-reduce each
 step; every ``--every`` steps it checkpoints to ``memory`` (``Snapshotter``), ``disk`` (``checkpoint.save`` to
 DIR/ckpt) or ``dcp`` (DIR/dcp/step-<8 digits>), keeping 2, and resumes from the newest at start. Rank 0 prints
-``start resumed <tier> <step>`` once per start and ``step S`` after each step; each rank writes its pid to
-DIR/pids/<node id>-<local rank>. No checkpoint on stop: a failure loses what the interval leaves behind.
+``start resumed <tier> <step> world <n>`` once per start and ``step S`` after each step; each rank writes its pid
+to DIR/pids/<node id>-<local rank>. No checkpoint on stop: a failure loses what the interval leaves behind.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import os
 import shutil
 import sys
 import time
-from typing import Dict
 
 import torch
 import torch.distributed as dist
@@ -25,8 +24,7 @@ import elasticrun.train as et
 from elasticrun.checkpoint import Snapshotter, save
 
 
-def parse_args() -> argparse.Namespace:
-    """Command-line options."""
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mode", choices=("memory", "disk", "dcp"), required=True)
     p.add_argument("--every", type=int, default=1)
@@ -34,34 +32,23 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--mb", type=float, default=4.0)
     p.add_argument("--step-sleep", type=float, default=0.1)
     p.add_argument("--steps", type=int, default=100)
-    return p.parse_args()
-
-
-def _dcp_latest(root: str) -> int:
-    """The newest step under ``root`` with DCP's ``.metadata`` commit file (-1: none)."""
-    names = os.listdir(root) if os.path.isdir(root) else []
-    done = [int(n[5:]) for n in names if n.startswith("step-") and os.path.exists(os.path.join(root, n, ".metadata"))]
-    return max(done, default=-1)
-
-
-def main() -> int:
-    args = parse_args()
+    args = p.parse_args()
     ctx = et.init()
     pg = ctx.cpu_process_group
-    pids = os.path.join(args.dir, "pids")
-    os.makedirs(pids, exist_ok=True)
-    me = f"{os.environ.get('ELASTICRUN_NODE_ID', 'node')}-{os.environ.get('LOCAL_RANK', '0')}"
-    with open(os.path.join(pids, me + ".tmp"), "w") as f:
+    pid_file = os.path.join(args.dir, "pids", f"{os.environ.get('ELASTICRUN_NODE_ID')}-{os.environ['LOCAL_RANK']}")
+    os.makedirs(os.path.dirname(pid_file), exist_ok=True)
+    with open(pid_file + ".tmp", "w") as f:
         f.write(str(os.getpid()))
-    os.replace(os.path.join(pids, me + ".tmp"), os.path.join(pids, me))
+    os.replace(pid_file + ".tmp", pid_file)
     n = max(1, int(args.mb * (1 << 20) / 4 / 4))
-    state: Dict[str, torch.Tensor] = {f"t{i}": torch.zeros(n) for i in range(4)}
+    state = {f"t{i}": torch.zeros(n) for i in range(4)}
     step, tier = 0, "none"
     dcp_root, disk_root = os.path.join(args.dir, "dcp"), os.path.join(args.dir, "ckpt")
     if args.mode == "dcp":
         import torch.distributed.checkpoint as dcp  # only here: its import would slow the other tiers' start
 
-        steps = [_dcp_latest(dcp_root)]
+        done = os.listdir(dcp_root) if os.path.isdir(dcp_root) else []
+        steps = [max((int(d[5:]) for d in done if os.path.exists(os.path.join(dcp_root, d, ".metadata"))), default=-1)]
         dist.broadcast_object_list(steps, src=0, group=pg)
         if steps[0] >= 0:
             dcp.load(state, checkpoint_id=os.path.join(dcp_root, f"step-{steps[0]:08d}"), process_group=pg)
@@ -79,20 +66,17 @@ def main() -> int:
     snaps = Snapshotter(pg) if args.mode == "memory" else None
     ones = torch.ones(1)
     try:
-        while step < args.steps:
-            if ctx.should_stop:
-                return 143
+        while step < args.steps and not ctx.should_stop:
             for t in state.values():
                 t.add_(1.0)
             dist.all_reduce(ones, group=pg)  # the ranks meet every step
             time.sleep(args.step_sleep)
             step += 1
             if step % args.every == 0:
-                ts = {"step": step}
                 if snaps is not None:
-                    snaps.snapshot(state, training_state=ts)
+                    snaps.snapshot(state, training_state={"step": step})
                 elif args.mode == "disk":
-                    save(state, disk_root, training_state=ts, keep_last=2, process_group=pg)
+                    save(state, disk_root, training_state={"step": step}, keep_last=2, process_group=pg)
                 else:
                     dcp.save(state, checkpoint_id=os.path.join(dcp_root, f"step-{step:08d}"), process_group=pg)
                     if ctx.is_rank0:
@@ -100,7 +84,7 @@ def main() -> int:
                             shutil.rmtree(os.path.join(dcp_root, name), ignore_errors=True)
             if ctx.is_rank0:
                 print(f"step {step}", flush=True)
-        return 0
+        return 143 if ctx.should_stop else 0
     finally:
         if snaps is not None:
             snaps.close()
