@@ -1,21 +1,13 @@
 """Read the chaos soak's worker audit logs: the training lineage, rollbacks, and exactly-once sample checks.
 
-A *generation* is one round of the job, ``(round, restart)``, as each audit line names it: a worker kept
-through an in-place re-form logs its new round from the re-form on. A generation begins at one step for all
-its ranks: the checkpoint they resumed (``resume`` lines, the restart path) or the step the survivors went on
-from (``reform`` lines, in place). It logs one ``step`` line per rank per optimizer step. The steps that
-count (the *lineage*) are found backwards from the last generation: it covers ``(begin, last step]``; its
-state came from the latest earlier generation that reached that step (a checkpoint it wrote, or the kept
-workers themselves), which covers ``(its begin, that step]``; and so on to step 0. Every other logged step
-was lost (a rollback, or a step a crash interrupted).
-
-Each step of the lineage must be logged by every rank of its generation's world, except the step a generation
-ended at when the next one went on from it in place: a rank killed after that step's collectives and before its
-line still trained it (the survivors' state holds its gradients), so its samples count as trained, *unlogged*
-(computed from the step's slice of the permutation). For every epoch the
-lineage touched, the indices trained on must be exactly the first ``samples_consumed`` entries of the
-epoch's permutation, plus the sampler's documented padding at the end of an epoch (``tail="pad"``:
-``ceil(rem / W) * W - rem`` repeats): anything missing is *skipped*, anything more is *seen twice*.
+A *generation* is one round, ``(round, restart)``; it begins at one step for all its ranks (``resume``: a
+checkpoint; ``reform``: the step the survivors went on from in place) and logs one ``step`` line per rank per
+step. The *lineage* is traced back from the last generation: each covers ``(begin, last step]`` and took its
+state from the latest earlier generation that reached its begin. Every other logged step was lost. Each lineage
+step must be logged by every rank of its world, except the step a generation ended at when the next went on from
+it in place: a rank killed after its collectives still trained it (its samples count as *unlogged*). Per epoch,
+the samples trained must be exactly the consumed prefix of the epoch's permutation plus the sampler's padding
+(``tail="pad"``): anything missing is *skipped*, anything more *seen twice*.
 """
 
 from __future__ import annotations
@@ -165,13 +157,12 @@ def _logged_by(recs: List[dict], world: int, went_on_in_place: bool) -> Optional
 
 def _check_samples(res: AuditResult, steps: Dict[Gen, Dict[int, List[dict]]], n: int, seed: int,
                    in_place: Set[Gen]) -> None:
+    """Each epoch's samples over the lineage against the consumed prefix of its permutation plus the padding."""
     seen: Dict[int, Counter] = defaultdict(Counter)
     consumed: Dict[int, int] = {}
-    pad: Dict[int, int] = defaultdict(int)
-    seg_start: Dict[int, int] = {}
+    pad: Dict[int, int] = {}
     for n_seg, seg in enumerate(res.lineage):
-        nxt = res.lineage[n_seg + 1] if n_seg + 1 < len(res.lineage) else None
-        carried_on = nxt is not None and nxt.gen in in_place  # its last step went on in place
+        carried_on = n_seg + 1 < len(res.lineage) and res.lineage[n_seg + 1].gen in in_place
         first_in_epoch: Dict[int, int] = {}
         for step in range(seg.first, seg.last + 1):
             recs = steps[seg.gen].get(step, [])
@@ -192,21 +183,12 @@ def _check_samples(res: AuditResult, steps: Dict[Gen, Dict[int, List[dict]]], n:
                 ranks, worlds = sorted(int(r["rank"]) for r in recs), sorted({int(r["world"]) for r in recs})
                 res.problems.append(f"step {step} of generation {seg.gen}: logged by ranks {ranks} of {worlds}")
             consumed[epoch] = after
-            if consumed[epoch] >= n and epoch not in seg_start:
+            if consumed[epoch] >= n and epoch not in pad:
                 rem = n - first_in_epoch[epoch]
                 pad[epoch] = math.ceil(rem / world) * world - rem
-                seg_start[epoch] = first_in_epoch[epoch]
-    _check_epochs(res, seen, consumed, pad, n, seed)
-
-
-def _check_epochs(res: AuditResult, seen: Dict[int, Counter], consumed: Dict[int, int], pad: Dict[int, int], n: int,
-                  seed: int) -> None:
-    """Each epoch's samples against the consumed prefix of its permutation plus the sampler's padding."""
     for epoch in sorted(seen):
-        expected = set(_permutation(n, seed, epoch)[: consumed[epoch]])
-        counts = seen[epoch]
-        skipped = len(expected - set(counts))
-        extra = len(set(counts) - expected)
+        expected, counts = set(_permutation(n, seed, epoch)[: consumed[epoch]]), seen[epoch]
+        skipped, extra = len(expected - set(counts)), len(set(counts) - expected)
         twice = sum(c - 1 for c in counts.values()) - pad.get(epoch, 0)
         res.epochs_checked += 1
         res.samples_checked += sum(counts.values())

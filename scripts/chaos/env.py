@@ -1,6 +1,5 @@
-"""The chaos soak's machinery: a network namespace for one node, a small tmpfs checkpoint root, the agent
-processes, and ``Machine``, what the faults act on -- each undone by ``close()``, whatever state it was left in.
-"""
+"""The chaos soak's machinery: a network namespace for one node and a tmpfs checkpoint root (each undone by its
+``close()``, whatever state it was left in), and ``Machine``, what the faults act on, with the agent processes."""
 
 from __future__ import annotations
 
@@ -13,22 +12,19 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+import psutil
 
 from elasticrun.errors import StoreError
 from elasticrun.job import records
 from elasticrun.job.keys import JobKeys
-from elasticrun.rendezvous.etcdplan import endpoints_record, member_record, target_size
 from elasticrun.rendezvous.records import node_record
 from elasticrun.store.client import connect
-from elasticrun.store.members import answers
 from elasticrun.store.server import EtcdCluster, EtcdServer, free_port
-from scripts.bench.common import kill_tree
 
-HOSTED = 0  # Machine.etcd_members of a job that hosts its own etcd (--hosted-etcd)
 REPO = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).resolve().parent / "worker.py"
-WORKER_REL = WORKER.relative_to(REPO)  # scripts/chaos/worker.py, also under a frozen copy
+WORKER = Path(__file__).resolve().relative_to(REPO).parent / "worker.py"  # scripts/chaos/worker.py
 
 
 def _run(cmd: List[str]) -> subprocess.CompletedProcess:
@@ -56,7 +52,6 @@ class NetNs:
         self.created = False
 
     def setup(self) -> Optional[str]:
-        """Create it; None on success, else why not."""
         if not shutil.which("ip"):
             return "the `ip` command (iproute2) is not installed"
         if self.subnet + "." in _run(["ip", "-br", "addr"]).stdout:
@@ -103,7 +98,7 @@ class Tmpfs:
         return why
 
     def fill(self) -> int:
-        """Write a ballast file until the filesystem is full; returns the bytes written."""
+        """Write a ballast file until the filesystem is full; the bytes written."""
         written, chunk = 0, b"\0" * (1 << 20)
         with open(self.ballast, "wb", buffering=0) as f, contextlib.suppress(OSError):
             while True:  # unbuffered: a short write, then ENOSPC
@@ -121,7 +116,7 @@ class Tmpfs:
 
 
 def etcd_leader(cluster: EtcdCluster, timeout: float = 20.0) -> Optional[EtcdServer]:
-    """The running member the cluster says leads it, waiting up to ``timeout`` s for one; None if none does."""
+    """The running member the cluster says leads it, waiting up to ``timeout`` s for one."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -135,19 +130,7 @@ def etcd_leader(cluster: EtcdCluster, timeout: float = 20.0) -> Optional[EtcdSer
     return None
 
 
-def freeze_code(dest: Path) -> Path:
-    """Copy the package, the example and the worker wrapper to ``dest``: agents started later in the soak
-    run the code of its start even while the working tree is being edited (``PYTHONPATH=dest``)."""
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    shutil.copytree(REPO / "elasticrun", dest / "elasticrun", ignore=ignore)
-    shutil.copytree(REPO / "examples", dest / "examples", ignore=ignore)
-    (dest / WORKER_REL).parent.mkdir(parents=True)
-    shutil.copy2(WORKER, dest / WORKER_REL)
-    return dest
-
-
 def send(pid: int, sig: int) -> None:
-    """``os.kill`` that ignores a process already gone."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
 
@@ -155,9 +138,8 @@ def send(pid: int, sig: int) -> None:
 def alive(pid: int) -> bool:
     """The process exists and is not a zombie."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
         return False
 
 
@@ -178,10 +160,10 @@ def last_lines(path: Path, n: int) -> str:
 
 @dataclass
 class AgentProc:
-    """One agent process of a node slot (one incarnation)."""
+    """One agent process of a node slot."""
 
     slot: int
-    incarnation: int
+    label: str  # slot<slot>.<incarnation>: its node id
     proc: subprocess.Popen
     started: float
     log_path: Path
@@ -193,182 +175,120 @@ class AgentProc:
     def pid(self) -> int:
         return self.proc.pid
 
-    @property
-    def label(self) -> str:
-        return f"slot{self.slot}.{self.incarnation}"
-
 
 @dataclass
-class Launcher:
-    """Starts agents for node slots on ``machine``, with the code frozen at the soak's start in the run folder;
-    slot ``ns_slot`` (if any) runs inside the network namespace."""
+class Machine:
+    """This host as the soak set it up: what the kinds' ``prepare`` added, etcd, and the agents of the job's node
+    slots, which run the code as it was at the start (copied to the run folder). The workers poll ``hang_file``
+    (a PID: that worker hangs), ``shm_file`` (a node: its memory tier is full) and ``stop_file`` (the last step)."""
 
-    endpoint: str  # with a hosted etcd: the members the job published, as last read
+    run_dir: Path
     job: str
-    machine: Machine
+    etcd_members: int
     heartbeat: float
-    ns_slot: Optional[int] = None
+    hang_timeout: float
+    worker_args: List[str]
+    undo: Callable[[Callable[[], object]], object]  # adds a cleanup action (run in reverse order)
+    endpoint: str = ""  # etcd's, once started
+    netns: Optional[NetNs] = None
+    ns_slot: Optional[int] = None  # the node slot in the network namespace
+    tmpfs: Optional[Tmpfs] = None
+    etcd: Optional[EtcdServer] = None  # the one member
+    members: Optional[EtcdCluster] = None  # with --etcd-members 3
     agents: List[AgentProc] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        run_dir, machine = self.machine.run_dir, self.machine
-        (run_dir / "tmp").mkdir(exist_ok=True)  # temp folders of killed agents stay in the run folder
-        self.code_root = freeze_code(run_dir / "code")
+        run = self.run_dir
+        self.root = os.geteuid() == 0  # tmpfs mounts and network namespaces are possible
+        self.ckpt_root, self.audit_dir, self.code_root = run / "ckpts", run / "audit", run / "code"
+        self.hang_file, self.shm_file, self.stop_file = run / "hang-pid", run / "shm-full-node", run / "stop-at-step"
+        self.events_file = run / "events.jsonl"  # the agents' shared --events-file
+        for folder in (run / "tmp", self.audit_dir, self.ckpt_root):  # tmp: temp folders of killed agents stay here
+            folder.mkdir(exist_ok=True)
+        for part in ("elasticrun", "examples"):
+            shutil.copytree(REPO / part, self.code_root / part, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        (self.code_root / WORKER).parent.mkdir(parents=True)
+        shutil.copy2(REPO / WORKER, self.code_root / WORKER)
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTICRUN_", "TORCHELASTIC_"))}
-        self.env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CHAOS_AUDIT_DIR=str(machine.audit_dir),
-                        CHAOS_STOP_FILE=str(machine.stop_file), CHAOS_HANG_FILE=str(machine.hang_file),
-                        CHAOS_SHM_FULL_FILE=str(machine.shm_file), TMPDIR=str(run_dir / "tmp"),
+        self.env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CHAOS_AUDIT_DIR=str(self.audit_dir),
+                        CHAOS_STOP_FILE=str(self.stop_file), CHAOS_HANG_FILE=str(self.hang_file),
+                        CHAOS_SHM_FULL_FILE=str(self.shm_file), TMPDIR=str(run / "tmp"),
                         CUDA_VISIBLE_DEVICES="",  # simulated nodes share this host: CPU and gloo
                         PYTHONPATH=os.pathsep.join(filter(None, [str(self.code_root), os.environ.get("PYTHONPATH")])))
 
     @property
-    def hosted(self) -> bool:
-        """The job hosts its etcd (c10d line): ``endpoint`` follows its members."""
-        return self.machine.etcd_members == HOSTED
+    def host_addr(self) -> str:
+        """The host side of the network namespace, if any, else loopback."""
+        return self.netns.host_addr if self.netns else "127.0.0.1"
 
-    @property
-    def events_file(self) -> Path:
-        """The agents' shared ``--events-file`` (docs/observability.md, "Event log")."""
-        return self.machine.run_dir / "events.jsonl"
+    def set_up(self, field_name: str, thing: Union[NetNs, Tmpfs], needs: str) -> Optional[str]:
+        """``thing.setup()`` (as root only), then this machine's ``field_name``, undone at the end; why not, or None."""
+        why = thing.setup() if self.root else f"needs root ({needs})"
+        if not why:
+            setattr(self, field_name, thing)
+            self.undo(thing.close)
+        return why
 
-    def _rdzv_args(self) -> List[str]:
-        """How an agent finds the job's etcd: the endpoint(s), or with a hosted etcd the c10d line -- the first
-        agent hosts it, every later one joins at a member that answers (a node that took over the first host's
-        address would otherwise start a second etcd)."""
-        if not self.hosted:
-            return ["--rdzv-endpoint", self.endpoint]
-        if not self.agents:
-            return ["--rdzv-backend", "c10d", "--rdzv-endpoint", self.endpoint, "--rdzv-conf", "is_host=1"]
-        return ["--rdzv-backend", "c10d", "--rdzv-endpoint", self.client_endpoint(), "--rdzv-conf", "is_host=0"]
-
-    def _hosted_members(self) -> Set[str]:
-        """The nodes that run a member of the hosted job's etcd (its member records), read at the first member
-        that answers; updates ``endpoint`` to the members the job published."""
-        keys = JobKeys(self.job)
-        for endpoint in self.endpoint.split(","):
-            try:
-                with connect(endpoint, retry_timeout=2, timeout=2) as store:
-                    told = records.read(store.get(keys.etcd_endpoints), endpoints_record)
-                    kvs, _ = store.get_prefix(keys.etcd_members)
-            except StoreError:
-                continue
-            if told is not None:
-                self.endpoint = ",".join(told.endpoints)
-            return {rec.node_id for rec in (records.read(kv, member_record) for kv in kvs) if rec is not None}
-        return set()
-
-    def members_settled(self) -> bool:
-        """The hosted job's etcd has the size its live nodes call for (its published endpoints): a node started
-        now joins at a member that stays (one removed later would leave it waiting for a dead address)."""
-        self._hosted_members()
-        return len(self.endpoint.split(",")) == target_size(len(self.live()))
-
-    def client_endpoint(self) -> str:
-        """Where a client reaches the job's etcd: with a hosted etcd a member that answers now (the last known
-        one when none does)."""
-        if not self.hosted:
-            return self.endpoint
-        self._hosted_members()
-        return next((e for e in self.endpoint.split(",") if answers(f"http://{e}", 1.0)), self.endpoint.split(",")[0])
-
-    def member_agents(self) -> List[AgentProc]:
-        """The live agents whose node runs a member of the hosted job's etcd, the first host first."""
-        holders = self._hosted_members()
-        return sorted((a for a in self.live() if a.label in holders), key=lambda a: a.started)
+    def start_etcd(self) -> None:
+        """Start the one member (on the host side of the namespace, if any) or the 3-member cluster (the sweep at
+        the end stops them)."""
+        etcd_dir = self.run_dir / "etcd"
+        if self.etcd_members == 3:
+            etcd_dir.mkdir()
+            self.members = EtcdCluster(3, base_dir=str(etcd_dir))
+            for m in self.members.members.values():
+                m.log_path = str(etcd_dir / f"{m.name}.log")
+            self.endpoint = self.members.start(timeout=60).endpoints
+        else:
+            self.etcd = EtcdServer(host=self.host_addr, data_dir=str(etcd_dir), log_path=f"{etcd_dir}.log")
+            self.endpoint = self.etcd.start(timeout=60).endpoint
 
     def start(self, slot: int) -> AgentProc:
         """Start a new agent (the next incarnation) for node ``slot``."""
         incarnation = sum(1 for a in self.agents if a.slot == slot)
-        machine, netns = self.machine, self.machine.netns
-        log = machine.run_dir / f"agent-slot{slot}-{incarnation}.log"
+        netns, label = self.netns, f"slot{slot}.{incarnation}"
+        log = self.run_dir / f"agent-slot{slot}-{incarnation}.log"
         in_ns = netns is not None and slot == self.ns_slot
         env = dict(self.env)
         if netns is not None:
             env["GLOO_SOCKET_IFNAME"] = netns.ns_if if in_ns else netns.host_if
         port = free_port()
         cmd = [sys.executable, "-m", "elasticrun", "run", "--nnodes", "2:4", "--nproc-per-node", "1",
-               *self._rdzv_args(), "--rdzv-id", self.job, "--node-id", f"slot{slot}.{incarnation}",
-               "--local-addr", netns.ns_addr if (in_ns and netns) else machine.host_addr,
+               "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.job, "--node-id", label,
+               "--local-addr", netns.ns_addr if (in_ns and netns) else self.host_addr,
                "--max-restarts", "100000", "--heartbeat-timeout", str(self.heartbeat), "--rescale-timeout", "600",
-               "--join-timeout", "600", "--hang-timeout", f"{machine.hang_timeout:g}", "--metrics-port", str(port),
-               "--events-file", str(self.events_file),
-               str(self.code_root / WORKER_REL), *machine.worker_args]
+               "--join-timeout", "600", "--hang-timeout", f"{self.hang_timeout:g}", "--metrics-port", str(port),
+               "--events-file", str(self.events_file), str(self.code_root / WORKER), *self.worker_args]
         if in_ns and netns is not None:
             cmd = ["ip", "netns", "exec", netns.ns, *cmd]
         with open(log, "ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                     cwd=str(self.code_root), start_new_session=True)
-        self.agents.append(AgentProc(slot, incarnation, proc, time.time(), log, port))
+        self.agents.append(AgentProc(slot, label, proc, time.time(), log, port))
         return self.agents[-1]
 
     def live(self) -> List[AgentProc]:
         return [a for a in self.agents if a.proc.poll() is None]
 
     def offer_inplace(self) -> bool:
-        """Every live node's record says its workers opted in to in-place re-forming (a crash before that
-        takes the restart path, as it should)."""
+        """Every live node's record says its workers opted in to in-place re-forming."""
         keys = JobKeys(self.job)
         try:
-            with connect(self.client_endpoint(), retry_timeout=2, timeout=2) as store:
+            with connect(self.endpoint, retry_timeout=2, timeout=2) as store:
                 nodes = [records.read(store.get(keys.node(a.label)), node_record) for a in self.live()]
         except StoreError:
             return False
         return all(node is not None and node.inplace for node in nodes)
 
     def status_json(self) -> Tuple[Optional[Dict[str, Any]], str]:
-        """``elasticrun status --json`` of the job as an operator reads it, run with the agents' code and
-        environment: (its document, "") or (None, why there is none)."""
-        cmd = [sys.executable, "-m", "elasticrun", "status", "--rdzv-endpoint", self.client_endpoint(),
+        """``elasticrun status --json`` of the job, run as an operator would: (its document, "") or (None, why)."""
+        cmd = [sys.executable, "-m", "elasticrun", "status", "--rdzv-endpoint", self.endpoint,
                "--rdzv-id", self.job, "--json"]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=self.env,
                                   cwd=str(self.code_root))
-        except (OSError, subprocess.TimeoutExpired) as err:
-            return None, f"elasticrun status failed: {err}"
-        if proc.returncode != 0 or "Traceback" in proc.stderr:
-            return None, f"elasticrun status exited {proc.returncode}: {proc.stderr.strip()[-300:]}"
-        try:
+            if proc.returncode != 0 or "Traceback" in proc.stderr:
+                return None, f"elasticrun status exited {proc.returncode}: {proc.stderr.strip()[-300:]}"
             return json.loads(proc.stdout), ""
-        except ValueError:
-            return None, f"elasticrun status printed no JSON: {proc.stdout.strip()[-300:]}"
-
-    def close(self) -> None:
-        """Kill every agent and everything below it, and reap them."""
-        kill_tree([a.pid for a in self.agents])
-
-
-@dataclass
-class Machine:
-    """What the soak set up on this host for the faults to act on; the fault kinds' ``prepare`` add to it. The
-    workers poll ``hang_file`` (a PID: that worker hangs), ``shm_file`` (a node id: its memory tier is full)
-    and ``stop_file`` (the step the job ends at)."""
-
-    run_dir: Path
-    root: bool  # running as root: tmpfs mounts and network namespaces are possible
-    etcd_members: int
-    hang_timeout: float
-    worker_args: List[str]
-    undo: Callable[[Callable[[], object]], object]  # adds a cleanup action (run in reverse order)
-    netns: Optional[NetNs] = None
-    tmpfs: Optional[Tmpfs] = None
-    etcd: Optional[EtcdServer] = None  # the one member
-    members: Optional[EtcdCluster] = None  # with --etcd-members 3
-
-    def __post_init__(self) -> None:
-        self.ckpt_root, self.audit_dir = self.run_dir / "ckpts", self.run_dir / "audit"
-        self.hang_file, self.shm_file = self.run_dir / "hang-pid", self.run_dir / "shm-full-node"
-        self.stop_file = self.run_dir / "stop-at-step"
-
-    @property
-    def host_addr(self) -> str:
-        """The host's address for the job: the host side of the network namespace, if any, else loopback."""
-        return self.netns.host_addr if self.netns else "127.0.0.1"
-
-    def set_up(self, field_name: str, thing: Union[NetNs, Tmpfs], needs: str) -> Optional[str]:
-        """``thing.setup()`` (as root only); once done, it is this machine's ``field_name`` and its ``close`` is
-        on the undo list. Why it could not be set up, or None."""
-        why = thing.setup() if self.root else f"needs root ({needs})"
-        if not why:
-            setattr(self, field_name, thing)
-            self.undo(thing.close)
-        return why
+        except (OSError, subprocess.TimeoutExpired, ValueError) as err:
+            return None, f"elasticrun status failed: {err}"

@@ -1,16 +1,11 @@
-"""examples/train.py with a sample audit log, for the chaos soak; the agents run it instead of the example (which
-is unchanged: this wrapper patches the names it looks up at call time), every argument going to the example.
+"""examples/train.py (unchanged: this wrapper patches the names it looks up at call time) with a sample audit log,
+run by the chaos soak's agents; every argument goes to the example.
 
-- Each optimizer step appends a JSON line to ``$CHAOS_AUDIT_DIR/<node>-<pid>.jsonl``: step, epoch, this rank's
-  sample indices and the sampler position after them, with the round, restart count, rank and world size the
-  worker is in when it writes (a worker kept through an in-place re-form logs its new round). ``resume`` and
-  ``reform`` lines say where a round began (a checkpoint; the survivors' state); ``save``/``save_failed``,
-  ``snapshot``/``snapshot_failed`` and ``restore_fallback`` lines what the tiers did. One ``os.write`` per line
-  on an ``O_APPEND`` descriptor: a SIGKILL loses at most the line being written.
-- The worker whose PID is in ``$CHAOS_HANG_FILE`` sleeps forever after its next step (the ``hang`` fault).
-- While ``$CHAOS_SHM_FULL_FILE`` names this node, ``ELASTICRUN_SNAPSHOT_MEMORY`` is 1 byte here (``shm_full``).
-- ``--steps`` becomes the number in ``$CHAOS_STOP_FILE`` once it exists: the job ends at a step every rank
-  agrees on.
+Each optimizer step appends a JSON line (step, epoch, this rank's sample indices, the sampler position after them,
+round, restart, rank, world) to ``$CHAOS_AUDIT_DIR/<node>-<pid>.jsonl``, one ``os.write`` on an ``O_APPEND``
+descriptor; ``resume``/``reform`` lines say where a round began, ``save``/``snapshot`` (``_failed``) and
+``restore_fallback`` what the tiers did. The soak steers it through files: ``$CHAOS_HANG_FILE`` (this PID: hang),
+``$CHAOS_SHM_FULL_FILE`` (this node: a 1-byte memory tier) and ``$CHAOS_STOP_FILE`` (the new ``--steps``).
 """
 
 from __future__ import annotations
@@ -35,7 +30,6 @@ SHM_CAP = os.environ.get(env_names.SNAPSHOT_MEMORY)
 
 
 def _file_text(var: str) -> Optional[str]:
-    """The stripped content of the file ``$var`` names, or None (no variable, no file)."""
     try:
         return Path(os.environ[var]).read_text().strip()
     except (KeyError, OSError):
@@ -43,7 +37,7 @@ def _file_text(var: str) -> Optional[str]:
 
 
 class Audit:
-    """One worker's append-only JSON-lines log in ``directory`` (None: no log, every line is dropped)."""
+    """One worker's append-only JSON-lines log in ``directory`` (None: lines are dropped)."""
 
     def __init__(self, directory: Optional[str]) -> None:
         name = f"{NODE.replace('/', '_').replace('@', '_') or 'node'}-{os.getpid()}.jsonl"
@@ -53,7 +47,6 @@ class Audit:
         self.reformed_to = -1  # the round of the last ``reform`` line
 
     def write(self, event: str, **fields: Any) -> None:
-        """Append one line: ``event``, the time, this worker's pid, node, round, restart, rank, world and ``fields``."""
         if self.fd is None:
             return
         now = {key: int(os.environ.get(name, "") or default) for key, name, default in (
@@ -92,9 +85,7 @@ class AuditedSampler(et.ElasticDistributedSampler):
 
 
 class AuditedInPlace(et.InPlace):
-    """The example's in-place re-forming, logging a ``reform`` line (the new round, the step it goes on from)
-    whenever this worker enters a round without a restart: as a newcomer given the survivors' state, or kept
-    through a re-form (after a join, a leave, or a peer's crash)."""
+    """Logs a ``reform`` line whenever this worker enters a round without a restart (a newcomer or kept)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -116,18 +107,14 @@ class AuditedInPlace(et.InPlace):
 
 
 def _shm_full_if_told() -> None:
-    """This worker's memory-tier cap is 1 byte while ``$CHAOS_SHM_FULL_FILE`` names its node, else its own."""
-    if _file_text("CHAOS_SHM_FULL_FILE") == NODE:
-        os.environ[env_names.SNAPSHOT_MEMORY] = "1"
-    elif SHM_CAP is None:
+    cap = "1" if _file_text("CHAOS_SHM_FULL_FILE") == NODE else SHM_CAP
+    if cap is None:
         os.environ.pop(env_names.SNAPSHOT_MEMORY, None)
     else:
-        os.environ[env_names.SNAPSHOT_MEMORY] = SHM_CAP
+        os.environ[env_names.SNAPSHOT_MEMORY] = cap
 
 
 class _Fallbacks(logging.Handler):
-    """Audits each checkpoint ``load_latest`` gave up on (a ``restore_fallback`` line)."""
-
     def emit(self, record: logging.LogRecord) -> None:
         if record.levelno >= logging.WARNING and "cannot be loaded" in record.getMessage():
             AUDIT.write("restore_fallback", error=record.getMessage()[:300])
@@ -147,8 +134,6 @@ def _load_latest(*args: Any, **kwargs: Any) -> Any:
 
 
 def _audited(fn: Callable[..., Any], done: str, failed: str) -> Callable[..., Any]:
-    """``fn`` logging a ``done`` line (with the name it returned, if any) or a ``failed`` line with the error."""
-
     def call(*args: Any, **kwargs: Any) -> Any:
         step = AUDIT.step
         try:
@@ -163,8 +148,6 @@ def _audited(fn: Callable[..., Any], done: str, failed: str) -> Callable[..., An
 
 
 class StopArgs(argparse.Namespace):
-    """The example's arguments, with ``steps`` read from ``$CHAOS_STOP_FILE`` once it holds a number."""
-
     @property
     def steps(self) -> int:
         told = _file_text("CHAOS_STOP_FILE")
@@ -191,7 +174,6 @@ def main() -> int:
     ckpt_pkg.Snapshotter.snapshot = _audited(  # type: ignore[method-assign]
         ckpt_pkg.Snapshotter.snapshot, "snapshot", "snapshot_failed")
     parse_args = example.parse_args
-
     example.parse_args = lambda argv=None: StopArgs(**vars(parse_args(argv)))
     code = int(example.main(sys.argv[1:]) or 0)
     AUDIT.write("exit", code=code, step=AUDIT.step)
