@@ -129,7 +129,7 @@ def test_audit_finds_the_lineage_and_counts_rollbacks_and_duplicates():
 
 
 def test_each_fault_is_recovered_as_the_rounds_formed_until_the_next_one_say():
-    from scripts.chaos.kinds import Fault
+    from scripts.chaos.kinds import Fault, How
     from scripts.chaos.report import how_recovered
 
     faults = [Fault(KINDS[k], 0.0, 0.0, 1.0, t_start=t) for k, t in
@@ -146,8 +146,8 @@ def test_each_fault_is_recovered_as_the_rounds_formed_until_the_next_one_say():
               ev("restart", 5, 51.0, "in_place"), ev("restart", 5, 51.2, "restart", "b")]  # one agent restarted
     how_recovered(faults, events)
     assert [(f.kind.name, f.how) for f in faults] == [
-        ("worker_kill", "in_place"), ("bad_record", "none"), ("partition", "none"),
-        ("graceful_leave", "in_place"), ("hang", "restart")]
+        ("worker_kill", How.IN_PLACE), ("bad_record", How.NONE), ("partition", How.NONE),
+        ("graceful_leave", How.IN_PLACE), ("hang", How.RESTART)]
 
 
 def test_schedule_is_seeded_and_covers_every_kind():
@@ -180,6 +180,18 @@ def test_bad_arguments_give_one_line():
                            "--faults", "leader_loss"], capture_output=True, text=True, timeout=60, cwd=str(REPO))
     assert proc.returncode == 2 and "leader_loss need --etcd-members 3" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.integration
+def test_a_hosted_etcd_run_draws_no_kind_that_needs_an_etcd_of_the_soaks_own():
+    every = parse(["--minutes", "1", "--seed", "3", "--hosted-etcd"])
+    names = {k.name for k in every.kinds}
+    assert "agent_kill" in names and not names & {"etcd_restart", "etcd_outage", "member_loss", "leader_loss"}
+    for argv, says in ((["--faults", "etcd_outage"], "etcd_outage need an etcd of the soak's own"),
+                       (["--etcd-members", "3"], "--hosted-etcd and --etcd-members are exclusive")):
+        proc = subprocess.run([sys.executable, "-m", "scripts.chaos", "--minutes", "1", "--seed", "1", "--hosted-etcd",
+                               *argv], capture_output=True, text=True, timeout=60, cwd=str(REPO))
+        assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
 # A worker crash, a graceful leave and a lost node (each recovered in place) with a malformed record between the

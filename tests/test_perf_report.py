@@ -258,18 +258,18 @@ def test_bench_all_runs_records_and_goes_on(tmp_path):
     out.mkdir()
     t0 = time.monotonic()
     slow = ba.run_one(ba.Spec("slow", str(script), ["--mode", "sleep"], 60), out, "cpu", sys.executable, limit_s=3)
-    assert slow.status == "timeout" and time.monotonic() - t0 < 40 and "stopped after 3 s" in slow.notes
+    assert slow.status is ba.Status.TIMEOUT and time.monotonic() - t0 < 40 and "stopped after 3 s" in slow.notes
     bad = ba.run_one(ba.Spec("bad", str(script), ["--mode", "ok", "--nope", "1"], 60), out, "cpu", sys.executable, 60)
-    assert bad.status == "failed" and bad.returncode == 2 and any("--nope" in n for n in bad.notes)
+    assert bad.status is ba.Status.FAILED and bad.returncode == 2 and any("--nope" in n for n in bad.notes)
     crash = ba.run_one(ba.Spec("crash", str(script), ["--mode", "crash"], 60), out, "cuda", sys.executable, 60)
-    assert crash.status == "failed" and crash.returncode == 1 and crash.json is None
+    assert crash.status is ba.Status.FAILED and crash.returncode == 1 and crash.json is None
     assert any("crashed on purpose" in n for n in crash.notes) and any("takes no --device" in n for n in crash.notes)
     ok = ba.run_one(ba.Spec("ok", str(script), ["--mode", "ok"], 60), out, "cpu", sys.executable, 60)
-    assert ok.status == "ok" and json.loads((out / "ok.json").read_text())["summary"][0]["metric"] == "m"
+    assert ok.status is ba.Status.OK and json.loads((out / "ok.json").read_text())["summary"][0]["metric"] == "m"
     assert "--json" in ok.command and (out / "ok.log").exists()
     (out / "quiet.json").write_text("{}")  # an earlier run's file
     quiet = ba.run_one(ba.Spec("quiet", str(silent), [], 60), out, "cpu", sys.executable, 60)
-    assert quiet.status == "failed" and quiet.json is None and "no JSON written" in quiet.notes
+    assert quiet.status is ba.Status.FAILED and quiet.json is None and "no JSON written" in quiet.notes
 
 
 def test_bench_all_rerun_updates_the_run_in_place(tmp_path):
@@ -280,7 +280,7 @@ def test_bench_all_rerun_updates_the_run_in_place(tmp_path):
                                                          "host": {"cpus": 2}, "benches": rows}))
     head = {"preset": "quick", "device": "cpu", "started": 9.0, "host": {}}
     kept = ba._earlier(tmp_path, head, rerun={"b"}, preset={"a", "b"})
-    assert [(r.name, r.status) for r in kept] == [("a", "ok")] and head["started"] == 5.0
+    assert [(r.name, r.status) for r in kept] == [("a", ba.Status.OK)] and head["started"] == 5.0
     assert ba._earlier(tmp_path, {"preset": "full", "device": "cpu", "started": 1.0, "host": {}}, {"b"}, {"a"}) == []
 
 

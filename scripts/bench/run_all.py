@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -95,14 +96,20 @@ def _specs(preset: str, scratch: str) -> List[Spec]:
             for name, script, args, timeout_s in PRESETS[preset]]
 
 
+class Status(str, Enum):
+    """What became of one benchmark run."""
+
+    OK, FAILED, TIMEOUT, SKIPPED = "ok", "failed", "timeout", "skipped"
+
+
 @dataclass
 class Result:
-    """One row of the manifest; ``status``: ok, failed, timeout or skipped."""
+    """One row of the manifest."""
 
     name: str
     script: str
     command: str
-    status: str
+    status: Status
     seconds: float = 0.0
     returncode: Optional[int] = None
     json: Optional[str] = None
@@ -141,10 +148,10 @@ def run_one(spec: Spec, out: Path, device: str, python: str, limit_s: float) -> 
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
         try:
             rc: Optional[int] = proc.wait(limit_s)
-            status = "ok" if rc == 0 else "failed"
+            status = Status.OK if rc == 0 else Status.FAILED
         except subprocess.TimeoutExpired:
             _stop(proc)
-            rc, status = proc.returncode, "timeout"
+            rc, status = proc.returncode, Status.TIMEOUT
             notes.append(f"stopped after {limit_s:.0f} s")
         except BaseException:
             _stop(proc, grace=5.0)
@@ -152,10 +159,10 @@ def run_one(spec: Spec, out: Path, device: str, python: str, limit_s: float) -> 
     res = Result(spec.name, spec.script, shown, status, round(time.monotonic() - t0, 1), rc, log=log.name, notes=notes)
     if json_path.exists():
         res.json = json_path.name
-    elif status == "ok":
-        res.status = "failed"
+    elif status is Status.OK:
+        res.status = Status.FAILED
         res.notes.append("no JSON written")
-    if res.status != "ok":
+    if res.status is not Status.OK:
         tail = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()][-1:]
         res.notes += [f"last line: {tail[0][:200]}"] if tail else []
     return res
@@ -187,7 +194,8 @@ def _earlier(out: Path, head: Dict[str, object], rerun: set, preset: set) -> Lis
     if (old["preset"], old["device"]) != (head["preset"], head["device"]):
         return []
     head.update(started=old["started"], host=old["host"])
-    return [Result(**r) for r in old["benches"] if r["name"] not in rerun and r["name"] in preset]
+    return [Result(**dict(r, status=Status(r["status"]))) for r in old["benches"]
+            if r["name"] not in rerun and r["name"] in preset]
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
@@ -234,14 +242,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             left = deadline - time.monotonic()
             if left < args.min_slot:
                 notes = [f"budget: {max(left, 0):.0f} s left"]
-                results.append(Result(spec.name, spec.script, "", "skipped", notes=notes))
+                results.append(Result(spec.name, spec.script, "", Status.SKIPPED, notes=notes))
                 print(f"[run_all] {spec.name}: skipped (budget)", flush=True)
                 continue
             limit = min(spec.timeout_s * args.timeout_scale, left)
             print(f"[run_all] {spec.name}: {SHOWN}/{spec.script} (limit {limit:.0f} s)", flush=True)
-            results.append(Result(spec.name, spec.script, "", "failed", notes=["interrupted"]))  # until it returns
+            results.append(Result(spec.name, spec.script, "", Status.FAILED, notes=["interrupted"]))  # until it returns
             results[-1] = res = run_one(spec, args.out, args.device, sys.executable, limit)
-            print(f"[run_all] {spec.name}: {res.status} in {res.seconds:.0f} s"
+            print(f"[run_all] {spec.name}: {res.status.value} in {res.seconds:.0f} s"
                   + (f" ({'; '.join(res.notes)})" if res.notes else ""), flush=True)
             _write_manifest(args.out, head, earlier + results, order)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the bench's group was stopped; keep what was measured
@@ -250,7 +258,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 130
     head.update(finished=time.time(), loadavg_end=[round(x, 2) for x in os.getloadavg()])
     _write_manifest(args.out, head, earlier + results, order)
-    bad = [r.name for r in results if r.status in ("failed", "timeout")]
+    bad = [r.name for r in results if r.status in (Status.FAILED, Status.TIMEOUT)]
     print(f"[run_all] done: {len(results) - len(bad)}/{len(results)} ok; results in {args.out}"
           + (f"; failed: {', '.join(bad)}" if bad else ""))
     return 1 if bad else 0

@@ -24,7 +24,7 @@ from elasticrun.errors import ElasticrunError
 from scripts.bench.common import interrupt_on, kill_tree
 
 from .audit import Tail, analyse
-from .env import Machine
+from .env import HOSTED, Machine
 from .kinds import DRAWN, schedule
 from .report import render, summary
 from .soak import Soak
@@ -43,6 +43,8 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--shuffle", action="store_true", help="shuffle the --faults kinds in each round")
     p.add_argument("--etcd-members", type=int, default=1, choices=[1, 3], help="3: a local 3-member etcd (faults "
                    "member_loss, leader_loss instead of etcd_restart, etcd_outage)")
+    p.add_argument("--hosted-etcd", action="store_true", help="the job hosts its etcd (c10d line, 3 members on 3 "
+                   "nodes); agent_kill kills a node that runs a member, the first host while it lives")
     p.add_argument("--hang-timeout", type=float, default=10.0, help="the agents' --hang-timeout (0: off, no hang)")
     p.add_argument("--json", action="store_true", help="also print the summary as one JSON line")
     p.add_argument("--json-file", help="write the summary as JSON here")
@@ -52,6 +54,9 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
         p.error(f"--minutes must be in (0, 1440], got {args.minutes}")
     if not (args.hang_timeout == 0 or 2 <= args.hang_timeout <= 600):
         p.error(f"--hang-timeout must be 0 (off) or between 2 and 600 seconds, got {args.hang_timeout:g}")
+    if args.hosted_etcd and args.etcd_members != 1:
+        p.error("--hosted-etcd and --etcd-members are exclusive: the job's own etcd sizes itself")
+    args.etcd_members = HOSTED if args.hosted_etcd else args.etcd_members
     args.shuffle = args.shuffle or args.faults == "all"
     names = {k.name: k for k in DRAWN}
     wanted = list(names) if args.faults == "all" else [f.strip() for f in args.faults.split(",") if f.strip()]
@@ -60,7 +65,8 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
         p.error(f"unknown fault kind(s) {', '.join(bad) or '(none)'}; choose from {', '.join(names)}")
     wrong = [w for w in wanted if names[w].etcd_members not in (0, args.etcd_members)]
     if wrong and args.faults != "all":
-        p.error(f"fault kind(s) {', '.join(wrong)} need --etcd-members {4 - args.etcd_members}")
+        p.error(f"fault kind(s) {', '.join(wrong)} need " + ("an etcd of the soak's own: drop --hosted-etcd"
+                if args.hosted_etcd else f"--etcd-members {4 - args.etcd_members}"))
     args.kinds = [names[w] for w in wanted if w not in wrong]
     return args
 

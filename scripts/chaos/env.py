@@ -19,10 +19,13 @@ import psutil
 from elasticrun.errors import StoreError
 from elasticrun.job import records
 from elasticrun.job.keys import JobKeys
+from elasticrun.rendezvous.etcdplan import endpoints_record, member_record, target_size
 from elasticrun.rendezvous.records import node_record
 from elasticrun.store.client import connect
+from elasticrun.store.members import answers
 from elasticrun.store.server import EtcdCluster, EtcdServer, free_port
 
+HOSTED = 0  # Machine.etcd_members of a job that hosts its own etcd (--hosted-etcd)
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().relative_to(REPO).parent / "worker.py"  # scripts/chaos/worker.py
 
@@ -189,7 +192,7 @@ class Machine:
     hang_timeout: float
     worker_args: List[str]
     undo: Callable[[Callable[[], object]], object]  # adds a cleanup action (run in reverse order)
-    endpoint: str = ""  # etcd's, once started
+    endpoint: str = ""  # etcd's, once started; with a hosted etcd: the members the job published, as last read
     netns: Optional[NetNs] = None
     ns_slot: Optional[int] = None  # the node slot in the network namespace
     tmpfs: Optional[Tmpfs] = None
@@ -200,6 +203,7 @@ class Machine:
     def __post_init__(self) -> None:
         run = self.run_dir
         self.root = os.geteuid() == 0  # tmpfs mounts and network namespaces are possible
+        self.hosted = self.etcd_members == HOSTED  # the job hosts its etcd (c10d line); ``endpoint`` follows it
         self.ckpt_root, self.audit_dir, self.code_root = run / "ckpts", run / "audit", run / "code"
         self.hang_file, self.shm_file, self.stop_file = run / "hang-pid", run / "shm-full-node", run / "stop-at-step"
         self.events_file = run / "events.jsonl"  # the agents' shared --events-file
@@ -231,9 +235,11 @@ class Machine:
 
     def start_etcd(self) -> None:
         """Start the one member (on the host side of the namespace, if any) or the 3-member cluster (the sweep at
-        the end stops them)."""
+        the end stops them); a hosted etcd: the endpoint its first agent hosts it at."""
         etcd_dir = self.run_dir / "etcd"
-        if self.etcd_members == 3:
+        if self.hosted:
+            self.endpoint = f"127.0.0.1:{free_port()}"
+        elif self.etcd_members == 3:
             etcd_dir.mkdir()
             self.members = EtcdCluster(3, base_dir=str(etcd_dir))
             for m in self.members.members.values():
@@ -242,6 +248,34 @@ class Machine:
         else:
             self.etcd = EtcdServer(host=self.host_addr, data_dir=str(etcd_dir), log_path=f"{etcd_dir}.log")
             self.endpoint = self.etcd.start(timeout=60).endpoint
+
+    def member_agents(self) -> List[AgentProc]:
+        """The live agents whose node runs a member of the hosted job's etcd (its member records, read at the first
+        member that answers), the first host first; updates ``endpoint`` to the members the job published."""
+        keys = JobKeys(self.job)
+        for endpoint in self.endpoint.split(","):
+            try:
+                with connect(endpoint, retry_timeout=2, timeout=2) as store:
+                    told = records.read(store.get(keys.etcd_endpoints), endpoints_record)
+                    kvs, _ = store.get_prefix(keys.etcd_members)
+            except StoreError:
+                continue
+            self.endpoint = ",".join(told.endpoints) if told is not None else self.endpoint
+            holders = {rec.node_id for rec in (records.read(kv, member_record) for kv in kvs) if rec is not None}
+            return sorted((a for a in self.live() if a.label in holders), key=lambda a: a.started)
+        return []
+
+    def members_settled(self) -> bool:
+        """The hosted job's etcd has the members its live nodes call for: a node started now joins at one that stays."""
+        self.member_agents()
+        return len(self.endpoint.split(",")) == target_size(len(self.live()))
+
+    def client_endpoint(self) -> str:
+        """Where a client reaches the job's etcd: a hosted one at a member that answers now (else the last known)."""
+        if not self.hosted or not self.agents:
+            return self.endpoint
+        self.member_agents()
+        return next((e for e in self.endpoint.split(",") if answers(f"http://{e}", 1.0)), self.endpoint.split(",")[0])
 
     def start(self, slot: int) -> AgentProc:
         """Start a new agent (the next incarnation) for node ``slot``."""
@@ -253,8 +287,10 @@ class Machine:
         if netns is not None:
             env["GLOO_SOCKET_IFNAME"] = netns.ns_if if in_ns else netns.host_if
         port = free_port()
-        cmd = [sys.executable, "-m", "elasticrun", "run", "--nnodes", "2:4", "--nproc-per-node", "1",
-               "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.job, "--node-id", label,
+        # hosted: the c10d line, the first agent hosts the etcd, later ones join at a live member (never a 2nd etcd)
+        rdzv = ["--rdzv-backend", "c10d", "--rdzv-conf", f"is_host={int(not self.agents)}"] if self.hosted else []
+        cmd = [sys.executable, "-m", "elasticrun", "run", "--nnodes", "2:4", "--nproc-per-node", "1", *rdzv,
+               "--rdzv-endpoint", self.client_endpoint(), "--rdzv-id", self.job, "--node-id", label,
                "--local-addr", netns.ns_addr if (in_ns and netns) else self.host_addr,
                "--max-restarts", "100000", "--heartbeat-timeout", str(self.heartbeat), "--rescale-timeout", "600",
                "--join-timeout", "600", "--hang-timeout", f"{self.hang_timeout:g}", "--metrics-port", str(port),
@@ -274,7 +310,7 @@ class Machine:
         """Every live node's record says its workers opted in to in-place re-forming."""
         keys = JobKeys(self.job)
         try:
-            with connect(self.endpoint, retry_timeout=2, timeout=2) as store:
+            with connect(self.client_endpoint(), retry_timeout=2, timeout=2) as store:
                 nodes = [records.read(store.get(keys.node(a.label)), node_record) for a in self.live()]
         except StoreError:
             return False
@@ -282,7 +318,7 @@ class Machine:
 
     def status_json(self) -> Tuple[Optional[Dict[str, Any]], str]:
         """``elasticrun status --json`` of the job, run as an operator would: (its document, "") or (None, why)."""
-        cmd = [sys.executable, "-m", "elasticrun", "status", "--rdzv-endpoint", self.endpoint,
+        cmd = [sys.executable, "-m", "elasticrun", "status", "--rdzv-endpoint", self.client_endpoint(),
                "--rdzv-id", self.job, "--json"]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=self.env,

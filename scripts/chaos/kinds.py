@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from elasticrun.job import records
@@ -29,13 +30,23 @@ if TYPE_CHECKING:
     from .soak import Soak
 
 
+class Recovery(str, Enum):
+    """Recovered at: a step of a round formed after the fault; any step; a checkpoint; the reused id's job's end."""
+
+    NEW_ROUND, ANY_STEP, CHECKPOINT, REUSED = "new_round", "any_step", "checkpoint", "reused"
+
+
+class How(str, Enum):
+    """Rounds formed until the next fault: each kept the others' workers; one restarted every worker; none."""
+
+    IN_PLACE, RESTART, NONE = "in_place", "restart", "none"
+
+
 class FaultKind:
     """One kind of fault: its recovery, its duration, ``prepare`` (the machine), ``inject`` and ``check``."""
 
     name: ClassVar[str]
-    # recovered at: new_round, a step of a round formed after the fault; any_step, a training step; checkpoint,
-    # a committed checkpoint; reused: the job under the reused id succeeded (the fault itself says when)
-    recovery: ClassVar[str] = "new_round"
+    recovery: ClassVar[Recovery] = Recovery.NEW_ROUND
     etcd_members: ClassVar[int] = 0  # 1 or 3: only with that many etcd members; 0: with any
     drawn: ClassVar[bool] = True  # False: never scheduled itself (node_leave is node_join's counterpart)
     span: ClassVar[Tuple[float, float]] = (0.0, 0.0)  # seconds it lasts, drawn uniformly
@@ -73,7 +84,7 @@ class Fault:
     notes: List[str] = field(default_factory=list)
     skipped: Optional[str] = None
     noted: Dict[str, Any] = field(default_factory=dict)  # what ``inject`` noted for ``check``
-    how: str = "none"  # in_place: every round formed kept the other nodes' workers; restart: one restarted all
+    how: How = How.NONE
 
     def choose(self, items: Sequence[Any]) -> Any:
         return items[int(self.pick * len(items)) % len(items)]
@@ -81,7 +92,7 @@ class Fault:
     @property
     def t_ref(self) -> float:
         """Timed from the start when the job must re-form or a reused id's job run, else from the end (healed)."""
-        return self.t_start if self.kind.recovery in ("new_round", "reused") else self.t_end
+        return self.t_start if self.kind.recovery in (Recovery.NEW_ROUND, Recovery.REUSED) else self.t_end
 
     @property
     def ttr(self) -> Optional[float]:
@@ -149,9 +160,17 @@ class AgentKill(FaultKind):
     name, span = "agent_kill", (0.5, 4.0)
 
     def inject(self, soak: Soak, f: Fault) -> None:
-        agent, gen0 = f.choose(_spare_rank0(soak, soak.live_agents(), lambda a: a.label)), soak.newest_gen
-        f.target, agent.expected_exit = f"node {agent.label}", True
+        machine = soak.machine  # with a hosted etcd: kill a node that runs a member, the first host while it lives
+        if machine.hosted and not soak.wait(machine.members_settled, soak.deadline_s):
+            soak.violations.append(f"the job's etcd did not have the members its {len(machine.live())} nodes "
+                                   f"call for within {soak.deadline_s:.0f}s (endpoints {machine.endpoint})")
+        live = soak.live_agents()
+        holders = [a for a in machine.member_agents() if a in live] if machine.hosted else []
+        agent, gen0 = holders[0] if holders else f.choose(_spare_rank0(soak, live, lambda a: a.label)), soak.newest_gen
+        f.target, agent.expected_exit = f"node {agent.label}{' (runs a member of the etcd)' * bool(holders)}", True
         kill_tree([agent.pid])
+        if holders and not soak.wait(machine.members_settled, soak.deadline_s):
+            f.notes.append("the job's etcd did not settle on its members")
         _rejoin(soak, f, agent, gen0)
 
 
@@ -204,7 +223,7 @@ class NodeLeave(GracefulLeave):
 
 
 class EtcdRestart(FaultKind):
-    name, recovery, etcd_members = "etcd_restart", "any_step", 1
+    name, recovery, etcd_members = "etcd_restart", Recovery.ANY_STEP, 1
 
     def inject(self, soak: Soak, f: Fault) -> None:
         etcd = soak.machine.etcd
@@ -214,7 +233,7 @@ class EtcdRestart(FaultKind):
 
 
 class EtcdOutage(FaultKind):
-    name, recovery, etcd_members = "etcd_outage", "any_step", 1
+    name, recovery, etcd_members = "etcd_outage", Recovery.ANY_STEP, 1
 
     def duration(self, rng: random.Random, minutes: float, heartbeat: float) -> float:
         return rng.uniform(2.0, max(2.0, min(60.0, 2.0 * minutes)))
@@ -230,7 +249,7 @@ class EtcdOutage(FaultKind):
 
 
 class DiskFull(FaultKind):
-    name, recovery, span = "disk_full", "checkpoint", (15.0, 15.0)  # at most, or until a save failed
+    name, recovery, span = "disk_full", Recovery.CHECKPOINT, (15.0, 15.0)  # at most, or until a save failed
 
     def prepare(self, machine: Machine) -> Optional[str]:
         return machine.set_up("tmpfs", Tmpfs(machine.ckpt_root, 64), "mount -t tmpfs")
@@ -244,7 +263,7 @@ class DiskFull(FaultKind):
 
 
 class Partition(FaultKind):
-    # one etcd member: the 3-member cluster listens on loopback only
+    # one etcd member: the 3-member and the hosted etcd listen on loopback only
     name, span, beyond_heartbeat, etcd_members = "partition", (2.0, 6.0), True, 1
 
     def prepare(self, machine: Machine) -> Optional[str]:
@@ -285,7 +304,7 @@ class ShmFull(FaultKind):
 
 
 class MemberLoss(FaultKind):
-    name, recovery, etcd_members, span = "member_loss", "any_step", 3, (2.0, 6.0)
+    name, recovery, etcd_members, span = "member_loss", Recovery.ANY_STEP, 3, (2.0, 6.0)
     leader = False
 
     def inject(self, soak: Soak, f: Fault) -> None:
@@ -351,7 +370,7 @@ BAD_RECORDS: List[Tuple[str, Callable[[JobKeys, int, str], str], bytes]] = [
 class BadRecord(FaultKind):
     """Every agent that read the record reports it exactly once and none exits; ``status --json`` answers."""
 
-    name, recovery, span = "bad_record", "any_step", (3.0, 6.0)  # every agent's loop turns meanwhile
+    name, recovery, span = "bad_record", Recovery.ANY_STEP, (3.0, 6.0)  # every agent's loop turns meanwhile
     notice = "ignoring a malformed record in etcd at "
 
     def inject(self, soak: Soak, f: Fault) -> None:
@@ -390,7 +409,7 @@ def _stalled_client(port: int) -> Optional[socket.socket]:
 class SlowMetrics(FaultKind):
     """~100 clients of one agent's ``--metrics-port`` stall in half a request; a well-behaved scrape is timed."""
 
-    name, recovery, span = "slow_metrics", "any_step", (4.0, 10.0)
+    name, recovery, span = "slow_metrics", Recovery.ANY_STEP, (4.0, 10.0)
 
     def inject(self, soak: Soak, f: Fault) -> None:
         agents = [a for a in soak.machine.live() if a.slot != soak.machine.ns_slot]
@@ -422,7 +441,7 @@ class JobReuse(FaultKind):
     """A one-node side job runs to its end; the moment it exits, a job with other arguments starts under the same
     id. It must start from round 0, run with its own arguments and exit 0."""
 
-    name, recovery = "job_reuse", "reused"
+    name, recovery = "job_reuse", Recovery.REUSED
 
     def inject(self, soak: Soak, f: Fault) -> None:
         n, machine = sum(1 for x in soak.faults if x.kind.name == self.name), soak.machine

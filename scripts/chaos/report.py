@@ -16,7 +16,7 @@ from elasticrun.cli.tables import Column, DataTable
 from elasticrun.launch.events import EventKind
 
 from .audit import AuditResult
-from .kinds import KINDS, Fault
+from .kinds import KINDS, Fault, How
 
 
 def _final_checks(root: str, audit: AuditResult) -> Dict[str, Any]:
@@ -44,21 +44,21 @@ def how_recovered(faults: List[Fault], events: List[str]) -> None:
             ev = json.loads(line)
             if ev.get("event") in (EventKind.RESTART, EventKind.RESCALE):
                 t, hows = rounds.setdefault(int(ev["round"]), (float(ev["time"]), set()))
-                rounds[int(ev["round"])] = (min(t, float(ev["time"])), hows | {str(ev["recovery"])})
+                rounds[int(ev["round"])] = (min(t, float(ev["time"])), hows | {How(ev["recovery"])})
         except (ValueError, KeyError, TypeError):
             continue  # a line cut by a SIGKILL, or not an event of this form
     done = [f for f in faults if not f.skipped]
     for f, nxt in zip(done, [*(g.t_start for g in done[1:]), float("inf")]):
         hows = set().union(*(hows for t, hows in rounds.values() if f.t_start <= t < nxt))
-        f.how = "restart" if "restart" in hows else "in_place" if hows else "none"
+        f.how = How.RESTART if How.RESTART in hows else How.IN_PLACE if hows else How.NONE
 
 
 def _figures(fs: List[Fault]) -> Dict[str, Any]:
     """Faults, recoveries (in place, by restart), median and worst time to recover, worst time to full strength."""
     ttrs = [f.ttr for f in fs if f.ttr is not None]
     full = [f.full_at - f.t_ref for f in fs if f.full_at is not None]
-    return {"faults": len(fs), "recovered": len(ttrs), "in_place": sum(f.how == "in_place" for f in fs),
-            "restart": sum(f.how == "restart" for f in fs),
+    return {"faults": len(fs), "recovered": len(ttrs), "in_place": sum(f.how is How.IN_PLACE for f in fs),
+            "restart": sum(f.how is How.RESTART for f in fs),
             "median_ttr_s": round(statistics.median(ttrs), 2) if ttrs else None,
             "worst_ttr_s": round(max(ttrs), 2) if ttrs else None,
             "worst_full_strength_s": round(max(full), 2) if full else None}
@@ -67,7 +67,8 @@ def _figures(fs: List[Fault]) -> Dict[str, Any]:
 def summary(args: Any, soak: Any, audit: AuditResult, skipped: Dict[str, str]) -> Dict[str, Any]:
     """Everything the table shows, plus every fault and violation."""
     elapsed = time.time() - soak.t0
-    doc, error = soak.machine.status_json()  # its goodput: the agents' accounts (docs/observability.md)
+    doc, error = soak.machine.status_json() if not soak.machine.hosted else (
+        None, "none: the job's own etcd, with its accounts, ended with the job")  # else the agents' accounts
     goodput = (doc or {}).get("goodput") or {"error": error or "the job's agents published no goodput account"}
     done = [f for f in soak.faults if not f.skipped]
     events = soak.machine.events_file
@@ -125,7 +126,7 @@ def render(res: Dict[str, Any], say: Callable[[str], None]) -> None:
     Console(file=buf, force_terminal=False, color_system=None, soft_wrap=True).print(table)
     say(buf.getvalue().rstrip())
     say(f"run: seed {res['seed']}, {res['minutes']:g} min of faults, {res['elapsed_s']:.0f} s in all, "
-        f"{res['etcd_members']} etcd member(s)")
+        + (f"{res['etcd_members']} etcd member(s)" if res["etcd_members"] else "the job's own etcd"))
     for part in ("steps", "checkpoints", "samples"):  # samples unlogged: trained by a rank killed before its line
         say(f"{part}: " + ", ".join(f"{name.replace('_', ' ')} {n}" for name, n in res[part].items()))
     line = goodput_line(res["goodput"])

@@ -12,7 +12,7 @@ from elasticrun.errors import ElasticrunError
 
 from .audit import Gen, Tail, gen_of
 from .env import AgentProc, Machine, alive, last_lines, write_atomic
-from .kinds import Fault
+from .kinds import Fault, Recovery
 
 
 @dataclass
@@ -154,7 +154,7 @@ class Soak:
         f.kind.check(self, f)
         where = f"{f.kind.name} ({f.target}) at +{f.t_start - self.t0:.0f}s"
         if not ok:
-            self.hang(f"{where}: no recovery ({f.kind.recovery}) within {self.deadline_s:.0f}s of its end (hang)")
+            self.hang(f"{where}: no recovery ({f.kind.recovery.value}) within {self.deadline_s:.0f}s of its end (hang)")
         elif self.wait(self.settled, self.deadline_s):
             f.full_at = time.time()
         elif not self.aborted:
@@ -175,15 +175,15 @@ class Soak:
     def _recovered(self, f: Fault, gen0: Optional[Gen]) -> bool:
         """Set ``f.recovered_at`` from the first audit line after ``f.t_ref`` that its kind's recovery asks for."""
         want = f.kind.recovery
-        if want == "reused":  # the fault itself set recovered_at
+        if want is Recovery.REUSED:  # the fault itself set recovered_at
             return True
         for r in self.tail.records[self._scan_from:]:
             if r["t"] <= f.t_ref:
                 continue
-            if want == "checkpoint":
+            if want is Recovery.CHECKPOINT:
                 hit = r["ev"] == "save" and int(r["rank"]) == 0
             else:  # a new round: not one formed before the fault (e.g. still re-forming after the last one)
-                hit = r["ev"] == "step" and (want == "any_step" or (
+                hit = r["ev"] == "step" and (want is Recovery.ANY_STEP or (
                     (gen0 is None or gen_of(r) > gen0) and self.gen_started[gen_of(r)] > f.t_start))
             if hit:
                 f.recovered_at = r["t"]
