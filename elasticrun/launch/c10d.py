@@ -132,7 +132,7 @@ class RoundStore:
                     self._current = True
                     return True
                 stale = (self._host, self._control)
-                ours, theirs = socket.socketpair()
+                ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # one order a message
                 try:
                     host = start_host(sock.fileno(), theirs.fileno())
                 except BaseException:

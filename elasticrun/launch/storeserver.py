@@ -101,9 +101,9 @@ def serve_store(fd: int, timeout_s: float = DEFAULT_TIMEOUT_S, control: Optional
                 break
             if not message:
                 break  # the agent is gone
-            if message.startswith(RETIRE):
+            if message == RETIRE:
                 del stores[:-1]
-            stores += [_hosted(new_fd, timeout_s) for new_fd in fds]
+            stores += [_hosted(new_fd, timeout_s) for new_fd in fds]  # SERVE
     os._exit(0)
 
 
