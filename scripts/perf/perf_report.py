@@ -20,7 +20,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 REPO = Path(__file__).resolve().parents[2]
 BEGIN = "<!-- summary:begin -->"
@@ -66,41 +66,59 @@ def scenario_label(scenario: str) -> str:
     return SCENARIOS.get(base, base) + (f" at {at}" if at else "")
 
 
+Point = Tuple[str, str, str, Tuple[float, float]]  # (op, tool, state/device tag, (GB, GB/s))
+
+
+def launch_items(data: Dict[str, Any]) -> Iterator[Tuple[str, Dict[str, Any]]]:
+    """bench_launch's strip-chart items, with their chart (``launch`` or ``recovery``): per scenario and
+    launcher, its ok runs' seconds and the phases of the median one."""
+    groups: Dict[Tuple[str, str], List[dict]] = {}
+    for r in data["runs"]:  # a crash at a set moment of the round is a scenario of its own
+        at = "" if r["crash_after"] is None else f"@{r['crash_after']:g}s"
+        groups.setdefault((r["scenario"] + at, r["launcher"]), []).append(r)
+    for (scenario, who), runs in groups.items():
+        ok = sorted((r for r in runs if r["outcome"] == "ok"), key=lambda r: r["seconds"])
+        phases = sorted(ok[len(ok) // 2]["phases"].items(), key=lambda kv: kv[1]) if ok else []
+        yield ("launch" if scenario.startswith("launch") else "recovery",
+               {"label": f"{who} · {scenario_label(scenario)}", "times": [r["seconds"] for r in ok],
+                "runs": len(runs), "phases": phases})
+
+
+def elastic_items(name: str, data: Dict[str, Any]) -> Iterator[Tuple[str, Dict[str, Any]]]:
+    """bench_elastic's strip-chart items (``scaleup`` for a join, else ``recovery``), per variant and scenario."""
+    run = "" if name == "elastic" else f" ({name})"  # e.g. elastic-join3: another job shape
+    for s in data["results"]:
+        yield ("scaleup" if s["scenario"] == "join" else "recovery",
+               {"label": f"{s['variant']} · {s['client']} client · {scenario_label(s['scenario'])}{run}",
+                "times": [o["seconds"] for o in s["outcomes"] if o["status"] == "ok"],
+                "runs": len(s["outcomes"]), "phases": []})
+
+
+def checkpoint_points(data: Dict[str, Any]) -> Iterator[Point]:
+    """bench_checkpoint's throughput points, tagged with a non-uniform state or a GPU."""
+    comp, size = data["compare"], data["compare"]["size_bytes"] / 1e9
+    tag = ", ".join(str(comp[k]) for k in ("state", "device") if comp[k] not in ("uniform", "cpu"))
+    for label, secs in comp["runs"].items():
+        found = [(op, label[: -len(suffix)]) for suffix, op in CKPT_OPS if label.endswith(suffix)]
+        if label.startswith("disk: cold"):
+            found = [("load", "disk: cold read")]
+        if found and secs:
+            yield (*found[0], f" [{tag}]" if tag else "", (size, size / statistics.median(secs)))
+
+
 def chart_data(inputs: Inputs) -> Dict[str, Any]:
     """Plain data for the charts: strip-chart items (per launcher or variant and scenario: its ok runs' seconds and
     the phases of the median one), checkpoint throughput (GB, GB/s) by op and tool, tagged with a non-uniform state
     or a GPU where the files differ in it, rendezvous runs."""
     out: Dict[str, Any] = {"recovery": [], "launch": [], "scaleup": [], "checkpoint": {}, "rendezvous": {},
                            "device": inputs.manifest["device"]}
-    points: List[Tuple[str, str, str, Tuple[float, float]]] = []
+    points: List[Point] = []
     for name, kind, data in inputs.benches:
-        if kind == "launch":
-            groups: Dict[Tuple[str, str], List[dict]] = {}
-            for r in data["runs"]:  # a crash at a set moment of the round is a scenario of its own
-                at = "" if r["crash_after"] is None else f"@{r['crash_after']:g}s"
-                groups.setdefault((r["scenario"] + at, r["launcher"]), []).append(r)
-            for (scenario, who), runs in groups.items():
-                ok = sorted((r for r in runs if r["outcome"] == "ok"), key=lambda r: r["seconds"])
-                phases = sorted(ok[len(ok) // 2]["phases"].items(), key=lambda kv: kv[1]) if ok else []
-                out["launch" if scenario.startswith("launch") else "recovery"].append(
-                    {"label": f"{who} · {scenario_label(scenario)}", "times": [r["seconds"] for r in ok],
-                     "runs": len(runs), "phases": phases})
-        elif kind == "elastic":
-            run = "" if name == kind else f" ({name})"  # e.g. elastic-join3: another job shape
-            for s in data["results"]:
-                out["scaleup" if s["scenario"] == "join" else "recovery"].append(
-                    {"label": f"{s['variant']} · {s['client']} client · {scenario_label(s['scenario'])}{run}",
-                     "times": [o["seconds"] for o in s["outcomes"] if o["status"] == "ok"],
-                     "runs": len(s["outcomes"]), "phases": []})
+        if kind in ("launch", "elastic"):
+            for chart, item in launch_items(data) if kind == "launch" else elastic_items(name, data):
+                out[chart].append(item)
         elif kind == "checkpoint":
-            comp, size = data["compare"], data["compare"]["size_bytes"] / 1e9
-            tag = ", ".join(str(comp[k]) for k in ("state", "device") if comp[k] not in ("uniform", "cpu"))
-            for label, secs in comp["runs"].items():
-                found = [(op, label[: -len(suffix)]) for suffix, op in CKPT_OPS if label.endswith(suffix)]
-                if label.startswith("disk: cold"):
-                    found = [("load", "disk: cold read")]
-                if found and secs:
-                    points.append((*found[0], f" [{tag}]" if tag else "", (size, size / statistics.median(secs))))
+            points.extend(checkpoint_points(data))
         elif kind == "rendezvous" and data["rows"]:
             out["rendezvous"][name] = data
     tags = {tag for _, _, tag, _ in points}
