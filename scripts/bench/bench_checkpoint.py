@@ -220,10 +220,9 @@ def main() -> None:
     print(md_table(["metric", "elasticrun", "alternative", "ratio (> 1: elasticrun wins)"],
                    ([r["metric"], f"{r['elasticrun']:.3f} {r['unit']}", f"{r['alternative']} {r['alt_value']:.3f}",
                      f"{r['ratio']:.2f}"] for r in rows), "lrlr"))
-    if args.json:
-        compare = {"state": args.state, "device": args.device, "size_bytes": real, "tensors": len(state),
-                   "eviction": "fadvise", "runs": runs}
-        write_json(args.json, {"compare": compare, "summary": rows})
+    compare = {"state": args.state, "device": args.device, "size_bytes": real, "tensors": len(state),
+               "eviction": "fadvise", "runs": runs}
+    write_json(args.json, {"compare": compare, "summary": rows})
 
 
 if __name__ == "__main__":

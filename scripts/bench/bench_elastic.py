@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import common
-from common import TORCHRUN_TUNED_CONF, TRAIN, Agents, AgentsExited, md_table, shown_command, summary_row, write_json
+from common import STEP, TORCHRUN_TUNED_CONF, TRAIN, Agents, AgentsExited, shown_command, summary_row, write_json
+
+from elasticrun.store.server import EtcdServer, free_port
 
 STABILITY_WINDOW = 1.0
-HERE = Path(__file__).resolve().parent
-STEP_RE = re.compile(r"STEP (\d+) WORLD (\d+) TIME (\d+(?:\.\d+)?)")  # elastic_worker.py's step lines
 EXAMPLE_RE = re.compile(r"(?:^|\]:)step (\d+) loss \S+ world (\d+)")  # examples/train.py's: timed when read
 CLIENTS = ["bench", "example", "inplace", "plain"]  # elastic_worker.py's modes and examples/train.py
 Step = Tuple[int, int, float]  # (step, world size, unix time)
@@ -43,13 +43,13 @@ def client_argv(client: str, out_dir: Path) -> List[str]:
     if client == "example":
         return [str(TRAIN), "--epochs", "1000000", "--ckpt-dir", str(out_dir / "ckpt"), "--ckpt-every", "0",
                 "--step-sleep", "0.05"]
-    return [str(HERE / "elastic_worker.py"), client, str(out_dir)]
+    return [str(Path(__file__).resolve().with_name("elastic_worker.py")), client, str(out_dir)]
 
 
 def parse_step(line: str, read_at: float) -> Optional[Step]:
     """The step that one output line reports (None: none)."""
-    m = STEP_RE.search(line) or EXAMPLE_RE.search(line)
-    return None if m is None else (int(m[1]), int(m[2]), float(m[3]) if m.re is STEP_RE else read_at)
+    m = STEP.search(line) or EXAMPLE_RE.search(line)
+    return None if m is None else (int(m[1]), int(m[2]), float(m[3]) if m.re is STEP else read_at)
 
 
 @dataclass(frozen=True)
@@ -156,8 +156,8 @@ def table(summaries: List[Summary]) -> str:
         rows.append([s.scenario, s.client, s.variant.label, len(s.outcomes), fmt(s.median()),
                      f"{fmt(min(t, default=None))}–{fmt(max(t, default=None))}",
                      *(sum(o.status == k for o in s.outcomes) for k in ("failed", "hang")), met, phases])
-    return md_table(["scenario", "client", "variant", "runs", "median s", "min–max s", "failed", "hung",
-                     "target s (met)", "phases"], rows)
+    return common.md_table(["scenario", "client", "variant", "runs", "median s", "min–max s", "failed", "hung",
+                            "target s (met)", "phases"], rows)
 
 
 def summary_rows(summaries: List[Summary], command: str) -> List[Dict[str, Any]]:
@@ -182,6 +182,7 @@ class Run:
         self.dir = log_root / re.sub(r"[^a-z0-9.]+", "-", f"{scenario}-{client}-{variant.label}-{index}".lower())
         self.dir.mkdir(parents=True, exist_ok=True)
         self.job = f"bench-{uuid.uuid4().hex[:8]}"
+        self.pid_file = self.dir / f"pid-{nodes * nproc - 1}"  # the last rank's worker (elastic_worker.py writes it)
         self.agents = Agents(log_dir=self.dir, parse=parse_step)
         env = self.agents.env  # none of a job's variables that the bench itself might run under
         for name in [k for k in env if k.startswith(("ELASTICRUN_", "TORCHELASTIC_", "TORCH_DISABLE_SHARE_"))]:
@@ -189,12 +190,9 @@ class Run:
         env["CUDA_VISIBLE_DEVICES"] = ""  # the simulated nodes share this host: NCCL would put each on cuda:0
         if variant.tuned:
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        from elasticrun.store.server import EtcdServer, free_port
-
         self.port = free_port()
-        self.etcd = None
-        if variant.launcher == "elasticrun" and not variant.hosted:
-            self.etcd = EtcdServer(log_path=str(self.dir / "etcd.log")).start()
+        own_etcd = variant.launcher == "elasticrun" and not variant.hosted  # else the c10d line: no etcd of ours
+        self.etcd = EtcdServer(log_path=str(self.dir / "etcd.log")).start() if own_etcd else None
 
     def command(self, name: str) -> List[str]:
         """The agent command line for node ``name`` (A hosts the c10d store)."""
@@ -220,14 +218,10 @@ class Run:
         """When node ``name``'s agent first printed a line containing ``text`` (None if not yet)."""
         return next((ln.t for ln in self.agents.lines(name) if text in ln.text), None)
 
-    def steps(self) -> List[Step]:
-        """Every ``(step, world, time)`` that rank 0 printed, through any agent."""
-        return self.agents.found()
-
     def pause(self, old: int, new: Optional[int], since: float) -> Dict[str, float]:
         """The survivors' pause (their last step at world ``old`` → their first after ``since`` at world ``new``,
         None: any) and the steps redone (the step counter went back)."""
-        rows = sorted((t, w, s) for (s, w, t) in self.steps())
+        rows = sorted((t, w, s) for (s, w, t) in self.agents.found())
         first = min(r for r in rows if r[0] >= since and new in (None, r[1]))
         last = max((r for r in rows if r[1] == old and r[0] < first[0]), default=first)
         return {"pause": round(first[0] - last[0], 3), "redone": max(0, last[2] - first[2] + 1)}
@@ -245,7 +239,7 @@ class Run:
         """Wait until ``count`` steps at ``world`` with time >= ``after`` appear in any agent's output."""
 
         def reached() -> Optional[float]:
-            rows = sorted(t for (_, w, t) in self.steps() if w == world and t >= after)
+            rows = sorted(t for (_, w, t) in self.agents.found() if w == world and t >= after)
             return rows[count - 1] if len(rows) >= count else None
 
         return self.wait(reached, after, timeout, f"a step at world size {world}")
@@ -263,20 +257,25 @@ class Run:
             self.etcd = None
 
 
+def steady(run: Run, names: List[str], timeout: float, warm_steps: int) -> Outcome:
+    """Start the scenario's first nodes, wait for ``warm_steps`` steps and what its change needs; ok, or why not."""
+    joins, full = run.scenario == "join", run.nnodes * run.nproc
+    for name in names[:-1] if joins else names:
+        run.start(name)
+    ready = run.wait_step(full - run.nproc if joins else full, 0.0, timeout, count=warm_steps)
+    if ready.status == "ok" and run.scenario == "kill-host" and run.variant.hosted:
+        ready = run.wait(run.members_told, run.agents.started["A"], timeout, "the job's etcd to have 3 members")
+        ready.phases["members"] = round(ready.seconds or 0.0, 3)
+    if ready.status == "ok" and run.scenario == "crash" and not run.pid_file.exists():
+        ready = Outcome("failed", None, f"{run.client} wrote no {run.pid_file.name}: use --client bench or inplace")
+    return ready
+
+
 def measure(run: Run, timeout: float, warm_steps: int) -> Outcome:
     """Set the scenario up (a steady job), cause the change, and time the first step at the new world size."""
     names = [chr(ord("A") + i) for i in range(run.nnodes)]
-    full, less = run.nnodes * run.nproc, (run.nnodes - 1) * run.nproc
-    joins, phases = run.scenario == "join", {}
-    for name in names[:-1] if joins else names:
-        run.start(name)
-    ready = run.wait_step(less if joins else full, 0.0, timeout, count=warm_steps)
-    if ready.status == "ok" and run.scenario == "kill-host" and run.variant.hosted:
-        ready = run.wait(run.members_told, run.agents.started["A"], timeout, "the job's etcd to have 3 members")
-        phases["members"] = round(ready.seconds or 0.0, 3)
-    pid_file = run.dir / f"pid-{full - 1}"  # the last rank's worker (elastic_worker.py writes its pid)
-    if ready.status == "ok" and run.scenario == "crash" and not pid_file.exists():
-        ready = Outcome("failed", None, f"{run.client} wrote no {pid_file.name}: use --client bench or inplace")
+    full, less, joins = run.nnodes * run.nproc, (run.nnodes - 1) * run.nproc, run.scenario == "join"
+    ready = steady(run, names, timeout, warm_steps)
     if ready.status != "ok":
         return Outcome(ready.status, None, "setup: " + ready.detail)
     old, new = (less, full) if joins else (full, full if run.scenario == "crash" else less)
@@ -286,11 +285,11 @@ def measure(run: Run, timeout: float, warm_steps: int) -> Outcome:
         at = run.agents.terminate(names[-1])
     elif run.scenario == "crash":
         at = time.time()
-        os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        os.kill(int(run.pid_file.read_text()), signal.SIGKILL)
     else:
         at = run.agents.kill(names[0] if run.scenario == "kill-host" else names[-1])
     outcome = run.wait_step(new, at, timeout)
-    outcome.phases.update(phases)
+    outcome.phases.update(ready.phases)
     for phase, text in (("joined", "joined job"), ("round", "(ScaleUp): world size")) if joins else ():
         mark = run.mark(names[-1], text)
         if mark is not None:
@@ -352,9 +351,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"# interrupted; processes cleaned up; logs kept in {log_root}", file=sys.stderr)
         return 130
     print(f"\n{table(summaries)}\n\n# load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    if args.json:
-        write_json(args.json, {"results": [s.as_dict() for s in summaries], "load_average_end": os.getloadavg()[0],
-                               "summary": summary_rows(summaries, shown_command(__file__, argv))})
+    write_json(args.json, {"results": [s.as_dict() for s in summaries], "load_average_end": os.getloadavg()[0],
+                           "summary": summary_rows(summaries, shown_command(__file__, argv))})
     if all(o.status == "ok" for s in summaries for o in s.outcomes):
         shutil.rmtree(log_root, ignore_errors=True)
     else:

@@ -23,10 +23,12 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import psutil
-from common import TORCHRUN_TUNED_CONF, Agents, AgentsExited, md_table, shown_command, summary_row, write_json
+from common import STEP, TORCHRUN_TUNED_CONF, Agents, AgentsExited, md_table, shown_command, summary_row, write_json
+
+from elasticrun.launch.gpus import visible_gpu_count
+from elasticrun.store.server import EtcdServer, free_port
 
 WORKER = [str(Path(__file__).resolve().parent / "elastic_worker.py"), "launch"]
-STEP = re.compile(r"STEP (\d+) WORLD \d+ TIME (?P<t>[\d.]+)")
 CRASH = re.compile(r"bench-crash t=(?P<t>[\d.]+)")
 FIRST_LINE = re.compile(r"bench-start t=(?P<t>[\d.]+)")
 # elasticrun's agent lines: <ISO time>Z elasticrun[node]: <message>
@@ -231,8 +233,6 @@ def run_once(launcher: str, scenario: str, nodes: int, procs: int, timeout: floa
     if nodes == 1:
         endpoint = ""  # --standalone for every launcher
     elif launcher.startswith("torchrun") or scenario == "launch-multi":
-        from elasticrun.store.server import free_port
-
         endpoint = f"127.0.0.1:{free_port()}"  # a c10d store (elasticrun: etcd) hosted by one of the agents
     job = f"bench-{uuid.uuid4().hex[:8]}"
     cmds = _commands(launcher, nodes, procs, endpoint, job, c10d=scenario == "launch-multi")
@@ -299,8 +299,6 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     if unknown:
         ap.error(f"--scenarios: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SCENARIOS)}")
     if args.device == "cuda":
-        from elasticrun.launch.gpus import visible_gpu_count
-
         need, have = args.procs * (1 if args.scenarios == ["launch"] else args.nodes), visible_gpu_count()
         if have < need:  # NCCL takes one GPU per rank
             ap.error(f"--device cuda: {need} workers need {need} GPUs, this machine has {have}")
@@ -310,12 +308,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
 def main(argv: Optional[List[str]] = None) -> int:
     """Run every scenario, launcher and crash moment ``--runs`` times, interleaved; print the table."""
     args = parse_args(argv)
-    from elasticrun.store.server import EtcdServer
-
-    etcd = EtcdServer().start() if args.nodes > 1 else None
     runs: List[Run] = []
-    try:
-        moments = [float(m) for m in args.crash_after.split(",") if m.strip()] or [None]
+    moments = [float(m) for m in args.crash_after.split(",") if m.strip()] or [None]
+    with (EtcdServer() if args.nodes > 1 else contextlib.nullcontext()) as etcd:  # one node: --standalone
         for scenario in args.scenarios:
             for moment in moments if scenario == "restart" else [None]:
                 for i in range(args.runs):
@@ -325,15 +320,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                         runs.append(r)
                         print(f"{label(r):12s} run {i + 1}/{args.runs} {launcher:17s} {r.outcome:5s} "
                               f"{'' if r.seconds is None else f'{r.seconds:.2f}s'} {r.note[:160]}", flush=True)
-    finally:
-        if etcd is not None:
-            etcd.stop()
     print(f"\nprocs per node: {args.procs}; launch-multi, restart: {args.nodes} node(s) on loopback; runs: {args.runs}")
     print(summarize(runs))
-    if args.json:
-        command = shown_command(__file__, argv)
-        summary = summary_rows(runs, args.procs, args.nodes, args.timeout, command, args.device)
-        write_json(args.json, {"runs": [asdict(r) for r in runs], "summary": summary, "device": args.device})
+    summary = summary_rows(runs, args.procs, args.nodes, args.timeout, shown_command(__file__, argv), args.device)
+    write_json(args.json, {"runs": [asdict(r) for r in runs], "summary": summary, "device": args.device})
     return 0
 
 

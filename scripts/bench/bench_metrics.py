@@ -135,8 +135,7 @@ def main() -> None:
     print(f"median step: {quiet:.2f} ms without, {loud:.2f} ms with {args.threads} scrapers "
           f"({summary['slowdown_pct']:+.1f}%); scrapes {sum(r.get('scrapes', 0) for r in results)}, "
           f"errors while training {summary['scrape_errors']}")
-    if args.json:
-        write_json(args.json, summary)
+    write_json(args.json, summary)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,6 @@ import contextlib
 import random
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -60,11 +58,9 @@ class Launch:
 
     def stop(self, timeout: float) -> int:
         """SIGTERM the agent, wait up to ``timeout`` s for its exit, then kill what is left; its exit code."""
-        self.proc.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout)
+        code = self.agents.stop(timeout)[0]
         self.agents.close()
-        return self.proc.returncode
+        return code
 
 
 def newest_step(ckpt_dir: Path) -> Optional[int]:
@@ -135,11 +131,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     print("SIGTERM -> agent exit (s)\n" + md_table(
         ["runs", *stats, "notice", "failed"],
         [[len(rows), *(f"{v:.2f}" for v in stats.values()), f"{args.notice:.0f}", len(failed)]], "r" * 8))
-    if args.json:
-        row = summary_row(f"preemption drain, SIGTERM -> saved and exited 143, p95 of {len(rows)} "
-                          f"({args.state_gb:g} GB state, {args.nproc} workers)", stats["p95"],
-                          "the notice (every drain must fit)", args.notice, command=shown_command(__file__, argv))
-        write_json(args.json, {"summary": [row], "drain_s": stats, "failed": len(failed), "runs": rows})
+    row = summary_row(f"preemption drain, SIGTERM -> saved and exited 143, p95 of {len(rows)} "
+                      f"({args.state_gb:g} GB state, {args.nproc} workers)", stats["p95"],
+                      "the notice (every drain must fit)", args.notice, command=shown_command(__file__, argv))
+    write_json(args.json, {"summary": [row], "drain_s": stats, "failed": len(failed), "runs": rows})
     return 1 if failed else 0
 
 

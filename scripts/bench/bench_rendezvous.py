@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Iterator, List
 
 from common import shown_command, summary_row, write_json  # sibling files of this script
 from etcd_metrics import etcd_counters
-from rendezvous_agents import Shard
+from rendezvous_agents import COUNTS, Shard
 
 from elasticrun.job.keys import JobKeys
 from elasticrun.rendezvous.records import Member, Topology, parse_topology
@@ -84,21 +84,12 @@ def phase(children: Children, store: EtcdStore, name: str, nodes: int, timeout: 
         raise RuntimeError(f"no shard had agent {nodes // 2}")
     elif name == "join":
         children.shards[-1].start(nodes)
-    replies = children.each(lambda s: s.wait(target, timeout))
-    held = [t for r in replies for t in r["held"].values()]
-    row: Dict[str, Any] = {"phase": name, "nodes": nodes, "round": target, "agents": len(held),
-                           "all_hold_s": max([t for t in held if t is not None] or [t0]) - t0,
-                           "agents_cpu_s": sum(r["cpu_s"] for r in replies)}
-    row.update({k: sum(r[k] for r in replies) for k in ("loop_turns", "rejoins", "etcd_waits")})
-    row.update(cpu_per_agent_ms=1000 * row["agents_cpu_s"] / len(held), turns_per_agent=row["loop_turns"] / len(held))
-    errors = [e for r in replies for e in r["errors"]]
-    if None in held or errors:
-        row.update(failed=f"{held.count(None)} of {len(held)} agents never held the round", errors=errors[:5])
+    row = phase_row(name, nodes, target, t0, children.each(lambda s: s.wait(target, timeout)))
     after = etcd_counters(store.endpoints)
     if before and after:
         row.update({k: after[v] - before[v] for k, v in ETCD.items()})
-        row.update(requests_per_agent=row["etcd_requests"] / len(held),
-                   events_per_agent=row["etcd_events_sent"] / len(held))
+        row.update(requests_per_agent=row["etcd_requests"] / row["agents"],
+                   events_per_agent=row["etcd_events_sent"] / row["agents"])
     topo = store.get_json(keys.topology) or {}
     if topo.get("round") == target:  # when the leader wrote the round; the rest is every agent seeing it
         row["formed_s"] = float(topo["created_at"]) - t0
@@ -106,6 +97,20 @@ def phase(children: Children, store: EtcdStore, name: str, nodes: int, timeout: 
     if isinstance(noticed, (int, float)):  # when the leader saw the lost node: the rest is the re-form itself
         row["noticed_s"] = noticed - t0
         row["reform_s"] = row["all_hold_s"] - row["noticed_s"]
+    return row
+
+
+def phase_row(name: str, nodes: int, target: int, t0: float, replies: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """A phase's row from the shards' replies: when every agent held the round, their CPU and counts, failures."""
+    held = [t for r in replies for t in r["held"].values()]
+    row: Dict[str, Any] = {"phase": name, "nodes": nodes, "round": target, "agents": len(held),
+                           "all_hold_s": max([t for t in held if t is not None] or [t0]) - t0,
+                           "agents_cpu_s": sum(r["cpu_s"] for r in replies)}
+    row.update({k: sum(r[k] for r in replies) for k in COUNTS})
+    row.update(cpu_per_agent_ms=1000 * row["agents_cpu_s"] / len(held), turns_per_agent=row["loop_turns"] / len(held))
+    errors = [e for r in replies for e in r["errors"]]
+    if None in held or errors:
+        row.update(failed=f"{held.count(None)} of {len(held)} agents never held the round", errors=errors[:5])
     return row
 
 
@@ -190,9 +195,9 @@ def main() -> None:
             summary.append(summary_row(f"rendezvous of {n} agents (simulated) -> all hold round 0",
                                        statistics.median(times), "target (5 s at 256 agents, linear)",
                                        max(1.0, 5.0 * n / 256), command=command))
-    if args.out:
-        write_json(args.out, {"rows": rows, "summary": summary, "command": command, "cpus": os.cpu_count(),
-                              "load_at_start": load, "record_parse": parses})
+    write_json(args.out, {"rows": rows, "summary": summary, "command": command, "cpus": os.cpu_count(),
+                          "load_at_start": load, "record_parse": parses})
+
 
 if __name__ == "__main__":
     main()

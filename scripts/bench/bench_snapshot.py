@@ -326,9 +326,8 @@ def main(argv: List[str]) -> int:
     args = p.parse_args(argv)
     args.parts = [x.strip() for x in args.parts.split(",") if x.strip()]
     error = bad_input(args)
-    if error is not None:
-        print(f"bench_snapshot.py: error: {error}", file=sys.stderr)
-        return 2
+    if error:
+        p.exit(2, f"bench_snapshot.py: error: {error}\n")
     # A time limit's SIGTERM ends the run through the finally blocks: no shared memory left behind.
     signal.signal(signal.SIGTERM, lambda *_a: sys.exit(143))
     res = bench_local(args) if {"stall", "restore"} & set(args.parts) else {"bytes": 0}
@@ -341,8 +340,7 @@ def main(argv: List[str]) -> int:
     doc = {"device": args.device, "repeat": args.repeat, **res, **lost, "machine": f"{os.cpu_count()} cpus",
            "summary": summarize(res, lost, args, shown_command(__file__, argv))}
     print(json.dumps(doc))
-    if args.json:
-        write_json(args.json, doc)
+    write_json(args.json, doc)
     return 0
 
 

@@ -11,10 +11,8 @@ the time, and the figure is the time until it is flagged.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -23,38 +21,25 @@ import uuid
 from typing import Any, Dict, List, Optional
 
 import psutil
-from common import REPO, TRAIN, Agents, AgentsExited, shown_command, summary_row, write_json
+from common import TRAIN, Agents, AgentsExited, send, shown_command, status_json, summary_row, write_json
 
 from elasticrun.store.server import EtcdServer
 
 
-def status(endpoint: str, job: str) -> Optional[Dict[str, Any]]:
-    """``elasticrun status --json`` of the job (None: it failed)."""
-    done = subprocess.run([sys.executable, "-m", "elasticrun", "status", "--rdzv-endpoint", endpoint, "--rdzv-id",
-                           job, "--json"], capture_output=True, text=True, timeout=60, cwd=str(REPO))
-    return json.loads(done.stdout) if done.returncode == 0 else None
-
-
 def pulse(pids: List[int], done: threading.Event, stop_s: float = 0.2, run_s: float = 0.2) -> None:
     """SIGSTOP ``pids`` for ``stop_s``, SIGCONT them for ``run_s``, and again until ``done`` is set."""
-    procs = [psutil.Process(p) for p in pids]
-
-    def send(sig: int) -> None:
-        for p in procs:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.send_signal(sig)
-
     while not done.is_set():
-        send(signal.SIGSTOP)
-        done.wait(stop_s)
-        send(signal.SIGCONT)
-        done.wait(run_s)
-    send(signal.SIGCONT)
+        for sig, wait in ((signal.SIGSTOP, stop_s), (signal.SIGCONT, run_s)):
+            for pid in pids:
+                send(pid, sig)
+            done.wait(wait)
+    for pid in pids:
+        send(pid, signal.SIGCONT)
 
 
 def all_train(endpoint: str, job: str, nodes: int) -> Optional[bool]:
     """True once every node's worker reports progress in the current round."""
-    doc = status(endpoint, job) or {}
+    doc = status_json(endpoint, job)[0] or {}
     ms = doc.get("members") or []
     return len(ms) == nodes and all((m.get("progress") or {}).get("round") == doc["round"] for m in ms) or None
 
@@ -64,7 +49,7 @@ def measure(args: argparse.Namespace, endpoint: str, job: str) -> Dict[str, Any]
     t0 = time.monotonic()
     readings, flagged, first_flag, worst = 0, 0, None, 0.0
     while time.monotonic() - t0 < args.minutes * 60 and not (args.slow and flagged):
-        doc = status(endpoint, job)
+        doc = status_json(endpoint, job)[0]
         if doc is not None:
             readings += 1
             worst = max([worst, *(r["ratio"] for r in ((doc.get("stragglers") or {}).get("ranks") or {}).values())])
@@ -87,8 +72,8 @@ def main() -> int:
     ap.add_argument("--json", default="", help="write the result (with its summary rows) here")
     args = ap.parse_args()
     job = f"strag-{uuid.uuid4().hex[:8]}"
-    with tempfile.TemporaryDirectory(prefix="elasticrun-bench-stragglers-") as work:
-        server = EtcdServer(data_dir=f"{work}/etcd").start()
+    with tempfile.TemporaryDirectory(prefix="elasticrun-bench-stragglers-") as work, \
+            EtcdServer(data_dir=f"{work}/etcd") as server:
         agents = Agents()
         pulsing = threading.Event()
         try:
@@ -112,15 +97,13 @@ def main() -> int:
             pulsing.set()
             agents.stop()
             agents.close()
-            server.stop()
     result["command"] = shown_command(__file__)
     metric = "seconds until a half-speed node is flagged" if args.slow else "flagged readings of healthy nodes"
     value = (result["first_flag_s"] or 0.0) if args.slow else float(result["flagged_readings"])
     result["summary"] = [summary_row(metric, value, "none", None, unit="s" if args.slow else "readings",
                                      command=result["command"])]
     print(json.dumps(result, indent=1))
-    if args.json:
-        write_json(args.json, result)
+    write_json(args.json, result)
     return 0 if (result["first_flag_s"] is not None) == args.slow else 1
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -14,7 +15,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, TypeVar
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, TypeVar
 
 import psutil
 
@@ -22,6 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "train.py"  # the example the benches run as a real training job
 # torchrun "at its best": its c10d rendezvous with the shortest timeouts that still hold on a loaded machine
 TORCHRUN_TUNED_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
+STEP = re.compile(r"STEP (\d+) WORLD (\d+) TIME (?P<t>\d+(?:\.\d+)?)")  # elastic_worker.py's rank-0 step lines
 TAG_VAR = "BENCH_RUN_TAG"  # in every process a bench's job runner starts: what it kills at the end
 T = TypeVar("T")
 if str(REPO) not in sys.path:  # the benches import elasticrun as in this tree
@@ -65,6 +67,12 @@ def kill_tree(pids: Iterable[int], timeout: float = 10) -> None:
             p.send_signal(signal.SIGCONT)
             p.kill()
     psutil.wait_procs(found, timeout=timeout)
+
+
+def send(pid: int, sig: int) -> None:
+    """Signal ``sig`` to process ``pid``, if it still exists."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
 
 
 def interrupt_on(*signals: int) -> None:
@@ -215,5 +223,19 @@ class Agents:
 
 
 def write_json(path: Any, doc: Any) -> None:
-    """Write a bench's JSON document to ``path`` (indented, one trailing newline)."""
-    Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+    """Write a bench's JSON document to ``path`` (indented, one trailing newline); no path: nothing."""
+    if path:
+        Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def status_json(endpoint: str, job: str, env: Optional[Dict[str, str]] = None,
+                cwd: Path = REPO) -> Tuple[Optional[Dict[str, Any]], str]:
+    """``elasticrun status --json`` of job ``job``, run as an operator would: (its document, "") or (None, why)."""
+    cmd = [sys.executable, "-m", "elasticrun", "status", "--rdzv-endpoint", endpoint, "--rdzv-id", job, "--json"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, cwd=str(cwd))
+        if proc.returncode != 0 or "Traceback" in proc.stderr:
+            return None, f"elasticrun status exited {proc.returncode}: {proc.stderr.strip()[-300:]}"
+        return json.loads(proc.stdout), ""
+    except (OSError, subprocess.TimeoutExpired, ValueError) as err:
+        return None, f"elasticrun status failed: {err}"

@@ -14,16 +14,15 @@ _NAMES = {
     "process_cpu_seconds_total": "cpu_s",
     "etcd_debugging_mvcc_current_revision": "revision",  # one per committed write transaction
     "etcd_debugging_mvcc_events_total": "events_sent",  # watch events sent to watchers
-    "etcd_mvcc_db_total_size_in_bytes": "db_bytes",
     "etcd_server_proposals_committed_total": "proposals",  # raft entries: writes, lease grants, failed txns
 }
 _STREAMS = ("Watch", "LeaseKeepAlive")  # their messages count as requests, but not as unary requests
 
 
 def etcd_counters(endpoint: str, timeout: float = 10.0) -> Dict[str, float]:
-    """``cpu_s``, ``revision``, ``proposals``, ``events_sent``, ``db_bytes``, ``requests`` (every message received)
-    and ``unary_requests`` (without watch and keep-alive stream messages) of the first endpoint;
-    ``{}`` when its ``/metrics`` cannot be read."""
+    """``cpu_s``, ``revision``, ``proposals``, ``events_sent``, ``requests`` (every message received) and
+    ``unary_requests`` (without watch and keep-alive stream messages) of the first endpoint; ``{}`` when its
+    ``/metrics`` cannot be read."""
     host, port = parse_endpoints(endpoint)[0]
     try:
         with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout) as resp:

@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -44,6 +44,7 @@ class Spec:
     timeout_s: float
 
 
+JOIN3 = "--scenario join --quick --nodes 3 --nproc 1 --client plain bench example"  # a 2 x 1 job grows to 3 x 1
 # Each preset's benches: (name, script, its arguments, seconds it may take); ``gpu``: what a lent GPU host (16
 # cores) changes first, ~6 min in all. bench_checkpoint.py also gets ``--dir SCRATCH``.
 PRESETS: Dict[str, List[Tuple[str, str, str, float]]] = {
@@ -52,8 +53,7 @@ PRESETS: Dict[str, List[Tuple[str, str, str, float]]] = {
         ("restart", "bench_launch.py", "--scenarios restart --crash-after 0.2,1,3 --launchers elasticrun,torchrun-best "
                                        "--runs 3 --nodes 2 --procs 2 --timeout 40", 900),
         ("elastic", "bench_elastic.py", "--runs 2 --quick --timeout 60", 420),
-        ("elastic-join3", "bench_elastic.py", "--scenario join --quick --nodes 3 --nproc 1 --client plain bench "
-                                              "example --runs 2 --timeout 60", 480),
+        ("elastic-join3", "bench_elastic.py", f"{JOIN3} --runs 2 --timeout 60", 480),
         ("checkpoint-0.1", "bench_checkpoint.py", "--state gpt --size-gib 0.1 --repeat 7 --settle 0.3", 300),
         ("checkpoint-0.4", "bench_checkpoint.py", "--state gpt --size-gib 0.4 --repeat 7 --settle 0.3", 300),
         ("rendezvous", "bench_rendezvous.py", "--clients shared --nodes 8 32 128 256 512 --runs 1 --phases", 300),
@@ -66,8 +66,7 @@ PRESETS: Dict[str, List[Tuple[str, str, str, float]]] = {
     "full": [
         ("launch", "bench_launch.py", "--runs 5 --nodes 2 --procs 2 --timeout 45", 1800),
         ("elastic", "bench_elastic.py", "--runs 3 --timeout 90", 2700),
-        ("elastic-join3", "bench_elastic.py", "--scenario join --quick --nodes 3 --nproc 1 --client plain bench "
-                                              "example --runs 3", 1500),
+        ("elastic-join3", "bench_elastic.py", f"{JOIN3} --runs 3", 1500),
         ("checkpoint-0.25", "bench_checkpoint.py", "--state gpt --size-gib 0.25 --repeat 5", 1500),
         ("checkpoint-1", "bench_checkpoint.py", "--state gpt --size-gib 1 --repeat 5", 1500),
         ("checkpoint-2", "bench_checkpoint.py", "--state gpt --size-gib 2 --repeat 5", 1500),
@@ -235,33 +234,38 @@ def main(argv: Optional[List[str]] = None) -> int:
     head: Dict[str, object] = {"preset": args.preset, "device": args.device, "started": time.time(),
                                "host": host_info()}
     earlier = _earlier(args.out, head, {s.name for s in specs}, set(order))
-    deadline = time.monotonic() + args.budget if args.budget > 0 else float("inf")
     results: List[Result] = []
     try:
-        for spec in specs:
-            left = deadline - time.monotonic()
-            if left < args.min_slot:
-                notes = [f"budget: {max(left, 0):.0f} s left"]
-                results.append(Result(spec.name, spec.script, "", Status.SKIPPED, notes=notes))
-                print(f"[run_all] {spec.name}: skipped (budget)", flush=True)
-                continue
-            limit = min(spec.timeout_s * args.timeout_scale, left)
-            print(f"[run_all] {spec.name}: {SHOWN}/{spec.script} (limit {limit:.0f} s)", flush=True)
-            results.append(Result(spec.name, spec.script, "", Status.FAILED, notes=["interrupted"]))  # until it returns
-            results[-1] = res = run_one(spec, args.out, args.device, sys.executable, limit)
-            print(f"[run_all] {spec.name}: {res.status.value} in {res.seconds:.0f} s"
-                  + (f" ({'; '.join(res.notes)})" if res.notes else ""), flush=True)
-            _write_manifest(args.out, head, earlier + results, order)
+        run_all(specs, args, results, lambda: _write_manifest(args.out, head, earlier + results, order))
+        head.update(finished=time.time(), loadavg_end=[round(x, 2) for x in os.getloadavg()])
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the bench's group was stopped; keep what was measured
-        _write_manifest(args.out, head, earlier + results, order)
         print(f"[run_all] interrupted; results so far in {args.out}", file=sys.stderr)
         return 130
-    head.update(finished=time.time(), loadavg_end=[round(x, 2) for x in os.getloadavg()])
-    _write_manifest(args.out, head, earlier + results, order)
+    finally:
+        _write_manifest(args.out, head, earlier + results, order)
     bad = [r.name for r in results if r.status in (Status.FAILED, Status.TIMEOUT)]
     print(f"[run_all] done: {len(results) - len(bad)}/{len(results)} ok; results in {args.out}"
           + (f"; failed: {', '.join(bad)}" if bad else ""))
     return 1 if bad else 0
+
+
+def run_all(specs: List[Spec], args: argparse.Namespace, results: List[Result], save: Callable[[], None]) -> None:
+    """Run ``specs`` in turn into ``results`` (``save()`` after each) within ``--budget``, or skip them."""
+    deadline = time.monotonic() + args.budget if args.budget > 0 else float("inf")
+    for spec in specs:
+        left = deadline - time.monotonic()
+        if left < args.min_slot:
+            notes = [f"budget: {max(left, 0):.0f} s left"]
+            results.append(Result(spec.name, spec.script, "", Status.SKIPPED, notes=notes))
+            print(f"[run_all] {spec.name}: skipped (budget)", flush=True)
+            continue
+        limit = min(spec.timeout_s * args.timeout_scale, left)
+        print(f"[run_all] {spec.name}: {SHOWN}/{spec.script} (limit {limit:.0f} s)", flush=True)
+        results.append(Result(spec.name, spec.script, "", Status.FAILED, notes=["interrupted"]))  # until it returns
+        results[-1] = res = run_one(spec, args.out, args.device, sys.executable, limit)
+        print(f"[run_all] {spec.name}: {res.status.value} in {res.seconds:.0f} s"
+              + (f" ({'; '.join(res.notes)})" if res.notes else ""), flush=True)
+        save()
 
 
 if __name__ == "__main__":

@@ -16,12 +16,50 @@ import os
 import shutil
 import sys
 import time
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 import elasticrun.train as et
 from elasticrun.checkpoint import Snapshotter, save
+
+
+def resume(args: argparse.Namespace, state: Dict[str, torch.Tensor], pg: Any) -> Tuple[int, str]:
+    """Load the newest checkpoint of ``--mode``'s tier into ``state``; its step and tier (0, "none": none)."""
+    if args.mode == "dcp":
+        import torch.distributed.checkpoint as dcp  # only here: its import would slow the other tiers' start
+
+        done = os.listdir(args.dcp_root) if os.path.isdir(args.dcp_root) else []
+        steps = [max((int(d[5:]) for d in done if os.path.exists(os.path.join(args.dcp_root, d, ".metadata"))),
+                     default=-1)]
+        dist.broadcast_object_list(steps, src=0, group=pg)  # every rank loads the step rank 0 found
+        if steps[0] < 0:
+            return 0, "none"
+        dcp.load(state, checkpoint_id=os.path.join(args.dcp_root, f"step-{steps[0]:08d}"), process_group=pg)
+        return steps[0], "dcp"
+    ckpt = et.load_latest(args.disk_root, state_dict=state, process_group=pg, memory=args.mode == "memory",
+                          restore_rng=False)  # into the tensors of ``state``
+    if ckpt is None:
+        return 0, "none"
+    return ckpt.training_state.step if ckpt.training_state else 0, getattr(ckpt, "tier", "disk")
+
+
+def checkpoint(args: argparse.Namespace, state: Dict[str, torch.Tensor], step: int, ctx: Any,
+               snaps: Optional[Snapshotter]) -> None:
+    """Checkpoint ``state`` at ``step`` to ``--mode``'s tier, keeping 2."""
+    if snaps is not None:
+        snaps.snapshot(state, training_state={"step": step})
+    elif args.mode == "disk":
+        save(state, args.disk_root, training_state={"step": step}, keep_last=2, process_group=ctx.cpu_process_group)
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(state, checkpoint_id=os.path.join(args.dcp_root, f"step-{step:08d}"),
+                 process_group=ctx.cpu_process_group)
+        if ctx.is_rank0:
+            for name in sorted(os.listdir(args.dcp_root))[:-2]:
+                shutil.rmtree(os.path.join(args.dcp_root, name), ignore_errors=True)
 
 
 def main() -> int:
@@ -33,8 +71,8 @@ def main() -> int:
     p.add_argument("--step-sleep", type=float, default=0.1)
     p.add_argument("--steps", type=int, default=100)
     args = p.parse_args()
+    args.dcp_root, args.disk_root = os.path.join(args.dir, "dcp"), os.path.join(args.dir, "ckpt")
     ctx = et.init()
-    pg = ctx.cpu_process_group
     pid_file = os.path.join(args.dir, "pids", f"{os.environ.get('ELASTICRUN_NODE_ID')}-{os.environ['LOCAL_RANK']}")
     os.makedirs(os.path.dirname(pid_file), exist_ok=True)
     with open(pid_file + ".tmp", "w") as f:
@@ -42,46 +80,20 @@ def main() -> int:
     os.replace(pid_file + ".tmp", pid_file)
     n = max(1, int(args.mb * (1 << 20) / 4 / 4))
     state = {f"t{i}": torch.zeros(n) for i in range(4)}
-    step, tier = 0, "none"
-    dcp_root, disk_root = os.path.join(args.dir, "dcp"), os.path.join(args.dir, "ckpt")
-    if args.mode == "dcp":
-        import torch.distributed.checkpoint as dcp  # only here: its import would slow the other tiers' start
-
-        done = os.listdir(dcp_root) if os.path.isdir(dcp_root) else []
-        steps = [max((int(d[5:]) for d in done if os.path.exists(os.path.join(dcp_root, d, ".metadata"))), default=-1)]
-        dist.broadcast_object_list(steps, src=0, group=pg)
-        if steps[0] >= 0:
-            dcp.load(state, checkpoint_id=os.path.join(dcp_root, f"step-{steps[0]:08d}"), process_group=pg)
-            step, tier = steps[0], "dcp"
-    else:
-        ckpt = et.load_latest(disk_root, state_dict=state, process_group=pg, memory=args.mode == "memory",
-                              restore_rng=False)
-        if ckpt is not None:
-            for k, v in ckpt.state_dict.items():
-                state[k].copy_(v)
-            step = ckpt.training_state.step if ckpt.training_state else 0
-            tier = getattr(ckpt, "tier", "disk")
+    step, tier = resume(args, state, ctx.cpu_process_group)
     if ctx.is_rank0:
         print(f"start resumed {tier} {step} world {ctx.world_size}", flush=True)
-    snaps = Snapshotter(pg) if args.mode == "memory" else None
+    snaps = Snapshotter(ctx.cpu_process_group) if args.mode == "memory" else None
     ones = torch.ones(1)
     try:
         while step < args.steps and not ctx.should_stop:
             for t in state.values():
                 t.add_(1.0)
-            dist.all_reduce(ones, group=pg)  # the ranks meet every step
+            dist.all_reduce(ones, group=ctx.cpu_process_group)  # the ranks meet every step
             time.sleep(args.step_sleep)
             step += 1
             if step % args.every == 0:
-                if snaps is not None:
-                    snaps.snapshot(state, training_state={"step": step})
-                elif args.mode == "disk":
-                    save(state, disk_root, training_state={"step": step}, keep_last=2, process_group=pg)
-                else:
-                    dcp.save(state, checkpoint_id=os.path.join(dcp_root, f"step-{step:08d}"), process_group=pg)
-                    if ctx.is_rank0:
-                        for name in sorted(os.listdir(dcp_root))[:-2]:
-                            shutil.rmtree(os.path.join(dcp_root, name), ignore_errors=True)
+                checkpoint(args, state, step, ctx, snaps)
             if ctx.is_rank0:
                 print(f"step {step}", flush=True)
         return 143 if ctx.should_stop else 0

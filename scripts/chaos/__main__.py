@@ -16,7 +16,7 @@ import sys
 import tempfile
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import psutil
 
@@ -25,7 +25,7 @@ from scripts.bench.common import interrupt_on, kill_tree
 
 from .audit import Tail, analyse
 from .env import HOSTED, Machine
-from .kinds import DRAWN, schedule
+from .kinds import DRAWN, FaultKind, schedule
 from .report import render, summary
 from .soak import Soak
 
@@ -50,25 +50,39 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--json-file", help="write the summary as JSON here")
     p.add_argument("--workdir", help="keep the logs and audit files here (default: a temporary folder)")
     args = p.parse_args(argv)
-    if not 0 < args.minutes <= 24 * 60:
-        p.error(f"--minutes must be in (0, 1440], got {args.minutes}")
-    if not (args.hang_timeout == 0 or 2 <= args.hang_timeout <= 600):
-        p.error(f"--hang-timeout must be 0 (off) or between 2 and 600 seconds, got {args.hang_timeout:g}")
-    if args.hosted_etcd and args.etcd_members != 1:
-        p.error("--hosted-etcd and --etcd-members are exclusive: the job's own etcd sizes itself")
+    why = bad_values(args)
     args.etcd_members = HOSTED if args.hosted_etcd else args.etcd_members
     args.shuffle = args.shuffle or args.faults == "all"
+    args.kinds, wrong = fault_kinds(args)
+    if why or wrong:
+        p.error(why or wrong)
+    return args
+
+
+def fault_kinds(args: argparse.Namespace) -> Tuple[List[FaultKind], str]:
+    """The kinds ``--faults`` names, less those the soak's etcd rules out with ``all``; or why it is wrong."""
     names = {k.name: k for k in DRAWN}
     wanted = list(names) if args.faults == "all" else [f.strip() for f in args.faults.split(",") if f.strip()]
     bad = [w for w in wanted if w not in names]
     if bad or not wanted:
-        p.error(f"unknown fault kind(s) {', '.join(bad) or '(none)'}; choose from {', '.join(names)}")
+        return [], f"unknown fault kind(s) {', '.join(bad) or '(none)'}; choose from {', '.join(names)}"
     wrong = [w for w in wanted if names[w].etcd_members not in (0, args.etcd_members)]
     if wrong and args.faults != "all":
-        p.error(f"fault kind(s) {', '.join(wrong)} need " + ("an etcd of the soak's own: drop --hosted-etcd"
-                if args.hosted_etcd else f"--etcd-members {4 - args.etcd_members}"))
-    args.kinds = [names[w] for w in wanted if w not in wrong]
-    return args
+        need = ("an etcd of the soak's own: drop --hosted-etcd" if args.hosted_etcd
+                else f"--etcd-members {4 - args.etcd_members}")
+        return [], f"fault kind(s) {', '.join(wrong)} need {need}"
+    return [names[w] for w in wanted if w not in wrong], ""
+
+
+def bad_values(args: argparse.Namespace) -> Optional[str]:
+    """What is wrong with ``--minutes``, ``--hang-timeout`` or the etcd options (None: nothing)."""
+    if not 0 < args.minutes <= 24 * 60:
+        return f"--minutes must be in (0, 1440], got {args.minutes}"
+    if not (args.hang_timeout == 0 or 2 <= args.hang_timeout <= 600):
+        return f"--hang-timeout must be 0 (off) or between 2 and 600 seconds, got {args.hang_timeout:g}"
+    if args.hosted_etcd and args.etcd_members != 1:
+        return "--hosted-etcd and --etcd-members are exclusive: the job's own etcd sizes itself"
+    return None
 
 
 def sweep(marker: str) -> None:

@@ -187,16 +187,21 @@ def _check_samples(res: AuditResult, steps: Dict[Gen, Dict[int, List[dict]]], n:
                 rem = n - first_in_epoch[epoch]
                 pad[epoch] = math.ceil(rem / world) * world - rem
     for epoch in sorted(seen):
-        expected, counts = set(_permutation(n, seed, epoch)[: consumed[epoch]]), seen[epoch]
-        skipped, extra = len(expected - set(counts)), len(set(counts) - expected)
-        twice = sum(c - 1 for c in counts.values()) - pad.get(epoch, 0)
-        res.epochs_checked += 1
-        res.samples_checked += sum(counts.values())
-        res.samples_skipped += skipped
-        res.samples_twice += max(0, twice) + extra
-        if skipped or twice > 0 or extra:
-            res.problems.append(f"epoch {epoch}: {skipped} sample(s) skipped, {max(0, twice)} seen twice, {extra} "
-                                f"outside the consumed prefix (consumed {consumed[epoch]} of {n})")
-        elif twice < 0:
-            res.problems.append(f"epoch {epoch}: fewer repeats ({twice + pad.get(epoch, 0)}) than the sampler's "
-                                f"end-of-epoch padding ({pad.get(epoch, 0)})")
+        _check_epoch(res, epoch, seen[epoch], n, seed, consumed[epoch], pad.get(epoch, 0))
+
+
+def _check_epoch(res: AuditResult, epoch: int, counts: Counter, n: int, seed: int, consumed: int, pad: int) -> None:
+    """One epoch's samples (``counts``) against the consumed prefix of its permutation plus ``pad`` repeats."""
+    expected = set(_permutation(n, seed, epoch)[:consumed])
+    skipped, extra = len(expected - set(counts)), len(set(counts) - expected)
+    twice = sum(c - 1 for c in counts.values()) - pad
+    res.epochs_checked += 1
+    res.samples_checked += sum(counts.values())
+    res.samples_skipped += skipped
+    res.samples_twice += max(0, twice) + extra
+    if skipped or twice > 0 or extra:
+        res.problems.append(f"epoch {epoch}: {skipped} sample(s) skipped, {max(0, twice)} seen twice, {extra} "
+                            f"outside the consumed prefix (consumed {consumed} of {n})")
+    elif twice < 0:
+        res.problems.append(f"epoch {epoch}: fewer repeats ({twice + pad}) than the sampler's end-of-epoch padding "
+                            f"({pad})")

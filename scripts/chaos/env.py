@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import subprocess
@@ -24,6 +23,7 @@ from elasticrun.rendezvous.records import node_record
 from elasticrun.store.client import connect
 from elasticrun.store.members import answers
 from elasticrun.store.server import EtcdCluster, EtcdServer, free_port
+from scripts.bench.common import status_json
 
 HOSTED = 0  # Machine.etcd_members of a job that hosts its own etcd (--hosted-etcd)
 REPO = Path(__file__).resolve().parents[2]
@@ -133,11 +133,6 @@ def etcd_leader(cluster: EtcdCluster, timeout: float = 20.0) -> Optional[EtcdSer
     return None
 
 
-def send(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, sig)
-
-
 def alive(pid: int) -> bool:
     """The process exists and is not a zombie."""
     try:
@@ -173,10 +168,6 @@ class AgentProc:
     metrics_port: int  # its --metrics-port (on 127.0.0.1 of its network namespace)
     expected_exit: bool = False  # we killed or stopped it on purpose
     stopped: bool = False  # SIGSTOPped by us right now
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
 
 
 @dataclass
@@ -318,13 +309,4 @@ class Machine:
 
     def status_json(self) -> Tuple[Optional[Dict[str, Any]], str]:
         """``elasticrun status --json`` of the job, run as an operator would: (its document, "") or (None, why)."""
-        cmd = [sys.executable, "-m", "elasticrun", "status", "--rdzv-endpoint", self.client_endpoint(),
-               "--rdzv-id", self.job, "--json"]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=self.env,
-                                  cwd=str(self.code_root))
-            if proc.returncode != 0 or "Traceback" in proc.stderr:
-                return None, f"elasticrun status exited {proc.returncode}: {proc.stderr.strip()[-300:]}"
-            return json.loads(proc.stdout), ""
-        except (OSError, subprocess.TimeoutExpired, ValueError) as err:
-            return None, f"elasticrun status failed: {err}"
+        return status_json(self.client_endpoint(), self.job, self.env, self.code_root)

@@ -21,9 +21,9 @@ from elasticrun.job.keys import JobKeys
 from elasticrun.rendezvous.records import topology_record
 from elasticrun.store.client import connect
 from elasticrun.store.types import Guard
-from scripts.bench.common import kill_tree
+from scripts.bench.common import kill_tree, send
 
-from .env import NetNs, Tmpfs, etcd_leader, last_lines, send, write_atomic
+from .env import NetNs, Tmpfs, etcd_leader, last_lines, write_atomic
 
 if TYPE_CHECKING:
     from .env import AgentProc, Machine
@@ -168,7 +168,7 @@ class AgentKill(FaultKind):
         holders = [a for a in machine.member_agents() if a in live] if machine.hosted else []
         agent, gen0 = holders[0] if holders else f.choose(_spare_rank0(soak, live, lambda a: a.label)), soak.newest_gen
         f.target, agent.expected_exit = f"node {agent.label}{' (runs a member of the etcd)' * bool(holders)}", True
-        kill_tree([agent.pid])
+        kill_tree([agent.proc.pid])
         if holders and not soak.wait(machine.members_settled, soak.deadline_s):
             f.notes.append("the job's etcd did not settle on its members")
         _rejoin(soak, f, agent, gen0)
@@ -180,9 +180,9 @@ class AgentStop(FaultKind):
     def inject(self, soak: Soak, f: Fault) -> None:
         agent = f.choose(soak.live_agents())
         f.target, agent.stopped = f"agent {agent.label} for {f.duration:.1f}s", True
-        send(agent.pid, signal.SIGSTOP)
+        send(agent.proc.pid, signal.SIGSTOP)
         soak.sleep(f.duration)
-        send(agent.pid, signal.SIGCONT)
+        send(agent.proc.pid, signal.SIGCONT)
         agent.stopped = False
 
 
@@ -194,7 +194,7 @@ class GracefulLeave(FaultKind):
         agents = [a for a in soak.live_agents() if self.rejoin or a.slot != soak.machine.ns_slot]
         agent, gen0 = f.choose(_spare_rank0(soak, agents, lambda a: a.label)), soak.newest_gen
         f.target, agent.expected_exit, f.noted["agent"] = f"agent {agent.label} (SIGTERM)", True, agent
-        send(agent.pid, signal.SIGTERM)
+        send(agent.proc.pid, signal.SIGTERM)
         if self.rejoin:
             _rejoin(soak, f, agent, gen0)
 
