@@ -44,6 +44,7 @@ class Harness:
         self.stores: List[dist.TCPStore] = []
         self.procs: Dict[int, subprocess.Popen] = {}  # by slot (a stable worker id)
         self.round = -1
+        self.capture = False  # the workers' stderr goes to :meth:`stderr` files (else: the test's own)
 
     def _store(self) -> int:
         port = free_port()
@@ -65,7 +66,16 @@ class Harness:
                           names.INPLACE_FILE: self.inplace_file(slot), "INPLACE_LOG": str(self.log),
                           "PYTHONPATH": str(REPO), **extra})
         env.pop(names.RDZV_ID, None)  # no etcd here: no commit fence
-        self.procs[slot] = subprocess.Popen([sys.executable, str(SCRIPTS / "inplace_worker.py")], env=env)
+        if not self.capture:
+            self.procs[slot] = subprocess.Popen([sys.executable, str(SCRIPTS / "inplace_worker.py")], env=env)
+            return
+        with open(self.stderr(slot), "ab") as err:
+            self.procs[slot] = subprocess.Popen([sys.executable, str(SCRIPTS / "inplace_worker.py")], env=env,
+                                                stderr=err)
+
+    def stderr(self, slot: int) -> Path:
+        """Where slot ``slot``'s workers write their stderr (with :attr:`capture`)."""
+        return self.tmp / f"stderr-{slot}"
 
     def first_round(self, slots: List[int], extra: Optional[Dict[int, Dict[str, str]]] = None) -> None:
         self.round = 0
@@ -83,6 +93,17 @@ class Harness:
             write_assignment(self.inplace_file(slot), self._env(rank, world, port, prev))
         for i, slot in enumerate(newcomers):
             self.start(slot, len(survivors) + i, world, port, prev, **{names.INPLACE_JOIN: "1", **extra})
+
+    def replace_slot_1_and_finish(self, **extra: str) -> None:
+        """The agent's next round after slot 1 of three went: the same ranks, slot 1's replacement joins as a
+        newcomer (``extra``: its environment); every worker then trains to the end and exits 0."""
+        self.round += 1
+        port = self._store()
+        for rank in (0, 2):
+            write_assignment(self.inplace_file(rank), self._env(rank, 3, port, 3))
+        self.start(1, 1, 3, port, 3, **{names.INPLACE_JOIN: "1", **extra})
+        for s in (0, 1, 2):
+            assert self.procs[s].wait(timeout=90) == 0
 
     def records(self) -> List[dict]:
         if not self.log.exists():
@@ -226,14 +247,7 @@ def test_crash_mid_step_survivors_recover_in_place_and_redo_the_step(harness: Ha
     h = harness
     extra = {"INPLACE_WATCH": "1"} if watch else {}
     pids, _ = _crash_mid_step(h, announce=True, **extra)
-    # The agent's next round: the same ranks, slot 1's replacement joins as a newcomer.
-    h.round += 1
-    port = h._store()
-    for rank in (0, 2):
-        write_assignment(h.inplace_file(rank), h._env(rank, 3, port, 3))
-    h.start(1, 1, 3, port, 3, **{names.INPLACE_JOIN: "1", **extra})
-    for s in (0, 1, 2):
-        assert h.procs[s].wait(timeout=90) == 0
+    h.replace_slot_1_and_finish(**extra)
     steps = h.steps()
     recovered = [r for r in h.records() if "recovered" in r]
     assert {r["pid"] for r in recovered} == {pids[0], pids[2]}
@@ -253,6 +267,44 @@ def test_crash_mid_step_survivors_recover_in_place_and_redo_the_step(harness: Ha
         assert all(w == pytest.approx(ws[0]) for w in ws)
 
 
+def test_survivors_blocked_on_a_stuck_peer_are_woken_by_the_agents_word_over_gloo(harness: Harness) -> None:
+    """A gloo collective does not always fail when its round breaks: a peer that is alive but stuck (or, as
+    the chaos soak showed, one killed between two collectives) leaves it waiting for the group's timeout.
+    The agent's word that the round broke (a lost node, a crash) cuts the round's connections, so the
+    survivors recover in place at once; the replacement joins and every worker finishes."""
+    h = harness
+    h.capture = True
+    hang = h.tmp / "hang"
+    slow = {"INPLACE_TIMEOUT": "60", "INPLACE_JOIN_TIMEOUT": "120"}  # nothing times out within the test's bound
+    h.first_round([0, 1, 2], {0: slow, 1: {**slow, "INPLACE_HANG_FILE": str(hang)}, 2: slow})
+    wait_until(lambda: h.at_world(3, 3), 60, "steps at world 3")
+    pids = {s: h.procs[s].pid for s in (0, 1, 2)}
+    hang.touch()
+    last = {}
+    def stuck() -> bool:  # slot 1 stopped after its step N; the others logged N as well and vote with it
+        steps = [r for r in h.steps() if r["round"] == 0]
+        last.update({r["pid"]: r["step"] for r in steps})
+        return len(last) == 3 and len(set(last.values())) == 1
+    wait_until(stuck, 30, "every rank at the step slot 1 stopped after")
+    said = time.monotonic()
+    for slot in (0, 2):
+        announce_recovery(h.inplace_file(slot), h.round, 60.0, broken=True)
+    wait_until(lambda: all(WAITING in h.stderr(s).read_text(errors="replace") for s in (0, 2)), 20,
+               "the survivors leaving the broken round")
+    woke_s = time.monotonic() - said
+    assert h.procs[1].poll() is None, "the stuck peer is alive: only the word ended the collectives"
+    h.procs[1].kill()  # the stuck node is gone: its replacement joins the next round
+    h.procs[1].wait()
+    h.replace_slot_1_and_finish(**slow)
+    # They waited in the step boundary's vote: InPlace.check re-formed them (a "reformed" line each).
+    reformed = [r for r in h.records() if "reformed" in r]
+    assert {r["pid"] for r in reformed} == {pids[0], pids[2]} and {r["round"] for r in reformed} == {1}, reformed
+    steps = h.steps()
+    assert {r["pid"] for r in steps if r["round"] == 1 and r["rank"] in (0, 2)} == {pids[0], pids[2]}
+    assert sorted(i for r in steps for i in r["idx"]) == list(range(120)), "every sample exactly once"
+    assert woke_s < 20, f"woken {woke_s:.1f} s after the word (the collectives' timeout is 60 s)"
+
+
 def test_crash_mid_step_without_a_recovery_exits_for_a_restart(harness: Harness) -> None:
     """No word from the agent within the worker's ``timeout`` (5 s in the test worker): the step's error
     is re-raised (exit 1, a plain failure: the restart path), never a wait for the group's timeout."""
@@ -263,6 +315,7 @@ def test_crash_mid_step_without_a_recovery_exits_for_a_restart(harness: Harness)
     assert not any("recovered" in r for r in h.records())
 
 
+WAITING = "waiting for an in-place recovery"  # InPlace.recover's line once its collective failed
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0  # read at collection: the host's GPUs
 
 

@@ -42,6 +42,7 @@ from elasticrun.job import inplace
 from elasticrun.job.inplace import INPLACE_DEADLINE_S
 from elasticrun.launch.config import LaunchConfig
 from elasticrun.launch.failures import make_failure
+from elasticrun.launch.hang import STACKS_WAIT_S, dump_stacks
 from elasticrun.launch.outage import stop_workers
 from elasticrun.launch.workers import GroupState, WorkerGroup
 from elasticrun.proc import kill_process_group
@@ -276,8 +277,15 @@ class InPlaceRounds:
 
     def give_up(self, rdzv: Rendezvous, topo: Topology, why: str, call: EtcdCall = direct) -> None:
         """The re-form failed (``why``): report our workers failed and kill them (a half-made group: no
-        graceful stop); the next round restarts them."""
-        self.say(f"round {topo.round}: in-place re-form failed ({why}): restarting the round")
+        graceful stop); the next round restarts them. With ``--hang-timeout`` (the workers answer the stack
+        signal) each worker's Python stacks reach the log first: where it stood instead of re-forming."""
+        stacks = self.cfg.health.hang_timeout > 0 and bool(self.workers.running)
+        self.say(f"round {topo.round}: in-place re-form failed ({why}): "
+                 + ("dumping every worker's Python stacks, then restarting the round" if stacks
+                    else "restarting the round"))
+        if stacks:
+            rdzv.beat(busy_for=STACKS_WAIT_S)
+            dump_stacks(self.workers.running)
         rows = [make_failure(w.spec.member.node_id, w.spec.member.host, w.spec.rank, w.spec.local_rank,
                              inplace.EXIT_INPLACE_FAILED, w.spec.error_file).to_dict() for w in self.workers.running]
         self._reforming, self._recovering = -1, False

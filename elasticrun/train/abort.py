@@ -1,13 +1,15 @@
-"""Waking a worker whose collectives wait on a crashed peer, so that it can recover in place (NCCL).
+"""Waking a worker whose collectives wait on a crashed peer, so that it can recover in place.
 
-Over gloo a crashed peer's closed connection fails the survivors' collectives at once. Over NCCL it
-does not: a survivor's kernel waits for the dead peer until torch's watchdog timeout (the group's
-``timeout``), and its CPU thread waits with it (``.item()``, a synchronize). The agent says when a
+Over gloo a crashed peer's closed connection usually fails the survivors' collectives at once, but not
+always: a collective a survivor began after its peer died between two collectives was seen (the chaos
+soak, a killed node) to wait for the group's timeout. Over NCCL it never does: a survivor's kernel waits
+for the dead peer until torch's watchdog timeout (the group's ``timeout``), and its CPU thread waits with
+it (``.item()``, a synchronize). The agent says when a
 round's end broke its collectives (``<file>.recover`` with ``broken``: a crash or a lost node, never a
 planned join or leave); :class:`BreakWatch` polls for that word on a daemon thread and then ends the
 round's groups through its :class:`RoundAbort`: the gloo groups' connections are cut (blocked gloo
-calls fail, :mod:`elasticrun.train.sockets`) and every group's backend is aborted with torch's
-``ProcessGroup.abort()`` (NCCL: ``ncclCommAbort``, whose kernels then end, so the blocked call returns).
+calls fail, :mod:`elasticrun.train.sockets`) and, over NCCL, every group's backend is aborted with torch's
+``ProcessGroup.abort()`` (``ncclCommAbort``, whose kernels then end, so the blocked call returns).
 
 The groups stay registered: ``dist.get_rank()`` and the like still answer, and a collective on an
 aborted group fails. ``InPlace.recover`` destroys them afterwards, which flushes nothing and waits for
@@ -89,7 +91,10 @@ class BreakWatch:
         current, round_ = self.current, self.round_now()
         if current is None or current.round != round_ or current.fired:
             return False
-        return self.broken(round_) and current.fire()
+        if not (self.broken(round_) and current.fire()):
+            return False
+        log.warning("elasticrun: the agent says round %d broke (a crash or a lost node): its groups were ended", round_)
+        return True
 
     def abort_now(self) -> None:
         """The worker's own thread saw its collective fail: end the round's groups now (once)."""

@@ -32,10 +32,12 @@ Any failure (a peer gone, no assignment before ``timeout``) exits the worker wit
 :data:`EXIT_INPLACE_FAILED`: the agent then takes the normal restart path.
 After a peer's crash the agent keeps the workers and says so in ``<file>.recover``: :meth:`InPlace.recover`
 leaves the broken group, waits for the next assignment (the crashed rank's replacement joins as a
-newcomer) and re-forms as above; the interrupted step is redone. Over NCCL a survivor's collective
-does not fail by itself (its kernel waits on the dead peer): a watch thread aborts the round's groups
-when the agent says the round broke, and an optimizer step hook keeps the aborted collectives'
-partial results out of the parameters (:mod:`elasticrun.train.abort`).
+newcomer) and re-forms as above; the interrupted step is redone. A survivor's collective does not
+always fail by itself: over NCCL its kernel waits on the dead peer, and over gloo a collective begun
+after a peer died between two collectives was seen to wait for the group's timeout. So a watch thread
+ends the round's groups when the agent says the round broke (gloo: their connections are cut; NCCL:
+also aborted, and an optimizer step hook keeps the aborted collectives' partial results out of the
+parameters; :mod:`elasticrun.train.abort`).
 Without ``ELASTICRUN_INPLACE_FILE`` (torchrun, plain python) nothing changes: ``check()`` is a
 no-op returning ``CONTINUE`` unless SIGTERM arrived.
 """
@@ -151,15 +153,15 @@ class InPlace:
         self._calls = 0
         self._seen: Optional[int] = None
         self._group: Any = None
-        self._watch: Optional[BreakWatch] = None  # NCCL: aborts a broken round's groups (see the module docstring)
+        self._watch: Optional[BreakWatch] = None  # ends a broken round's groups (see the module docstring)
         if self.enabled:
             with self.ctx.group_sockets.watch():
                 self._new_group()
+            self._watch = BreakWatch(lambda: self.ctx.round, lambda r: collectives_broken(self.path, r))
+            self._arm()
             if self._nccl:
-                self._watch = BreakWatch(lambda: self.ctx.round, lambda r: collectives_broken(self.path, r))
-                self._arm()
                 self._gate_optimizers()
-                self._watch.start()
+            self._watch.start()
             if os.environ.get(names.INPLACE_JOIN) == "1":
                 os.environ.pop(names.INPLACE_JOIN, None)
                 self._guarded(self.sync, "receiving the state from the survivors")
@@ -353,7 +355,7 @@ class InPlace:
         else:
             self.ctx.group_sockets.cut()
         try:
-            self._leave_group(sync=self._watch is None)
+            self._leave_group(sync=not self._nccl)
         except Exception as err:  # a group already half gone: nothing of it is used again
             log.warning("elasticrun: leaving the broken group: %s", err)
             self.ctx.owns_group = False
@@ -422,9 +424,10 @@ class InPlace:
         self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
 
     def _arm(self) -> None:
-        """NCCL: the groups of the round just formed are the ones a broken round ends."""
+        """The groups of the round just formed are the ones a broken round ends: their connections are cut
+        (a blocked gloo call fails at once), and over NCCL their communicators are aborted as well."""
         if self._watch is not None:
-            self._watch.arm(self.ctx.round, self.ctx.group_sockets.cut, abort_all_groups)
+            self._watch.arm(self.ctx.round, self.ctx.group_sockets.cut, abort_all_groups if self._nccl else _nothing)
 
     def _gate_optimizers(self) -> None:
         """NCCL: each registered optimizer's step waits for the step's collectives, and is refused when they
@@ -452,6 +455,10 @@ class InPlace:
         sys.stderr.write(f"elasticrun: in-place re-form failed ({why}); exiting for a restart\n")
         sys.stderr.flush()
         os._exit(EXIT_INPLACE_FAILED)  # no atexit: a half-made group must not hang the exit
+
+
+def _nothing() -> None:
+    """Over gloo cutting the connections ends a round's groups: no backend abort follows."""
 
 
 #: Tensor types that hold one rank's shard of a larger tensor: rank 0's copy is not everyone's state.
