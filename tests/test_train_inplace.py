@@ -286,12 +286,11 @@ def test_survivors_blocked_on_a_stuck_peer_are_woken_by_the_agents_word_over_glo
         last.update({r["pid"]: r["step"] for r in steps})
         return len(last) == 3 and len(set(last.values())) == 1
     wait_until(stuck, 30, "every rank at the step slot 1 stopped after")
-    said = time.monotonic()
     for slot in (0, 2):
         announce_recovery(h.inplace_file(slot), h.round, 60.0, broken=True)
+    # Well before the collectives' own timeout (60 s):
     wait_until(lambda: all(WAITING in h.stderr(s).read_text(errors="replace") for s in (0, 2)), 20,
                "the survivors leaving the broken round")
-    woke_s = time.monotonic() - said
     assert h.procs[1].poll() is None, "the stuck peer is alive: only the word ended the collectives"
     h.procs[1].kill()  # the stuck node is gone: its replacement joins the next round
     h.procs[1].wait()
@@ -302,7 +301,6 @@ def test_survivors_blocked_on_a_stuck_peer_are_woken_by_the_agents_word_over_glo
     steps = h.steps()
     assert {r["pid"] for r in steps if r["round"] == 1 and r["rank"] in (0, 2)} == {pids[0], pids[2]}
     assert sorted(i for r in steps for i in r["idx"]) == list(range(120)), "every sample exactly once"
-    assert woke_s < 20, f"woken {woke_s:.1f} s after the word (the collectives' timeout is 60 s)"
 
 
 def test_crash_mid_step_without_a_recovery_exits_for_a_restart(harness: Harness) -> None:

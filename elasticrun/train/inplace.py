@@ -347,13 +347,11 @@ class InPlace:
 
     def _drop_group(self) -> None:
         """Leave a broken group: its connections are cut first (``OpenedSockets``: peers blocked on us fail
-        at once, though a reference the script holds keeps the group alive), then it is destroyed. Over
-        NCCL every group is aborted as well (once: the watch may have done it) and destroyed without a
-        device synchronisation (a kernel waiting on the dead peer would never let it return)."""
-        if self._watch is not None:
+        at once, though a reference the script holds keeps the group alive), once: the watch may have done
+        it. Then it is destroyed; over NCCL every group is aborted as well and destroyed without a device
+        synchronisation (a kernel waiting on the dead peer would never let it return)."""
+        if self._watch is not None:  # always, when enabled (recover's caller)
             self._watch.abort_now()
-        else:
-            self.ctx.group_sockets.cut()
         try:
             self._leave_group(sync=not self._nccl)
         except Exception as err:  # a group already half gone: nothing of it is used again
