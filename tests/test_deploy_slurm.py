@@ -154,7 +154,8 @@ def test_sbatch_caps_requeues_of_a_permanent_transient_failure(
     """An etcd that never answers makes every start exit 138 (retryable): the job is requeued while
     SLURM_RESTART_COUNT is below MAX_REQUEUES, and then ends with 138, saying why in the job log."""
     env = _slurm_env(tmp_path, SLURM_RESTART_COUNT=requeued, MAX_REQUEUES=max_requeues,
-                     ELASTICRUN_ETCD_ENDPOINTS=f"127.0.0.1:{free_port()}")  # nothing listens there
+                     ELASTICRUN_ETCD_ENDPOINTS=f"127.0.0.1:{free_port()}",  # nothing listens there
+                     ELASTICRUN_ETCD_TIMEOUT="2")  # how long each start tries it (default 10 s)
     proc = subprocess.run(["bash", str(SLURM / "elasticrun.sbatch"), str(SCRIPTS / "echo_worker.py")], env=env,
                           capture_output=True, text=True, timeout=180, cwd=str(REPO))
     log = proc.stdout + proc.stderr

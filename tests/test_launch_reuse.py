@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable, Dict, List
 
 import pytest
@@ -58,19 +59,21 @@ def test_a_finished_jobs_id_is_reused_with_other_flags_by_nodes_started_together
 
 
 def test_identical_flags_keep_the_settings_check_on_every_run(
-        agents: Callable[..., Agent], etcd_server: EtcdServer, etcd: EtcdStore, job_id: str) -> None:
+        agents: Callable[..., Agent], etcd_server: EtcdServer, etcd: EtcdStore, job_id: str, tmp_path: Path) -> None:
     keys = JobKeys(job_id)
     for run in range(3):  # old code: the settings were absent after every other run
         a = agents(_args(etcd_server.endpoint, job_id, "a", "1:2"), name=f"run{run}")
         assert a.wait(120) == 0, a.output()[-2000:]
         assert etcd.get(keys.config) is not None, f"run {run} left the job without its settings"
-    a = agents(_args(etcd_server.endpoint, job_id, "a", "1:2"), name="long", env={"ECHO_SLEEP_S": "10"})
+    hold = tmp_path / "hold"  # the long run's worker ends once it exists
+    a = agents(_args(etcd_server.endpoint, job_id, "a", "1:2"), name="long", env={"ECHO_HOLD_FILE": str(hold)})
     wait_until(lambda: _running(etcd, job_id, 1), 60, "the job running")
     other = ["--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", job_id,
              "--node-id", "b", ECHO, "other", "args"]
     b = agents(other, name="mismatch")
     assert b.wait(60) == 2, b.output()[-2000:]
     assert "runs with different settings" in b.stderr() and "nproc_per_node" in b.stderr()
+    hold.touch()
     assert a.wait(120) == 0, a.output()[-2000:]
     assert "world=1" in a.stdout(), "the mismatching node never joined"
 
@@ -172,7 +175,9 @@ def test_status_watch_gives_up_after_the_timeout_while_etcd_is_gone(etcd: EtcdSt
         stopped = time.monotonic()
         _, err = watcher.communicate(timeout=60)  # old code: retried forever
         assert watcher.returncode == 138 and "--timeout" in err and "Traceback" not in err, err
-        assert time.monotonic() - stopped < 30
+        # One turn: the watch's re-creation and a read, each retried for up to --timeout (3 s), then it gives
+        # up (a turn's start was once taken after the watch's re-creation: two turns, 11-12 s).
+        assert time.monotonic() - stopped < 2 * 3 + 3
     finally:
         server.stop()
 
@@ -190,10 +195,14 @@ def test_status_watch_json_of_an_ended_job_prints_one_line(
 
 
 def test_a_node_started_beyond_max_says_it_is_a_spare(
-        agents: Callable[..., Agent], etcd_server: EtcdServer, etcd: EtcdStore, job_id: str) -> None:
-    members = [agents(_args(etcd_server.endpoint, job_id, n, "2"), name=n, env={"ECHO_SLEEP_S": "8"}) for n in "ab"]
+        agents: Callable[..., Agent], etcd_server: EtcdServer, etcd: EtcdStore, job_id: str, tmp_path: Path) -> None:
+    hold = tmp_path / "hold"  # the members' workers end once it exists
+    members = [agents(_args(etcd_server.endpoint, job_id, n, "2"), name=n, env={"ECHO_HOLD_FILE": str(hold)})
+               for n in "ab"]
     wait_until(lambda: _running(etcd, job_id, 2), 90, "the job running at its maximum")
     spare = agents(_args(etcd_server.endpoint, job_id, "c", "2"), name="spare")
+    wait_until(lambda: "is full: round 0 runs" in spare.stderr(), 90, "the spare to say the job is full")
+    hold.touch()
     assert spare.wait(120) == 0, spare.output()[-2000:]  # exits with the job's outcome, as its other nodes
     err = spare.stderr()
     assert "is full: round 0 runs with its maximum of 2 node(s)" in err, err[-2000:]

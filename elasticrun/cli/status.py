@@ -166,8 +166,9 @@ def watch(
     health = ReadHealth()
     try:
         while True:
+            attempt = time.monotonic()  # a failing watch counts towards --timeout as a failing read does
             error = sub.ensure()
-            fresh, attempt = False, time.monotonic()
+            fresh = False
             try:
                 last, fresh = snapshot(), True
             except ElasticrunError as err:

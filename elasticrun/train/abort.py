@@ -34,7 +34,8 @@ POLL_S = 0.05
 class RoundAbort:
     """Ends round ``round_``'s groups once, from whichever thread comes first: ``cut`` (the gloo groups'
     connections), then ``abort`` (every group's backend). :attr:`fired` is set before either runs, so a
-    thread that a ``abort`` wakes sees it; :attr:`error` keeps what they raised (the round is over anyway)."""
+    thread that a ``abort`` wakes sees it; :attr:`error` keeps what they raised (the round is over anyway);
+    :attr:`cut_count` what ``cut`` returned (the connections it shut down, for the log)."""
 
     def __init__(self, round_: int, cut: Callable[[], object], abort: Callable[[], None]) -> None:
         self.round = round_
@@ -43,6 +44,7 @@ class RoundAbort:
         self._lock = threading.Lock()
         self.fired = False
         self.error: Optional[BaseException] = None
+        self.cut_count: object = None
 
     def fire(self) -> bool:
         """End the round's groups (blocks until done, also for a second caller); True for the call that did it."""
@@ -50,13 +52,17 @@ class RoundAbort:
             if self.fired:
                 return False
             self.fired = True
-            for step in (self._cut, self._abort):
-                try:
-                    step()
-                except Exception as err:  # a group already half gone: what is left fails on use
-                    self.error = self.error or err
-                    log.warning("elasticrun: ending round %d's groups: %s", self.round, err)
+            self.cut_count = self._attempt(self._cut)
+            self._attempt(self._abort)
             return True
+
+    def _attempt(self, step: Callable[[], object]) -> object:
+        try:
+            return step()
+        except Exception as err:  # a group already half gone: what is left fails on use
+            self.error = self.error or err
+            log.warning("elasticrun: ending round %d's groups: %s", self.round, err)
+            return None
 
 
 class BreakWatch:
@@ -93,7 +99,8 @@ class BreakWatch:
             return False
         if not (self.broken(round_) and current.fire()):
             return False
-        log.warning("elasticrun: the agent says round %d broke (a crash or a lost node): its groups were ended", round_)
+        log.warning("elasticrun: the agent says round %d broke (a crash or a lost node): its groups were ended "
+                    "(%s connection(s) cut)", round_, current.cut_count)
         return True
 
     def abort_now(self) -> None:

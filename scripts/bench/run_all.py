@@ -61,7 +61,7 @@ PRESETS: Dict[str, List[Tuple[str, str, str, float]]] = {
         ("snapshot-lost", "bench_snapshot.py", "--parts lost", 720),
         ("metrics", "bench_metrics.py", "--runs 1 --steps 120 --interval 1", 300),
         ("preemption", "bench_preemption.py", "--runs 3 --state-gb 0.05 --max-delay 3", 300),
-        ("stragglers-slow", "bench_stragglers.py", "--minutes 2 --slow", 480),
+        ("stragglers-slow", "bench_stragglers.py", "--minutes 2 --slow --hidden 16384 --batch-size 32", 480),
     ],
     "full": [
         ("launch", "bench_launch.py", "--runs 5 --nodes 2 --procs 2 --timeout 45", 1800),
@@ -77,7 +77,7 @@ PRESETS: Dict[str, List[Tuple[str, str, str, float]]] = {
         ("metrics-storm", "bench_metrics.py", "--runs 3", 900),
         ("preemption", "bench_preemption.py", "--runs 20 --state-gb 0.4 --notice 30 --max-delay 10", 1800),
         ("stragglers", "bench_stragglers.py", "--minutes 10", 1200),
-        ("stragglers-slow", "bench_stragglers.py", "--minutes 3 --slow", 600),
+        ("stragglers-slow", "bench_stragglers.py", "--minutes 3 --slow --hidden 16384 --batch-size 32", 600),
     ],
     "gpu": [
         ("checkpoint-2", "bench_checkpoint.py", "--state gpt --size-gib 2 --repeat 3 --settle 0.3", 200),

@@ -3,6 +3,8 @@
 usage: train_loop.py OUT_DIR TOTAL_STEPS [STEP_SLEEP]
 Every step all-reduces; rank 0 appends "step S world W round R" to OUT_DIR/steps.log and saves the
 next step to OUT_DIR/progress.json (the "checkpoint"), so a restarted round resumes where it stopped.
+Once OUT_DIR/end exists (a test has seen what it waited for), the job ends after the step in which rank 0
+saw it, as after TOTAL_STEPS (the ranks agree on it in the step's all-reduce).
 """
 
 import json
@@ -34,16 +36,19 @@ def main() -> None:
     t = torch.tensor([float(step)])
     dist.broadcast(t, 0)
     step = int(t.item())
+    end = os.path.join(out_dir, "end")
     while step < total:
-        x = torch.ones(1)
+        x = torch.tensor([1.0, float(rank == 0 and os.path.exists(end))])
         dist.all_reduce(x)
         if rank == 0:
             with open(os.path.join(out_dir, "steps.log"), "a") as f:
-                f.write(f"step {step} world {int(x.item())} round {rnd} time {time.time():.3f}\n")
+                f.write(f"step {step} world {int(x[0].item())} round {rnd} time {time.time():.3f}\n")
             with open(progress + ".tmp", "w") as f:
                 json.dump({"next_step": step + 1}, f)
             os.replace(progress + ".tmp", progress)
         step += 1
+        if x[1].item() > 0:
+            break
         time.sleep(step_sleep)
     dist.barrier()
     if rank == 0:

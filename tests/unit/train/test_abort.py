@@ -50,6 +50,7 @@ def test_a_round_is_aborted_once_connections_first() -> None:
     assert ra.fire() is True
     assert ra.fire() is False, "a second caller does nothing"
     assert g.calls == ["cut", "abort"], "gloo connections cut, then the backends aborted, once"
+    assert ra.cut_count == 2, "how many connections the cut shut down is kept for the log"
 
 
 def test_fired_is_set_before_the_abort_runs() -> None:
