@@ -2,19 +2,13 @@
 
 N agents (one gloo worker each) train; ``elasticrun status --json`` is read every ``--every`` s for ``--minutes``
 and the readings where a node was flagged are counted. ``--slow``: the last node's workers are SIGSTOPped for
-``--stopped`` of the time (0.5: half), in 40 ms periods, and the figure is the time until it is flagged. The
-periods are short so that the stops fall into the few milliseconds of a step's compute as often as anywhere
-else (a node uniformly slower): with 0.4 s periods a 10 s mean held only a few of them, and the node's score
-jumped between 1× and 3×.
+``--stopped`` of the time in 40 ms periods (short, so that the stops fall into a step's compute as often as
+anywhere else), and the figure is the time until it is flagged. The default step computes ~2 ms, the hard case
+for false positives; show a slow node on a heavier one (~7 ms with ``--hidden 16384 --batch-size 32``), where
+the threshold, not the 1 ms floor of ``StragglerPolicy.min_excess_s``, decides.
 
     python scripts/bench/bench_stragglers.py --minutes 10 --json /tmp/stragglers.json
     python scripts/bench/bench_stragglers.py --minutes 3 --slow --hidden 16384 --batch-size 32 --json /tmp/slow.json
-
-The default step (``--hidden 32 --batch-size 8``) computes ~2 ms: the hard case for false positives. A slow
-node is best shown on a heavier one (~7 ms with ``--hidden 16384 --batch-size 32``): on a 2 ms step the
-1 ms floor of ``StragglerPolicy.min_excess_s``, not the threshold, decides (a rank must compute ~1.5×
-the median to be slow there). All nodes share this machine's cores: while the slow node is stopped the
-others compute faster, so its score stays below what the same node would score among dedicated machines.
 """
 
 from __future__ import annotations
