@@ -53,6 +53,7 @@ Ctrl-C ends it earlier (exit 0); etcd unreachable for --timeout seconds ends it 
 
 _MIN_REDRAW = 0.25  # seconds between redraws while watch events keep coming
 _TICK = 1.0  # redraw of the rich view without events (ages, lease TTLs)
+_LAST_READ_S = 1.0  # how long the read after a job's end (known from the watch) retries an unreachable etcd
 
 
 # -- watching ----------------------------------------------------------------------------------
@@ -309,6 +310,9 @@ class _JobFollower:
                 self.end = records.parse(ev.key, ev.value, records.state_record) or self.end
 
     def snapshot(self) -> Dict[str, Any]:
+        patience = self.store.retry_timeout
+        if self.end is not None:  # the watch brought the end: its etcd may be gone with it (--standalone)
+            self.store.retry_timeout = min(patience, _LAST_READ_S)
         try:
             self.last = with_goodput(job_status(self.store, self.job, events=self.events))
         except JobNotFoundError:
@@ -321,6 +325,8 @@ class _JobFollower:
             if self.end is None:
                 raise
             return self._final()
+        finally:
+            self.store.retry_timeout = patience
         return self.last
 
     def _final(self) -> Dict[str, Any]:
