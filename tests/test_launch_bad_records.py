@@ -5,6 +5,7 @@ with its real outcome and exit code. Real etcd, real agents and workers (the ech
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Callable, Dict
 
 import pytest
@@ -52,18 +53,22 @@ def _start(agents: Callable[..., Agent], endpoint: str, job: str, env: Dict[str,
 
 
 def test_malformed_records_in_a_live_job_are_reported_once_and_the_job_succeeds(
-        agents: Callable[..., Agent], etcd_server: EtcdServer, etcd: EtcdStore, job_id: str) -> None:
+        agents: Callable[..., Agent], etcd_server: EtcdServer, etcd: EtcdStore, job_id: str, tmp_path: Path) -> None:
     keys = JobKeys(job_id)
-    agent = _start(agents, etcd_server.endpoint, job_id, {"ECHO_SLEEP_S": "8"})
+    hold = tmp_path / "hold"  # the worker ends once it exists
+    agent = _start(agents, etcd_server.endpoint, job_id, {"ECHO_HOLD_FILE": str(hold)})
     wait_until(lambda: _running(etcd, job_id), 90, "the job running")
     garbage = _garbage(keys, "a")
     for key, value in garbage.items():
         etcd.put(key, value)
+    read = (keys.state, keys.progress_of("a"), keys.failed(0), keys.end(0))  # while the round runs
+    wait_until(lambda: all(NOTICE + key + ":" in agent.stderr() for key in read), 60, "the records to be read")
+    hold.touch()
     code = agent.wait(120)
     err = agent.stderr()
     assert code == 0, agent.output()[-3000:]
     assert "Traceback" not in agent.output(), err[-3000:]
-    for key in (keys.state, keys.progress_of("a"), keys.failed(0), keys.end(0)):
+    for key in read:
         assert err.count(NOTICE + key + ":") == 1, f"{key} reported {err.count(NOTICE + key + ':')} times:\n{err}"
     assert "field 'state'" in err and "field 'step'" in err
     doc = job_status(etcd, job_id)  # status shows the real end and skips what it cannot read
@@ -72,12 +77,15 @@ def test_malformed_records_in_a_live_job_are_reported_once_and_the_job_succeeds(
 
 
 def test_malformed_records_never_change_a_failed_jobs_exit_code_or_root_cause(
-        agents: Callable[..., Agent], etcd_server: EtcdServer, etcd: EtcdStore, job_id: str) -> None:
+        agents: Callable[..., Agent], etcd_server: EtcdServer, etcd: EtcdStore, job_id: str, tmp_path: Path) -> None:
     keys = JobKeys(job_id)
-    agent = _start(agents, etcd_server.endpoint, job_id, {"ECHO_SLEEP_S": "8", "ECHO_FAIL_RANK_AT_RESTART": "0:0"})
+    hold = tmp_path / "hold"  # the worker fails once it exists
+    agent = _start(agents, etcd_server.endpoint, job_id,
+                   {"ECHO_HOLD_FILE": str(hold), "ECHO_FAIL_RANK_AT_RESTART": "0:0"})
     wait_until(lambda: _running(etcd, job_id), 90, "the job running")
     etcd.put(keys.failure(0, "zz"), json.dumps([1, 2]))
     etcd.put(keys.restarts, b"{")
+    hold.touch()  # read when the failure is handled
     assert agent.wait(120) == 1, agent.output()[-3000:]
     out = agent.output()
     assert "Traceback" not in out, out[-3000:]
