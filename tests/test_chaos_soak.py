@@ -215,7 +215,7 @@ def _rounds(workdir: Path) -> str:
 def _gloo_stall(workdir: Path) -> bool:
     """Whether an agent gave up an in-place re-form after its deadline and the stacks it dumped show a worker
     waiting in a torch.distributed all-reduce: the known gloo stall after a killed node (a survivor's collective
-    begun after the peer died waits for the group's timeout; seen once with the watch running)."""
+    waits for the group's timeout on a connection gloo closed without failing it: docs/reliability.md)."""
     for log in workdir.glob("agent-*.log"):
         text = log.read_text(errors="replace")
         if "in-place re-form failed (workers did not re-form within" in text and re.search(

@@ -1,8 +1,10 @@
 """Waking a worker whose collectives wait on a crashed peer, so that it can recover in place.
 
 Over gloo a crashed peer's closed connection usually fails the survivors' collectives at once, but not
-always: a collective a survivor began after its peer died between two collectives was seen (the chaos
-soak, a killed node) to wait for the group's timeout. Over NCCL it never does: a survivor's kernel waits
+always: a survivor's collective was seen (the chaos soak, a killed node) to wait for the group's timeout,
+on a live peer blocked in turn (the cut below wakes it) or, rarely, on a connection gloo itself had closed
+without failing the collective (nothing outside gloo wakes that one: docs/reliability.md). Over NCCL it
+never does: a survivor's kernel waits
 for the dead peer until torch's watchdog timeout (the group's ``timeout``), and its CPU thread waits with
 it (``.item()``, a synchronize). The agent says when a
 round's end broke its collectives (``<file>.recover`` with ``broken``: a crash or a lost node, never a
