@@ -26,7 +26,7 @@ from elasticrun.store import members as etcd
 from elasticrun.store.client import connect
 from elasticrun.store.server import find_etcd_binary, free_port
 
-from helpers.elastic import steps
+from helpers.elastic import end_job, steps
 from helpers.launch import processes_with, run_cli, wait_agents
 from helpers.procs import SCRIPTS, Agent, wait_until
 
@@ -75,10 +75,6 @@ class Job:
 
     def first_step(self, world: int, after: float) -> float:
         return min(r["time"] for r in steps(self.out) if r["world"] == world and r["time"] > after)
-
-    def end(self) -> None:
-        """The test saw what it waited for: the job ends after its next step (train_loop.py's ``end`` file)."""
-        (self.out / "end").write_text("")
 
     def steps_left(self) -> int:
         done = steps(self.out)
@@ -163,7 +159,7 @@ def test_three_nodes_train_on_when_the_node_hosting_the_etcd_dies(agents: Callab
     assert status.returncode == 0, status.stdout + status.stderr
     assert {m["node_id"] for m in json.loads(status.stdout)["members"]} == {"n1", "n2"}
 
-    job.end()
+    end_job(job.out)
     assert wait_agents(others, 300) == [0, 0], "\n".join(a.stderr()[-3000:] for a in others)
     assert (job.out / "finished").exists()
     assert job.leftovers() == []
@@ -193,7 +189,7 @@ def test_four_nodes_lose_two_member_nodes_one_after_the_other(agents: Callable[.
     second_loss = kill_tree(second)
     remaining = [a for a in survivors if a is not second]
     wait_until(lambda: job.training(2, after=second_loss), HB + RESUME_SLACK_S + 30, "the 2 survivors to train")
-    job.end()
+    end_job(job.out)
     assert wait_agents(remaining, 400) == [0, 0], "\n".join(a.stderr()[-3000:] for a in remaining)
     assert (job.out / "finished").exists()
     assert job.leftovers() == []
@@ -213,7 +209,7 @@ def test_a_two_node_job_survives_a_graceful_leave_of_the_node_hosting_its_etcd(a
     assert STARTED in other.stderr(), other.stderr()[-3000:]
     assert "removed member elasticrun" in other.stderr()
     wait_until(lambda: job.training(1, after=left_at), 120, "the remaining node to train alone")
-    job.end()
+    end_job(job.out)
     assert wait_agents([other], 300) == [0], other.stderr()[-3000:]
     assert job.leftovers() == []
     assert os.listdir(job.out)  # the job's output is there
@@ -254,7 +250,7 @@ def test_a_member_that_dies_while_joining_and_a_malformed_endpoints_record_leave
         wait_until(lambda: (lambda kv: kv is not None and kv.value != b"{not json")(store.get(key)), 60,
                    "the leader to publish the endpoints again")
         assert endpoints_record(store.get(key).json()).endpoints == (etcd.endpoint_of(left.client_urls[0]),)
-    job.end()
+    end_job(job.out)
     assert wait_agents(job.nodes, 300) == [0, 0, 0], "\n".join(a.stderr()[-3000:] for a in job.nodes)
     said = [a.stderr().count(f"ignoring a malformed record in etcd at {key}")
             for a in job.nodes]

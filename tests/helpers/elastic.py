@@ -25,6 +25,11 @@ def steps(out: Path) -> List[dict]:
     return rows
 
 
+def end_job(out: Path) -> None:
+    """The test saw what it waited for: the job ends after its next step (train_loop.py's ``end`` file)."""
+    (out / "end").write_text("")
+
+
 def first_step(out: Path, world: int) -> float:
     rows = [r for r in steps(out) if r["world"] == world]
     return rows[0]["time"] if rows else 0.0
