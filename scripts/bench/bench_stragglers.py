@@ -80,6 +80,8 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=8, help="examples/train.py --batch-size")
     ap.add_argument("--json", default="", help="write the result (with its summary rows) here")
     args = ap.parse_args()
+    if not 0.0 <= args.stopped <= 1.0:
+        ap.error(f"--stopped {args.stopped:g} is not a share of the time: give a number from 0 to 1 (0.5: half)")
     job = f"strag-{uuid.uuid4().hex[:8]}"
     with tempfile.TemporaryDirectory(prefix="elasticrun-bench-stragglers-") as work, \
             EtcdServer(data_dir=f"{work}/etcd") as server:
@@ -101,7 +103,7 @@ def main() -> int:
             if args.slow:
                 slow = psutil.Process(agents.procs[f"n{args.nodes - 1}"].pid)
                 kids = [p.pid for p in slow.children(recursive=True)]
-                stop_s = PERIOD_S * min(max(args.stopped, 0.0), 1.0)
+                stop_s = PERIOD_S * args.stopped
                 threading.Thread(target=pulse, args=(kids, pulsing, stop_s, PERIOD_S - stop_s), daemon=True).start()
             result = measure(args, server.endpoint, job)
         finally:
