@@ -3,8 +3,9 @@
 Over gloo a crashed peer's closed connection usually fails the survivors' collectives at once, but not
 always: a survivor's collective was seen (the chaos soak, a killed node) to wait for the group's timeout,
 on a live peer blocked in turn (the cut below wakes it) or, rarely, on a connection gloo itself had closed
-without failing the collective (nothing outside gloo wakes that one: docs/reliability.md). Over NCCL it
-never does: a survivor's kernel waits
+without failing the collective (nothing outside gloo wakes that one). elasticrun's own step-boundary
+agreements wait through :func:`finish`, which gives such a collective up :data:`ABANDON_S` after the cut.
+Over NCCL it never does: a survivor's kernel waits
 for the dead peer until torch's watchdog timeout (the group's ``timeout``), and its CPU thread waits with
 it (``.item()``, a synchronize). The agent says when a
 round's end broke its collectives (``<file>.recover`` with ``broken``: a crash or a lost node, never a
@@ -23,14 +24,22 @@ step's collectives before the update and refusing it when the round was aborted 
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
-from typing import Callable, Optional
+import time
+from datetime import timedelta
+from typing import Any, Callable, List, Optional
 
 log = logging.getLogger(__name__)
 
 #: How often the watch looks for the agent's word (one ``open`` of a small file that is usually absent).
 POLL_S = 0.05
+#: After the round's groups were cut, how long a gloo collective may still wait before :func:`finish` gives
+#: it up (a cut collective fails within milliseconds: one still waiting then never ends by itself).
+ABANDON_S = 2.0
+#: :func:`finish` waits in slices of this length, looking at the watch between them.
+SLICE_S = 0.25
 
 
 class RoundAbort:
@@ -45,6 +54,7 @@ class RoundAbort:
         self._abort = abort
         self._lock = threading.Lock()
         self.fired = False
+        self.fired_at = 0.0  # time.monotonic() when it fired
         self.error: Optional[BaseException] = None
         self.cut_count: object = None
 
@@ -53,7 +63,7 @@ class RoundAbort:
         with self._lock:
             if self.fired:
                 return False
-            self.fired = True
+            self.fired, self.fired_at = True, time.monotonic()
             self.cut_count = self._attempt(self._cut)
             self._attempt(self._abort)
             return True
@@ -93,6 +103,11 @@ class BreakWatch:
         current = self.current
         return current is not None and current.fired
 
+    def fired_ago(self) -> Optional[float]:
+        """Seconds since the current round's groups were ended; None while they were not."""
+        current = self.current
+        return time.monotonic() - current.fired_at if current is not None and current.fired else None
+
     def poll(self) -> bool:
         """One look (the thread's loop body): fire the armed round's abort when the agent says the round the
         worker runs in broke and that is the armed round. True when this call fired it."""
@@ -121,12 +136,18 @@ class BreakWatch:
                        "the step is not applied; hand the error to InPlace.recover")
 
     def start(self) -> None:
-        """Poll every :attr:`interval` seconds on a daemon thread until :meth:`stop`."""
+        """Poll every :attr:`interval` seconds on a daemon thread until :meth:`stop`; :func:`finish` asks
+        this watch meanwhile (one watch per process: the last started)."""
+        global _ACTIVE
+        _ACTIVE = self
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="elasticrun-break-watch", daemon=True)
             self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
+        global _ACTIVE
+        if _ACTIVE is self:
+            _ACTIVE = None
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -138,6 +159,42 @@ class BreakWatch:
                 self.poll()
             except Exception as err:  # keep watching: one failed look must not leave the worker unwakeable
                 log.warning("elasticrun: watching for a broken round: %s", err)
+
+
+_ACTIVE: Optional[BreakWatch] = None  # the process's started watch, for finish()
+_ABANDONED: List[Any] = []  # groups of given-up collectives, never freed (see finish)
+
+
+def finish(work: Any, group: Any = None, abandon_s: float = ABANDON_S) -> None:
+    """Wait for the gloo collective ``work`` (``async_op=True``) on ``group`` (None: the default group),
+    raising what it raised; or raise ``torch.distributed.DistBackendError`` once this process's
+    :class:`BreakWatch` ended the round's groups ``abandon_s`` ago and it still waits (its connection was
+    closed by gloo without failing it: only the group's timeout would end it).
+
+    A given-up collective keeps one of gloo's threads waiting, and the group's destructor would join that
+    thread: the group is kept alive to the process's end, never freed (not even at interpreter exit).
+    Not for NCCL: a timed wait there aborts the communicator on timeout; its groups are aborted instead.
+    """
+    while True:
+        try:
+            work.wait(timedelta(seconds=SLICE_S))
+            return
+        except RuntimeError:
+            if work.is_completed():
+                raise  # it failed (the cut, a peer gone): the caller's recovery takes it
+        watch = _ACTIVE
+        ago = watch.fired_ago() if watch is not None else None
+        if ago is not None and ago >= abandon_s:
+            break
+    import torch.distributed as dist
+
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    _ABANDONED.append(pg)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))  # interpreter exit must not free it either
+    log.warning("elasticrun: a collective still waited %.1f s after its round's groups were cut: given up "
+                "(its connection is gone; gloo would hold it until the group's timeout)", ago)
+    raise dist.DistBackendError(f"a collective did not end {abandon_s:g} s after its round's groups were "
+                                "cut: given up")
 
 
 def abort_all_groups() -> None:
@@ -170,4 +227,4 @@ def abort_all_groups() -> None:
             nccl._group_end()
 
 
-__all__ = ["POLL_S", "BreakWatch", "RoundAbort", "abort_all_groups"]
+__all__ = ["ABANDON_S", "POLL_S", "BreakWatch", "RoundAbort", "abort_all_groups", "finish"]

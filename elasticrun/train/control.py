@@ -35,6 +35,7 @@ import torch.distributed as dist
 from elasticrun.errors import ElasticrunError
 from elasticrun.job.requests import ANSWER_TTL_S, answer_done, answer_error
 from elasticrun.job.requests import parse_request as _parse_request
+from elasticrun.train.abort import finish
 from elasticrun.train.env import ElasticState
 from elasticrun.train.etcdlink import EtcdLink
 
@@ -177,7 +178,10 @@ class CheckpointRequests:
         interval = self._choose_interval(step, t0) if self.every == "auto" and self.rank == 0 else 0
         if _distributed(self.group):
             flags = torch.tensor([1 if stop else 0, len(ids), interval], dtype=torch.int64, device=self.device)
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+            if self.device.type == "cpu":  # gloo: given up if a broken round's cut left it waiting
+                finish(dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True), self.group)
+            else:
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
             agreed_stop, count, interval = bool(flags[0].item()), int(flags[1].item()), int(flags[2].item())
             if count:
                 box: List[Any] = [ids]

@@ -68,7 +68,7 @@ from elasticrun.job.inplace import (
     recovery_announced,
     write_assignment,
 )
-from elasticrun.train.abort import BreakWatch, abort_all_groups
+from elasticrun.train.abort import BreakWatch, abort_all_groups, finish
 from elasticrun.train.dist import ElasticContext
 from elasticrun.train.env import ElasticState
 from elasticrun.train.progress import follow_reform
@@ -228,7 +228,7 @@ class InPlace:
     def _vote(self, mine: int) -> Tuple[int, int]:
         """One MAX all-reduce over the old group: the highest flag of the ranks and the lowest."""
         flags = torch.tensor([mine, -mine])
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
+        finish(dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True), self._group)
         return int(flags[0].item()), -int(flags[1].item())
 
     def _await_own_stop(self, stopping: bool, pending: bool) -> Tuple[bool, bool]:

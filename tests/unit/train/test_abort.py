@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from elasticrun.train.abort import BreakWatch, RoundAbort
+from elasticrun.train import abort
+from elasticrun.train.abort import BreakWatch, RoundAbort, finish
 
 
 class Groups:
@@ -205,3 +206,73 @@ def test_a_failing_look_does_not_end_the_watch() -> None:
         assert g.aborted.wait(10), "the look after the failed one fired"
     finally:
         w.stop()
+
+
+class Work:
+    """A collective's Work: still waiting for ``slices`` timed waits, then done (``error``: failed)."""
+
+    def __init__(self, slices: int, error: Exception = None) -> None:
+        self.slices, self.error, self.waits = slices, error, 0
+
+    def wait(self, timeout) -> bool:
+        self.waits += 1
+        if self.waits <= self.slices:
+            raise RuntimeError("Operation timed out!")
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def is_completed(self) -> bool:
+        return self.waits > self.slices
+
+
+def _watch(fired_ago: float = None) -> BreakWatch:
+    """A started watch (the process's active one) whose round fired ``fired_ago`` seconds ago, or not."""
+    g = Groups()
+    w = BreakWatch(lambda: 0, lambda r: False, interval=60)
+    w.arm(0, g.cut, g.abort)
+    if fired_ago is not None:
+        w.current.fire()
+        w.current.fired_at -= fired_ago
+    w.start()
+    return w
+
+
+def test_finish_returns_once_the_collective_ends_and_raises_its_failure() -> None:
+    w = _watch()
+    try:
+        work = Work(slices=3)
+        finish(work, group=object())
+        assert work.waits == 4, "timed slices until it ended"
+        with pytest.raises(RuntimeError, match="Connection closed"):
+            finish(Work(slices=2, error=RuntimeError("Connection closed by peer")), group=object())
+    finally:
+        w.stop()
+
+
+def test_finish_waits_on_while_the_round_is_whole_or_only_just_cut() -> None:
+    for fired_ago in (None, 0.0):
+        w = _watch(fired_ago)
+        try:
+            work = Work(slices=2)
+            finish(work, group=object(), abandon_s=60)
+            assert work.waits == 3, "a collective of a whole round, or one just cut, is waited for"
+        finally:
+            w.stop()
+
+
+def test_finish_gives_a_collective_up_once_the_cut_is_old_and_keeps_its_group() -> None:
+    w = _watch(fired_ago=5.0)
+    group = object()
+    try:
+        with pytest.raises(dist.DistBackendError, match="given up"):
+            finish(Work(slices=10**6), group=group, abandon_s=2.0)
+    finally:
+        w.stop()
+    assert any(g is group for g in abort._ABANDONED), "its group is kept: its destructor would join gloo's thread"
+
+
+def test_finish_without_a_watch_waits_for_the_collective() -> None:
+    work = Work(slices=3)
+    finish(work, group=object(), abandon_s=0.0)
+    assert work.waits == 4, "no watch (in-place off): nothing gives a collective up"
