@@ -1,12 +1,10 @@
-#!/usr/bin/env python
 """Checkpoint I/O: elasticrun against safetensors, torch.save/load and torch.distributed.checkpoint (DCP).
 
     python scripts/bench/bench_checkpoint.py --state gpt --size-gib 0.4 --dir /var/tmp --json ckpt.json
     python scripts/bench/bench_checkpoint.py --state gpt --size-gib 4 --device cuda      # state on the GPU
 
-Interleaved rounds (A B C D A B C D ..., a dropped warm-up first, medians reported) of each library's durable
-save, a cold load into existing tensors (files evicted with ``posix_fadvise(DONTNEED)``; elasticrun also with
-``verify=False``), the disk's cold read of a fresh file of the same size, and an async save's training stall.
+Interleaved rounds (a dropped warm-up first, medians reported) of each library's durable save and cold load, the
+disk's cold read and an async save's training stall (docs/performance.md, "Checkpoint I/O").
 """
 
 from __future__ import annotations
@@ -107,13 +105,12 @@ def load_into(lib: str, target: Dict[str, torch.Tensor], path: str, verify: bool
         torch.cuda.synchronize()
 
 
-def run_compare(d: str, state: Dict[str, torch.Tensor], repeat: int, settle: Callable[[], None],
+def run_compare(d: str, state: Dict[str, torch.Tensor], size: int, repeat: int, settle: Callable[[], None],
                 sync: Callable[[], None]) -> Dict[str, List[float]]:
-    """Interleaved rounds (one dropped warm-up first); label -> seconds per round."""
+    """Interleaved rounds (one dropped warm-up first) on ``state`` of ``size`` bytes; label -> seconds per round."""
     runs: Dict[str, List[float]] = {}
     ckpt = AsyncCheckpointer()  # kept across rounds, as a training loop keeps it (its staging buffers reused)
     target = {k: torch.zeros_like(v) for k, v in state.items()}
-    size = sum(t.numel() * t.element_size() for t in state.values())
 
     def record(label: str, rnd: int, seconds: float) -> None:
         if rnd > 0:  # round 0 is the warm-up
@@ -208,7 +205,7 @@ def main() -> None:
 
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     with tempfile.TemporaryDirectory(prefix="ckbench-", dir=args.dir) as d:
-        runs = run_compare(d, state, args.repeat, settle, sync)
+        runs = run_compare(d, state, real, args.repeat, settle, sync)
     rows = summarize(runs, real, args.device, f"{label}, {real / GB:.2f} GB, {args.device}", shown_command(__file__))
     print(f"\ninterleaved comparison: {label} state, {real / GB:.3f} GB in {len(state)} tensors on {args.device}; "
           f"posix_fadvise(DONTNEED) before loads; medians of {args.repeat} rounds after a dropped warm-up\n")

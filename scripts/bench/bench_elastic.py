@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Elastic reaction time: elasticrun against torchrun (c10d), N nodes x P procs on loopback.
 
     python scripts/bench/bench_elastic.py --runs 1 --quick
@@ -282,7 +281,7 @@ def measure(run: Run, timeout: float, warm_steps: int) -> Outcome:
     if joins:
         at = run.start(names[-1])
     elif run.scenario == "leave":
-        at = run.agents.terminate(names[-1])
+        at = run.agents.kill(names[-1], signal.SIGTERM)
     elif run.scenario == "crash":
         at = time.time()
         os.kill(int(run.pid_file.read_text()), signal.SIGKILL)

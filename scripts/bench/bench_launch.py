@@ -138,10 +138,8 @@ def summarize(runs: List[Run]) -> str:
             good = _figure(mine, "seconds")
             stats = [f"{f(good):.2f}" for f in (statistics.median, min, max)] if good else ["—"] * 3
             counts = [sum(r.outcome == k for r in mine) for k in ("ok", "fail", "hang")]
-            extra = []
-            for name, (_, _, fmt) in LAUNCH_FIGURES.items():
-                values = _figure(mine, name)
-                extra.append(format(statistics.median(values), fmt) if values else "—")
+            extra = [format(statistics.median(values), fmt) if (values := _figure(mine, name)) else "—"
+                     for name, (_, _, fmt) in LAUNCH_FIGURES.items()]
             rows.append([scenario, launcher, *counts, *stats, *extra])
     return md_table(["scenario", "launcher", "ok", "fail", "hang", "median s", "min s", "max s", "first line s",
                      "fork wait s", "agent RSS MiB"], rows)

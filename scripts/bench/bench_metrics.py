@@ -1,14 +1,11 @@
-#!/usr/bin/env python
 """Does a scrape storm on the agent's /metrics slow training? Step time with and without one.
 
     python scripts/bench/bench_metrics.py                                  # 3 pairs, 200 steps, 50 scrapers
     python scripts/bench/bench_metrics.py --runs 1 --steps 60 --threads 10 # a small version (~1 min)
     python scripts/bench/bench_metrics.py --interval 1                     # 50 scrapes/s (Prometheus: 1 per 15 s)
 
-Each run is a real job (``elasticrun --standalone --nproc-per-node 2 --metrics-port P examples/train.py
---metrics-log``); runs alternate quiet / storm so that drifting load hits both alike. The step time is rank 0's
-median from step 10 on; the storm is ``--threads`` threads scraping back to back (or every ``--interval`` s), with
-scrape count, errors, latency and the agent's CPU seconds reported (docs/performance.md, "Metrics endpoint").
+Real jobs of examples/train.py, quiet and storm runs alternating; rank 0's median step time from step 10 on, the
+scrapes' count, errors and latency, the agent's CPU seconds (docs/performance.md, "Metrics endpoint").
 """
 
 from __future__ import annotations

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Rendezvous at scale: N simulated agents against one real etcd, no workers.
 
     python scripts/bench/bench_rendezvous.py --clients shared --nodes 64 256 1024 --runs 1

@@ -1,14 +1,10 @@
 """Straggler detection's false-positive budget: healthy nodes of examples/train.py, nobody may be flagged.
 
-N agents (one gloo worker each) train; ``elasticrun status --json`` is read every ``--every`` s for ``--minutes``
-and the readings where a node was flagged are counted. ``--slow``: the last node's workers are SIGSTOPped for
-``--stopped`` of the time in 40 ms periods (short, so that the stops fall into a step's compute as often as
-anywhere else), and the figure is the time until it is flagged. The default step computes ~2 ms, the hard case
-for false positives; show a slow node on a heavier one (~7 ms with ``--hidden 16384 --batch-size 32``), where
-the threshold, not the 1 ms floor of ``StragglerPolicy.min_excess_s``, decides.
-
     python scripts/bench/bench_stragglers.py --minutes 10 --json /tmp/stragglers.json
     python scripts/bench/bench_stragglers.py --minutes 3 --slow --hidden 16384 --batch-size 32 --json /tmp/slow.json
+
+``elasticrun status --json`` is read every ``--every`` s and the readings that flag a node are counted; with
+``--slow`` the figure is the time until the pulsed node is flagged (docs/reliability.md, "False positives").
 """
 
 from __future__ import annotations
@@ -28,7 +24,7 @@ from common import TRAIN, Agents, AgentsExited, send, shown_command, status_json
 
 from elasticrun.store.server import EtcdServer
 
-PERIOD_S = 0.04  # one SIGSTOP and one SIGCONT of --slow
+PERIOD_S = 0.04  # one SIGSTOP and one SIGCONT of --slow: short, so that stops hit a step's compute as often as not
 
 
 def pulse(pids: List[int], done: threading.Event, stop_s: float, run_s: float) -> None:
@@ -109,7 +105,6 @@ def main() -> int:
         finally:
             pulsing.set()
             agents.stop()
-            agents.close()
     result["command"] = shown_command(__file__)
     metric = (f"seconds until a node stopped {args.stopped:.0%} of the time is flagged" if args.slow
               else "flagged readings of healthy nodes")

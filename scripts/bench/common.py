@@ -177,24 +177,21 @@ class Agents:
                 raise TimeoutError(f"waited {timeout:.0f} s for {what}")
             time.sleep(0.05)
 
-    def kill(self, name: str) -> float:
-        """SIGKILL agent ``name`` and every process under it at once (a lost machine); the time of the kill."""
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> float:
+        """SIGKILL agent ``name`` and every process under it at once (a lost machine), or send the agent alone
+        ``sig`` (SIGTERM: a graceful leave); the time of the signal."""
         self.gone.add(name)
         at = time.time()
-        kill_tree([self.procs[name].pid])
-        self.procs[name].wait()
-        return at
-
-    def terminate(self, name: str) -> float:
-        """SIGTERM agent ``name`` (a graceful leave); the time of the signal."""
-        self.gone.add(name)
-        at = time.time()
-        self.procs[name].send_signal(signal.SIGTERM)
+        if sig != signal.SIGKILL:
+            self.procs[name].send_signal(sig)
+        else:
+            kill_tree([self.procs[name].pid])
+            self.procs[name].wait()
         return at
 
     def stop(self, timeout: float = 60.0) -> List[Optional[int]]:
         """SIGTERM every live agent (as a user's Ctrl-C would), wait up to ``timeout`` s in all, then SIGKILL
-        what is left with everything below it; their exit codes."""
+        what is left with everything below it and :meth:`close`; their exit codes."""
         for p in self.procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -205,6 +202,7 @@ class Agents:
             except subprocess.TimeoutExpired:
                 kill_tree([p.pid])
                 codes.append(p.wait())
+        self.close()
         return codes
 
     def close(self) -> None:
@@ -212,11 +210,8 @@ class Agents:
         kill_tree(p.pid for p in self.procs.values())
         for p in self.procs.values():
             p.wait()
-        marked = []
-        for p in psutil.process_iter(["pid"]):
-            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
-                if p.pid != os.getpid() and p.environ().get(TAG_VAR) == self.tag:
-                    marked.append(p.pid)
+        marked = [p.pid for p in psutil.process_iter(["environ"])  # environ None: a process we may not read
+                  if p.pid != os.getpid() and (p.info["environ"] or {}).get(TAG_VAR) == self.tag]
         kill_tree(marked, 5)
         for reader in self._readers:
             reader.join(5)

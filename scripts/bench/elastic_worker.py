@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """The training loops the benches run under a launcher: ``elastic_worker.py MODE [OUT_DIR]``.
 
 ``launch`` (bench_launch.py): a tiny DDP model, BENCH_STEPS steps BENCH_STEP_S apart; in the first attempt the last

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Run every benchmark of this folder (its ``bench_*.py``) with one preset, each with its JSON into one output dir.
 
     python scripts/bench/run_all.py --out /tmp/perf                      # preset "quick" (~30 min, 2 cores)

@@ -1,13 +1,9 @@
 """Read the chaos soak's worker audit logs: the training lineage, rollbacks, and exactly-once sample checks.
 
 A *generation* is one round, ``(round, restart)``; it begins at one step for all its ranks (``resume``: a
-checkpoint; ``reform``: the step the survivors went on from in place) and logs one ``step`` line per rank per
-step. The *lineage* is traced back from the last generation: each covers ``(begin, last step]`` and took its
-state from the latest earlier generation that reached its begin. Every other logged step was lost. Each lineage
-step must be logged by every rank of its world, except the step a generation ended at when the next went on from
-it in place: a rank killed after its collectives still trained it (its samples count as *unlogged*). Per epoch,
-the samples trained must be exactly the consumed prefix of the epoch's permutation plus the sampler's padding
-(``tail="pad"``): anything missing is *skipped*, anything more *seen twice*.
+checkpoint; ``reform``: the step the survivors went on from in place). The *lineage* is traced back from the last
+generation: each covers ``(begin, last step]`` on the state of the latest earlier generation that reached its
+begin; every other logged step was lost. Its steps and samples are checked as docs/reliability.md says.
 """
 
 from __future__ import annotations
@@ -72,7 +68,7 @@ class AuditResult:
     samples_checked: int = 0
     samples_twice: int = 0
     samples_skipped: int = 0
-    samples_unlogged: int = 0  # a killed rank's last step, carried on in place (see the module doc)
+    samples_unlogged: int = 0  # a killed rank's last step, carried on in place (docs/reliability.md)
     epochs_checked: int = 0
     problems: List[str] = field(default_factory=list)
     saves: List[Tuple[float, int, str]] = field(default_factory=list)  # (t, step, name) by rank 0
@@ -146,7 +142,7 @@ def _trace_lineage(res: AuditResult, steps: Dict[Gen, Dict[int, List[dict]]], be
 def _logged_by(recs: List[dict], world: int, went_on_in_place: bool) -> Optional[bool]:
     """Whether a lineage step's lines are right: True when every rank of one ``world`` logged it; None when
     some ranks are missing at a step the next generation went on from in place (their samples are unlogged,
-    not skipped: see the module doc); False otherwise (a violation)."""
+    not skipped: docs/reliability.md); False otherwise (a violation)."""
     ranks = sorted(int(r["rank"]) for r in recs)
     if any(int(r["world"]) != world for r in recs) or not set(ranks) <= set(range(world)):
         return False

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Turn a ``scripts/bench/run_all.py`` output dir into the performance page: summary table + charts.
 
     python scripts/perf/perf_report.py /tmp/perf                        # docs/performance.md + docs/img/perf-*.png
