@@ -229,3 +229,34 @@ def test_a_compare_only_txn_judges_its_guards(etcd, job_id):
     assert not etcd.txn([Guard(key, rev + 1)]) and not etcd.txn([Guard.absent(key)])
     etcd.put(free + "x", "1")
     assert not etcd.txn([Guard.empty(free)])
+
+
+def test_closing_a_store_while_another_thread_makes_watches_ends_that_thread_with_one_error(etcd_server, job_id):
+    """A thread still at work (a view re-making its watches) when the store closes must not reach a closed
+    gRPC channel: making a call on one crashed the process (a segfault in grpc). close() waits for the call
+    under way; the next one raises StoreError."""
+    store = connect(etcd_server.endpoint)
+    made, errors = [0], []
+
+    def churn() -> None:
+        while True:
+            try:
+                cancel = store.watch_prefix(f"/test/{job_id}/", lambda events: None, lambda err: None)
+                cancel()
+                made[0] += 1
+            except StoreError as err:
+                errors.append(str(err))
+                return
+
+    thread = threading.Thread(target=churn, daemon=True)
+    thread.start()
+    wait_until(lambda: made[0] >= 20, 30, "watches made and cancelled in a loop")
+    store.close()
+    closed = time.monotonic()
+    thread.join(15)
+    assert not thread.is_alive() and time.monotonic() - closed < 5, "no retries against a closed client"
+    assert errors == [f"the etcd client for {etcd_server.endpoint} is closed"], errors
+    began = time.monotonic()
+    with pytest.raises(StoreError, match="is closed"):
+        store.get(f"/test/{job_id}/k")
+    assert time.monotonic() - began < 1

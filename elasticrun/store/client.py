@@ -13,7 +13,8 @@ from __future__ import annotations
 import random
 import threading
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import grpc
 import pyetcd
@@ -69,6 +70,9 @@ class EtcdStore:
         self._client_args = client_args(endpoints, self._hosts, timeout, user, ca_cert, cert_key, cert_cert)
         self._auth = (user, password)
         self._lock = threading.Lock()
+        self._idle = threading.Condition()  # close() waits on it for the calls under way
+        self._uses = 0  # calls under way (their channels must stay open: grpc crashes on a closed one)
+        self._closed = False
         self.token_renewals = 0  # how often etcd refused our token and we got a new one
         self._client = self._retry(self._new_client, "connect")
         self.watchdog = WatchDog(self)  # moves the watches off a member that stops answering
@@ -93,11 +97,29 @@ class EtcdStore:
         """The error to raise for ``err`` (see :func:`~elasticrun.store.explain.error_class`)."""
         return error_class(err)(self._explain(err))
 
+    @contextmanager
+    def using(self) -> Iterator[MultiEndpointEtcd3Client]:
+        """The client, for one call that :meth:`close` waits for; StoreError once the store is closed
+        (a thread still at work, e.g. a watch being made again, must not reach a closed gRPC channel:
+        making a call on one crashes the process)."""
+        with self._idle:
+            if self._closed:
+                raise StoreError(f"the etcd client for {self.endpoints} is closed")
+            self._uses += 1
+        try:
+            yield self._client
+        finally:
+            with self._idle:
+                self._uses -= 1
+                self._idle.notify_all()
+
     def _retry(self, fn: Callable[[], T], what: str) -> T:
         deadline = time.monotonic() + self.retry_timeout
         delay = 0.05
         renewed = False
         while True:
+            if self._closed:
+                raise StoreError(f"the etcd client for {self.endpoints} is closed")
             try:
                 return fn()
             except TRANSIENT as err:
@@ -131,7 +153,8 @@ class EtcdStore:
     def _call(self, what: str, fn: Callable[[MultiEndpointEtcd3Client], T]) -> T:
         start = time.monotonic()
         try:
-            return self._retry(lambda: self._client.call(fn), what)
+            with self.using() as client:
+                return self._retry(lambda: client.call(fn), what)
         finally:
             if self.on_call is not None:
                 self.on_call(what, time.monotonic() - start)
@@ -333,7 +356,8 @@ class EtcdStore:
         deadline = self.timeout if timeout is None or len(self._hosts) < 2 else min(timeout, self.timeout)
         for attempt in (0, 1):
             try:
-                return keepalives(self._client, ids, deadline) if ids else {}
+                with self.using() as client:
+                    return keepalives(client, ids, deadline) if ids else {}
             except grpc.RpcError as err:
                 if attempt == 0 and self._auth[0] is not None and token_rejected(err):
                     try:
@@ -489,7 +513,12 @@ class EtcdStore:
         return self._call("status", op)
 
     def close(self) -> None:
+        """Close the connection, once the calls under way have ended (at most a call's deadline); later
+        calls raise StoreError."""
         self.watchdog.close()
+        with self._idle:
+            self._closed = True
+            self._idle.wait_for(lambda: not self._uses, self.timeout + 1.0)
         with self._lock:
             try:
                 self._client.close()

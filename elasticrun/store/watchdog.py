@@ -19,6 +19,8 @@ import logging
 import threading
 from typing import Any
 
+from elasticrun.errors import StoreError
+
 log = logging.getLogger(__name__)
 
 
@@ -48,12 +50,16 @@ class WatchDog:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            client = self.store._client
-            with self._lock:
-                if not client.watching():
-                    self._running = False
-                    return
-            for member in client.check_watches(self.silence):
+            try:
+                with self.store.using() as client:
+                    with self._lock:
+                        if not client.watching():
+                            self._running = False
+                            return
+                    silent = client.check_watches(self.silence)
+            except StoreError:  # closed
+                break
+            for member in silent:
                 self.failovers += 1
                 log.warning("etcd member %s did not answer on the watch stream for %.0f s: watching on "
                             "another member", member, self.silence)
