@@ -1,4 +1,5 @@
-"""When the bare fork server preloads torch: once the host has a core to spare.
+"""When the fork server preloads torch (and DDP's extras, for a script that uses them): once the host
+has a core to spare.
 
 The fork server starts bare (:mod:`elasticrun.launch.zygote`), so the first round's workers start as
 fast as torchrun's and import what their script imports. Its preload (torch and DDP's first-use
@@ -108,16 +109,19 @@ class PreloadWatch:
         self._generation += 1
         self._watching = False
 
-    def start(self, order: Callable[[], None], still: Callable[[], bool], first_s: float = 0.0) -> None:
+    def start(self, order: Callable[[], None], still: Callable[[], bool], first_s: float = 0.0,
+              wanted: Callable[[], bool] = lambda: True) -> None:
         """Watch (unless a watch runs): after ``first_s``, ``order()`` once a core is idle, or at
-        :data:`LATEST_S`, provided ``still()`` holds (it is checked again under the lock)."""
+        :data:`LATEST_S`, provided ``still()`` holds (it is checked again under the lock); while
+        ``wanted()`` says there is nothing to preload yet, keep watching."""
         if self._watching:
             return
         self._watching = True
-        args = (order, still, first_s, self._generation)
+        args = (order, still, wanted, first_s, self._generation)
         threading.Thread(target=self._run, args=args, name="elasticrun-preload-watch", daemon=True).start()
 
-    def _run(self, order: Callable[[], None], still: Callable[[], bool], first_s: float, generation: int) -> None:
+    def _run(self, order: Callable[[], None], still: Callable[[], bool], wanted: Callable[[], bool],
+             first_s: float, generation: int) -> None:
         began = time.monotonic()
         time.sleep(first_s)
         before = self._sample()
@@ -126,7 +130,7 @@ class PreloadWatch:
             after = self._sample()
             idle = idle_cores(before, after, self._cpus) if before and after else 0.0
             before = after
-            if due(idle, time.monotonic() - began, LATEST_S):
+            if due(idle, time.monotonic() - began, LATEST_S) and wanted():
                 with self._lock:
                     if generation == self._generation:
                         if still():
