@@ -32,8 +32,6 @@ PROBE = '''
 import json, os, sys
 loaded = sorted(m for m in ("torch", "torch.distributed", "torch._dynamo", "numpy") if m in sys.modules)
 import numpy
-if os.environ.get("DYNAMO"):  # what DDP's first use imports
-    import torch._dynamo
 out = os.environ["PROBE_OUT"]
 with open(out, "w") as f:
     json.dump({"pid": os.getpid(), "pgid": os.getpgid(0), "ppid": os.getppid(), "argv": sys.argv, "loaded": loaded,
@@ -190,38 +188,6 @@ def test_the_first_round_waits_for_a_server_that_preloads_first(
                                                                                               loaded)
         else:
             assert loaded == [], f"a bare start imports nothing before the script: {loaded} ({group.started_how})"
-    finally:
-        group.stop(5)
-        group.discard_warm()
-
-
-def test_the_server_takes_ddps_extras_only_once_a_forked_worker_used_them(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A script that never imports torch._dynamo leaves the server with torch alone (~1.5 CPU-s a node
-    saved); once a forked worker imports it (warm.py marks it), the next preload takes it too."""
-    monkeypatch.setenv(names.PRELOAD_FIRST, "1")
-    (tmp_path / "probe.py").write_text(PROBE)
-    monkeypatch.setenv("HOLD", "1")
-    cfg = LaunchConfig(rendezvous=RendezvousConfig(standalone=True),
-                       workers=WorkersConfig(entrypoint=str(tmp_path / "probe.py"), nproc_per_node=1, standby=1))
-    group = WorkerGroup(cfg, "n", str(tmp_path), None, False, on_exit=lambda: None)
-    member = Member("n", "h", "127.0.0.1", 1, 0, 0)
-    try:
-        group.prewarm(preload=False)
-        for round_, dynamo in ((0, ""), (1, "1")):
-            monkeypatch.setenv("DYNAMO", dynamo)
-            monkeypatch.setenv("MARKER", f"r{round_}")
-            monkeypatch.setenv("PROBE_OUT", str(tmp_path / f"r{round_}.json"))
-            group.start(Topology(round=round_, members=(member,), master_addr="127.0.0.1", master_port=1), member,
-                        None)
-            probe = tmp_path / f"r{round_}.json"
-            wait_until(probe.exists, 120, "the worker past its imports")
-            group.prewarm()  # as when a node joins: preload now whatever is left to preload
-            server = group.server
-            assert server is not None and server.wait_ready(300) and server.warm, (server.state, server.why_gone)
-            assert server.deep is bool(dynamo), f"round {round_}: DDP's extras preloaded: {server.deep}"
-            group.stop(5)
     finally:
         group.stop(5)
         group.discard_warm()

@@ -1,5 +1,4 @@
-"""When the fork server preloads torch (and DDP's extras, for a script that uses them): once the host
-has a core to spare.
+"""When the bare fork server preloads torch: once the host has a core to spare.
 
 The fork server starts bare (:mod:`elasticrun.launch.zygote`), so the first round's workers start as
 fast as torchrun's and import what their script imports. Its preload (torch and DDP's first-use
@@ -109,19 +108,16 @@ class PreloadWatch:
         self._generation += 1
         self._watching = False
 
-    def start(self, order: Callable[[], None], still: Callable[[], bool], first_s: float = 0.0,
-              wanted: Callable[[], bool] = lambda: True) -> None:
+    def start(self, order: Callable[[], None], still: Callable[[], bool], first_s: float = 0.0) -> None:
         """Watch (unless a watch runs): after ``first_s``, ``order()`` once a core is idle, or at
-        :data:`LATEST_S`, provided ``still()`` holds (it is checked again under the lock); while
-        ``wanted()`` says there is nothing to preload yet, keep watching."""
+        :data:`LATEST_S`, provided ``still()`` holds (it is checked again under the lock)."""
         if self._watching:
             return
         self._watching = True
-        args = (order, still, wanted, first_s, self._generation)
+        args = (order, still, first_s, self._generation)
         threading.Thread(target=self._run, args=args, name="elasticrun-preload-watch", daemon=True).start()
 
-    def _run(self, order: Callable[[], None], still: Callable[[], bool], wanted: Callable[[], bool],
-             first_s: float, generation: int) -> None:
+    def _run(self, order: Callable[[], None], still: Callable[[], bool], first_s: float, generation: int) -> None:
         began = time.monotonic()
         time.sleep(first_s)
         before = self._sample()
@@ -130,7 +126,7 @@ class PreloadWatch:
             after = self._sample()
             idle = idle_cores(before, after, self._cpus) if before and after else 0.0
             before = after
-            if due(idle, time.monotonic() - began, LATEST_S) and wanted():
+            if due(idle, time.monotonic() - began, LATEST_S):
                 with self._lock:
                     if generation == self._generation:
                         if still():

@@ -109,8 +109,6 @@ class WorkerGroup:
         self._filtered: Dict[int, FilteredCopy] = {}  # this round's --duplicate-*-filters files, by stream
         self.round_store: Optional[RoundStore] = None  # served (by a store host) in the rounds this node leads
         self._rounds_started = 0  # the first round never waits for the fork server
-        self._all_forked = False  # the last round's workers all came from the fork server
-        self._deep_marker = os.path.join(files_dir, "deep-imports")  # a forked worker imported DDP's extras
         self._starting = threading.Lock()  # a start and a preload order never overlap
         self._preload_watch = PreloadWatch(self._starting)
 
@@ -196,40 +194,27 @@ class WorkerGroup:
         return self._server
 
     def _preload_server(self, deep: bool) -> None:
-        """Have the fork server preload when it takes no CPU from the workers (:mod:`preload`): torch,
-        and DDP's extras where the script uses them (:meth:`_deep_wanted`).
+        """Have the bare fork server preload when it takes no CPU from the workers (:mod:`preload`).
 
         While this round's workers run: called with ``deep`` once they are past their start-up (the
         round loop's standby call), watch for an idle core; called without (a node joins: the round
-        ends soon), now. While the node waits for a round: watch, after :data:`WAIT_FIRST_S`. A watch
-        with nothing left to preload (torch is in, the extras not wanted yet) keeps watching.
+        ends soon), now. While the node waits for a round: watch, after :data:`WAIT_FIRST_S`.
         """
         server = self._server
         if server is None or server.deep:
             return
-
-        def wanted() -> bool:  # something left to preload
-            return not server.warm or self._deep_wanted()
-
         if self._workers and not deep:
-            server.preload(self._deep_wanted())
+            server.preload()
         elif self._workers:
-            self._preload_watch.start(lambda: server.preload(self._deep_wanted()),
-                                      lambda: self._server is server and bool(self._workers), wanted=wanted)
+            self._preload_watch.start(server.preload, lambda: self._server is server and bool(self._workers))
         else:
             self._preload_watch.start(lambda: self._preload_between_rounds(server),
-                                      lambda: self._server is server and not self._workers, first_s=WAIT_FIRST_S,
-                                      wanted=wanted)
+                                      lambda: self._server is server and not self._workers, first_s=WAIT_FIRST_S)
 
-    def _preload_between_rounds(self, server: ForkServer) -> None:
+    @staticmethod
+    def _preload_between_rounds(server: ForkServer) -> None:
         if server.state is ServerState.READY:
-            server.preload(self._deep_wanted())
-
-    def _deep_wanted(self) -> bool:
-        """Whether the fork server should import DDP's extras too: a worker forked from it imported them
-        (warm.py marks it), or this node's workers were not all forked (no mark: as if they had), or no round
-        has run here yet. A script that never uses them leaves the server with torch alone."""
-        return not self._rounds_started or not self._all_forked or os.path.exists(self._deep_marker)
+            server.preload()
 
     def _round_server(self) -> Optional[ForkServer]:
         """The fork server this round's workers come from, or None (they start another way).
@@ -295,10 +280,7 @@ class WorkerGroup:
         """
         forked: List[subprocess.Popen] = []
         for env, bound in zip(envs, cpus):
-            order = self._order(env, bound)
-            if server is not None and not server.deep:
-                order["deep_marker"] = self._deep_marker  # warm.py marks a script's use of DDP's extras
-            proc = self._fork(server, order) if server is not None else None
+            proc = self._fork(server, self._order(env, bound)) if server is not None else None
             if proc is None:
                 break
             forked.append(proc)  # type: ignore[arg-type]  # Popen's interface, as used here
@@ -412,7 +394,6 @@ class WorkerGroup:
         procs = self._spawn_all([env for _, env, _ in planned], [self.cpus.get(s.local_rank) for s, _, _ in planned],
                                 server)
         self._rounds_started += 1
-        self._all_forked = self._how["forked"] == len(procs)
         for (spec, _, rank_dir), proc in zip(planned, procs):
             log_dir = rank_dir if self.log_dir is not None else None
             err_pump = self._pump(proc, log_dir, spec.rank, spec.local_rank)

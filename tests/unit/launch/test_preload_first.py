@@ -37,17 +37,3 @@ def test_another_value_is_one_clear_error(value: str) -> None:
 
 def test_usable_cores_counts_this_process_affinity() -> None:
     assert 1 <= usable_cores() <= 4096
-
-
-def test_a_forked_worker_marks_its_first_use_of_ddps_extras_and_steps_aside(tmp_path, monkeypatch) -> None:
-    from elasticrun.launch.warm import _DeepUse
-
-    marker = tmp_path / "deep-imports"
-    finder = _DeepUse(str(marker))
-    monkeypatch.setattr("sys.meta_path", [finder])
-    assert finder.find_spec("json") is None and not marker.exists(), "other imports go on unmarked"
-    assert finder.find_spec("torch._dynamo") is None, "it finds nothing: the import goes on unchanged"
-    assert marker.exists(), "the agent learns the script uses DDP's extras"
-    import sys
-
-    assert finder not in sys.meta_path, "then it steps aside"
