@@ -13,13 +13,6 @@ starts at once.
 The agent watches in two situations: while a round's workers run (from the round loop's standby
 call, 2 s after they started) and while it waits for a round (after :data:`WAIT_FIRST_S`, so that a
 round that forms at once does not meet a preload). A watch ends when the situation changes.
-
-A host with fewer usable cores than the node's workers + 2 cannot run their torch imports side by side
-(with the agent's start-up and, on the leading node, the store host's): there the workers of a bare
-server would share the cores for several imports each, and the first step would come later than if one
-interpreter imported torch once and forked them all. So :func:`preload_first` decides whether the server
-imports torch (not DDP's extras: those wait for an idle core as above) as it starts, before etcd and the
-rendezvous, with the first round waiting for it (``ELASTICRUN_PRELOAD_FIRST`` forces either way).
 """
 
 from __future__ import annotations
@@ -27,10 +20,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Callable, Mapping, Optional, Tuple
-
-from elasticrun.errors import ConfigError
-from elasticrun.job.env import PRELOAD_FIRST
+from typing import Callable, Optional, Tuple
 
 PROC_STAT = "/proc/stat"
 SAMPLE_S = 0.5  # how long one idle sample lasts
@@ -65,26 +55,6 @@ def read_cpu_times(path: str = PROC_STAT) -> Optional[CpuTimes]:
             return parse_cpu_times(f.read())
     except OSError:
         return None  # not Linux: no sample, the deadline decides
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity: taskset, a cpuset), else the host's."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def preload_first(nproc: int, environ: Mapping[str, str], cores: Optional[int] = None) -> bool:
-    """Whether the fork server imports torch before the first round's ``nproc`` workers: as
-    ``ELASTICRUN_PRELOAD_FIRST`` says (``1``/``0``), else when ``cores`` (default: :func:`usable_cores`)
-    are fewer than ``nproc + 2``. ConfigError (one line) for another value."""
-    value = environ.get(PRELOAD_FIRST, "").strip().lower()
-    if value in ("1", "0"):
-        return value == "1"
-    if value not in ("", "auto"):
-        raise ConfigError(f"{PRELOAD_FIRST}={environ[PRELOAD_FIRST]!r}: use 1, 0 or auto")
-    return (usable_cores() if cores is None else cores) < nproc + 2
 
 
 def due(idle: float, watched_s: float, latest_s: float) -> bool:
@@ -135,5 +105,4 @@ class PreloadWatch:
                 return
 
 
-__all__ = ["LATEST_S", "PreloadWatch", "WAIT_FIRST_S", "due", "idle_cores", "parse_cpu_times", "preload_first",
-           "read_cpu_times", "usable_cores"]
+__all__ = ["LATEST_S", "PreloadWatch", "WAIT_FIRST_S", "due", "idle_cores", "parse_cpu_times", "read_cpu_times"]

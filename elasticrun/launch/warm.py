@@ -34,10 +34,9 @@ def _preload(deep: bool) -> None:
         _preload_deep()
 
 
-def _server_preload(deep: bool) -> None:
-    """The fork server's preload (ordered by the agent, run on a thread of the server): torch, and with
-    ``deep`` what DDP pulls in on first use."""
-    _preload(deep)
+def _server_preload() -> None:
+    """The fork server's preload (ordered by the agent, run on a thread of the server)."""
+    _preload(deep=True)
     gc.freeze()  # the preloaded modules are permanent: collections (and the final one) skip them
 
 

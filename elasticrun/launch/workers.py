@@ -41,7 +41,7 @@ from elasticrun.launch.logs import (
     stream_selected,
     worker_log_dir,
 )
-from elasticrun.launch.preload import WAIT_FIRST_S, PreloadWatch, preload_first
+from elasticrun.launch.preload import WAIT_FIRST_S, PreloadWatch
 from elasticrun.proc import kill_process_group, terminate_tree, with_parent_death_signal
 from elasticrun.rendezvous.records import Member, RescaleEvent, Topology
 
@@ -184,9 +184,7 @@ class WorkerGroup:
         # its own environment (the order), but numpy's BLAS keeps the pool size it started with.
         env.setdefault("OPENBLAS_NUM_THREADS", "1")
         label = [self.cfg.workers.entrypoint, *self.cfg.workers.args]
-        self._server = ForkServer(label, env, os.path.join(self.files_dir, "forkserver.log"), self.files_dir,
-                                  preload_first=not self._rounds_started
-                                  and preload_first(self.cfg.workers.nproc_per_node, os.environ))
+        self._server = ForkServer(label, env, os.path.join(self.files_dir, "forkserver.log"), self.files_dir)
 
     @property
     def server(self) -> Optional[ForkServer]:
@@ -201,7 +199,7 @@ class WorkerGroup:
         ends soon), now. While the node waits for a round: watch, after :data:`WAIT_FIRST_S`.
         """
         server = self._server
-        if server is None or server.deep:
+        if server is None or server.warm:
             return
         if self._workers and not deep:
             server.preload()
@@ -219,15 +217,14 @@ class WorkerGroup:
     def _round_server(self) -> Optional[ForkServer]:
         """The fork server this round's workers come from, or None (they start another way).
 
-        The first round does not wait for it (unless it imports torch first, on a host with few cores:
-        :func:`~elasticrun.launch.preload.preload_first`): if it is not ready to fork (still starting, or
+        The first round never waits for it: if it is not ready to fork (still starting, or
         preloading), its workers start directly, as torchrun's would. A later round waits for the
         preload to end (it began earlier and imports what a fresh worker would have to).
         """
         server = self._server
         if server is None or server.state is ServerState.READY:
             return server
-        if not self._rounds_started and not server.preload_first:
+        if not self._rounds_started:
             return None
         if server.wait_ready(SERVER_WAIT_S):
             return server
