@@ -97,6 +97,9 @@ class EtcdStore:
         """The error to raise for ``err`` (see :func:`~elasticrun.store.explain.error_class`)."""
         return error_class(err)(self._explain(err))
 
+    def _closed_error(self) -> StoreError:
+        return StoreError(f"the etcd client for {self.endpoints} is closed")
+
     @contextmanager
     def using(self) -> Iterator[MultiEndpointEtcd3Client]:
         """The client, for one call that :meth:`close` waits for; StoreError once the store is closed
@@ -104,7 +107,7 @@ class EtcdStore:
         making a call on one crashes the process)."""
         with self._idle:
             if self._closed:
-                raise StoreError(f"the etcd client for {self.endpoints} is closed")
+                raise self._closed_error()
             self._uses += 1
         try:
             yield self._client
@@ -119,7 +122,7 @@ class EtcdStore:
         renewed = False
         while True:
             if self._closed:
-                raise StoreError(f"the etcd client for {self.endpoints} is closed")
+                raise self._closed_error()
             try:
                 return fn()
             except TRANSIENT as err:
