@@ -28,15 +28,16 @@ MAY_IMPORT: Dict[str, Set[str]] = {
     "cli": {"launch", "rendezvous", "checkpoint", "health", "job", "store", "sizes", "errors", "proc", "waiting",
             "elasticrun"},
     "launch": {"rendezvous", "health", "job", "store", "sizes", "errors", "proc", "waiting"},
-    "train": {"checkpoint", "rendezvous", "health", "job", "store", "sizes", "errors", "proc", "waiting"},
+    "train": {"checkpoint", "rendezvous", "health", "job", "store", "sizes", "errors", "proc", "sockets", "waiting"},
     "rendezvous": {"health", "job", "store", "sizes", "errors", "waiting"},
     "health": {"job", "sizes", "errors", "proc", "waiting"},
-    "checkpoint": {"job", "sizes", "errors", "proc", "waiting"},
+    "checkpoint": {"job", "sizes", "errors", "proc", "sockets", "waiting"},
     "job": {"store", "errors"},  # store: its plain types only (EtcdSettings); no job module calls etcd
     "store": {"sizes", "errors", "proc", "waiting"},
     "errors": set(),
     "proc": set(),
     "sizes": set(),
+    "sockets": set(),
     "waiting": set(),
     "elasticrun": set(),  # the package's own __init__ (__version__)
 }

@@ -11,7 +11,7 @@ it (``.item()``, a synchronize). The agent says when a
 round's end broke its collectives (``<file>.recover`` with ``broken``: a crash or a lost node, never a
 planned join or leave); :class:`BreakWatch` polls for that word on a daemon thread and then ends the
 round's groups through its :class:`RoundAbort`: the gloo groups' connections are cut (blocked gloo
-calls fail, :mod:`elasticrun.train.sockets`) and, over NCCL, every group's backend is aborted with torch's
+calls fail, :mod:`elasticrun.sockets`) and, over NCCL, every group's backend is aborted with torch's
 ``ProcessGroup.abort()`` (``ncclCommAbort``, whose kernels then end, so the blocked call returns).
 
 The groups stay registered: ``dist.get_rank()`` and the like still answer, and a collective on an

@@ -13,6 +13,8 @@ import gc
 import logging
 import os
 import signal
+import threading
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence
 
@@ -22,13 +24,16 @@ import torch.distributed as dist
 from elasticrun.errors import ConfigError
 from elasticrun.job import env as job_env
 from elasticrun.rendezvous.records import RescaleType
+from elasticrun.sockets import OpenedSockets
 from elasticrun.train.env import ElasticState
 from elasticrun.train.signals import GracefulStop
-from elasticrun.train.sockets import OpenedSockets
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 300.0
+#: At the interpreter's exit, how long other threads may keep running before it finalizes (seconds).
+EXIT_DRAIN_S = 0.5
+TASKS_DIR = "/proc/self/task"
 ENV_BACKEND = job_env.BACKEND
 
 
@@ -113,16 +118,51 @@ class ElasticContext:
 
 
 def _collect_before_shutdown() -> None:
-    """Collect cyclic garbage while the interpreter is still fully alive.
+    """Collect cyclic garbage and let gloo's threads drop their last tensors while the interpreter is
+    still fully alive (atexit runs before it finalizes).
 
-    Process groups are often kept alive only by reference cycles (DDP's hooks, for one).
-    Left to the interpreter's final garbage collection, a gloo group is destroyed while
-    Python is finalizing; its worker thread, releasing the tensors of the last collective,
-    then needs the GIL, gets terminated by the interpreter and aborts the whole process
-    (``terminate called without an active exception``, exit -6 instead of the script's
-    own code — seen about once in ten SIGTERM stops here). atexit runs before that point.
+    A thread that needs the GIL once the interpreter finalizes is ended by it, and when that thread is
+    gloo's, inside a C++ destructor, the whole process aborts (``terminate called without an active
+    exception``, exit -6 instead of the script's own code). Two ways lead there: a gloo group kept alive
+    only by reference cycles (DDP's hooks, for one) destroyed by the final garbage collection, and a
+    worker thread that releases the output tensors of a collective that already returned (an
+    ``all_gather_object``'s, whose views of a Python tensor need the GIL to go) a moment after the
+    script's last line, on a loaded host.
     """
     gc.collect()
+    _let_threads_finish(EXIT_DRAIN_S)
+
+
+def _runnable_threads(tasks_dir: str = TASKS_DIR) -> int:
+    """How many threads of this process other than the calling one are running or ready to run (state
+    ``R`` in ``/proc/self/task/*/stat``; 0 where that is not readable)."""
+    me = str(threading.get_native_id())
+    try:
+        tids = [t for t in os.listdir(tasks_dir) if t != me]
+    except OSError:
+        return 0
+    count = 0
+    for tid in tids:
+        try:
+            with open(os.path.join(tasks_dir, tid, "stat"), encoding="ascii", errors="replace") as f:
+                stat = f.read()
+        except OSError:
+            continue  # it ended meanwhile
+        fields = stat[stat.rfind(")") + 2:].split()
+        count += bool(fields) and fields[0] == "R"
+    return count
+
+
+def _let_threads_finish(limit_s: float, tasks_dir: str = TASKS_DIR) -> float:
+    """Hand the GIL over (1 ms sleeps) until no other thread is runnable, at most ``limit_s``: a thread
+    waiting for the GIL gets it at the first sleep, one that was still at work is seen runnable. The
+    seconds it took."""
+    start = time.monotonic()
+    while True:
+        time.sleep(0.001)
+        waited = time.monotonic() - start
+        if waited >= limit_s or not _runnable_threads(tasks_dir):
+            return waited
 
 
 def _mark_ready() -> None:

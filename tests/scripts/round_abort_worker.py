@@ -25,8 +25,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from elasticrun.sockets import OpenedSockets
 from elasticrun.train.abort import BreakWatch, abort_all_groups, finish
-from elasticrun.train.sockets import OpenedSockets
 
 rank = int(os.environ["RANK"])
 word, out = os.environ["ABORT_WORD"], os.environ["ABORT_OUT"]

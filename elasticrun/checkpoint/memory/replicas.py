@@ -10,7 +10,9 @@ is whole and verified; the newest ``keep`` replicas are kept.
 Transport: a private gloo group made once by the :class:`Replicator` (collectively, on the
 snapshot's main thread) and used only by its one background thread: point-to-point
 send/recv of file bytes in chunks. Each leader posts its sends (``isend``) before its
-receives, chunk by chunk, so a ring of any size cannot deadlock. Nothing is exposed on the
+receives, chunk by chunk, so a ring of any size cannot deadlock. A re-form destroys the group under
+a transfer that one side had begun and the other never will: closing the replicator then cuts the
+group's connections, so that neither side waits for :data:`TIMEOUT`. Nothing is exposed on the
 network beyond the job's own process group. Why not agent-to-agent: the workers already
 hold an authenticated-by-membership gloo mesh; an agent transport would need its own
 listener, authentication and flow control.
@@ -37,6 +39,7 @@ from elasticrun.checkpoint.memory.restore import files_digest
 from elasticrun.errors import CheckpointError
 from elasticrun.job import env as env_names
 from elasticrun.job.shm import ShmLayout
+from elasticrun.sockets import OpenedSockets
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,8 @@ REPLICA_FILE = "replica.json"
 CHUNK = 64 << 20
 #: How long a replica transfer waits for its peer before giving up (seconds).
 TIMEOUT = float(os.environ.get(env_names.SNAPSHOT_REPLICA_TIMEOUT, "300"))
+#: How long :meth:`Replicator.close` waits for its thread once the transfers ended or were cut.
+JOIN_S = 5.0
 
 
 def _global(group: Any, rank: int) -> int:
@@ -294,8 +299,10 @@ class Replicator:
         import torch.distributed as dist
 
         ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-        # Collective (every rank of the job calls it, in the same order as other groups).
-        self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=TIMEOUT))
+        self._sockets = OpenedSockets()  # the group's connections, cut when a transfer cannot end (close)
+        with self._sockets.watch():
+            # Collective (every rank of the job calls it, in the same order as other groups).
+            self.group = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=TIMEOUT))
         self.base, self.keep = base, keep
         self._queue: queue.Queue = queue.Queue()
         self._idle = threading.Condition()
@@ -352,10 +359,27 @@ class Replicator:
         with self._idle:
             return self._idle.wait_for(lambda: self._pending == 0, timeout)
 
+    def group_destroyed(self) -> bool:
+        """Whether the group was destroyed (an in-place re-form destroys every group of the old round)."""
+        import torch.distributed as dist
+
+        try:
+            dist.get_process_group_ranks(self.group)
+        except (KeyError, ValueError, RuntimeError):  # torch 2.13: KeyError; older: "not registered" errors
+            return True
+        return False
+
     def close(self, timeout: float = 60.0) -> None:
-        """Wait (at most ``timeout`` s: a peer may be gone) for the queued replicas, then stop."""
-        self.wait(min(timeout, TIMEOUT))
+        """Stop once the queued replicas are sent (waiting at most ``timeout`` s: a peer may be gone). When the
+        group was destroyed meanwhile (a re-form) nothing is waited for: a transfer under way then cannot end,
+        since its peer's next call on the destroyed group fails. A transfer still under way is cut (the group's
+        connections are shut down: both sides fail at once) instead of holding its peer for :data:`TIMEOUT`."""
+        if self.group_destroyed() or not self.wait(min(timeout, TIMEOUT)):
+            cut = self._sockets.cut()
+            log.warning("snapshot replicas: %d transfer(s) could not end on %s group; %d connection(s) cut",
+                        self._pending, "a destroyed" if self.group_destroyed() else "their", cut)
         self._queue.put(None)
+        self._thread.join(JOIN_S)
 
 
 __all__ = ["REPLICA_FILE", "FileSink", "Replicator", "exchange", "recv_file", "replicate_generation", "send_file"]

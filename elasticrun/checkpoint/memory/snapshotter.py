@@ -220,16 +220,23 @@ class Snapshotter:
         return fut.result() if fut is not None else None
 
     def close(self) -> None:
-        """Wait for everything in flight and stop the background threads."""
+        """Wait for everything in flight and stop the background threads. Replicas are not waited for once
+        the process group was destroyed (after an in-place re-form: close the old round's snapshotter and
+        make a new one); their transfers are cut (:meth:`Replicator.close`)."""
         try:
-            self.wait()
-        finally:
             if self._async is not None:
-                self._async.close()
-            if self._replicator is not None:
-                self._replicator.close()
-            if self._persist_pool is not None:
-                self._persist_pool.shutdown(wait=True)
+                self._async.wait()
+        finally:
+            try:
+                if self._replicator is not None:
+                    self._replicator.close()
+                if self._persist is not None:
+                    self._persist.result()
+            finally:
+                if self._async is not None:
+                    self._async.close()
+                if self._persist_pool is not None:
+                    self._persist_pool.shutdown(wait=True)
 
 
 _DEFAULT: Dict[int, Snapshotter] = {}

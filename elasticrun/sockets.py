@@ -1,4 +1,4 @@
-"""The sockets a round's process groups opened, so that a broken group's connections can be cut at once.
+"""The sockets a process group's creation opened, so that its connections can be cut at once.
 
 gloo closes a group's connections only when the last reference to the group goes, and a script's
 DDP module holds one until the script rebuilds it. When a peer crashes, the survivors whose
@@ -6,7 +6,9 @@ collective waited on the dead peer fail at once (its connections close); a survi
 collective waited on *another survivor* would wait for gloo's timeout (30 minutes by default), since
 that survivor's connections stay open while it waits in ``InPlace.recover``. Shutting down the
 sockets the old round's groups opened (:meth:`OpenedSockets.cut`) makes every peer's pending
-collective fail within milliseconds. Linux (``/proc/self/fd``); elsewhere nothing is recorded.
+collective fail within milliseconds. The memory tier's replica transfers use the same cut on their own
+group once it was destroyed under them (:class:`elasticrun.checkpoint.memory.replicas.Replicator`).
+Linux (``/proc/self/fd``); elsewhere nothing is recorded.
 """
 
 from __future__ import annotations

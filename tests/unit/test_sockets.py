@@ -1,10 +1,10 @@
-"""Cutting the sockets a round's groups opened (train/sockets.py): real sockets of this process, no torch."""
+"""Cutting the sockets a round's groups opened (sockets.py): real sockets of this process, no torch."""
 
 from __future__ import annotations
 
 import socket
 
-from elasticrun.train.sockets import OpenedSockets, socket_fds
+from elasticrun.sockets import OpenedSockets, socket_fds
 
 
 def _pair():
