@@ -237,7 +237,10 @@ import torch, torch.distributed as dist
 dist.init_process_group("gloo")
 t = torch.ones(1)
 dist.all_reduce(t)
-open(os.path.join(sys.argv[1], f"up{dist.get_rank()}"), "w").write(str(t.item()))
+up = os.path.join(sys.argv[1], f"up{dist.get_rank()}")
+with open(up + ".tmp", "w") as f:
+    f.write(str(t.item()))
+os.replace(up + ".tmp", up)  # whole when it appears: the test reads it as soon as it exists
 while not os.path.exists(os.path.join(sys.argv[1], "release")):
     time.sleep(0.05)
 dist.destroy_process_group()
@@ -289,7 +292,10 @@ dist.init_process_group("gloo")
 t = torch.ones(1)
 dist.all_reduce(t)
 attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
-open(os.path.join(sys.argv[1], f"up{dist.get_rank()}-{attempt}"), "w").write(os.environ["MASTER_PORT"])
+up = os.path.join(sys.argv[1], f"up{dist.get_rank()}-{attempt}")
+with open(up + ".tmp", "w") as f:
+    f.write(os.environ["MASTER_PORT"])
+os.replace(up + ".tmp", up)  # whole when it appears
 while attempt == "0":
     time.sleep(0.05)
 dist.destroy_process_group()

@@ -180,8 +180,9 @@ def finish(work: Any, group: Any = None, abandon_s: float = ABANDON_S) -> None:
             work.wait(timedelta(seconds=SLICE_S))
             return
         except RuntimeError:
-            if work.is_completed():
-                raise  # it failed (the cut, a peer gone): the caller's recovery takes it
+            if work.is_completed():  # it failed (the cut, a peer gone), or it ended just after the slice timed out
+                work.wait()  # returns at once, or raises its own failure: the caller's recovery takes it
+                return
         watch = _ACTIVE
         ago = watch.fired_ago() if watch is not None else None
         if ago is not None and ago >= abandon_s:

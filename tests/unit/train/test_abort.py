@@ -214,9 +214,9 @@ class Work:
     def __init__(self, slices: int, error: Exception = None) -> None:
         self.slices, self.error, self.waits = slices, error, 0
 
-    def wait(self, timeout) -> bool:
+    def wait(self, timeout=None) -> bool:
         self.waits += 1
-        if self.waits <= self.slices:
+        if self.waits <= self.slices and timeout is not None:
             raise RuntimeError("Operation timed out!")
         if self.error is not None:
             raise self.error
@@ -248,6 +248,22 @@ def test_finish_returns_once_the_collective_ends_and_raises_its_failure() -> Non
             finish(Work(slices=2, error=RuntimeError("Connection closed by peer")), group=object())
     finally:
         w.stop()
+
+
+class LateWork(Work):
+    """Ends just after its first timed wait gave up (the slice's timeout and the completion race)."""
+
+    def is_completed(self) -> bool:
+        return self.waits >= 1
+
+
+def test_finish_takes_a_collective_that_ended_just_after_a_slice_timed_out() -> None:
+    work = LateWork(slices=1)
+    finish(work, abandon_s=2.0)  # the slice's "Operation timed out!" is not the collective's failure
+    assert work.waits == 2
+    failed = LateWork(slices=1, error=RuntimeError("Connection closed by peer"))
+    with pytest.raises(RuntimeError, match="closed by peer"):
+        finish(failed, abandon_s=2.0)
 
 
 def test_finish_waits_on_while_the_round_is_whole_or_only_just_cut() -> None:
