@@ -374,10 +374,11 @@ class Replicator:
         group was destroyed meanwhile (a re-form) nothing is waited for: a transfer under way then cannot end,
         since its peer's next call on the destroyed group fails. A transfer still under way is cut (the group's
         connections are shut down: both sides fail at once) instead of holding its peer for :data:`TIMEOUT`."""
-        if self.group_destroyed() or not self.wait(min(timeout, TIMEOUT)):
+        destroyed = self.group_destroyed()
+        if destroyed or not self.wait(min(timeout, TIMEOUT)):
             cut = self._sockets.cut()
             log.warning("snapshot replicas: %d transfer(s) could not end on %s group; %d connection(s) cut",
-                        self._pending, "a destroyed" if self.group_destroyed() else "their", cut)
+                        self._pending, "a destroyed" if destroyed else "their", cut)
         self._queue.put(None)
         self._thread.join(JOIN_S)
 
