@@ -83,9 +83,9 @@ def test_standalone_two_workers_get_the_torchrun_environment(tmp_path: Path) -> 
 def test_gpu_node_runs_one_nccl_worker_per_gpu_and_checkpoints(tmp_path: Path) -> None:
     """``--nproc-per-node gpu`` on this host: one worker per GPU, each bound to GPU LOCAL_RANK, nccl
     chosen by the agent, an all-reduce on the GPUs and a checkpoint of CUDA tensors saved and loaded
-    back bit-identically (scripts/bench/gpu_check.py). One GPU: world 1 (no in-place re-forming)."""
+    back bit-identically (tests/scripts/gpu_check.py). One GPU: world 1 (no in-place re-forming)."""
     ckpt = tmp_path / "ckpt"
-    proc = run_cli(["--standalone", "--nproc-per-node", "gpu", str(REPO / "scripts" / "bench" / "gpu_check.py"),
+    proc = run_cli(["--standalone", "--nproc-per-node", "gpu", str(REPO / "tests" / "scripts" / "gpu_check.py"),
                     str(ckpt)], timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out

@@ -54,10 +54,6 @@ class Launch:
             return self.agents.wait_for(lambda: self.first(STEP), timeout, "a training step") is not None
         return False
 
-    def stop(self, timeout: float) -> int:
-        """SIGTERM the agent, wait up to ``timeout`` s for its exit, then kill what is left; its exit code."""
-        return self.agents.stop(timeout)[0]
-
 
 def newest_step(ckpt_dir: Path) -> Optional[int]:
     """The step of the newest complete checkpoint (None: none)."""
@@ -73,7 +69,7 @@ def preempt_all(args: argparse.Namespace, work: Path) -> Optional[List[Dict[str,
         launch = Launch(args, work, i)
         try:
             if not launch.trains(600):
-                launch.stop(5)
+                launch.agents.stop(5)
                 print(f"launch {i}: training never started (see {work}/launch-{i}.log)", file=sys.stderr)
                 return None
             if rows:  # this launch resumed from the previous preemption's checkpoint
@@ -85,7 +81,7 @@ def preempt_all(args: argparse.Namespace, work: Path) -> Optional[List[Dict[str,
             delay = rng.uniform(0.0, args.max_delay)
             time.sleep(delay)
             sent = time.monotonic()
-            code = launch.stop(args.notice + 60)
+            code = launch.agents.stop(args.notice + 60)[0]  # SIGTERM, the drain, its exit code
             took, stopped, saved = time.monotonic() - sent, launch.first(STOPPED, last=True), newest_step(work / "ckpt")
             rows.append({"run": i, "delay_s": round(delay, 2), "drain_s": round(took, 2), "exit": code,
                          "stopped_at": stopped, "saved_at": saved, "resumed_from": launch.first(START),
@@ -94,7 +90,7 @@ def preempt_all(args: argparse.Namespace, work: Path) -> Optional[List[Dict[str,
                   f"{stopped}, checkpoint at step {saved}", file=sys.stderr)
         finally:  # the last launch, or an interrupted one: leave no job behind
             if launch.proc.poll() is None:
-                launch.stop(args.notice + 30)
+                launch.agents.stop(args.notice + 30)
     return rows
 
 

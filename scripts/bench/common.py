@@ -29,6 +29,8 @@ T = TypeVar("T")
 if str(REPO) not in sys.path:  # the benches import elasticrun as in this tree
     sys.path.insert(0, str(REPO))
 
+from elasticrun.proc import terminate_tree  # noqa: E402 - from this tree (above)
+
 
 def summary_row(metric: str, elasticrun: float, alternative: str, alt_value: Optional[float], unit: str = "s",
                 better: str = "lower", device: str = "cpu", command: str = "", **extra: Any) -> Dict[str, Any]:
@@ -54,19 +56,10 @@ def shown_command(script: str, argv: Optional[Sequence[str]] = None) -> str:
     return shlex.join(["python", f"scripts/bench/{Path(script).name}", *args])
 
 
-def kill_tree(pids: Iterable[int], timeout: float = 10) -> None:
-    """SIGCONT (a stopped process must not block cleanup) and SIGKILL each process of ``pids`` and everything below
-    it (workers may sit in their own sessions); reap what can be reaped."""
-    found: List[psutil.Process] = []
-    for pid in pids:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p = psutil.Process(pid)
-            found += [p, *p.children(recursive=True)]
-    for p in found:
-        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-            p.send_signal(signal.SIGCONT)
-            p.kill()
-    psutil.wait_procs(found, timeout=timeout)
+def kill_tree(pids: Iterable[int]) -> None:
+    """SIGKILL each process of ``pids``, its process group and everything below it (workers may sit in their own
+    sessions; a stopped process dies too), and reap them: the package's ``terminate_tree`` with no grace."""
+    terminate_tree(list(pids), 0.0, signal.SIGKILL)
 
 
 def send(pid: int, sig: int) -> None:
@@ -212,7 +205,7 @@ class Agents:
             p.wait()
         marked = [p.pid for p in psutil.process_iter(["environ"])  # environ None: a process we may not read
                   if p.pid != os.getpid() and (p.info["environ"] or {}).get(TAG_VAR) == self.tag]
-        kill_tree(marked, 5)
+        kill_tree(marked)
         for reader in self._readers:
             reader.join(5)
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Benchmarks on a lent GPU machine, in at most ~8 minutes: the CUDA/NCCL checks of gpu_check.py, then
+# Benchmarks on a lent GPU machine, in at most ~8 minutes: the CUDA/NCCL checks of tests/scripts/gpu_check.py, then
 # scripts/bench/run_all.py --preset gpu --device cuda under a time budget, then the summary table (and the
 # charts where matplotlib is installed). Everything lands in $OUT (the device tool's output dir):
 #   $OUT/env.txt  $OUT/gpu_check_*.log  $OUT/perf/{bench_all.json,<bench>.json,<bench>.log}
@@ -42,9 +42,9 @@ cat "$OUT/env.txt"
 
 # CUDA/NCCL path: backend nccl, device binding, all-reduce, CUDA checkpoint round trip, one restart.
 D=$(mktemp -d)
-timeout 90 "$PY" -m elasticrun --standalone --nproc-per-node gpu scripts/bench/gpu_check.py "$D/a" \
+timeout 90 "$PY" -m elasticrun --standalone --nproc-per-node gpu tests/scripts/gpu_check.py "$D/a" \
   > "$OUT/gpu_check_plain.log" 2>&1; echo "gpu_check plain rc=$?"
-timeout 90 "$PY" -m elasticrun --standalone --nproc-per-node gpu --max-restarts 1 scripts/bench/gpu_check.py "$D/b" \
+timeout 90 "$PY" -m elasticrun --standalone --nproc-per-node gpu --max-restarts 1 tests/scripts/gpu_check.py "$D/b" \
   --fail-once > "$OUT/gpu_check_restart.log" 2>&1; echo "gpu_check fail-once rc=$?"
 grep -h "GPU_CHECK_OK" "$OUT"/gpu_check_*.log || echo "gpu_check: no GPU_CHECK_OK line (see $OUT/gpu_check_*.log)"
 rm -rf "$D"

@@ -6,8 +6,8 @@ python3 -c "import torch, google.protobuf, grpc; print(torch.__version__, torch.
 nvidia-smi -L
 export PYTHONUNBUFFERED=1
 D=$(mktemp -d)
-timeout 120 python3 -m elasticrun --standalone --nproc-per-node gpu scripts/bench/gpu_check.py $D/a 2>&1 | tail -n 15; echo "rc=${PIPESTATUS[0]}"
-timeout 120 python3 -m elasticrun --standalone --nproc-per-node gpu --max-restarts 1 scripts/bench/gpu_check.py $D/b --fail-once 2>&1 | grep -v "^\[.*\]:\[rank" | tail -n 15; echo "rc=${PIPESTATUS[0]}"
+timeout 120 python3 -m elasticrun --standalone --nproc-per-node gpu tests/scripts/gpu_check.py $D/a 2>&1 | tail -n 15; echo "rc=${PIPESTATUS[0]}"
+timeout 120 python3 -m elasticrun --standalone --nproc-per-node gpu --max-restarts 1 tests/scripts/gpu_check.py $D/b --fail-once 2>&1 | grep -v "^\[.*\]:\[rank" | tail -n 15; echo "rc=${PIPESTATUS[0]}"
 python3 -m elasticrun etcd --port 23799 > $D/etcd.log 2>&1 &
 sleep 2
 SLEEP_S=20 timeout 100 python3 -m elasticrun --nnodes 1 --nproc-per-node auto --rdzv-endpoint 127.0.0.1:23799 --rdzv-id gpujob tests/scripts/report_env.py $D > $D/agent.log 2>&1 &

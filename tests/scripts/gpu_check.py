@@ -1,6 +1,6 @@
 """GPU smoke check of the CUDA/NCCL path (run on a GPU machine; not part of CI).
 
-    elasticrun --standalone --nproc-per-node gpu scripts/bench/gpu_check.py CKPT_DIR [--fail-once]
+    elasticrun --standalone --nproc-per-node gpu tests/scripts/gpu_check.py CKPT_DIR [--fail-once]
 
 Checks: the backend is nccl, LOCAL_RANK bound to its GPU, an all-reduce, a checkpoint of CUDA tensors saved and
 loaded bit-identically, and (--fail-once) a crashed NCCL worker restarted once.
