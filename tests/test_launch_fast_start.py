@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from elasticrun.job import env as names
 from elasticrun.store.client import connect
 from elasticrun.store.reach import wait_reachable
 from elasticrun.store.server import NO_FSYNC_FLAG, EtcdServer, find_etcd_binary, free_port
@@ -80,7 +81,8 @@ def _executable(path: Path, text: str) -> str:
     return str(path)
 
 
-def test_workers_started_before_etcd_answers_get_a_correct_environment(tmp_path: Path) -> None:
+@pytest.mark.parametrize("preload_first", ["0", "1"])
+def test_workers_started_before_etcd_answers_get_a_correct_environment(tmp_path: Path, preload_first: str) -> None:
     marker = f"fast-start-{uuid.uuid4().hex[:8]}"
     record = tmp_path / "etcd-start.json"
     etcd = _executable(tmp_path / "slow_etcd", SLOW_ETCD.format(
@@ -90,7 +92,7 @@ def test_workers_started_before_etcd_answers_get_a_correct_environment(tmp_path:
     out = tmp_path / "out"
     out.mkdir()
     proc = run_cli(["--standalone", "--nproc-per-node", "2", "--etcd-binary", etcd, str(script), str(out), marker],
-                   timeout=180)
+                   timeout=180, env={names.PRELOAD_FIRST: preload_first})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     started = json.loads(record.read_text())
     # The fork server was up while etcd had not even started.
@@ -101,9 +103,9 @@ def test_workers_started_before_etcd_answers_get_a_correct_environment(tmp_path:
     assert [r["RANK"] for r in rows] == ["0", "1"], rows
     endpoint = rows[0]["ELASTICRUN_RDZV_ENDPOINT"]
     for r in rows:
-        # Forked from the bare server: nothing imported torch for the first round's workers (torchrun's
-        # import nothing before the script either), so none of them waits for imports it may not need.
-        assert r["prewarmed"] is False, "the first round's worker waited for a preload"
+        # Bare: nothing imported torch for the first round's workers (torchrun's import nothing before the
+        # script either); preload first (a host with few cores): forked once the server imported torch.
+        assert r["prewarmed"] is (preload_first == "1"), r
         assert r["LOCAL_RANK"] == r["RANK"] and r["WORLD_SIZE"] == r["LOCAL_WORLD_SIZE"] == "2"
         assert r["world"] == 2 and r["sum"] == 1.0  # all_reduce of ranks 0 + 1
         assert r["MASTER_ADDR"] == "127.0.0.1" and int(r["MASTER_PORT"]) > 0

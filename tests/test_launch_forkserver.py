@@ -15,6 +15,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import pytest
 
+from elasticrun.job import env as names
 from elasticrun.launch import forkserver
 from elasticrun.launch.config import LaunchConfig, RendezvousConfig, WorkersConfig
 from elasticrun.launch.forkserver import ForkedProcess, ForkServer, ServerState
@@ -31,6 +32,8 @@ PROBE = '''
 import json, os, sys
 loaded = sorted(m for m in ("torch", "torch.distributed", "torch._dynamo", "numpy") if m in sys.modules)
 import numpy
+if os.environ.get("DYNAMO"):  # what DDP's first use imports
+    import torch._dynamo
 out = os.environ["PROBE_OUT"]
 with open(out, "w") as f:
     json.dump({"pid": os.getpid(), "pgid": os.getpgid(0), "ppid": os.getppid(), "argv": sys.argv, "loaded": loaded,
@@ -49,10 +52,29 @@ sys.exit(int(os.environ.get("CODE", "0")))
 PRELOADED = ("torch", "torch.distributed", "torch._dynamo")
 
 
-def _start(where: Path, preload: bool = True) -> ForkServer:
+@pytest.fixture(autouse=True)
+def bare_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker groups here start their server bare, as on a host with cores to spare (this one has two:
+    ``auto`` would preload first); the tests of the preload-first path set it themselves."""
+    monkeypatch.setenv(names.PRELOAD_FIRST, "0")
+
+
+def _new_server(where: Path, preload_first: bool = False) -> ForkServer:
     (where / "probe.py").write_text(PROBE)
     env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", SERVER_ONLY="1")
-    fs = ForkServer([str(where / "probe.py")], env, str(where / "server.log"), str(where))
+    return ForkServer([str(where / "probe.py")], env, str(where / "server.log"), str(where),
+                      preload_first=preload_first)
+
+
+def _loaded_by(fs: ForkServer, where: Path, name: str) -> List[str]:
+    """Fork the probe as ``name``; which of torch's modules it found imported."""
+    child = fs.spawn(_order(where, name))
+    assert child is not None and child.wait(60) == 0
+    return json.loads((where / f"{name}.json").read_text())["loaded"]
+
+
+def _start(where: Path, preload: bool = True) -> ForkServer:
+    fs = _new_server(where)
     assert fs.wait_ready(120), (fs.state, fs.why_gone, (where / "server.log").read_text())
     if preload:
         assert fs.preload()
@@ -117,11 +139,92 @@ def test_a_bare_server_forks_what_a_fresh_interpreter_is_then_preloads(tmp_path:
         assert server.state is ServerState.PRELOADING, "the exit came only after the preload"
         assert server.wait_ready(300) and server.warm and server.preload_s, server.why_gone
         assert not server.preload(), "once is enough"
-        warm = server.spawn(_order(tmp_path, "warm"))
-        assert warm is not None and warm.wait(60) == 0
-        assert set(PRELOADED) <= set(json.loads((tmp_path / "warm.json").read_text())["loaded"])
+        assert set(PRELOADED) <= set(_loaded_by(server, tmp_path, "warm"))
     finally:
         server.close()
+
+
+def test_a_server_that_preloads_first_forks_with_torch_then_takes_ddps_extras(tmp_path: Path) -> None:
+    """On a host with few cores the server imports torch as it starts (not DDP's extras: they would delay
+    the first round by a second more); nothing is forked before, everything after has torch; the rest comes
+    with a second, deep preload."""
+    fs = _new_server(tmp_path, preload_first=True)
+    try:
+        assert fs.state is ServerState.PRELOADING and fs.preload_first, "ordered as it starts"
+        assert fs.spawn(_order(tmp_path, "early")) is None, "no fork before torch is in"
+        assert fs.wait_ready(300) and fs.warm and not fs.deep, (fs.state, fs.why_gone)
+        loaded = _loaded_by(fs, tmp_path, "first")
+        assert {"torch", "torch.distributed"} <= set(loaded) and "torch._dynamo" not in loaded, loaded
+        assert not fs.preload(deep=False), "torch is in already"
+        assert fs.preload() and fs.wait_ready(300) and fs.deep, (fs.state, fs.why_gone)
+        assert not fs.preload(), "everything is in"
+        assert set(PRELOADED) <= set(_loaded_by(fs, tmp_path, "later"))
+    finally:
+        fs.close()
+
+
+@pytest.mark.parametrize("first", ["1", "0"])
+def test_the_first_round_waits_for_a_server_that_preloads_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, first: str
+) -> None:
+    """``ELASTICRUN_PRELOAD_FIRST=1`` (``auto`` on a host with fewer cores than workers + 2): the first round's
+    worker is forked once torch is in, and imports nothing itself; ``0``: it is started at once, from the
+    bare server or fresh while that starts, and imports torch itself."""
+    monkeypatch.setenv(names.PRELOAD_FIRST, first)
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    monkeypatch.setenv("MARKER", "w")
+    monkeypatch.setenv("PROBE_OUT", str(tmp_path / "w.json"))
+    cfg = LaunchConfig(rendezvous=RendezvousConfig(standalone=True),
+                       workers=WorkersConfig(entrypoint=str(script), nproc_per_node=1, standby=1))
+    group = WorkerGroup(cfg, "n", str(tmp_path), None, False, on_exit=lambda: None)
+    member = Member("n", "h", "127.0.0.1", 1, 0, 0)
+    try:
+        group.prewarm(preload=False)
+        assert group.server is not None and group.server.preload_first is (first == "1")
+        group.start(Topology(round=0, members=(member,), master_addr="127.0.0.1", master_port=1), member, None)
+        wait_until(lambda: group._workers[0].proc.poll() is not None, 120, "the worker's probe")
+        loaded = json.loads((tmp_path / "w.json").read_text())["loaded"]
+        if first == "1":
+            assert group._how["forked"] == 1 and {"torch", "torch.distributed"} <= set(loaded), (group.started_how,
+                                                                                              loaded)
+        else:
+            assert loaded == [], f"a bare start imports nothing before the script: {loaded} ({group.started_how})"
+    finally:
+        group.stop(5)
+        group.discard_warm()
+
+
+def test_the_server_takes_ddps_extras_only_once_a_forked_worker_used_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A script that never imports torch._dynamo leaves the server with torch alone (~1.5 CPU-s a node
+    saved); once a forked worker imports it (warm.py marks it), the next preload takes it too."""
+    monkeypatch.setenv(names.PRELOAD_FIRST, "1")
+    (tmp_path / "probe.py").write_text(PROBE)
+    monkeypatch.setenv("HOLD", "1")
+    cfg = LaunchConfig(rendezvous=RendezvousConfig(standalone=True),
+                       workers=WorkersConfig(entrypoint=str(tmp_path / "probe.py"), nproc_per_node=1, standby=1))
+    group = WorkerGroup(cfg, "n", str(tmp_path), None, False, on_exit=lambda: None)
+    member = Member("n", "h", "127.0.0.1", 1, 0, 0)
+    try:
+        group.prewarm(preload=False)
+        for round_, dynamo in ((0, ""), (1, "1")):
+            monkeypatch.setenv("DYNAMO", dynamo)
+            monkeypatch.setenv("MARKER", f"r{round_}")
+            monkeypatch.setenv("PROBE_OUT", str(tmp_path / f"r{round_}.json"))
+            group.start(Topology(round=round_, members=(member,), master_addr="127.0.0.1", master_port=1), member,
+                        None)
+            probe = tmp_path / f"r{round_}.json"
+            wait_until(probe.exists, 120, "the worker past its imports")
+            group.prewarm()  # as when a node joins: preload now whatever is left to preload
+            server = group.server
+            assert server is not None and server.wait_ready(300) and server.warm, (server.state, server.why_gone)
+            assert server.deep is bool(dynamo), f"round {round_}: DDP's extras preloaded: {server.deep}"
+            group.stop(5)
+    finally:
+        group.stop(5)
+        group.discard_warm()
 
 
 # Makes the preload start a thread (as a library that starts a pool at import would).

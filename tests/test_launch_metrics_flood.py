@@ -112,10 +112,11 @@ def _running(port: int) -> bool:
 
 
 def _steady_threads(pid: int) -> int:
-    """The agent's thread count once it stopped changing for a second (its round started)."""
+    """The agent's thread count once it stopped changing for 3 s (its round started, and the fork server's
+    preload of DDP's modules, ordered once the worker imported them, was handed over)."""
     seen: List[int] = []
     deadline = time.monotonic() + 60
-    while len(seen) < 10 or len(set(seen[-10:])) > 1:
+    while len(seen) < 30 or len(set(seen[-30:])) > 1:
         assert time.monotonic() < deadline, f"the agent's thread count never settled: {seen}"
         seen.append(_threads(pid))
         time.sleep(0.1)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Iterator, List, Optional
 
 import pytest
@@ -104,3 +105,24 @@ def test_a_changed_situation_ends_the_watch() -> None:
     done.start(lambda: orders.append("ok"), lambda: True)
     wait_until(lambda: orders, 10, "the last watch's order")
     assert orders == ["ok"]
+
+
+def test_nothing_is_sampled_until_there_is_something_to_preload() -> None:
+    """A script that never imported DDP's modules leaves the watch waiting: it reads no /proc/stat meanwhile."""
+    calls: List[int] = []
+    wanted = threading.Event()
+    orders: List[int] = []
+    source = _samples([1.5, 1.5])
+
+    def sample() -> Optional[CpuTimes]:
+        calls.append(1)
+        return next(source)
+
+    watch = PreloadWatch(threading.Lock(), cpus=2, sample=sample)
+    watch.start(lambda: orders.append(1), lambda: True, wanted=wanted.is_set)
+    wait_until(lambda: calls, 10, "the watch's first sample")
+    time.sleep(0.2)  # twenty sampling periods while nothing is wanted
+    assert calls == [1] and not orders
+    wanted.set()
+    wait_until(lambda: orders, 10, "the preload once it is wanted")
+    assert orders == [1] and len(calls) >= 3

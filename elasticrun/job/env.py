@@ -96,6 +96,10 @@ EVENTS_FILE = PREFIX + "EVENTS_FILE"
 CKPT_CRASH_AT = PREFIX + "CKPT_CRASH_AT"
 #: ``--hang-timeout``: seconds without progress before a round counts as hung (0/unset: off).
 HANG_TIMEOUT = PREFIX + "HANG_TIMEOUT"
+#: ``1``: the fork server imports torch as it starts and the first round's workers wait for it; ``0``: never
+#: (they import torch themselves); unset or ``auto``: when the host has fewer usable cores than the node's
+#: workers + 2 (see elasticrun.launch.preload).
+PRELOAD_FIRST = PREFIX + "PRELOAD_FIRST"
 #: Example only: print per-step timing.
 EXAMPLE_TIMING = PREFIX + "EXAMPLE_TIMING"
 

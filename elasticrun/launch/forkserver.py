@@ -1,12 +1,14 @@
 """The agent's side of the fork server: one interpreter per node that forks every worker.
 
-The agent starts it first, before etcd. It starts bare (:mod:`elasticrun.launch.zygote`): the
-first round's workers forked from it are no slower than fresh ``python script.py`` interpreters
-(they import torch themselves, as torchrun's workers do), and nothing competes with them for the
-CPU while they start. Once they are past their start-up (or while the node waits for a round),
-the agent orders the :meth:`ForkServer.preload`: the server imports torch and DDP's first-use
-modules (~3 CPU-s) once per agent, not per round or worker, and from then on forks a ready worker
-in milliseconds at any moment of a round. Its memory is one interpreter's, shared copy-on-write
+The agent starts it first, before etcd. It starts bare (:mod:`elasticrun.launch.zygote`): the first
+round's workers forked from it are no slower than fresh ``python script.py`` interpreters (they import
+torch themselves, as torchrun's workers do), and nothing competes with them for the CPU while they
+start. Once they are past their start-up (or while the node waits for a round), the agent orders the
+:meth:`ForkServer.preload`: the server imports torch and DDP's first-use modules (~3 CPU-s) once per
+agent, not per round or worker, and from then on forks a ready worker in milliseconds at any moment of a
+round. On a host with fewer cores than its workers would import torch on at once, ``preload_first`` has
+the server import torch alone as it starts and the first round wait for it (one import instead of one
+per worker: :mod:`elasticrun.launch.preload`). Its memory is one interpreter's, shared copy-on-write
 with the workers forked from it. This module starts it, sends it orders and turns its replies into
 :class:`ForkedProcess` objects that look like ``subprocess.Popen`` to the worker group.
 """
@@ -33,7 +35,7 @@ FORK_TIMEOUT_S = 30.0  # how long a spawn waits for the server's reply before gi
 class ServerState(Enum):
     STARTING = "starting"  # the interpreter starts (bare: no preload)
     READY = "ready"  # forks at once (``warm`` says whether it has preloaded)
-    PRELOADING = "preloading"  # importing torch and DDP's extras: forks once done
+    PRELOADING = "preloading"  # importing torch (and DDP's extras): forks once done
     GONE = "gone"  # exited, unsafe to fork from, or closed
 
 
@@ -80,7 +82,8 @@ class ForkedProcess:
 class ForkServer:
     """Start the (bare) server, :meth:`spawn` workers from it, :meth:`preload` it when the CPU is free."""
 
-    def __init__(self, label: List[str], env: Dict[str, str], log_path: str, order_dir: str) -> None:
+    def __init__(self, label: List[str], env: Dict[str, str], log_path: str, order_dir: str,
+                 preload_first: bool = False) -> None:
         self._ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         cmd = [sys.executable, "-u", "-m", "elasticrun.launch.warm", "--server", "--", *label]
         self.log_path = log_path
@@ -93,7 +96,9 @@ class ForkServer:
         theirs.close()
         self.started = time.monotonic()
         self.state = ServerState.STARTING
-        self.warm = False  # the preload is done: forked workers skip torch's imports
+        self.warm = False  # torch is preloaded: forked workers skip its imports
+        self.deep = False  # DDP's first-use modules are preloaded too
+        self.preload_first = preload_first  # torch is imported before the first fork (the first round waits)
         self.preload_s: Optional[float] = None  # how long the preload took (the server's clock)
         self.why_gone = ""
         self._cond = threading.Condition()
@@ -102,6 +107,12 @@ class ForkServer:
         self._pids: Dict[int, int] = {}  # order id → pid
         self._children: Dict[int, ForkedProcess] = {}
         self._early_exits: Dict[int, int] = {}  # pid → code, for an exit read before its ForkedProcess exists
+        if preload_first:  # read once the server is up, before any order
+            self.state = ServerState.PRELOADING
+            try:
+                self._ours.send(json.dumps({"preload": True, "deep": False}).encode())
+            except OSError as err:
+                self._gone(f"sending the preload failed: {err}")
         threading.Thread(target=self._read, name="forkserver", daemon=True).start()
 
     # -- replies ------------------------------------------------------------------------------
@@ -117,9 +128,11 @@ class ForkServer:
             msg = json.loads(data)
             with self._cond:
                 if "ready" in msg:
-                    self.state = ServerState.READY
+                    if self.state is ServerState.STARTING:  # (preload_first: it is preloading already)
+                        self.state = ServerState.READY
                 elif "warm" in msg:
                     self.warm, self.preload_s = True, float(msg["warm"])
+                    self.deep = self.deep or bool(msg.get("deep", True))
                     if self.state is ServerState.PRELOADING:
                         self.state = ServerState.READY
                 elif "unsafe" in msg:
@@ -156,16 +169,17 @@ class ForkServer:
             self._cond.wait_for(lambda: self.state not in (ServerState.STARTING, ServerState.PRELOADING), timeout)
             return self.state is ServerState.READY
 
-    def preload(self) -> bool:
-        """Order the preload (once; the server imports on a thread, still reporting exits meanwhile).
-        True when it was ordered now; until it is done the server forks nothing (``PRELOADING``)."""
+    def preload(self, deep: bool = True) -> bool:
+        """Order the preload of torch and (``deep``) DDP's extras, unless they are preloaded (the server
+        imports on a thread, still reporting exits meanwhile). True when it was ordered now; until it is
+        done the server forks nothing (``PRELOADING``)."""
         with self._sending:
             with self._cond:
-                if self.state is not ServerState.READY or self.warm:
+                if self.state is not ServerState.READY or self.deep or (self.warm and not deep):
                     return False
                 self.state = ServerState.PRELOADING
             try:
-                self._ours.send(json.dumps({"preload": True}).encode())
+                self._ours.send(json.dumps({"preload": True, "deep": deep}).encode())
             except OSError as err:
                 with self._cond:
                     self._gone(f"sending the preload failed: {err}")

@@ -34,9 +34,10 @@ def _preload(deep: bool) -> None:
         _preload_deep()
 
 
-def _server_preload() -> None:
-    """The fork server's preload (ordered by the agent, run on a thread of the server)."""
-    _preload(deep=True)
+def _server_preload(deep: bool) -> None:
+    """The fork server's preload (ordered by the agent, run on a thread of the server): torch, and with
+    ``deep`` what DDP pulls in on first use."""
+    _preload(deep)
     gc.freeze()  # the preloaded modules are permanent: collections (and the final one) skip them
 
 
@@ -109,9 +110,34 @@ def _bind_cpus(cpus: list) -> None:
             pass  # the thread ended meanwhile
 
 
+class _DeepUse:
+    """Marks (creates the empty file ``path``) that the script imports what a deep preload would have
+    (``torch._dynamo``: DDP's first use), then steps aside. The agent preloads DDP's extras only for a
+    script that uses them. A meta-path finder that finds nothing: every import goes on unchanged."""
+
+    NAMES = frozenset({"torch._dynamo"})
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> None:
+        if name in self.NAMES:
+            try:
+                sys.meta_path.remove(self)
+            except ValueError:
+                pass
+            try:
+                open(self.path, "a").close()
+            except OSError:
+                pass  # the agent then never learns it: a restart imports them as a fresh worker would
+        return None
+
+
 def _become(order: dict) -> None:
     if order.get("cpus"):
         _bind_cpus(order["cpus"])
+    if order.get("deep_marker"):  # a fork of a server without DDP's extras
+        sys.meta_path.insert(0, _DeepUse(str(order["deep_marker"])))
     if order.get("stacks_signal"):  # --hang-timeout: the agent asks for every thread's stack with it
         import faulthandler
 

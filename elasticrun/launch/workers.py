@@ -41,7 +41,7 @@ from elasticrun.launch.logs import (
     stream_selected,
     worker_log_dir,
 )
-from elasticrun.launch.preload import WAIT_FIRST_S, PreloadWatch
+from elasticrun.launch.preload import WAIT_FIRST_S, PreloadWatch, preload_first
 from elasticrun.proc import kill_process_group, terminate_tree, with_parent_death_signal
 from elasticrun.rendezvous.records import Member, RescaleEvent, Topology
 
@@ -109,6 +109,8 @@ class WorkerGroup:
         self._filtered: Dict[int, FilteredCopy] = {}  # this round's --duplicate-*-filters files, by stream
         self.round_store: Optional[RoundStore] = None  # served (by a store host) in the rounds this node leads
         self._rounds_started = 0  # the first round never waits for the fork server
+        self._all_forked = False  # the last round's workers all came from the fork server
+        self._deep_marker = os.path.join(files_dir, "deep-imports")  # a forked worker imported DDP's extras
         self._starting = threading.Lock()  # a start and a preload order never overlap
         self._preload_watch = PreloadWatch(self._starting)
 
@@ -184,7 +186,9 @@ class WorkerGroup:
         # its own environment (the order), but numpy's BLAS keeps the pool size it started with.
         env.setdefault("OPENBLAS_NUM_THREADS", "1")
         label = [self.cfg.workers.entrypoint, *self.cfg.workers.args]
-        self._server = ForkServer(label, env, os.path.join(self.files_dir, "forkserver.log"), self.files_dir)
+        self._server = ForkServer(label, env, os.path.join(self.files_dir, "forkserver.log"), self.files_dir,
+                                  preload_first=not self._rounds_started
+                                  and preload_first(self.cfg.workers.nproc_per_node, os.environ))
 
     @property
     def server(self) -> Optional[ForkServer]:
@@ -192,39 +196,53 @@ class WorkerGroup:
         return self._server
 
     def _preload_server(self, deep: bool) -> None:
-        """Have the bare fork server preload when it takes no CPU from the workers (:mod:`preload`).
+        """Have the fork server preload when it takes no CPU from the workers (:mod:`preload`): torch,
+        and DDP's extras where the script uses them (:meth:`_deep_wanted`).
 
         While this round's workers run: called with ``deep`` once they are past their start-up (the
         round loop's standby call), watch for an idle core; called without (a node joins: the round
-        ends soon), now. While the node waits for a round: watch, after :data:`WAIT_FIRST_S`.
+        ends soon), now. While the node waits for a round: watch, after :data:`WAIT_FIRST_S`. A watch
+        with nothing left to preload (torch is in, the extras not wanted yet) keeps watching.
         """
         server = self._server
-        if server is None or server.warm:
+        if server is None or server.deep:
             return
+
+        def wanted() -> bool:  # something left to preload
+            return not server.warm or self._deep_wanted()
+
         if self._workers and not deep:
-            server.preload()
+            server.preload(self._deep_wanted())
         elif self._workers:
-            self._preload_watch.start(server.preload, lambda: self._server is server and bool(self._workers))
+            self._preload_watch.start(lambda: server.preload(self._deep_wanted()),
+                                      lambda: self._server is server and bool(self._workers), wanted=wanted)
         else:
             self._preload_watch.start(lambda: self._preload_between_rounds(server),
-                                      lambda: self._server is server and not self._workers, first_s=WAIT_FIRST_S)
+                                      lambda: self._server is server and not self._workers, first_s=WAIT_FIRST_S,
+                                      wanted=wanted)
 
-    @staticmethod
-    def _preload_between_rounds(server: ForkServer) -> None:
+    def _preload_between_rounds(self, server: ForkServer) -> None:
         if server.state is ServerState.READY:
-            server.preload()
+            server.preload(self._deep_wanted())
+
+    def _deep_wanted(self) -> bool:
+        """Whether the fork server should import DDP's extras too: a worker forked from it imported them
+        (warm.py marks it), or this node's workers were not all forked (no mark: as if they had), or no round
+        has run here yet. A script that never uses them leaves the server with torch alone."""
+        return not self._rounds_started or not self._all_forked or os.path.exists(self._deep_marker)
 
     def _round_server(self) -> Optional[ForkServer]:
         """The fork server this round's workers come from, or None (they start another way).
 
-        The first round never waits for it: if it is not ready to fork (still starting, or
+        The first round does not wait for it (unless it imports torch first, on a host with few cores:
+        :func:`~elasticrun.launch.preload.preload_first`): if it is not ready to fork (still starting, or
         preloading), its workers start directly, as torchrun's would. A later round waits for the
         preload to end (it began earlier and imports what a fresh worker would have to).
         """
         server = self._server
         if server is None or server.state is ServerState.READY:
             return server
-        if not self._rounds_started:
+        if not self._rounds_started and not server.preload_first:
             return None
         if server.wait_ready(SERVER_WAIT_S):
             return server
@@ -277,7 +295,10 @@ class WorkerGroup:
         """
         forked: List[subprocess.Popen] = []
         for env, bound in zip(envs, cpus):
-            proc = self._fork(server, self._order(env, bound)) if server is not None else None
+            order = self._order(env, bound)
+            if server is not None and not server.deep:
+                order["deep_marker"] = self._deep_marker  # warm.py marks a script's use of DDP's extras
+            proc = self._fork(server, order) if server is not None else None
             if proc is None:
                 break
             forked.append(proc)  # type: ignore[arg-type]  # Popen's interface, as used here
@@ -391,6 +412,7 @@ class WorkerGroup:
         procs = self._spawn_all([env for _, env, _ in planned], [self.cpus.get(s.local_rank) for s, _, _ in planned],
                                 server)
         self._rounds_started += 1
+        self._all_forked = self._how["forked"] == len(procs)
         for (spec, _, rank_dir), proc in zip(planned, procs):
             log_dir = rank_dir if self.log_dir is not None else None
             err_pump = self._pump(proc, log_dir, spec.rank, spec.local_rank)

@@ -2,20 +2,21 @@
 
 The agent starts ``python -m elasticrun.launch.warm --server -- <script> <args>`` with a
 ``SOCK_SEQPACKET`` Unix socket as its stdin (:mod:`elasticrun.launch.forkserver` is the agent's
-side) as its first step, before etcd. The server starts bare: it imports nothing a ``python
-script.py`` would not have imported before the script's first line, so the first round's workers,
-forked from it, start as fast as fresh interpreters (and import torch themselves, as torchrun's
-do). Once those workers are past their start-up, the agent orders the preload: the server imports
-torch and what DDP pulls in on first use, checks that it is still single-threaded (``fork()``
-copies only the calling thread: a thread pool started by an import would be missing, or hold a
-lock forever, in every child) and has not initialized CUDA, and from then on every worker it
-forks skips those imports. One message per packet:
+side) as its first step, before etcd. The server starts bare: it imports nothing a ``python script.py``
+would not have imported before the script's first line, so the first round's workers, forked from it,
+start as fast as fresh interpreters (and import torch themselves, as torchrun's do). Once those workers
+are past their start-up, the agent orders the preload: the server imports torch and what DDP pulls in on
+first use (on a host with few cores the agent orders torch alone at once, before the first round, and
+the rest later: :mod:`elasticrun.launch.preload`), checks that it is still single-threaded (``fork()``
+copies only the calling thread: a thread pool started by an import would be missing, or hold a lock
+forever, in every child) and has not initialized CUDA, and from then on every worker it forks skips
+those imports. One message per packet:
 
     agent → server   {"id": n, "order": {...}} with the worker's stdout and stderr pipe ends
                      attached (SCM_RIGHTS), and any further fds the child needs (listed as the
                      order's ``fds``); the order is warm.py's (env, argv, module, cwd)
-                     {"preload": true}: import the rest now
-    server → agent   {"ready": true} (bare, at start) | {"warm": seconds} (the preload is done) |
+                     {"preload": true, "deep": bool}: import torch now (``deep``: and DDP's extras)
+    server → agent   {"ready": true} (bare, at start) | {"warm": seconds, "deep": bool} (a preload is done) |
                      {"unsafe": "why"} (at start: then it exits; after the preload: it forks no
                      more, but serves its children's exits until the agent closes it) |
                      {"forked": n, "pid": p} | {"refused": n} | {"exit": p, "code": c}
@@ -99,7 +100,7 @@ def _parent_death_signal() -> None:
 
 
 class _Server:
-    def __init__(self, sock: socket.socket, preload: Callable[[], None]) -> None:
+    def __init__(self, sock: socket.socket, preload: Callable[[bool], None]) -> None:
         self.sock = sock
         self.preload = preload
         self.unsafe = ""  # why this server forks no more (set by a preload that left it unsafe)
@@ -107,6 +108,7 @@ class _Server:
         self._preload_done = threading.Event()  # set by the preload thread just before it ends
         self._preload_error = ""
         self._preload_began = 0.0
+        self._preload_deep = True  # what the running preload imports
         self._queued: List[Tuple[dict, List[int]]] = []  # orders that came during the preload
         self.wake_r, self.wake_w = os.pipe()
         for fd in (self.wake_r, self.wake_w):
@@ -136,7 +138,7 @@ class _Server:
                     return None  # the agent is gone: our children die with us
                 message = json.loads(data)
                 if message.get("preload"):
-                    self._start_preload()
+                    self._start_preload(bool(message.get("deep", True)))
                     continue
                 if self._preloading is not None:
                     self._queued.append((message, fds))  # no fork while another thread runs
@@ -153,18 +155,19 @@ class _Server:
             return None
         return self._fork(message, fds)
 
-    def _start_preload(self) -> None:
-        """Import the rest (torch, DDP's first-use modules) on a thread: meanwhile this thread still
-        reaps the children and reports their exits at once."""
+    def _start_preload(self, deep: bool) -> None:
+        """Import torch (``deep``: and DDP's first-use modules) on a thread: meanwhile this thread still
+        reaps the children and reports their exits at once. A second preload imports what the first left."""
         if self._preloading is not None or self.unsafe:
             return
-        self._preload_began = time.monotonic()
+        self._preload_began, self._preload_deep = time.monotonic(), deep
+        self._preload_done.clear()
         self._preloading = threading.Thread(target=self._run_preload, name="elasticrun-preload", daemon=True)
         self._preloading.start()
 
     def _run_preload(self) -> None:
         try:
-            self.preload()
+            self.preload(self._preload_deep)
         except BaseException as err:  # noqa: BLE001 - the agent hears of it; the server keeps its children
             self._preload_error = f"the preload failed: {type(err).__name__}: {err}"
         finally:
@@ -184,7 +187,7 @@ class _Server:
             self.unsafe = why
             _send(self.sock, {"unsafe": why})
         else:
-            _send(self.sock, {"warm": round(time.monotonic() - self._preload_began, 3)})
+            _send(self.sock, {"warm": round(time.monotonic() - self._preload_began, 3), "deep": self._preload_deep})
         queued, self._queued = self._queued, []
         for index, (message, fds) in enumerate(queued):
             order = self._order(message, fds)
@@ -269,7 +272,7 @@ def _fresh_random_state() -> None:
             pass
 
 
-def serve(preload: Callable[[], None]) -> dict:
+def serve(preload: Callable[[bool], None]) -> dict:
     """Run the fork server on stdin's socket (``preload``: what the agent's preload order imports);
     returns (in a forked child only) that child's order, with ``fds``: the extra fds it was given."""
     sock = socket.socket(fileno=os.dup(0))
