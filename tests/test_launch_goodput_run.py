@@ -154,8 +154,9 @@ def test_goodput_of_a_job_with_a_crash_matches_its_ground_truth(
     # Prometheus' view of the same scrapes: no counter ever went down, and docs/observability.md's
     # goodput query (training less training found lost, as increase() over the span scraped while
     # the last round trained) is the ground truth of that span. Tolerance: the step in progress at
-    # the span's end counts as training (0.15 s, or a 0.4 s checkpoint stall not reported yet) and
-    # a scrape shows values up to 0.5 s old (the render cache).
+    # the span's end counts as training (0.15 s, or a 0.4 s checkpoint stall not reported yet), a
+    # scrape shows values up to 0.5 s old (the render cache), and the span holds the crash: its
+    # training found lost is the agent's rollback, with the rollback's tolerance above (1.5 s).
     for key in {k for s in scrapes for k in s if k.split("|")[0].endswith("_total")}:
         values = [s[key] for s in scrapes if key in s]
         assert all(b >= a for a, b in zip(values, values[1:])), f"{key} went down: {values}"
@@ -171,9 +172,9 @@ def test_goodput_of_a_job_with_a_crash_matches_its_ground_truth(
 
     good = increase("elasticrun_phase_seconds_total|training") - increase("elasticrun_training_lost_seconds_total")
     span = _truth(tmp_path / "truth.jsonl", until=times[end])
-    assert good == pytest.approx(span["kept"], abs=1.0), (good, span)
+    assert good == pytest.approx(span["kept"], abs=1.5), (good, span)
     assert good / increase("elasticrun_phase_seconds_total") == pytest.approx(
-        span["kept"] / (times[end] - times[0]), abs=1.0 / (times[end] - times[0]))
+        span["kept"] / (times[end] - times[0]), abs=1.5 / (times[end] - times[0]))
 
 
 @pytest.mark.parametrize("value,needle", [("-1", "--metrics-port '-1'"), ("70000", "--metrics-port '70000'"),
