@@ -45,6 +45,7 @@ def _close_row(tmp_path, mode: str) -> dict:
 
 def test_closing_a_replicator_whose_group_a_reform_destroyed_cuts_its_transfer_at_once(tmp_path) -> None:
     row = _close_row(tmp_path, "destroyed")
+    assert row["wait_ended"] is False and row["wait_s"] < 5, f"a wait on the destroyed group: {row}"
     assert row["close_s"] < 5, f"close took {row['close_s']:.1f} s: it waited for a transfer that cannot end"
     assert not row["thread_alive"], "the replicator's thread still waits in gloo"
     assert row["errors"], "the cut transfer is recorded as failed"

@@ -4,10 +4,11 @@ Two ranks (``RANK``, ``WORLD_SIZE=2``, ``MASTER_ADDR``/``MASTER_PORT``), each wi
 gloo group). Rank 0's thread starts a transfer (a generation it does not have: only the header exchange) and
 waits for rank 1's header, which never comes: rank 1 takes rank 0's header on its main thread and answers
 nothing, as a peer whose replicator found the group destroyed by a re-form. ``REPLICA_MODE=destroyed``: once
-rank 0's thread waits, both ranks destroy their process groups (the re-form) and rank 0 closes its
-replicator; ``REPLICA_MODE=alive``: the groups stay and rank 0 closes with a 1 s timeout. Rank 0 writes
-``$REPLICA_OUT`` (JSON: how long ``close`` took, the errors recorded, whether the thread still runs); rank 1
-keeps its connections open until that file exists. Both end with ``os._exit``: without the cut, rank 0's
+rank 0's thread waits, both ranks destroy their process groups (the re-form), rank 0 waits for its replicas
+without a timeout (the wait must return by itself) and closes its replicator; ``REPLICA_MODE=alive``: the
+groups stay and rank 0 closes with a 1 s timeout. Rank 0 writes ``$REPLICA_OUT`` (JSON: how long the wait and
+``close`` took, the errors recorded, whether the thread still runs); rank 1 keeps its connections open until
+that file exists. Both end with ``os._exit``: without the cut, rank 0's
 thread would still wait in gloo when the interpreter finalizes.
 """
 
@@ -56,9 +57,14 @@ def main() -> None:
     if mode == "destroyed":
         dist.destroy_process_group()
     if rank == 0:
+        ended = waited_s = None
+        if mode == "destroyed":  # a wait with no timeout: on a destroyed group it must return by itself
+            t0 = time.monotonic()
+            ended = replicator.wait()
+            waited_s = time.monotonic() - t0
         t0 = time.monotonic()
         replicator.close(timeout=1.0 if mode == "alive" else 60.0)
-        row = {"close_s": time.monotonic() - t0, "errors": replicator.errors,
+        row = {"close_s": time.monotonic() - t0, "wait_s": waited_s, "wait_ended": ended, "errors": replicator.errors,
                "thread_alive": replicator._thread.is_alive()}
         with open(out + ".tmp", "w", encoding="utf-8") as f:
             json.dump(row, f)

@@ -27,6 +27,7 @@ import os
 import queue
 import shutil
 import threading
+import time
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -49,6 +50,7 @@ CHUNK = 64 << 20
 TIMEOUT = float(os.environ.get(env_names.SNAPSHOT_REPLICA_TIMEOUT, "300"))
 #: How long :meth:`Replicator.close` waits for its thread once the transfers ended or were cut.
 JOIN_S = 5.0
+WAIT_SLICE_S = 0.25  # how often a wait asks whether a re-form destroyed the group
 
 
 def _global(group: Any, rank: int) -> int:
@@ -355,9 +357,16 @@ class Replicator:
                     self._idle.notify_all()
 
     def wait(self, timeout: Optional[float] = None) -> bool:
-        """Wait until every queued generation is replicated (or failed); False on timeout."""
+        """Wait until every queued generation is replicated (or failed); False on timeout, and at once when the
+        group was destroyed (a re-form): a transfer under way then cannot end (see :meth:`close`)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._idle:
-            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+            while self._pending:
+                left = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S, deadline - time.monotonic())
+                if left <= 0 or self.group_destroyed():
+                    return False
+                self._idle.wait(left)
+            return True
 
     def group_destroyed(self) -> bool:
         """Whether the group was destroyed (an in-place re-form destroys every group of the old round)."""
@@ -374,11 +383,10 @@ class Replicator:
         group was destroyed meanwhile (a re-form) nothing is waited for: a transfer under way then cannot end,
         since its peer's next call on the destroyed group fails. A transfer still under way is cut (the group's
         connections are shut down: both sides fail at once) instead of holding its peer for :data:`TIMEOUT`."""
-        destroyed = self.group_destroyed()
-        if destroyed or not self.wait(min(timeout, TIMEOUT)):
+        if not self.wait(min(timeout, TIMEOUT)):  # returns at once on a destroyed group
             cut = self._sockets.cut()
             log.warning("snapshot replicas: %d transfer(s) could not end on %s group; %d connection(s) cut",
-                        self._pending, "a destroyed" if destroyed else "their", cut)
+                        self._pending, "a destroyed" if self.group_destroyed() else "their", cut)
         self._queue.put(None)
         self._thread.join(JOIN_S)
 

@@ -209,7 +209,8 @@ class Snapshotter:
 
     def wait(self) -> Optional[str]:
         """Wait for the async snapshot, its replica and the disk copy in flight; the name persisted
-        last (or None)."""
+        last (or None). Replicas are not waited for once a re-form destroyed the process group (a
+        transfer under way cannot end then; :meth:`close` cuts it)."""
         if self._async is not None:
             self._async.wait()
         if self._replicator is not None:
