@@ -338,6 +338,16 @@ def test_a_negative_standby_count_is_one_clear_error() -> None:
                           "0 or more")
 
 
+def test_a_bad_preload_first_value_is_one_clear_error(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("print('never runs')\n")
+    proc = run_cli(["--standalone", "--nproc-per-node", "1", str(script)], timeout=60,
+                   env={names.PRELOAD_FIRST: "yes"})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "never runs" not in proc.stdout
+    assert_one_line_error(proc, f"{names.PRELOAD_FIRST}='yes'", "use 1, 0 or auto")
+
+
 HOLDER = '''
 import os, time
 with open(os.path.join(os.environ["HOLD_DIR"], f"rank{os.environ['RANK']}.{os.getpid()}"), "w"):
