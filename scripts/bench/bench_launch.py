@@ -110,9 +110,8 @@ def summary_rows(runs: List[Run], procs: int, nodes: int, timeout: float, comman
     for name in dict.fromkeys(label(r) for r in runs):
         mine, (scenario, _, moment) = [r for r in runs if label(r) == name], name.partition("@")
         shape = f"1 x {procs}, --standalone" if scenario == "launch" else f"{nodes} x {procs}, c10d"
-        metric = f"launch -> first step, {shape}"
-        if scenario == "restart":
-            metric = f"worker crash ({moment or f'step {CRASH_STEP}'} into the round) -> first step, {nodes} x {procs}"
+        metric = (f"worker crash ({moment or f'step {CRASH_STEP}'} into the round) -> first step, {nodes} x {procs}"
+                  if scenario == "restart" else f"launch -> first step, {shape}")
         found = _against_torchrun(mine, "seconds", timeout)
         if found is None:
             continue

@@ -30,10 +30,7 @@ def etcd_counters(endpoint: str, timeout: float = 10.0) -> Dict[str, float]:
     except OSError:
         return {}
     out = {"requests": 0.0, "unary_requests": 0.0}
-    for line in text.splitlines():
-        m = _LINE.match(line)
-        if not m:
-            continue
+    for m in filter(None, map(_LINE.match, text.splitlines())):
         name, labels, value = m[1], m[2] or "", float(m[3])
         if name in _NAMES:
             out[_NAMES[name]] = value

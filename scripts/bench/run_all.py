@@ -171,9 +171,8 @@ def host_info() -> Dict[str, object]:
     info: Dict[str, object] = {"cpus": os.cpu_count(), "loadavg_start": [round(x, 2) for x in os.getloadavg()],
                                "python": sys.version.split()[0],
                                "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
-    with contextlib.suppress(OSError, StopIteration):
-        with open("/proc/cpuinfo") as f:
-            info["cpu"] = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    with contextlib.suppress(OSError, StopIteration), open("/proc/cpuinfo") as f:
+        info["cpu"] = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
     return info
 
 

@@ -106,9 +106,8 @@ def analyse(records: List[dict], dataset_size: int, seed: int) -> AuditResult:
             res.save_failures.append((r["t"], int(r["step"]), str(r.get("error", ""))))
     res.generations = len(steps)
     res.steps_executed = sum(len(s) for s in steps.values())
-    for gen, starts in begin.items():
-        if len(set(starts)) > 1:
-            res.problems.append(f"generation {gen}: ranks began at different steps {sorted(set(starts))}")
+    res.problems += [f"generation {gen}: ranks began at different steps {sorted(set(starts))}"
+                     for gen, starts in begin.items() if len(set(starts)) > 1]
     if not steps:
         res.problems.append("no training step was logged")
         return res

@@ -310,10 +310,7 @@ class MemberLoss(FaultKind):
     def inject(self, soak: Soak, f: Fault) -> None:
         cluster = soak.machine.members
         lead = etcd_leader(cluster)
-        if self.leader:
-            victims = [lead] if lead is not None else []
-        else:
-            victims = [m for m in cluster.members.values() if m.running() and m is not lead]
+        victims = [m for m in cluster.members.values() if m.running() and (m is lead) == self.leader]
         if not victims:
             f.skipped = "no etcd leader found" if self.leader else "no follower running"
             return

@@ -21,7 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+if str(HERE) not in sys.path:  # plot_job.py beside this file, also when a test loads this one by path
+    sys.path.insert(0, str(HERE))
+
+from plot_job import pyplot, save  # noqa: E402 - from beside this file (above)
+
 BEGIN = "<!-- summary:begin -->"
 END = "<!-- summary:end -->"
 JSON_DIR = re.compile(r"(--json|--out)([ =])[^ ]*/")  # where run_all put a bench's JSON: not on the page
@@ -193,26 +199,9 @@ TOOL_COLORS = {"elasticrun": ER_COLOR, "safetensors": "#ff7f0e", "dcp": "#2ca02c
                "disk": "grey"}
 
 
-def _pyplot() -> Any:
-    """matplotlib.pyplot on the Agg backend (imported when a chart is drawn: the table needs no matplotlib)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig: Any, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    _pyplot().close(fig)
-    return path
-
-
 def strip_chart(groups: List[Dict[str, Any]], title: str, path: Path) -> Path:
     """Per launcher/variant: each ok run a dot, the median a bar, failed or hung runs counted, phases as ticks."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8.5, 0.55 * len(groups) + 1.6))
     worst = max([t for g in groups for t in g["times"]] + [1.0])
     names = list(dict.fromkeys(n for g in groups for n, _ in g["phases"]))
@@ -233,48 +222,40 @@ def strip_chart(groups: List[Dict[str, Any]], title: str, path: Path) -> Path:
         if g["runs"] > len(times):
             ax.text(worst * 1.02, y, f"{g['runs'] - len(times)}/{g['runs']} failed or hung", va="center", fontsize=8,
                     color=ALT_COLOR)
-    ax.set_yticks(range(len(groups)))
-    ax.set_yticklabels([g["label"] for g in groups], fontsize=8)
+    ax.set_yticks(range(len(groups)), [g["label"] for g in groups], fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlim(0, worst * 1.35)
-    ax.set_xlabel("seconds (dots: runs; bar: median)")
+    ax.set(xlim=(0, worst * 1.35), xlabel="seconds (dots: runs; bar: median)")
     ax.set_title(title, fontsize=10)
     ax.grid(axis="x", alpha=0.3)
     if names:
         ax.legend(title="phases (median run)", fontsize=7, title_fontsize=7, loc="lower right")
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def checkpoint_chart(data: Dict[str, Dict[str, List[Tuple[float, float]]]], device: str, path: Path,
                      note: str = "") -> Path:
     """Throughput (GB/s) against state size, one panel per operation, one line per tool/variant: a colour per tool,
     elasticrun's variants thick in line styles of their own."""
-    plt = _pyplot()
+    plt = pyplot()
     ops = [op for op in ("save", "load") if op in data]
     fig, axes = plt.subplots(1, len(ops), figsize=(6 * len(ops), 4.2), squeeze=False)
     for ax, op in zip(axes[0], ops):
         er = 0
         for name, pts in sorted(data[op].items()):
-            pts = sorted(pts)
             tool = next((t for t in TOOL_COLORS if name.lower().startswith(t)), "")
             style = {"elasticrun": {"lw": 2.4, "ls": ("-", "--", "-.", ":")[er % 4]}, "disk": {"ls": "--", "lw": 1}}
             er += name.startswith("elasticrun")
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name, color=TOOL_COLORS.get(tool),
-                    **style.get(tool, {}))
+            ax.plot(*zip(*sorted(pts)), marker="o", label=name, color=TOOL_COLORS.get(tool), **style.get(tool, {}))
         sizes = sorted({p[0] for pts in data[op].values() for p in pts})
-        ax.set_xscale("log")
-        ax.set_xticks(sizes)
-        ax.set_xlim(sizes[0] / 1.6, sizes[-1] * 1.6)
+        ax.set(xscale="log", xticks=sizes, xlim=(sizes[0] / 1.6, sizes[-1] * 1.6), ylim=(0, None),
+               xlabel="state size (GB)", ylabel="GB/s (higher is better)")
         ax.xaxis.set_major_formatter(plt.FormatStrFormatter("%.2g"))
         ax.xaxis.set_minor_formatter(plt.NullFormatter())
-        ax.set_ylim(bottom=0)
-        ax.set_xlabel("state size (GB)")
-        ax.set_ylabel("GB/s (higher is better)")
         how = "durable" if op == "save" else "cold page cache"
         ax.set_title(f"checkpoint {op} ({', '.join(x for x in (note, device, how) if x)})", fontsize=10)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7, loc="best")
-    return _save(fig, path)
+    return save(fig, path)
 
 
 RDZV_PANELS = (  # row key, y label, guides from the smallest run of round 0: linear in the nodes, or flat and 2x
@@ -290,7 +271,7 @@ RDZV_PHASES = {"round 0": "round 0 (all register)", "loss": "re-form after a nod
 def rendezvous_chart(data: Dict[str, Any], path: Path) -> Path:
     """Log-log panels of ``RDZV_PANELS`` against the node count, one line per phase (the median where a size ran
     more than once; failed rows left out), round 0's guides dotted."""
-    plt, rows = _pyplot(), data["rows"]
+    plt, rows = pyplot(), data["rows"]
     fig, axes = plt.subplots(2, 2, figsize=(10, 7.5))
     for ax, (key, label, guide) in zip(axes.flat, RDZV_PANELS):
         by: Dict[str, Dict[int, List[float]]] = {}
@@ -305,11 +286,10 @@ def rendezvous_chart(data: Dict[str, Any], path: Path) -> Path:
                     ax.plot(ns, [k * ys[0] * (n / ns[0] if guide == "linear" else 1) for n in ns], ls=":",
                             color="grey", lw=1)
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
+        ax.set(yscale="log", xlabel="nodes (simulated agents)")
         for axis in (ax.xaxis, ax.yaxis):
             axis.set_major_formatter(plt.FuncFormatter(lambda v, _pos: f"{v:g}"))
             axis.set_minor_formatter(plt.NullFormatter())
-        ax.set_xlabel("nodes (simulated agents)")
         ax.set_ylabel(label, fontsize=9)
         ax.grid(alpha=0.3, which="both")
     axes.flat[0].plot([], [], ls=":", color="grey", label="linear in the nodes / flat and 2× (round 0)")
@@ -321,7 +301,7 @@ def rendezvous_chart(data: Dict[str, Any], path: Path) -> Path:
                  + f"\nload average {min(loads):.0f}–{max(loads):.0f} on the shared machine during the run",
                  fontsize=10)
     fig.text(0.5, 0.005, data["command"], ha="center", fontsize=7, family="monospace")
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def draw_all(data: Dict[str, Any], img_dir: Path) -> List[Path]:
@@ -358,7 +338,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.error("give the --out dir of scripts/bench/run_all.py, or --rendezvous FILE")
     if args.rendezvous or not args.no_plots:
         try:
-            _pyplot()
+            pyplot()
         except ImportError:
             return fail("the charts need matplotlib: pip install 'elasticrun[plot]' (or pass --no-plots)")
     if args.rendezvous:

@@ -27,15 +27,21 @@ Record = Dict[str, Any]
 
 
 def pyplot() -> Any:
-    """matplotlib.pyplot on the Agg backend; SystemExit with what to install when it is missing."""
-    try:
-        import matplotlib
+    """matplotlib.pyplot on the Agg backend, imported when a chart is drawn (ImportError: matplotlib is missing)."""
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise SystemExit("plot_job: drawing needs matplotlib: pip install 'elasticrun[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     return plt
+
+
+def save(fig: Any, path: Path, dpi: int = 110) -> Path:
+    """Write ``fig`` to the PNG ``path`` and close it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    return path
 
 
 def read_records(paths: List[Path], flag: str, keys: Tuple[str, ...]) -> List[Record]:
@@ -108,8 +114,7 @@ def plot_metrics(rows: List[Record], reference: Optional[List[Record]], title: s
         step_time = {int(r["step"]): float(r["time"]) - t0 for r in rows}
         ref = [(step_time[int(r["step"])], float(r["loss"])) for r in reference if int(r["step"]) in step_time]
         if ref:
-            axes[3].plot([a for a, _ in ref], [b for _, b in ref], color="black", lw=1, ls=":",
-                         label="uninterrupted run (same step)")
+            axes[3].plot(*zip(*ref), color="black", lw=1, ls=":", label="uninterrupted run (same step)")
         axes[3].legend(fontsize=8)
     axes[3].set_yscale("log")
     axes[-1].set_xlabel("seconds since the first step")
@@ -152,7 +157,7 @@ def plot_events(events: List[Record], title: str) -> Any:
         for t, r, w in rounds:
             top.annotate(f"r{r}", (t - t0, w), textcoords="offset points", xytext=(2, 3), fontsize=7)
         top.set_ylim(0, max(ys) + 1)
-    top.set_ylabel("world size")
+    top.set(ylabel="world size", title=title or f"job {events[0]['job']}")
     outage: Dict[str, float] = {}  # node: when its outage began
     for e in events + [{"event": "outage_end", "time": events[-1]["time"], "node": n} for n in nodes]:
         if e["event"] == "outage_begin":
@@ -165,10 +170,8 @@ def plot_events(events: List[Record], title: str) -> Any:
         if pts:
             lanes.scatter([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=color, label=kind, s=40)
     lanes.set_yticks(range(len(nodes)), nodes)
-    lanes.set_ylim(-0.6, len(nodes) - 0.4)
-    lanes.set_xlabel("seconds since the first event")
+    lanes.set(ylim=(-0.6, len(nodes) - 0.4), xlabel="seconds since the first event")
     lanes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=4, fontsize=8, frameon=False)
-    top.set_title(title or f"job {events[0]['job']}")
     return fig
 
 
@@ -188,17 +191,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.cmd == "events" and args.print:
         print("\n".join(describe(read_events(args.events))))
         return 0
-    if args.cmd == "events":
-        fig, what = plot_events(read_events(args.events), args.title), ""
-    else:
-        rows = read_log(args.log)
-        fig = plot_metrics(rows, read_log(args.reference) if args.reference else None, args.title)
-        paused = sum(b - a for a, b in pauses(rows))
-        what = f": {len(rows)} steps, {len(rescales(rows))} rescale(s), {paused:.1f}s without training"
-    fig.tight_layout()
-    fig.savefig(args.out, dpi=110 if args.cmd == "events" else 90)
-    pyplot().close(fig)
-    print(f"wrote {args.out}{what}")
+    try:
+        if args.cmd == "events":
+            fig, what = plot_events(read_events(args.events), args.title), ""
+        else:
+            rows = read_log(args.log)
+            fig = plot_metrics(rows, read_log(args.reference) if args.reference else None, args.title)
+            paused = sum(b - a for a, b in pauses(rows))
+            what = f": {len(rows)} steps, {len(rescales(rows))} rescale(s), {paused:.1f}s without training"
+    except ImportError:
+        raise SystemExit("plot_job: drawing needs matplotlib: pip install 'elasticrun[plot]'") from None
+    print(f"wrote {save(fig, args.out, 110 if args.cmd == 'events' else 90)}{what}")
     return 0
 
 
