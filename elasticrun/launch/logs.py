@@ -110,8 +110,10 @@ class DumpFilter:
         self.mid_line = False  # the last chunk ended inside a line (shown early, after a pause)
 
     def __call__(self, data: bytes) -> bytes:
+        if not data:
+            return data  # nothing read yet beyond an unfinished line: says nothing about where lines end
         if not self.in_dump and THREAD_MARK not in data:
-            self.mid_line = not data.endswith((b"\n", b"\r")) if data else self.mid_line
+            self.mid_line = not data.endswith((b"\n", b"\r"))
             return data
         out = []
         for i, line in enumerate(data.splitlines(keepends=True)):
@@ -128,6 +130,12 @@ class DumpFilter:
             out.append(line)
         self.mid_line = not data.endswith((b"\n", b"\r"))
         return b"".join(out)
+
+    def holds(self, unfinished: bytes) -> bool:
+        """Whether an unfinished line must wait for its end even through a pause: inside a dump, the start
+        of a frame line (indented), which can be left out only once its path is whole. A dump written by a
+        worker the host deschedules mid-line would otherwise show an elasticrun frame's first half."""
+        return self.in_dump and unfinished.startswith(b"  "[:len(unfinished)])
 
 
 class Console:
@@ -233,7 +241,7 @@ class OutputPump:
         try:
             fd = self._pipe.fileno()
             while True:
-                if pending and not select.select([fd], [], [], FLUSH_PAUSE_S)[0]:
+                if pending and not self._dumps.holds(pending) and not select.select([fd], [], [], FLUSH_PAUSE_S)[0]:
                     self._show(pending)  # a pause inside a line: show what came so far
                     pending = b""
                 data = os.read(fd, _CHUNK)
