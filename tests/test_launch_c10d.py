@@ -137,7 +137,7 @@ def test_a_host_another_node_replaced_is_killed_a_round_later() -> None:
         rounds.fresh()  # round 1: led elsewhere, serve() never called here
         assert started[0].poll() is None, "round 0's store is kept through the change"
         rounds.fresh()
-        # Gone either way: killed, or (first, when the host runs at once) exited 0 as its control socket closed.
+        # Gone either way: killed, or exited 0 by itself when its control socket closed just before the kill.
         assert started[0].wait(30) in (0, -signal.SIGKILL), "round 0's host is gone"
         assert _refused(first)
     finally:
