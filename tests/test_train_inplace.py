@@ -296,10 +296,11 @@ def test_survivors_blocked_on_a_stuck_peer_are_woken_by_the_agents_word_over_glo
     h.procs[1].wait()
     h.replace_slot_1_and_finish(**slow)
     # They waited in the step boundary's vote: InPlace.check re-formed them (a "reformed" line each).
-    reformed = [r for r in h.records() if "reformed" in r]
-    seen = ([r for r in h.records() if "step" not in r],  # on failure: what they wrote instead
-            *(h.stderr(s).read_text(errors="replace")[-3000:] for s in (0, 2)))
-    assert {r["pid"] for r in reformed} == {pids[0], pids[2]} and {r["round"] for r in reformed} == {1}, seen
+    records = h.records()
+    reformed = [r for r in records if "reformed" in r]
+    assert {r["pid"] for r in reformed} == {pids[0], pids[2]} and {r["round"] for r in reformed} == {1}, (
+        [r for r in records if "step" not in r],  # on failure only: what they wrote instead
+        *(h.stderr(s).read_text(errors="replace")[-3000:] for s in (0, 2)))
     steps = h.steps()
     assert {r["pid"] for r in steps if r["round"] == 1 and r["rank"] in (0, 2)} == {pids[0], pids[2]}
     assert sorted(i for r in steps for i in r["idx"]) == list(range(120)), "every sample exactly once"
