@@ -86,6 +86,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--async-snapshots", action="store_true", help="write memory snapshots on a background thread")
     p.add_argument("--no-checkpoint", action="store_true", help="never save or load checkpoints")
     p.add_argument("--step-sleep", type=float, default=0.0, help="sleep this long every step (seconds)")
+    p.add_argument("--compute-sleep", type=float, default=float(os.environ.get("TRAIN_COMPUTE_SLEEP") or 0.0),
+                   help="also sleep this long inside every step's compute, as a slower device would take (seconds; "
+                   "default: $TRAIN_COMPUTE_SLEEP, so that one node's environment can make that node slow)")
     p.add_argument("--agree-every", default="auto",
                    help="steps between the ranks' stop/checkpoint-request agreement, or 'auto' (about every 0.2 s)")
     p.add_argument("--backend", default=None, help="process group backend (default: nccl on GPU, else gloo)")
@@ -293,6 +296,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 micro = [chunk[i : i + args.batch_size] for i in range(0, len(chunk), args.batch_size)]
                 timer.begin()
                 optim.zero_grad(set_to_none=True)  # first: a step redone after a crash drops its gradients
+                if args.compute_sleep:
+                    time.sleep(args.compute_sleep)
                 total = 0.0
                 try:
                     for j, mb in enumerate(micro):

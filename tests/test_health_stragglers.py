@@ -1,15 +1,16 @@
 """Straggler detection and drain with real agents, a real etcd and gloo workers of examples/train.py.
 
 Three nodes of one worker each, ~7 ms of compute a step (a real workload's ratio, not the scheduler's
-noise on a 2 ms step); one node's processes (its fork server and worker) are SIGSTOPped for 0.3 s of every
-0.4 s. With ``--straggler-action warn`` that node is flagged in ``elasticrun status --json`` (and nobody
+noise on a 2 ms step); one node's worker takes 30 ms more of every step's compute (``TRAIN_COMPUTE_SLEEP``,
+as a slower device would), so it scores about four times the median whatever the load on the machine.
+With ``--straggler-action warn`` that node is flagged in ``elasticrun status --json`` (and nobody
 else is); with ``drain`` it leaves the job (exit 6, recorded as excluded, a ``drained`` event) and the job
 trains on at world 2. Also: ``elasticrun check`` on this machine passes and prints its table.
 
-What healthy nodes score is not asserted here: on a shared 2-core machine their compute differs by a
-third under load (one process gets less CPU than the others), which a 6 s window flags; the unit tests
-(tests/unit/health/test_straggler.py) hold the threshold, the floor and the window, and
-``scripts/bench/bench_stragglers.py`` measures false positives with the default window.
+Healthy nodes' own scores are not what these tests judge (with one slow node of three, the median is
+the slower healthy one); the unit tests (tests/unit/health/test_straggler.py) hold the threshold, the
+floor and the window, and ``scripts/bench/bench_stragglers.py`` measures false positives with the default
+window.
 """
 
 from __future__ import annotations
@@ -18,12 +19,10 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
-import psutil
 import pytest
 
 from elasticrun.store.server import EtcdServer
@@ -35,6 +34,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 EXAMPLE = str(REPO / "examples" / "train.py")
 WINDOW_S = 6.0
 FLAG_WITHIN_S = 60.0
+SLOW_COMPUTE_S = 0.03  # node nc's extra compute per step
 
 
 def status(etcd_server: EtcdServer, job: str) -> Optional[Dict[str, Any]]:
@@ -51,38 +51,6 @@ def members(doc: Optional[Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
     return {m["node_id"]: m for m in (doc or {}).get("members") or []}
 
 
-class Pulses:
-    """SIGSTOP/SIGCONT an agent's descendants (its fork server and workers, not the agent) in pulses."""
-
-    def __init__(self, agent: Agent, stop_s: float = 0.3, run_s: float = 0.1) -> None:
-        self.agent, self.stop_s, self.run_s = agent, stop_s, run_s
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> Pulses:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        self._thread.join(5)
-        self._send(signal.SIGCONT)
-
-    def _send(self, sig: int) -> None:
-        for p in self.agent.descendants():
-            try:
-                p.send_signal(sig)
-            except psutil.NoSuchProcess:
-                pass
-
-    def _run(self) -> None:
-        while not self._done.is_set():
-            self._send(signal.SIGSTOP)
-            self._done.wait(self.stop_s)
-            self._send(signal.SIGCONT)
-            self._done.wait(self.run_s)
-
-
 def start_three(agents: Callable[..., Agent], etcd_server: EtcdServer, job: str, action: str,
                 tmp_path: Path) -> List[Agent]:
     started = []
@@ -93,8 +61,8 @@ def start_three(agents: Callable[..., Agent], etcd_server: EtcdServer, job: str,
             "--straggler-window", str(WINDOW_S), "--straggler-action", action,
             "--events-file", str(tmp_path / f"{name}.events"),
             EXAMPLE, "--epochs", "100000", "--no-checkpoint", "--dataset-size", "512", "--batch-size", "32",
-            "--hidden", "16384",
-            "--step-sleep", "0.05"], name=name))
+            "--hidden", "16384", "--step-sleep", "0.05"],
+            name=name, env={"TRAIN_COMPUTE_SLEEP": str(SLOW_COMPUTE_S)} if name == "nc" else {}))
     return started
 
 
@@ -111,17 +79,15 @@ def test_a_slowed_node_is_flagged_in_status_and_nobody_else(agents, etcd_server:
                                                             tmp_path: Path) -> None:
     na, nb, nc = start_three(agents, etcd_server, job_id, "warn", tmp_path)
     wait_until(lambda: training_at_world(etcd_server, job_id, 3), 180, "3 nodes training", interval=1.0)
-    with Pulses(nc):
-        t0 = time.monotonic()
-        doc = wait_until(lambda: (lambda d: d if members(d).get("nc", {}).get("straggler") else None)(
-            status(etcd_server, job_id)), FLAG_WITHIN_S, "node nc flagged as a straggler in status --json",
-            interval=1.0)
-        flagged_after = time.monotonic() - t0
+    t0 = time.monotonic()
+    doc = wait_until(lambda: (lambda d: d if members(d).get("nc", {}).get("straggler") else None)(
+        status(etcd_server, job_id)), FLAG_WITHIN_S, "node nc flagged as a straggler in status --json", interval=1.0)
+    flagged_after = time.monotonic() - t0
     ms = members(doc)
     assert not ms["na"]["straggler"] and not ms["nb"]["straggler"], ms
     assert ms["nc"]["straggler_ratio"] >= 1.2
     assert doc["stragglers"]["drain"] == []  # warn only
-    print(f"flagged after {flagged_after:.1f} s, ratio {ms['nc']['straggler_ratio']}")
+    print(f"flagged {flagged_after:.1f} s after all 3 were seen training, ratio {ms['nc']['straggler_ratio']}")
     wait_until(lambda: any(e["event"] == "straggler" and e["straggler"] for e in events_of(tmp_path / "nc.events")),
                10, "a straggler event from nc's agent (it reads the flag on its next tick)", interval=0.2)
     for a in (na, nb, nc):
@@ -132,16 +98,16 @@ def test_a_slowed_node_is_flagged_in_status_and_nobody_else(agents, etcd_server:
 def test_drain_takes_the_straggler_out_and_the_job_goes_on_at_world_2(agents, etcd_server: EtcdServer, job_id: str,
                                                                       tmp_path: Path) -> None:
     na, nb, nc = start_three(agents, etcd_server, job_id, "drain", tmp_path)
-    wait_until(lambda: training_at_world(etcd_server, job_id, 3), 180, "3 nodes training", interval=1.0)
-    with Pulses(nc):
-        code = nc.wait(FLAG_WITHIN_S + 30)
+    code = nc.wait(180 + FLAG_WITHIN_S)  # it starts slow: it may be drained before a poll here sees it train
     assert code == 6, nc.stderr()[-3000:]
     assert "drained as a straggler" in nc.stderr()
+    nc_events = events_of(tmp_path / "nc.events")
+    assert any(e["event"] == "round_formed" and e["world_size"] == 3 for e in nc_events), nc_events
     doc = wait_until(lambda: training_at_world(etcd_server, job_id, 2), 120, "the job training at world 2",
                      interval=1.0)
     assert set(members(doc)) == {"na", "nb"}
     assert [(e["node_id"], e["why"]) for e in doc["excluded"]] == [("nc", "straggler")]
-    assert any(e["event"] == "drained" for e in events_of(tmp_path / "nc.events"))
+    assert any(e["event"] == "drained" for e in nc_events)
     step = members(doc)["na"]["progress"]["step"]
     wait_until(lambda: members(status(etcd_server, job_id))["na"]["progress"]["step"] > step, 60,
                "training to go on at world 2", interval=1.0)
