@@ -15,7 +15,8 @@ epoch (120); ``INPLACE_PACE``: seconds between steps, none once ``INPLACE_FAST_F
 ``INPLACE_CKPT_DIR`` + ``INPLACE_CKPT_EVERY``: save a checkpoint there every N steps (collective);
 rank 0 logs ``{"saved": name}`` or ``{"refused": error}`` with its round.
 ``INPLACE_HEARTBEAT=1``: ``et.heartbeat(step)`` after every step; ``INPLACE_HANG_FILE``: once that
-file exists, the worker stops making progress (sleeps in its loop: a hang); ``INPLACE_CRASH_FILE``:
+file exists, the worker stops making progress after its next step's line (sleeps in its loop: a hang;
+``<file>.stuck`` says it does); ``INPLACE_CRASH_FILE``:
 once that file exists, the worker exits 1 (a crash); ``INPLACE_CRASH_MID_FILE``: the same, between the
 two gradient all-reduces of a step (without DDP). ``INPLACE_WATCH=1``: ``InPlace`` takes its NCCL path
 over gloo (the abort watch, the optimizer step hook, the abort instead of the destroy-after-synchronize).
@@ -146,6 +147,8 @@ with open(os.environ["INPLACE_LOG"], "a") as log:
             et.heartbeat(reform.step)
         if crash and os.path.exists(crash):
             os._exit(1)
+        if hang and os.path.exists(hang):
+            open(hang + ".stuck", "w").close()
         while hang and os.path.exists(hang):
             time.sleep(0.1)
         if ckpt_every and reform.step % ckpt_every == 0:
