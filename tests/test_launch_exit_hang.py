@@ -28,7 +28,6 @@ from helpers.procs import SCRIPTS
 pytestmark = pytest.mark.integration  # starts etcd or processes
 
 DDP = str(SCRIPTS / "ddp_snapshot.py")
-RUNS = 3
 RUN_DEADLINE_S = 90.0
 
 
@@ -67,23 +66,19 @@ def test_warm_runner_keeps_destroyed_groups_until_exit(tmp_path):
 
 
 def test_ddp_client_restarted_from_standby_always_exits(tmp_path):
-    """pytorch/examples' multinode.py pattern, one worker SIGKILLed, one restart: no run may hang."""
-    took = []
-    for i in range(RUNS):
-        run_dir = tmp_path / f"run{i}"
-        run_dir.mkdir()
-        started = time.monotonic()
-        proc = run_cli(
-            ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--shutdown-timeout", "5",
-             DDP, "4", str(run_dir / "snap.pt")],
-            timeout=RUN_DEADLINE_S,
-            env={"DDP_EPOCH_SLEEP": "0.8", "DDP_KILL_AFTER_EPOCH": "1", "DDP_KILL_MARKER": str(run_dir / "killed"),
-                 "DDP_SAMPLES": "256"},
-        )
-        took.append(time.monotonic() - started)
-        out = proc.stdout + proc.stderr
-        assert proc.returncode == 0, f"run {i}: exit {proc.returncode}\n{out[-4000:]}"
-        assert (run_dir / "killed").exists(), f"run {i}: the worker was never killed\n{out[-3000:]}"
-        assert "Resuming training from snapshot at Epoch 2" in out, f"run {i}: no restart\n{out[-3000:]}"
-        assert "Epoch 3 | Training snapshot saved" in out, f"run {i}: the last epoch is missing\n{out[-3000:]}"
-    print(f"{RUNS} runs, seconds each: {[round(t, 1) for t in took]}")
+    """pytorch/examples' multinode.py pattern, one worker SIGKILLed, one restart: the run ends. (The hangs
+    came in about one run of ten: the two tests above hold their causes; this one, the whole path.)"""
+    started = time.monotonic()
+    proc = run_cli(
+        ["--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "--shutdown-timeout", "5",
+         DDP, "4", str(tmp_path / "snap.pt")],
+        timeout=RUN_DEADLINE_S,
+        env={"DDP_EPOCH_SLEEP": "0.8", "DDP_KILL_AFTER_EPOCH": "1", "DDP_KILL_MARKER": str(tmp_path / "killed"),
+             "DDP_SAMPLES": "256"},
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{out[-4000:]}"
+    assert (tmp_path / "killed").exists(), f"the worker was never killed\n{out[-3000:]}"
+    assert "Resuming training from snapshot at Epoch 2" in out, f"no restart\n{out[-3000:]}"
+    assert "Epoch 3 | Training snapshot saved" in out, f"the last epoch is missing\n{out[-3000:]}"
+    print(f"ended after {time.monotonic() - started:.1f} s")
