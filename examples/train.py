@@ -86,7 +86,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--async-snapshots", action="store_true", help="write memory snapshots on a background thread")
     p.add_argument("--no-checkpoint", action="store_true", help="never save or load checkpoints")
     p.add_argument("--step-sleep", type=float, default=0.0, help="sleep this long every step (seconds)")
-    p.add_argument("--compute-sleep", type=float, default=float(os.environ.get("TRAIN_COMPUTE_SLEEP") or 0.0),
+    p.add_argument("--compute-sleep", type=float, default=os.environ.get("TRAIN_COMPUTE_SLEEP") or "0",
                    help="also sleep this long inside every step's compute, as a slower device would take (seconds; "
                    "default: $TRAIN_COMPUTE_SLEEP, so that one node's environment can make that node slow)")
     p.add_argument("--agree-every", default="auto",
@@ -94,7 +94,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--backend", default=None, help="process group backend (default: nccl on GPU, else gloo)")
     p.add_argument("--no-inplace", action="store_true",
                    help="never re-form in place: every rescale restarts the workers from a checkpoint")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for flag in ("step_sleep", "compute_sleep"):
+        if getattr(args, flag) < 0:
+            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag):g} is negative: give seconds >= 0")
+    return args
 
 
 def make_data(n: int, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
