@@ -3,6 +3,7 @@ environment makes that node slow while every node runs the same command); bad va
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import pytest
@@ -10,14 +11,20 @@ import pytest
 from helpers.procs import REPO
 
 
+@functools.cache
+def example():
+    """examples/train.py as a module, loaded once (its parse_args reads the environment at each call)."""
+    spec = importlib.util.spec_from_file_location("example_train", REPO / "examples" / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def parse(argv, monkeypatch, env=None):
     monkeypatch.delenv("TRAIN_COMPUTE_SLEEP", raising=False)
     for k, v in (env or {}).items():
         monkeypatch.setenv(k, v)
-    spec = importlib.util.spec_from_file_location("example_train", REPO / "examples" / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.parse_args(argv)
+    return example().parse_args(argv)
 
 
 def test_compute_sleep_comes_from_the_environment_unless_given(monkeypatch):
