@@ -27,6 +27,7 @@ from elasticrun.errors import StoreError
 from elasticrun.job import env as names
 from elasticrun.job.keys import JobKeys
 from elasticrun.rendezvous.jobstatus import list_jobs
+from elasticrun.rendezvous.view import JobView
 from elasticrun.store.server import free_port
 from elasticrun.store.settings import EtcdSettings
 
@@ -150,6 +151,27 @@ def test_tokens_are_renewed_after_expiry_and_etcd_restart(secure: SecureEtcd, tm
         store.put(keys.state, "after-restart")
         assert store.get(keys.state).value == b"after-restart"
     assert keys.progress_of("n1") in events
+
+
+def test_watches_made_after_a_token_renewal_see_changes(secure: SecureEtcd, tmp_path: Path):
+    """etcd checks a new watch against the token its stream was opened with: once that token expired, the
+    watch was refused, pyetcd kept it (silent) and the stream's other watches went silent too. A job's view
+    makes new watches when it re-reads the job (a new leader, a resync): it must keep seeing the job's changes."""
+    job, _, pw = _job_user(secure, tmp_path)
+    keys = JobKeys(job)
+    with secure.settings(job, password_file=str(pw)).connect(keys.ping) as store:
+        view = JobView(store, keys)  # its watches open the client's stream, with today's token
+        try:
+            time.sleep(TOKEN_TTL + 1.5)  # idle past the token's TTL: etcd forgets it
+            assert store.get(keys.config) is None  # a read renews the client's token
+            assert store.token_renewals >= 1, store.token_renewals
+            view.resync()  # new watches: on a stream opened with the expired token, they were refused
+            for value in ("1", "2"):
+                store.put(keys.config, value)
+                wait_until(lambda v=value.encode(): (kv := view.get(keys.config)) is not None and kv.value == v, 10,
+                           f"the view to see config {value} (a watch made after the renewal)")
+        finally:
+            view.close()
 
 
 # -- a whole job ------------------------------------------------------------------------------------

@@ -451,7 +451,13 @@ class EtcdStore:
             # etcd answers a watch made with an expired token with "created, canceled", which the
             # library takes for success (a silent, dead watch): a read first renews the token.
             c.get_response(start)
-            return c.add_watch_callback(start, callback, **kwargs), c._stubs.get("watcher")
+            try:
+                return c.add_watch_callback(start, callback, **kwargs), c._stubs.get("watcher")
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.CANCELLED:
+                    raise
+                # the stream was ended under the request (a token renewal, a refused watch): make it again
+                raise pyetcd.exceptions.WatchTimedOut() from None  # transient: retried
 
         # The stream it is on: after a failover, the same id on the new stream is another watch.
         watch_id, stream = self._call("watch", op)

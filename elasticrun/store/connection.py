@@ -8,6 +8,7 @@ auth token. With :mod:`elasticrun.store.client`, the only modules that import th
 
 from __future__ import annotations
 
+import logging
 import queue
 import random
 import sys
@@ -28,6 +29,8 @@ from pyetcd.client import (
 from pyetcd.watch import Watcher
 
 from elasticrun.errors import StoreSetupError
+
+log = logging.getLogger(__name__)
 
 # Never draw from the global `random` the training script seeds and checkpoints (a background
 # thread drawing from it would change the script's random numbers): pyetcd's endpoint choice
@@ -119,10 +122,24 @@ class LiveWatcher(Watcher):
         self.label = label
         self.call: Any = None
         self.heard = self.probed = 0.0
+        self.refused = 0  # watches etcd refused or ended, each of which ended the stream
 
     def _handle_response(self, rs: Any) -> None:
         self.heard = time.monotonic()
+        if rs.canceled and not rs.compact_revision and self._ours(rs):
+            # etcd refused a watch being made (the token this stream was opened with expired) or ended one
+            # we hold: pyetcd would keep it, silent forever. End the stream instead: each of its watches
+            # gets its error and is made again, on a new stream that carries the client's current token.
+            self.refused += 1
+            log.info("etcd ended a watch on %s (%s): watching again", self.label, rs.cancel_reason or "no reason")
+            self.end()
+            return
         super()._handle_response(rs)
+
+    def _ours(self, rs: Any) -> bool:
+        """Whether ``rs`` answers the watch being made, or concerns a watch we still hold (not one we cancelled)."""
+        with self._lock:
+            return bool(rs.created and self._new_watch is not None) or rs.watch_id in self._callbacks
 
     @property
     def active(self) -> bool:
@@ -276,6 +293,10 @@ def renew_token(client: MultiEndpointEtcd3Client, user: str, password: Optional[
     if watcher is not None:
         watcher._metadata = client.metadata
         watcher._credentials = client.call_credentials
+        # etcd checks a new watch against the token its stream was opened with: once that token expired, it
+        # refuses every new watch on the stream. The stream is opened again, with the new token; its watches
+        # get their error and are made again by their owners (who read first, so no change is missed).
+        watcher.end()
 
 
 

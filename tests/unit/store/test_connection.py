@@ -53,3 +53,50 @@ def test_the_failover_order_skips_a_member_that_failed() -> None:
         assert client._current_endpoint_label in ("127.0.0.1:2", "127.0.0.1:3")
     finally:
         client.close()
+
+
+class _Call:
+    """The gRPC stream of a watcher, as far as ending it goes."""
+
+    def __init__(self) -> None:
+        self.cancelled = 0
+
+    def cancel(self) -> None:
+        self.cancelled += 1
+
+
+def _watcher():  # noqa: ANN202 - the library's watcher type
+    from elasticrun.store.connection import LiveWatcher
+
+    watcher = LiveWatcher(object(), "127.0.0.1:1", timeout=1.0)
+    watcher.call = _Call()
+    return watcher
+
+
+def test_a_refused_watch_ends_the_stream_instead_of_being_kept_silent() -> None:
+    from pyetcd import etcdrpc
+    from pyetcd.watch import _NewWatch
+
+    watcher = _watcher()
+    watcher._new_watch = _NewWatch(lambda _resp: None)  # a watch being made
+    watcher._handle_response(etcdrpc.WatchResponse(created=True, canceled=True, watch_id=-1,
+                                                   cancel_reason="etcdserver: permission denied"))
+    assert watcher.call.cancelled == 1 and watcher.refused == 1, "the stream is ended: the watch is made again"
+    assert -1 not in watcher._callbacks, "the refused watch is not kept"
+
+    watcher._new_watch = None
+    watcher._callbacks[7] = lambda _resp: None  # a watch we hold, ended by etcd
+    watcher._handle_response(etcdrpc.WatchResponse(canceled=True, watch_id=7, cancel_reason="gone"))
+    assert watcher.call.cancelled == 2 and watcher.refused == 2
+
+
+def test_the_answer_to_our_own_cancel_or_a_compaction_leaves_the_stream_alone() -> None:
+    from pyetcd import etcdrpc
+
+    watcher = _watcher()
+    watcher._handle_response(etcdrpc.WatchResponse(canceled=True, watch_id=3))  # we cancelled 3: no callback left
+    seen: List = []
+    watcher._callbacks[4] = seen.append
+    watcher._handle_response(etcdrpc.WatchResponse(canceled=True, watch_id=4, compact_revision=9))
+    assert watcher.call.cancelled == 0 and watcher.refused == 0
+    assert len(seen) == 1 and type(seen[0]).__name__ == "RevisionCompactedError", "the library reports compaction"
