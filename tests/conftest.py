@@ -67,7 +67,7 @@ def _scope_of_file(path: Path) -> Optional[str]:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """``pytest -n N`` (README: the suite in two processes): tests are sent to the workers one by one as they free up,
+    """``pytest -n N`` (README: the suite in three processes): tests are sent to the workers one by one as they free up,
     except the groups :func:`_scope_of_file` names, each sent to one worker. (pytest-xdist's own
     ``xdist_group`` marks cannot do this on pytest >= 9.2: xdist renames the test ids through an
     attribute pytest no longer reads.)"""
