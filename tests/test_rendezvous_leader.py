@@ -11,6 +11,7 @@ from typing import Dict, List
 import pytest
 
 from elasticrun.job.keys import JobKeys
+from elasticrun.rendezvous import protocol
 from elasticrun.rendezvous.protocol import Rendezvous
 from elasticrun.rendezvous.records import NodeInfo, RescaleType, Topology
 from elasticrun.rendezvous.view import JobView
@@ -118,6 +119,34 @@ def test_non_leader_views_get_no_node_events_from_etcd(etcd: EtcdStore, job_id: 
         wait_until(lambda: not view.nodes(), 10, "the deleted node record to leave the view")
     finally:
         view.close()
+
+
+def test_a_follower_whose_watch_went_silent_still_takes_over_from_a_leader_that_left(
+    etcd: EtcdStore, job_id: str, cleanup, monkeypatch
+):
+    """A watch that etcd ended without a word (pyetcd keeps such a watch, silent) must not leave a node that
+    follows waiting forever for a leader that left: it checks its view against etcd and reads again."""
+    monkeypatch.setattr(protocol, "VIEW_CHECK_S", 1.0)
+    monkeypatch.setattr(protocol, "FOLLOWER_WAIT_S", 0.5)
+    nodes = {n: join(etcd, n, job_id=job_id, max_nodes=2) for n in "ab"}
+    cleanup += nodes.values()
+    first = next_rounds(list(nodes.values()))["a"]
+    assert first.round == 0 and sorted(first.node_ids) == ["a", "b"]
+    (lead,) = leaders(list(nodes.values()))
+    follower = nodes["b" if lead == "a" else "a"]
+    follower.view._stop_watches()  # silent: no event and no error will come
+    got: Dict[str, Topology] = {}
+    waiting = threading.Thread(target=lambda: got.setdefault("next", follower.next_round()), daemon=True)
+    waiting.start()
+    keys = JobKeys(job_id)
+    wait_until(lambda: (etcd.get_json(keys.node(follower.node_id)) or {}).get("waiting_for") == 1, 10,
+               "the follower waiting for round 1")
+    nodes[lead].leave()  # its lease is revoked: the leader key and its record vanish
+    cleanup.remove(nodes[lead])
+    waiting.join(30)
+    assert "next" in got, "the follower never saw the leader leave"
+    assert got["next"].round == 1 and got["next"].node_ids == [follower.node_id]
+    assert follower.view.mirrors_nodes, "it leads now"
 
 
 def test_a_node_is_ready_before_its_store_and_the_round_waits_for_rank_0s_port(store: FakeStore, cleanup):

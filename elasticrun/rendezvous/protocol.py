@@ -58,7 +58,7 @@ from elasticrun.rendezvous.reuse import Head, JobClaim
 from elasticrun.rendezvous.settings import JobChanged, JobEnded, LeaseLost, RendezvousSettings
 from elasticrun.rendezvous.states import JobState, RoundOutcome
 from elasticrun.rendezvous.storehost import QUICK_WAIT_S, StoreHost
-from elasticrun.rendezvous.view import JobView
+from elasticrun.rendezvous.view import VERIFY_SETTLE_S, JobView
 from elasticrun.rendezvous.watch import RoundWatch
 from elasticrun.rendezvous.writer import RoundWriter
 from elasticrun.store.client import EtcdStore
@@ -77,6 +77,9 @@ EVAL_INTERVAL_MAX = 0.2
 # cost: N waiting nodes waking once a second each, over a formation that takes longer with N, grew
 # the cost of a round with N² (4,096 simulated agents: a third of their CPU).
 FOLLOWER_WAIT_S = 5.0
+# A node that does not lead and heard nothing from its view this long compares the keys it waits on with
+# etcd (JobView.verify): a watch that etcd ended without a word must not leave it waiting forever.
+VIEW_CHECK_S = 20.0
 # A first registration that finds the job changed since ensure_config checks it again, this many times.
 REGISTER_CHECKS = 5
 
@@ -293,7 +296,7 @@ class Rendezvous:
         now = time.monotonic()
         self._marks = Marks(changed_at=now, busy_since=self._marks.busy_since)
         timeout = self.settings.join_timeout if topo is None else self.settings.rescale_timeout
-        return _Progress(target, now, timeout, port, self.watch.view_version())
+        return _Progress(target, now, timeout, port, self.watch.view_version(), heard_at=now)
 
     def _lease_problem(self) -> Optional[str]:
         """Why our lease is not valid (None while it is)."""
@@ -324,7 +327,23 @@ class Rendezvous:
         p.said = self._tell(p.said, msg, p.deadline)
         if self.lease is not None:
             self.lease.beat(busy_for=FOLLOWER_WAIT_S)
-        p.version = self.watch.wait_view(p.version, FOLLOWER_WAIT_S)
+        version = self.watch.wait_view(p.version, FOLLOWER_WAIT_S)
+        now = time.monotonic()
+        if version != p.version:
+            p.version, p.heard_at = version, now
+        elif now - p.heard_at >= VIEW_CHECK_S:
+            p.heard_at = now
+            self._check_view()
+
+    def _check_view(self) -> None:
+        """Compare what a following node waits on (the leader key, the round, the job's end) with etcd; a
+        view that missed a change reads the job again (:meth:`JobView.verify`)."""
+        if self.lease is not None:  # one read, and a short wait for events in flight
+            self.lease.beat(busy_for=VERIFY_SETTLE_S + getattr(self.store, "retry_timeout", FOLLOWER_WAIT_S))
+        try:
+            self.view.verify([self.keys.leader, self.keys.topology, self.keys.state])
+        except StoreError as err:  # etcd does not answer: our lease's health tells the loop
+            log.debug("could not check the view against etcd: %s", err)
 
     def _forming(self, p: _Progress, prev: Optional[Topology]) -> Forming:
         """What :func:`plan_round` decides on, from our view: as the leader it mirrors the whole job in
@@ -483,6 +502,7 @@ class _Progress:
     port: int  # our c10d store's port (0 while it starts)
     version: int  # the view's version at our last look
     said: str = ""  # what we said last
+    heard_at: float = 0.0  # (monotonic) when the view last changed while we followed (or we began to wait)
 
     @property
     def deadline(self) -> float:

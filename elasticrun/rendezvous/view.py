@@ -22,17 +22,20 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 from elasticrun.errors import StoreError
 from elasticrun.job import records
 from elasticrun.job.keys import JobKeys
 from elasticrun.rendezvous.records import NodeInfo, Topology, parse_node, parse_topology
-from elasticrun.store.client import EtcdStore, KeyValue, WatchEvent
+from elasticrun.store.client import EtcdStore, KeyValue, Snapshot, WatchEvent
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# How long a view that disagrees with etcd may take to catch up (its events in flight) before verify() reads again.
+VERIFY_SETTLE_S = 1.0
 
 
 class JobView:
@@ -238,6 +241,30 @@ class JobView:
             self._on_error(err, self._gen)  # re-read and watch in the background, with backoff
             raise
 
+    def verify(self, keys: Sequence[str], settle: float = VERIFY_SETTLE_S) -> bool:
+        """Compare ``keys`` (not node records) with etcd. A view that disagrees and has not caught up within
+        ``settle`` seconds missed a change — a watch that etcd ended without a word, an event lost — and reads
+        the job again. True when it had to (StoreError when etcd does not answer)."""
+        snap = self.store.snapshot(list(keys))
+        deadline = time.monotonic() + settle
+        with self._cond:
+            while self._behind(snap) and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            else:
+                return False
+        log.warning("the view of %s missed a change in etcd (watching again from a new read)", self.keys.prefix)
+        self.resync()
+        return True
+
+    def _behind(self, snap: Snapshot) -> bool:
+        """Whether a key of ``snap`` differs here while the view has not seen ``snap``'s revision (lock held)."""
+        if self._revision >= snap.revision:
+            return False  # the view is as new as the read or newer: a difference is a later change
+        return any(_mod_revision(self._data.get(k)) != _mod_revision(kv) for k, kv in snap.kvs.items())
+
     def close(self) -> None:
         with self._cond:
             self._closed = True
@@ -336,6 +363,10 @@ class JobView:
     def state(self) -> Optional[Dict[str, Any]]:
         """The job's terminal state record, if it has ended (a malformed one counts as absent)."""
         return self.record(self.keys.state, records.state_record)
+
+
+def _mod_revision(kv: Optional[KeyValue]) -> int:
+    return kv.mod_revision if kv is not None else 0
 
 
 def _prefix_end(prefix: str) -> str:
