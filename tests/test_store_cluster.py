@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import List
@@ -21,6 +22,7 @@ from elasticrun.job import env as names
 from elasticrun.job.keys import JobKeys
 from elasticrun.rendezvous.view import JobView
 from elasticrun.store.client import connect
+from elasticrun.store.members import list_members
 from elasticrun.store.server import EtcdCluster
 
 from helpers.elastic import agent_args, first_step, steps
@@ -28,6 +30,26 @@ from helpers.procs import wait_until
 from helpers.tls import start_secure_cluster
 
 pytestmark = pytest.mark.integration  # starts etcd or processes
+
+
+def test_a_cluster_whose_port_was_taken_before_it_started_starts_on_new_ports() -> None:
+    """The members' ports are free when they are made; another process may bind one before etcd does (a busy
+    host: seen under three test processes). The cluster starts again on new ports instead of failing."""
+    cluster = EtcdCluster(3)
+    taken = cluster.members["etcd2"].peer_port
+    with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        try:
+            cluster.start()
+            assert taken not in {p for m in cluster.members.values() for p in (m.client_port, m.peer_port)}
+            with connect(cluster.endpoints) as store:
+                store.put("/k", "v")
+                assert store.get("/k").value == b"v"
+                assert len(list_members(store)) == 3
+        finally:
+            cluster.stop()
 
 
 def test_a_watch_on_a_frozen_member_moves_to_another_and_misses_nothing(tmp_path: Path) -> None:

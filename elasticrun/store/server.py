@@ -350,6 +350,10 @@ class EtcdServer:
         self.stop()
 
 
+# How many times a cluster starts again on new ports when one of its free ports was taken before etcd bound it.
+PORT_ATTEMPTS = 3
+
+
 class EtcdCluster:
     """A multi-member etcd cluster on loopback (for fault tests and experiments)."""
 
@@ -363,6 +367,10 @@ class EtcdCluster:
             self.members[name] = EtcdServer(
                 name=name, binary=binary, data_dir=os.path.join(self.base_dir, name), tls=tls, health_tls=health_tls
             )
+        self._name_peers()
+
+    def _name_peers(self) -> None:
+        """Tell every member the cluster's peers (etcd's --initial-cluster)."""
         initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members.values())
         for m in self.members.values():
             m.initial_cluster = initial
@@ -372,11 +380,29 @@ class EtcdCluster:
         return ",".join(m.endpoint for m in self.members.values())
 
     def start(self, timeout: float = 30.0) -> EtcdCluster:
+        """Start every member and wait until each serves. The ports were free when the members were made;
+        one that another process took meanwhile (a race on a busy host) makes the cluster start again on
+        new ports, up to PORT_ATTEMPTS times (the members never served: nothing is lost)."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                for m in self.members.values():
+                    m.start(wait_healthy=False)
+                for m in self.members.values():
+                    m.wait_healthy(timeout)
+                return self
+            except StoreError as err:
+                if attempt == PORT_ATTEMPTS or "already in use" not in str(err):
+                    raise
+                self._new_ports()
+        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+
+    def _new_ports(self) -> None:
+        """Stop the members, clear their data and give them new ports (one was taken under them)."""
         for m in self.members.values():
-            m.start(wait_healthy=False)
-        for m in self.members.values():
-            m.wait_healthy(timeout)
-        return self
+            m.stop(remove_data=False)
+            shutil.rmtree(m.data_dir or "", ignore_errors=True)
+            m.client_port, m.peer_port = free_port(m.host), free_port(m.host)
+        self._name_peers()
 
     def stop(self) -> None:
         for m in self.members.values():
