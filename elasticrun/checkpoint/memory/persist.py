@@ -151,7 +151,8 @@ def _copy_node_part(base: str, name: str, layout: Any, disk_root: str) -> _NodeP
     except Exception as err:  # noqa: BLE001 - agreed on below
         part.error = f"node {layout.me}: {err}"
     finally:
-        shutil.rmtree(stage, ignore_errors=True)
+        if layout.leader:  # the stage is the leader's: another rank of the node removing it would cut its copy
+            shutil.rmtree(stage, ignore_errors=True)
     return part
 
 
