@@ -8,22 +8,24 @@ test_elastic.test_etcd_member_loss_does_not_disturb_job; here with TLS and a per
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import time
 from pathlib import Path
-from typing import List
+from typing import Iterator, List
 
 import psutil
 import pytest
 
+from elasticrun.errors import StoreError
 from elasticrun.job import env as names
 from elasticrun.job.keys import JobKeys
 from elasticrun.rendezvous.view import JobView
 from elasticrun.store.client import connect
 from elasticrun.store.members import list_members
-from elasticrun.store.server import EtcdCluster
+from elasticrun.store.server import EtcdCluster, EtcdServer
 
 from helpers.elastic import agent_args, first_step, steps
 from helpers.procs import wait_until
@@ -32,15 +34,22 @@ from helpers.tls import start_secure_cluster
 pytestmark = pytest.mark.integration  # starts etcd or processes
 
 
+@contextlib.contextmanager
+def _held(port: int) -> Iterator[None]:
+    """Another process's listener on ``port`` (taken between "free" and etcd's bind)."""
+    with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("127.0.0.1", port))
+        squatter.listen()
+        yield
+
+
 def test_a_cluster_whose_port_was_taken_before_it_started_starts_on_new_ports() -> None:
     """The members' ports are free when they are made; another process may bind one before etcd does (a busy
     host: seen under three test processes). The cluster starts again on new ports instead of failing."""
     cluster = EtcdCluster(3)
     taken = cluster.members["etcd2"].peer_port
-    with socket.socket() as squatter:
-        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        squatter.bind(("127.0.0.1", taken))
-        squatter.listen()
+    with _held(taken):
         try:
             cluster.start()
             assert taken not in {p for m in cluster.members.values() for p in (m.client_port, m.peer_port)}
@@ -50,6 +59,23 @@ def test_a_cluster_whose_port_was_taken_before_it_started_starts_on_new_ports() 
                 assert len(list_members(store)) == 3
         finally:
             cluster.stop()
+
+
+def test_a_single_etcd_moves_off_a_port_it_chose_but_not_off_one_it_was_given() -> None:
+    """The same race for one member: ports it chose itself are chosen again; a port the caller gave (a job's
+    endpoint, ``elasticrun etcd --port``) is that port or one clear error."""
+    server = EtcdServer(unsafe_no_fsync=True)
+    taken = server.client_port
+    with _held(taken):
+        try:
+            server.start()
+            assert server.client_port != taken and server.healthy()
+        finally:
+            server.stop()
+        given = EtcdServer(client_port=taken, unsafe_no_fsync=True)
+        with pytest.raises(StoreError, match=f"port {taken} on 127.0.0.1 is already in use"):
+            given.start()
+        given.stop()
 
 
 def test_a_watch_on_a_frozen_member_moves_to_another_and_misses_nothing(tmp_path: Path) -> None:

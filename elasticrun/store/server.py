@@ -139,6 +139,10 @@ class HealthTLS:
         return ctx
 
 
+# How many times etcd starts again on new ports when a port it found free was taken before etcd bound it.
+PORT_ATTEMPTS = 3
+
+
 @dataclass
 class EtcdServer:
     """One etcd member process. ``start()`` returns once ``/health`` answers true."""
@@ -164,8 +168,11 @@ class EtcdServer:
     after_stop: List[Callable[[], None]] = field(default_factory=list, repr=False)
     _own_data_dir: bool = field(default=False, init=False, repr=False)
     _own_log: bool = field(default=False, init=False, repr=False)
+    _ports_chosen: bool = field(default=False, init=False, repr=False)  # no port was given: we chose both
+    _started: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._ports_chosen = not self.client_port and not self.peer_port
         self.client_port = self.client_port or free_port(self.host)
         self.peer_port = self.peer_port or free_port(self.host)
         if self.retention is None:
@@ -222,7 +229,23 @@ class EtcdServer:
     def start(self, timeout: float = 20.0, wait_healthy: bool = True) -> EtcdServer:
         """Start the process; with ``wait_healthy`` block until it serves requests.
 
-        StoreError (one line) when the address cannot be listened on or a port is taken."""
+        StoreError (one line) when the address cannot be listened on or a port is taken. A single member whose
+        ports were chosen here (none given) starts again on new ones when another process took one before etcd
+        bound it (a busy host), up to PORT_ATTEMPTS times, at its first start only (clients know it after)."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                self._start(timeout, wait_healthy)
+                self._started = True
+                return self
+            except StoreError as err:
+                movable = self._ports_chosen and not self._started and self.initial_cluster is None and not self.joins
+                if not movable or attempt == PORT_ATTEMPTS or "already in use" not in str(err):
+                    raise
+                self.kill()
+                self.client_port, self.peer_port = free_port(self.host), free_port(self.host)
+        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+
+    def _start(self, timeout: float, wait_healthy: bool) -> None:
         if self.tls is not None:
             self.tls.check()
         _bind(self.host, self.client_port)  # fail clearly now, not by answering from another server
@@ -244,7 +267,6 @@ class EtcdServer:
                 self.unsafe_no_fsync = False  # an etcd older than 3.5: start it as it is (with fsync)
                 self._spawn()
                 self.wait_healthy(timeout)
-        return self
 
     def _spawn(self) -> None:
         assert self.log_path is not None
@@ -348,10 +370,6 @@ class EtcdServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-# How many times a cluster starts again on new ports when one of its free ports was taken before etcd bound it.
-PORT_ATTEMPTS = 3
 
 
 class EtcdCluster:
