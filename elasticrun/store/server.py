@@ -143,6 +143,20 @@ class HealthTLS:
 PORT_ATTEMPTS = 3
 
 
+def _start_moving_off_taken_ports(start: Callable[[], None], movable: Callable[[], bool],
+                                  new_ports: Callable[[], None]) -> None:
+    """``start()``; when it fails because a port was taken (our check or etcd's bind) and the ports may move,
+    ``new_ports()`` and start again, up to PORT_ATTEMPTS times in all."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            start()
+            return
+        except StoreError as err:
+            if attempt == PORT_ATTEMPTS or "already in use" not in str(err) or not movable():
+                raise
+            new_ports()
+
+
 @dataclass
 class EtcdServer:
     """One etcd member process. ``start()`` returns once ``/health`` answers true."""
@@ -232,18 +246,17 @@ class EtcdServer:
         StoreError (one line) when the address cannot be listened on or a port is taken. A single member whose
         ports were chosen here (none given) starts again on new ones when another process took one before etcd
         bound it (a busy host), up to PORT_ATTEMPTS times, at its first start only (clients know it after)."""
-        for attempt in range(1, PORT_ATTEMPTS + 1):
-            try:
-                self._start(timeout, wait_healthy)
-                self._started = True
-                return self
-            except StoreError as err:
-                movable = self._ports_chosen and not self._started and self.initial_cluster is None and not self.joins
-                if not movable or attempt == PORT_ATTEMPTS or "already in use" not in str(err):
-                    raise
-                self.kill()
-                self.client_port, self.peer_port = free_port(self.host), free_port(self.host)
-        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+        _start_moving_off_taken_ports(
+            lambda: self._start(timeout, wait_healthy),
+            lambda: self._ports_chosen and not self._started and self.initial_cluster is None and not self.joins,
+            self._new_ports,
+        )
+        self._started = True
+        return self
+
+    def _new_ports(self) -> None:
+        self.kill()
+        self.client_port, self.peer_port = free_port(self.host), free_port(self.host)
 
     def _start(self, timeout: float, wait_healthy: bool) -> None:
         if self.tls is not None:
@@ -401,18 +414,14 @@ class EtcdCluster:
         """Start every member and wait until each serves. The ports were free when the members were made;
         one that another process took meanwhile (a race on a busy host) makes the cluster start again on
         new ports, up to PORT_ATTEMPTS times (the members never served: nothing is lost)."""
-        for attempt in range(1, PORT_ATTEMPTS + 1):
-            try:
-                for m in self.members.values():
-                    m.start(wait_healthy=False)
-                for m in self.members.values():
-                    m.wait_healthy(timeout)
-                return self
-            except StoreError as err:
-                if attempt == PORT_ATTEMPTS or "already in use" not in str(err):
-                    raise
-                self._new_ports()
-        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+        def start_all() -> None:
+            for m in self.members.values():
+                m.start(wait_healthy=False)
+            for m in self.members.values():
+                m.wait_healthy(timeout)
+
+        _start_moving_off_taken_ports(start_all, lambda: True, self._new_ports)
+        return self
 
     def _new_ports(self) -> None:
         """Stop the members, clear their data and give them new ports (one was taken under them)."""
